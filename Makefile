@@ -1,0 +1,30 @@
+# Every target that runs code first makes sure .venv exists and is current.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH_PIN := torch==2.13.0
+
+.PHONY: setup demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# Never an unpinned torch: a plain `torch` would pull a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+# The main job. For now: replay the synthetic rounds through the gate's policies.
+demo: setup
+	$(VENV)/bin/dspark replay --synthetic
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m bench.run_all
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,323 @@
+"""Model configuration for the DeepSeek-V4-Flash trunk and its DSpark draft module.
+
+`ModelConfig` uses the reference implementation's short field names (spec §1.2). It loads
+either the HF `config.json` (long names, spec §1.1) or a reference-style JSON (short names),
+applying the spec's §1.4 corrections:
+
+1. the DSpark stage count is `n_mtp_layers` = 3 whatever `num_nextn_predict_layers` says;
+2. `compress_ratios` has one entry per trunk layer *and* per DSpark stage
+   (n_layers + n_mtp_layers = 46 for Flash; the trailing entries are the stages' and are 0);
+3. the routed-expert count is read from the checkpoint's tensors by the loader
+   (`dsv4.checkpoint`), which replaces `n_routed_experts` so pruned checkpoints load.
+
+Every invalid value raises `ValueError` naming the field and the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+WEIGHT_DTYPES = ("fp8", "bf16")  # storage of the dense linears
+EXPERT_DTYPES = ("fp4", "fp8", "bf16")  # storage of the routed experts
+DEFAULT_N_MTP_LAYERS = 3  # spec §1.4 (1): the 0731 checkpoint ships 3 DSpark stages
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """DeepSeek-V4 trunk + DSpark hyper-parameters (spec §1, reference short names).
+
+    Sizes are counts of elements; positions and lengths are in tokens. `compress_ratios[i]`
+    is layer i's compression ratio r (0 = sliding window only, 4 = overlapped compressor
+    with indexer, any other r >= 2 = plain compressor attending all entries); entries
+    n_layers .. n_layers + n_mtp_layers - 1 belong to the DSpark stages and must be 0.
+
+    `quant_sim` switches on the reference's fp8/fp4 activation fake-quantisation
+    (spec §2.4): on for the real 0731 checkpoint (it was trained that way), as trained for
+    the bundled model, off in unit tests.
+
+    Raises:
+        ValueError: naming the field and value, for any inconsistent setting.
+    """
+
+    vocab_size: int = 129280
+    dim: int = 4096
+    n_layers: int = 43
+    n_mtp_layers: int = DEFAULT_N_MTP_LAYERS
+    n_heads: int = 64
+    head_dim: int = 512
+    rope_head_dim: int = 64
+    q_lora_rank: int = 1024
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    window_size: int = 128
+    compress_ratios: tuple[int, ...] = (0, 0) + (4, 128) * 20 + (4, 0, 0, 0)
+    compress_rope_theta: float = 160000.0
+    rope_theta: float = 10000.0
+    original_seq_len: int = 65536
+    rope_factor: float = 16.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    n_routed_experts: int = 256
+    n_activated_experts: int = 6
+    n_shared_experts: int = 1
+    moe_inter_dim: int = 2048
+    n_hash_layers: int = 3
+    score_func: str = "sqrtsoftplus"
+    route_scale: float = 1.5
+    swiglu_limit: float = 10.0
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    norm_eps: float = 1e-6
+    dspark_block_size: int = 5
+    dspark_noise_token_id: int = 128799
+    dspark_target_layer_ids: tuple[int, ...] = (40, 41, 42)
+    dspark_markov_rank: int = 256
+    max_seq_len: int = 65536
+    bos_token_id: int = 0
+    eos_token_id: int = 1
+    weight_dtype: str = "fp8"
+    expert_dtype: str = "fp4"
+    quant_sim: bool = False
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
+        object.__setattr__(
+            self, "dspark_target_layer_ids", tuple(int(i) for i in self.dspark_target_layer_ids)
+        )
+        self._validate()
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        positive = (
+            "vocab_size dim n_layers n_heads head_dim rope_head_dim q_lora_rank o_groups "
+            "o_lora_rank window_size n_routed_experts n_activated_experts moe_inter_dim "
+            "hc_mult hc_sinkhorn_iters max_seq_len index_n_heads index_head_dim index_topk"
+        ).split()
+        for name in positive:
+            _require(isinstance(getattr(self, name), int), name, "must be an integer")
+            _require(getattr(self, name) > 0, name, "must be > 0")
+        _require(self.n_mtp_layers >= 0, "n_mtp_layers", "must be >= 0")
+        _require(self.rope_head_dim % 2 == 0, "rope_head_dim", "must be even (interleaved pairs)")
+        _require(self.rope_head_dim < self.head_dim, "rope_head_dim", f"must be < head_dim={self.head_dim}")
+        _require(self.n_heads % self.o_groups == 0, "o_groups", f"must divide n_heads={self.n_heads}")
+        n_ratios = self.n_layers + self.n_mtp_layers
+        _require(len(self.compress_ratios) == n_ratios, "compress_ratios",
+                 f"needs n_layers + n_mtp_layers = {n_ratios} entries, has {len(self.compress_ratios)}")
+        for i, r in enumerate(self.compress_ratios):
+            _require(r == 0 or r >= 2, "compress_ratios", f"entry {i} = {r}: must be 0 or >= 2")
+            if i >= self.n_layers:
+                _require(r == 0, "compress_ratios", f"entry {i} = {r}: DSpark stages have no compressor")
+        if 4 in self.compress_ratios:
+            d = self.index_head_dim
+            _require(d & (d - 1) == 0, "index_head_dim", "must be a power of two (Hadamard rotation)")
+            _require(d % 32 == 0, "index_head_dim", "must be a multiple of 32 (fp4 blocks)")
+            _require(d > self.rope_head_dim, "index_head_dim", f"must be > rope_head_dim={self.rope_head_dim}")
+        _require(self.n_activated_experts <= self.n_routed_experts, "n_activated_experts",
+                 f"must be <= n_routed_experts={self.n_routed_experts}")
+        _require(self.n_shared_experts == 1, "n_shared_experts", "the reference supports exactly 1")
+        _require(0 <= self.n_hash_layers <= self.n_layers, "n_hash_layers", f"must be in [0, n_layers={self.n_layers}]")
+        _require(self.score_func in SCORE_FUNCS, "score_func", f"must be one of {SCORE_FUNCS}")
+        _require(self.weight_dtype in WEIGHT_DTYPES, "weight_dtype", f"must be one of {WEIGHT_DTYPES}")
+        _require(self.expert_dtype in EXPERT_DTYPES, "expert_dtype", f"must be one of {EXPERT_DTYPES}")
+        for name in ("norm_eps", "hc_eps", "rope_theta", "compress_rope_theta", "route_scale"):
+            _require(getattr(self, name) > 0, name, "must be > 0")
+        _require(self.swiglu_limit >= 0, "swiglu_limit", "must be >= 0 (0 = no clamp)")
+        _require(self.rope_factor >= 1, "rope_factor", "must be >= 1")
+        _require(self.original_seq_len >= 0, "original_seq_len", "must be >= 0 (0 = no YaRN)")
+        ids = self.dspark_target_layer_ids
+        _require(list(ids) == sorted(set(ids)), "dspark_target_layer_ids", "must be ascending and unique")
+        _require(all(0 <= i < self.n_layers for i in ids), "dspark_target_layer_ids",
+                 f"must lie in [0, n_layers={self.n_layers})")
+        if self.n_mtp_layers:
+            _require(len(ids) > 0, "dspark_target_layer_ids", "must be non-empty when DSpark stages exist")
+            _require(self.dspark_block_size >= 1, "dspark_block_size", "must be >= 1")
+            _require(self.dspark_markov_rank >= 1, "dspark_markov_rank", "must be >= 1")
+            _require(0 <= self.dspark_noise_token_id < self.vocab_size, "dspark_noise_token_id",
+                     f"must lie in [0, vocab_size={self.vocab_size})")
+        for name in ("bos_token_id", "eos_token_id"):
+            _require(0 <= getattr(self, name) < self.vocab_size, name, f"must lie in [0, vocab_size={self.vocab_size})")
+
+    # ------------------------------------------------------------------ derived
+    def layer_ratio(self, layer_id: int) -> int:
+        """Compression ratio of trunk layer or DSpark stage `layer_id` (stages: n_layers + s)."""
+        return self.compress_ratios[layer_id]
+
+    def is_hash_layer(self, layer_id: int) -> bool:
+        """True for the first `n_hash_layers` trunk layers, which route by `tid2eid` (spec §6.1)."""
+        return layer_id < self.n_hash_layers
+
+    @property
+    def tap_width(self) -> int:
+        """Width of one concatenated tap row: len(dspark_target_layer_ids) * dim."""
+        return len(self.dspark_target_layer_ids) * self.dim
+
+    def config_hash(self) -> str:
+        """Short sha256 of the canonical reference-style JSON (model identity; `extra` excluded)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        """A copy with `changes` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """Reference-style (short-name) dict, JSON-serialisable, without `extra`."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        out["compress_ratios"] = list(self.compress_ratios)
+        out["dspark_target_layer_ids"] = list(self.dspark_target_layer_ids)
+        return out
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """HF `config.json` (long names) with this project's extra keys, loadable by `from_dict`."""
+        out: dict[str, Any] = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}
+        for hf_key, short in _HF_TO_SHORT.items():
+            out[hf_key] = getattr(self, short)
+        out["compress_ratios"] = list(self.compress_ratios)
+        out["dspark_target_layer_ids"] = list(self.dspark_target_layer_ids)
+        out["num_nextn_predict_layers"] = self.n_mtp_layers
+        out["num_key_value_heads"] = 1
+        out["rope_scaling"] = {
+            "type": "yarn", "factor": self.rope_factor, "beta_fast": self.beta_fast,
+            "beta_slow": self.beta_slow, "original_max_position_embeddings": self.original_seq_len,
+        }
+        out["max_position_embeddings"] = self.max_seq_len
+        out["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                      "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+        out["expert_dtype"] = self.expert_dtype
+        out["n_mtp_layers"] = self.n_mtp_layers
+        out["quant_sim"] = self.quant_sim
+        out["weight_dtype"] = self.weight_dtype
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        """Build from an HF (long names) or reference-style (short names) dict.
+
+        HF detection: presence of `hidden_size`. Unknown keys are kept in `extra`.
+        `num_nextn_predict_layers` is ignored (spec §1.4): stages = `n_mtp_layers` if given,
+        else 3. `quant_sim` defaults to on when the dict describes fp8 quantisation without
+        an explicit `quant_sim` key (the real 0731 checkpoint), off otherwise.
+        """
+        d = dict(d)
+        known = {f.name for f in dataclasses.fields(cls)}
+        kw: dict[str, Any] = {}
+        if "hidden_size" in d:
+            for hf_key, short in _HF_TO_SHORT.items():
+                if hf_key in d:
+                    kw[short] = d.pop(hf_key)
+            rs = d.pop("rope_scaling", None) or {}
+            if rs:
+                kw["original_seq_len"] = rs.get("original_max_position_embeddings", 0)
+                kw["rope_factor"] = rs.get("factor", 1.0)
+                kw["beta_fast"] = rs.get("beta_fast", 32.0)
+                kw["beta_slow"] = rs.get("beta_slow", 1.0)
+            else:
+                kw["original_seq_len"] = 0
+                kw["rope_factor"] = 1.0
+            if "max_position_embeddings" in d and "max_seq_len" not in d:
+                kw["max_seq_len"] = d.pop("max_position_embeddings")
+        d.pop("num_nextn_predict_layers", None)
+        if "quant_sim" not in d:
+            kw["quant_sim"] = "quantization_config" in d or d.get("dtype") == "fp8"
+        for k in list(d):
+            if k in known and k != "extra":
+                kw[k] = d.pop(k)
+        kw.setdefault("n_mtp_layers", DEFAULT_N_MTP_LAYERS)
+        if "n_layers" in kw and "compress_ratios" not in kw:
+            raise ValueError("config field 'compress_ratios' is missing")
+        _check_types(kw)
+        return cls(**kw, extra=d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ModelConfig":
+        """Read `config.json` (a file, or a checkpoint folder holding one).
+
+        Raises:
+            FileNotFoundError: the file does not exist.
+            ValueError: invalid JSON or an invalid field (named).
+        """
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}: not valid JSON: {e}") from None
+        return cls.from_dict(d)
+
+
+# HF key -> reference short name (spec §1.2). rope_scaling and max_position_embeddings are
+# handled separately.
+_HF_TO_SHORT = {
+    "vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
+    "num_attention_heads": "n_heads", "head_dim": "head_dim", "qk_rope_head_dim": "rope_head_dim",
+    "q_lora_rank": "q_lora_rank", "o_groups": "o_groups", "o_lora_rank": "o_lora_rank",
+    "sliding_window": "window_size", "compress_ratios": "compress_ratios",
+    "compress_rope_theta": "compress_rope_theta", "rope_theta": "rope_theta",
+    "index_n_heads": "index_n_heads", "index_head_dim": "index_head_dim", "index_topk": "index_topk",
+    "n_routed_experts": "n_routed_experts", "num_experts_per_tok": "n_activated_experts",
+    "n_shared_experts": "n_shared_experts", "moe_intermediate_size": "moe_inter_dim",
+    "num_hash_layers": "n_hash_layers", "scoring_func": "score_func",
+    "routed_scaling_factor": "route_scale", "swiglu_limit": "swiglu_limit", "hc_mult": "hc_mult",
+    "hc_sinkhorn_iters": "hc_sinkhorn_iters", "hc_eps": "hc_eps", "rms_norm_eps": "norm_eps",
+    "dspark_block_size": "dspark_block_size", "dspark_noise_token_id": "dspark_noise_token_id",
+    "dspark_target_layer_ids": "dspark_target_layer_ids", "dspark_markov_rank": "dspark_markov_rank",
+    "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id",
+}
+
+_INT_FIELDS = {f.name for f in dataclasses.fields(ModelConfig) if f.type in ("int", int)}
+_FLOAT_FIELDS = {f.name for f in dataclasses.fields(ModelConfig) if f.type in ("float", float)}
+
+
+def _check_types(kw: dict[str, Any]) -> None:
+    for k, v in kw.items():
+        if k in _INT_FIELDS and (isinstance(v, bool) or not isinstance(v, int)):
+            if isinstance(v, float) and v.is_integer():
+                kw[k] = int(v)
+            else:
+                raise ValueError(f"config field {k!r}={v!r}: must be an integer")
+        elif k in _FLOAT_FIELDS:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"config field {k!r}={v!r}: must be a number")
+            kw[k] = float(v)
+        elif k in ("compress_ratios", "dspark_target_layer_ids"):
+            if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+                raise ValueError(f"config field {k!r}={v!r}: must be a list of integers")
+
+
+def _require(ok: bool, name: str, why: str) -> None:
+    if not ok:
+        raise ValueError(f"config field {name!r}: {why}")
+
+
+# The spec's §13 tiny test configuration: exercises every path (SWA + hash routing in layer
+# 0, ratio-4 overlap + indexer with hash routing in layer 1, ratio-8 plain compressor in
+# layer 2, ratio-4 with scored routing in layer 3, three DSpark stages).
+TINY = dict(
+    vocab_size=512, dim=256, n_layers=4, n_mtp_layers=3, n_heads=4, head_dim=96, rope_head_dim=32,
+    q_lora_rank=128, o_groups=2, o_lora_rank=64, window_size=8, compress_ratios=[0, 4, 8, 4, 0, 0, 0],
+    compress_rope_theta=160000.0, rope_theta=10000.0, original_seq_len=32, rope_factor=4.0,
+    beta_fast=32.0, beta_slow=1.0, index_n_heads=2, index_head_dim=64, index_topk=2,
+    n_routed_experts=8, n_activated_experts=2, n_shared_experts=1, moe_inter_dim=128, n_hash_layers=2,
+    score_func="sqrtsoftplus", route_scale=1.5, swiglu_limit=2.0, hc_mult=4, hc_sinkhorn_iters=20,
+    hc_eps=1e-6, norm_eps=1e-6, dspark_block_size=5, dspark_noise_token_id=511,
+    dspark_target_layer_ids=[1, 2, 3], dspark_markov_rank=16, max_seq_len=64,
+    quant_sim=False,
+)
+
+
+def tiny_config(**overrides: Any) -> ModelConfig:
+    """The spec §13 tiny config (quantisation simulation off), with `overrides` applied."""
+    return ModelConfig.from_dict({**TINY, **overrides})
