@@ -1,0 +1,405 @@
+"""Read and write checkpoints in the real DeepSeek-V4-Flash-0731 layout (spec §7, DESIGN.md §9).
+
+A checkpoint folder holds `config.json` (HF long names), `model.safetensors.index.json`
+(`weight_map`: stored name -> shard file, `metadata.total_size`) and the shards
+`model-0000k-of-0000N.safetensors`; a single `model.safetensors` without index is also read.
+Stored names, dtypes and shapes are those of `dsv4.inventory` (spec §7.1–§7.4).
+
+Dimension legend: N, K = out and in features of a linear; E = routed experts.
+
+Loading dequantises (spec §6.3): an fp8 or fp4 `X.weight` + `X.scale` pair becomes one float
+`X.weight` [N, K]; BF16/F32 tensors become the requested float dtype; `tid2eid` stays int64.
+Two consumer sets read the same folder: the trunk consumes every non-`mtp.` tensor, the
+drafter `mtp.*` plus `embed.weight` and `head.weight`; each loader validates its own set
+against the expected inventory and ignores the other set's names. Shards are streamed: one
+open at a time, only the consumer's tensors read, so peak memory is about the loaded model
+plus one shard.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dsv4.codecs import fp4_decode, fp4_encode, fp8_decode, fp8_encode
+from dsv4.config import ModelConfig
+from dsv4.inventory import (SHARED_NAMES, Param, TensorSpec, drafter_params, stored_inventory,
+                            trunk_params)
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 4 * 2**30
+# The routed-expert count is read from these tensors' shape[0] (spec §14: REAP copies).
+EXPERT_COUNT_TENSORS = ("layers.0.ffn.gate.weight", "mtp.0.ffn.gate.weight")
+_MAX_HEADER_BYTES = 100 * 2**20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder is unreadable or does not match the expected tensor inventory."""
+
+
+# ----------------------------------------------------------------------------- headers / index
+def header_specs(header: Mapping[str, Any]) -> dict[str, TensorSpec]:
+    """A parsed safetensors header (name -> {dtype, shape, data_offsets}) -> name -> TensorSpec.
+
+    The `__metadata__` entry is skipped. Raises CheckpointError on a malformed entry.
+    """
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            out[name] = TensorSpec(str(entry["dtype"]), tuple(int(n) for n in entry["shape"]))
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"header entry {name!r} is malformed: {entry!r}") from None
+    return out
+
+
+def read_header(shard: str | Path) -> dict[str, TensorSpec]:
+    """Name -> TensorSpec of one safetensors file, from its header only (no tensor data read).
+
+    Raises:
+        CheckpointError: the file is missing or its header is not valid safetensors JSON.
+    """
+    p = Path(shard)
+    try:
+        with p.open("rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > _MAX_HEADER_BYTES:
+                raise CheckpointError(f"{p}: header length {n} is implausible")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise CheckpointError(f"shard file {p} is missing") from None
+    except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{p}: not a safetensors file ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{p}: header is not a JSON object")
+    return header_specs(header)
+
+
+def weight_map(path: str | Path) -> dict[str, str]:
+    """Stored name -> shard file name (relative to the folder), from the index or the single file.
+
+    Raises:
+        CheckpointError: neither `model.safetensors.index.json` nor `model.safetensors` exists,
+            or the index is malformed.
+    """
+    folder = Path(path)
+    index = folder / INDEX_NAME
+    if index.is_file():
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: malformed index ({e!r})") from None
+        if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
+            raise CheckpointError(f"{index}: weight_map must map names to shard file names")
+        for shard in set(wm.values()):
+            if Path(shard).name != shard:
+                raise CheckpointError(f"{index}: shard {shard!r} is not a plain file name")
+        return dict(wm)
+    if (folder / SINGLE_NAME).is_file():
+        return {name: SINGLE_NAME for name in read_header(folder / SINGLE_NAME)}
+    raise CheckpointError(f"{folder}: neither {INDEX_NAME} nor {SINGLE_NAME} found")
+
+
+def _by_shard(names: Iterable[str], wm: Mapping[str, str]) -> dict[str, list[str]]:
+    """Group names by shard file, shards in sorted order (one open file at a time)."""
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        groups.setdefault(wm[name], []).append(name)
+    return {shard: groups[shard] for shard in sorted(groups)}
+
+
+# ----------------------------------------------------------------------------- config
+def experts_from_tensors(cfg: ModelConfig, specs: Mapping[str, TensorSpec]) -> ModelConfig:
+    """`cfg` with `n_routed_experts` = shape[0] of the first gate in EXPERT_COUNT_TENSORS.
+
+    The tensors win over `config.json` (spec §1.4 (3)), so pruned checkpoints (e.g. REAP,
+    160 experts) load. Raises CheckpointError if no gate is found or the count is invalid.
+    """
+    for name in EXPERT_COUNT_TENSORS:
+        if name in specs:
+            n = specs[name].shape[0] if specs[name].shape else 0
+            if n == cfg.n_routed_experts:
+                return cfg
+            try:
+                return cfg.replace(n_routed_experts=n)
+            except ValueError as e:
+                raise CheckpointError(f"{name} has {n} experts: {e}") from None
+    raise CheckpointError(f"no gate tensor ({' or '.join(EXPERT_COUNT_TENSORS)}) to count experts")
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """`config.json` of a checkpoint folder, with `n_routed_experts` taken from the tensors.
+
+    Only the header of the shard holding the gate is read. Raises CheckpointError if
+    config.json, the index or the gate tensor is missing; ValueError for an invalid field.
+    """
+    folder = Path(path)
+    if not (folder / CONFIG_NAME).is_file():
+        raise CheckpointError(f"{folder}: {CONFIG_NAME} is missing")
+    cfg = ModelConfig.load(folder / CONFIG_NAME)
+    wm = weight_map(folder)
+    gate = next((n for n in EXPERT_COUNT_TENSORS if n in wm), None)
+    if gate is None:
+        raise CheckpointError(f"{folder}: no gate tensor ({' or '.join(EXPERT_COUNT_TENSORS)}) in the index")
+    return experts_from_tensors(cfg, read_header(folder / wm[gate]))
+
+
+# ----------------------------------------------------------------------------- loading
+def owns(part: str, name: str) -> bool:
+    """Whether consumer `part` ("trunk" or "drafter") reads stored tensor `name`."""
+    if part == "trunk":
+        return not name.startswith("mtp.")
+    return name.startswith("mtp.") or name in SHARED_NAMES
+
+
+def confidence_head_name(cfg: ModelConfig) -> str:
+    """Stored name of the optional DSpark confidence head (last stage, spec §7.4)."""
+    return f"mtp.{cfg.n_mtp_layers - 1}.confidence_head.proj.weight"
+
+
+def load_trunk_weights(
+    path: str | Path, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Load and dequantise every non-`mtp.` tensor (the trunk's consumer set).
+
+    Args:
+        path: checkpoint folder.
+        cfg: the model config; default `read_config(path)` (experts counted from the tensors).
+        dtype: float dtype of the returned weights (`tid2eid` stays int64).
+    Returns:
+        (cfg, logical weights name -> tensor, in `trunk_params(cfg)` order).
+    Raises:
+        CheckpointError: a trunk tensor is missing, unexpected, or has the wrong dtype or
+            shape (the message names the tensor and its shard); `mtp.*` names are ignored.
+    """
+    cfg, weights, _ = _load(Path(path), cfg, dtype, "trunk")
+    return cfg, weights
+
+
+def load_drafter_weights(
+    path: str | Path, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, dict[str, torch.Tensor], bool]:
+    """Load and dequantise the drafter's set: `mtp.*` + `embed.weight` + `head.weight`.
+
+    Same arguments as `load_trunk_weights`. Returns (cfg, logical weights, confidence_head):
+    the last flag says whether `mtp.{last}.confidence_head.proj.weight` was present (it is
+    optional, spec §7.4). Raises CheckpointError like the trunk loader, for drafter tensors
+    only; other non-`mtp.` names are ignored.
+    """
+    return _load(Path(path), cfg, dtype, "drafter")
+
+
+def _load(folder: Path, cfg: ModelConfig | None, dtype: torch.dtype, part: str):
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype!r}: must be a torch floating dtype")
+    cfg = cfg if cfg is not None else read_config(folder)
+    wm = weight_map(folder)
+    own = {name: shard for name, shard in wm.items() if owns(part, name)}
+    has_conf = confidence_head_name(cfg) in own
+    params = trunk_params(cfg) if part == "trunk" else drafter_params(cfg, has_conf)
+    expected = stored_inventory(params)
+    _check_names(folder, part, expected, own)
+    _check_headers(folder, part, expected, own)
+    return cfg, _stream(folder, params, own, dtype), has_conf
+
+
+def _check_names(folder: Path, part: str, expected: Mapping[str, TensorSpec], own: Mapping[str, str]) -> None:
+    missing = [n for n in expected if n not in own]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{folder}: {part} tensor {missing[0]!r} is missing{more}")
+    for name, shard in own.items():
+        if name not in expected:
+            raise CheckpointError(f"{folder}: unexpected {part} tensor {name!r} in shard {shard!r}")
+
+
+def _check_headers(folder: Path, part: str, expected: Mapping[str, TensorSpec], own: Mapping[str, str]) -> None:
+    """Every own tensor is in its shard's header with the expected dtype and shape."""
+    for shard, names in _by_shard(own, own).items():
+        specs = read_header(folder / shard)
+        for name in names:
+            got, want = specs.get(name), expected[name]
+            if got is None:
+                raise CheckpointError(f"{folder}: index maps {name!r} to shard {shard!r}, which lacks it")
+            if got.dtype != want.dtype:
+                raise CheckpointError(f"{part} tensor {name!r} in shard {shard!r}: dtype {got.dtype}, expected {want.dtype}")
+            if got.shape != want.shape:
+                raise CheckpointError(
+                    f"{part} tensor {name!r} in shard {shard!r}: shape {list(got.shape)}, expected {list(want.shape)}")
+
+
+def _stream(folder: Path, params: list[Param], own: Mapping[str, str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Read the checked tensors shard by shard, decoding each parameter once its parts are in."""
+    owner = {stored: p for p in params for stored in p.stored()}
+    pending: dict[str, torch.Tensor] = {}  # parts of parameters not yet complete (split pairs)
+    out: dict[str, torch.Tensor] = {}
+    for shard, names in _by_shard(own, own).items():
+        with safe_open(str(folder / shard), framework="pt", device="cpu") as f:
+            for name in names:
+                pending[name] = f.get_tensor(name)
+                p = owner[name]
+                parts = p.stored()
+                if all(s in pending for s in parts):
+                    out[p.name] = decode_param(p, {s: pending.pop(s) for s in parts}, dtype)
+    return {p.name: out[p.name] for p in params}
+
+
+def decode_param(p: Param, stored: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Stored tensor(s) of parameter `p` -> its logical tensor (spec §6.3).
+
+    fp8/fp4 pairs are dequantised to `dtype` [N, K]; bf16/f32 tensors cast to `dtype`;
+    i64 stays int64.
+    """
+    if p.storage in ("fp8", "fp4"):
+        decode = fp8_decode if p.storage == "fp8" else fp4_decode
+        scale = p.name[: -len("weight")] + "scale"
+        return decode(stored[p.name], stored[scale]).to(dtype)
+    t = stored[p.name]
+    return t.to(torch.int64) if p.storage == "i64" else t.to(dtype)
+
+
+def read_stored(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every stored tensor of a checkpoint folder, as stored (fp8/e8m0/int8/bf16/f32/int64)."""
+    folder = Path(path)
+    wm = weight_map(folder)
+    out = {}
+    for shard, names in _by_shard(wm, wm).items():
+        if not (folder / shard).is_file():
+            raise CheckpointError(f"{folder}: shard file {shard!r} is missing")
+        with safe_open(str(folder / shard), framework="pt", device="cpu") as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise CheckpointError(f"{folder}: index maps {name!r} to shard {shard!r}, which lacks it")
+                out[name] = f.get_tensor(name)
+    return {name: out[name] for name in wm}
+
+
+# ----------------------------------------------------------------------------- writing
+def params_for(cfg: ModelConfig, names: Iterable[str]) -> list[Param]:
+    """The logical parameters a set of logical names covers: trunk and/or drafter, in load order.
+
+    The trunk's parameters are included when any non-`mtp.` name other than embed/head is
+    present, the drafter's when any `mtp.` name is; the confidence head is optional.
+    Raises ValueError when the names hold neither part.
+    """
+    names = set(names)
+    has_trunk = any(owns("trunk", n) and n not in SHARED_NAMES for n in names)
+    has_drafter = any(n.startswith("mtp.") for n in names)
+    if not (has_trunk or has_drafter):
+        raise ValueError("weights hold neither trunk (layers.*) nor drafter (mtp.*) tensors")
+    params = trunk_params(cfg) if has_trunk else []
+    if has_drafter:
+        seen = {p.name for p in params}
+        conf = confidence_head_name(cfg) in names
+        params += [p for p in drafter_params(cfg, conf) if p.name not in seen]
+    return params
+
+
+def encode_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Logical weights -> stored tensors, quantised per `Param.storage` (spec §6.3, §7).
+
+    Raises:
+        ValueError: naming a missing, unknown, mis-shaped or mis-typed logical tensor.
+    """
+    params = params_for(cfg, weights)
+    known = {p.name for p in params}
+    for name in weights:
+        if name not in known:
+            raise ValueError(f"logical weight {name!r} is not a parameter of this config")
+    for p in params:  # validate everything before the (slower) encoding
+        t = weights.get(p.name)
+        if t is None:
+            raise ValueError(f"logical weight {p.name!r} is missing")
+        if tuple(t.shape) != p.shape:
+            raise ValueError(f"logical weight {p.name!r}: shape {list(t.shape)}, expected {list(p.shape)}")
+        if t.is_floating_point() == (p.storage == "i64"):
+            raise ValueError(f"logical weight {p.name!r}: dtype {t.dtype} does not suit storage {p.storage}")
+    out: dict[str, torch.Tensor] = {}
+    for p in params:
+        out.update(_encode_param(p, weights[p.name].detach().cpu()))
+    return out
+
+
+def _encode_param(p: Param, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    if p.storage in ("fp8", "fp4"):
+        weight, scale = (fp8_encode if p.storage == "fp8" else fp4_encode)(t)
+        return {p.name: weight, p.name[: -len("weight")] + "scale": scale}
+    dtype = {"bf16": torch.bfloat16, "f32": torch.float32, "i64": torch.int64}[p.storage]
+    return {p.name: t.to(dtype).contiguous()}
+
+
+def save_checkpoint(
+    path: str | Path, cfg: ModelConfig, weights: Mapping[str, torch.Tensor],
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[Path]:
+    """Quantise logical `weights` (trunk, drafter or both) and write them in the real layout.
+
+    Writes `config.json` (`cfg.to_hf_dict()`), shards `model-0000k-of-0000N.safetensors` of
+    at most `max_shard_bytes` of tensor data each (a single larger parameter gets its own
+    shard) and `model.safetensors.index.json`. Returns the shard paths.
+    Raises:
+        ValueError: as `encode_weights`, or max_shard_bytes <= 0.
+    """
+    return write_stored(path, cfg, encode_weights(cfg, weights), max_shard_bytes)
+
+
+def write_stored(
+    path: str | Path, cfg: ModelConfig, stored: Mapping[str, torch.Tensor],
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[Path]:
+    """Write already-stored tensors (as `read_stored` returns them) as shards + index + config.
+
+    Tensors go into shards in the order given, an `X.scale` always beside its `X.weight`.
+    No inventory check: this also writes deliberately broken checkpoints for tests.
+    Raises:
+        ValueError: max_shard_bytes <= 0 or no tensors.
+    """
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes}: must be > 0")
+    if not stored:
+        raise ValueError("no tensors to write")
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = _pack(stored, max_shard_bytes)
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    wm = {}
+    for file, names in zip(files, shards):
+        save_file({n: stored[n].contiguous() for n in names}, str(folder / file), metadata={"format": "pt"})
+        wm.update({n: file for n in names})
+    total = sum(_nbytes(t) for t in stored.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(wm.items()))}
+    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    (folder / CONFIG_NAME).write_text(json.dumps(cfg.to_hf_dict(), indent=2) + "\n")
+    return [folder / f for f in files]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _pack(stored: Mapping[str, torch.Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """Greedy shard packing of name groups (a `.scale` joins its `.weight`) in first-seen order."""
+    groups: dict[str, list[str]] = {}
+    for name in stored:
+        key = name[: -len("scale")] + "weight" if name.endswith(".scale") else name
+        groups.setdefault(key, []).append(name)
+    shards: list[list[str]] = [[]]
+    size = 0
+    for names in groups.values():
+        n = sum(_nbytes(stored[x]) for x in names)
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].extend(names)
+        size += n
+    return shards

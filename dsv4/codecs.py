@@ -1,0 +1,275 @@
+"""fp8 / fp4 weight codecs and activation fake-quantisation, in pure torch (spec §2.4, §6.3).
+
+Dimension legend: N = output rows of a weight, K = input columns (the reduction dim),
+Nb = ceil(N/128), Kb = ceil(K/128) (fp8 128x128 blocks), Kq = K/32 (fp4 1x32 blocks),
+... = any leading dims of an activation, d = its last dim.
+
+Storage formats (spec §6.3):
+
+* **fp8**: weight `float8_e4m3fn` [N, K] and a ue8m0 block scale [Nb, Kb];
+  `W[n, k] = e4m3[n, k] * 2^(scale[n // 128, k // 128] - 127)`.
+* **fp4**: packed e2m1 codes `int8` [N, K/2] (low nibble = even column 2i, high nibble = odd
+  column 2i+1; code 0..7 -> 0, .5, 1, 1.5, 2, 3, 4, 6, bit 3 = sign) and a ue8m0 scale
+  [N, Kq]; `W[n, k] = e2m1[n, k] * 2^(scale[n, k // 32] - 127)`.
+
+A ue8m0 scale is one biased-exponent byte b (value 2^(b-127); 255 would be NaN and is never
+written). Scales are returned as `torch.float8_e8m0fnu` (raw bytes: `.view(torch.uint8)`);
+decoders accept that dtype or `uint8`.
+
+Every scale exponent is the exact `ceil(log2(amax / qmax))`, computed from the float's
+mantissa and exponent (no rounded division or log), so a block's largest value never needs
+clamping and decode -> encode reproduces the stored bytes whenever a block's largest code
+lies in (qmax/2, qmax]. All functions return new tensors and never modify their inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_MAX = 448.0  # largest finite e4m3fn value
+FP4_MAX = 6.0  # largest e2m1 value
+FP8_BLOCK = 128  # weight block (rows and columns), spec §6.3
+FP4_BLOCK = 32  # weight / activation block along K, spec §2.4, §6.3
+E8M0_BIAS = 127
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)  # torch >= 2.7; raw uint8 bytes otherwise
+
+# e2m1 magnitudes by code 0..7, and the midpoints between neighbours (for round-to-nearest).
+FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+# ----------------------------------------------------------------------------- scales
+def _ceil_log2_ratio(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """Exact ceil(log2(amax / qmax)) as int32, for amax > 0 (float32, any shape).
+
+    With amax = m * 2^E (m in [0.5, 1)) and qmax = mq * 2^Eq, the smallest k with
+    amax <= qmax * 2^k is E - Eq, plus one when m > mq.
+    """
+    mq, eq = math.frexp(qmax)
+    m, e = torch.frexp(amax.float())
+    return (e - eq + (m > mq).to(torch.int32)).to(torch.int32)
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2^exponent as float32, exact, for integer exponents in [-127, 127]."""
+    return _e8m0_values((exponent + E8M0_BIAS).to(torch.uint8))
+
+
+def _e8m0_values(scale: torch.Tensor) -> torch.Tensor:
+    """ue8m0 scale (float8_e8m0fnu or uint8 bytes) -> float32 2^(byte-127), exact."""
+    if _E8M0 is not None and scale.dtype == _E8M0:
+        return scale.float()
+    if scale.dtype != torch.uint8:
+        raise ValueError(f"scale dtype {scale.dtype}: expected float8_e8m0fnu or uint8 bytes")
+    if _E8M0 is not None:
+        return scale.view(_E8M0).float()
+    e = scale.to(torch.int32)  # bytes 1..254 are normal floats, byte 0 is 2^-127 (subnormal)
+    normal = (e << 23).view(torch.float32)
+    return torch.where(e == 0, torch.full_like(normal, 2.0**-127), normal)
+
+
+def _e8m0_bytes(exponent: torch.Tensor) -> torch.Tensor:
+    """Integer exponents in [-127, 127] -> stored ue8m0 scale tensor."""
+    raw = (exponent + E8M0_BIAS).to(torch.uint8)
+    return raw.view(_E8M0) if _E8M0 is not None else raw
+
+
+def _weight_exponent(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """Per-block scale exponent for a weight block; all-zero blocks get the smallest, -127."""
+    k = _ceil_log2_ratio(amax, qmax)
+    k = torch.where(amax > 0, k, torch.full_like(k, -E8M0_BIAS))
+    return k.clamp(-E8M0_BIAS, E8M0_BIAS)
+
+
+def _last_dim_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over the last dim, [..., b] -> [...]; via a 2-D view (much faster on CPU)."""
+    return x.abs().reshape(-1, x.shape[-1]).amax(dim=1).reshape(x.shape[:-1])
+
+
+def _check_2d(name: str, w: torch.Tensor) -> None:
+    if w.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D [out, in] tensor, got shape {tuple(w.shape)}")
+    if not w.is_floating_point():
+        raise ValueError(f"{name}: expected a float tensor, got {w.dtype}")
+
+
+# ----------------------------------------------------------------------------- fp8 weights
+def fp8_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise a weight to e4m3 with ue8m0 128x128 block scales (spec §6.3).
+
+    Args:
+        w: float [N, K], any N, K >= 1 (edge blocks are partial).
+    Returns:
+        (weight float8_e4m3fn [N, K], scale float8_e8m0fnu [Nb, Kb]) with
+        scale = 2^ceil(log2(block amax / 448)) (all-zero block: 2^-127) and
+        weight = RNE-cast of w / scale clamped to +-448.
+    Raises:
+        ValueError: `w` not a 2-D float tensor.
+    """
+    _check_2d("fp8_encode input", w)
+    n, k = w.shape
+    x = w.float()
+    nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
+    padded = x.new_zeros(nb * FP8_BLOCK, kb * FP8_BLOCK)
+    padded[:n, :k] = x
+    blocks = padded.view(nb, FP8_BLOCK, kb, FP8_BLOCK)  # (Nb, 128, Kb, 128)
+    amax = blocks.abs().amax(dim=3).amax(dim=1)  # [Nb, Kb]; two single-dim passes are far faster
+    exponent = _weight_exponent(amax, FP8_MAX)
+    inv = _expand_blocks(_pow2(-exponent), n, k)  # [N, K]
+    q = (x * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, _e8m0_bytes(exponent)
+
+
+def fp8_decode(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Dequantise an fp8 weight: e4m3 [N, K] times its ue8m0 block scale [Nb, Kb] -> float32 [N, K].
+
+    `weight` may be float8_e4m3fn or its raw uint8 bytes; `scale` float8_e8m0fnu or uint8.
+    Raises:
+        ValueError: wrong dtypes or a scale shape other than [ceil(N/128), ceil(K/128)].
+    """
+    if weight.dtype == torch.uint8:
+        weight = weight.view(torch.float8_e4m3fn)
+    if weight.dtype != torch.float8_e4m3fn or weight.ndim != 2:
+        raise ValueError(f"fp8 weight: expected 2-D float8_e4m3fn, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    want = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
+    if tuple(scale.shape) != want:
+        raise ValueError(f"fp8 scale shape {tuple(scale.shape)}: expected {want} for weight {(n, k)}")
+    s = _e8m0_values(scale)
+    if n % FP8_BLOCK or k % FP8_BLOCK:  # ragged edge blocks: materialise the [N, K] scale
+        return weight.float() * _expand_blocks(s, n, k)
+    w = weight.float().view(n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)  # (Nb, 128, Kb, 128)
+    return (w * s[:, None, :, None]).view(n, k)
+
+
+def _expand_blocks(per_block: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """[Nb, Kb] -> [N, K]: each entry repeated over its 128x128 block, cropped at the edges."""
+    full = per_block.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
+    return full[:n, :k]
+
+
+# ----------------------------------------------------------------------------- fp4 weights
+def _fp4_codes(y: torch.Tensor) -> torch.Tensor:
+    """Float y (already divided by its scale) -> e2m1 codes 0..15 (uint8), RNE, sign in bit 3.
+
+    |y| is clamped to 6. A tie between two grid values goes to the even code (the one whose
+    mantissa bit is 0), i.e. midpoint i rounds up exactly when i is odd.
+    """
+    a = y.abs().clamp(max=FP4_MAX)
+    code = torch.zeros(y.shape, dtype=torch.uint8)
+    for i, mid in enumerate(_FP4_MIDPOINTS):
+        up = (a > mid) | ((a == mid) & (i % 2 == 1))
+        code += up.to(torch.uint8)
+    return code | (torch.signbit(y).to(torch.uint8) << 3)
+
+
+def _fp4_values(code: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes 0..15 (any int dtype) -> float32 values (code 8 = -0.0)."""
+    lut = torch.tensor(FP4_GRID + tuple(-g for g in FP4_GRID), dtype=torch.float32)
+    return lut[code.long()]
+
+
+def fp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise a weight to packed e2m1 with ue8m0 1x32 scales (spec §6.3).
+
+    Args:
+        w: float [N, K], K a multiple of 32.
+    Returns:
+        (packed int8 [N, K/2], scale float8_e8m0fnu [N, Kq]); byte i of a row holds column
+        2i in its low nibble and column 2i+1 in its high nibble; scale =
+        2^ceil(log2(block amax / 6)) (all-zero block: 2^-127); codes are the round-to-nearest-
+        even e2m1 values of w / scale, sign kept.
+    Raises:
+        ValueError: `w` not 2-D float, or K not a multiple of 32.
+    """
+    _check_2d("fp4_encode input", w)
+    n, k = w.shape
+    if k % FP4_BLOCK:
+        raise ValueError(f"fp4_encode: in_features={k} must be a multiple of {FP4_BLOCK}")
+    x = w.float().view(n, k // FP4_BLOCK, FP4_BLOCK)  # (N, Kq, 32)
+    exponent = _weight_exponent(_last_dim_amax(x), FP4_MAX)  # [N, Kq]
+    codes = _fp4_codes(x * _pow2(-exponent)[..., None]).view(n, k // 2, 2)  # (N, K/2, 2)
+    packed = codes[..., 0] | (codes[..., 1] << 4)
+    return packed.view(torch.int8), _e8m0_bytes(exponent)
+
+
+def fp4_decode(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Dequantise packed e2m1 [N, K/2] (int8 or uint8) with ue8m0 scale [N, Kq] -> float32 [N, K].
+
+    Raises:
+        ValueError: wrong dtypes, or a scale shape other than [N, K/32].
+    """
+    if packed.dtype not in (torch.int8, torch.uint8) or packed.ndim != 2:
+        raise ValueError(f"fp4 weight: expected 2-D int8, got {packed.dtype} {tuple(packed.shape)}")
+    n, half = packed.shape
+    k = 2 * half
+    if k % FP4_BLOCK or tuple(scale.shape) != (n, k // FP4_BLOCK):
+        raise ValueError(f"fp4 scale shape {tuple(scale.shape)}: expected {(n, k // FP4_BLOCK)} for K={k}")
+    b = packed.view(torch.uint8)
+    codes = torch.stack((b & 0xF, b >> 4), dim=-1).view(n, k)  # low nibble = even column
+    values = _fp4_values(codes).view(n, k // FP4_BLOCK, FP4_BLOCK)  # (N, Kq, 32)
+    return (values * _e8m0_values(scale)[..., None]).view(n, k)
+
+
+# ----------------------------------------------------------------------------- activations
+def _blocks(x: torch.Tensor, block: int, who: str) -> torch.Tensor:
+    """x [..., d] -> float32 (..., d/block, block); ValueError for non-float x or a bad block."""
+    if not x.is_floating_point():
+        raise ValueError(f"{who}: expected a float tensor, got {x.dtype}")
+    if block <= 0 or x.ndim == 0 or x.shape[-1] % block:
+        raise ValueError(f"{who}: block={block} must be > 0 and divide the last dim of shape {tuple(x.shape)}")
+    return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)  # (..., d/block, block)
+
+
+def act_quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
+    """fp8 activation round trip (spec §2.4 `act_quant`, ue8m0 scales): same shape and dtype as x.
+
+    Per block of `block` along the last dim: amax = max(|x|, 1e-4),
+    s = 2^ceil(log2(amax / 448)), result = e4m3(clamp(x / s, +-448)) * s, cast to x.dtype.
+    Raises:
+        ValueError: `block` does not divide x.shape[-1].
+    """
+    xb = _blocks(x, block, "act_quant_fp8")
+    amax = _last_dim_amax(xb).unsqueeze(-1).clamp(min=1e-4)
+    exponent = _ceil_log2_ratio(amax, FP8_MAX)
+    q = (xb * _pow2(-exponent)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return (q.float() * _pow2(exponent)).reshape(x.shape).to(x.dtype)
+
+
+def act_quant_fp4(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
+    """fp4 activation round trip (spec §2.4 `fp4_act_quant`): same shape and dtype as x.
+
+    Per block of `block` along the last dim: amax = max(|x|, 6 * 2^-126),
+    s = 2^ceil(log2(amax / 6)), result = RNE_e2m1(clamp(x / s, +-6)) * s (sign kept),
+    cast to x.dtype.
+    Raises:
+        ValueError: `block` does not divide x.shape[-1].
+    """
+    xb = _blocks(x, block, "act_quant_fp4")
+    amax = _last_dim_amax(xb).unsqueeze(-1).clamp(min=FP4_MAX * 2.0**-126)
+    exponent = _ceil_log2_ratio(amax, FP4_MAX)
+    q = _fp4_values(_fp4_codes(xb * _pow2(-exponent)))
+    return (q * _pow2(exponent)).reshape(x.shape).to(x.dtype)
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh–Hadamard transform over the last dim (spec §2.4 `rotate`).
+
+    Sylvester natural order, H[i, j] = (-1)^popcount(i & j), scaled by d^-0.5; computed by
+    butterflies in float32 (float64 for float64 input) and returned in x.dtype, same shape.
+    Raises:
+        ValueError: the last dim is not a power of two.
+    """
+    d = x.shape[-1] if x.ndim else 0
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"hadamard_rotate: last dim {d} must be a power of two")
+    y = x.to(torch.promote_types(x.dtype, torch.float32)).reshape(-1, d)  # (M, d)
+    h = 1
+    while h < d:
+        pairs = y.view(-1, d // (2 * h), 2, h)  # (M, d/2h, 2, h): index bit log2(h) split out
+        a, b = pairs[:, :, 0], pairs[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2).view(-1, d)  # (M, d)
+        h *= 2
+    return (y * d**-0.5).reshape(x.shape).to(x.dtype)

@@ -1,0 +1,428 @@
+"""Confidence gate: per-generation choice of how many drafted tokens to verify (seed: "Gating").
+
+Every formula here comes from the seed notes' "Gating" section; docs/gate.md states them with
+their sources, the bucket edges, the prior and the decisions taken where the seed is silent.
+Units: costs in ms, expected tokens in tokens, rates in tokens per ms.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+
+# Seed "Gating", confidence table: < -0.5 | -0.5..0.5 | 0.5..1.5 | 1.5..3.0 | 3.0..6.0 | > 6.0.
+# A logit equal to an edge belongs to the bucket above it (lower edge inclusive).
+BUCKET_EDGES = (-0.5, 0.5, 1.5, 3.0, 6.0)
+NUM_BUCKETS = len(BUCKET_EDGES) + 1
+# Cold-start prior: one optimistic pseudo-observation (mean 1.0) per bucket, never decayed, so a
+# bucket the gate has not observed estimates 1.0 and a cold gate drafts the full block.
+PRIOR_MEAN = 1.0
+DEFAULT_PRIOR_WEIGHT = 1.0
+
+ENV_PREFIX = "DEEPSEEK_DSPARK_GATE"
+# GateConfig field -> env var; names and defaults are the seed's env-var table.
+ENV_VARS = {
+    "enabled": ENV_PREFIX,
+    "margin_threshold": f"{ENV_PREFIX}_MARGIN_THRESHOLD",
+    "margin": f"{ENV_PREFIX}_MARGIN",
+    "min_draft": f"{ENV_PREFIX}_MIN_DRAFT",
+    "decay": f"{ENV_PREFIX}_DECAY",
+    "draft_ms": f"{ENV_PREFIX}_DRAFT_MS",
+    "verify_base_ms": f"{ENV_PREFIX}_VERIFY_BASE_MS",
+    "verify_slope_ms": f"{ENV_PREFIX}_VERIFY_SLOPE_MS",
+    "plain_ms": f"{ENV_PREFIX}_PLAIN_MS",
+}
+_SWITCH_WORDS = {"1": True, "true": True, "0": False, "false": False}
+
+
+def bucket_index(confidence_logit: float) -> int:
+    """Bucket (0..5) of a confidence logit; lower edge inclusive: -0.5 -> 1, 6.0 -> 5.
+
+    Raises ValueError on NaN (a NaN confidence carries no bucket).
+    """
+    if math.isnan(confidence_logit):
+        raise ValueError(f"confidence logit is NaN: {confidence_logit!r}")
+    return bisect.bisect_right(BUCKET_EDGES, confidence_logit)
+
+
+def bucket_label(index: int) -> str:
+    """Human-readable range of bucket `index`, e.g. "[-0.5, 0.5)"."""
+    if index == 0:
+        return f"< {BUCKET_EDGES[0]}"
+    if index == NUM_BUCKETS - 1:
+        return f">= {BUCKET_EDGES[-1]}"
+    return f"[{BUCKET_EDGES[index - 1]}, {BUCKET_EDGES[index]})"
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Round cost under the seed's linear fit (seed "Gating": verify(n) ~= 300ms + 109ms * n).
+
+    `n` counts DRAFT tokens submitted to verify. The seed's fit counts n in drafts too, although
+    its measured points (n=1: 296, 2: 432, 3: 494, 6: 850 ms) were indexed by forwarded tokens
+    (drafts + 1, the anchor included). All fields are ms; only their ratios affect decisions.
+    """
+
+    draft_ms: float = 196.0
+    verify_base_ms: float = 300.0
+    verify_slope_ms: float = 109.0
+    plain_ms: float = 303.0
+
+    def verify_ms(self, n: int) -> float:
+        """Verify of `n` drafts (ms): verify_base_ms + verify_slope_ms * n."""
+        return self.verify_base_ms + self.verify_slope_ms * n
+
+    def round_ms(self, n: int) -> float:
+        """cost(n) in ms (seed "Gating"): draft_ms + verify(n) for n > 0, plain_ms for n = 0.
+
+        This is the cost the decision rule compares; for n = 0 it is the plain step alone.
+        """
+        return self.draft_ms + self.verify_ms(n) if n > 0 else self.plain_ms
+
+    def skipped_after_draft_ms(self) -> float:
+        """A round cut to n = 0 after drafting (ms): the draft was paid, then a plain step.
+
+        Seed "Gating": "Gating avoids verify cost, never the 196ms draft cost."
+        """
+        return self.draft_ms + self.plain_ms
+
+    def rate(self, match_probs: Sequence[float], n: int) -> float:
+        """E[tokens(n)] / cost(n), in tokens per ms."""
+        return expected_tokens(match_probs, n) / self.round_ms(n)
+
+
+def expected_tokens(match_probs: Sequence[float], n: int) -> float:
+    """E[tokens(n)] = 1 + sum_{i<n} prod_{j<=i} p_j (seed "Gating"), in tokens.
+
+    `match_probs[j]` is P(draft position j matches); the leading 1 is the bonus (or plain) token.
+    Raises ValueError when n is negative or exceeds len(match_probs).
+    """
+    if not 0 <= n <= len(match_probs):
+        raise ValueError(f"n={n} outside [0, {len(match_probs)}]")
+    total, prefix = 1.0, 1.0
+    for p in match_probs[:n]:
+        prefix *= p
+        total += prefix
+    return total
+
+
+def decide_length(
+    match_probs: Sequence[float],
+    max_n: int,
+    cost: CostModel,
+    margin: float = 1.15,
+    min_draft: int = 0,
+) -> int:
+    """Draft tokens to submit: n* = argmax_n E[tokens(n)] / cost(n) (seed "Gating").
+
+    n ranges over [min(min_draft, max_n), max_n]. A truncation (n < max_n, n = 0 included) is
+    taken only if its rate exceeds margin * rate(max_n) (seed: "Truncation must beat the full
+    draft by 1.15x"); ties between truncations go to the longer one. With min_draft > 0 the
+    result is never 0 unless max_n is 0. Raises ValueError on a bad max_n, margin, min_draft or
+    a probability outside [0, 1].
+    """
+    if not 0 <= max_n <= len(match_probs):
+        raise ValueError(f"max_n={max_n} outside [0, {len(match_probs)}]")
+    if margin < 1.0 or min_draft < 0:
+        raise ValueError(f"margin={margin} must be >= 1 and min_draft={min_draft} >= 0")
+    if any(not 0.0 <= p <= 1.0 for p in match_probs[:max_n]):
+        raise ValueError(f"match probabilities outside [0, 1]: {list(match_probs[:max_n])}")
+    if max_n == 0:
+        return 0
+    floor = min(min_draft, max_n)
+    rates = [cost.rate(match_probs, n) for n in range(floor, max_n + 1)]
+    full_rate = rates[-1]
+    best_n, best_rate = max_n, -1.0
+    for n in range(floor, max_n):
+        if rates[n - floor] >= best_rate:
+            best_n, best_rate = n, rates[n - floor]
+    if best_n < max_n and best_rate > margin * full_rate:
+        return best_n
+    return max_n
+
+
+def _parse_value(name: str, raw: str, kind: type) -> float | int | bool:
+    text = raw.strip()
+    if kind is bool:
+        if text.lower() not in _SWITCH_WORDS:
+            raise ValueError(f"{name}={raw!r} is not one of 0, 1, true, false")
+        return _SWITCH_WORDS[text.lower()]
+    try:
+        return int(text) if kind is int else float(text)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"{name}={raw!r} is not {what}") from None
+
+
+# Field -> (predicate, rule in words); fields not listed (the *_ms costs) must be >= 0.
+_RULES = {
+    "margin_threshold": (lambda v: v >= 0, ">= 0"),
+    "margin": (lambda v: v >= 1.0, ">= 1"),
+    "min_draft": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
+    "decay": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    "plain_ms": (lambda v: v > 0, "> 0"),
+    "prior_weight": (lambda v: v > 0, "> 0"),
+}
+_NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
+
+
+def _check_value(field_name: str, value: float | int | bool, name: str, raw: str | None = None) -> None:
+    """Raise ValueError naming `name` (field or env var) and the value (`raw` text if given)."""
+    shown = repr(raw) if raw is not None else repr(value)
+    if field_name == "enabled":
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={shown} must be a bool")
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name}={shown} must be a finite number")
+    ok, rule = _RULES.get(field_name, _NON_NEGATIVE)
+    if not ok(value):
+        raise ValueError(f"{name}={shown} must be {rule}")
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """Gate settings; read once from the seed's env vars (see docs/gate.md for the table).
+
+    enabled: length choice on (DEEPSEEK_DSPARK_GATE); off = always submit max_n.
+    margin_threshold: pre-draft gate on the anchor's top1 - top2 logit margin; 0 = disabled.
+    margin: factor a truncation must win by. min_draft: floor on submitted drafts (tokens).
+    decay: per-observed-round forgetting. *_ms: cost model (ms). prior_weight: weight of the
+    optimistic cold-start pseudo-observation per bucket (not an env var).
+    Raises ValueError naming the field and value on an invalid setting.
+    """
+
+    enabled: bool = False
+    margin_threshold: float = 0.0
+    margin: float = 1.15
+    min_draft: int = 0
+    decay: float = 0.9
+    draft_ms: float = 196.0
+    verify_base_ms: float = 300.0
+    verify_slope_ms: float = 109.0
+    plain_ms: float = 303.0
+    prior_weight: float = DEFAULT_PRIOR_WEIGHT
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_value(f.name, getattr(self, f.name), f.name)
+        if self.draft_ms + self.verify_base_ms + self.verify_slope_ms <= 0:
+            raise ValueError("draft_ms + verify_base_ms + verify_slope_ms must be > 0 (a round costs time)")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> GateConfig:
+        """Read DEEPSEEK_DSPARK_GATE* from `environ`; unset variables keep the seed's defaults.
+
+        Raises ValueError naming the variable and its value when a value does not parse or is
+        out of range (GATE not 0/1/true/false, a non-number, a negative cost, decay outside
+        (0, 1], margin < 1, min_draft < 0). An empty value is invalid, not "unset".
+        """
+        kinds = {f.name: type(f.default) for f in fields(cls)}
+        values = {}
+        for field_name, var in ENV_VARS.items():
+            if var in environ:
+                value = _parse_value(var, environ[var], kinds[field_name])
+                _check_value(field_name, value, var, environ[var])
+                values[field_name] = value
+        return cls(**values)
+
+    def cost_model(self) -> CostModel:
+        """The CostModel of this config's *_ms fields."""
+        return CostModel(self.draft_ms, self.verify_base_ms, self.verify_slope_ms, self.plain_ms)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Frozen per-bucket counts (matched, observed; decayed weights) used to warm-start a Gate."""
+
+    matched: tuple[float, ...]
+    observed: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.matched) != NUM_BUCKETS or len(self.observed) != NUM_BUCKETS:
+            raise ValueError(f"calibration needs {NUM_BUCKETS} buckets, got {len(self.matched)}/{len(self.observed)}")
+        for i, (m, o) in enumerate(zip(self.matched, self.observed)):
+            if not (math.isfinite(o) and 0.0 <= m <= o):
+                raise ValueError(f"calibration bucket {i}: need 0 <= matched={m} <= observed={o}")
+
+
+@dataclass
+class GateStats:
+    """Counters of one generation, or process-wide totals after merge().
+
+    Round counts: rounds (pre-draft decisions), drafted_rounds, verified_rounds (n > 0),
+    truncated (0 < n < max_n), skipped_after_draft (n = 0 < max_n), margin_skipped_rounds,
+    zero_accept_rounds (verified, nothing accepted) and their zero_accept_cost_ms (cost model
+    ms above a plain step). Token counts: drafted, submitted, accepted. Per bucket: raw
+    (undecayed) observed and matched positions; their ratio is the pooled match-rate estimate.
+    """
+
+    rounds: int = 0
+    drafted_rounds: int = 0
+    verified_rounds: int = 0
+    drafted: int = 0
+    submitted: int = 0
+    accepted: int = 0
+    truncated: int = 0
+    skipped_after_draft: int = 0
+    margin_skipped_rounds: int = 0
+    zero_accept_rounds: int = 0
+    zero_accept_cost_ms: float = 0.0
+    bucket_observed: list[int] = field(default_factory=lambda: [0] * NUM_BUCKETS)
+    bucket_matched: list[int] = field(default_factory=lambda: [0] * NUM_BUCKETS)
+
+    def merge(self, other: GateStats) -> None:
+        """Add `other`'s counters into these (process-wide totals). The caller serialises access."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, list):
+                setattr(self, f.name, [a + b for a, b in zip(mine, theirs)])
+            else:
+                setattr(self, f.name, mine + theirs)
+
+    def bucket_match_rates(self) -> list[float | None]:
+        """Pooled P(match | bucket) from raw counts; None for a bucket never observed."""
+        return [m / o if o else None for m, o in zip(self.bucket_matched, self.bucket_observed)]
+
+    def calibration(self, max_weight: float = 10.0) -> Calibration:
+        """Frozen warm-start snapshot: each bucket's counts scaled down to at most `max_weight`.
+
+        Capping keeps a process-wide history from outweighing a new generation's own rounds
+        for longer than a few decays. Raises ValueError when max_weight <= 0.
+        """
+        if max_weight <= 0:
+            raise ValueError(f"max_weight={max_weight} must be > 0")
+        scale = [min(1.0, max_weight / o) if o else 0.0 for o in self.bucket_observed]
+        return Calibration(
+            tuple(m * s for m, s in zip(self.bucket_matched, scale)),
+            tuple(o * s for o, s in zip(self.bucket_observed, scale)),
+        )
+
+    def to_dict(self) -> dict:
+        """Plain-JSON view: counters, acceptance_rate (accepted / submitted), mean_acceptance_length
+        (tokens per verified round, bonus included) and the per-bucket counts and rates."""
+        out = {k: v for k, v in asdict(self).items() if not k.startswith("bucket_")}
+        out["acceptance_rate"] = self.accepted / self.submitted if self.submitted else None
+        out["mean_acceptance_length"] = (
+            (self.accepted + self.verified_rounds) / self.verified_rounds if self.verified_rounds else None
+        )
+        rates = self.bucket_match_rates()
+        out["buckets"] = [
+            {"range": bucket_label(i), "observed": o, "matched": m, "match_rate": r}
+            for i, (o, m, r) in enumerate(zip(self.bucket_observed, self.bucket_matched, rates))
+        ]
+        return out
+
+
+class Gate:
+    """The gate of ONE generation: bucket estimates, decisions and stats (seed "Gating").
+
+    One Gate per generation, never shared, so a generation's draft lengths (and so its output)
+    never depend on concurrent generations. `calibration` optionally warm-starts the bucket
+    counts from a frozen process-wide snapshot; the snapshot is copied, never written back.
+    A round: should_draft(margin) -> [draft] -> choose_length(confidences, max_n) -> [verify]
+    -> observe(confidences, submitted, accepted).
+    """
+
+    def __init__(self, config: GateConfig, calibration: Calibration | None = None) -> None:
+        self.config = config
+        self.cost = config.cost_model()
+        self.stats = GateStats()
+        self._matched = list(calibration.matched) if calibration else [0.0] * NUM_BUCKETS
+        self._observed = list(calibration.observed) if calibration else [0.0] * NUM_BUCKETS
+
+    def estimates(self) -> tuple[float, ...]:
+        """Current P(match | bucket): (matched + w0 * 1.0) / (observed + w0), w0 = prior_weight."""
+        w0 = self.config.prior_weight
+        return tuple((m + w0 * PRIOR_MEAN) / (o + w0) for m, o in zip(self._matched, self._observed))
+
+    def calibration(self) -> Calibration:
+        """Frozen copy of the current (decayed) bucket counts."""
+        return Calibration(tuple(self._matched), tuple(self._observed))
+
+    def match_probs(self, confidence_logits: Sequence[float]) -> list[float]:
+        """P(match) per draft position from its confidence bucket (position adds nothing, seed)."""
+        est = self.estimates()
+        return [est[bucket_index(c)] for c in confidence_logits]
+
+    def should_draft(self, anchor_margin: float | None) -> bool:
+        """Pre-draft margin gate (seed "Gating", DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD).
+
+        False (plain decode, no draft) when the threshold is > 0 and the anchor's top1 - top2
+        logit margin is below it; counts margin_skipped_rounds. Applies whether or not the
+        length gate is enabled. None (margin unknown) drafts. Raises ValueError on NaN.
+        """
+        self.stats.rounds += 1
+        if anchor_margin is not None and math.isnan(anchor_margin):
+            raise ValueError(f"anchor margin is NaN: {anchor_margin!r}")
+        threshold = self.config.margin_threshold
+        if threshold > 0 and anchor_margin is not None and anchor_margin < threshold:
+            self.stats.margin_skipped_rounds += 1
+            return False
+        return True
+
+    def choose_length(self, confidence_logits: Sequence[float], max_n: int) -> int:
+        """Draft tokens to submit, in [0, max_n] (see decide_length).
+
+        `confidence_logits`: one per drafted position. `max_n` (tokens) is the caller's cap:
+        min(drafted, remaining max_tokens budget, room before max_seq_len). Disabled gate:
+        returns max_n. Raises ValueError when max_n is outside [0, len(confidence_logits)].
+        """
+        if not 0 <= max_n <= len(confidence_logits):
+            raise ValueError(f"max_n={max_n} outside [0, {len(confidence_logits)}]")
+        self.stats.drafted_rounds += 1
+        self.stats.drafted += len(confidence_logits)
+        n = max_n
+        if self.config.enabled:
+            probs = self.match_probs(confidence_logits[:max_n])
+            n = decide_length(probs, max_n, self.cost, self.config.margin, self.config.min_draft)
+        if n == 0 < max_n:
+            self.stats.skipped_after_draft += 1
+        elif n < max_n:
+            self.stats.truncated += 1
+        return n
+
+    def observe(self, confidence_logits: Sequence[float], submitted: int, accepted: int) -> None:
+        """Feed one verified round: decay all counts, then record the censored observations.
+
+        Positions 0..accepted-1 matched; position `accepted` missed if accepted < submitted;
+        later positions are unknown and never recorded (seed "Gating", censored observations).
+        submitted == 0 records nothing and does not decay. Raises ValueError unless
+        0 <= accepted <= submitted <= len(confidence_logits).
+        """
+        if not 0 <= accepted <= submitted <= len(confidence_logits):
+            raise ValueError(
+                f"need 0 <= accepted={accepted} <= submitted={submitted} <= drafted={len(confidence_logits)}"
+            )
+        if submitted == 0:
+            return
+        decay = self.config.decay
+        self._matched = [m * decay for m in self._matched]
+        self._observed = [o * decay for o in self._observed]
+        for pos in range(min(accepted + 1, submitted)):
+            b = bucket_index(confidence_logits[pos])
+            hit = pos < accepted
+            self._observed[b] += 1.0
+            self._matched[b] += 1.0 if hit else 0.0
+            self.stats.bucket_observed[b] += 1
+            self.stats.bucket_matched[b] += int(hit)
+        self._count_verified(submitted, accepted)
+
+    def _count_verified(self, submitted: int, accepted: int) -> None:
+        s = self.stats
+        s.verified_rounds += 1
+        s.submitted += submitted
+        s.accepted += accepted
+        if accepted == 0:
+            s.zero_accept_rounds += 1
+            s.zero_accept_cost_ms += self.cost.round_ms(submitted) - self.cost.plain_ms
+
+    def to_dict(self) -> dict:
+        """Stats plus the current decayed estimate and weight per bucket (JSON-ready)."""
+        out = self.stats.to_dict()
+        for b, est, weight in zip(out["buckets"], self.estimates(), self._observed):
+            b["estimate"], b["weight"] = est, weight
+        return out

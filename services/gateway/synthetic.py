@@ -1,0 +1,132 @@
+"""Synthetic rounds drawn from the seed's "Gating" tables by a fixed, documented procedure.
+
+Procedure (one round = one drafted block of BLOCK_SIZE = 5 positions, submitted = 5):
+1. Bucket weights: the seed's pooled bucket counts n = 5/17/19/19/14/36 (confidence table),
+   exponentially tilted per workload, w_b ∝ n_b · exp(θ · r_b) with r_b the bucket's match rate
+   (20/65/79/89/100/100 %). Under w a position matches with probability q(θ) = Σ w_b r_b, and a
+   round's accepted count (first miss, censored at 5) has E[accepted] = Σ_{i=1..5} q^i.
+   θ is solved by bisection so that E[accepted] / 5 equals the seed's always-k accept rate of
+   the workload (repeat 100%, code 82.5%, prose 40%, math 17.5%). A target of 100% cannot be
+   reached by tilting (q < 1 while any r_b < 1 has weight); it restricts to the rate-1 buckets
+   (3.0..6.0 and >= 6.0) with their pooled counts 14:36.
+2. Per position: a bucket by inverse CDF of w on one uniform draw; a logit uniform inside the
+   bucket, rounded to 4 decimals and kept inside it. Open-ended buckets are closed at
+   [-3.0, -0.5) and [6.0, 10.0) (the seed saw confidences up to ~4.7 on its easiest prompt).
+3. Per position: match when a uniform draw < r_b. accepted = index of the first miss (5 if none).
+Only numpy's PCG64 `Generator.random()` is used (one stream, seed DEFAULT_SEED, workloads in the
+order above, per round: 5 bucket draws, 5 logit draws, 5 match draws), so the output is
+byte-stable. Run `python -m services.gateway.synthetic --out tests/data/synthetic_rounds.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from services.gateway.rounds import Round, RoundLog, save_rounds
+
+BLOCK_SIZE = 5
+BUCKET_COUNTS = (5, 17, 19, 19, 14, 36)  # seed "Gating": n per confidence bucket, pooled
+BUCKET_MATCH_RATES = (0.20, 0.65, 0.79, 0.89, 1.00, 1.00)  # seed "Gating": match rate per bucket
+BUCKET_BOUNDS = ((-3.0, -0.5), (-0.5, 0.5), (0.5, 1.5), (1.5, 3.0), (3.0, 6.0), (6.0, 10.0))
+# Seed "Gating", always-k table: accept rate per prompt.
+TARGET_ACCEPT_RATES = {"repeat": 1.0, "code": 0.825, "prose": 0.40, "math": 0.175}
+DEFAULT_SEED = 20260805
+DEFAULT_ROUNDS = 200
+_THETA_RANGE = (-60.0, 60.0)
+
+
+def expected_accept_rate(match_prob: float, block_size: int = BLOCK_SIZE) -> float:
+    """E[accepted] / block_size for iid positions matching with `match_prob` (first miss censors)."""
+    return sum(match_prob**i for i in range(1, block_size + 1)) / block_size
+
+
+def _tilt(theta: float) -> list[float]:
+    raw = [n * math.exp(theta * r) for n, r in zip(BUCKET_COUNTS, BUCKET_MATCH_RATES)]
+    total = sum(raw)
+    return [w / total for w in raw]
+
+
+def tilted_weights(target: float) -> tuple[float, ...]:
+    """Bucket weights whose expected accept rate is `target` (fraction of the block accepted).
+
+    Raises ValueError when `target` is outside what the bucket rates can reach.
+    """
+    if target >= 1.0:
+        ones = [n if r == 1.0 else 0 for n, r in zip(BUCKET_COUNTS, BUCKET_MATCH_RATES)]
+        return tuple(w / sum(ones) for w in ones)
+    lo, hi = _THETA_RANGE
+
+    def rate(theta: float) -> float:
+        return expected_accept_rate(sum(w * r for w, r in zip(_tilt(theta), BUCKET_MATCH_RATES)))
+
+    if not rate(lo) <= target <= rate(hi):
+        raise ValueError(f"target accept rate {target} outside [{rate(lo):.4f}, 1.0]")
+    for _ in range(200):  # fixed iteration count: the result must not depend on a tolerance
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if rate(mid) < target else (lo, mid)
+    return tuple(_tilt(0.5 * (lo + hi)))
+
+
+def _draw_logit(bucket: int, uniform: float) -> float:
+    lo, hi = BUCKET_BOUNDS[bucket]
+    value = round(lo + uniform * (hi - lo), 4)
+    return value if value < hi else round(hi - 1e-4, 4)
+
+
+def draw_round(rng: np.random.Generator, workload: str, weights: Sequence[float]) -> Round:
+    """One synthetic round (steps 2-3 of the module procedure)."""
+    cdf = np.cumsum(weights)
+    buckets = [min(int(np.searchsorted(cdf, u, side="right")), len(cdf) - 1) for u in rng.random(BLOCK_SIZE)]
+    logits = tuple(_draw_logit(b, u) for b, u in zip(buckets, rng.random(BLOCK_SIZE)))
+    hits = [u < BUCKET_MATCH_RATES[b] for b, u in zip(buckets, rng.random(BLOCK_SIZE))]
+    accepted = hits.index(False) if False in hits else BLOCK_SIZE
+    return Round(workload, logits, BLOCK_SIZE, accepted)
+
+
+def generate(seed: int = DEFAULT_SEED, rounds_per_workload: int = DEFAULT_ROUNDS) -> RoundLog:
+    """All workloads' synthetic rounds, deterministic for a given seed and round count."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    rounds = []
+    for workload, target in TARGET_ACCEPT_RATES.items():
+        weights = tilted_weights(target)
+        rounds += [draw_round(rng, workload, weights) for _ in range(rounds_per_workload)]
+    metadata = {
+        "generator": "services.gateway.synthetic",
+        "seed": seed,
+        "rounds_per_workload": rounds_per_workload,
+        "block_size": BLOCK_SIZE,
+        "target_accept_rates": dict(TARGET_ACCEPT_RATES),
+        "note": "synthetic, from the seed's pooled bucket table; timings unknown (null)",
+    }
+    return RoundLog(tuple(rounds), metadata)
+
+
+def realised_accept_rates(log: RoundLog) -> dict[str, float]:
+    """accepted / submitted per workload."""
+    return {
+        name: sum(r.accepted for r in rs) / max(1, sum(r.submitted for r in rs))
+        for name, rs in log.workloads().items()
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Write the synthetic rounds file; prints realised vs target accept rates to stderr."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="output JSON path")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="rounds per workload")
+    args = parser.parse_args(argv)
+    log = generate(args.seed, args.rounds)
+    save_rounds(log, args.out)
+    for name, rate in realised_accept_rates(log).items():
+        print(f"{name}: realised {rate:.3f}, target {TARGET_ACCEPT_RATES[name]:.3f}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,343 @@
+"""Gate: cost model, decision rule on hand-computed cases, buckets, censoring, decay, prior, scope, stats."""
+
+import numpy as np
+import pytest
+
+from services.gateway.gate import (
+    BUCKET_EDGES,
+    NUM_BUCKETS,
+    CostModel,
+    Gate,
+    GateConfig,
+    GateStats,
+    bucket_index,
+    bucket_label,
+    decide_length,
+    expected_tokens,
+)
+
+SEED_COST = CostModel()  # draft 196, verify 300 + 109 n, plain 303 (ms)
+# One logit inside each bucket, lowest first.
+LOGIT_IN_BUCKET = (-2.0, 0.0, 1.0, 2.0, 4.0, 8.0)
+
+
+def always_k_tok_s(accept_rate: float, k: int = 5) -> float:
+    """Seed always-k: every round submits k drafts and yields accept_rate * k + 1 tokens."""
+    return 1000.0 * (accept_rate * k + 1) / SEED_COST.round_ms(k)
+
+
+@pytest.mark.parametrize(
+    ("accept_rate", "seed_tok_s"),
+    [(1.0, 5.76), (0.825, 4.92), (0.40, 2.88), (0.175, 1.80)],
+)
+def test_cost_model_reproduces_seed_always_k_table(accept_rate, seed_tok_s):
+    assert round(always_k_tok_s(accept_rate), 2) == seed_tok_s
+
+
+def test_cost_model_plain_rate_and_full_round_match_seed():
+    assert round(1000.0 / SEED_COST.round_ms(0), 2) == 3.30
+    assert SEED_COST.round_ms(5) == 1041.0  # seed: "At n=5 that is 1041ms"
+    # Seed: "7 rounds accepted zero tokens and together burned 5.2s more than plain decoding".
+    assert round(7 * (SEED_COST.round_ms(5) - SEED_COST.plain_ms) / 1000, 1) == 5.2
+
+
+def test_cost_model_counts_drafts_and_skip_after_draft_pays_the_draft():
+    assert SEED_COST.verify_ms(1) == 409.0  # n counts drafts: 300 + 109 * 1
+    assert SEED_COST.round_ms(1) == 605.0
+    assert SEED_COST.skipped_after_draft_ms() == 499.0  # 196 + 303
+
+
+def test_expected_tokens_hand_computed():
+    # p = [0.5, 0.5, 0.5]: 1 + 0.5 + 0.25 + 0.125 = 1.875
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1.875)
+    # p = [0.9, 0.5, 1.0]: n=2 -> 1 + 0.9 + 0.45 = 2.35; n=3 adds 0.45 * 1.0 -> 2.8
+    assert expected_tokens([0.9, 0.5, 1.0], 2) == pytest.approx(2.35)
+    assert expected_tokens([0.9, 0.5, 1.0], 3) == pytest.approx(2.8)
+    assert expected_tokens([0.3], 0) == 1.0  # the plain (or bonus) token only
+    with pytest.raises(ValueError, match="n=2"):
+        expected_tokens([0.3], 2)
+
+
+def test_argmax_all_matches_drafts_full_block():
+    # p = 1: E(n) = n + 1; rate(5) = 6 / 1041 = 5.76/s beats rate(0) = 1 / 303 = 3.30/s.
+    assert decide_length([1.0] * 5, 5, SEED_COST) == 5
+
+
+def test_argmax_half_matches_cuts_to_zero():
+    # p = 0.5: E = 1, 1.5, 1.75, 1.875, 1.9375, 1.96875 over costs 303, 605, 714, 823, 932, 1041
+    # -> rates/s 3.300, 2.479, 2.451, 2.278, 2.079, 1.891. Best truncation n=0: 3.300 / 1.891 =
+    # 1.745 > 1.15.
+    assert decide_length([0.5] * 5, 5, SEED_COST) == 0
+
+
+def test_truncation_within_margin_keeps_full_block():
+    # p = [1, 1, 1, 1, 0]: E(4) = E(5) = 5; rate(4) = 5/932 = 5.365/s, rate(5) = 5/1041 = 4.803/s.
+    # n=4 wins by 1041/932 = 1.117 < 1.15 -> full block; a 1.10 margin lets the cut through.
+    probs = [1.0, 1.0, 1.0, 1.0, 0.0]
+    assert decide_length(probs, 5, SEED_COST, margin=1.15) == 5
+    assert decide_length(probs, 5, SEED_COST, margin=1.10) == 4
+
+
+def test_margin_applies_to_zero():
+    # p = 0.72: E = 1, 1.72, 2.2384, 2.6117, 2.8804, 3.0739 -> rates/s 3.300, 2.843, 3.135,
+    # 3.173, 3.091, 2.953. n=0 is the best rate but beats the full block by only 3.300/2.953 =
+    # 1.118 < 1.15, so the full block stays; with margin 1.0, n=0 is taken.
+    assert decide_length([0.72] * 5, 5, SEED_COST) == 5
+    assert decide_length([0.72] * 5, 5, SEED_COST, margin=1.0) == 0
+
+
+def test_min_draft_is_a_floor_on_submitted_drafts():
+    # p = 0.5 (rates above): min_draft=1 -> best of n=1..4 is n=1 (2.479/s), 2.479/1.891 = 1.31 > 1.15.
+    assert decide_length([0.5] * 5, 5, SEED_COST, min_draft=1) == 1
+    # min_draft=2 -> n=2 (2.451/s), 2.451/1.891 = 1.30 > 1.15.
+    assert decide_length([0.5] * 5, 5, SEED_COST, min_draft=2) == 2
+    # p = 0.2: E(3) = 1.248, E(4) = 1.2496, E(5) = 1.24992 -> 1.516, 1.341, 1.201/s; n=0 excluded.
+    assert decide_length([0.2] * 5, 5, SEED_COST, min_draft=3) == 3
+    assert decide_length([0.2] * 5, 5, SEED_COST, min_draft=0) == 0
+
+
+def test_min_draft_above_cap_is_capped():
+    # floor = min(min_draft, max_n): with max_n = 2 the gate submits 2 although p = 0.2.
+    assert decide_length([0.2] * 5, 2, SEED_COST, min_draft=4) == 2
+
+
+def test_cap_is_respected_and_zero_cap_returns_zero():
+    assert decide_length([1.0] * 5, 3, SEED_COST) == 3
+    assert decide_length([1.0] * 5, 0, SEED_COST) == 0
+    assert decide_length([], 0, SEED_COST, min_draft=2) == 0
+    with pytest.raises(ValueError, match="max_n=6"):
+        decide_length([1.0] * 5, 6, SEED_COST)
+
+
+def test_decide_length_rejects_bad_probability():
+    with pytest.raises(ValueError, match="outside"):
+        decide_length([1.2, 0.5], 2, SEED_COST)
+    with pytest.raises(ValueError, match="outside"):
+        decide_length([float("nan"), 0.5], 2, SEED_COST)
+
+
+@pytest.mark.parametrize(
+    ("logit", "bucket"),
+    [(-0.5001, 0), (-0.5, 1), (0.4999, 1), (0.5, 2), (1.5, 3), (2.9999, 3), (3.0, 4), (6.0, 5), (float("inf"), 5),
+     (float("-inf"), 0)],
+)
+def test_bucket_edges_lower_inclusive(logit, bucket):
+    assert BUCKET_EDGES == (-0.5, 0.5, 1.5, 3.0, 6.0)
+    assert bucket_index(logit) == bucket
+
+
+def test_bucket_labels_and_nan():
+    assert [bucket_label(i) for i in range(NUM_BUCKETS)] == [
+        "< -0.5", "[-0.5, 0.5)", "[0.5, 1.5)", "[1.5, 3.0)", "[3.0, 6.0)", ">= 6.0"]
+    with pytest.raises(ValueError, match="NaN"):
+        bucket_index(float("nan"))
+
+
+def enabled(**kw) -> GateConfig:
+    return GateConfig(enabled=True, **kw)
+
+
+def test_cold_gate_drafts_the_full_block():
+    gate = Gate(enabled())
+    assert gate.estimates() == (1.0,) * NUM_BUCKETS
+    for logit in LOGIT_IN_BUCKET:
+        assert gate.choose_length([logit] * 5, 5) == 5
+
+
+def test_unobserved_bucket_keeps_the_prior_after_other_buckets_learn():
+    gate = Gate(enabled())
+    for _ in range(20):
+        gate.observe([0.0] * 5, 5, 0)  # bucket 1 misses at position 0
+    est = gate.estimates()
+    assert est[1] < 0.2
+    assert est[0] == est[2] == est[5] == 1.0
+    assert gate.choose_length([0.0] * 5, 5) == 0
+    assert gate.choose_length([-3.0] * 5, 5) == 5  # never observed: not truncated
+
+
+def test_censoring_records_prefix_and_first_miss_only():
+    gate = Gate(enabled(decay=1.0))
+    # buckets 5, 4, 2, 0, 0: accepted 2 of 5 -> bucket 5, 4 matched, bucket 2 missed, rest unknown
+    gate.observe([8.0, 4.0, 1.0, -2.0, -2.0], 5, 2)
+    assert gate.stats.bucket_observed == [0, 0, 1, 0, 1, 1]
+    assert gate.stats.bucket_matched == [0, 0, 0, 0, 1, 1]
+    # all submitted accepted: no miss recorded; the positions after `submitted` are never recorded
+    gate.observe([0.0, 0.0, -2.0, -2.0, -2.0], 2, 2)
+    assert gate.stats.bucket_observed == [0, 2, 1, 0, 1, 1]
+    assert gate.stats.bucket_matched == [0, 2, 0, 0, 1, 1]
+    # (matched + 1) / (observed + 1) with the one prior pseudo-observation
+    assert gate.estimates()[2] == pytest.approx(0.5)
+    assert gate.estimates()[1] == pytest.approx(1.0)
+
+
+def simulate_stream(true_rates, rounds, seed):
+    """Rounds of 5 positions, uniform buckets, matching with the bucket's true rate, censored."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(rounds):
+        buckets = rng.integers(0, NUM_BUCKETS, size=5)
+        hits = rng.random(5) < np.asarray(true_rates)[buckets]
+        accepted = int(np.argmin(hits)) if not hits.all() else 5
+        out.append(([LOGIT_IN_BUCKET[b] for b in buckets], accepted))
+    return out
+
+
+def test_censored_estimates_converge_and_counting_unknowns_as_misses_is_biased():
+    true_rates = (0.2, 0.65, 0.79, 0.89, 1.0, 1.0)  # seed "Gating" bucket table
+    stream = simulate_stream(true_rates, rounds=6000, seed=7)
+    gate = Gate(enabled(decay=1.0))
+    naive_matched, naive_observed = np.zeros(NUM_BUCKETS), np.zeros(NUM_BUCKETS)
+    for logits, accepted in stream:
+        gate.observe(logits, 5, accepted)
+        for pos, logit in enumerate(logits):  # the biased rule: every position after a miss is a miss
+            naive_observed[bucket_index(logit)] += 1
+            naive_matched[bucket_index(logit)] += pos < accepted
+    censored_error = np.abs(np.array(gate.estimates()) - true_rates)
+    naive_bias = np.array(true_rates) - naive_matched / naive_observed
+    assert censored_error.max() < 0.03
+    assert naive_bias.min() > 0.05  # every bucket biased down ...
+    assert naive_bias[4:].min() > 0.3  # ... the rate-1 buckets most: they sit after earlier misses
+
+
+def test_decay_follows_a_workload_shift():
+    fast, slow = Gate(enabled(decay=0.9)), Gate(enabled(decay=1.0))
+    for gate in (fast, slow):
+        for _ in range(50):
+            gate.observe([1.0], 1, 1)  # bucket 2 always matches
+        for _ in range(30):
+            gate.observe([1.0], 1, 0)  # then always misses
+    # decay 0.9: matched = 9.95 * 0.9^30 = 0.42, observed = 0.42 + 9.58 = 10.0 -> (0.42 + 1) / 11.0
+    assert fast.estimates()[2] == pytest.approx(0.129, abs=0.005)
+    # decay 1.0: (50 + 1) / (80 + 1)
+    assert slow.estimates()[2] == pytest.approx(51 / 81)
+
+
+def test_decay_is_applied_per_observed_round_only():
+    gate = Gate(enabled(decay=0.5))
+    gate.observe([1.0], 1, 1)
+    gate.choose_length([1.0] * 5, 5)
+    gate.observe([1.0] * 5, 0, 0)  # nothing submitted: no observation, no decay
+    assert gate.calibration().observed[2] == 1.0
+    gate.observe([1.0], 1, 0)
+    assert gate.calibration().observed[2] == 1.5  # 1 * 0.5 + 1
+    assert gate.calibration().matched[2] == 0.5
+
+
+def test_disabled_gate_submits_max_n_but_keeps_learning():
+    gate = Gate(GateConfig(enabled=False))
+    for _ in range(10):
+        gate.observe([0.0] * 5, 5, 0)
+    assert gate.estimates()[1] < 0.2
+    assert gate.choose_length([0.0] * 5, 4) == 4
+    assert gate.stats.truncated == gate.stats.skipped_after_draft == 0
+
+
+def test_gate_choose_length_rejects_cap_beyond_drafts():
+    with pytest.raises(ValueError, match="max_n=3"):
+        Gate(enabled()).choose_length([1.0, 1.0], 3)
+    assert Gate(enabled()).choose_length([], 0) == 0
+
+
+def test_gate_min_draft_never_returns_zero_after_draft():
+    gate = Gate(enabled(min_draft=1))
+    for _ in range(20):
+        gate.observe([-2.0] * 5, 5, 0)
+    assert gate.choose_length([-2.0] * 5, 5) == 1
+    assert Gate(enabled(min_draft=0)).choose_length([-2.0] * 5, 0) == 0
+
+
+@pytest.mark.parametrize(("gate_on", "threshold", "margin", "drafts"), [
+    (True, 0.0, 0.1, True),   # threshold 0 disables the pre-draft gate
+    (True, 4.0, 3.9, False),
+    (True, 4.0, 4.0, True),   # below, not at, the threshold
+    (False, 4.0, 3.9, False),  # independent of DEEPSEEK_DSPARK_GATE
+    (False, 4.0, None, True),  # margin unknown
+])
+def test_pre_draft_margin_gate(gate_on, threshold, margin, drafts):
+    gate = Gate(GateConfig(enabled=gate_on, margin_threshold=threshold))
+    assert gate.should_draft(margin) is drafts
+    assert gate.stats.rounds == 1
+    assert gate.stats.margin_skipped_rounds == (0 if drafts else 1)
+
+
+def test_pre_draft_margin_gate_rejects_nan():
+    with pytest.raises(ValueError, match="NaN"):
+        Gate(GateConfig(margin_threshold=4.0)).should_draft(float("nan"))
+
+
+def run_rounds(gate, rounds):
+    """rounds: (margin, logits, max_n, accepted_if_all_submitted) -> drive one gate like the scheduler."""
+    for margin, logits, max_n, accepted in rounds:
+        if gate.should_draft(margin):
+            n = gate.choose_length(logits, max_n)
+            gate.observe(logits, n, min(accepted, n))
+
+
+def test_stats_count_a_scripted_generation():
+    gate = Gate(enabled(margin_threshold=2.0))
+    for _ in range(12):
+        gate.observe([-2.0] * 5, 5, 0)  # teach: bucket 0 always misses at position 0
+    gate.stats = GateStats()
+    run_rounds(gate, [
+        (1.0, [8.0] * 5, 5, 5),                       # margin-skipped
+        (5.0, [8.0] * 5, 5, 5),                       # full block, all accepted
+        (5.0, [8.0, 8.0, -2.0, -2.0, -2.0], 5, 2),    # truncated to 2, both accepted
+        (5.0, [-2.0] * 5, 5, 0),                      # skipped after draft
+        (5.0, [8.0, 8.0, 8.0], 3, 0),                 # capped at 3, zero accepted
+    ])
+    s = gate.stats.to_dict()
+    assert (s["rounds"], s["margin_skipped_rounds"], s["drafted_rounds"], s["verified_rounds"]) == (5, 1, 4, 3)
+    assert (s["drafted"], s["submitted"], s["accepted"]) == (18, 10, 7)
+    assert (s["truncated"], s["skipped_after_draft"]) == (1, 1)
+    assert (s["zero_accept_rounds"], s["zero_accept_cost_ms"]) == (1, 196 + 300 + 3 * 109 - 303)
+    assert s["acceptance_rate"] == pytest.approx(0.7)
+    assert s["mean_acceptance_length"] == pytest.approx(10 / 3)
+    assert s["buckets"][5] == {"range": ">= 6.0", "observed": 8, "matched": 7, "match_rate": 7 / 8}
+    assert s["buckets"][0]["match_rate"] is None
+
+
+def test_stats_merge_into_process_totals():
+    a, b = Gate(GateConfig()), Gate(GateConfig())  # disabled: every round submits max_n
+    run_rounds(a, [(None, [8.0] * 5, 5, 5)])
+    run_rounds(b, [(None, [0.0] * 5, 5, 1), (None, [0.0] * 5, 5, 0)])
+    total = GateStats()
+    total.merge(a.stats)
+    total.merge(b.stats)
+    assert (total.rounds, total.submitted, total.accepted, total.zero_accept_rounds) == (3, 15, 6, 1)
+    assert total.bucket_observed == [0, 3, 0, 0, 0, 5]
+    assert total.bucket_matched == [0, 1, 0, 0, 0, 5]
+
+
+def test_gates_are_independent_per_generation():
+    config = enabled()
+    one, other = Gate(config), Gate(config)
+    for _ in range(20):
+        one.observe([0.0] * 5, 5, 0)
+    assert other.estimates() == (1.0,) * NUM_BUCKETS
+    assert other.choose_length([0.0] * 5, 5) == 5
+    assert one.choose_length([0.0] * 5, 5) == 0
+
+
+def test_warm_start_from_a_frozen_calibration_snapshot():
+    process = GateStats()
+    teacher = Gate(enabled())
+    for _ in range(40):
+        teacher.observe([0.0] * 5, 5, 0)
+    process.merge(teacher.stats)
+    snapshot = process.calibration(max_weight=10.0)
+    assert snapshot.observed[1] == 10.0 and snapshot.matched[1] == 0.0  # 40 misses scaled to 10
+    warm = Gate(enabled(), calibration=snapshot)
+    assert warm.estimates()[1] == pytest.approx(1 / 11)
+    assert warm.choose_length([0.0] * 5, 5) == 0
+    warm.observe([0.0] * 5, 5, 5)
+    assert snapshot.observed[1] == 10.0  # the snapshot is never written back
+    assert Gate(enabled(), calibration=snapshot).estimates()[1] == pytest.approx(1 / 11)
+
+
+def test_gate_to_dict_reports_estimates_and_weights():
+    gate = Gate(enabled(decay=1.0))
+    gate.observe([1.0, 1.0], 2, 1)
+    buckets = gate.to_dict()["buckets"]
+    assert buckets[2]["weight"] == 2.0
+    assert buckets[2]["estimate"] == pytest.approx(2 / 3)  # (1 + 1) / (2 + 1)
+    assert buckets[3]["estimate"] == 1.0

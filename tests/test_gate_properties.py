@@ -1,0 +1,101 @@
+"""Property tests of the decision rule and the gate (hypothesis).
+
+What is monotone: raising any P(match) never shortens the choice. Raising p_j scales every term
+of E[tokens(n)] from position j on, so E'(n)/E(n) is non-decreasing in n: longer lengths gain at
+least as much as shorter ones, the argmax (ties to the longer) cannot move down, and the full
+block's lead over any truncation can only grow, so a truncation the margin rejected stays
+rejected. Raising the margin or the min_draft floor never shortens it either. NOT monotone:
+raising max_n (the full block it is compared with changes), so that is not tested.
+"""
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.gateway.gate import NUM_BUCKETS, CostModel, Gate, GateConfig, decide_length
+
+probs = st.lists(st.floats(0.0, 1.0), min_size=0, max_size=8)
+costs = st.builds(
+    CostModel,
+    draft_ms=st.floats(0.0, 1000.0),
+    verify_base_ms=st.floats(1.0, 1000.0),
+    verify_slope_ms=st.floats(0.0, 500.0),
+    plain_ms=st.floats(1.0, 1000.0),
+)
+margins = st.floats(1.0, 3.0)
+floors = st.integers(0, 10)
+logits = st.floats(allow_nan=False, allow_infinity=True)
+
+
+@st.composite
+def case(draw):
+    p = draw(probs)
+    return p, draw(st.integers(0, len(p))), draw(costs), draw(margins), draw(floors)
+
+
+@settings(max_examples=300, deadline=None)
+@given(case())
+def test_length_within_cap_and_floor(args):
+    p, max_n, cost, margin, min_draft = args
+    n = decide_length(p, max_n, cost, margin, min_draft)
+    assert isinstance(n, int)
+    assert min(min_draft, max_n) <= n <= max_n
+
+
+@settings(max_examples=300, deadline=None)
+@given(case())
+def test_rates_are_finite(args):
+    p, max_n, cost, _, _ = args
+    for n in range(max_n + 1):
+        assert math.isfinite(cost.rate(p, n)) and cost.rate(p, n) > 0
+
+
+@settings(max_examples=400, deadline=None)
+@given(case(), st.data())
+def test_raising_match_probabilities_never_shortens(args, data):
+    p, max_n, cost, margin, min_draft = args
+    raised = [data.draw(st.floats(x, 1.0)) for x in p]
+    assert decide_length(raised, max_n, cost, margin, min_draft) >= decide_length(p, max_n, cost, margin, min_draft)
+
+
+@settings(max_examples=300, deadline=None)
+@given(case(), st.floats(0.0, 2.0))
+def test_raising_the_margin_never_shortens(args, extra):
+    p, max_n, cost, margin, min_draft = args
+    assert decide_length(p, max_n, cost, margin + extra, min_draft) >= decide_length(p, max_n, cost, margin, min_draft)
+
+
+@settings(max_examples=300, deadline=None)
+@given(case(), st.integers(0, 5))
+def test_raising_the_floor_never_shortens(args, extra):
+    p, max_n, cost, margin, min_draft = args
+    assert decide_length(p, max_n, cost, margin, min_draft + extra) >= decide_length(p, max_n, cost, margin, min_draft)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0.0, 1.0), min_size=1, max_size=8), costs)
+def test_certain_matches_never_truncate_when_drafting_pays(p, cost):
+    # With p = 1, E(n) = n + 1. If the full block beats plain and each extra draft costs less than
+    # the round's fixed part, rate(n) = (n + 1) / (a + s n) rises with n: nothing to truncate.
+    n_full = len(p)
+    fixed = cost.draft_ms + cost.verify_base_ms
+    if fixed >= cost.verify_slope_ms and cost.rate([1.0] * n_full, n_full) >= cost.rate([], 0):
+        assert decide_length([1.0] * n_full, n_full, cost) == n_full
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.lists(logits, min_size=0, max_size=6), st.integers(0, 6), st.integers(0, 6)), max_size=30),
+    st.integers(0, 4),
+    st.floats(0.05, 1.0),
+)
+def test_gate_stays_in_bounds_and_estimates_stay_probabilities(rounds, min_draft, decay):
+    gate = Gate(GateConfig(enabled=True, min_draft=min_draft, decay=decay))
+    for confidences, cap, accepted in rounds:
+        max_n = min(cap, len(confidences))
+        n = gate.choose_length(confidences, max_n)
+        assert (min(min_draft, max_n) if min_draft else 0) <= n <= max_n
+        gate.observe(confidences, n, min(accepted, n))
+        assert all(0.0 < e <= 1.0 and math.isfinite(e) for e in gate.estimates())
+    assert len(gate.estimates()) == NUM_BUCKETS

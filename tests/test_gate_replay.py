@@ -1,0 +1,163 @@
+"""Replay: pinned results of the committed synthetic rounds, policy semantics, LOWO threshold."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.gateway.gate import CostModel, GateConfig
+from services.gateway.replay import (
+    PolicyResult,
+    _threshold_totals,
+    applicable_policies,
+    choose_threshold,
+    replay_fixed,
+    replay_gated,
+    replay_log,
+    report_to_dict,
+    score_round,
+)
+from services.gateway.rounds import Round, RoundLog, dump_rounds, load_rounds
+from services.gateway.synthetic import TARGET_ACCEPT_RATES, generate, realised_accept_rates
+
+SYNTHETIC = Path(__file__).parent / "data" / "synthetic_rounds.json"
+COST = CostModel()
+# Computed once from tests/data/synthetic_rounds.json under the seed's costs (tok/s, 2 decimals).
+PINNED_TOK_S = {
+    "repeat": {"plain": 3.30, "always-k": 5.76, "threshold": 5.76, "gated": 5.76},
+    "code": {"plain": 3.30, "always-k": 5.01, "threshold": 5.02, "gated": 5.01},
+    "prose": {"plain": 3.30, "always-k": 2.84, "threshold": 3.56, "gated": 3.22},
+    "math": {"plain": 3.30, "always-k": 1.76, "threshold": 2.51, "gated": 2.19},
+    "overall": {"plain": 3.30, "always-k": 3.84, "threshold": 4.51, "gated": 4.36},
+}
+PINNED_ACCEPT = {"repeat": 1.000, "code": 0.843, "prose": 0.391, "math": 0.167}
+PINNED_THRESHOLD = {"repeat": -0.389, "code": 0.0154, "prose": -0.0187, "math": 0.0194}
+
+
+@pytest.fixture(scope="module")
+def synthetic_log():
+    return load_rounds(SYNTHETIC)
+
+
+@pytest.fixture(scope="module")
+def report(synthetic_log):
+    return replay_log(synthetic_log, GateConfig())
+
+
+def test_committed_file_regenerates_byte_identically(synthetic_log):
+    assert dump_rounds(generate()) == SYNTHETIC.read_text(encoding="utf-8")
+    assert len(synthetic_log.rounds) == 800
+
+
+def test_realised_accept_rates_are_close_to_the_seeds(synthetic_log):
+    realised = realised_accept_rates(synthetic_log)
+    assert {k: round(v, 3) for k, v in realised.items()} == PINNED_ACCEPT
+    for name, target in TARGET_ACCEPT_RATES.items():
+        assert abs(realised[name] - target) < 0.025
+
+
+def test_replay_of_committed_rounds_is_pinned(report):
+    got = {w.name: {p: round(r.tok_s, 2) for p, r in w.results.items()} for w in report.workloads + [report.overall]}
+    assert got == PINNED_TOK_S
+    assert {w.name: round(w.threshold, 4) for w in report.workloads} == PINNED_THRESHOLD
+
+
+def test_gated_keeps_easy_workloads_and_beats_always_k_on_hard_ones(report):
+    tok_s = {w.name: {p: r.tok_s for p, r in w.results.items()} for w in report.workloads}
+    for easy in ("repeat", "code"):
+        assert tok_s[easy]["gated"] >= 0.98 * tok_s[easy]["always-k"]
+    for hard in ("prose", "math"):
+        assert tok_s[hard]["gated"] > tok_s[hard]["always-k"]
+
+
+def test_recovered_fraction_and_ratios_in_json(report):
+    doc = json.loads(json.dumps(report_to_dict(report)))
+    prose = next(w for w in doc["workloads"] if w["workload"] == "prose")["policies"]
+    gated, always, plain = (prose[p]["tok_s"] for p in ("gated", "always-k", "plain"))
+    assert prose["gated"]["recovered"] == pytest.approx((gated - always) / (plain - always))
+    assert prose["gated"]["vs_always_k"] == pytest.approx(gated / always)
+    assert doc["workloads"][0]["policies"]["gated"]["recovered"] is None  # repeat: always-k > plain
+    assert doc["overall"]["policies"]["gated"]["tok_s"] == pytest.approx(
+        sum(w["policies"]["gated"]["tokens"] for w in doc["workloads"])
+        / sum(w["policies"]["gated"]["time_ms"] for w in doc["workloads"]) * 1000)
+
+
+def test_lowo_threshold_is_the_best_on_the_other_workloads(synthetic_log, report):
+    groups = synthetic_log.workloads()
+    training = [r for name, rs in groups.items() if name != "code" for r in rs]
+    chosen = choose_threshold(training, COST)
+    assert chosen == report.workloads[1].threshold
+    values = np.unique([c for r in training for c in r.confidence_logits])
+    probes = np.concatenate([[-math.inf, math.inf, chosen], np.quantile(values, np.linspace(0, 1, 21))])
+    tokens, time = _threshold_totals(training, probes, COST)
+    for t, tok, ms in zip(probes, tokens, time):
+        scalar = replay_fixed(training, COST, "threshold", t)
+        assert (scalar.tokens, scalar.time_ms) == (tok, pytest.approx(ms))
+        assert tok / ms <= tokens[2] / time[2] + 1e-15
+
+
+def test_gate_is_cold_at_the_start_of_each_workload(synthetic_log, report):
+    alone = replay_gated(synthetic_log.workloads()["math"], GateConfig(), use_margin=False)
+    assert alone == report.workloads[3].results["gated"]
+    reordered = RoundLog(tuple(sorted(synthetic_log.rounds, key=lambda r: r.workload != "math")))
+    assert replay_log(reordered, GateConfig()).workloads[0].results["gated"] == alone
+
+
+def test_score_round_costs():
+    rec = Round("w", (5.0, 5.0, 5.0, 5.0), 4, 3)
+    cases = {None: (1, 303.0), 0: (1, 499.0), 2: (3, 196 + 300 + 2 * 109), 4: (4, 196 + 300 + 4 * 109)}
+    for n, expected in cases.items():
+        out = PolicyResult()
+        score_round(rec, n, COST, out)
+        assert (out.tokens, out.time_ms) == expected
+    with pytest.raises(ValueError, match="n=5"):
+        score_round(rec, 5, COST, PolicyResult())
+
+
+def test_policies_cannot_submit_more_than_recorded():
+    rounds = [Round("w", (8.0, 8.0, 8.0, 8.0, 8.0), 3, 3), Round("w", (8.0, -2.0, 8.0), 3, 1)]
+    always = replay_fixed(rounds, COST, "always-k")
+    assert (always.submitted, always.accepted, always.tokens) == (6, 4, 6)
+    cut = replay_fixed(rounds, COST, "threshold", threshold=0.0)  # second round cut to 1
+    assert (cut.submitted, cut.accepted, cut.tokens, cut.truncated) == (4, 4, 6, 1)
+    gated = replay_gated(rounds, GateConfig(), use_margin=False)
+    assert gated.submitted <= 6
+
+
+def test_rounds_without_a_draft_are_plain_steps_for_every_policy():
+    rounds = [Round("w", (), 0, 0)] * 3
+    for result in (replay_fixed(rounds, COST, "always-k"), replay_gated(rounds, GateConfig(), False)):
+        assert (result.tokens, result.time_ms, result.skipped_after_draft) == (3, 909.0, 0)
+
+
+def test_gated_with_margin_skips_low_margin_rounds():
+    rounds = [Round("w", (8.0,) * 5, 5, 5, anchor_margin=m) for m in (6.0, 1.0, 3.99, None, 4.0)]
+    config = GateConfig(margin_threshold=4.0)
+    log = RoundLog(tuple(rounds))
+    assert applicable_policies(log, config) == ("plain", "always-k", "gated", "gated+margin")
+    assert "gated+margin" not in applicable_policies(log, GateConfig())
+    result = replay_gated(rounds, config, use_margin=True)
+    assert result.margin_skipped_rounds == 2
+    assert (result.tokens, result.time_ms) == (3 * 6 + 2, 3 * 1041.0 + 2 * 303.0)
+    assert replay_gated(rounds, config, use_margin=False).margin_skipped_rounds == 0
+
+
+def test_unknown_policy_is_rejected(synthetic_log):
+    with pytest.raises(ValueError, match="unknown policies"):
+        replay_log(synthetic_log, GateConfig(), ["plain", "greedy"])
+
+
+def test_single_workload_has_no_threshold_policy():
+    log = RoundLog((Round("only", (1.0,) * 5, 5, 2),))
+    assert list(replay_log(log, GateConfig()).overall.results) == ["plain", "always-k", "gated"]
+
+
+def test_json_writes_non_finite_thresholds_as_strings():
+    rounds = [Round("a", (8.0,) * 5, 5, 5), Round("b", (-2.5,) * 5, 5, 0)]
+    doc = report_to_dict(replay_log(RoundLog(tuple(rounds)), GateConfig()))
+    json.dumps(doc, allow_nan=False)
+    # held out a: trained on b, where every draft misses -> cut all (+inf: 499 ms vs 1041 ms per token);
+    # held out b: trained on a, where every draft matches -> never cut (-inf wins the tie with 8.0).
+    assert {w["workload"]: w["threshold"] for w in doc["workloads"]} == {"a": "inf", "b": "-inf"}
