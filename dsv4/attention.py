@@ -1,0 +1,190 @@
+"""Attention of one trunk layer: sliding window + optional compressed entries, with a sink (spec §5).
+
+Dimension legend: S = query tokens, D = dim, Lq = q_lora_rank, H = n_heads, Dh = head_dim,
+R = rope_head_dim, Dn = Dh - R, W = window_size, r = compress ratio, G = o_groups,
+Lo = o_lora_rank, Dg = H*Dh/G (input width of one output group), N = rows of the key/value
+tensor attended over, K = index columns per query (-1 = masked).
+
+K and V are the same Dh-wide latent (one KV head). A query at position p sees the window
+positions [p-W+1, p] and the compressed entries complete at p: all of them for a plain
+compressor (HCA), the indexer's top-k for ratio 4 (CSA), none for ratio 0.
+
+Prefill (start_pos == 0) attends over [fresh kv (S rows) | the prompt's entries] and then
+fills the ring with the last min(S, W) rows; decode (start_pos > 0, one token) writes ring
+slot p % W first and attends over [ring (W rows) | cached entries].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dsv4.codecs import act_quant_fp8
+from dsv4.compressor import KV_QUANT_BLOCK, Compressor, CompressorState
+from dsv4.config import ModelConfig
+from dsv4.indexer import Indexer
+from dsv4.layers import Linear, RMSNorm, frozen_param
+from dsv4.rope import Rope
+
+
+@dataclass
+class AttentionState:
+    """Per-sequence state of one layer: ring [W, Dh] (position p in slot p % W), and the
+    attention compressor's and indexer compressor's states (None when absent)."""
+
+    ring: torch.Tensor
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
+
+    def reset(self) -> None:
+        self.ring.zero_()
+        for st in (self.compressor, self.indexer):
+            if st is not None:
+                st.reset()
+
+
+class Attention(nn.Module):
+    """One layer's attention, parameterised by (cfg, layer_id) (spec §5.1).
+
+    Parameters: wq_a [Lq, D], q_norm [Lq], wq_b [H*Dh, Lq], wkv [Dh, D], kv_norm [Dh],
+    attn_sink [H] fp32, wo_a [G*Lo, Dg], wo_b [D, G*Lo]; `compressor` when r > 0,
+    `indexer` when r == 4. Linears hold `dtype`; norms, sink and compressor math are fp32.
+    With `quant_sim`: fp8 activation sim before fp8-stored linears (not wo_a, which the
+    reference keeps in bf16), fp8 sim of kv[:Dn] (blocks of 64), compressor/indexer sims.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, quant_sim: bool,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        D, H, Dh, G = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.o_groups
+        self.n_heads, self.head_dim, self.groups = H, Dh, G
+        self.rope_dim, self.window, self.ratio = cfg.rope_head_dim, cfg.window_size, cfg.layer_ratio(layer_id)
+        self.max_seq_len, self.quant_sim = cfg.max_seq_len, quant_sim
+        self.softmax_scale = Dh ** -0.5
+        self.eps = cfg.norm_eps
+        fp8 = quant_sim and cfg.weight_dtype == "fp8"
+        self.rope = Rope.for_layer(cfg, layer_id, device)
+        self.wq_a = Linear(D, cfg.q_lora_rank, dtype, device, act_quant=fp8)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps, device)
+        self.wq_b = Linear(cfg.q_lora_rank, H * Dh, dtype, device, act_quant=fp8)
+        self.wkv = Linear(D, Dh, dtype, device, act_quant=fp8)
+        self.kv_norm = RMSNorm(Dh, cfg.norm_eps, device)
+        self.attn_sink = frozen_param((H,), torch.float32, device)
+        self.wo_a = Linear(H * Dh // G, G * cfg.o_lora_rank, dtype, device)
+        self.wo_b = Linear(G * cfg.o_lora_rank, D, dtype, device, act_quant=fp8)
+        self.compressor = self.indexer = None
+        if self.ratio:
+            self.compressor = Compressor(D, Dh, self.ratio, self.rope, cfg.norm_eps, dtype, quant_sim,
+                                         rotate=False, device=device)
+        if self.ratio == 4:
+            self.indexer = Indexer(cfg, self.rope, dtype, quant_sim, device)
+
+    def new_state(self) -> AttentionState:
+        """Empty per-sequence state (ring zeros, compressor scores -inf)."""
+        ring = torch.zeros(self.window, self.head_dim, dtype=self.wkv.weight.dtype, device=self.wkv.weight.device)
+        return AttentionState(
+            ring=ring,
+            compressor=self.compressor.new_state(self.max_seq_len) if self.compressor else None,
+            indexer=self.indexer.compressor.new_state(self.max_seq_len) if self.indexer else None,
+        )
+
+    # ------------------------------------------------------------------ projections (reusable by DSpark)
+    def project_q(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [S, D], pos [S] -> (q [S, H, Dh] roped, per-head unweighted RMS-scaled; qr [S, Lq]) (spec §5.2)."""
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)).float()  # (S, H, Dh)
+        q = (q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)).to(qr.dtype)
+        return self.rope(q, pos), qr
+
+    def project_kv(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """x [S, D], pos [S] -> kv [S, Dh]: kv_norm(wkv(x)), roped; fp8 sim of kv[:, :Dn] when quant_sim."""
+        kv = self.rope(self.kv_norm(self.wkv(x)), pos)
+        if self.quant_sim:
+            dn = self.head_dim - self.rope_dim
+            kv = torch.cat((act_quant_fp8(kv[:, :dn], KV_QUANT_BLOCK), kv[:, dn:]), dim=-1)
+        return kv
+
+    def project_out(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """o [S, H, Dh] -> [S, D]: inverse rope at pos, block-diagonal wo_a per group, wo_b (spec §5.5)."""
+        o = self.rope(o, pos, inverse=True).flatten(1).unflatten(1, (self.groups, -1))  # (S, G, Dg)
+        wa = self.wo_a.weight.unflatten(0, (self.groups, -1))  # (G, Lo, Dg)
+        z = torch.einsum("sgd,grd->sgr", o.to(wa.dtype), wa)  # (S, G, Lo)
+        return self.wo_b(z.flatten(1))
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: torch.Tensor, start_pos: int, st: AttentionState) -> torch.Tensor:
+        """x [S, D] (normed sublayer input) at positions start_pos.. -> [S, D]; updates `st`.
+
+        start_pos == 0 is a prefill of the whole prompt into an empty state; start_pos > 0
+        is one decode token (S == 1).
+        """
+        S = x.shape[0]
+        pos = torch.arange(start_pos, start_pos + S, device=x.device)
+        q, qr = self.project_q(x, pos)
+        kv = self.project_kv(x, pos)
+        if start_pos == 0:
+            keys, idx = self._prefill_keys(x, qr, kv, st)
+        else:
+            if S != 1:
+                raise ValueError(f"decode at start_pos={start_pos} takes 1 token, got S={S}")
+            keys, idx = self._decode_keys(x, qr, kv, start_pos, st)
+        o = sparse_attn(q, keys, self.attn_sink, idx, self.softmax_scale)
+        return self.project_out(o, pos)
+
+    def _prefill_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor,
+                      st: AttentionState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [S + n, Dh] = [kv | entries] and index lists [S, Kw + Kc] for a prompt (spec §5.4)."""
+        S, W, r = x.shape[0], self.window, self.ratio
+        t = torch.arange(S, device=x.device)
+        win = t[:, None] - torch.arange(min(S, W), device=x.device)[None, :]  # [S, Kw]: t, t-1, ...
+        lists = [win.clamp(min=-1)]
+        keys = kv
+        if r == 4:
+            top = self.indexer(x, qr, 0, st.indexer)  # [S, K]
+            lists.append(torch.where(top >= 0, top + S, top))
+        if r:
+            self.compressor.prefill(x, st.compressor)
+            keys = torch.cat((kv, st.compressor.entries()))
+        if r and r != 4:
+            j = torch.arange(S // r, device=x.device)
+            lists.append(torch.where(j[None, :] < ((t + 1) // r)[:, None], j[None, :] + S, -1))  # [S, S//r]
+        keep = min(S, W)
+        st.ring[(t[-keep:] % W)] = kv[-keep:]
+        return keys, torch.cat(lists, dim=1)
+
+    def _decode_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, p: int,
+                     st: AttentionState) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [W + n, Dh] = [ring | entries] and the index list [1, Kw + Kc] for position p (spec §5.4)."""
+        W, r = self.window, self.ratio
+        lists = [torch.arange(min(p + 1, W), device=x.device)]  # ring slots holding positions p-W+1..p
+        if r == 4:
+            top = self.indexer(x, qr, p, st.indexer)[0]  # [K]
+            lists.append(torch.where(top >= 0, top + W, top))
+        st.ring[p % W] = kv[0]
+        keys = st.ring
+        if r:
+            self.compressor.step(x, p, st.compressor)
+            keys = torch.cat((st.ring, st.compressor.entries()))
+        if r and r != 4:
+            lists.append(W + torch.arange(st.compressor.n_entries, device=x.device))
+        return keys, torch.cat(lists)[None, :]
+
+
+def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """Gather-then-softmax attention with a per-head sink in the denominator (spec §5.4).
+
+    q [S, H, Dh], kv [N, Dh] (key = value), sink [H] fp32, idx [S, K] int64 rows of kv
+    (-1 = masked), scale = Dh^-0.5. Returns [S, H, Dh] in q.dtype. Stable form: the running
+    max includes the sink, m = max(max logits, sink); out = sum exp(l - m) v / (sum exp(l - m)
+    + exp(sink - m)). Computed in fp32.
+    """
+    rows = kv[idx.clamp(min=0)].float()  # (S, K, Dh)
+    logits = torch.einsum("shd,skd->shk", q.float(), rows) * scale  # (S, H, K)
+    logits = logits.masked_fill((idx < 0)[:, None, :], float("-inf"))
+    m = torch.maximum(logits.amax(-1), sink[None, :]).unsqueeze(-1)  # (S, H, 1)
+    p = torch.exp(logits - m)
+    den = p.sum(-1, keepdim=True) + torch.exp(sink[None, :, None] - m)
+    return torch.einsum("shk,skd->shd", p / den, rows).to(q.dtype)

@@ -1,0 +1,161 @@
+"""KV compressor: pools every r consecutive tokens into one compressed entry (spec §5.6).
+
+Dimension legend: S = tokens in a call, D = model dim, r = compress ratio, k = 2 if the
+compressor is overlapped (r == 4) else 1, d = entry width (head_dim for the attention
+compressor, index_head_dim for the indexer's), n = complete blocks, Dn = d - R (no-rope part).
+
+Entry j covers positions [j*r, (j+1)*r). Per token t: v_t = wkv(x_t), g_t = wgate(x_t) +
+ape[t mod r] (both [k*d], fp32). Plain: c_j = sum over the r slots of softmax_slots(g) * v,
+per channel. Overlapped: 2r slots = the previous block's tokens (first half of v/g) then
+the current block's tokens (second half); block 0's previous slots are value 0 / score -inf.
+Then c = norm(c in model dtype), rope at position j*r, and with quantisation simulation
+either the fp8 round trip of c[:Dn] (attention) or Hadamard + fp4 round trip (indexer).
+
+Decode keeps the raw (v, g) rows of the unfinished block in `CompressorState` (`kv`,
+`score`: [k*r, k*d]; overlapped: rows [0, r) = previous block, [r, 2r) = current block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dsv4.codecs import act_quant_fp4, act_quant_fp8, hadamard_rotate
+from dsv4.layers import Linear, RMSNorm, frozen_param
+from dsv4.rope import Rope
+
+KV_QUANT_BLOCK = 64  # fp8 sim block of the no-rope part of K/V (spec §5.2)
+FP4_QUANT_BLOCK = 32  # fp4 sim block of indexer vectors (spec §5.7)
+
+
+@dataclass
+class CompressorState:
+    """Per-sequence compressor state.
+
+    kv, score: [k*r, k*d] fp32 raw values / gate scores (ape included) of unfinished blocks
+    (empty rows: value 0, score -inf). cache: [max_seq_len // r, d] model dtype, the entries;
+    the first `n_entries` rows are valid.
+    """
+
+    kv: torch.Tensor
+    score: torch.Tensor
+    cache: torch.Tensor
+    n_entries: int = 0
+
+    def reset(self) -> None:
+        """Back to empty: kv 0, score -inf, cache zeroed, no entries (spec §5.6 implementation note)."""
+        self.kv.zero_()
+        self.score.fill_(float("-inf"))
+        self.cache.zero_()
+        self.n_entries = 0
+
+    def entries(self) -> torch.Tensor:
+        """The valid entries [n_entries, d]."""
+        return self.cache[: self.n_entries]
+
+
+class Compressor(nn.Module):
+    """Attention or indexer compressor of one layer (spec §5.6).
+
+    Parameters: wkv.weight, wgate.weight [k*d, D] fp32 (computed in fp32 as the reference),
+    ape [r, k*d] fp32, norm.weight [d] fp32. `rotate=True` marks the indexer's compressor
+    (Hadamard + fp4 sim when `quant_sim`); otherwise fp8 sim of c[:Dn] when `quant_sim`.
+    """
+
+    def __init__(self, dim: int, head_dim: int, ratio: int, rope: Rope, norm_eps: float,
+                 dtype: torch.dtype, quant_sim: bool, rotate: bool, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.ratio, self.head_dim, self.dtype = ratio, head_dim, dtype
+        self.overlap = ratio == 4
+        self.quant_sim, self.rotate = quant_sim, rotate
+        width = (2 if self.overlap else 1) * head_dim
+        self.wkv = Linear(dim, width, torch.float32, device)
+        self.wgate = Linear(dim, width, torch.float32, device)
+        self.ape = frozen_param((ratio, width), torch.float32, device)
+        self.norm = RMSNorm(head_dim, norm_eps, device)
+        self.rope = rope  # shared with the layer (not a state-dict entry: its buffer is non-persistent)
+
+    def new_state(self, max_seq_len: int) -> CompressorState:
+        """Empty state with room for max_seq_len // r entries."""
+        dev = self.ape.device
+        rows, width = self.ape.shape[0] * (2 if self.overlap else 1), self.ape.shape[1]
+        st = CompressorState(
+            kv=torch.zeros(rows, width, device=dev),
+            score=torch.empty(rows, width, device=dev),
+            cache=torch.zeros(max_seq_len // self.ratio, self.head_dim, dtype=self.dtype, device=dev),
+        )
+        st.reset()
+        return st
+
+    def _project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [S, D], pos [S] -> v, g [S, k*d] fp32 (g includes ape[pos mod r])."""
+        xf = x.float()
+        return self.wkv(xf), self.wgate(xf) + self.ape[pos % self.ratio]
+
+    def prefill(self, x: torch.Tensor, st: CompressorState) -> None:
+        """Compress a whole prompt x [S, D] (positions 0..S-1) into a reset state.
+
+        Writes entries 0..S//r-1 and hands the unfinished rows to the decode state: the
+        last complete block's (v, g) to rows [0, r) when overlapped, the S mod r remainder
+        tokens to rows off + (0..S mod r - 1) (off = r if overlapped else 0).
+        """
+        S, r, d = x.shape[0], self.ratio, self.head_dim
+        st.reset()
+        v, g = self._project(x, torch.arange(S, device=x.device))
+        n = S // r
+        cutoff = n * r
+        if n:
+            vb = v[:cutoff].view(n, r, -1)  # (n, r, k*d)
+            gb = g[:cutoff].view(n, r, -1)  # (n, r, k*d)
+            if self.overlap:
+                prev_v = torch.cat((vb.new_zeros(1, r, d), vb[:-1, :, :d]))  # (n, r, d)
+                prev_g = torch.cat((gb.new_full((1, r, d), float("-inf")), gb[:-1, :, :d]))  # (n, r, d)
+                vb = torch.cat((prev_v, vb[:, :, d:]), dim=1)  # (n, 2r, d)
+                gb = torch.cat((prev_g, gb[:, :, d:]), dim=1)  # (n, 2r, d)
+            st.cache[:n] = self.finalize(pool(vb, gb), torch.arange(n, device=x.device) * r)
+            st.n_entries = n
+            if self.overlap:
+                st.kv[:r], st.score[:r] = v[cutoff - r:cutoff], g[cutoff - r:cutoff]
+        off = r if self.overlap else 0
+        st.kv[off:off + S - cutoff], st.score[off:off + S - cutoff] = v[cutoff:], g[cutoff:]
+
+    def step(self, x: torch.Tensor, pos: int, st: CompressorState) -> bool:
+        """Feed one token x [1, D] at position `pos`; returns True when it completed entry pos // r.
+
+        Overlapped: at a block boundary the current half (rows [r, 2r)) shifts into the
+        previous half (rows [0, r)); nothing is cleared (the next block overwrites it).
+        """
+        r, d, i = self.ratio, self.head_dim, pos % self.ratio
+        v, g = self._project(x, torch.tensor([pos], device=x.device))
+        row = r + i if self.overlap else i
+        st.kv[row], st.score[row] = v[0], g[0]
+        if (pos + 1) % r:
+            return False
+        if self.overlap:
+            vs = torch.cat((st.kv[:r, :d], st.kv[r:, d:]))  # (2r, d)
+            gs = torch.cat((st.score[:r, :d], st.score[r:, d:]))  # (2r, d)
+            st.kv[:r], st.score[:r] = st.kv[r:].clone(), st.score[r:].clone()
+        else:
+            vs, gs = st.kv, st.score
+        j = pos // r
+        st.cache[j] = self.finalize(pool(vs[None], gs[None]), torch.tensor([j * r], device=x.device))[0]
+        st.n_entries = j + 1
+        return True
+
+    def finalize(self, c: torch.Tensor, first_pos: torch.Tensor) -> torch.Tensor:
+        """Pooled c [n, d] fp32 -> stored entries [n, d] model dtype: norm, rope at first_pos [n], quant sim."""
+        c = self.rope(self.norm(c.to(self.dtype)), first_pos)
+        if not self.quant_sim:
+            return c
+        if self.rotate:
+            return act_quant_fp4(hadamard_rotate(c), FP4_QUANT_BLOCK)
+        dn = self.head_dim - 2 * self.rope.inv_freq.shape[0]
+        return torch.cat((act_quant_fp8(c[:, :dn], KV_QUANT_BLOCK), c[:, dn:]), dim=-1)
+
+
+def pool(v: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Channel-wise softmax pooling over slots: v, g [n, slots, d] fp32 -> [n, d]."""
+    return (torch.softmax(g, dim=1) * v).sum(1)
+

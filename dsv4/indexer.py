@@ -1,0 +1,90 @@
+"""Lightning indexer of ratio-4 layers: picks the top-k compressed entries per query (spec §5.7).
+
+Dimension legend: S = query tokens, D = dim, Lq = q_lora_rank, Hi = index_n_heads,
+Di = index_head_dim, E = compressed entries available, K = min(index_topk, E).
+
+score[s, t] = sum_h relu(qi[s, h] . kc[t]) * w[s, h], w = weights_proj(x) * Di^-0.5 * Hi^-0.5;
+entry t is visible to the query at position p iff t < (p + 1) // 4 (its block is complete).
+No softmax, no sink. The Hadamard rotation of queries and entries is applied only with
+quantisation simulation: it is orthonormal, so without the fp4 round trip it leaves every
+score unchanged. Ties break towards the lower entry index (a stable descending sort), so
+prefill and decode select the same entries when scores are equal (e.g. several exact zeros
+after the relu).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv4.codecs import act_quant_fp4, hadamard_rotate
+from dsv4.compressor import FP4_QUANT_BLOCK, Compressor, CompressorState
+from dsv4.config import ModelConfig
+from dsv4.layers import Linear
+from dsv4.rope import Rope
+
+INDEX_RATIO = 4
+
+
+class Indexer(nn.Module):
+    """Parameters: wq_b.weight [Hi*Di, Lq], weights_proj.weight [Hi, D] (model dtype), and an
+    overlapped ratio-4 `compressor` of width Di (rotate=True). Uses its layer's `rope`."""
+
+    def __init__(self, cfg: ModelConfig, rope: Rope, dtype: torch.dtype, quant_sim: bool,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.quant_sim = quant_sim
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, device,
+                           act_quant=quant_sim and cfg.weight_dtype == "fp8")
+        self.weights_proj = Linear(cfg.dim, self.n_heads, dtype, device)
+        self.compressor = Compressor(cfg.dim, self.head_dim, INDEX_RATIO, rope, cfg.norm_eps, dtype,
+                                     quant_sim, rotate=True, device=device)
+        self.rope = rope
+
+    def project_q(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """qr [S, Lq] -> qi [S, Hi, Di]: wq_b, rope at pos [S]; Hadamard + fp4 sim when quant_sim."""
+        qi = self.rope(self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)), pos)  # (S, Hi, Di)
+        if self.quant_sim:
+            qi = act_quant_fp4(hadamard_rotate(qi), FP4_QUANT_BLOCK)
+        return qi
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """x [S, D] -> per-head score weights [S, Hi] fp32."""
+        return self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, start_pos: int, st: CompressorState) -> torch.Tensor:
+        """Top-k entry indices for queries at positions start_pos.. (x [S, D], qr [S, Lq]) -> [S, K] int64.
+
+        start_pos == 0: compresses the prompt (`Compressor.prefill`); otherwise feeds the S
+        tokens one by one (`Compressor.step`). Slots with no visible entry hold -1.
+        """
+        S = x.shape[0]
+        pos = torch.arange(start_pos, start_pos + S, device=x.device)
+        if start_pos == 0:
+            self.compressor.prefill(x, st)
+        else:
+            for s in range(S):
+                self.compressor.step(x[s:s + 1], start_pos + s, st)
+        scores = index_scores(self.project_q(qr, pos), self.head_weights(x), st.entries())  # [S, E]
+        return select_topk(scores, (pos + 1) // INDEX_RATIO, self.topk)
+
+
+def index_scores(qi: torch.Tensor, w: torch.Tensor, kc: torch.Tensor) -> torch.Tensor:
+    """qi [S, Hi, Di], w [S, Hi] fp32, kc [E, Di] -> scores [S, E] fp32 (spec §5.7)."""
+    dots = torch.einsum("shd,ed->she", qi.float(), kc.float())  # [S, Hi, E]
+    return (torch.relu(dots) * w.unsqueeze(-1)).sum(1)
+
+
+def select_topk(scores: torch.Tensor, n_visible: torch.Tensor, topk: int) -> torch.Tensor:
+    """Top-min(topk, E) visible entries per row: scores [S, E], n_visible [S] -> [S, K] int64, -1 = none.
+
+    Entries t >= n_visible[s] are invisible to row s. Order: descending score, ties to the
+    lower index.
+    """
+    E = scores.shape[1]
+    k = min(topk, E)
+    visible = torch.arange(E, device=scores.device)[None, :] < n_visible[:, None]  # [S, E]
+    masked = scores.masked_fill(~visible, float("-inf"))
+    top = torch.sort(masked, dim=-1, descending=True, stable=True).indices[:, :k]  # [S, K]
+    return torch.where(top < n_visible[:, None], top, torch.full_like(top, -1))
