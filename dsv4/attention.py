@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from dsv4.codecs import act_quant_fp8
-from dsv4.compressor import KV_QUANT_BLOCK, Compressor, CompressorState
+from dsv4.compressor import KV_QUANT_BLOCK, Compressor, CompressorJournal, CompressorState
 from dsv4.config import ModelConfig
 from dsv4.indexer import Indexer
 from dsv4.layers import Linear, RMSNorm, frozen_param
@@ -39,10 +39,30 @@ class AttentionState:
     indexer: CompressorState | None = None
 
     def reset(self) -> None:
+        """Back to empty: ring zeroed, compressor states reset."""
         self.ring.zero_()
         for st in (self.compressor, self.indexer):
             if st is not None:
                 st.reset()
+
+
+@dataclass
+class AttentionUndo:
+    """What one verify block changed in one layer's `AttentionState` (issue #4 rollback).
+
+    start_pos, n_tokens: the block's positions; slots: the ring slots it wrote (the last
+    min(n_tokens, W) positions' p % W); ring_rows [len(slots), Dh]: those slots before the
+    block; block_kv [n_tokens, Dh]: the block's own rows (kept ones are written back after a
+    restore); compressor / indexer: their journals.
+    """
+
+    start_pos: int
+    n_tokens: int
+    slots: torch.Tensor
+    ring_rows: torch.Tensor
+    block_kv: torch.Tensor
+    compressor: CompressorJournal | None = None
+    indexer: CompressorJournal | None = None
 
 
 class Attention(nn.Module):
@@ -114,11 +134,13 @@ class Attention(nn.Module):
         return self.wo_b(z.flatten(1))
 
     # ------------------------------------------------------------------ forward
-    def forward(self, x: torch.Tensor, start_pos: int, st: AttentionState) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, start_pos: int, st: AttentionState,
+                undo: list[AttentionUndo] | None = None) -> torch.Tensor:
         """x [S, D] (normed sublayer input) at positions start_pos.. -> [S, D]; updates `st`.
 
         start_pos == 0 is a prefill of the whole prompt into an empty state; start_pos > 0
-        is one decode token (S == 1).
+        without `undo` is one decode token (S == 1); with `undo` (a list to append this
+        layer's `AttentionUndo` to) it is a verify block of S >= 1 tokens (`_block_keys`).
         """
         S = x.shape[0]
         pos = torch.arange(start_pos, start_pos + S, device=x.device)
@@ -126,12 +148,77 @@ class Attention(nn.Module):
         kv = self.project_kv(x, pos)
         if start_pos == 0:
             keys, idx = self._prefill_keys(x, qr, kv, st)
+        elif undo is not None:
+            keys, idx = self._block_keys(x, qr, kv, start_pos, st, undo)
         else:
             if S != 1:
                 raise ValueError(f"decode at start_pos={start_pos} takes 1 token, got S={S}")
             keys, idx = self._decode_keys(x, qr, kv, start_pos, st)
         o = sparse_attn(q, keys, self.attn_sink, idx, self.softmax_scale)
         return self.project_out(o, pos)
+
+    def rollback(self, st: AttentionState, record: AttentionUndo, keep: int, ring: bool = True,
+                 compressor: bool = True) -> int:
+        """Undo a verify block's tokens keep..n_tokens-1 in `st`; returns bytes copied (saves + restores).
+
+        `ring=False` / `compressor=False` skip that part (tests show each is needed).
+        """
+        row_bytes = record.ring_rows.element_size() * record.ring_rows.shape[1]
+        copied = record.ring_rows.shape[0] * row_bytes  # the save
+        if ring and keep < record.n_tokens:
+            # Restore every written slot, then write the kept rows back: the ring then holds
+            # exactly positions start_pos + keep - W .. start_pos + keep - 1.
+            st.ring[record.slots] = record.ring_rows
+            kept = torch.arange(record.start_pos, record.start_pos + keep)[-self.window:]
+            st.ring[kept % self.window] = record.block_kv[: keep][-self.window:]
+            copied += (record.ring_rows.shape[0] + kept.numel()) * row_bytes
+        parts = ((self.compressor, record.compressor, st.compressor),
+                 (self.indexer.compressor if self.indexer else None, record.indexer, st.indexer))
+        for module, journal, cst in parts:
+            if journal is None:
+                continue
+            if compressor:
+                copied += module.rollback(cst, journal, keep)
+            else:
+                cst.journal = None
+        return copied
+
+    def _block_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, n: int,
+                    st: AttentionState, undo: list[AttentionUndo]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [W + S + E, Dh] = [ring before the block | block kv | entries] and per-query
+        index lists [S, W + Kc] for a verify block at positions n..n+S-1 (issue #4).
+
+        The three rules: (1) query n+i reads window positions < n from the ring as it was
+        before the block (the block's writes evict positions still in earlier queries'
+        windows) and positions >= n from the block's own rows; (2) it sees only the
+        compressed entries complete at n+i (plain: j < (n+i+1)//r; indexer top-k restricted
+        per query); (3) the compressors step token by token and may emit entries mid-block.
+        Every state change is journaled in an `AttentionUndo` appended to `undo`.
+        """
+        S, W, r, dev = x.shape[0], self.window, self.ratio, x.device
+        written = torch.arange(n, n + S, device=dev)[-W:]  # only the last W positions stay in the ring
+        slots = written % W
+        record = AttentionUndo(n, S, slots, st.ring[slots].clone(), kv)
+        q_pos = torch.arange(n, n + S, device=dev)
+        win_pos = q_pos[:, None] - torch.arange(W, device=dev)[None, :]  # [S, W] positions q, q-1, ...
+        win = torch.where(win_pos >= n, W + win_pos - n, win_pos % W)
+        lists = [torch.where(win_pos >= 0, win, -1)]
+        if r == 4:
+            record.indexer = self.indexer.compressor.open_journal(st.indexer, n, S)
+            top = self.indexer(x, qr, n, st.indexer)  # [S, K], steps the indexer compressor per token
+            lists.append(torch.where(top >= 0, top + W + S, top))
+        keys = torch.cat((st.ring, kv))
+        if r:
+            record.compressor = self.compressor.open_journal(st.compressor, n, S)
+            for i in range(S):
+                self.compressor.step(x[i:i + 1], n + i, st.compressor)
+            keys = torch.cat((keys, st.compressor.entries()))
+        if r and r != 4:
+            j = torch.arange(st.compressor.n_entries, device=dev)
+            lists.append(torch.where(j[None, :] < ((q_pos + 1) // r)[:, None], j[None, :] + W + S, -1))
+        st.ring[slots] = kv[-W:]
+        undo.append(record)
+        return keys, torch.cat(lists, dim=1)
 
     def _prefill_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor,
                       st: AttentionState) -> tuple[torch.Tensor, torch.Tensor]:

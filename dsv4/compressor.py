@@ -43,6 +43,7 @@ class CompressorState:
     score: torch.Tensor
     cache: torch.Tensor
     n_entries: int = 0
+    journal: "CompressorJournal | None" = None  # open while a verify block steps this state
 
     def reset(self) -> None:
         """Back to empty: kv 0, score -inf, cache zeroed, no entries (spec §5.6 implementation note)."""
@@ -50,10 +51,35 @@ class CompressorState:
         self.score.fill_(float("-inf"))
         self.cache.zero_()
         self.n_entries = 0
+        self.journal = None
 
     def entries(self) -> torch.Tensor:
         """The valid entries [n_entries, d]."""
         return self.cache[: self.n_entries]
+
+
+@dataclass
+class CompressorJournal:
+    """What a multi-token verify block did to one `CompressorState`, for exact rollback.
+
+    rows: indices of the state rows the block may modify, saved before its first step
+    (each token writes its own row; an overlapped boundary also overwrites rows [0, r));
+    kv_rows, score_rows: their contents then; n_entries: the entry count then;
+    steps: the (pos, v [k*d], g [k*d]) projections fed, in order, so kept tokens can be
+    replayed bit for bit. Cache rows past the restored `n_entries` are invisible and are
+    rewritten when their block completes again, so they are not saved.
+    """
+
+    rows: torch.Tensor
+    kv_rows: torch.Tensor
+    score_rows: torch.Tensor
+    n_entries: int
+    steps: list[tuple[int, torch.Tensor, torch.Tensor]]
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes copied out of the state when the journal was opened."""
+        return self.kv_rows.numel() * self.kv_rows.element_size() * 2
 
 
 class Compressor(nn.Module):
@@ -124,13 +150,22 @@ class Compressor(nn.Module):
     def step(self, x: torch.Tensor, pos: int, st: CompressorState) -> bool:
         """Feed one token x [1, D] at position `pos`; returns True when it completed entry pos // r.
 
+        While `st.journal` is open (see `open_journal`) the token's projections are recorded
+        so a verify block can be rolled back exactly (`rollback`).
+
         Overlapped: at a block boundary the current half (rows [r, 2r)) shifts into the
         previous half (rows [0, r)); nothing is cleared (the next block overwrites it).
         """
-        r, d, i = self.ratio, self.head_dim, pos % self.ratio
         v, g = self._project(x, torch.tensor([pos], device=x.device))
+        if st.journal is not None:
+            st.journal.steps.append((pos, v[0], g[0]))
+        return self._apply(v[0], g[0], pos, st)
+
+    def _apply(self, v: torch.Tensor, g: torch.Tensor, pos: int, st: CompressorState) -> bool:
+        """Write one token's projections v, g [k*d] at `pos` into `st`; pool at a block boundary."""
+        r, d, i = self.ratio, self.head_dim, pos % self.ratio
         row = r + i if self.overlap else i
-        st.kv[row], st.score[row] = v[0], g[0]
+        st.kv[row], st.score[row] = v, g
         if (pos + 1) % r:
             return False
         if self.overlap:
@@ -140,9 +175,39 @@ class Compressor(nn.Module):
         else:
             vs, gs = st.kv, st.score
         j = pos // r
-        st.cache[j] = self.finalize(pool(vs[None], gs[None]), torch.tensor([j * r], device=x.device))[0]
+        st.cache[j] = self.finalize(pool(vs[None], gs[None]), torch.tensor([j * r], device=st.cache.device))[0]
         st.n_entries = j + 1
         return True
+
+    def open_journal(self, st: CompressorState, start_pos: int, n_tokens: int) -> CompressorJournal:
+        """Open `st.journal`: save the rows tokens start_pos..start_pos+n_tokens-1 may modify.
+
+        Each token writes row (r + pos % r) if overlapped else (pos % r); a block boundary of
+        the overlapped layout also shifts rows [r, 2r) into [0, r).
+        """
+        r = self.ratio
+        pos = torch.arange(start_pos, start_pos + n_tokens)
+        rows = (pos % r + (r if self.overlap else 0)).tolist()
+        if self.overlap and bool(((pos + 1) % r == 0).any()):
+            rows += list(range(r))
+        idx = torch.tensor(sorted(set(rows)), device=st.kv.device)
+        st.journal = CompressorJournal(idx, st.kv[idx].clone(), st.score[idx].clone(), st.n_entries, [])
+        return st.journal
+
+    def rollback(self, st: CompressorState, journal: CompressorJournal, keep: int) -> int:
+        """Undo a journaled block, keeping its first `keep` tokens; returns bytes copied.
+
+        Restores the saved rows and entry count, then replays the kept tokens' recorded
+        projections (`_apply`), so the state equals that of feeding only the kept tokens.
+        """
+        st.journal = None
+        if keep >= len(journal.steps):  # everything kept: the state is already right
+            return journal.saved_bytes
+        st.kv[journal.rows], st.score[journal.rows] = journal.kv_rows, journal.score_rows
+        st.n_entries = journal.n_entries
+        for pos, v, g in journal.steps[:keep]:
+            self._apply(v, g, pos, st)
+        return journal.saved_bytes * 2  # saved once, written back once
 
     def finalize(self, c: torch.Tensor, first_pos: torch.Tensor) -> torch.Tensor:
         """Pooled c [n, d] fp32 -> stored entries [n, d] model dtype: norm, rope at first_pos [n], quant sim."""

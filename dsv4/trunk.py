@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dsv4.attention import Attention, AttentionState
+from dsv4.attention import Attention, AttentionState, AttentionUndo
 from dsv4.config import ModelConfig
 from dsv4.layers import Embedding, Linear, RMSNorm, frozen_param
 from dsv4.mhc import hc_head, hc_post, hc_pre, lane_mean
@@ -76,9 +76,13 @@ class Block(nn.Module):
         """h [S, C, D], ids [S] (hash routing) -> h after the MoE sublayer."""
         return self._residual(h, "ffn", self.ffn_norm, lambda x: self.ffn(x, ids))
 
-    def forward(self, h: torch.Tensor, ids: torch.Tensor, start_pos: int, st: AttentionState) -> torch.Tensor:
-        """Trunk block: h [S, C, D], ids [S] at positions start_pos.. -> [S, C, D]; updates `st`."""
-        h = self.attn_residual(h, lambda x: self.attn(x, start_pos, st))
+    def forward(self, h: torch.Tensor, ids: torch.Tensor, start_pos: int, st: AttentionState,
+                undo: list[AttentionUndo] | None = None) -> torch.Tensor:
+        """Trunk block: h [S, C, D], ids [S] at positions start_pos.. -> [S, C, D]; updates `st`.
+
+        `undo`: for a verify block, the list this layer's `AttentionUndo` is appended to.
+        """
+        h = self.attn_residual(h, lambda x: self.attn(x, start_pos, st, undo))
         return self.ffn_residual(h, ids)
 
 
@@ -96,6 +100,26 @@ class TrunkState:
         for st in self.layers:
             st.reset()
         self.next_position = 0
+
+
+@dataclass(frozen=True)
+class BlockUndo:
+    """Everything a verify block changed in a `TrunkState`: its positions and one
+    `AttentionUndo` per layer (ring slots, compressor and indexer journals)."""
+
+    start_pos: int
+    n_tokens: int
+    layers: list[AttentionUndo]
+
+
+@dataclass(frozen=True)
+class BlockOutput:
+    """Result of `Trunk.forward_block`: logits [S, V] fp32 and taps [S, T*D] fp32 of every
+    block position, and the undo record `Trunk.rollback` needs."""
+
+    logits: torch.Tensor
+    taps: torch.Tensor
+    undo: BlockUndo
 
 
 @dataclass(frozen=True)
@@ -225,6 +249,61 @@ class Trunk(nn.Module):
         ids = self._check_ids(torch.as_tensor([token_id]) if not torch.is_tensor(token_id) else token_id.reshape(1))
         return self._forward(state, ids, position, 1 if taps else None)
 
+    def forward_block(self, state: TrunkState, token_ids: torch.Tensor, start_pos: int) -> BlockOutput:
+        """Verify forward: ids [S] (the anchor and k = S-1 drafts) at start_pos..start_pos+S-1
+        in one multi-position pass (issue #4 "batched"), with every state change journaled.
+
+        Each query sees only its own causal window and the compressed entries complete at
+        its position; compressors step token by token (see `Attention._block_keys`). The
+        state advances to start_pos + S; call `rollback(state, out.undo, keep)` next to keep
+        the first `keep` positions (the anchor plus the accepted drafts).
+        Raises:
+            ValueError: start_pos != state.next_position or start_pos == 0 (prefill first),
+                the block runs past max_seq_len, or a bad token id.
+        """
+        if start_pos != state.next_position or start_pos == 0:
+            raise ValueError(f"verify block at start_pos={start_pos} needs a prefilled state at that "
+                             f"position, got next_position={state.next_position}")
+        ids = self._check_ids(token_ids)
+        S = ids.shape[0]
+        if start_pos + S > self.cfg.max_seq_len:
+            raise ValueError(f"verify block of {S} tokens at {start_pos} runs past max_seq_len={self.cfg.max_seq_len}")
+        self._check_state(state)
+        cfg, undo = self.cfg, []
+        h = self.embed(ids).unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # (S, C, D)
+        rows = []
+        with torch.no_grad():
+            for i, block in enumerate(self.layers):
+                h = block(h, ids, start_pos, state.layers[i], undo)
+                if i in cfg.dspark_target_layer_ids:
+                    rows.append(lane_mean(h))  # [S, D]
+            x = hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, cfg.norm_eps, cfg.hc_eps)
+            logits = self.head(self.norm(x).float())  # [S, V] fp32
+        state.next_position = start_pos + S
+        return BlockOutput(logits, torch.cat(rows, dim=-1), BlockUndo(start_pos, S, undo))
+
+    def rollback(self, state: TrunkState, undo: BlockUndo, keep: int, ring: bool = True,
+                 compressor: bool = True) -> int:
+        """Keep the first `keep` positions of a verify block and undo the rest exactly.
+
+        Restores the ring slots the rejected positions overwrote, the compressor and indexer
+        accumulators (replaying the kept tokens' projections after the destructive boundary
+        shift), and the compressed-entry counts; the state then equals one that forwarded
+        only the kept positions. Returns the bytes copied (saves + restores). `ring=False` /
+        `compressor=False` disable one part (tests show each is needed).
+        Raises:
+            ValueError: keep outside [1, n_tokens], or the state moved since the block.
+        """
+        if not 1 <= keep <= undo.n_tokens:
+            raise ValueError(f"rollback keep={keep}: must lie in [1, {undo.n_tokens}]")
+        if state.next_position != undo.start_pos + undo.n_tokens:
+            raise ValueError(f"rollback: state is at position {state.next_position}, the block ended at "
+                             f"{undo.start_pos + undo.n_tokens}")
+        copied = sum(layer.attn.rollback(st, u, keep, ring, compressor)
+                     for layer, u, st in zip(self.layers, undo.layers, state.layers))
+        state.next_position = undo.start_pos + keep
+        return copied
+
     # ------------------------------------------------------------------ internals
     def _check_ids(self, token_ids: torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(token_ids)
@@ -238,6 +317,13 @@ class Trunk(nn.Module):
             raise ValueError(f"token id {int(ids[i])} at index {i} outside [0, vocab_size={self.cfg.vocab_size})")
         return ids.to(device=self.embed.weight.device, dtype=torch.int64)
 
+    def _check_state(self, state: TrunkState) -> None:
+        if not self._loaded:
+            raise RuntimeError("Trunk weights are not loaded: call load_weights first")
+        if len(state.layers) != len(self.layers):
+            raise ValueError(f"state has {len(state.layers)} layers, the model {len(self.layers)}: "
+                             "use model.new_state()")
+
     @torch.no_grad()
     def _forward(self, state: TrunkState, ids: torch.Tensor, start_pos: int,
                  keep: int | None = None) -> ForwardOutput:
@@ -245,11 +331,7 @@ class Trunk(nn.Module):
 
         keep: number of trailing tap rows to return, None for no taps.
         """
-        if not self._loaded:
-            raise RuntimeError("Trunk weights are not loaded: call load_weights first")
-        if len(state.layers) != len(self.layers):
-            raise ValueError(f"state has {len(state.layers)} layers, the model {len(self.layers)}: "
-                             "use model.new_state()")
+        self._check_state(state)
         cfg = self.cfg
         S = ids.shape[0]
         h = self.embed(ids).unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # (S, C, D)

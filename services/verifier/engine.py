@@ -1,0 +1,261 @@
+"""Verifier engine: per-generation target sessions, prefill, decode, and draft-block verify.
+
+Dimension legend: V = vocab, T = len(dspark_target_layer_ids), D = dim, k = drafts in a
+block, a = accepted drafts (0 <= a <= k), W = window_size.
+
+Row contract (DESIGN.md §3, issue #4). A session's committed tokens are x[0..n]; the target
+state holds positions 0..n-1 and x[n] is the anchor (the target's argmax at n-1).
+`verify(session, anchor, drafts, position=n)` forwards [anchor, d1..dk] at positions n..n+k,
+accepts the longest prefix a with d_{i+1} == argmax(logits at n+i), and returns the bonus
+token argmax(logits at n+a), the new anchor's top1 - top2 margin, and the tap rows of
+positions n..n+a: exactly what the target consumed and committed (the bonus token has not
+been forwarded; it is the next round's anchor). `decode` returns the row of the position it
+consumed. After either call the state holds positions 0..n+a and `next_position` = n+a+1.
+
+Correctness policy.
+  Asserted (tests/test_verifier_engine.py):
+    * sequential verify is exact w.r.t. plain decode: it forwards one position at a time
+      and stops at the first mismatch, so nothing uncommitted enters the state;
+    * batched verify's per-position logits and rows match k+1 sequential decodes within
+      rel. 1e-4 in fp32 (quantisation simulation off), at positions that wrap the ring and
+      straddle compressor boundaries;
+    * rollback is exact: after a batched verify that accepted a of k drafts, the state
+      equals (bitwise) the state of a run that forwarded only the a+1 committed positions
+      in the same block shape, and continuations are identical for any rejected suffix.
+  Reported, never asserted: the first token where batched and sequential greedy chains
+  diverge and the top1 - top2 margin there (GEMM shapes change reduction order; the seed
+  measured such drift turning into different tokens).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv4.trunk import Trunk, TrunkState
+
+VERIFY_MODES = ("sequential", "batched")
+
+
+class SessionLimitError(RuntimeError):
+    """No session slot free (the service maps this to RESOURCE_EXHAUSTED)."""
+
+
+class UnknownSessionError(KeyError):
+    """The session id is not open (closed, never opened, or from another engine)."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """Result of prefill or decode.
+
+    next_token: argmax of the last consumed position's logits (the new anchor).
+    margin: top1 - top2 logit there (logit units).
+    rows: [R, T*D] fp32 tap rows of `positions` (prefill: the last min(n, keep_rows)).
+    positions: absolute positions of `rows`.
+    forward_ms: wall time of the model forward (ms).
+    """
+
+    next_token: int
+    margin: float
+    rows: torch.Tensor
+    positions: range
+    forward_ms: float
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """Result of verifying a draft block [anchor, d1..dk] at positions n..n+k.
+
+    accepted: a, the longest matching prefix of the drafts (0..k).
+    bonus_token: the target's argmax at n+a (the next anchor; not yet forwarded).
+    margin: top1 - top2 logit at n+a.
+    rows: [a+1, T*D] fp32 tap rows of positions n..n+a.
+    positions: range(n, n+a+1).
+    forwarded: positions forwarded (sequential: a+1, it stops at the first mismatch;
+        batched: k+1).
+    rollback_bytes: bytes copied to restore the state after rejected positions (batched).
+    forward_ms: wall time of the model forwards (ms).
+    """
+
+    accepted: int
+    bonus_token: int
+    margin: float
+    rows: torch.Tensor
+    positions: range
+    forwarded: int
+    rollback_bytes: int
+    forward_ms: float
+
+
+@dataclass
+class _Session:
+    state: TrunkState
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    prefilled: bool = False
+
+
+def top2_margin(logits: torch.Tensor) -> tuple[int, float]:
+    """logits [V] -> (argmax id, top1 - top2 in logit units). Ties pick the lowest id (torch.argmax)."""
+    top = torch.topk(logits.float(), 2).values
+    return int(logits.argmax()), float(top[0] - top[1])
+
+
+class VerifierEngine:
+    """Sessions over one `Trunk` (TP=1 here; `services.verifier.tp` drives TP > 1).
+
+    Args:
+        model: a loaded `Trunk` (or a TP driver with the same interface).
+        max_sessions: open sessions allowed at once (>= 1).
+        prefill_keep_rows: tap rows a prefill returns (default: window_size, what the
+            drafter's rings can hold).
+    Raises:
+        ValueError: max_sessions < 1.
+    Thread safety: calls on different sessions may run concurrently; calls on one session
+    are serialised by its lock.
+    """
+
+    def __init__(self, model: Trunk, max_sessions: int = 16, prefill_keep_rows: int | None = None):
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions={max_sessions}: must be >= 1")
+        self.model, self.cfg = model, model.cfg
+        self.max_sessions = max_sessions
+        self.keep_rows = self.cfg.window_size if prefill_keep_rows is None else prefill_keep_rows
+        self._sessions: dict[int, _Session] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ sessions
+    def open_session(self) -> int:
+        """Open a session; returns its id. Raises SessionLimitError when max_sessions are open."""
+        with self._lock:
+            if len(self._sessions) >= self.max_sessions:
+                raise SessionLimitError(f"session limit reached: {self.max_sessions} sessions open")
+            sid = next(self._ids)
+            self._sessions[sid] = _Session(self.model.new_state())
+            return sid
+
+    def close_session(self, sid: int) -> None:
+        """Free a session's state; closing an unknown or closed session is a no-op."""
+        with self._lock:
+            self._sessions.pop(sid, None)
+
+    @property
+    def num_sessions(self) -> int:
+        """Sessions open now."""
+        return len(self._sessions)
+
+    def session_bytes(self, sid: int) -> int:
+        """Bytes of target state held by session `sid` (rings, compressor states, caches)."""
+        return self.model.state_bytes(self._get(sid).state)
+
+    def next_position(self, sid: int) -> int:
+        """The position the session's next forwarded token takes (= tokens committed so far - 1 + 1)."""
+        return self._get(sid).state.next_position
+
+    def _get(self, sid: int) -> _Session:
+        try:
+            return self._sessions[sid]
+        except KeyError:
+            raise UnknownSessionError(f"session {sid} is not open") from None
+
+    # ------------------------------------------------------------------ prefill / decode
+    def prefill(self, sid: int, token_ids: list[int] | torch.Tensor) -> StepResult:
+        """Forward the prompt x[0..n-1] at positions 0..n-1; returns the first anchor x[n].
+
+        Raises:
+            ValueError: empty prompt, ids out of range, prompt too long, session already prefilled.
+            UnknownSessionError: `sid` not open.
+        """
+        s = self._get(sid)
+        with s.lock:
+            if s.prefilled:
+                raise ValueError(f"session {sid} is already prefilled (next position {s.state.next_position})")
+            ids = torch.as_tensor(token_ids)
+            t0 = time.perf_counter()
+            out = self.model.prefill(s.state, ids, keep_rows=self.keep_rows, taps=True)
+            ms = (time.perf_counter() - t0) * 1e3
+            s.prefilled = True
+            n = s.state.next_position
+            token, margin = top2_margin(out.logits)
+            return StepResult(token, margin, out.taps, range(n - out.taps.shape[0], n), ms)
+
+    def decode(self, sid: int, token_id: int, position: int) -> StepResult:
+        """Forward one committed token at `position` (must be the session's next position).
+
+        Returns the argmax at `position` (the next anchor), its margin and the row of `position`.
+        Raises:
+            ValueError: position is not the session's next position (both named), session not
+                prefilled, id out of range, position beyond max_seq_len.
+        """
+        s = self._get(sid)
+        with s.lock:
+            self._check_position(sid, s, position)
+            t0 = time.perf_counter()
+            out = self.model.decode(s.state, token_id, position, taps=True)
+            token, margin = top2_margin(out.logits)
+            return StepResult(token, margin, out.taps, range(position, position + 1),
+                              (time.perf_counter() - t0) * 1e3)
+
+    def _check_position(self, sid: int, s: _Session, position: int) -> None:
+        if not s.prefilled:
+            raise ValueError(f"session {sid} has no prompt yet: prefill first")
+        if position != s.state.next_position:
+            raise ValueError(f"position={position} is not session {sid}'s next position "
+                             f"{s.state.next_position}")
+
+    # ------------------------------------------------------------------ verify
+    def verify(self, sid: int, anchor: int, drafts: list[int], position: int,
+               mode: str = "sequential") -> VerifyResult:
+        """Verify [anchor, d1..dk] at positions position..position+k (see the module docstring).
+
+        mode "sequential": one position at a time, stopping at the first mismatch (exact).
+        mode "batched": one (k+1)-position forward, then exact rollback of positions
+        n+a+1..n+k (ring slots, compressor accumulators, compressed and indexer caches).
+        Raises:
+            ValueError: unknown mode, wrong position (named), ids out of range, a block that
+                would run past max_seq_len.
+        """
+        if mode not in VERIFY_MODES:
+            raise ValueError(f"verify mode={mode!r}: must be one of {VERIFY_MODES}")
+        s = self._get(sid)
+        with s.lock:
+            self._check_position(sid, s, position)
+            k = len(drafts)
+            if position + k >= self.cfg.max_seq_len:
+                raise ValueError(f"verify block at position {position} with {k} drafts runs past "
+                                 f"max_seq_len={self.cfg.max_seq_len}")
+            ids = [int(anchor), *map(int, drafts)]
+            bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} outside [0, vocab_size={self.cfg.vocab_size})")
+            if mode == "sequential" or k == 0:
+                return self._verify_sequential(s, ids, position)
+            return self._verify_batched(s, ids, position)
+
+    def _verify_sequential(self, s: _Session, ids: list[int], n: int) -> VerifyResult:
+        rows, t0 = [], time.perf_counter()
+        for i, tok in enumerate(ids):
+            out = self.model.decode(s.state, tok, n + i, taps=True)
+            rows.append(out.taps)
+            target, margin = top2_margin(out.logits)
+            if i + 1 == len(ids) or target != ids[i + 1]:
+                ms = (time.perf_counter() - t0) * 1e3
+                return VerifyResult(i, target, margin, torch.cat(rows), range(n, n + i + 1), i + 1, 0, ms)
+        raise AssertionError("unreachable: the loop returns at its last position")
+
+    def _verify_batched(self, s: _Session, ids: list[int], n: int) -> VerifyResult:
+        t0 = time.perf_counter()
+        out = self.model.forward_block(s.state, torch.tensor(ids), n)
+        targets = out.logits.argmax(-1).tolist()  # [k+1]
+        a = 0
+        while a + 1 < len(ids) and targets[a] == ids[a + 1]:
+            a += 1
+        copied = self.model.rollback(s.state, out.undo, keep=a + 1)
+        bonus, margin = top2_margin(out.logits[a])
+        ms = (time.perf_counter() - t0) * 1e3
+        return VerifyResult(a, bonus, margin, out.taps[: a + 1], range(n, n + a + 1), len(ids), copied, ms)
