@@ -23,8 +23,10 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
+# Benchmarks print ratios measured in one run; nothing is asserted.
 bench: setup
-	$(PY) -m bench.run_all
+	$(PY) -m bench.bench_trunk
+	$(PY) -m bench.bench_verify
 
 clean:
 	rm -rf $(VENV) build *.egg-info
