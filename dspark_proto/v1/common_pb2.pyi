@@ -1,0 +1,73 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("data", "dtype", "shape")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TraceContext(_message.Message):
+    __slots__ = ("traceparent", "tracestate")
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    TRACESTATE_FIELD_NUMBER: _ClassVar[int]
+    traceparent: str
+    tracestate: str
+    def __init__(self, traceparent: _Optional[str] = ..., tracestate: _Optional[str] = ...) -> None: ...
+
+class ComputeTiming(_message.Message):
+    __slots__ = ("forward_ms", "queue_ms", "rollback_bytes")
+    FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    forward_ms: float
+    queue_ms: float
+    rollback_bytes: int
+    def __init__(self, forward_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., rollback_bytes: _Optional[int] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelIdentity(_message.Message):
+    __slots__ = ("role", "config_hash", "vocab_size", "block_size", "window_size", "target_layer_ids", "row_width", "tp", "max_seq_len", "confidence_head", "noise_token_id", "eos_token_id", "max_sessions", "open_sessions", "drafter_kind")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_LAYER_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROW_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LEN_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_HEAD_FIELD_NUMBER: _ClassVar[int]
+    NOISE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_KIND_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    config_hash: str
+    vocab_size: int
+    block_size: int
+    window_size: int
+    target_layer_ids: _containers.RepeatedScalarFieldContainer[int]
+    row_width: int
+    tp: int
+    max_seq_len: int
+    confidence_head: bool
+    noise_token_id: int
+    eos_token_id: int
+    max_sessions: int
+    open_sessions: int
+    drafter_kind: str
+    def __init__(self, role: _Optional[str] = ..., config_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., window_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., row_width: _Optional[int] = ..., tp: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., confidence_head: _Optional[bool] = ..., noise_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., drafter_kind: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,74 @@
+from dspark_proto.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VerifyMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    VERIFY_MODE_UNSPECIFIED: _ClassVar[VerifyMode]
+    VERIFY_MODE_SEQUENTIAL: _ClassVar[VerifyMode]
+    VERIFY_MODE_BATCHED: _ClassVar[VerifyMode]
+VERIFY_MODE_UNSPECIFIED: VerifyMode
+VERIFY_MODE_SEQUENTIAL: VerifyMode
+VERIFY_MODE_BATCHED: VerifyMode
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("token_id", "position")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    position: int
+    def __init__(self, token_id: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("anchor", "drafts", "position", "mode")
+    ANCHOR_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    anchor: int
+    drafts: _containers.RepeatedScalarFieldContainer[int]
+    position: int
+    mode: VerifyMode
+    def __init__(self, anchor: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., mode: _Optional[_Union[VerifyMode, str]] = ...) -> None: ...
+
+class VerifierRequest(_message.Message):
+    __slots__ = ("trace", "prefill", "decode", "verify")
+    TRACE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_FIELD_NUMBER: _ClassVar[int]
+    trace: _common_pb2.TraceContext
+    prefill: PrefillRequest
+    decode: DecodeRequest
+    verify: VerifyRequest
+    def __init__(self, trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
+
+class VerifierResponse(_message.Message):
+    __slots__ = ("next_token", "margin", "accepted", "rows", "first_position", "next_position", "timing")
+    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MARGIN_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    NEXT_POSITION_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    next_token: int
+    margin: float
+    accepted: int
+    rows: _common_pb2.Tensor
+    first_position: int
+    next_position: int
+    timing: _common_pb2.ComputeTiming
+    def __init__(self, next_token: _Optional[int] = ..., margin: _Optional[float] = ..., accepted: _Optional[int] = ..., rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_position: _Optional[int] = ..., next_position: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ComputeTiming, _Mapping]] = ...) -> None: ...
