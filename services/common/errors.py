@@ -1,0 +1,23 @@
+"""Map engine exceptions to gRPC status codes (DESIGN.md §6): client faults are never INTERNAL."""
+
+from __future__ import annotations
+
+import grpc
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    """INVALID_ARGUMENT for ValueError/TypeError, RESOURCE_EXHAUSTED for a session limit,
+    NOT_FOUND for an unknown session, INTERNAL otherwise."""
+    name = type(exc).__name__
+    if name == "SessionLimitError":
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if name == "UnknownSessionError":
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, (ValueError, TypeError)):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+def message_for(exc: BaseException) -> str:
+    """The exception's message without KeyError's quoting."""
+    return str(exc.args[0]) if isinstance(exc, KeyError) and exc.args else str(exc)

@@ -1,0 +1,113 @@
+"""OpenTelemetry setup: tracer providers, exporters, gRPC interceptors, trace context in messages.
+
+A session is one long gRPC stream, so the interceptors alone give one span per generation on
+each backend (DESIGN.md §7). Every stream message therefore carries the W3C trace context of
+the gateway span that sent it (`dspark.v1.TraceContext`), and the backend opens a child span
+per message from it (`message_span`).
+
+Exporters (`tracer_provider_from_env`): `OTEL_TRACES_EXPORTER` = `otlp` (the standard
+`OTEL_EXPORTER_OTLP_*` variables apply), `console`, or `none` (default); and, independently,
+`DSPARK_TRACES_JSONL=PATH` appends every span as one JSON line to PATH for offline analysis.
+Tests pass their own provider with an in-memory exporter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from typing import Iterator, Mapping, Sequence
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, filters
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExporter, SpanExporter,
+                                            SpanExportResult, SimpleSpanProcessor)
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from dspark_proto.v1 import common_pb2
+
+TRACER_NAME = "dspark"
+_PROPAGATOR = TraceContextTextMapPropagator()
+EXPORTERS = ("otlp", "console", "none")
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Appends each finished span as one JSON object per line to `path` (thread-safe)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._lock = threading.Lock()
+        self._file = open(path, "a", encoding="utf-8")
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = "".join(json.dumps(json.loads(s.to_json()), separators=(",", ":")) + "\n" for s in spans)
+        with self._lock:
+            self._file.write(lines)
+            self._file.flush()
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def tracer_provider_from_env(service_name: str, environ: Mapping[str, str] = os.environ) -> TracerProvider:
+    """A provider for `service_name` with the exporters the environment asks for (module docstring).
+
+    Raises:
+        ValueError: OTEL_TRACES_EXPORTER names an unsupported exporter (the value is named).
+    """
+    resource = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME", service_name)})
+    provider = TracerProvider(resource=resource)
+    names = [n.strip() for n in environ.get("OTEL_TRACES_EXPORTER", "none").split(",") if n.strip()]
+    for name in names:
+        if name not in EXPORTERS:
+            raise ValueError(f"OTEL_TRACES_EXPORTER={environ['OTEL_TRACES_EXPORTER']!r}: "
+                             f"supported exporters are {EXPORTERS}")
+        if name == "otlp":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        elif name == "console":
+            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    path = environ.get("DSPARK_TRACES_JSONL")
+    if path:
+        provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(path)))
+    return provider
+
+
+def server_interceptors(provider: TracerProvider | None) -> list:
+    """OTel server interceptor (health checks filtered out), or none without a provider."""
+    if provider is None:
+        return []
+    return [aio_server_interceptor(tracer_provider=provider, filter_=filters.negate(filters.health_check()))]
+
+
+def client_interceptors(provider: TracerProvider | None) -> list:
+    """OTel client interceptors for a channel, or none without a provider."""
+    if provider is None:
+        return []
+    return list(aio_client_interceptors(tracer_provider=provider, filter_=filters.negate(filters.health_check())))
+
+
+def trace_context(span: trace.Span | None = None) -> common_pb2.TraceContext:
+    """The W3C context of `span` (default: the current span) as a message field."""
+    carrier: dict[str, str] = {}
+    ctx = trace.set_span_in_context(span) if span is not None else None
+    _PROPAGATOR.inject(carrier, context=ctx)
+    return common_pb2.TraceContext(traceparent=carrier.get("traceparent", ""),
+                                   tracestate=carrier.get("tracestate", ""))
+
+
+@contextlib.contextmanager
+def message_span(provider: TracerProvider | None, name: str, tc: common_pb2.TraceContext,
+                 attributes: Mapping[str, object] | None = None) -> Iterator[trace.Span]:
+    """A span `name` whose parent is the message's trace context (a no-op span without a provider)."""
+    tracer = (provider or trace.NoOpTracerProvider()).get_tracer(TRACER_NAME)
+    parent = _PROPAGATOR.extract({"traceparent": tc.traceparent, "tracestate": tc.tracestate}) \
+        if tc.traceparent else otel_context.Context()
+    with tracer.start_as_current_span(name, context=parent, attributes=dict(attributes or {})) as span:
+        yield span

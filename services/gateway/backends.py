@@ -1,0 +1,195 @@
+"""Backend sessions as the scheduler sees them: over gRPC streams, or in process.
+
+A `VerifierSession` / `DrafterSession` is one generation's session on one backend. The gRPC
+versions hold one bidirectional `Session` stream each (so the backend's state lives exactly as
+long as the generation and a load balancer keeps it on one replica); every request carries the
+trace context of the gateway's round span, and every reply is awaited with the per-round
+timeout. The in-process versions call the engines directly (in a worker thread) and round
+rows to bfloat16 exactly as the wire does, so both paths produce the same drafts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import grpc
+import torch
+
+from dspark_proto.v1 import common_pb2, drafter_pb2, verifier_pb2
+from services.common.tensors import from_proto, to_proto
+
+_MODE_ENUM = {"sequential": verifier_pb2.VERIFY_MODE_SEQUENTIAL, "batched": verifier_pb2.VERIFY_MODE_BATCHED}
+
+
+class BackendError(RuntimeError):
+    """A backend failed, closed its stream or missed the round timeout (`code` = gRPC status)."""
+
+    def __init__(self, backend: str, message: str, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE):
+        super().__init__(f"{backend}: {message}")
+        self.backend, self.code = backend, code
+
+
+@dataclass(frozen=True)
+class VerifierReply:
+    """next_token: the new anchor; margin: its top1 - top2 logit; accepted: drafts accepted;
+    rows [R, T*D] fp32 (bf16-rounded) of positions first_position..; forward_ms: compute time."""
+
+    next_token: int
+    margin: float
+    accepted: int
+    rows: torch.Tensor
+    first_position: int
+    forward_ms: float
+    rollback_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class DraftReply:
+    """tokens [block]; confidence_logits [block] or None without a confidence head; forward_ms."""
+
+    tokens: list[int]
+    confidence_logits: list[float] | None
+    forward_ms: float
+
+
+class VerifierSession(Protocol):
+    async def prefill(self, token_ids: Sequence[int], trace: common_pb2.TraceContext) -> VerifierReply: ...
+    async def decode(self, token_id: int, position: int, trace: common_pb2.TraceContext) -> VerifierReply: ...
+    async def verify(self, anchor: int, drafts: Sequence[int], position: int, mode: str,
+                     trace: common_pb2.TraceContext) -> VerifierReply: ...
+    async def close(self) -> None: ...
+
+
+class DrafterSession(Protocol):
+    async def commit(self, rows: torch.Tensor, first_position: int, token_ids: Sequence[int],
+                     token_first_position: int, trace: common_pb2.TraceContext) -> None: ...
+    async def draft(self, anchor: int, seed_position: int, trace: common_pb2.TraceContext) -> DraftReply: ...
+    async def close(self) -> None: ...
+
+
+def wire_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Rows as they arrive over the wire: rounded to bfloat16, returned as fp32."""
+    return rows.to(torch.bfloat16).float()
+
+
+# ---------------------------------------------------------------------------- gRPC
+class _Stream:
+    """One bidirectional stream: send a request, await its reply within `timeout_s`."""
+
+    def __init__(self, name: str, method, timeout_s: float, deadline_s: float, metadata=None):
+        self.name, self.timeout_s = name, timeout_s
+        self.call = method(timeout=deadline_s, metadata=metadata)
+
+    async def ask(self, request):
+        try:
+            await asyncio.wait_for(self.call.write(request), self.timeout_s)
+            reply = await asyncio.wait_for(self.call.read(), self.timeout_s)
+        except asyncio.TimeoutError:
+            self.call.cancel()
+            raise BackendError(self.name, f"no reply within the round timeout of {self.timeout_s:g} s",
+                               grpc.StatusCode.DEADLINE_EXCEEDED) from None
+        except grpc.aio.AioRpcError as e:
+            raise BackendError(self.name, f"{e.code().name}: {e.details()}", e.code()) from None
+        if reply is grpc.aio.EOF:
+            raise BackendError(self.name, "stream closed by the backend")
+        return reply
+
+    async def close(self) -> None:
+        self.call.cancel()
+
+
+class GrpcVerifierSession:
+    """A verifier `Session` stream (see the module docstring)."""
+
+    def __init__(self, stub, timeout_s: float, deadline_s: float, metadata=None):
+        self._s = _Stream("verifier", stub.Session, timeout_s, deadline_s, metadata)
+
+    async def _ask(self, trace, **op) -> VerifierReply:
+        r = await self._s.ask(verifier_pb2.VerifierRequest(trace=trace, **op))
+        return VerifierReply(r.next_token, r.margin, r.accepted, from_proto(r.rows).float(), r.first_position,
+                             r.timing.forward_ms, r.timing.rollback_bytes)
+
+    async def prefill(self, token_ids, trace):
+        return await self._ask(trace, prefill=verifier_pb2.PrefillRequest(token_ids=list(token_ids)))
+
+    async def decode(self, token_id, position, trace):
+        return await self._ask(trace, decode=verifier_pb2.DecodeRequest(token_id=token_id, position=position))
+
+    async def verify(self, anchor, drafts, position, mode, trace):
+        req = verifier_pb2.VerifyRequest(anchor=anchor, drafts=list(drafts), position=position, mode=_MODE_ENUM[mode])
+        return await self._ask(trace, verify=req)
+
+    async def close(self):
+        await self._s.close()
+
+
+class GrpcDrafterSession:
+    """A drafter `Session` stream (see the module docstring)."""
+
+    def __init__(self, stub, timeout_s: float, deadline_s: float, metadata=None):
+        self._s = _Stream("drafter", stub.Session, timeout_s, deadline_s, metadata)
+
+    async def commit(self, rows, first_position, token_ids, token_first_position, trace):
+        req = drafter_pb2.CommitRequest(rows=to_proto(rows), first_position=first_position,
+                                        token_ids=list(token_ids), token_first_position=token_first_position)
+        await self._s.ask(drafter_pb2.DrafterRequest(trace=trace, commit=req))
+
+    async def draft(self, anchor, seed_position, trace):
+        r = await self._s.ask(drafter_pb2.DrafterRequest(
+            trace=trace, draft=drafter_pb2.DraftRequest(anchor=anchor, seed_position=seed_position)))
+        conf = list(r.confidence_logits) if len(r.confidence_logits) else None
+        return DraftReply(list(r.tokens), conf, r.timing.forward_ms)
+
+    async def close(self):
+        await self._s.close()
+
+
+# ---------------------------------------------------------------------------- in process
+class LocalVerifierSession:
+    """A session on an in-process `VerifierEngine`."""
+
+    def __init__(self, engine):
+        self.engine, self.sid = engine, engine.open_session()
+
+    async def prefill(self, token_ids, trace):
+        r = await asyncio.to_thread(self.engine.prefill, self.sid, list(token_ids))
+        return VerifierReply(r.next_token, r.margin, 0, wire_rows(r.rows), r.positions.start, r.forward_ms)
+
+    async def decode(self, token_id, position, trace):
+        r = await asyncio.to_thread(self.engine.decode, self.sid, token_id, position)
+        return VerifierReply(r.next_token, r.margin, 0, wire_rows(r.rows), r.positions.start, r.forward_ms)
+
+    async def verify(self, anchor, drafts, position, mode, trace):
+        r = await asyncio.to_thread(self.engine.verify, self.sid, anchor, list(drafts), position, mode)
+        return VerifierReply(r.bonus_token, r.margin, r.accepted, wire_rows(r.rows), r.positions.start,
+                             r.forward_ms, r.rollback_bytes)
+
+    async def close(self):
+        self.engine.close_session(self.sid)
+
+
+class LocalDrafterSession:
+    """A session on an in-process drafter engine (DSpark or oracle)."""
+
+    def __init__(self, engine):
+        self.engine, self.sid = engine, engine.open_session()
+
+    async def commit(self, rows, first_position, token_ids, token_first_position, trace):
+        def run():
+            observe = getattr(self.engine, "observe_tokens", None)
+            if observe is not None and token_ids:
+                observe(self.sid, token_first_position, list(token_ids))
+            self.engine.commit(self.sid, wire_rows(rows), range(first_position, first_position + rows.shape[0]))
+        await asyncio.to_thread(run)
+
+    async def draft(self, anchor, seed_position, trace):
+        import time
+        t0 = time.perf_counter()
+        tokens, conf = await asyncio.to_thread(self.engine.draft, self.sid, anchor, seed_position)
+        return DraftReply(list(tokens), None if conf is None else [float(c) for c in conf],
+                          (time.perf_counter() - t0) * 1e3)
+
+    async def close(self):
+        self.engine.close_session(self.sid)

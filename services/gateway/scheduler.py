@@ -1,0 +1,379 @@
+"""The speculative scheduler: one greedy generation as rounds over a verifier and a drafter.
+
+Round protocol (DESIGN.md §3). After prefill of x[0..n-1] the verifier returns the first
+anchor x[n] (streamed as the first completion token) and the prompt's last min(n, W) rows,
+which prime the drafter. Each round, with the anchor x[p] at position p:
+  1. pre-draft margin gate (`Gate.should_draft`): skip drafting when the anchor's margin is
+     below DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD;
+  2. draft d1..dB and confidence logits from anchor x[p], seed position p-1;
+  3. length choice k <= B: `always` submits max_n, `gated` asks the gate; max_n caps k by the
+     remaining max_tokens (a round adds k+1 tokens at most) and the room before max_seq_len;
+  4. verify [x[p], d1..dk] at p..p+k (or decode x[p] when k = 0): a accepted, bonus token,
+     margin, rows of positions p..p+a;
+  5. commit those rows to the drafter, stream d1..da + bonus token by token with the stop
+     checks, feed the gate (censored), advance p by a+1.
+A drafter failure degrades the generation to plain decode (identical output under sequential
+verify); a verifier failure ends it (the servicer answers UNAVAILABLE).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+
+from services.common.telemetry import TRACER_NAME, trace_context
+from services.gateway.backends import BackendError, DrafterSession, VerifierSession
+from services.gateway.costs import CostTracker
+from services.gateway.gate import Gate, GateConfig, GateStats
+from services.gateway.rounds import Round
+from services.gateway.tokenizer import Detokenizer, Tokenizer
+
+SPEC_MODES = ("off", "always", "gated")
+VERIFY_MODES = ("sequential", "batched")
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the scheduler must know about the served model (from the verifier's identity)."""
+
+    vocab_size: int
+    max_seq_len: int
+    eos_token_id: int
+    block_size: int
+    confidence_head: bool = True
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """A validated request. Counts in tokens."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    spec: str
+    stop_token_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()
+    label: str = "live"
+
+
+@dataclass
+class SpecCounters:
+    """Per-generation speculation counters (tokens and rounds)."""
+
+    rounds: int = 0
+    drafted: int = 0
+    submitted: int = 0
+    accepted: int = 0
+    verify_rounds: int = 0
+    margin_skipped_rounds: int = 0
+    truncated_rounds: int = 0
+    skipped_after_draft: int = 0
+    plain_rounds: int = 0
+    drafter_failed: bool = False
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / submitted (0 when nothing was submitted)."""
+        return self.accepted / self.submitted if self.submitted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verify round, the bonus token included (0 without verify rounds)."""
+        return (self.accepted + self.verify_rounds) / self.verify_rounds if self.verify_rounds else 0.0
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.update(acceptance_rate=self.acceptance_rate, mean_acceptance_length=self.mean_acceptance_length)
+        return out
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Tokens committed and streamed in one round (after stop checks) and their text delta."""
+
+    token_ids: list[int]
+    text_delta: str
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    """End of a generation: finish reason ("stop" | "length"), counts, stats and timings (ms)."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    text: str
+    text_delta: str
+    counters: SpecCounters
+    gate: dict
+    time_to_first_token_ms: float
+
+
+@dataclass
+class ProcessStats:
+    """Process-wide counters over finished generations (the `Gateway.Stats` RPC). Thread-safe."""
+
+    generations: int = 0
+    completion_tokens: int = 0
+    counters: SpecCounters = field(default_factory=SpecCounters)
+    gate: GateStats = field(default_factory=GateStats)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, final: FinalEvent, gate_stats: GateStats) -> None:
+        with self._lock:
+            self.generations += 1
+            self.completion_tokens += final.completion_tokens
+            for f in dataclasses.fields(SpecCounters):
+                if f.name != "drafter_failed":
+                    setattr(self.counters, f.name, getattr(self.counters, f.name) + getattr(final.counters, f.name))
+            self.gate.merge(gate_stats)
+
+    def to_dict(self) -> dict:
+        with self._lock:
+            counters = self.counters.to_dict()
+            counters.pop("drafter_failed")
+            return {"generations": self.generations, "completion_tokens": self.completion_tokens,
+                    "speculation": counters, "gate": self.gate.to_dict()}
+
+
+class Scheduler:
+    """Runs generations; shared by all requests of a gateway (state per generation only).
+
+    Args:
+        limits: the served model's limits.
+        tokenizer: text <-> ids.
+        gate_config: DEEPSEEK_DSPARK_GATE_* settings; `enabled` picks the default spec mode.
+        verify_mode: "sequential" or "batched".
+        cost_mode: "configured" or "measured" (see `services.gateway.costs`).
+        provider: tracer provider for generation and round spans (None: no spans).
+        recorder: a list that receives one `Round` per speculative round (`--record-rounds`).
+    """
+
+    def __init__(self, limits: ModelLimits, tokenizer: Tokenizer, gate_config: GateConfig,
+                 verify_mode: str = "batched", cost_mode: str = "configured",
+                 provider: TracerProvider | None = None, recorder: list[Round] | None = None):
+        if verify_mode not in VERIFY_MODES:
+            raise ValueError(f"verify mode={verify_mode!r}: must be one of {VERIFY_MODES}")
+        self.limits, self.tokenizer, self.gate_config = limits, tokenizer, gate_config
+        self.verify_mode, self.cost_mode = verify_mode, cost_mode
+        self.costs = CostTracker(gate_config.cost_model())
+        self.costs.model(cost_mode)  # validates the mode
+        self.tracer = (provider or trace.NoOpTracerProvider()).get_tracer(TRACER_NAME)
+        self.recorder = recorder
+        self.stats = ProcessStats()
+
+    # ------------------------------------------------------------------ validation
+    def params(self, prompt: str, prompt_ids: Sequence[int], max_tokens: int, spec: str,
+               temperature: float = 0.0, stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
+               ignore_eos: bool = False, label: str = "live") -> GenerationParams:
+        """Validate a request into `GenerationParams`.
+
+        Raises:
+            ValueError: naming the value: temperature != 0 (greedy only for now), an empty
+                prompt, a token id outside [0, vocab), max_tokens <= 0, prompt + max_tokens
+                beyond max_seq_len, an unknown spec mode, a stop token id out of range.
+        """
+        lim = self.limits
+        if temperature != 0:
+            raise ValueError(f"temperature={temperature:g}: only greedy decoding (temperature 0) is supported")
+        ids = list(prompt_ids) if len(prompt_ids) else self.tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError("empty prompt: give prompt text or prompt_token_ids")
+        bad = [t for t in ids if not 0 <= t < lim.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} outside [0, vocab_size={lim.vocab_size})")
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens={max_tokens}: must be > 0")
+        if len(ids) + max_tokens > lim.max_seq_len:
+            raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens} exceeds "
+                             f"max_seq_len={lim.max_seq_len}")
+        spec = spec or ("gated" if self.gate_config.enabled else "always")
+        if spec not in SPEC_MODES:
+            raise ValueError(f"spec={spec!r}: must be one of {SPEC_MODES}")
+        stops = set(stop_token_ids) | (set() if ignore_eos else {lim.eos_token_id})
+        bad = [t for t in stops if not 0 <= t < lim.vocab_size]
+        if bad:
+            raise ValueError(f"stop token id {bad[0]} outside [0, vocab_size={lim.vocab_size})")
+        return GenerationParams(tuple(ids), max_tokens, spec, frozenset(stops), tuple(s for s in stop if s), label)
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, p: GenerationParams, verifier: VerifierSession,
+                       drafter: DrafterSession | None) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """Run one generation; yields TokenEvents, then one FinalEvent.
+
+        `drafter` None (or spec "off") is plain decode. Raises BackendError when the verifier
+        fails; drafter failures are absorbed (plain decode from then on).
+        """
+        gen = _Generation(self, p, verifier, drafter if p.spec != "off" else None)
+        with self.tracer.start_as_current_span("gateway.generate") as span:
+            span.set_attribute("gen_ai.operation.name", "text_completion")
+            span.set_attribute("gen_ai.request.max_tokens", p.max_tokens)
+            span.set_attribute("gen_ai.usage.input_tokens", len(p.prompt_ids))
+            span.set_attribute("spec_decode.mode", p.spec)
+            async for event in gen.run():
+                if isinstance(event, FinalEvent):
+                    span.set_attribute("gen_ai.usage.output_tokens", event.completion_tokens)
+                    span.set_attribute("gen_ai.response.finish_reasons", [event.finish_reason])
+                    span.set_attribute("gen_ai.server.time_to_first_token", event.time_to_first_token_ms / 1e3)
+                    for k, v in event.counters.to_dict().items():
+                        span.set_attribute(f"spec_decode.{k}", v)
+                    self.stats.add(event, gen.gate.stats)
+                yield event
+
+
+class _Generation:
+    """State of one generation (see the module docstring for the round protocol)."""
+
+    def __init__(self, sched: Scheduler, p: GenerationParams, verifier: VerifierSession,
+                 drafter: DrafterSession | None):
+        self.s, self.p, self.verifier, self.drafter = sched, p, verifier, drafter
+        gate_cfg = sched.gate_config
+        if p.spec == "gated":
+            gate_cfg = dataclasses.replace(gate_cfg, enabled=sched.limits.confidence_head)
+        elif p.spec == "always":
+            gate_cfg = dataclasses.replace(gate_cfg, enabled=False)
+        self.gate = Gate(gate_cfg)
+        self.gate.cost = sched.costs.model(sched.cost_mode)  # snapshot for this generation
+        self.counters = SpecCounters()
+        self.detok = Detokenizer(sched.tokenizer, p.stop)
+        self.out: list[int] = []
+        self.finish: str | None = None
+        self.t0 = time.perf_counter()
+        self.ttft_ms = 0.0
+
+    async def run(self) -> AsyncIterator[TokenEvent | FinalEvent]:
+        p = self.p
+        with self.s.tracer.start_as_current_span("gateway.prefill") as span:
+            first = await self.verifier.prefill(p.prompt_ids, trace_context(span))
+        self.ttft_ms = (time.perf_counter() - self.t0) * 1e3
+        await self._commit(first.rows, first.first_position, p.prompt_ids, 0)
+        pos, anchor, margin = len(p.prompt_ids), first.next_token, first.margin
+        yield self._emit([anchor])
+        while self.finish is None:
+            a, new, margin = await self._round(anchor, pos, margin)
+            pos, anchor = pos + a + 1, new[-1]
+            yield self._emit(new)
+        yield FinalEvent(self.finish, len(p.prompt_ids), len(self.out), self.detok.text,
+                         self.detok.finish(), self.counters, self.gate.to_dict(), self.ttft_ms)
+
+    def _emit(self, tokens: list[int]) -> TokenEvent:
+        """Stream tokens one by one until a stop condition; sets `finish`."""
+        taken, delta = [], ""
+        for t in tokens:
+            taken.append(t)
+            self.out.append(t)
+            if t in self.p.stop_token_ids:
+                self.finish = "stop"
+                break
+            delta += self.detok.add(t)
+            if self.detok.stopped:
+                self.finish = "stop"
+                break
+            if len(self.out) >= self.p.max_tokens:
+                self.finish = "length"
+                break
+        return TokenEvent(taken, delta)
+
+    async def _round(self, anchor: int, pos: int, margin: float) -> tuple[int, list[int], float]:
+        """One round at anchor position `pos`; returns (accepted, new tokens, new anchor margin)."""
+        c, s = self.counters, self.s
+        c.rounds += 1
+        with s.tracer.start_as_current_span("spec_decode.round") as span:
+            tc = trace_context(span)
+            span.set_attribute("spec_decode.round", c.rounds)
+            span.set_attribute("spec_decode.anchor_margin", margin)
+            drafts, conf, draft_ms, decision = [], None, None, "plain"
+            if self.drafter is not None:
+                if self.gate.should_draft(margin):
+                    drafts, conf, draft_ms = await self._draft(anchor, pos, tc)
+                    decision = "full" if drafts else "plain"
+                else:
+                    c.margin_skipped_rounds += 1
+                    decision = "margin_skipped"
+            k = self._length(drafts, conf, pos)
+            if drafts and k < len(drafts):
+                decision = "skipped_after_draft" if k == 0 else "truncated"
+            t0 = time.perf_counter()
+            if k > 0:
+                res = await self.verifier.verify(anchor, drafts[:k], pos, s.verify_mode, tc)
+                verify_ms = (time.perf_counter() - t0) * 1e3
+                s.costs.add_verify(k, verify_ms)
+                c.verify_rounds += 1
+                c.submitted += k
+                c.accepted += res.accepted
+                if conf is not None:
+                    self.gate.observe(conf, k, res.accepted)
+            else:
+                res = await self.verifier.decode(anchor, pos, tc)
+                verify_ms = (time.perf_counter() - t0) * 1e3
+                s.costs.add_plain(verify_ms)
+                c.plain_rounds += 1
+            a = res.accepted
+            await self._commit(res.rows, pos, [anchor, *drafts[:a]], pos)
+            self._record(span, conf, k, a, margin, decision, draft_ms, verify_ms, len(drafts))
+            return a, [*drafts[:a], res.next_token], res.margin
+
+    async def _draft(self, anchor: int, pos: int, tc) -> tuple[list[int], list[float] | None, float | None]:
+        t0 = time.perf_counter()
+        try:
+            reply = await self.drafter.draft(anchor, pos - 1, tc)
+        except BackendError:
+            await self._drop_drafter()
+            return [], None, None
+        ms = (time.perf_counter() - t0) * 1e3
+        self.s.costs.add_draft(ms)
+        self.counters.drafted += len(reply.tokens)
+        return reply.tokens, reply.confidence_logits, ms
+
+    def _length(self, drafts: list[int], conf: list[float] | None, pos: int) -> int:
+        """k: drafts to submit, capped by the remaining budget and the room before max_seq_len."""
+        if not drafts:
+            return 0
+        remaining = self.p.max_tokens - len(self.out)  # this round adds at most k + 1 tokens
+        room = self.s.limits.max_seq_len - 2 - pos     # the bonus token must stay a valid position
+        max_n = max(0, min(len(drafts), remaining - 1, room))
+        if conf is None:
+            return max_n
+        k = self.gate.choose_length(conf, max_n)
+        if k < max_n:
+            if k == 0:
+                self.counters.skipped_after_draft += 1
+            else:
+                self.counters.truncated_rounds += 1
+        return k
+
+    async def _commit(self, rows, first_position: int, token_ids: Sequence[int], token_first: int) -> None:
+        if self.drafter is None:
+            return
+        try:
+            await self.drafter.commit(rows, first_position, token_ids, token_first,
+                                      trace_context(trace.get_current_span()))
+        except BackendError:
+            await self._drop_drafter()
+
+    async def _drop_drafter(self) -> None:
+        """The drafter failed: plain decode for the rest of this generation."""
+        drafter, self.drafter = self.drafter, None
+        self.counters.drafter_failed = True
+        trace.get_current_span().add_event("drafter_failed")
+        try:
+            await drafter.close()
+        except Exception:  # the stream is already broken; nothing more to free here
+            pass
+
+    def _record(self, span, conf, k, a, margin, decision, draft_ms, verify_ms, drafted) -> None:
+        for key, value in (("drafted", drafted), ("submitted", k), ("accepted", a), ("gate_decision", decision),
+                           ("verify_ms", verify_ms)):
+            span.set_attribute(f"spec_decode.{key}", value)
+        if draft_ms is not None:
+            span.set_attribute("spec_decode.draft_ms", draft_ms)
+        if self.s.recorder is not None and conf is not None:  # replay needs the confidences
+            self.s.recorder.append(Round(
+                workload=self.p.label, confidence_logits=tuple(conf),
+                submitted=k, accepted=a, anchor_margin=margin, draft_ms=draft_ms,
+                verify_ms=verify_ms if k > 0 else None, plain_ms=verify_ms if k == 0 else None))
