@@ -19,6 +19,7 @@ verify); a verifier failure ends it (the servicer answers UNAVAILABLE).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from services.gateway.gate import Gate, GateConfig, GateStats
 from services.gateway.rounds import Round
 from services.gateway.tokenizer import Detokenizer, Tokenizer
 
+log = logging.getLogger("dspark.gateway")
 SPEC_MODES = ("off", "always", "gated")
 VERIFY_MODES = ("sequential", "batched")
 
@@ -322,8 +324,8 @@ class _Generation:
         t0 = time.perf_counter()
         try:
             reply = await self.drafter.draft(anchor, pos - 1, tc)
-        except BackendError:
-            await self._drop_drafter()
+        except BackendError as exc:
+            await self._drop_drafter(exc)
             return [], None, None
         ms = (time.perf_counter() - t0) * 1e3
         self.s.costs.add_draft(ms)
@@ -353,14 +355,15 @@ class _Generation:
         try:
             await self.drafter.commit(rows, first_position, token_ids, token_first,
                                       trace_context(trace.get_current_span()))
-        except BackendError:
-            await self._drop_drafter()
+        except BackendError as exc:
+            await self._drop_drafter(exc)
 
-    async def _drop_drafter(self) -> None:
+    async def _drop_drafter(self, exc: BackendError) -> None:
         """The drafter failed: plain decode for the rest of this generation."""
         drafter, self.drafter = self.drafter, None
         self.counters.drafter_failed = True
-        trace.get_current_span().add_event("drafter_failed")
+        log.warning("drafter failed, generation continues with plain decode: %s", exc)
+        trace.get_current_span().add_event("drafter_failed", {"error": str(exc)})
         try:
             await drafter.close()
         except Exception:  # the stream is already broken; nothing more to free here

@@ -1,0 +1,134 @@
+"""Build and start the three services (used by `dspark serve|up`, tests and benchmarks).
+
+A model source is a checkpoint folder in the real layout (`dsv4.checkpoint`) or, with no
+checkpoint, `random_tiny_model()`: the spec §13 tiny config with fixed random weights, for
+smoke tests. Each service process loads only its own consumer set: the verifier the trunk
+tensors, the drafter `mtp.*` + embed + head (the oracle drafter the trunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+from opentelemetry.sdk.trace import TracerProvider
+
+from dspark_proto.v1 import drafter_pb2_grpc, gateway_pb2_grpc, verifier_pb2_grpc
+from dsv4.config import ModelConfig, tiny_config
+from dsv4.dspark import DSparkDraft, load_draft_module
+from dsv4.init import random_weights
+from dsv4.trunk import Trunk
+from services.common.server import RunningServer, start_server
+from services.common.settings import BackendSettings, GatewaySettings
+from services.drafter.engine import DrafterEngine
+from services.drafter.live_oracle import LiveOracleDrafter
+from services.drafter.servicer import DrafterServicer
+from services.gateway.gate import GateConfig
+from services.gateway.scheduler import Scheduler
+from services.gateway.servicer import Backends, GatewayServicer, connect_backends
+from services.gateway.tokenizer import load_tokenizer
+from services.verifier.engine import VerifierEngine
+from services.verifier.servicer import VerifierServicer
+
+TINY_SEED = 0
+
+
+def random_tiny_config() -> ModelConfig:
+    """The tiny config with room for demo generations (max_seq_len 256)."""
+    return tiny_config(max_seq_len=256)
+
+
+def load_trunk(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32) -> Trunk:
+    """The verifier's trunk from a checkpoint folder, or the random tiny model when None."""
+    if checkpoint is None:
+        cfg = random_tiny_config()
+        weights = random_weights(cfg, "trunk", TINY_SEED)
+    else:
+        from dsv4.checkpoint import load_trunk_weights
+        cfg, weights = load_trunk_weights(checkpoint)
+    model = Trunk(cfg, dtype=dtype)
+    model.load_weights(weights)
+    return model
+
+
+def load_drafter(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32) -> DSparkDraft:
+    """The drafter's DSpark module from a checkpoint folder, or the random tiny model when None."""
+    if checkpoint is not None:
+        return load_draft_module(checkpoint, dtype=dtype)
+    cfg = random_tiny_config()
+    module = DSparkDraft(cfg, dtype=dtype)
+    module.load_weights(random_weights(cfg, "drafter", TINY_SEED))
+    return module
+
+
+@dataclass
+class Services:
+    """Running in-process servers (tests, `dspark up --in-process`)."""
+
+    verifier: RunningServer | None = None
+    drafter: RunningServer | None = None
+    gateway: RunningServer | None = None
+    backends: Backends | None = None
+    scheduler: Scheduler | None = None
+
+    async def stop(self, grace_s: float = 1.0) -> None:
+        for s in (self.gateway, self.drafter, self.verifier):
+            if s is not None:
+                await s.stop(grace_s)
+        if self.backends is not None:
+            await self.backends.close()
+
+
+async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: str = "batched",
+                         provider: TracerProvider | None = None, host: str = "127.0.0.1",
+                         credentials: grpc.ServerCredentials | None = None) -> RunningServer:
+    servicer = VerifierServicer(engine, default_mode, provider)
+    return await start_server("dspark.v1.Verifier",
+                              lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
+                              port, host, provider, credentials=credentials)
+
+
+async def start_drafter(engine, port: int = 0, provider: TracerProvider | None = None,
+                        host: str = "127.0.0.1", credentials: grpc.ServerCredentials | None = None) -> RunningServer:
+    servicer = DrafterServicer(engine, provider)
+    return await start_server("dspark.v1.Drafter",
+                              lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
+                              port, host, provider, credentials=credentials)
+
+
+async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | None = None, port: int = 0,
+                        provider: TracerProvider | None = None, checkpoint: str | Path | None = None,
+                        recorder: list | None = None, host: str = "127.0.0.1"
+                        ) -> tuple[RunningServer, Scheduler, Backends]:
+    """Connect to the backends (identity check), then serve the Gateway.
+
+    Raises:
+        IdentityMismatch: drafter and verifier serve different models.
+        BackendError: the verifier is unreachable within the startup deadline.
+    """
+    backends = Backends(settings, provider)
+    limits, _ = await connect_backends(backends)
+    gate_config = gate_config or GateConfig.from_env()
+    tokenizer = load_tokenizer(checkpoint, limits.vocab_size, limits.eos_token_id)
+    scheduler = Scheduler(limits, tokenizer, gate_config, settings.verify_mode, settings.cost_mode,
+                          provider, recorder)
+    servicer = GatewayServicer(scheduler, backends)
+    running = await start_server("dspark.v1.Gateway",
+                                 lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
+                                 port, host, provider)
+    return running, scheduler, backends
+
+
+def verifier_engine(model: Trunk, settings: BackendSettings | None = None) -> VerifierEngine:
+    settings = settings or BackendSettings.from_env()
+    return VerifierEngine(model, max_sessions=settings.max_sessions)
+
+
+def drafter_engine(module_or_trunk, oracle: bool = False, settings: BackendSettings | None = None,
+                   corrupt_every: int = 0):
+    settings = settings or BackendSettings.from_env()
+    if oracle:
+        return LiveOracleDrafter(module_or_trunk, settings.max_sessions, corrupt_every)
+    return DrafterEngine(module_or_trunk, max_sessions=settings.max_sessions)

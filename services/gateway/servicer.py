@@ -1,0 +1,158 @@
+"""Gateway gRPC servicer: validates requests, opens backend streams, runs the scheduler.
+
+Client-facing: `Generate` (server streaming) and `Stats`. Each generation opens one verifier
+`Session` stream and, unless speculation is off, one drafter `Session` stream; both are
+closed when the generation ends, fails or the client cancels. `connect_backends` checks at
+start that the drafter and the verifier serve the same model and refuses to pair them
+otherwise, naming the differing fields.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import grpc
+from opentelemetry.sdk.trace import TracerProvider
+
+from dspark_proto.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
+from services.common.server import channel_options
+from services.common.settings import GatewaySettings
+from services.common.telemetry import client_interceptors
+from services.gateway.backends import BackendError, GrpcDrafterSession, GrpcVerifierSession
+from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler, SpecCounters
+
+log = logging.getLogger("dspark.gateway")
+
+_SPEC = {gateway_pb2.SPEC_MODE_DEFAULT: "", gateway_pb2.SPEC_MODE_OFF: "off",
+         gateway_pb2.SPEC_MODE_ALWAYS: "always", gateway_pb2.SPEC_MODE_GATED: "gated"}
+# Fields that must agree between the verifier and the drafter.
+IDENTITY_FIELDS = ("config_hash", "vocab_size", "block_size", "window_size", "target_layer_ids",
+                   "row_width", "max_seq_len", "noise_token_id")
+
+
+class IdentityMismatch(RuntimeError):
+    """The drafter and the verifier serve different models."""
+
+
+def compare_identities(verifier: common_pb2.ModelIdentity, drafter: common_pb2.ModelIdentity) -> None:
+    """Raise IdentityMismatch naming every field in IDENTITY_FIELDS that differs (with both values)."""
+    diffs = [f"{f}: verifier {list(getattr(verifier, f)) if f == 'target_layer_ids' else getattr(verifier, f)!r}"
+             f" != drafter {list(getattr(drafter, f)) if f == 'target_layer_ids' else getattr(drafter, f)!r}"
+             for f in IDENTITY_FIELDS if getattr(verifier, f) != getattr(drafter, f)]
+    if diffs:
+        raise IdentityMismatch("drafter and verifier serve different models; " + "; ".join(diffs))
+
+
+class Backends:
+    """Channels and stubs to the verifier and (optionally) the drafter."""
+
+    def __init__(self, settings: GatewaySettings, provider: TracerProvider | None = None,
+                 credentials: grpc.ChannelCredentials | None = None):
+        self.settings = settings
+        opts = channel_options() + [("grpc.lb_policy_name", "round_robin")]
+        inter = client_interceptors(provider)
+
+        def channel(target: str) -> grpc.aio.Channel:
+            if credentials is not None:
+                return grpc.aio.secure_channel(target, credentials, options=opts, interceptors=inter)
+            return grpc.aio.insecure_channel(target, options=opts, interceptors=inter)
+
+        self.verifier_channel = channel(settings.verifier_target)
+        self.verifier = verifier_pb2_grpc.VerifierStub(self.verifier_channel)
+        self.drafter_channel = channel(settings.drafter_target) if settings.drafter_target else None
+        self.drafter = drafter_pb2_grpc.DrafterStub(self.drafter_channel) if self.drafter_channel else None
+
+    async def close(self) -> None:
+        for ch in (self.verifier_channel, self.drafter_channel):
+            if ch is not None:
+                await ch.close()
+
+
+async def connect_backends(backends: Backends) -> tuple[ModelLimits, common_pb2.ModelIdentity]:
+    """Fetch both identities (with the startup deadline) and derive the model limits.
+
+    Raises:
+        IdentityMismatch: the drafter serves another model (fields named).
+        BackendError: the verifier is unreachable. An unreachable drafter only logs a
+            warning: generations then run plain decode until it comes up.
+    """
+    timeout = backends.settings.startup_timeout_s
+    try:
+        v = await backends.verifier.Info(common_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
+    except grpc.aio.AioRpcError as e:
+        raise BackendError("verifier", f"Info failed: {e.code().name}: {e.details()}", e.code()) from None
+    confidence = False
+    if backends.drafter is not None:
+        try:
+            d = await backends.drafter.Info(common_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
+            compare_identities(v, d)
+            confidence = d.confidence_head
+        except grpc.aio.AioRpcError as e:
+            log.warning("drafter unreachable at start (%s); generations decode plainly until it is up",
+                        e.code().name)
+    limits = ModelLimits(v.vocab_size, v.max_seq_len, v.eos_token_id, v.block_size, confidence)
+    return limits, v
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    """Generate and Stats over a `Scheduler` and the backend stubs."""
+
+    def __init__(self, scheduler: Scheduler, backends: Backends):
+        self.scheduler, self.backends = scheduler, backends
+
+    async def Generate(self, request, context):
+        try:
+            params = self.scheduler.params(
+                request.prompt, list(request.prompt_token_ids), request.max_tokens, _SPEC.get(request.spec, ""),
+                request.temperature, list(request.stop_token_ids), list(request.stop), request.ignore_eos)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        s = self.backends.settings
+        metadata = _forwarded_metadata(context)
+        verifier = GrpcVerifierSession(self.backends.verifier, s.round_timeout_s, s.generation_timeout_s, metadata)
+        drafter = None
+        if params.spec != "off" and self.backends.drafter is not None:
+            drafter = GrpcDrafterSession(self.backends.drafter, s.round_timeout_s, s.generation_timeout_s, metadata)
+        try:
+            async for event in self.scheduler.generate(params, verifier, drafter):
+                yield _response(event)
+        except BackendError as exc:
+            code = exc.code if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                             grpc.StatusCode.INVALID_ARGUMENT) else grpc.StatusCode.UNAVAILABLE
+            await context.abort(code, str(exc))
+        finally:
+            await verifier.close()
+            if drafter is not None:
+                await drafter.close()
+
+    async def Stats(self, request, context):
+        stats = self.scheduler.stats.to_dict()
+        stats["costs"] = self.scheduler.costs.to_dict()
+        stats["verify_mode"] = self.scheduler.verify_mode
+        stats["cost_mode"] = self.scheduler.cost_mode
+        return gateway_pb2.StatsResponse(json=json.dumps(stats, allow_nan=False))
+
+
+def _forwarded_metadata(context) -> tuple:
+    """Nothing from the client is forwarded to the backends (auth is terminated here)."""
+    return ()
+
+
+def _response(event) -> gateway_pb2.GenerateResponse:
+    if not isinstance(event, FinalEvent):
+        return gateway_pb2.GenerateResponse(token_ids=event.token_ids, text_delta=event.text_delta)
+    return gateway_pb2.GenerateResponse(
+        text_delta=event.text_delta, finished=True, finish_reason=event.finish_reason,
+        usage=gateway_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+        spec_stats=spec_stats(event.counters), text=event.text + event.text_delta,
+        time_to_first_token_ms=event.time_to_first_token_ms)
+
+
+def spec_stats(c: SpecCounters) -> gateway_pb2.SpecStats:
+    """SpecCounters as the wire message."""
+    return gateway_pb2.SpecStats(
+        rounds=c.rounds, drafted=c.drafted, submitted=c.submitted, accepted=c.accepted,
+        acceptance_rate=c.acceptance_rate, mean_acceptance_length=c.mean_acceptance_length,
+        margin_skipped_rounds=c.margin_skipped_rounds, truncated_rounds=c.truncated_rounds,
+        skipped_after_draft=c.skipped_after_draft, plain_rounds=c.plain_rounds, drafter_failed=c.drafter_failed)

@@ -1,0 +1,165 @@
+"""`dspark serve verifier|drafter|gateway`, `dspark up` and `dspark generate`.
+
+serve: one service in this process until SIGTERM (graceful: NOT_SERVING, then drain).
+up: the three services on localhost as three child processes (the embedded default model
+when no checkpoint is given); Ctrl-C / SIGTERM stops them.
+generate: streams one generation from a gateway to the terminal (or as JSON lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+
+from dspark_proto.v1 import gateway_pb2, gateway_pb2_grpc
+
+DEFAULT_PORTS = {"verifier": 50051, "drafter": 50052, "gateway": 50050}
+_SPEC = {"off": gateway_pb2.SPEC_MODE_OFF, "always": gateway_pb2.SPEC_MODE_ALWAYS,
+         "gated": gateway_pb2.SPEC_MODE_GATED, "default": gateway_pb2.SPEC_MODE_DEFAULT}
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register serve, up and generate on the `dspark` parser's subcommands."""
+    serve = sub.add_parser("serve", help="run one service until SIGTERM")
+    serve.add_argument("service", choices=("verifier", "drafter", "gateway"))
+    serve.add_argument("--port", type=int, default=None, help="listen port (default: 50051/50052/50050)")
+    serve.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 in containers)")
+    serve.add_argument("--checkpoint", default=None,
+                       help="checkpoint folder (default: $DSPARK_CHECKPOINT, else the random tiny model)")
+    serve.add_argument("--oracle", action="store_true", help="drafter: serve the oracle drafter")
+    serve.add_argument("--oracle-corrupt-every", type=int, default=0,
+                       help="oracle drafter: corrupt one draft slot in N positions (0 = never)")
+    serve.add_argument("--record-rounds", default=None, help="gateway: write every round to FILE (replay format)")
+    serve.set_defaults(func=_serve)
+
+    up = sub.add_parser("up", help="start verifier, drafter and gateway on localhost")
+    up.add_argument("--checkpoint", default=None)
+    up.add_argument("--oracle", action="store_true", help="use the oracle drafter")
+    up.set_defaults(func=_up)
+
+    gen = sub.add_parser("generate", help="stream a generation from a gateway")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORTS['gateway']}", help="gateway address")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--spec", choices=tuple(_SPEC), default="default")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--timeout", type=float, default=300.0, help="deadline of the whole call (s)")
+    gen.add_argument("--json", action="store_true", help="print each streamed message as one JSON line")
+    gen.set_defaults(func=_generate)
+
+
+def _checkpoint(args) -> str | None:
+    return args.checkpoint or os.environ.get("DSPARK_CHECKPOINT") or None
+
+
+def _serve(args) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    port = DEFAULT_PORTS[args.service] if args.port is None else args.port
+    asyncio.run(_serve_async(args, port))
+    return 0
+
+
+async def _serve_async(args, port: int) -> None:
+    from services import app
+    from services.common.server import run_until_signal
+    from services.common.settings import BackendSettings, GatewaySettings
+    from services.common.telemetry import tracer_provider_from_env
+
+    provider = tracer_provider_from_env(f"dspark-{args.service}")
+    ckpt = _checkpoint(args)
+    recorder = None
+    if args.service == "verifier":
+        settings = BackendSettings.from_env()
+        running = await app.start_verifier(app.verifier_engine(app.load_trunk(ckpt), settings), port,
+                                           settings.verify_mode, provider, args.host)
+    elif args.service == "drafter":
+        settings = BackendSettings.from_env()
+        model = app.load_trunk(ckpt) if args.oracle else app.load_drafter(ckpt)
+        engine = app.drafter_engine(model, args.oracle, settings, args.oracle_corrupt_every)
+        running = await app.start_drafter(engine, port, provider, args.host)
+    else:
+        recorder = [] if args.record_rounds else None
+        running, _, backends = await app.start_gateway(GatewaySettings.from_env(), port=port, provider=provider,
+                                                       checkpoint=ckpt, recorder=recorder, host=args.host)
+    try:
+        await run_until_signal(running)
+    finally:
+        if recorder is not None:
+            from services.gateway.rounds import RoundLog, save_rounds
+            save_rounds(RoundLog(tuple(recorder), {"source": "dspark serve gateway --record-rounds"}),
+                        args.record_rounds)
+        provider.shutdown()
+
+
+def _up(args) -> int:
+    exe = [sys.executable, "-m", "services.cli", "serve"]
+    ckpt = ["--checkpoint", args.checkpoint] if args.checkpoint else []
+    env = dict(os.environ, DSPARK_VERIFIER_TARGET=f"127.0.0.1:{DEFAULT_PORTS['verifier']}",
+               DSPARK_DRAFTER_TARGET=f"127.0.0.1:{DEFAULT_PORTS['drafter']}")
+    procs = [subprocess.Popen(exe + ["verifier"] + ckpt, env=env),
+             subprocess.Popen(exe + ["drafter"] + ckpt + (["--oracle"] if args.oracle else []), env=env)]
+    procs.append(subprocess.Popen(exe + ["gateway"] + ckpt, env=env))
+    print(f"dspark up: gateway on 127.0.0.1:{DEFAULT_PORTS['gateway']} "
+          f"(verifier :{DEFAULT_PORTS['verifier']}, drafter :{DEFAULT_PORTS['drafter']}); Ctrl-C stops", flush=True)
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    try:
+        while not stop["now"] and all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+    failed = [p.args[4] for p in procs if p.returncode not in (0, -signal.SIGTERM)]
+    return 1 if failed else 0
+
+
+def _generate(args) -> int:
+    if args.max_tokens <= 0:
+        print(f"dspark generate: --max-tokens={args.max_tokens} must be > 0", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_generate_async(args))
+    except grpc.aio.AioRpcError as e:
+        print(f"dspark generate: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+
+
+async def _generate_async(args) -> int:
+    req = gateway_pb2.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens, spec=_SPEC[args.spec],
+                                      stop=args.stop, ignore_eos=args.ignore_eos)
+    async with grpc.aio.insecure_channel(args.target) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        async for msg in stub.Generate(req, timeout=args.timeout):
+            if args.json:
+                print(json.dumps(_as_dict(msg)), flush=True)
+            elif msg.finished:
+                s = msg.spec_stats
+                print(msg.text_delta, flush=True)
+                print(f"\n[{msg.finish_reason}] {msg.usage.completion_tokens} tokens, {s.rounds} rounds, "
+                      f"acceptance {s.acceptance_rate:.0%}, mean acceptance length {s.mean_acceptance_length:.2f}, "
+                      f"TTFT {msg.time_to_first_token_ms:.0f} ms", file=sys.stderr)
+            else:
+                print(msg.text_delta, end="", flush=True)
+    return 0
+
+
+def _as_dict(msg) -> dict:
+    from google.protobuf.json_format import MessageToDict
+    return MessageToDict(msg, preserving_proto_field_name=True)
