@@ -159,9 +159,9 @@ class Compressor(nn.Module):
         v, g = self._project(x, torch.tensor([pos], device=x.device))
         if st.journal is not None:
             st.journal.steps.append((pos, v[0], g[0]))
-        return self._apply(v[0], g[0], pos, st)
+        return self._write_token(v[0], g[0], pos, st)
 
-    def _apply(self, v: torch.Tensor, g: torch.Tensor, pos: int, st: CompressorState) -> bool:
+    def _write_token(self, v: torch.Tensor, g: torch.Tensor, pos: int, st: CompressorState) -> bool:
         """Write one token's projections v, g [k*d] at `pos` into `st`; pool at a block boundary."""
         r, d, i = self.ratio, self.head_dim, pos % self.ratio
         row = r + i if self.overlap else i
@@ -198,7 +198,7 @@ class Compressor(nn.Module):
         """Undo a journaled block, keeping its first `keep` tokens; returns bytes copied.
 
         Restores the saved rows and entry count, then replays the kept tokens' recorded
-        projections (`_apply`), so the state equals that of feeding only the kept tokens.
+        projections (`_write_token`), so the state equals that of feeding only the kept tokens.
         """
         st.journal = None
         if keep >= len(journal.steps):  # everything kept: the state is already right
@@ -206,7 +206,7 @@ class Compressor(nn.Module):
         st.kv[journal.rows], st.score[journal.rows] = journal.kv_rows, journal.score_rows
         st.n_entries = journal.n_entries
         for pos, v, g in journal.steps[:keep]:
-            self._apply(v, g, pos, st)
+            self._write_token(v, g, pos, st)
         return journal.saved_bytes * 2  # saved once, written back once
 
     def finalize(self, c: torch.Tensor, first_pos: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,8 @@ after the relu).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -41,6 +43,11 @@ class Indexer(nn.Module):
         self.compressor = Compressor(cfg.dim, self.head_dim, INDEX_RATIO, rope, cfg.norm_eps, dtype,
                                      quant_sim, rotate=True, device=device)
         self.rope = rope
+        # Score weight scale from the GLOBAL head count: `dsv4.tp` shards the heads (n_heads
+        # becomes this rank's count) and sets `reduce_scores`, which sums the per-head partial
+        # scores [S, E] fp32 over the ranks before the top-k. TP=1 leaves it None.
+        self.score_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+        self.reduce_scores: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def project_q(self, qr: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """qr [S, Lq] -> qi [S, Hi, Di]: wq_b, rope at pos [S]; Hadamard + fp4 sim when quant_sim."""
@@ -51,7 +58,7 @@ class Indexer(nn.Module):
 
     def head_weights(self, x: torch.Tensor) -> torch.Tensor:
         """x [S, D] -> per-head score weights [S, Hi] fp32."""
-        return self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        return self.weights_proj(x).float() * self.score_scale
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, start_pos: int, st: CompressorState) -> torch.Tensor:
         """Top-k entry indices for queries at positions start_pos.. (x [S, D], qr [S, Lq]) -> [S, K] int64.
@@ -67,6 +74,8 @@ class Indexer(nn.Module):
             for s in range(S):
                 self.compressor.step(x[s:s + 1], start_pos + s, st)
         scores = index_scores(self.project_q(qr, pos), self.head_weights(x), st.entries())  # [S, E]
+        if self.reduce_scores is not None:
+            scores = self.reduce_scores(scores)
         return select_topk(scores, (pos + 1) // INDEX_RATIO, self.topk)
 
 

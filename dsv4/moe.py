@@ -13,6 +13,8 @@ their tokens in ascending token order either way.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -106,19 +108,34 @@ class MoE(nn.Module):
         routed_aq = quant_sim and cfg.expert_dtype in ("fp4", "fp8")
         self.experts = nn.ModuleList(Expert(D, I, L, dtype, device, routed_aq) for _ in range(cfg.n_routed_experts))
         self.shared_experts = Expert(D, I, L, dtype, device, quant_sim and cfg.weight_dtype == "fp8")
+        # Tensor-parallel hook points, set only by `dsv4.tp` (TP=1 leaves them as they are):
+        # `experts` then holds this rank's experts [expert_offset, expert_offset + len(experts)),
+        # and `reduce_routed` sums the fp32 routed output [N, D] over the ranks BEFORE the
+        # replicated shared expert is added, so the shared expert is counted once.
+        self.expert_offset = 0
+        self.reduce_routed: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate(x, ids)
-        y = self.combine(x, weights, experts) + self.shared_experts(x).float()
+        y = self.combine(x, weights, experts)
+        if self.reduce_routed is not None:
+            y = self.reduce_routed(y)
+        y = y + self.shared_experts(x).float()
         return y.to(x.dtype)
 
     def combine(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Routed sum: x [N, D], weights [N, k] fp32, experts [N, k] int64 -> [N, D] fp32."""
+        """Routed sum: x [N, D], weights [N, k] fp32, experts [N, k] int64 -> [N, D] fp32.
+
+        Under TP only this rank's experts contribute (the other routes' rows stay 0).
+        """
         N, k = experts.shape
+        lo, hi = self.expert_offset, self.expert_offset + len(self.experts)
         partial = x.new_zeros(N, k, x.shape[1], dtype=torch.float32)  # [N, k, D] one row per route
         for e in torch.unique(experts).tolist():  # ascending expert id
+            if not lo <= e < hi:
+                continue  # another TP rank's expert
             tok, slot = torch.nonzero(experts == e, as_tuple=True)  # ascending token
-            partial[tok, slot] = self.experts[e](x[tok], weights[tok, slot]).float()
+            partial[tok, slot] = self.experts[e - lo](x[tok], weights[tok, slot]).float()
         if not self.deterministic_reduce:
             rows = torch.arange(N, device=x.device).repeat_interleave(k)  # [N*k] token of each route
             return partial.new_zeros(N, x.shape[1]).index_add_(0, rows, partial.flatten(0, 1))

@@ -1,0 +1,555 @@
+"""Tensor-parallel trunk for the verifier: rank 0 drives tp-1 worker processes (issue #4, DESIGN.md §10).
+
+`start_tp_trunk(cfg, weights, tp)` returns a plain loaded `Trunk` at tp=1 (no
+torch.distributed, no processes) and otherwise a `TPTrunk`: a proxy with the Trunk's call
+interface that `VerifierEngine` uses unchanged. Rank 0 (the calling process) owns the
+sessions; every call is sent as an explicit command (op, state handle, args) to each
+worker over a pipe, then run locally, so all ranks forward exactly the positions rank 0
+forwards and issue the same collectives in the same order. Workers keep their own
+states keyed by handle and loop on commands until `close()`.
+
+Start-up order (the seed lost ranks that waited 30 s while rank 0 loaded 167 GB): rank 0
+opens a TCP store, spawns the workers, every rank announces itself in the store and waits
+for the others (bounded by `DSV4_TP_INIT_TIMEOUT_S`, default 600 s), the process group is
+created, and only then does each rank load and shard its weights; rank 0 waits for every
+worker's "ready" within the same init deadline.
+
+Failure policy: each collective fails after `DSV4_TP_CALL_TIMEOUT_S` (default 120 s, the
+process group's op timeout), a dead peer fails it at once (gloo sees the closed socket),
+and rank 0 watches the worker processes while it waits for their acknowledgements. A dead,
+stalled or diverging worker raises `TPWorkerError` on rank 0 within about the call timeout,
+never a hang; the proxy is then unusable (every call raises) until closed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_ready
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.multiprocessing as mp
+
+from dsv4 import tp as dtp
+from dsv4.checkpoint import load_trunk_weights, read_config
+from dsv4.config import ModelConfig
+from dsv4.trunk import BlockOutput, ForwardOutput, Trunk, TrunkState
+
+ENV_INIT_TIMEOUT = "DSV4_TP_INIT_TIMEOUT_S"
+ENV_CALL_TIMEOUT = "DSV4_TP_CALL_TIMEOUT_S"
+ACK_GRACE_S = 1.0  # extra wait for acks after rank 0's own part failed at the deadline
+POLL_S = 0.05  # liveness poll while waiting for the store rendezvous
+
+
+class TPWorkerError(RuntimeError):
+    """A TP worker died, stalled, failed to start or diverged from rank 0; the `TPTrunk` is
+    unusable afterwards (close it and start a new one)."""
+
+
+@dataclass(frozen=True)
+class TPSettings:
+    """TP timeouts in seconds (env: `DSV4_TP_INIT_TIMEOUT_S`, `DSV4_TP_CALL_TIMEOUT_S`).
+
+    init_timeout_s: rendezvous plus weight loading of every rank.
+    call_timeout_s: one proxied call (the process group's per-collective timeout).
+    Raises:
+        ValueError: a value that is not a finite number > 0 (naming the field).
+    """
+
+    init_timeout_s: float = 600.0
+    call_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("init_timeout_s", "call_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name}={value!r}: must be a finite number of seconds > 0")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "TPSettings":
+        """Read the variables from `env` (default `os.environ`); unset or empty means default.
+
+        Raises:
+            ValueError: naming the variable and its value when it is not a finite number > 0.
+        """
+        env = os.environ if env is None else env
+        return cls(init_timeout_s=_seconds(env, ENV_INIT_TIMEOUT, cls.init_timeout_s),
+                   call_timeout_s=_seconds(env, ENV_CALL_TIMEOUT, cls.call_timeout_s))
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "")
+    if raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={raw!r}: must be a finite number of seconds > 0")
+    return value
+
+
+@dataclass(frozen=True)
+class _RankSpec:
+    """Everything a rank needs to build its shard (pickled to the workers)."""
+
+    cfg: ModelConfig
+    weights: Mapping[str, torch.Tensor] | str
+    plan: dtp.ShardPlan
+    dtype: torch.dtype
+    quant_sim: bool | None
+    deterministic_reduce: bool | None
+    backend: str
+    port: int
+    settings: TPSettings
+    num_threads: int
+
+    def device(self, rank: int) -> torch.device:
+        return torch.device("cuda", rank) if self.backend == "nccl" else torch.device("cpu")
+
+
+def _build(spec: _RankSpec, comm: dtp.Collectives) -> Trunk:
+    """Load (a checkpoint path is read by every rank itself) and shard this rank's trunk."""
+    weights = spec.weights
+    if isinstance(weights, str):
+        _, weights = load_trunk_weights(weights, spec.cfg, dtype=spec.dtype)
+    return dtp.build_rank_trunk(spec.cfg, weights, comm, spec.plan, spec.dtype, spec.quant_sim,
+                                spec.deterministic_reduce, spec.device(comm.rank))
+
+
+def _rendezvous(store, spec: _RankSpec, rank: int) -> dtp.Collectives:
+    return dtp.connect(store, rank, spec.plan.world_size, spec.backend, spec.settings.call_timeout_s,
+                       spec.device(rank))
+
+
+# ---------------------------------------------------------------------------- worker side
+def _worker_main(rank: int, spec: _RankSpec, conn, start_delay_s: float, stall: tuple[int, float] | None) -> None:
+    """Entry point of worker `rank`: join, build, answer "ready", then serve commands.
+
+    start_delay_s, stall: test-only knobs (a late start; sleep `stall[1]` s on receiving
+    command number `stall[0]`, counted from 0 after start-up).
+    """
+    try:
+        torch.set_num_threads(spec.num_threads)
+        time.sleep(start_delay_s)
+        store = dtp.join_store(spec.port, spec.plan.world_size, spec.settings.init_timeout_s)
+        dtp.mark_joined(store, rank)
+        dtp.wait_joined(store, spec.plan.world_size)
+        model = _build(spec, _rendezvous(store, spec, rank))
+    except BaseException:  # report any start-up failure to rank 0, then exit
+        _send(conn, ("error", traceback.format_exc(limit=4)))
+        return
+    if _send(conn, ("ready", None)):
+        _serve(model, conn, stall)
+
+
+def _send(conn, msg) -> bool:
+    try:
+        conn.send(msg)
+        return True
+    except (OSError, EOFError):  # rank 0 is gone
+        return False
+
+
+def _serve(model: Trunk, conn, stall: tuple[int, float] | None) -> None:
+    states: dict[int, TrunkState] = {}
+    undos: dict[int, Any] = {}
+    for n in itertools.count():
+        try:
+            seq, op, handle, args, kwargs, frees = conn.recv()
+        except (EOFError, OSError):  # rank 0 exited: nothing left to serve
+            return
+        for h in frees:
+            states.pop(h, None)
+            undos.pop(h, None)
+        if op == "shutdown":
+            _send(conn, (seq, "ok", None))
+            return
+        if stall is not None and stall[0] == n:
+            time.sleep(stall[1])
+        try:
+            payload = _run(model, states, undos, op, handle, args, kwargs)
+            reply = (seq, "ok", payload)
+        except Exception as e:  # the same error on rank 0 is expected; rank 0 compares
+            reply = (seq, "error", f"{type(e).__name__}: {e}")
+        if not _send(conn, reply):
+            return
+
+
+def _run(model: Trunk, states: dict, undos: dict, op: str, handle: int, args: tuple, kwargs: dict):
+    """One command on a worker; returns a small payload (only "stats" has one)."""
+    if op == "new_state":
+        states[handle] = model.new_state()
+    elif op == "reset":
+        states[handle].reset()
+    elif op == "prefill":
+        model.prefill(states[handle], *args, **kwargs)
+    elif op == "decode":
+        model.decode(states[handle], *args, **kwargs)
+    elif op == "forward_block":
+        undos[handle] = model.forward_block(states[handle], *args).undo
+    elif op == "rollback":
+        model.rollback(states[handle], undos[handle], *args, **kwargs)
+        del undos[handle]  # only once it succeeded: a rejected keep leaves the block undoable
+    elif op == "stats":
+        return {"states": len(states)}
+    else:
+        raise ValueError(f"unknown TP command {op!r}")
+    return None
+
+
+# ---------------------------------------------------------------------------- rank 0
+class TPState(TrunkState):
+    """Rank 0's state of one sequence; `handle` names the workers' copies.
+
+    Dropping the last reference frees the workers' copies at the next command; `reset()`
+    resets every rank's copy.
+    """
+
+    def __init__(self, local: TrunkState, handle: int, driver: "TPTrunk"):
+        super().__init__(local.layers)
+        self.handle = handle
+        self._driver = weakref.ref(driver)
+
+    def reset(self) -> None:
+        driver = self._driver()
+        if driver is None:
+            raise TPWorkerError("the TPTrunk that made this state is gone")
+        driver.reset_state(self)
+
+
+@dataclass
+class _Worker:
+    rank: int
+    proc: Any
+    conn: Any
+
+
+class TPTrunk:
+    """Rank 0's proxy over a `tp`-rank sharded trunk, with the `Trunk` call interface
+    (cfg, new_state, prefill, decode, forward_block, rollback, state_bytes). Build it with
+    `start_tp_trunk`. Calls are serialised (one lock); each is broadcast to the workers and
+    returns rank 0's result. `state_bytes` is per rank (every rank holds a full copy of
+    the state). Thread safe; use as a context manager or call `close()`.
+    """
+
+    def __init__(self, model: Trunk, workers: list[_Worker], store, settings: TPSettings, plan: dtp.ShardPlan):
+        self.model, self.cfg, self.plan, self.settings = model, model.cfg, plan, settings
+        self.tp = plan.world_size
+        self._workers, self._store = workers, store
+        self._lock = threading.Lock()
+        self._handles = itertools.count(1)
+        self._seq = itertools.count()
+        self._pending_free: list[int] = []  # handles of collected states (appended by finalizers)
+        self._undo: dict[int, Any] = {}  # handle -> undo of its latest forward_block
+        self._broken: str | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ Trunk interface
+    def new_state(self) -> TPState:
+        """A fresh state on every rank."""
+        st = TPState(self.model.new_state(), next(self._handles), self)
+        self._call("new_state", st, (), {}, lambda: None)
+        weakref.finalize(st, self._pending_free.append, st.handle)
+        return st
+
+    def reset_state(self, state: TPState) -> None:
+        """Reset `state` on every rank (what `state.reset()` calls)."""
+        self._call("reset", state, (), {}, lambda: TrunkState.reset(state))
+
+    def free_state(self, state: TPState) -> None:
+        """Free the workers' copies now (dropping the state does it lazily); `state` is then empty."""
+        self._check(state)
+        self._pending_free.append(state.handle)
+        self._call("stats", None, (), {}, lambda: None)
+        state.layers = []
+
+    def prefill(self, state: TPState, token_ids, keep_rows: int | None = None, taps: bool = True) -> ForwardOutput:
+        """`Trunk.prefill` on every rank; returns rank 0's output."""
+        ids = torch.as_tensor(token_ids).cpu()
+        return self._call("prefill", state, (ids,), {"keep_rows": keep_rows, "taps": False},
+                          lambda: self.model.prefill(state, ids, keep_rows, taps))
+
+    def decode(self, state: TPState, token_id, position: int, taps: bool = True) -> ForwardOutput:
+        """`Trunk.decode` on every rank; returns rank 0's output."""
+        tok = token_id.cpu() if torch.is_tensor(token_id) else token_id
+        return self._call("decode", state, (tok, position), {"taps": False},
+                          lambda: self.model.decode(state, tok, position, taps))
+
+    def forward_block(self, state: TPState, token_ids, start_pos: int) -> BlockOutput:
+        """`Trunk.forward_block` on every rank; each rank keeps its own undo record."""
+        ids = torch.as_tensor(token_ids).cpu()
+        out = self._call("forward_block", state, (ids, start_pos), {},
+                         lambda: self.model.forward_block(state, ids, start_pos))
+        self._undo[state.handle] = out.undo
+        return out
+
+    def rollback(self, state: TPState, undo, keep: int, ring: bool = True, compressor: bool = True) -> int:
+        """`Trunk.rollback` on every rank; returns rank 0's bytes copied.
+
+        Raises:
+            ValueError: `undo` is not the latest `forward_block` record of `state`.
+        """
+        self._check(state)
+        if self._undo.get(state.handle) is not undo:
+            raise ValueError("rollback: undo is not the latest forward_block record of this state")
+        copied = self._call("rollback", state, (keep,), {"ring": ring, "compressor": compressor},
+                            lambda: self.model.rollback(state, undo, keep, ring, compressor))
+        del self._undo[state.handle]  # only once it succeeded, as on the workers
+        return copied
+
+    def state_bytes(self, state: TPState) -> int:
+        """Bytes of `state` on one rank (each of the tp ranks holds as much)."""
+        return self.model.state_bytes(state)
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the workers, rank order (ranks 1..tp-1)."""
+        return [w.proc.pid for w in self._workers]
+
+    def worker_stats(self) -> list[dict]:
+        """Per worker: {"states": live states} (after applying pending frees)."""
+        return self._call("stats", None, (), {}, lambda: None, payloads=True)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Shut the workers down (terminate them if they do not exit within `timeout_s`). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._broken = self._broken or "closed"
+        for w in self._workers:
+            _send(w.conn, (-1, "shutdown", 0, (), {}, []))
+        deadline = time.monotonic() + timeout_s
+        for w in self._workers:
+            w.proc.join(max(0.0, deadline - time.monotonic()))
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(timeout_s)
+            w.conn.close()
+        self.model = None  # drops rank 0's process group with the modules that hold it
+
+    def __enter__(self) -> "TPTrunk":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the command path
+    def _check(self, state) -> None:
+        if not isinstance(state, TPState) or state._driver() is not self:
+            raise ValueError("state does not belong to this TPTrunk: use its new_state()")
+
+    def _call(self, op: str, state: TPState | None, args: tuple, kwargs: dict, local: Callable[[], Any],
+              payloads: bool = False):
+        """Broadcast one command, run it on rank 0, collect every worker's acknowledgement."""
+        if state is not None:
+            self._check(state)
+        with self._lock:
+            if self._broken is not None:
+                raise TPWorkerError(f"TP trunk unusable: {self._broken}")
+            frees = []
+            while self._pending_free:  # pop() is atomic: finalizers may append meanwhile
+                frees.append(self._pending_free.pop())
+            for h in frees:
+                self._undo.pop(h, None)
+            seq, start = next(self._seq), time.monotonic()
+            msg = (seq, op, state.handle if state is not None else 0, args, kwargs, frees)
+            for w in self._workers:
+                if not _send(w.conn, msg):
+                    self._fail(self._describe(w, op, dead=True))
+            try:
+                result, local_error = local(), None
+                self._sync(op, start)
+            except TPWorkerError:
+                raise
+            except Exception as e:  # a collective that failed because a peer died or stalled lands here too
+                result, local_error = None, e
+            except BaseException:  # interrupted mid-call: the workers may be inside a collective
+                self._broken = f"{op!r} was interrupted on rank 0"
+                raise
+            acks = self._collect(op, seq, start, local_error)
+            errors = [(w.rank, text) for w, (kind, text) in zip(self._workers, acks) if kind == "error"]
+            if local_error is not None and len(errors) == len(self._workers):
+                raise local_error  # the same validation error everywhere: the ranks still agree
+            if local_error is not None or errors:
+                where = f"rank 0: {type(local_error).__name__}: {local_error}" if local_error else "rank 0 ok"
+                self._fail(f"ranks disagree on {op!r} ({where}; workers: {errors or 'ok'})", local_error)
+            return [text for _, text in acks] if payloads else result
+
+    def _sync(self, op: str, start: float) -> None:
+        """On CUDA, wait for rank 0's queued kernels (NCCL collectives are asynchronous) while
+        watching the workers, so a stalled peer raises here instead of in the caller's sync."""
+        if self.model.embed.weight.device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record()
+        while not event.query():
+            self._watch(op, start)
+            time.sleep(0.001)
+
+    def _watch(self, op: str, start: float) -> None:
+        for w in self._workers:
+            if not w.proc.is_alive():
+                self._fail(self._describe(w, op, dead=True))
+        if time.monotonic() - start > self.settings.call_timeout_s:
+            self._fail(f"rank 0 did not finish {op!r} within {self.settings.call_timeout_s:g} s ({ENV_CALL_TIMEOUT})")
+
+    def _collect(self, op: str, seq: int, start: float, local_error: Exception | None) -> list[tuple[str, Any]]:
+        """Every worker's (kind, payload) for command `seq`; raises TPWorkerError on a dead or
+        silent worker (deadline: the call timeout from `start`, at least ACK_GRACE_S from now)."""
+        deadline = max(start + self.settings.call_timeout_s, time.monotonic() + ACK_GRACE_S)
+        acks: dict[int, tuple[str, Any]] = {}
+        while len(acks) < len(self._workers):
+            waiting = [w for w in self._workers if w.rank not in acks]
+            ready = wait_ready([w.conn for w in waiting] + [w.proc.sentinel for w in waiting],
+                               max(0.0, deadline - time.monotonic()))
+            for w in waiting:
+                if w.conn in ready:
+                    try:
+                        got_seq, kind, payload = w.conn.recv()
+                    except (EOFError, OSError):  # the worker's end closed: it exited
+                        self._fail(self._describe(w, op, dead=True), local_error)
+                    if got_seq == seq:
+                        acks[w.rank] = (kind, payload)
+                elif w.proc.sentinel in ready:
+                    self._fail(self._describe(w, op, dead=True), local_error)
+            if not ready:
+                late = next(w for w in self._workers if w.rank not in acks)
+                self._fail(self._describe(late, op, dead=False), local_error)
+        return [acks[w.rank] for w in self._workers]
+
+    def _describe(self, w: _Worker, op: str, dead: bool) -> str:
+        if dead or not w.proc.is_alive():
+            w.proc.join(1.0)
+            return f"TP worker rank {w.rank} (pid {w.proc.pid}) died with exit code {w.proc.exitcode} during {op!r}"
+        return (f"TP worker rank {w.rank} (pid {w.proc.pid}) did not finish {op!r} within "
+                f"{self.settings.call_timeout_s:g} s ({ENV_CALL_TIMEOUT}); it is alive but stalled")
+
+    def _fail(self, why: str, cause: BaseException | None = None):
+        self._broken = why
+        raise TPWorkerError(why + "; the TP trunk is unusable now: close() it and start a new one") from cause
+
+
+# ---------------------------------------------------------------------------- start-up
+def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] | str | Path, tp: int,
+                   dtype: torch.dtype = torch.float32, *, quant_sim: bool | None = None,
+                   deterministic_reduce: bool | None = None, device: str = "cpu",
+                   settings: TPSettings | None = None, strict: bool = False, num_threads: int | None = None,
+                   start_delays_s: Mapping[int, float] | None = None,
+                   stall: tuple[int, int, float] | None = None) -> Trunk | TPTrunk:
+    """Start the trunk on `tp` ranks and return what `VerifierEngine(model)` takes.
+
+    Args:
+        cfg: model config; None reads it from the checkpoint folder `weights`.
+        weights: logical weights (name -> tensor, `trunk_params` names) or a checkpoint folder
+            that every rank reads itself.
+        tp: ranks; 1 returns a loaded plain `Trunk` (no processes, no torch.distributed).
+        device: "cpu" (gloo) or "cuda" (NCCL, rank r on cuda:r).
+        settings: timeouts; default `TPSettings.from_env()`.
+        strict: raise instead of replicating a part whose size tp does not divide
+            (`dsv4.tp.plan_sharding`).
+        num_threads: torch intra-op threads per worker (default: this process's count).
+        start_delays_s, stall: test-only knobs: {rank: seconds} a worker sleeps before
+            joining; (rank, command index, seconds) a worker sleeps on that command.
+    Raises:
+        ValueError: tp < 1, bad device, cfg None with weights not a path, an invalid
+            DSV4_TP_* variable (named), or (strict) a size tp does not divide.
+        TPWorkerError: a worker failed to start, died, or did not join and load within
+            the init timeout (`DSV4_TP_INIT_TIMEOUT_S`).
+    """
+    settings = TPSettings.from_env() if settings is None else settings
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp={tp!r}: must be an integer >= 1")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: must be 'cpu' or 'cuda'")
+    if isinstance(weights, Path):
+        weights = str(weights)
+    if cfg is None:
+        if not isinstance(weights, str):
+            raise ValueError("cfg=None needs weights to be a checkpoint folder")
+        cfg = read_config(weights)
+    if tp == 1:
+        model = Trunk(cfg, dtype, quant_sim, deterministic_reduce, device=device)
+        model.load_weights(load_trunk_weights(weights, cfg, dtype)[1] if isinstance(weights, str) else weights)
+        return model
+    if device == "cuda" and torch.cuda.device_count() < tp:
+        raise ValueError(f"tp={tp} needs {tp} CUDA devices, found {torch.cuda.device_count()}")
+    plan = dtp.plan_sharding(cfg, tp, quant_sim, strict)
+    store, port = dtp.create_store(tp, settings.init_timeout_s)
+    spec = _RankSpec(cfg, weights, plan, dtype, quant_sim, deterministic_reduce,
+                     "nccl" if device == "cuda" else "gloo", port, settings,
+                     num_threads or torch.get_num_threads())
+    workers = _spawn(spec, start_delays_s or {}, stall)
+    try:
+        model = _start_rank0(spec, store, workers)
+    except BaseException:
+        _stop(workers)  # no proxy yet: stop the workers directly
+        raise
+    return TPTrunk(model, workers, store, settings, plan)
+
+
+def _spawn(spec: _RankSpec, delays: Mapping[int, float], stall: tuple[int, int, float] | None) -> list[_Worker]:
+    ctx = mp.get_context("spawn")
+    workers = []
+    for rank in range(1, spec.plan.world_size):
+        ours, theirs = ctx.Pipe()
+        rank_stall = stall[1:] if stall is not None and stall[0] == rank else None
+        proc = ctx.Process(target=_worker_main, args=(rank, spec, theirs, float(delays.get(rank, 0.0)), rank_stall),
+                           daemon=True, name=f"dsv4-tp-rank{rank}")
+        proc.start()
+        theirs.close()
+        workers.append(_Worker(rank, proc, ours))
+    return workers
+
+
+def _start_rank0(spec: _RankSpec, store, workers: list[_Worker]) -> Trunk:
+    """Rendezvous (watching the workers), group, load rank 0, then wait for every "ready"."""
+    deadline = time.monotonic() + spec.settings.init_timeout_s
+    dtp.mark_joined(store, 0)
+    while missing := dtp.missing_ranks(store, spec.plan.world_size):
+        _check_starting(workers, "joining")
+        if time.monotonic() > deadline:
+            raise TPWorkerError(f"TP ranks {missing} did not join within {spec.settings.init_timeout_s:g} s "
+                                f"({ENV_INIT_TIMEOUT})")
+        time.sleep(POLL_S)
+    try:
+        model = _build(spec, _rendezvous(store, spec, 0))
+    except Exception:
+        _check_starting(workers, "creating the process group")  # name a dead worker if there is one
+        raise
+    for w in workers:
+        while not w.conn.poll(POLL_S):
+            _check_starting([w], "loading")
+            if time.monotonic() > deadline:
+                raise TPWorkerError(f"TP worker rank {w.rank} did not load its weights within "
+                                    f"{spec.settings.init_timeout_s:g} s ({ENV_INIT_TIMEOUT})")
+        kind, text = w.conn.recv()
+        if kind != "ready":
+            raise TPWorkerError(f"TP worker rank {w.rank} failed to start:\n{text}")
+    return model
+
+
+def _check_starting(workers: list[_Worker], phase: str) -> None:
+    for w in workers:
+        if not w.proc.is_alive():
+            text = w.conn.recv()[1] if w.conn.poll() else "no message"
+            raise TPWorkerError(f"TP worker rank {w.rank} (pid {w.proc.pid}) exited with code "
+                                f"{w.proc.exitcode} while {phase}: {text}")
+
+
+def _stop(workers: list[_Worker]) -> None:
+    for w in workers:
+        if w.proc.is_alive():
+            w.proc.kill()
+        w.proc.join(5.0)
+        w.conn.close()
