@@ -1,0 +1,425 @@
+"""DSpark draft module: three mHC blocks that draft a block of tokens from one committed token (spec §9).
+
+Dimension legend: B = dspark_block_size (block slots), R = committed rows in one write,
+T = len(dspark_target_layer_ids), D = dim, C = hc_mult, H = heads (this TP rank's),
+Dh = head_dim, W = window_size, V = vocab, Rm = dspark_markov_rank, k = n_activated_experts.
+
+Positions (spec §9.2; the seed's "start_pos was off by one"). The seed position p is the
+last committed position whose target row (tap row) is known. The anchor, the committed
+token at p+1 that the target has not consumed yet, takes block slot 0 and is roped at p+1;
+the block [anchor, noise x (B-1)] occupies positions p+1..p+B, and slot j predicts the
+token at p+2+j. Drafted tokens: B ids for positions p+2..p+B+1.
+
+Rings (spec §9.4, §9.6). Every stage keeps, per sequence, a ring [W, Dh] of context keys
+(= values) computed from the target's rows with its own wkv/kv_norm and rope at the row's
+position: position q lives in slot q % W. `write_main_kv` writes every newly committed
+position into every stage's ring in one call; rows are processed one at a time so a batch
+write equals successive single writes bitwise. A draft attends (non-causally, one index
+list for every slot) over the ring's positions max(0, p-W+1)..p plus the whole block; the
+block's own keys never enter the ring, and rejected positions are never written (a write
+at q evicts q-W, which may still be inside the next window).
+
+Head (spec §9.5). y = hc_head(h) of the last stage (pre-norm), base logits = head(norm(y))
+for every slot, then strictly sequentially: logits[j] += markov_w2(markov_w1[prev]) with
+prev the previous token (the anchor for slot 0), draft j = argmax. Confidence logits
+(raw; sigmoid = acceptance probability) = proj([y_j ; markov_w1[prev_j]]).
+
+Tensor parallelism: see `dsv4.dspark_tp` (heads and routed experts sharded, two bf16
+all-reduces per stage). Parameter names equal `dsv4.inventory.drafter_params(cfg)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from dsv4.attention import sparse_attn
+from dsv4.config import ModelConfig
+from dsv4.dspark_tp import DraftTP
+from dsv4.layers import Embedding, Linear, RMSNorm, frozen_param
+from dsv4.mhc import hc_head
+from dsv4.moe import Expert, Gate
+from dsv4.rope import Rope
+from dsv4.settings import Settings
+from dsv4.trunk import DTYPES, Block
+
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+class DraftMoE(nn.Module):
+    """A stage's MoE with this rank's routed experts (spec §6, DESIGN.md §10).
+
+    gate (replicated, routes over all E experts), `experts` = ModuleDict of the local experts
+    keyed by global id, `shared_experts` (replicated). forward(x [N, D], ids [N]) -> [N, D]:
+    routed sum over local experts (fp32, a token's partials folded in ascending expert id as
+    `dsv4.moe.MoE` does), `reduce` (the TP all-reduce) of that sum, THEN + shared expert.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, quant_sim: bool,
+                 deterministic_reduce: bool, experts: range, reduce: Reduce, device: torch.device | str):
+        super().__init__()
+        D, I, L = cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit
+        self.deterministic_reduce, self.reduce = deterministic_reduce, reduce
+        self.gate = Gate(cfg, layer_id, device)
+        routed_aq = quant_sim and cfg.expert_dtype in ("fp4", "fp8")
+        self.experts = nn.ModuleDict({str(e): Expert(D, I, L, dtype, device, routed_aq) for e in experts})
+        self.shared_experts = Expert(D, I, L, dtype, device, quant_sim and cfg.weight_dtype == "fp8")
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        weights, experts = self.gate(x, ids)
+        routed = self.reduce(self.routed(x, weights, experts))  # before the shared expert: counted once
+        return (routed + self.shared_experts(x).float()).to(x.dtype)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [N, D], weights [N, k] fp32, experts [N, k] -> [N, D] fp32; routes to non-local experts add 0."""
+        N, k = experts.shape
+        partial = x.new_zeros(N, k, x.shape[1], dtype=torch.float32)  # [N, k, D] one row per route
+        for e in torch.unique(experts).tolist():  # ascending expert id
+            if str(e) not in self.experts:
+                continue
+            tok, slot = torch.nonzero(experts == e, as_tuple=True)  # ascending token
+            partial[tok, slot] = self.experts[str(e)](x[tok], weights[tok, slot]).float()
+        if not self.deterministic_reduce:
+            rows = torch.arange(N, device=x.device).repeat_interleave(k)  # [N*k] token of each route
+            return partial.new_zeros(N, x.shape[1]).index_add_(0, rows, partial.flatten(0, 1))
+        order = experts.argsort(dim=1, stable=True)  # [N, k] slots by ascending expert id
+        partial = partial.gather(1, order.unsqueeze(-1).expand_as(partial))
+        y = partial[:, 0].clone()
+        for j in range(1, k):
+            y += partial[:, j]
+        return y
+
+
+class MarkovHead(nn.Module):
+    """markov_w1 [V, Rm] (embedding of the previous token), markov_w2 [V, Rm] (rank-Rm bigram
+    bias head), fp32 (spec §9.1, §9.5)."""
+
+    def __init__(self, vocab_size: int, rank: int, device: torch.device | str):
+        super().__init__()
+        self.markov_w1 = Embedding(vocab_size, rank, torch.float32, device)
+        self.markov_w2 = Linear(rank, vocab_size, torch.float32, device)
+
+
+class ConfidenceHead(nn.Module):
+    """proj [1, D + Rm] fp32, no bias: confidence logit of [hidden ; markov embedding] (spec §9.5)."""
+
+    def __init__(self, dim: int, rank: int, device: torch.device | str):
+        super().__init__()
+        self.proj = Linear(dim + rank, 1, torch.float32, device)
+
+
+class DSparkStage(Block):
+    """Stage s = a full `Block` with layer id n_layers + s (ratio 0, rope theta without YaRN,
+    scored gate) whose MoE is a `DraftMoE`; stage 0 adds main_proj [D, T*D] + main_norm [D];
+    the last stage adds norm [D], hc_head_fn [C, C*D] / _base [C] / _scale [1], markov_head
+    and (optionally) confidence_head (spec §9.1). Built on the meta device, then materialised
+    on `device` so non-local experts never allocate memory.
+    """
+
+    def __init__(self, cfg: ModelConfig, local_cfg: ModelConfig, stage: int, dtype: torch.dtype,
+                 quant_sim: bool, deterministic_reduce: bool, tp: DraftTP, confidence_head: bool,
+                 device: torch.device | str):
+        layer_id = cfg.n_layers + stage
+        super().__init__(local_cfg, layer_id, dtype, quant_sim, deterministic_reduce, device="meta")
+        self.reduce = tp.all_reduce
+        self.ffn = DraftMoE(local_cfg, layer_id, dtype, quant_sim, deterministic_reduce,
+                            tp.local_experts(cfg), tp.all_reduce, "meta")
+        D, C, meta = cfg.dim, cfg.hc_mult, "meta"
+        if stage == 0:
+            self.main_proj = Linear(cfg.tap_width, D, dtype, meta, act_quant=quant_sim and cfg.weight_dtype == "fp8")
+            self.main_norm = RMSNorm(D, cfg.norm_eps, meta)
+        if stage == cfg.n_mtp_layers - 1:
+            self.norm = RMSNorm(D, cfg.norm_eps, meta)
+            self.hc_head_fn = frozen_param((C, C * D), torch.float32, meta)
+            self.hc_head_base = frozen_param((C,), torch.float32, meta)
+            self.hc_head_scale = frozen_param((1,), torch.float32, meta)
+            self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, meta)
+            if confidence_head:
+                self.confidence_head = ConfidenceHead(D, cfg.dspark_markov_rank, meta)
+        self.to_empty(device=device)
+        self.attn.rope = Rope.for_layer(cfg, layer_id, device)  # to_empty left the table uninitialised
+        stray = [n for n, _ in self.named_buffers() if n != "attn.rope.inv_freq"]
+        assert not stray, f"buffers {stray} would be uninitialised after to_empty"
+
+    def draft_attention(self, x: torch.Tensor, ring: torch.Tensor, n_ctx: int, pos: torch.Tensor) -> torch.Tensor:
+        """DSparkAttention (spec §9.4): x [B, D] (normed sublayer input) at block positions pos [B].
+
+        Keys = [ring [W, Dh] | the block's own kv [B, Dh]]; every slot attends the first
+        `n_ctx` ring slots (positions max(0, p-W+1)..p) and the whole block (non-causal).
+        Returns [B, D] after the output projection and the first all-reduce.
+        """
+        attn, B, W = self.attn, x.shape[0], ring.shape[0]
+        q, _ = attn.project_q(x, pos)  # [B, H, Dh]
+        keys = torch.cat((ring, attn.project_kv(x, pos)))  # [W + B, Dh]
+        idx = torch.cat((torch.arange(n_ctx, device=x.device), W + torch.arange(B, device=x.device)))
+        o = sparse_attn(q, keys, attn.attn_sink, idx.expand(B, -1), attn.softmax_scale)  # [B, H, Dh]
+        return self.reduce(attn.project_out(o, pos))
+
+
+@dataclass
+class DraftState:
+    """One sequence's rings: rings[s] [W, Dh] (position q in slot q % W), and
+    last_position, the last committed position written (-1: nothing yet)."""
+
+    rings: list[torch.Tensor]
+    last_position: int = -1
+
+    def reset(self) -> None:
+        for ring in self.rings:
+            ring.zero_()
+        self.last_position = -1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.nbytes for r in self.rings)
+
+
+@dataclass(frozen=True)
+class DraftOutput:
+    """tokens: B drafted ids (positions p+2..p+B+1); logits [B, V] fp32 with the Markov bias;
+    confidence [B] fp32 raw logits (None without a confidence head); hidden [B, D] the
+    pre-norm hc_head output."""
+
+    tokens: list[int]
+    logits: torch.Tensor
+    confidence: torch.Tensor | None
+    hidden: torch.Tensor
+
+
+class DSparkDraft(nn.Module):
+    """The DSpark draft module (spec §9); see the module docstring for positions and rings.
+
+    Args:
+        dtype: linears, embedding and rings (torch.float32 or torch.bfloat16); norms, mHC
+            parameters, attn_sink, gate, head, Markov and confidence heads stay fp32.
+        quant_sim: fp8 activation simulation (spec §2.4); None -> cfg.quant_sim.
+        deterministic_reduce: MoE combine order; None -> `Settings.from_env()`.
+        confidence_head: whether the module has (and its weights include) the confidence head.
+        tp: this rank's `DraftTP` (default: TP=1).
+    Raises:
+        ValueError: dtype not float32/bfloat16, no DSpark stages, or a config the TP world
+            size does not divide.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, quant_sim: bool | None = None,
+                 deterministic_reduce: bool | None = None, confidence_head: bool = True,
+                 tp: DraftTP | None = None, device: torch.device | str = "cpu"):
+        super().__init__()
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype}: must be torch.float32 or torch.bfloat16")
+        if cfg.n_mtp_layers < 1:
+            raise ValueError(f"n_mtp_layers={cfg.n_mtp_layers}: the draft module needs >= 1 stage")
+        self.cfg, self.dtype, self.tp = cfg, dtype, tp if tp is not None else DraftTP()
+        self.quant_sim = cfg.quant_sim if quant_sim is None else bool(quant_sim)
+        if deterministic_reduce is None:
+            deterministic_reduce = Settings.from_env().moe_deterministic_reduce
+        self.has_confidence_head = confidence_head
+        local_cfg = self.tp.local_config(cfg)
+        self.embed = Embedding(cfg.vocab_size, cfg.dim, dtype, device)
+        self.mtp = nn.ModuleList(
+            DSparkStage(cfg, local_cfg, s, dtype, self.quant_sim, bool(deterministic_reduce), self.tp,
+                        confidence_head, device) for s in range(cfg.n_mtp_layers))
+        self.head = Linear(cfg.dim, cfg.vocab_size, torch.float32, device)
+        self._loaded = False
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy the FULL logical drafter weights (`drafter_params` names) into the module, sharded
+        for this TP rank and cast to each parameter's dtype. Strict.
+
+        Raises:
+            ValueError: naming every missing, unexpected or mis-shaped tensor (a confidence
+                head present in the weights but not in the module, or vice versa, is one).
+        """
+        local = self.tp.shard_weights(self.cfg, weights)
+        own = self.state_dict(keep_vars=True)
+        problems = [f"missing: {sorted(set(own) - set(local))}"] if set(own) - set(local) else []
+        problems += [f"unexpected: {sorted(set(local) - set(own))}"] if set(local) - set(own) else []
+        problems += [f"mis-shaped {n}: got {tuple(local[n].shape)}, expected {tuple(own[n].shape)}"
+                     for n in sorted(set(own) & set(local)) if tuple(local[n].shape) != tuple(own[n].shape)]
+        if problems:
+            raise ValueError("load_weights: " + "; ".join(problems))
+        with torch.no_grad():
+            for n, t in own.items():
+                t.copy_(local[n].to(device=t.device, dtype=t.dtype))
+        self._loaded = True
+
+    def share_embed_head(self, embed: Embedding, head: Linear) -> None:
+        """In-process setups only: use the trunk's `embed` and `head` modules instead of own copies.
+
+        Raises:
+            ValueError: dtype/shape differ, or the values differ from the loaded ones (not the
+                same checkpoint).
+        """
+        for name, mine, theirs in (("embed", self.embed, embed), ("head", self.head, head)):
+            a, b = mine.weight, theirs.weight
+            if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+                raise ValueError(f"{name}: the trunk's {tuple(b.shape)} {b.dtype} tensor differs from the "
+                                 f"drafter's {tuple(a.shape)} {a.dtype}")
+        self.embed, self.head = embed, head
+
+    # ------------------------------------------------------------------ rings
+    def new_state(self) -> DraftState:
+        """Empty rings (zeros) for one sequence, on the module's device, in its dtype."""
+        w = self.embed.weight
+        return DraftState([torch.zeros(self.cfg.window_size, self.cfg.head_dim, dtype=w.dtype, device=w.device)
+                           for _ in self.mtp])
+
+    def main_features(self, rows: torch.Tensor) -> torch.Tensor:
+        """main_norm(main_proj(rows)): rows [R, T*D] -> [R, D] in the model dtype (spec §9.3)."""
+        stage0 = self.mtp[0]
+        return stage0.main_norm(stage0.main_proj(rows))
+
+    @torch.no_grad()
+    def write_main_kv(self, state: DraftState, rows: torch.Tensor, positions: Sequence[int]) -> None:
+        """Write committed rows [R, T*D] (fp32/bf16) of `positions` into every stage's ring (spec §9.6).
+
+        positions: R consecutive ascending positions. The first write of a sequence must start
+        at 0 or hold >= W rows (prefill priming: the prompt's last min(n, W) rows); later writes
+        must continue the last committed position (start <= last + 1). Rows of positions
+        already written are written again (idempotent for the same rows); positions that end
+        up outside the window are skipped.
+        Raises:
+            ValueError: bad shape/width/non-finite rows, R != len(positions), non-consecutive
+                positions, position outside [0, max_seq_len), a gap after the last committed
+                position, or a first write that leaves part of the window unknown.
+            RuntimeError: weights not loaded.
+        """
+        self._require_loaded()
+        pos = check_commit(self.cfg, state.last_position, rows, positions)
+        rows = rows.to(self.embed.weight.device)
+        last = max(state.last_position, pos[-1])
+        W = self.cfg.window_size
+        for i, p in enumerate(pos):
+            if p <= last - W:
+                continue
+            mx = self.main_features(rows[i:i + 1])  # [1, D]; one row at a time: batch-size invariant
+            at = torch.tensor([p], device=mx.device)
+            for stage, ring in zip(self.mtp, state.rings):
+                ring[p % W] = stage.attn.project_kv(mx, at)[0]
+        state.last_position = last
+
+    # ------------------------------------------------------------------ draft
+    @torch.no_grad()
+    def draft(self, state: DraftState, anchor: int, seed_position: int) -> DraftOutput:
+        """Draft B tokens from `anchor` (the committed token at seed_position + 1).
+
+        Raises:
+            ValueError: seed_position is not the last committed position (both named), nothing
+                committed, anchor outside [0, vocab_size), or no room for the anchor
+                (seed_position + 1 >= max_seq_len).
+            RuntimeError: weights not loaded.
+        """
+        check_seed(state.last_position, seed_position)
+        return self.draft_from_rings(state.rings, anchor, seed_position)
+
+    @torch.no_grad()
+    def draft_from_rings(self, rings: list[torch.Tensor], anchor: int, seed_position: int) -> DraftOutput:
+        """The unchecked draft forward over given rings (spec §9.3): rings[s] [W, Dh] must hold
+        positions max(0, p-W+1)..p at slots q % W. For probes that perturb one input at a time."""
+        self._require_loaded()
+        cfg, p = self.cfg, int(seed_position)
+        B = cfg.dspark_block_size
+        if not 0 <= anchor < cfg.vocab_size:
+            raise ValueError(f"anchor={anchor} outside [0, vocab_size={cfg.vocab_size})")
+        if not 0 <= p < cfg.max_seq_len - 1:
+            raise ValueError(f"seed_position={p}: the anchor at {p + 1} must lie before max_seq_len={cfg.max_seq_len}")
+        dev = self.embed.weight.device
+        ids = torch.full((B,), cfg.dspark_noise_token_id, dtype=torch.int64, device=dev)  # [B]
+        ids[0] = anchor
+        pos = torch.arange(p + 1, p + 1 + B, device=dev)  # [B] block positions
+        n_ctx = min(cfg.window_size, p + 1)
+        h = self.embed(ids).unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # (B, C, D)
+        for stage, ring in zip(self.mtp, rings):
+            h = stage.attn_residual(h, lambda x, st=stage, r=ring: st.draft_attention(x, r, n_ctx, pos))
+            h = stage.ffn_residual(h, ids)
+        return self.head_forward(h, ids[:1])
+
+    def head_forward(self, h: torch.Tensor, anchor: torch.Tensor) -> DraftOutput:
+        """Last-stage head (spec §9.5): h [B, C, D], anchor [1] int64 -> DraftOutput.
+
+        Sequential Markov loop on device (no host sync until the end): the bias of slot j is
+        markov_w2(markov_w1[prev]) with prev the previous slot's draft (the anchor for slot 0).
+        """
+        cfg, last = self.cfg, self.mtp[-1]
+        y = hc_head(h, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, cfg.norm_eps, cfg.hc_eps)  # [B, D]
+        logits = self.head(last.norm(y).float())  # [B, V] fp32
+        prev, drafted, emb = anchor, [], []
+        for j in range(h.shape[0]):
+            e = last.markov_head.markov_w1(prev)  # [1, Rm] embedding of the previous token
+            logits[j] += last.markov_head.markov_w2(e)[0]
+            prev = logits[j].argmax().reshape(1)
+            drafted.append(prev)
+            emb.append(e)
+        conf = None
+        if self.has_confidence_head:
+            conf = last.confidence_head.proj(torch.cat((y.float(), torch.cat(emb)), dim=-1))[:, 0]  # [B]
+        return DraftOutput(torch.cat(drafted).tolist(), logits, conf, y)
+
+    def _require_loaded(self) -> None:
+        if not self._loaded:
+            raise RuntimeError("DSparkDraft weights are not loaded: call load_weights first")
+
+
+def load_draft_module(path, dtype: torch.dtype = torch.float32, tp: DraftTP | None = None,
+                      device: torch.device | str = "cpu") -> DSparkDraft:
+    """The drafter process's loader: read the drafter's consumer set (`mtp.*`, embed, head) of a
+    checkpoint folder (`dsv4.checkpoint.load_drafter_weights`) into a `DSparkDraft`, with the
+    confidence head iff the checkpoint has one; sharded for `tp`.
+
+    Raises:
+        CheckpointError: a drafter tensor missing, unexpected or mis-shaped.
+    """
+    from dsv4.checkpoint import load_drafter_weights
+
+    cfg, weights, has_conf = load_drafter_weights(path)
+    module = DSparkDraft(cfg, dtype=dtype, confidence_head=has_conf, tp=tp, device=device)
+    module.load_weights(weights)
+    return module
+
+
+def check_commit(cfg: ModelConfig, last_position: int, rows: torch.Tensor, positions: Sequence[int]) -> list[int]:
+    """Validate one commit (see `DSparkDraft.write_main_kv`); returns the positions as ints.
+
+    last_position: the sequence's last committed position (-1: nothing yet).
+    Raises:
+        ValueError: naming the bad value (see `write_main_kv`).
+    """
+    if not torch.is_tensor(rows) or rows.ndim != 2 or not rows.is_floating_point():
+        raise ValueError(f"rows must be a 2-D float tensor [R, {cfg.tap_width}], got "
+                         f"{tuple(rows.shape) if torch.is_tensor(rows) else type(rows).__name__}")
+    if rows.shape[1] != cfg.tap_width:
+        raise ValueError(f"row width {rows.shape[1]} != tap width {cfg.tap_width} "
+                         f"({len(cfg.dspark_target_layer_ids)} target layers x dim {cfg.dim})")
+    pos = [int(p) for p in positions]
+    if len(pos) != rows.shape[0] or not pos:
+        raise ValueError(f"{rows.shape[0]} rows but {len(pos)} positions (need as many, >= 1)")
+    if any(b != a + 1 for a, b in zip(pos, pos[1:])):
+        raise ValueError(f"positions {pos[0]}..{pos[-1]} are not consecutive ascending: {pos}")
+    if pos[0] < 0 or pos[-1] >= cfg.max_seq_len:
+        raise ValueError(f"positions {pos[0]}..{pos[-1]} outside [0, max_seq_len={cfg.max_seq_len})")
+    if not torch.isfinite(rows).all():
+        raise ValueError("rows contain NaN or Inf")
+    if last_position < 0 and pos[0] > 0 and len(pos) < cfg.window_size:
+        raise ValueError(f"first write starts at position {pos[0]} with {len(pos)} rows: it must start "
+                         f"at 0 or hold >= window_size={cfg.window_size} rows")
+    if last_position >= 0 and pos[0] > last_position + 1:
+        raise ValueError(f"positions start at {pos[0]} but the last committed position is {last_position}: "
+                         f"gap of {pos[0] - last_position - 1}")
+    return pos
+
+
+def check_seed(last_position: int, seed_position: int) -> None:
+    """A draft's seed position must be the last committed position (spec §9.2).
+
+    Raises:
+        ValueError: nothing committed yet, or seed_position != last_position (both named).
+    """
+    if last_position < 0:
+        raise ValueError("nothing committed yet: write the prompt's rows before drafting")
+    if seed_position != last_position:
+        raise ValueError(f"seed_position={seed_position} is not the last committed position "
+                         f"{last_position} (the anchor is roped at seed_position + 1)")

@@ -1,0 +1,181 @@
+"""Drafter engine: per-generation DSpark rings, commit of the verifier's rows, draft, identity.
+
+Dimension legend: R = committed rows in one call, T = len(dspark_target_layer_ids), D = dim,
+B = dspark_block_size.
+
+Protocol (DESIGN.md §3, spec §9.7). After the verifier's prefill of x[0..n-1] the gateway
+commits the prompt's last min(n, W) tap rows (positions n-min(n,W)..n-1) and drafts with
+the first anchor x[n] and seed position n-1. After each verify that accepted a drafts it
+commits the rows of positions n..n+a (never rejected ones) and drafts from the bonus token
+with seed position n+a. Plain decode steps commit their one row the same way.
+
+At TP > 1 every rank holds its own engine over its `DSparkDraft` shard and must receive the
+same calls in the same order (the module's all-reduces are collective); the driver that
+fans calls out from rank 0 belongs to the service.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from dsv4.config import ModelConfig
+from dsv4.dspark import DraftState, DSparkDraft
+
+
+class SessionLimitError(RuntimeError):
+    """No session slot free (the service maps this to RESOURCE_EXHAUSTED)."""
+
+
+class UnknownSessionError(KeyError):
+    """The session id is not open (closed, never opened, or from another engine)."""
+
+
+def drafter_identity(cfg: ModelConfig, confidence_head: bool, tp: int, kind: str) -> dict:
+    """What the gateway compares with the verifier's identity before pairing them (DESIGN.md §6).
+
+    Keys: kind ("dspark" | "oracle"), config_hash, vocab_size, block_size, window_size,
+    target_layer_ids, row_width (= T*D, the width of a committed row), dim, max_seq_len,
+    noise_token_id, confidence_head (bool), tp (world size).
+    """
+    return {
+        "kind": kind,
+        "config_hash": cfg.config_hash(),
+        "vocab_size": cfg.vocab_size,
+        "block_size": cfg.dspark_block_size,
+        "window_size": cfg.window_size,
+        "target_layer_ids": list(cfg.dspark_target_layer_ids),
+        "row_width": cfg.tap_width,
+        "dim": cfg.dim,
+        "max_seq_len": cfg.max_seq_len,
+        "noise_token_id": cfg.dspark_noise_token_id,
+        "confidence_head": bool(confidence_head),
+        "tp": tp,
+    }
+
+
+@dataclass
+class _Session:
+    state: DraftState
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class SessionTable:
+    """Open sessions by id with a limit; shared by the DSpark and the oracle engines.
+
+    Raises SessionLimitError on `open` when full, UnknownSessionError on `get` of an id not open.
+    """
+
+    def __init__(self, max_sessions: int):
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions={max_sessions}: must be >= 1")
+        self.max_sessions = max_sessions
+        self._sessions: dict[int, object] = {}
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def open(self, session: object) -> int:
+        with self._lock:
+            if len(self._sessions) >= self.max_sessions:
+                raise SessionLimitError(f"session limit reached: {self.max_sessions} sessions open")
+            sid = next(self._ids)
+            self._sessions[sid] = session
+            return sid
+
+    def close(self, sid: int) -> None:
+        with self._lock:
+            self._sessions.pop(sid, None)
+
+    def get(self, sid: int):
+        try:
+            return self._sessions[sid]
+        except KeyError:
+            raise UnknownSessionError(f"session {sid} is not open") from None
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+
+class DrafterEngine:
+    """Sessions over one loaded `DSparkDraft` (this rank's shard at TP > 1).
+
+    Args:
+        module: a loaded `DSparkDraft`.
+        max_sessions: open sessions allowed at once (>= 1).
+    Raises:
+        ValueError: max_sessions < 1.
+    Thread safety: calls on different sessions may run concurrently; calls on one session
+    are serialised by its lock.
+    """
+
+    def __init__(self, module: DSparkDraft, max_sessions: int = 16):
+        self.module, self.cfg = module, module.cfg
+        self._table = SessionTable(max_sessions)
+
+    @property
+    def max_sessions(self) -> int:
+        return self._table.max_sessions
+
+    @property
+    def num_sessions(self) -> int:
+        """Sessions open now."""
+        return len(self._table)
+
+    def identity(self) -> dict:
+        """See `drafter_identity`; `confidence_head` says whether the module has one."""
+        return drafter_identity(self.cfg, self.module.has_confidence_head, self.module.tp.world_size, "dspark")
+
+    # ------------------------------------------------------------------ sessions
+    def open_session(self) -> int:
+        """Open a session with empty rings; returns its id. Raises SessionLimitError when full."""
+        return self._table.open(_Session(self.module.new_state()))
+
+    def close_session(self, sid: int) -> None:
+        """Free a session's rings; closing an unknown or closed session is a no-op."""
+        self._table.close(sid)
+
+    def last_position(self, sid: int) -> int:
+        """The session's last committed position (-1 before the first commit)."""
+        return self._table.get(sid).state.last_position
+
+    def session_bytes(self, sid: int) -> int:
+        """Bytes of ring state held by session `sid`."""
+        return self._table.get(sid).state.nbytes
+
+    def session_state(self, sid: int) -> DraftState:
+        """The session's rings (diagnostics and tests; do not modify)."""
+        return self._table.get(sid).state
+
+    # ------------------------------------------------------------------ commit / draft
+    def commit(self, sid: int, rows: torch.Tensor, positions: Sequence[int]) -> None:
+        """Write committed tap rows [R, T*D] (fp32 or bf16) of `positions` into the session's rings.
+
+        See `DSparkDraft.write_main_kv` for the position rules (prefill priming, continuation,
+        idempotent rewrites).
+        Raises:
+            ValueError: bad rows or positions (named), a gap after the last committed position.
+            UnknownSessionError: `sid` not open.
+        """
+        s = self._table.get(sid)
+        with s.lock:
+            self.module.write_main_kv(s.state, rows, positions)
+
+    def draft(self, sid: int, anchor: int, seed_position: int) -> tuple[list[int], torch.Tensor | None]:
+        """Draft block_size tokens after `anchor` (the committed token at seed_position + 1).
+
+        Returns (tokens for positions seed_position+2 .. seed_position+block_size+1, confidence
+        logits [block_size] fp32 on CPU, or None when the module has no confidence head).
+        Raises:
+            ValueError: seed_position is not the last committed position (both named), nothing
+                committed, anchor out of range.
+            UnknownSessionError: `sid` not open.
+        """
+        s = self._table.get(sid)
+        with s.lock:
+            out = self.module.draft(s.state, int(anchor), int(seed_position))
+        conf = None if out.confidence is None else out.confidence.detach().float().cpu()
+        return out.tokens, conf

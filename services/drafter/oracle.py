@@ -1,0 +1,133 @@
+"""Oracle drafter: the verifier's own greedy continuation, corrupted where a script says so.
+
+Same interface as `DrafterEngine` (open_session, commit, draft, close_session, identity), no
+model. A draft from anchor x[p+1] at seed position p proposes the script's tokens of
+positions p+2..p+B+1, each replaced by (token + 1) % vocab_size where the script corrupts
+that position, with the script's confidence logit for that position. Tests use it to drive
+the verifier with drafts of known quality (full, partial and zero acceptance); the services
+issue exposes it as a drafter service.
+
+Commits are validated exactly like the DSpark engine's (positions continue the last
+committed one; the seed position must be the last committed position), rows are ignored.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import torch
+
+from dsv4.config import ModelConfig
+from dsv4.dspark import check_commit, check_seed
+from services.drafter.engine import SessionTable, drafter_identity
+
+
+@dataclass(frozen=True)
+class OracleScript:
+    """tokens: the reference sequence by absolute position (prompt + the verifier's greedy
+    continuation); corrupt: positions whose proposal is replaced by (token + 1) % vocab;
+    confidence: position -> confidence logit, `default_confidence` elsewhere; positions past
+    the script propose `filler_token`."""
+
+    tokens: tuple[int, ...]
+    corrupt: frozenset[int] = frozenset()
+    confidence: Mapping[int, float] = field(default_factory=dict)
+    default_confidence: float = 4.0
+    filler_token: int = 0
+
+
+@dataclass
+class _OracleSession:
+    script: OracleScript
+    last_position: int = -1
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class OracleDrafter:
+    """Scripted drafter (see the module docstring).
+
+    Args:
+        cfg: the model config (vocab, block size, row width, window for commit checks).
+        script: the default script of new sessions.
+        max_sessions: open sessions allowed at once.
+    Raises:
+        ValueError: a script token outside [0, vocab_size).
+    """
+
+    def __init__(self, cfg: ModelConfig, script: OracleScript, max_sessions: int = 16):
+        self.cfg = cfg
+        self.script = self._checked(script)
+        self._table = SessionTable(max_sessions)
+
+    def _checked(self, script: OracleScript) -> OracleScript:
+        bad = [t for t in (*script.tokens, script.filler_token) if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"script token {bad[0]} outside [0, vocab_size={self.cfg.vocab_size})")
+        return script
+
+    def identity(self) -> dict:
+        """See `drafter_identity` (kind "oracle"; it always reports confidences)."""
+        return drafter_identity(self.cfg, True, 1, "oracle")
+
+    @property
+    def max_sessions(self) -> int:
+        return self._table.max_sessions
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._table)
+
+    def open_session(self, script: OracleScript | None = None) -> int:
+        """Open a session following `script` (default: the drafter's). Raises SessionLimitError when full."""
+        return self._table.open(_OracleSession(self._checked(script) if script else self.script))
+
+    def close_session(self, sid: int) -> None:
+        self._table.close(sid)
+
+    def last_position(self, sid: int) -> int:
+        return self._table.get(sid).last_position
+
+    def commit(self, sid: int, rows: torch.Tensor, positions: Sequence[int]) -> None:
+        """Record committed positions (rows are validated, not used). Raises like `DrafterEngine.commit`."""
+        s = self._table.get(sid)
+        with s.lock:
+            pos = check_commit(self.cfg, s.last_position, rows, positions)
+            s.last_position = max(s.last_position, pos[-1])
+
+    def draft(self, sid: int, anchor: int, seed_position: int) -> tuple[list[int], torch.Tensor]:
+        """The script's block after `anchor`: (tokens of positions p+2..p+B+1, confidence logits [B] fp32).
+
+        Raises:
+            ValueError: seed_position is not the last committed position (both named), or the
+                anchor is not the script's token at seed_position + 1 (the generation left the
+                script, so its "greedy continuation" no longer applies).
+        """
+        s = self._table.get(sid)
+        with s.lock:
+            check_seed(s.last_position, seed_position)
+            script, p, V = s.script, int(seed_position), self.cfg.vocab_size
+            if p + 1 < len(script.tokens) and int(anchor) != script.tokens[p + 1]:
+                raise ValueError(f"anchor={anchor} at position {p + 1} is not the script's token "
+                                 f"{script.tokens[p + 1]}")
+            tokens, conf = [], []
+            for q in range(p + 2, p + 2 + self.cfg.dspark_block_size):
+                t = script.tokens[q] if q < len(script.tokens) else script.filler_token
+                tokens.append((t + 1) % V if q in script.corrupt else t)
+                conf.append(script.confidence.get(q, script.default_confidence))
+            return tokens, torch.tensor(conf, dtype=torch.float32)
+
+
+def greedy_script(verifier, prompt: Sequence[int], n_new: int) -> tuple[int, ...]:
+    """Prompt + `n_new` tokens of plain greedy decoding by `verifier` (a VerifierEngine), in a
+    session of its own: what the oracle proposes."""
+    sid = verifier.open_session()
+    try:
+        step = verifier.prefill(sid, list(prompt))
+        tokens = [*map(int, prompt), step.next_token]
+        for pos in range(len(prompt), len(prompt) + n_new - 1):
+            tokens.append(verifier.decode(sid, tokens[-1], pos).next_token)
+        return tuple(tokens)
+    finally:
+        verifier.close_session(sid)
