@@ -4,29 +4,42 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import replace
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from services.gateway.gate import GateConfig
+from services.gateway.gate import GateConfig, parse_setting
 from services.gateway.replay import POLICIES, ReplayReport, WorkloadReport, comparisons, replay_log, report_to_dict
 from services.gateway.rounds import load_rounds
 from services.gateway.synthetic import DEFAULT_ROUNDS, DEFAULT_SEED, generate
 
-# CLI flag -> GateConfig field; each overrides the DEEPSEEK_DSPARK_GATE_* env value for the replay.
-_OVERRIDES = {
-    "draft_ms": float,
-    "verify_base_ms": float,
-    "verify_slope_ms": float,
-    "plain_ms": float,
-    "margin": float,
-    "min_draft": int,
-    "decay": float,
-    "margin_threshold": float,
-}
+# GateConfig fields settable by flag (--draft-ms ...); each overrides its DEEPSEEK_DSPARK_GATE_* env value.
+_OVERRIDES = (
+    "draft_ms",
+    "verify_base_ms",
+    "verify_slope_ms",
+    "plain_ms",
+    "margin",
+    "min_draft",
+    "decay",
+    "margin_threshold",
+)
+
+
+def _flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+def printable(text: str) -> str:
+    """`text` with control and format characters (ANSI escapes, newlines, bidi marks) written as
+    backslash escapes, so labels and file names cannot drive the terminal or break a line."""
+    return "".join(ascii(ch)[1:-1] if unicodedata.category(ch)[0] == "C" else ch for ch in text)
 
 
 def _add_replay(subparsers: argparse._SubParsersAction) -> None:
@@ -35,15 +48,26 @@ def _add_replay(subparsers: argparse._SubParsersAction) -> None:
         help="replay recorded rounds through plain / always-k / threshold / gated policies",
         description="Replay rounds under the cost model. Costs and gate settings come from the "
         "DEEPSEEK_DSPARK_GATE_* env vars, then from the flags below; the gated policies run the "
-        "gate enabled whatever DEEPSEEK_DSPARK_GATE says.",
+        "gate enabled whatever DEEPSEEK_DSPARK_GATE says. Bad input exits 2 with a one-line error.",
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("file", nargs="?", help="rounds JSON file (format: docs/gate.md)")
-    src.add_argument("--synthetic", action="store_true", help="the synthetic rounds (fixed seed)")
+    src.add_argument("file", nargs="?", metavar="FILE", help="rounds JSON file (format: docs/gate.md; at most 256 MiB)")
+    src.add_argument(
+        "--synthetic",
+        action="store_true",
+        help=f"regenerate the committed synthetic rounds from the fixed seed ({DEFAULT_SEED}, "
+        f"{DEFAULT_ROUNDS}/workload); identical to tests/data/synthetic_rounds.json, which a test checks",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--policy", action="append", choices=POLICIES, help="policies to show (repeatable; default all)")
-    for name, kind in _OVERRIDES.items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"override {name}")
+    p.add_argument(
+        "--policy",
+        action="append",
+        choices=POLICIES,
+        help="policy to replay besides plain and always-k (repeatable, a repeat counts once; default: "
+        "every policy that applies). A requested policy that cannot run is an error",
+    )
+    for name in _OVERRIDES:
+        p.add_argument(_flag(name), default=None, metavar="X", help=f"override {name} (ASCII decimal)")
     p.set_defaults(func=_run_replay)
 
 
@@ -65,8 +89,8 @@ def _threshold_cell(w: WorkloadReport) -> str:
     return f"{r.tok_s:.2f}" + ("" if w.threshold is None else f" (t={w.threshold:.3g})")
 
 
-def _row(w: WorkloadReport, policies: Sequence[str]) -> list[str]:
-    cells = [w.name, str(w.rounds), _fmt_pct(w.accept_rate, 1)]
+def _row(w: WorkloadReport, policies: Sequence[str]) -> list[str | Text]:
+    cells = [Text(printable(w.name)), str(w.rounds), _fmt_pct(w.accept_rate, 1)]
     for p in policies:
         cells.append(_threshold_cell(w) if p == "threshold" else f"{w.results[p].tok_s:.2f}")
     if "gated" in w.results:
@@ -83,16 +107,17 @@ def render_report(report: ReplayReport, console: Console) -> None:
     cfg = report.config
     policies = list(report.overall.results)
     title = (
-        f"Replay of {report.source}: tok/s under draft {cfg.draft_ms:g} ms + verify "
+        f"Replay of {printable(report.source)}: tok/s under draft {cfg.draft_ms:g} ms + verify "
         f"{cfg.verify_base_ms:g} + {cfg.verify_slope_ms:g}·n ms, plain {cfg.plain_ms:g} ms; "
         f"margin {cfg.margin:g}, decay {cfg.decay:g}, min_draft {cfg.min_draft}"
     )
     caption = (
+        f"gated: the gate always enabled here (DEEPSEEK_DSPARK_GATE={int(cfg.enabled)} is not used). "
         "threshold: leave-one-workload-out, t chosen on the other workloads. recovered: "
         "(gated - always-k) / (plain - always-k), where always-k < plain. cut/skip: gated rounds "
         "truncated / cut to 0 after the draft. zero-accept: rounds / time above plain."
     )
-    table = Table(title=title, title_justify="left", caption=caption, caption_justify="left")
+    table = Table(title=Text(title), title_justify="left", caption=Text(caption), caption_justify="left")
     headers = ["workload", "rounds", "accept"] + [p + ("\n(LOWO)" if p == "threshold" else "") for p in policies]
     if "gated" in policies:
         headers += ["gated vs\nplain", "gated vs\nalways-k", "recovered", "gated\ncut/skip"]
@@ -107,41 +132,66 @@ def render_report(report: ReplayReport, console: Console) -> None:
 
 
 def _config_from(args: argparse.Namespace) -> GateConfig:
+    """Env values, then the flags; a bad flag value raises ValueError naming the flag."""
     config = GateConfig.from_env()
-    overrides = {k: getattr(args, k) for k in _OVERRIDES if getattr(args, k) is not None}
+    overrides = {k: parse_setting(k, getattr(args, k), _flag(k)) for k in _OVERRIDES if getattr(args, k) is not None}
     return replace(config, **overrides)
 
 
+def _error(message: str) -> int:
+    print(f"dspark replay: error: {printable(message)}", file=sys.stderr)
+    return 2
+
+
 def _run_replay(args: argparse.Namespace) -> int:
+    if args.file == "":
+        return _error("argument FILE is an empty path ('')")
     try:
         config = _config_from(args)
         if args.synthetic:
             log, source = generate(), f"synthetic rounds (seed {DEFAULT_SEED}, {DEFAULT_ROUNDS}/workload)"
         else:
             log, source = load_rounds(args.file), args.file
-        report = replay_log(log, config, args.policy or POLICIES, source)
+        report = replay_log(log, config, args.policy, source)
     except (ValueError, OSError) as exc:
-        print(f"dspark replay: error: {exc}", file=sys.stderr)
-        return 2
+        return _error(str(exc))
+    if report.skipped:
+        skipped = "; ".join(f"{p}: {why}" for p, why in report.skipped.items())
+        print(f"dspark replay: note: skipped {skipped}", file=sys.stderr)
     if args.json:
-        print(json.dumps(report_to_dict(report), indent=2))
+        print(json.dumps(report_to_dict(report), indent=2, allow_nan=False))
     else:
-        render_report(report, Console(width=None if sys.stdout.isatty() else 160))
+        render_report(report, Console(width=None if sys.stdout.isatty() else 160, emoji=False))
     return 0
+
+
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (`prog: error: message`, exit 2), like ours."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {printable(message)}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The `dspark` parser; each subcommand sets `func(args) -> exit code`."""
-    parser = argparse.ArgumentParser(prog="dspark", description="DSpark speculative-decoding serving tools")
+    parser = _OneLineErrors(prog="dspark", description="DSpark speculative-decoding serving tools")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_replay(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `dspark` console script; returns the exit code."""
+    """Entry point of the `dspark` console script; returns the exit code (1 when stdout closed early)."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        code = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`dspark replay --json | head`). Python docs, "Note on SIGPIPE":
+        # point stdout at devnull so the interpreter's exit-time flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return code
 
 
 if __name__ == "__main__":

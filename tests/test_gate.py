@@ -1,11 +1,14 @@
 """Gate: cost model, decision rule on hand-computed cases, buckets, censoring, decay, prior, scope, stats."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from services.gateway.gate import (
     BUCKET_EDGES,
     NUM_BUCKETS,
+    Calibration,
     CostModel,
     Gate,
     GateConfig,
@@ -341,3 +344,158 @@ def test_gate_to_dict_reports_estimates_and_weights():
     assert buckets[2]["weight"] == 2.0
     assert buckets[2]["estimate"] == pytest.approx(2 / 3)  # (1 + 1) / (2 + 1)
     assert buckets[3]["estimate"] == 1.0
+
+
+NAN = float("nan")
+
+
+def snapshot(gate):
+    """Everything a failed call must leave unchanged: decayed counts and stats."""
+    return gate.calibration(), dataclasses.replace(gate.stats, bucket_observed=list(gate.stats.bucket_observed),
+                                                   bucket_matched=list(gate.stats.bucket_matched))
+
+
+def taught_gate(gate_on=True):
+    gate = Gate(GateConfig(enabled=gate_on, decay=0.5))
+    gate.observe([1.0, 2.0, 8.0], 3, 1)
+    return gate
+
+
+@pytest.mark.parametrize(("confidences", "submitted", "accepted", "message"), [
+    ([1.0] * 3, 1.5, 1, "submitted=1.5"),
+    ([1.0] * 3, 2, 1.0, "accepted=1.0"),
+    ([1.0] * 3, True, 0, "submitted=True"),
+    ([1.0] * 3, "2", 1, "submitted='2'"),
+    ([1.0] * 3, 2, None, "accepted=None"),
+    ([1.0] * 3, 3, 4, "accepted=4"),
+    ([1.0, NAN, 1.0], 3, 2, "NaN"),
+    ([1.0, 1.0, NAN], 1, 0, "NaN"),  # every drafted position is checked, recorded or not
+    ([1.0, "x"], 2, 1, "confidence logit \\[1\\]='x'"),
+    ("abc", 1, 0, "sequence of numbers"),
+    (5.0, 1, 0, "sequence of numbers"),
+])
+def test_observe_validates_everything_before_changing_state(confidences, submitted, accepted, message):
+    gate = taught_gate()
+    before = snapshot(gate)
+    with pytest.raises(ValueError, match=message):
+        gate.observe(confidences, submitted, accepted)
+    assert snapshot(gate) == before
+
+
+def test_observe_accepts_numpy_counts_and_stores_plain_ints():
+    gate = Gate(enabled(decay=1.0))
+    gate.observe(np.array([8.0, 8.0]), np.int64(2), np.int32(1))
+    assert (gate.stats.submitted, gate.stats.accepted) == (2, 1)
+    assert type(gate.stats.submitted) is int and type(gate.stats.accepted) is int
+    assert gate.stats.bucket_observed[5] == 2
+
+
+@pytest.mark.parametrize("gate_on", [True, False])
+@pytest.mark.parametrize(("confidences", "max_n", "message"), [
+    ([1.0, NAN, 1.0], 3, "NaN"),
+    ([1.0, NAN, 1.0], 1, "NaN"),  # NaN beyond the cap still raises
+    ([1.0] * 3, 2.5, "max_n=2.5"),
+    ([1.0] * 3, True, "max_n=True"),
+    ([1.0] * 3, None, "max_n=None"),
+    ([1.0] * 3, "2", "max_n='2'"),
+    ([1.0] * 3, -1, "max_n=-1"),
+    ([1.0] * 3, 4, "max_n=4"),
+])
+def test_choose_length_validates_before_counting_whether_enabled_or_not(gate_on, confidences, max_n, message):
+    gate = taught_gate(gate_on)
+    before = snapshot(gate)
+    with pytest.raises(ValueError, match=message):
+        gate.choose_length(confidences, max_n)
+    assert snapshot(gate) == before
+
+
+@pytest.mark.parametrize("gate_on", [True, False])
+def test_nan_confidence_raises_through_choose_length_and_observe(gate_on):
+    gate = Gate(GateConfig(enabled=gate_on))
+    with pytest.raises(ValueError, match="confidence logit \\[0\\] is NaN"):
+        gate.choose_length([NAN, 1.0], 2)
+    with pytest.raises(ValueError, match="confidence logit \\[0\\] is NaN"):
+        gate.observe([NAN, 1.0], 2, 1)
+    assert gate.stats == GateStats()
+
+
+def test_choose_length_accepts_numpy_cap_and_huge_integer_logits():
+    gate = Gate(enabled())
+    assert gate.choose_length([10**400, -(10**400)], np.int64(2)) == 2  # huge ints bucket as +-inf
+    assert gate.stats.drafted_rounds == 1
+
+
+@pytest.mark.parametrize("margin", [NAN, "4", [4.0]])
+def test_should_draft_rejects_bad_margin_without_counting(margin):
+    gate = Gate(GateConfig(margin_threshold=4.0))
+    with pytest.raises(ValueError, match="anchor margin"):
+        gate.should_draft(margin)
+    assert gate.stats.rounds == 0
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"margin": NAN}, "margin=nan"),
+    ({"margin": float("inf")}, "margin=inf"),
+    ({"margin": 0.99}, "margin=0.99"),
+    ({"min_draft": 1.5}, "min_draft=1.5"),
+    ({"min_draft": NAN}, "min_draft=nan"),
+    ({"min_draft": True}, "min_draft=True"),
+    ({"min_draft": -1}, "min_draft=-1"),
+])
+def test_decide_length_rejects_bad_margin_and_floor(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        decide_length([0.5] * 5, 5, SEED_COST, **kwargs)
+
+
+@pytest.mark.parametrize("max_n", [2.5, True, None, "2"])
+def test_decide_length_rejects_non_integer_cap(max_n):
+    with pytest.raises(ValueError, match=f"max_n={max_n!r} must be an integer"):
+        decide_length([0.5] * 5, max_n, SEED_COST)
+
+
+def test_decide_length_accepts_numpy_arguments():
+    assert decide_length(np.full(5, 0.5), np.int64(5), SEED_COST, np.float64(1.15), np.int64(1)) == 1
+
+
+@pytest.mark.parametrize(("probs", "n", "message"), [
+    ([0.5, NAN], 2, "\\[1\\]=nan outside"),
+    ([0.5, True], 2, "\\[1\\]=True outside"),
+    ([0.5], 1.0, "n=1.0"),
+    ([0.5], -1, "n=-1"),
+])
+def test_expected_tokens_validates(probs, n, message):
+    with pytest.raises(ValueError, match=message):
+        expected_tokens(probs, n)
+
+
+@pytest.mark.parametrize(("field", "value", "rule"), [
+    ("plain_ms", 0.0, "in \\[0.001, 1e\\+07\\]"),
+    ("plain_ms", 5e-324, "in \\[0.001, 1e\\+07\\]"),
+    ("draft_ms", -1.0, "in \\[0, 1e\\+07\\]"),
+    ("verify_slope_ms", NAN, "finite number"),
+    ("verify_base_ms", float("inf"), "finite number"),
+    ("draft_ms", 1e306, "in \\[0, 1e\\+07\\]"),
+    ("draft_ms", 10**400, "finite number"),
+    ("plain_ms", "303", "finite number"),
+])
+def test_cost_model_rejects_costs_naming_the_field(field, value, rule):
+    with pytest.raises(ValueError, match=f"^{field}=.* must be (a )?{rule}"):
+        dataclasses.replace(SEED_COST, **{field: value})
+
+
+def test_cost_model_needs_a_positive_round_cost():
+    with pytest.raises(ValueError, match="draft_ms \\+ verify_base_ms \\+ verify_slope_ms = 0"):
+        CostModel(0.0, 0.0, 0.0, 303.0)
+    with pytest.raises(ValueError, match="n=1.5"):
+        SEED_COST.round_ms(1.5)
+
+
+@pytest.mark.parametrize("max_weight", [NAN, float("inf"), 0.0, -1.0, "10", True])
+def test_calibration_rejects_bad_max_weight(max_weight):
+    with pytest.raises(ValueError, match="max_weight="):
+        GateStats().calibration(max_weight=max_weight)
+
+
+def test_calibration_snapshot_rejects_nan_counts():
+    with pytest.raises(ValueError, match="bucket 2"):
+        Calibration((0.0,) * 6, (0.0, 0.0, NAN, 0.0, 0.0, 0.0))

@@ -1,4 +1,4 @@
-"""`dspark replay` as a subprocess: table and JSON carry the pinned numbers; bad input exits 2."""
+"""`dspark replay` (subprocess and in-process): the pinned numbers; bad input exits 2 with one line."""
 
 import json
 import os
@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from services.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 SYNTHETIC = ROOT / "tests" / "data" / "synthetic_rounds.json"
@@ -18,6 +20,22 @@ def run_cli(*args, env=None, command=(sys.executable, "-m", "services.cli")):
     return subprocess.run(
         [*command, *args], cwd=ROOT, env={**clean, **(env or {})}, capture_output=True, text=True, timeout=120
     )
+
+
+@pytest.fixture
+def dspark(capsys, monkeypatch):
+    """Run `dspark` in-process (faster than a subprocess): returns (exit code, stdout, stderr)."""
+    for var in [v for v in os.environ if v.startswith("DEEPSEEK_DSPARK_GATE")]:
+        monkeypatch.delenv(var)
+
+    def call(*args, env=None):
+        for var, value in (env or {}).items():
+            monkeypatch.setenv(var, value)
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return call
 
 
 def table_rows(stdout):
@@ -85,3 +103,164 @@ def test_console_script_runs_replay():
     result = run_cli("replay", "--synthetic", "--json", command=(str(DSPARK),))
     assert result.returncode == 0, result.stderr
     assert round(json.loads(result.stdout)["overall"]["policies"]["gated"]["tok_s"], 2) == 4.36
+
+
+def reject_constant(name):
+    raise AssertionError(f"non-finite {name} in --json output")
+
+
+def rounds_file(tmp_path, workloads, name="rounds.json"):
+    rounds = [{"workload": w, "confidence_logits": [8.0, 8.0, -2.0], "submitted": 3, "accepted": 2} for w in workloads]
+    path = tmp_path / name
+    path.write_text(json.dumps({"format": "dspark-rounds", "version": 1, "rounds": rounds}))
+    return path
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("dspark replay: error: ")
+    for fragment in fragments:
+        assert fragment in result.stderr
+
+
+def test_json_output_is_strict_json_with_finite_numbers(dspark):
+    result = dspark("replay", "--synthetic", "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout, parse_constant=reject_constant)
+    assert doc["overall"]["policies"]["threshold"]["tok_s"] > 0
+
+
+def test_json_config_shows_the_env_switch_apart_from_the_gated_policy(dspark):
+    result = dspark("replay", "--synthetic", "--json", "--policy", "gated", env={"DEEPSEEK_DSPARK_GATE": "0"})
+    doc = json.loads(result.stdout)
+    assert "enabled" not in doc["config"]
+    assert doc["config"]["gate_env_enabled"] is False
+    assert doc["gated_policies_gate_enabled"] is True
+    assert "always run the gate enabled" in doc["note"]
+
+
+def test_missing_file_exits_2_naming_it(dspark, tmp_path):
+    assert_one_line_error(dspark("replay", str(tmp_path / "missing.json")), "missing.json")
+
+
+def test_directory_exits_2_naming_it(dspark, tmp_path):
+    assert_one_line_error(dspark("replay", str(tmp_path)), f"{tmp_path}: is a directory")
+
+
+def test_empty_path_exits_2_naming_the_argument(dspark):
+    assert_one_line_error(dspark("replay", ""), "argument FILE is an empty path ('')")
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("{not json", "bad.json: not JSON"),
+    ("[" * 200_000, "bad.json: not JSON this reader accepts: nested too deeply"),
+    ('{"format": "dspark-rounds", "version": 1, "rounds": [], "rounds": []}', "bad.json: not JSON this reader "
+     "accepts: duplicate key 'rounds'"),
+])
+def test_non_json_exits_2_naming_the_file(dspark, tmp_path, text, fragment):
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    assert_one_line_error(dspark("replay", str(bad)), fragment)
+
+
+def test_non_utf8_file_exits_2_naming_it(dspark, tmp_path):
+    bad = tmp_path / "bytes.json"
+    bad.write_bytes(b"\xff\xfe{}")
+    assert_one_line_error(dspark("replay", str(bad)), "bytes.json: not UTF-8 text")
+
+
+def test_zero_rounds_exit_2_naming_the_file(dspark, tmp_path):
+    empty = tmp_path / "empty.json"
+    empty.write_text('{"format": "dspark-rounds", "version": 1, "rounds": []}')
+    assert_one_line_error(dspark("replay", str(empty)), "empty.json: no rounds to replay")
+
+
+def test_huge_integer_in_a_round_exits_2_naming_file_and_field(dspark, tmp_path):
+    path = rounds_file(tmp_path, ["a"])
+    path.write_text(path.read_text().replace("8.0", "1" * 400, 1))
+    assert_one_line_error(dspark("replay", str(path)), "rounds.json: round 0: field 'confidence_logits'[0]=")
+
+
+@pytest.mark.parametrize(("flag", "value", "fragment"), [
+    ("--decay", "0", "--decay='0' must be in (0, 1]"),
+    ("--min-draft", "1" * 400, "--min-draft='1111"),
+    ("--min-draft", "٣", "--min-draft='٣' is not an integer"),
+    ("--plain-ms", "5e-324", "--plain-ms='5e-324' must be in [0.001, 1e+07]"),
+    ("--draft-ms", "1e306", "--draft-ms='1e306' must be in [0, 1e+07]"),
+    ("--margin", "nan", "--margin='nan' is not a number"),
+])
+def test_bad_flag_value_exits_2_naming_the_flag(dspark, flag, value, fragment):
+    assert_one_line_error(dspark("replay", "--synthetic", flag, value), fragment)
+
+
+def test_huge_env_integer_exits_2_naming_the_variable(dspark):
+    result = dspark("replay", "--synthetic", env={"DEEPSEEK_DSPARK_GATE_MIN_DRAFT": "1" * 400})
+    assert_one_line_error(result, "DEEPSEEK_DSPARK_GATE_MIN_DRAFT='1111")
+
+
+def test_markup_and_control_characters_in_labels_and_file_name_are_shown_literally(dspark, tmp_path):
+    labels = ["[/]", "[bold red]code", "\x1b[31mred", ":smile:"]
+    path = rounds_file(tmp_path, labels, name="[bold]x.json")
+    result = dspark("replay", str(path))
+    assert result.returncode == 0, result.stderr
+    for shown in ("[/]", "[bold red]code", "\\x1b[31mred", ":smile:", "Replay of " + str(path)):
+        assert shown in result.stdout
+    assert "\x1b" not in result.stdout
+
+
+def test_repeated_policy_is_replayed_once(dspark):
+    once = json.loads(dspark("replay", "--synthetic", "--json", "--policy", "gated").stdout)
+    twice = json.loads(dspark("replay", "--synthetic", "--json", "--policy", "gated", "--policy", "gated").stdout)
+    assert twice["policies"] == ["plain", "always-k", "gated"]
+    assert twice["overall"] == once["overall"]
+    assert twice["overall"]["policies"]["gated"]["rounds"] == 800
+
+
+@pytest.mark.parametrize(("labels", "policy", "reason"), [
+    (["a", "b"], "gated+margin", "needs rounds with anchor_margin"),
+    (["only"], "threshold", "needs >= 2 workloads"),
+])
+def test_requested_policy_that_cannot_run_exits_2_saying_why(dspark, tmp_path, labels, policy, reason):
+    result = dspark("replay", str(rounds_file(tmp_path, labels)), "--policy", policy)
+    assert_one_line_error(result, f"policy '{policy}' cannot run: {reason}")
+
+
+def test_skipped_default_policies_get_a_one_line_note(dspark, tmp_path):
+    result = dspark("replay", str(rounds_file(tmp_path, ["only"])), "--json")
+    assert result.returncode == 0
+    assert result.stderr.splitlines() == [
+        "dspark replay: note: skipped threshold: needs >= 2 workloads, t is chosen leave-one-workload-out; "
+        "gated+margin: needs rounds with anchor_margin"
+    ]
+    assert json.loads(result.stdout)["policies"] == ["plain", "always-k", "gated"]
+
+
+def test_closed_stdout_exits_quietly():
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DEEPSEEK_DSPARK_GATE")}
+    command = [sys.executable, "-m", "services.cli", "replay", "--synthetic", "--json", "--policy", "gated"]
+    proc = subprocess.Popen(command, cwd=ROOT, env=clean, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before the first write, like `dspark replay --json | true`
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1  # Python's documented exit status for a closed stdout
+    assert stderr == ""  # no BrokenPipeError traceback
+
+
+def test_synthetic_help_says_it_regenerates_the_committed_file():
+    result = run_cli("replay", "--help")
+    assert "regenerate the committed synthetic rounds" in " ".join(result.stdout.split())
+    assert "tests/data/synthetic_rounds.json" in result.stdout
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["replay"], "dspark replay: error: one of the arguments FILE --synthetic is required"),
+    (["replay", "--synthetic", "--policy", "bogus"], "argument --policy: invalid choice: 'bogus'"),
+    (["replay", "x.json", "--synthetic"], "not allowed with argument FILE"),
+])
+def test_usage_errors_are_one_line_exit_2(capsys, args, fragment):
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.count("\n") == 1 and fragment in err

@@ -1,10 +1,14 @@
 """GateConfig: the seed's env vars, defaults, overrides and errors naming variable and value."""
 
 import dataclasses
+import math
 
+import numpy as np
 import pytest
 
 from services.gateway.gate import ENV_VARS, GateConfig
+
+FOUR_HUNDRED_ONES = "1" * 400
 
 SEED_DEFAULTS = {
     "enabled": False,
@@ -89,6 +93,19 @@ def test_gate_switch_words(raw, expected):
     ("DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS", "inf"),
     ("DEEPSEEK_DSPARK_GATE_PLAIN_MS", "-303"),
     ("DEEPSEEK_DSPARK_GATE_PLAIN_MS", "0"),
+    # only ASCII decimal forms: int() and float() would take these
+    ("DEEPSEEK_DSPARK_GATE_MIN_DRAFT", "٣"),
+    ("DEEPSEEK_DSPARK_GATE_MIN_DRAFT", "3_0"),
+    ("DEEPSEEK_DSPARK_GATE_MIN_DRAFT", "+3"),
+    ("DEEPSEEK_DSPARK_GATE_DRAFT_MS", "١٢"),
+    ("DEEPSEEK_DSPARK_GATE_DRAFT_MS", "1_0"),
+    ("DEEPSEEK_DSPARK_GATE_DRAFT_MS", "+5"),
+    ("DEEPSEEK_DSPARK_GATE_DECAY", "infinity"),
+    # costs outside [0, 1e7] ms (plain_ms >= 1e-3) would give inf or 0 tok/s
+    ("DEEPSEEK_DSPARK_GATE_PLAIN_MS", "5e-324"),
+    ("DEEPSEEK_DSPARK_GATE_PLAIN_MS", "0.0009"),
+    ("DEEPSEEK_DSPARK_GATE_DRAFT_MS", "1e306"),
+    ("DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS", "10000001"),
 ])
 def test_invalid_value_names_variable_and_value(var, raw):
     with pytest.raises(ValueError) as info:
@@ -98,18 +115,65 @@ def test_invalid_value_names_variable_and_value(var, raw):
     assert repr(raw) in message
 
 
+@pytest.mark.parametrize(("var", "digits"), [
+    ("DEEPSEEK_DSPARK_GATE_MIN_DRAFT", 400),
+    ("DEEPSEEK_DSPARK_GATE_MIN_DRAFT", 5000),  # past int()'s 4300-digit limit
+    ("DEEPSEEK_DSPARK_GATE_DRAFT_MS", 400),
+    ("DEEPSEEK_DSPARK_GATE_MARGIN", 5000),
+])
+def test_huge_integer_text_is_a_value_error_naming_the_variable(var, digits):
+    with pytest.raises(ValueError, match=f"^{var}='1111") as info:
+        GateConfig.from_env({var: "1" * digits})
+    assert len(str(info.value)) < 200  # the value is elided, the message stays one short line
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("-0", 0), (" 3 ", 3), ("007", 7)])
+def test_min_draft_accepts_ascii_integers_and_normalises_minus_zero(raw, expected):
+    config = GateConfig.from_env({"DEEPSEEK_DSPARK_GATE_MIN_DRAFT": raw})
+    assert config.min_draft == expected and type(config.min_draft) is int
+
+
+@pytest.mark.parametrize("raw", ["-0", "-0.0", "-0e5"])
+def test_minus_zero_cost_and_threshold_become_plus_zero(raw):
+    config = GateConfig.from_env({"DEEPSEEK_DSPARK_GATE_DRAFT_MS": raw, "DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD": raw})
+    assert config.draft_ms == 0.0 and math.copysign(1.0, config.draft_ms) == 1.0
+    assert math.copysign(1.0, config.margin_threshold) == 1.0
+
+
+@pytest.mark.parametrize(("raw", "expected"), [("1.5e2", 150.0), (".5", 0.5), ("2.", 2.0), ("1E-3", 0.001)])
+def test_cost_accepts_ascii_decimal_and_exponent_forms(raw, expected):
+    assert GateConfig.from_env({"DEEPSEEK_DSPARK_GATE_PLAIN_MS": raw}).plain_ms == expected
+
+
 @pytest.mark.parametrize(("field", "value"), [
     ("margin", 0.5), ("decay", 0.0), ("min_draft", -2), ("min_draft", 1.0), ("draft_ms", -1.0), ("prior_weight", 0.0),
-    ("enabled", 1),
+    ("enabled", 1), ("min_draft", True), ("min_draft", 1.5), ("margin", float("nan")), ("decay", float("inf")),
+    ("plain_ms", 5e-324), ("draft_ms", 1e306), ("prior_weight", float("nan")), ("margin_threshold", "4"),
 ])
 def test_direct_construction_validates_and_names_field(field, value):
-    with pytest.raises(ValueError, match=f"{field}={value!r}"):
+    with pytest.raises(ValueError) as info:
         dataclasses.replace(GateConfig(), **{field: value})
+    assert str(info.value).startswith(f"{field}={value!r} must be ")
+
+
+@pytest.mark.parametrize("field", ["min_draft", "draft_ms", "margin", "decay", "prior_weight", "plain_ms"])
+def test_huge_integer_field_is_a_value_error_not_overflow(field):
+    with pytest.raises(ValueError, match=f"^{field}=1111.* \\(400 digits\\) must be"):
+        dataclasses.replace(GateConfig(), **{field: int(FOUR_HUNDRED_ONES)})
+
+
+def test_numpy_numbers_are_accepted_and_normalised():
+    config = GateConfig(min_draft=np.int64(2), draft_ms=np.float32(20.0), margin=np.float64(1.3))
+    assert (config.min_draft, config.draft_ms, config.margin) == (2, 20.0, 1.3)
+    assert (type(config.min_draft), type(config.draft_ms), type(config.margin)) == (int, float, float)
+    with pytest.raises(ValueError, match="min_draft=np.True_"):
+        GateConfig(min_draft=np.bool_(True))
 
 
 def test_a_round_must_cost_time():
-    with pytest.raises(ValueError, match="must be > 0"):
+    with pytest.raises(ValueError, match="draft_ms \\+ verify_base_ms \\+ verify_slope_ms = 0 must be >= 0.001 ms"):
         GateConfig(draft_ms=0.0, verify_base_ms=0.0, verify_slope_ms=0.0)
+    assert GateConfig(draft_ms=0.0, verify_base_ms=0.0, verify_slope_ms=0.001).cost_model().round_ms(1) == 0.001
 
 
 def test_config_is_frozen():

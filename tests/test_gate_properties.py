@@ -16,12 +16,13 @@ from hypothesis import strategies as st
 from services.gateway.gate import NUM_BUCKETS, CostModel, Gate, GateConfig, decide_length
 
 probs = st.lists(st.floats(0.0, 1.0), min_size=0, max_size=8)
+# The whole allowed range: each cost in [0, 1e7] ms, plain_ms >= 1e-3, fixed round cost >= 1e-3.
 costs = st.builds(
     CostModel,
-    draft_ms=st.floats(0.0, 1000.0),
-    verify_base_ms=st.floats(1.0, 1000.0),
-    verify_slope_ms=st.floats(0.0, 500.0),
-    plain_ms=st.floats(1.0, 1000.0),
+    draft_ms=st.floats(0.0, 1e7),
+    verify_base_ms=st.floats(1e-3, 1e7),
+    verify_slope_ms=st.floats(0.0, 1e7),
+    plain_ms=st.floats(1e-3, 1e7),
 )
 margins = st.floats(1.0, 3.0)
 floors = st.integers(0, 10)
@@ -41,6 +42,23 @@ def test_length_within_cap_and_floor(args):
     n = decide_length(p, max_n, cost, margin, min_draft)
     assert isinstance(n, int)
     assert min(min_draft, max_n) <= n <= max_n
+
+
+any_float = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0.0, 5e-324, 1e-3, 1e7, 1e306, 10**400])
+
+
+@settings(max_examples=500, deadline=None)
+@given(any_float, any_float, any_float, any_float, probs)
+def test_costs_are_rejected_or_give_finite_positive_rates(draft, base, slope, plain, p):
+    # Zero, subnormal, huge, NaN and inf costs: either CostModel refuses them or every rate is finite.
+    try:
+        cost = CostModel(draft, base, slope, plain)
+    except ValueError:
+        return
+    for n in range(len(p) + 1):
+        rate = cost.rate(p, n)
+        assert math.isfinite(rate) and rate > 0
+        assert math.isfinite(1000.0 * n / cost.round_ms(n)) and math.isfinite(1000.0 / cost.skipped_after_draft_ms())
 
 
 @settings(max_examples=300, deadline=None)

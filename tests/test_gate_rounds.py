@@ -1,10 +1,20 @@
 """Round-record JSON: round trip, optional fields, and validation errors naming round index and field."""
 
 import json
+import os
 
 import pytest
 
-from services.gateway.rounds import FORMAT_NAME, FORMAT_VERSION, Round, RoundLog, dump_rounds, load_rounds, parse_rounds
+from services.gateway.rounds import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MAX_FILE_BYTES,
+    Round,
+    RoundLog,
+    dump_rounds,
+    load_rounds,
+    parse_rounds,
+)
 
 
 def document(*rounds, **top):
@@ -92,3 +102,132 @@ def test_load_names_the_file_on_bad_json(tmp_path):
     path.write_text(json.dumps(document({**GOOD, "accepted": 9})))
     with pytest.raises(ValueError, match="broken.json: round 0: field 'accepted'=9"):
         load_rounds(path)
+
+
+def write(tmp_path, text, name="rounds.json"):
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def good_text(**top):
+    return json.dumps(document(GOOD, **top))
+
+
+@pytest.mark.parametrize("version", [True, 1.0, "1"])
+def test_version_must_be_the_integer_one(version):
+    with pytest.raises(ValueError, match=f"'version'={version!r}"):
+        parse_rounds(document(GOOD, version=version))
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ('{"format": "dspark-rounds", "version": 1, "version": 1, "rounds": []}', "'version'"),
+    (good_text().replace('"accepted": 1', '"accepted": 1, "accepted": 0'), "'accepted'"),
+    (good_text().replace('"source": "test"', '"source": "a", "source": "b"'), "'source'"),
+])
+def test_duplicate_keys_are_rejected_naming_key_and_file(tmp_path, text, key):
+    with pytest.raises(ValueError, match=f"rounds.json: .*duplicate key {key}"):
+        load_rounds(write(tmp_path, text))
+
+
+@pytest.mark.parametrize("workload", [" ", "\t\n", "overall", "Overall", " OVERALL "])
+def test_blank_and_reserved_workloads_are_rejected(workload):
+    with pytest.raises(ValueError, match="round 0: field 'workload'="):
+        parse_rounds(document({**GOOD, "workload": workload}))
+
+
+@pytest.mark.parametrize(("literal", "message"), [
+    ("NaN", "non-finite number NaN"),
+    ("-Infinity", "non-finite number -Infinity"),
+    ("1e400", "number '1e400' is out of float range"),
+])
+def test_non_finite_numbers_are_rejected_anywhere(tmp_path, literal, message):
+    in_metadata = good_text().replace('"test"', literal)
+    in_round = good_text().replace("2.5", literal)
+    for text in (in_metadata, in_round):
+        with pytest.raises(ValueError, match=f"rounds.json: .*{message}"):
+            load_rounds(write(tmp_path, text))
+
+
+@pytest.mark.parametrize(("metadata", "message"), [
+    ({"x": float("nan")}, "'metadata.x'=nan must be a finite number"),
+    ({"x": [1.0, float("inf")]}, "'metadata.x\\[1\\]'=inf"),
+    ({1: "one"}, "non-string key 1"),
+    ({"x": {(1, 2): 3}}, "non-string key \\(1, 2\\)"),
+    ({"x": {1, 2}}, "has a set"),
+])
+def test_metadata_that_would_not_round_trip_is_rejected(metadata, message):
+    with pytest.raises(ValueError, match=message):
+        parse_rounds(document(GOOD, metadata=metadata))
+    with pytest.raises(ValueError, match=message):
+        RoundLog((), metadata)
+
+
+def test_metadata_nesting_is_bounded():
+    deep = []
+    for _ in range(150):
+        deep = [deep]
+    with pytest.raises(ValueError, match="nests deeper than 100 levels"):
+        RoundLog((), {"deep": deep})
+
+
+def test_metadata_round_trips_exactly(tmp_path):
+    log = RoundLog((Round("code", (1.0,), 1, 1),), {"a": [1, 2.5, None, True, "x"], "b": {"c": -0.0}})
+    assert load_rounds(write(tmp_path, dump_rounds(log))) == log
+
+
+@pytest.mark.parametrize("field_name", ["confidence_logits", "draft_ms", "anchor_margin"])
+def test_huge_integers_in_a_round_name_the_field(tmp_path, field_name):
+    huge = "1" * 400
+    text = good_text().replace('"submitted": 3', f'"submitted": 3, "{field_name}": {huge}')
+    if field_name == "confidence_logits":
+        text = good_text().replace("2.5", huge)
+    with pytest.raises(ValueError, match=f"rounds.json: round 0: field '{field_name}'.*\\(400 digits\\) must be"):
+        load_rounds(write(tmp_path, text))
+
+
+def test_integer_literal_past_4300_digits_names_the_file(tmp_path):
+    with pytest.raises(ValueError, match="rounds.json: .*integer literal of 5000 digits"):
+        load_rounds(write(tmp_path, good_text().replace("2.5", "1" * 5000)))
+
+
+def test_deeply_nested_json_names_the_file(tmp_path):
+    with pytest.raises(ValueError, match="rounds.json: .*nested too deeply"):
+        load_rounds(write(tmp_path, "[" * 200_000))
+
+
+def test_non_utf8_file_names_the_file(tmp_path):
+    path = tmp_path / "latin1.json"
+    path.write_bytes(good_text().replace("test", "caf\u00e9").encode("latin-1"))
+    with pytest.raises(ValueError, match="latin1.json: not UTF-8 text"):
+        load_rounds(path)
+
+
+def test_empty_path_is_rejected():
+    with pytest.raises(ValueError, match="path is empty"):
+        load_rounds("")
+
+
+def test_directory_and_device_are_refused_without_reading(tmp_path):
+    with pytest.raises(ValueError, match=f"{tmp_path}: is a directory"):
+        load_rounds(tmp_path)
+    if os.path.exists("/dev/zero"):
+        with pytest.raises(ValueError, match="/dev/zero: is not a regular file"):
+            load_rounds("/dev/zero")
+
+
+def test_file_over_the_size_limit_is_refused_naming_file_and_size(tmp_path):
+    path = tmp_path / "big.json"
+    with open(path, "wb") as f:
+        f.truncate(MAX_FILE_BYTES + 1)  # sparse: no disk used, never read
+    with pytest.raises(ValueError, match=f"big.json: {MAX_FILE_BYTES + 1} bytes exceeds the {MAX_FILE_BYTES} byte"):
+        load_rounds(path)
+
+
+def test_missing_file_raises_oserror_naming_it(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        load_rounds(tmp_path / "missing.json")
+
+
+def test_empty_round_list_round_trips():
+    assert parse_rounds(document()).rounds == ()

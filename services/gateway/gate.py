@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 import os
+import re
+import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
@@ -21,6 +24,11 @@ NUM_BUCKETS = len(BUCKET_EDGES) + 1
 # bucket the gate has not observed estimates 1.0 and a cold gate drafts the full block.
 PRIOR_MEAN = 1.0
 DEFAULT_PRIOR_WEIGHT = 1.0
+# Cost bounds (ms): every cost is in [0, MAX_COST_MS]; plain_ms and a verified round's fixed part
+# (draft + verify base + verify slope) are >= MIN_COST_MS, so tok/s and time sums stay finite.
+MIN_COST_MS = 1e-3
+MAX_COST_MS = 1e7
+MAX_MIN_DRAFT = 1_000_000
 
 ENV_PREFIX = "DEEPSEEK_DSPARK_GATE"
 # GateConfig field -> env var; names and defaults are the seed's env-var table.
@@ -36,16 +44,86 @@ ENV_VARS = {
     "plain_ms": f"{ENV_PREFIX}_PLAIN_MS",
 }
 _SWITCH_WORDS = {"1": True, "true": True, "0": False, "false": False}
+# ASCII decimal forms only: no '+', '_', non-ASCII digits, inf or nan (float() and int() take them all).
+_INT_TEXT = re.compile(r"-?[0-9]+")
+_FLOAT_TEXT = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
+_SHORT = reprlib.Repr()  # keyword arguments need Python 3.12
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxlong, _SHORT.maxother = 2, 60, 40, 60
+
+
+def short_repr(value: object) -> str:
+    """repr(value) elided to a few dozen characters (reprlib), so a 400-digit integer, a long
+    string or a deeply nested list cannot flood a one-line error."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        if value.bit_length() > 14000:  # str() of > 4300 digits raises
+            return f"<integer of ~{int(value.bit_length() * math.log10(2)) + 1} digits>"
+        return f"{_SHORT.repr(value)} ({len(str(abs(value)))} digits)"
+    return _SHORT.repr(value)
+
+
+def is_integer(value: object) -> bool:
+    """True for int and numpy integers; False for bool (a flag is not a count) and everything else."""
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
+
+
+def finite_float(value: object) -> float | None:
+    """`value` as a finite float (-0.0 made 0.0), or None for a non-number, bool, NaN, inf or an
+    integer too large for a float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number + 0.0 if math.isfinite(number) else None
+
+
+def _logit(value: object, where: str) -> float:
+    """A confidence logit as a float: ±inf allowed (huge integers become ±inf), NaN raises."""
+    if type(value) is float and value == value:  # fast path (the replay calls this per position)
+        return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{where}={short_repr(value)} must be a number")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf if value > 0 else -math.inf
+    if math.isnan(number):
+        raise ValueError(f"{where} is NaN: {value!r}")
+    return number
+
+
+def _logits(confidence_logits: Sequence[float]) -> list[float]:
+    """Every confidence logit validated (before any state change); ValueError names the position."""
+    try:
+        values = None if isinstance(confidence_logits, (str, bytes)) else list(confidence_logits)
+    except TypeError:
+        values = None
+    if values is None:
+        raise ValueError(f"confidence_logits={short_repr(confidence_logits)} must be a sequence of numbers")
+    return [_logit(c, f"confidence logit [{pos}]") for pos, c in enumerate(values)]
+
+
+def _check_count(name: str, value: object, upper: int) -> int:
+    if not is_integer(value) or not 0 <= value <= upper:
+        raise ValueError(f"{name}={short_repr(value)} must be an integer in [0, {upper}]")
+    return int(value)
+
+
+def _check_probs(match_probs: Sequence[float], n: int) -> None:
+    for pos, p in enumerate(match_probs[:n]):
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"match probability [{pos}]={short_repr(p)} outside [0, 1]")
 
 
 def bucket_index(confidence_logit: float) -> int:
     """Bucket (0..5) of a confidence logit; lower edge inclusive: -0.5 -> 1, 6.0 -> 5.
 
-    Raises ValueError on NaN (a NaN confidence carries no bucket).
+    Raises ValueError on NaN (a NaN confidence carries no bucket) or a non-number.
     """
-    if math.isnan(confidence_logit):
-        raise ValueError(f"confidence logit is NaN: {confidence_logit!r}")
-    return bisect.bisect_right(BUCKET_EDGES, confidence_logit)
+    return bisect.bisect_right(BUCKET_EDGES, _logit(confidence_logit, "confidence logit"))
 
 
 def bucket_label(index: int) -> str:
@@ -57,6 +135,66 @@ def bucket_label(index: int) -> str:
     return f"[{BUCKET_EDGES[index - 1]}, {BUCKET_EDGES[index]})"
 
 
+_COST_RULE = (lambda v: 0.0 <= v <= MAX_COST_MS, f"in [0, {MAX_COST_MS:g}] (ms)")
+# Field -> (predicate on the normalised value, rule in words).
+_RULES = {
+    "margin_threshold": (lambda v: v >= 0, ">= 0"),
+    "margin": (lambda v: v >= 1.0, ">= 1"),
+    "min_draft": (lambda v: 0 <= v <= MAX_MIN_DRAFT, f"an integer in [0, {MAX_MIN_DRAFT}]"),
+    "decay": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    "draft_ms": _COST_RULE,
+    "verify_base_ms": _COST_RULE,
+    "verify_slope_ms": _COST_RULE,
+    "plain_ms": (lambda v: MIN_COST_MS <= v <= MAX_COST_MS, f"in [{MIN_COST_MS:g}, {MAX_COST_MS:g}] (ms)"),
+    "prior_weight": (lambda v: v > 0, "> 0"),
+}
+
+
+def check_setting(field_name: str, value: object, name: str, raw: str | None = None) -> bool | int | float:
+    """The validated, normalised value of GateConfig field `field_name` (int, float or bool).
+
+    Raises ValueError naming `name` (field, env var or CLI flag) and the value (`raw` if given).
+    """
+    shown = short_repr(raw if raw is not None else value)
+    if field_name == "enabled":
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={shown} must be a bool")
+        return value
+    ok, rule = _RULES[field_name]
+    if field_name == "min_draft":
+        if not is_integer(value) or not ok(value):
+            raise ValueError(f"{name}={shown} must be {rule}")
+        return int(value)
+    number = finite_float(value)
+    if number is None:
+        raise ValueError(f"{name}={shown} must be a finite number")
+    if not ok(number):
+        raise ValueError(f"{name}={shown} must be {rule}")
+    return number
+
+
+def parse_setting(field_name: str, raw: str, name: str) -> bool | int | float:
+    """Parse the text `raw` of field `field_name` (env var or CLI flag `name`) and validate it.
+
+    Accepts only ASCII decimal forms (surrounding spaces ignored): an integer `-?[0-9]+` for
+    min_draft, a decimal or exponent number for the rest, 0/1/true/false for enabled.
+    Raises ValueError naming `name` and `raw`.
+    """
+    text = raw.strip(" \t\r\n")
+    if field_name == "enabled":
+        if text.lower() not in _SWITCH_WORDS:
+            raise ValueError(f"{name}={short_repr(raw)} is not one of 0, 1, true, false")
+        return _SWITCH_WORDS[text.lower()]
+    pattern, what = (_INT_TEXT, "an integer") if field_name == "min_draft" else (_FLOAT_TEXT, "a number")
+    if not pattern.fullmatch(text):
+        raise ValueError(f"{name}={short_repr(raw)} is not {what} (ASCII decimal digits)")
+    if field_name == "min_draft":
+        if len(text.lstrip("-")) > 20:  # int() refuses > 4300 digits; anything this long is out of range
+            raise ValueError(f"{name}={short_repr(raw)} must be {_RULES['min_draft'][1]}")
+        return check_setting(field_name, int(text), name, raw)
+    return check_setting(field_name, float(text), name, raw)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Round cost under the seed's linear fit (seed "Gating": verify(n) ~= 300ms + 109ms * n).
@@ -64,12 +202,21 @@ class CostModel:
     `n` counts DRAFT tokens submitted to verify. The seed's fit counts n in drafts too, although
     its measured points (n=1: 296, 2: 432, 3: 494, 6: 850 ms) were indexed by forwarded tokens
     (drafts + 1, the anchor included). All fields are ms; only their ratios affect decisions.
+    Raises ValueError naming the field unless each cost is in [0, 1e7] ms, plain_ms >= 1e-3 ms
+    and draft_ms + verify_base_ms + verify_slope_ms >= 1e-3 ms.
     """
 
     draft_ms: float = 196.0
     verify_base_ms: float = 300.0
     verify_slope_ms: float = 109.0
     plain_ms: float = 303.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            object.__setattr__(self, f.name, check_setting(f.name, getattr(self, f.name), f.name))
+        fixed = self.draft_ms + self.verify_base_ms + self.verify_slope_ms
+        if fixed < MIN_COST_MS:
+            raise ValueError(f"draft_ms + verify_base_ms + verify_slope_ms = {fixed:g} must be >= {MIN_COST_MS:g} ms")
 
     def verify_ms(self, n: int) -> float:
         """Verify of `n` drafts (ms): verify_base_ms + verify_slope_ms * n."""
@@ -79,7 +226,10 @@ class CostModel:
         """cost(n) in ms (seed "Gating"): draft_ms + verify(n) for n > 0, plain_ms for n = 0.
 
         This is the cost the decision rule compares; for n = 0 it is the plain step alone.
+        Raises ValueError unless n is an integer >= 0.
         """
+        if not is_integer(n) or n < 0:
+            raise ValueError(f"n={short_repr(n)} must be an integer >= 0")
         return self.draft_ms + self.verify_ms(n) if n > 0 else self.plain_ms
 
     def skipped_after_draft_ms(self) -> float:
@@ -94,19 +244,25 @@ class CostModel:
         return expected_tokens(match_probs, n) / self.round_ms(n)
 
 
+def _expected_totals(match_probs: Sequence[float], n: int) -> list[float]:
+    """E[tokens(k)] for k = 0..n (inputs already validated)."""
+    totals, prefix = [1.0], 1.0
+    for p in match_probs[:n]:
+        prefix *= p
+        totals.append(totals[-1] + prefix)
+    return totals
+
+
 def expected_tokens(match_probs: Sequence[float], n: int) -> float:
     """E[tokens(n)] = 1 + sum_{i<n} prod_{j<=i} p_j (seed "Gating"), in tokens.
 
     `match_probs[j]` is P(draft position j matches); the leading 1 is the bonus (or plain) token.
-    Raises ValueError when n is negative or exceeds len(match_probs).
+    Raises ValueError unless n is an integer in [0, len(match_probs)] and match_probs[:n] are
+    numbers in [0, 1].
     """
-    if not 0 <= n <= len(match_probs):
-        raise ValueError(f"n={n} outside [0, {len(match_probs)}]")
-    total, prefix = 1.0, 1.0
-    for p in match_probs[:n]:
-        prefix *= p
-        total += prefix
-    return total
+    n = _check_count("n", n, len(match_probs))
+    _check_probs(match_probs, n)
+    return _expected_totals(match_probs, n)[n]
 
 
 def decide_length(
@@ -121,66 +277,26 @@ def decide_length(
     n ranges over [min(min_draft, max_n), max_n]. A truncation (n < max_n, n = 0 included) is
     taken only if its rate exceeds margin * rate(max_n) (seed: "Truncation must beat the full
     draft by 1.15x"); ties between truncations go to the longer one. With min_draft > 0 the
-    result is never 0 unless max_n is 0. Raises ValueError on a bad max_n, margin, min_draft or
-    a probability outside [0, 1].
+    result is never 0 unless max_n is 0. Raises ValueError naming the value on a max_n that is
+    not an integer in [0, len(match_probs)], a margin or min_draft GateConfig would reject, or a
+    probability outside [0, 1] (NaN included).
     """
-    if not 0 <= max_n <= len(match_probs):
-        raise ValueError(f"max_n={max_n} outside [0, {len(match_probs)}]")
-    if margin < 1.0 or min_draft < 0:
-        raise ValueError(f"margin={margin} must be >= 1 and min_draft={min_draft} >= 0")
-    if any(not 0.0 <= p <= 1.0 for p in match_probs[:max_n]):
-        raise ValueError(f"match probabilities outside [0, 1]: {list(match_probs[:max_n])}")
+    max_n = _check_count("max_n", max_n, len(match_probs))
+    margin_value = check_setting("margin", margin, "margin")
+    floor = min(check_setting("min_draft", min_draft, "min_draft"), max_n)
+    _check_probs(match_probs, max_n)
     if max_n == 0:
         return 0
-    floor = min(min_draft, max_n)
-    rates = [cost.rate(match_probs, n) for n in range(floor, max_n + 1)]
+    totals = _expected_totals(match_probs, max_n)
+    rates = [totals[n] / cost.round_ms(n) for n in range(floor, max_n + 1)]
     full_rate = rates[-1]
     best_n, best_rate = max_n, -1.0
     for n in range(floor, max_n):
         if rates[n - floor] >= best_rate:
             best_n, best_rate = n, rates[n - floor]
-    if best_n < max_n and best_rate > margin * full_rate:
+    if best_n < max_n and best_rate > margin_value * full_rate:
         return best_n
     return max_n
-
-
-def _parse_value(name: str, raw: str, kind: type) -> float | int | bool:
-    text = raw.strip()
-    if kind is bool:
-        if text.lower() not in _SWITCH_WORDS:
-            raise ValueError(f"{name}={raw!r} is not one of 0, 1, true, false")
-        return _SWITCH_WORDS[text.lower()]
-    try:
-        return int(text) if kind is int else float(text)
-    except ValueError:
-        what = "an integer" if kind is int else "a number"
-        raise ValueError(f"{name}={raw!r} is not {what}") from None
-
-
-# Field -> (predicate, rule in words); fields not listed (the *_ms costs) must be >= 0.
-_RULES = {
-    "margin_threshold": (lambda v: v >= 0, ">= 0"),
-    "margin": (lambda v: v >= 1.0, ">= 1"),
-    "min_draft": (lambda v: isinstance(v, int) and v >= 0, "an integer >= 0"),
-    "decay": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
-    "plain_ms": (lambda v: v > 0, "> 0"),
-    "prior_weight": (lambda v: v > 0, "> 0"),
-}
-_NON_NEGATIVE = (lambda v: v >= 0, ">= 0")
-
-
-def _check_value(field_name: str, value: float | int | bool, name: str, raw: str | None = None) -> None:
-    """Raise ValueError naming `name` (field or env var) and the value (`raw` text if given)."""
-    shown = repr(raw) if raw is not None else repr(value)
-    if field_name == "enabled":
-        if not isinstance(value, bool):
-            raise ValueError(f"{name}={shown} must be a bool")
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name}={shown} must be a finite number")
-    ok, rule = _RULES.get(field_name, _NON_NEGATIVE)
-    if not ok(value):
-        raise ValueError(f"{name}={shown} must be {rule}")
 
 
 @dataclass(frozen=True)
@@ -192,7 +308,8 @@ class GateConfig:
     margin: factor a truncation must win by. min_draft: floor on submitted drafts (tokens).
     decay: per-observed-round forgetting. *_ms: cost model (ms). prior_weight: weight of the
     optimistic cold-start pseudo-observation per bucket (not an env var).
-    Raises ValueError naming the field and value on an invalid setting.
+    Values are normalised (numpy numbers to int/float, -0.0 to 0.0). Raises ValueError naming
+    the field and value on an invalid setting.
     """
 
     enabled: bool = False
@@ -208,25 +325,18 @@ class GateConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            _check_value(f.name, getattr(self, f.name), f.name)
-        if self.draft_ms + self.verify_base_ms + self.verify_slope_ms <= 0:
-            raise ValueError("draft_ms + verify_base_ms + verify_slope_ms must be > 0 (a round costs time)")
+            object.__setattr__(self, f.name, check_setting(f.name, getattr(self, f.name), f.name))
+        self.cost_model()  # the rule across the costs
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> GateConfig:
         """Read DEEPSEEK_DSPARK_GATE* from `environ`; unset variables keep the seed's defaults.
 
-        Raises ValueError naming the variable and its value when a value does not parse or is
-        out of range (GATE not 0/1/true/false, a non-number, a negative cost, decay outside
-        (0, 1], margin < 1, min_draft < 0). An empty value is invalid, not "unset".
+        Raises ValueError naming the variable and its value when a value does not parse (see
+        parse_setting: ASCII decimal forms only) or is out of range. An empty value is invalid,
+        not "unset".
         """
-        kinds = {f.name: type(f.default) for f in fields(cls)}
-        values = {}
-        for field_name, var in ENV_VARS.items():
-            if var in environ:
-                value = _parse_value(var, environ[var], kinds[field_name])
-                _check_value(field_name, value, var, environ[var])
-                values[field_name] = value
+        values = {name: parse_setting(name, environ[var], var) for name, var in ENV_VARS.items() if var in environ}
         return cls(**values)
 
     def cost_model(self) -> CostModel:
@@ -245,8 +355,10 @@ class Calibration:
         if len(self.matched) != NUM_BUCKETS or len(self.observed) != NUM_BUCKETS:
             raise ValueError(f"calibration needs {NUM_BUCKETS} buckets, got {len(self.matched)}/{len(self.observed)}")
         for i, (m, o) in enumerate(zip(self.matched, self.observed)):
-            if not (math.isfinite(o) and 0.0 <= m <= o):
-                raise ValueError(f"calibration bucket {i}: need 0 <= matched={m} <= observed={o}")
+            fm, fo = finite_float(m), finite_float(o)
+            if fm is None or fo is None or not 0.0 <= fm <= fo:
+                shown = f"matched={short_repr(m)} <= observed={short_repr(o)}"
+                raise ValueError(f"calibration bucket {i}: need finite 0 <= {shown}")
 
 
 @dataclass
@@ -291,11 +403,12 @@ class GateStats:
         """Frozen warm-start snapshot: each bucket's counts scaled down to at most `max_weight`.
 
         Capping keeps a process-wide history from outweighing a new generation's own rounds
-        for longer than a few decays. Raises ValueError when max_weight <= 0.
+        for longer than a few decays. Raises ValueError unless max_weight is a finite number > 0.
         """
-        if max_weight <= 0:
-            raise ValueError(f"max_weight={max_weight} must be > 0")
-        scale = [min(1.0, max_weight / o) if o else 0.0 for o in self.bucket_observed]
+        weight = finite_float(max_weight)
+        if weight is None or weight <= 0:
+            raise ValueError(f"max_weight={short_repr(max_weight)} must be a finite number > 0")
+        scale = [min(1.0, weight / o) if o else 0.0 for o in self.bucket_observed]
         return Calibration(
             tuple(m * s for m, s in zip(self.bucket_matched, scale)),
             tuple(o * s for o, s in zip(self.bucket_observed, scale)),
@@ -346,20 +459,20 @@ class Gate:
     def match_probs(self, confidence_logits: Sequence[float]) -> list[float]:
         """P(match) per draft position from its confidence bucket (position adds nothing, seed)."""
         est = self.estimates()
-        return [est[bucket_index(c)] for c in confidence_logits]
+        return [est[bucket_index(c)] for c in _logits(confidence_logits)]
 
     def should_draft(self, anchor_margin: float | None) -> bool:
         """Pre-draft margin gate (seed "Gating", DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD).
 
         False (plain decode, no draft) when the threshold is > 0 and the anchor's top1 - top2
         logit margin is below it; counts margin_skipped_rounds. Applies whether or not the
-        length gate is enabled. None (margin unknown) drafts. Raises ValueError on NaN.
+        length gate is enabled. None (margin unknown) drafts. Raises ValueError on NaN or a
+        non-number, before any counter changes.
         """
+        margin = None if anchor_margin is None else _logit(anchor_margin, "anchor margin")
         self.stats.rounds += 1
-        if anchor_margin is not None and math.isnan(anchor_margin):
-            raise ValueError(f"anchor margin is NaN: {anchor_margin!r}")
         threshold = self.config.margin_threshold
-        if threshold > 0 and anchor_margin is not None and anchor_margin < threshold:
+        if threshold > 0 and margin is not None and margin < threshold:
             self.stats.margin_skipped_rounds += 1
             return False
         return True
@@ -369,16 +482,19 @@ class Gate:
 
         `confidence_logits`: one per drafted position. `max_n` (tokens) is the caller's cap:
         min(drafted, remaining max_tokens budget, room before max_seq_len). Disabled gate:
-        returns max_n. Raises ValueError when max_n is outside [0, len(confidence_logits)].
+        returns max_n. Raises ValueError, before any counter changes and whether or not the gate
+        is enabled, when a confidence is NaN or not a number, or max_n is not an integer in
+        [0, len(confidence_logits)].
         """
-        if not 0 <= max_n <= len(confidence_logits):
-            raise ValueError(f"max_n={max_n} outside [0, {len(confidence_logits)}]")
-        self.stats.drafted_rounds += 1
-        self.stats.drafted += len(confidence_logits)
+        logits = _logits(confidence_logits)
+        max_n = _check_count("max_n", max_n, len(logits))
         n = max_n
         if self.config.enabled:
-            probs = self.match_probs(confidence_logits[:max_n])
+            est = self.estimates()
+            probs = [est[bisect.bisect_right(BUCKET_EDGES, c)] for c in logits[:max_n]]
             n = decide_length(probs, max_n, self.cost, self.config.margin, self.config.min_draft)
+        self.stats.drafted_rounds += 1
+        self.stats.drafted += len(logits)
         if n == 0 < max_n:
             self.stats.skipped_after_draft += 1
         elif n < max_n:
@@ -390,20 +506,24 @@ class Gate:
 
         Positions 0..accepted-1 matched; position `accepted` missed if accepted < submitted;
         later positions are unknown and never recorded (seed "Gating", censored observations).
-        submitted == 0 records nothing and does not decay. Raises ValueError unless
-        0 <= accepted <= submitted <= len(confidence_logits).
+        submitted == 0 records nothing and does not decay. Raises ValueError, leaving the gate
+        untouched, when a confidence is NaN or not a number, or unless submitted and accepted
+        are integers with 0 <= accepted <= submitted <= len(confidence_logits).
         """
-        if not 0 <= accepted <= submitted <= len(confidence_logits):
+        logits = _logits(confidence_logits)
+        if not (is_integer(submitted) and is_integer(accepted) and 0 <= accepted <= submitted <= len(logits)):
             raise ValueError(
-                f"need 0 <= accepted={accepted} <= submitted={submitted} <= drafted={len(confidence_logits)}"
+                f"need integers 0 <= accepted={short_repr(accepted)} <= submitted={short_repr(submitted)}"
+                f" <= drafted={len(logits)}"
             )
+        submitted, accepted = int(submitted), int(accepted)
         if submitted == 0:
             return
+        buckets = [bisect.bisect_right(BUCKET_EDGES, c) for c in logits[: min(accepted + 1, submitted)]]
         decay = self.config.decay
         self._matched = [m * decay for m in self._matched]
         self._observed = [o * decay for o in self._observed]
-        for pos in range(min(accepted + 1, submitted)):
-            b = bucket_index(confidence_logits[pos])
+        for pos, b in enumerate(buckets):
             hit = pos < accepted
             self._observed[b] += 1.0
             self._matched[b] += 1.0 if hit else 0.0

@@ -3,7 +3,8 @@
 Policies: plain (no draft), always-k (submit what was recorded), threshold (cut at the first
 confidence below t, t chosen leave-one-workload-out), gated (the Gate, cold at the start of each
 workload) and gated+margin (the Gate with the pre-draft margin gate; only when the rounds carry
-anchor margins and the margin threshold is > 0).
+anchor margins and the margin threshold is > 0). The gated policies always run the gate enabled,
+whatever GateConfig.enabled (DEEPSEEK_DSPARK_GATE) says.
 
 A policy can submit at most the recorded `submitted` length, because only those positions were
 verified; submitting n <= submitted gets accepted = min(recorded accepted, n). Round costs come
@@ -14,6 +15,7 @@ skip, or a recorded round with no confidences) costs plain_ms and yields 1 token
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -131,28 +133,62 @@ def replay_gated(rounds: Sequence[Round], config: GateConfig, use_margin: bool) 
     return out
 
 
+def _cut_points(rounds: Sequence[Round]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """Every (round, position j < submitted) cut point, sorted by its prefix-minimum confidence.
+
+    As t falls to a round's prefix minimum at j, the threshold policy's n for that round grows
+    from j to j + 1: one more submitted draft, one more token when j < accepted, and the round
+    turns verified when j = 0. Returns (values [E] ascending, is_first [E], is_hit [E], drafted
+    rounds, undrafted rounds). Legend: R = rounds, E = cut points (sum of submitted), U = distinct
+    confidences.
+    """
+    lengths = np.fromiter((r.submitted for r in rounds), np.int64, count=len(rounds))  # [R]
+    accepted = np.fromiter((r.accepted for r in rounds), np.int64, count=len(rounds))  # [R]
+    drafted = sum(bool(r.confidence_logits) for r in rounds)
+    prefixes = itertools.chain.from_iterable(r.confidence_logits[: r.submitted] for r in rounds)
+    flat = np.fromiter(prefixes, float, count=int(lengths.sum()))  # [E]
+    distinct, rank = np.unique(flat, return_inverse=True)  # [U], [E]
+    segment = np.repeat(np.arange(len(rounds), dtype=np.int64), lengths)  # [E] round of each position
+    # Segmented prefix minimum in one pass: shifting round k's ranks below every earlier round's
+    # restarts the running minimum at each round; ranks keep it exact for any finite logits.
+    shift = segment * len(distinct)  # [E]
+    prefix_rank = np.minimum.accumulate(rank - shift) + shift  # [E]
+    position = np.arange(len(flat)) - np.repeat(np.cumsum(lengths) - lengths, lengths)  # [E] j within its round
+    order = np.argsort(prefix_rank, kind="stable")  # [E]
+    return (
+        distinct[prefix_rank[order]],
+        (position == 0)[order],
+        (position < np.repeat(accepted, lengths))[order],
+        drafted,
+        len(rounds) - drafted,
+    )
+
+
+def _suffix_counts(flags: np.ndarray) -> np.ndarray:
+    """[E + 1]: entry i = number of True flags at positions >= i."""
+    return np.concatenate([np.cumsum(flags[::-1], dtype=np.int64)[::-1], [0]])
+
+
 def _threshold_totals(
     rounds: Sequence[Round], candidates: np.ndarray, cost: CostModel
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens and time (ms) of the threshold policy at each candidate threshold, vectorised.
+    """Tokens and time (ms) of the threshold policy at each candidate threshold.
 
-    Legend: T = candidate thresholds, R = rounds, K = drafted positions.
+    O((E + T) log E) time and O(E + T) memory (legend: T = candidates, E = cut points): the
+    cut points are sorted once (_cut_points) and each candidate reads suffix counts at its
+    searchsorted index. Time is built from integer counts, so equal counts give equal times.
     """
-    width = max([r.submitted for r in rounds] + [1])
-    prefix_min = np.full((len(rounds), width), np.nan)  # [R, K]; NaN >= t is False: pads never count
-    for i, r in enumerate(rounds):
-        if r.submitted:
-            prefix_min[i, : r.submitted] = np.minimum.accumulate(r.confidence_logits[: r.submitted])
-    accepted = np.array([r.accepted for r in rounds])  # [R]
-    drafted = np.array([bool(r.confidence_logits) for r in rounds])  # [R]
-    n = (prefix_min[None, :, :] >= candidates[:, None, None]).sum(axis=2)  # [T, R]
-    verified = n > 0
-    tokens = np.where(verified, np.minimum(accepted, n) + 1, 1).sum(axis=1)  # [T]
-    time = np.where(
-        verified,
-        cost.draft_ms + cost.verify_base_ms + cost.verify_slope_ms * n,
-        np.where(drafted, cost.skipped_after_draft_ms(), cost.plain_ms),
-    ).sum(axis=1)
+    values, first, hit, drafted, undrafted = _cut_points(rounds)
+    at = np.searchsorted(values, np.asarray(candidates, dtype=float), side="left")  # [T]: first value >= t
+    verified = _suffix_counts(first)[at]  # [T] rounds with n > 0
+    submitted = len(values) - at  # [T] drafts submitted
+    tokens = len(rounds) + _suffix_counts(hit)[at]  # [T] one per round plus accepted drafts
+    time = (
+        verified * (cost.draft_ms + cost.verify_base_ms)
+        + submitted * cost.verify_slope_ms
+        + (drafted - verified) * cost.skipped_after_draft_ms()
+        + undrafted * cost.plain_ms
+    )
     return tokens, time
 
 
@@ -162,9 +198,7 @@ def choose_threshold(rounds: Sequence[Round], cost: CostModel) -> float:
     Candidates: every distinct prefix-minimum confidence (where a cut changes), plus -inf (never
     cut) and +inf (always cut to 0); ties go to the lowest threshold (the least cutting).
     """
-    cuts = [np.minimum.accumulate(r.confidence_logits[: r.submitted]) for r in rounds if r.submitted]
-    values = {float(c) for prefix_min in cuts for c in prefix_min}
-    candidates = np.array(sorted(values | {-math.inf, math.inf}))
+    candidates = np.unique(np.concatenate([_cut_points(rounds)[0], [-math.inf, math.inf]]))
     tokens, time = _threshold_totals(rounds, candidates, cost)
     return float(candidates[int(np.argmax(tokens / time))])
 
@@ -190,54 +224,81 @@ class WorkloadReport:
 
 @dataclass
 class ReplayReport:
-    """All workloads plus the overall (round-weighted) totals per policy."""
+    """All workloads plus the overall (round-weighted) totals per policy; `skipped`: default
+    policies that could not run on these rounds, with the reason."""
 
     workloads: list[WorkloadReport]
     overall: WorkloadReport
     config: GateConfig
     source: str
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+def skipped_policies(log: RoundLog, config: GateConfig) -> dict[str, str]:
+    """Policies that cannot run on `log` under `config` -> why: threshold needs >= 2 workloads,
+    gated+margin needs anchor margins and a margin threshold > 0."""
+    skip = {}
+    if len(log.workloads()) < 2:
+        skip["threshold"] = "needs >= 2 workloads, t is chosen leave-one-workload-out"
+    if not any(r.anchor_margin is not None for r in log.rounds):
+        skip["gated+margin"] = "needs rounds with anchor_margin"
+    elif config.margin_threshold <= 0:
+        skip["gated+margin"] = "needs margin_threshold > 0 (DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD)"
+    return skip
 
 
 def applicable_policies(log: RoundLog, config: GateConfig, wanted: Sequence[str] = POLICIES) -> tuple[str, ...]:
-    """`wanted` minus threshold (needs >= 2 workloads) and gated+margin (needs margins and a threshold > 0)."""
-    has_margins = any(r.anchor_margin is not None for r in log.rounds)
-    skip = set()
-    if len(log.workloads()) < 2:
-        skip.add("threshold")
-    if not (has_margins and config.margin_threshold > 0):
-        skip.add("gated+margin")
+    """`wanted` minus skipped_policies(log, config), order kept."""
+    skip = skipped_policies(log, config)
     return tuple(p for p in wanted if p not in skip)
 
 
-def replay_log(log: RoundLog, config: GateConfig, policies: Sequence[str] = POLICIES, source: str = "") -> ReplayReport:
-    """Replay every workload of `log` through `policies` (plain and always-k always included).
-
-    Raises ValueError on an unknown policy name.
-    """
-    unknown = set(policies) - set(POLICIES)
+def _chosen_policies(log: RoundLog, config: GateConfig, policies: Sequence[str] | None) -> tuple[list[str], dict]:
+    skip = skipped_policies(log, config)
+    policies = (policies,) if isinstance(policies, str) else policies
+    if policies is None:
+        return [p for p in POLICIES if p not in skip], skip
+    requested = list(dict.fromkeys(policies))  # a repeated policy counts once, order kept
+    unknown = [p for p in requested if p not in POLICIES]
     if unknown:
-        raise ValueError(f"unknown policies {sorted(unknown)}; known: {', '.join(POLICIES)}")
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(POLICIES)}")
+    blocked = [f"policy {p!r} cannot run: {skip[p]}" for p in requested if p in skip]
+    if blocked:
+        raise ValueError("; ".join(blocked))
+    return list(dict.fromkeys(["plain", "always-k", *requested])), {}
+
+
+def _accept_rate(rounds: Sequence[Round]) -> float | None:
+    submitted = sum(r.submitted for r in rounds)
+    return sum(r.accepted for r in rounds) / submitted if submitted else None
+
+
+def replay_log(
+    log: RoundLog, config: GateConfig, policies: Sequence[str] | None = None, source: str = ""
+) -> ReplayReport:
+    """Replay every workload of `log` through plain, always-k and `policies`.
+
+    policies=None: every policy that applies to `log` (the rest are listed in report.skipped).
+    An explicit list is replayed as given, a repeated name once. Raises ValueError on a log
+    without rounds, an unknown policy, or a requested policy that cannot run (saying why).
+    """
+    if not log.rounds:
+        raise ValueError(f"{source or 'rounds log'}: no rounds to replay")
+    chosen, skipped = _chosen_policies(log, config, policies)
     cost, groups = config.cost_model(), log.workloads()
-    extra = [p for p in policies if p not in ("plain", "always-k")]
-    chosen = applicable_policies(log, config, ["plain", "always-k", *extra])
     thresholds = lowo_thresholds(groups, cost) if "threshold" in chosen else {}
-    overall = WorkloadReport("overall", 0, None, {p: PolicyResult() for p in chosen})
+    overall = WorkloadReport("overall", len(log.rounds), _accept_rate(log.rounds), {p: PolicyResult() for p in chosen})
     reports = []
     for name, rounds in groups.items():
-        submitted = sum(r.submitted for r in rounds)
-        report = WorkloadReport(name, len(rounds), sum(r.accepted for r in rounds) / submitted if submitted else None)
-        report.threshold = thresholds.get(name)
+        report = WorkloadReport(name, len(rounds), _accept_rate(rounds), threshold=thresholds.get(name))
         for policy in chosen:
             if policy.startswith("gated"):
                 report.results[policy] = replay_gated(rounds, config, use_margin=policy == "gated+margin")
             else:
                 report.results[policy] = replay_fixed(rounds, cost, policy, thresholds.get(name, -math.inf))
             overall.results[policy].add(report.results[policy])
-        overall.rounds += len(rounds)
         reports.append(report)
-    total_submitted = sum(r.submitted for r in log.rounds)
-    overall.accept_rate = sum(r.accepted for r in log.rounds) / total_submitted if total_submitted else None
-    return ReplayReport(reports, overall, config, source)
+    return ReplayReport(reports, overall, config, source, skipped)
 
 
 def comparisons(results: dict[str, PolicyResult], policy: str) -> dict[str, float | None]:
@@ -266,11 +327,19 @@ def _workload_dict(w: WorkloadReport) -> dict:
 
 
 def report_to_dict(report: ReplayReport) -> dict:
-    """JSON-ready report; a non-finite LOWO threshold is written as the string "-inf" or "inf"."""
+    """JSON-ready report (every number finite); a non-finite LOWO threshold is written as the
+    string "-inf" or "inf". config.enabled is renamed gate_env_enabled: the gated policies
+    always run the gate enabled, so the env switch is reported for information only."""
+    config = asdict(report.config)
+    config["gate_env_enabled"] = config.pop("enabled")
     return {
         "source": report.source,
-        "config": asdict(report.config),
+        "config": config,
+        "gated_policies_gate_enabled": True,
+        "note": "the gated policies always run the gate enabled; config.gate_env_enabled is "
+        "DEEPSEEK_DSPARK_GATE, which the replay does not use",
         "policies": list(report.overall.results),
+        "skipped_policies": dict(report.skipped),
         "workloads": [_workload_dict(w) for w in report.workloads],
         "overall": _workload_dict(report.overall),
     }

@@ -17,37 +17,77 @@ A file is one JSON object:
       ]
     }
 
-Optional keys may be absent or null (the writer omits them when null). Unknown keys are errors.
+Optional keys may be absent or null (the writer omits them when null). Unknown keys, duplicate
+keys and non-finite numbers (NaN, Infinity, 1e400) are errors anywhere in the file.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.gateway.gate import finite_float, short_repr
+
 FORMAT_NAME = "dspark-rounds"
 FORMAT_VERSION = 1
+MAX_FILE_BYTES = 256 * 1024 * 1024  # load_rounds refuses larger files (and non-regular ones)
+MAX_INT_DIGITS = 4300  # longer integer literals are refused (Python's int <-> str limit)
+MAX_METADATA_DEPTH = 100  # nesting levels of metadata objects and lists
+RESERVED_WORKLOAD = "overall"  # the replay's totals row
 _REQUIRED = ("workload", "confidence_logits", "submitted", "accepted")
 _OPTIONAL = ("anchor_margin", "draft_ms", "verify_ms", "plain_ms")
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return finite_float(value) is not None
 
 
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _check_metadata(metadata: object) -> None:
+    """Metadata must round-trip through JSON: string keys, finite numbers, bounded nesting."""
+    if not isinstance(metadata, Mapping):
+        raise ValueError(f"'metadata' must be an object, got {type(metadata).__name__}")
+    stack = [(metadata, "metadata", 1)]
+    while stack:  # iterative: a deep document must not overflow the Python stack
+        value, where, depth = stack.pop()
+        if depth > MAX_METADATA_DEPTH:
+            raise ValueError(f"'{where}' nests deeper than {MAX_METADATA_DEPTH} levels")
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                if not isinstance(key, str):
+                    raise ValueError(f"'{where}' has a non-string key {short_repr(key)}")
+                stack.append((item, f"{where}.{key}", depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, float) and finite_float(value) is None:
+            raise ValueError(f"'{where}'={value!r} must be a finite number")
+        elif value is not None and not isinstance(value, (str, int, float)):
+            raise ValueError(f"'{where}' has a {type(value).__name__}, not a JSON value")
+
+
+def check_workload(label: object) -> None:
+    """Raise ValueError unless `label` is a usable workload: a non-blank string other than
+    "overall" in any case (the replay's totals row). Recorders can check labels up front."""
+    if not isinstance(label, str) or not label.strip():
+        raise ValueError(f"field 'workload'={short_repr(label)} must be a non-blank string")
+    if label.strip().casefold() == RESERVED_WORKLOAD:
+        raise ValueError(f"field 'workload'={short_repr(label)} is reserved for the totals row")
+
+
 @dataclass(frozen=True)
 class Round:
     """One recorded round. Counts in tokens, timings in ms; optional fields are None when unknown.
 
-    Raises ValueError naming the field when a value has the wrong type or breaks
-    accepted <= submitted <= len(confidence_logits).
+    Raises ValueError naming the field when a value has the wrong type, is not finite (or too
+    large for a float), breaks accepted <= submitted <= len(confidence_logits), or the workload
+    is blank or the reserved name "overall" (any case: it would collide with the totals row).
     """
 
     workload: str
@@ -60,16 +100,15 @@ class Round:
     plain_ms: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.workload, str) or not self.workload:
-            raise ValueError(f"field 'workload'={self.workload!r} must be a non-empty string")
+        check_workload(self.workload)
         if not isinstance(self.confidence_logits, tuple):
             raise ValueError(f"field 'confidence_logits' must be a tuple, got {type(self.confidence_logits).__name__}")
         for pos, c in enumerate(self.confidence_logits):
             if not _is_number(c):
-                raise ValueError(f"field 'confidence_logits'[{pos}]={c!r} must be a finite number")
+                raise ValueError(f"field 'confidence_logits'[{pos}]={short_repr(c)} must be a finite number")
         for name in ("submitted", "accepted"):
             if not _is_count(getattr(self, name)):
-                raise ValueError(f"field '{name}'={getattr(self, name)!r} must be an integer >= 0")
+                raise ValueError(f"field '{name}'={short_repr(getattr(self, name))} must be an integer >= 0")
         if self.submitted > len(self.confidence_logits):
             raise ValueError(
                 f"field 'submitted'={self.submitted} exceeds len(confidence_logits)={len(self.confidence_logits)}"
@@ -79,7 +118,7 @@ class Round:
         for name in _OPTIONAL:
             value = getattr(self, name)
             if value is not None and not (_is_number(value) and value >= 0):
-                raise ValueError(f"field '{name}'={value!r} must be null or a finite number >= 0")
+                raise ValueError(f"field '{name}'={short_repr(value)} must be null or a finite number >= 0")
 
     def to_json_dict(self) -> dict:
         """The round as written to a file: required keys, then the non-null optional ones."""
@@ -91,10 +130,17 @@ class Round:
 
 @dataclass(frozen=True)
 class RoundLog:
-    """A file's rounds (in recorded order) and its free-form metadata."""
+    """A file's rounds (in recorded order) and its free-form metadata.
+
+    Raises ValueError when metadata would not round-trip through JSON (non-string key, NaN or
+    inf, a non-JSON value, nesting deeper than MAX_METADATA_DEPTH).
+    """
 
     rounds: tuple[Round, ...]
     metadata: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check_metadata(self.metadata)
 
     def workloads(self) -> dict[str, list[Round]]:
         """Rounds grouped by workload label, labels in order of first appearance, rounds in order."""
@@ -129,15 +175,15 @@ def parse_rounds(obj: object) -> RoundLog:
     if not isinstance(obj, Mapping):
         raise ValueError(f"top level must be an object, got {type(obj).__name__}")
     if obj.get("format") != FORMAT_NAME:
-        raise ValueError(f"'format'={obj.get('format')!r}, expected {FORMAT_NAME!r}")
-    if obj.get("version") != FORMAT_VERSION:
-        raise ValueError(f"'version'={obj.get('version')!r}, this reader knows version {FORMAT_VERSION}")
+        raise ValueError(f"'format'={short_repr(obj.get('format'))}, expected {FORMAT_NAME!r}")
+    version = obj.get("version")
+    if not _is_count(version) or version != FORMAT_VERSION:  # the integer: not true, not 1.0
+        raise ValueError(f"'version'={short_repr(version)}, this reader knows version {FORMAT_VERSION} (an integer)")
     unknown = sorted(set(obj) - {"format", "version", "metadata", "rounds"})
     if unknown:
         raise ValueError(f"unknown top-level key(s) {unknown}")
     metadata = obj.get("metadata", {})
-    if not isinstance(metadata, Mapping):
-        raise ValueError(f"'metadata' must be an object, got {type(metadata).__name__}")
+    _check_metadata(metadata)
     if not isinstance(obj.get("rounds"), list):
         raise ValueError("'rounds' must be a list")
     rounds = []
@@ -149,14 +195,76 @@ def parse_rounds(obj: object) -> RoundLog:
     return RoundLog(tuple(rounds), dict(metadata))
 
 
-def load_rounds(path: str | Path) -> RoundLog:
-    """Read and validate a rounds file. Raises ValueError (naming the file) on bad JSON or content,
-    OSError when it cannot be read."""
-    text = Path(path).read_text(encoding="utf-8")
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {short_repr(key)}")
+        out[key] = value
+    return out
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if finite_float(value) is None:
+        raise ValueError(f"number {short_repr(text)} is out of float range")
+    return value
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"integer literal of {len(text.lstrip('-'))} digits (limit {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _non_finite(name: str) -> float:
+    raise ValueError(f"non-finite number {name} is not allowed")
+
+
+def decode_rounds_json(text: str) -> object:
+    """json.loads, strict: duplicate keys, NaN/Infinity, float overflow and over-long integer
+    literals raise ValueError; nesting deeper than the interpreter can parse raises RecursionError."""
+    return json.loads(
+        text,
+        object_pairs_hook=_no_duplicates,
+        parse_constant=_non_finite,
+        parse_float=_finite_float,
+        parse_int=_bounded_int,
+    )
+
+
+def _read_text(path: str | Path) -> str:
+    if str(path) == "":
+        raise ValueError("rounds file path is empty ('')")
+    info = os.stat(path)  # OSError (names the file) when missing or unreadable
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
+        raise ValueError(f"{path}: is {kind}; a rounds file must be a regular file")
+    if info.st_size > MAX_FILE_BYTES:
+        raise ValueError(f"{path}: {info.st_size} bytes exceeds the {MAX_FILE_BYTES} byte limit")
+    with open(path, "rb") as f:
+        data = f.read(MAX_FILE_BYTES + 1)  # the file may have grown since stat
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"{path}: more than the {MAX_FILE_BYTES} byte limit")
     try:
-        obj = json.loads(text)
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
+def load_rounds(path: str | Path) -> RoundLog:
+    """Read and validate a rounds file. Raises ValueError naming the file on an empty path, a
+    non-regular file, a file over MAX_FILE_BYTES, non-UTF-8 bytes, bad or too deeply nested JSON
+    (see decode_rounds_json) or bad content; OSError (naming the file) when it cannot be read."""
+    text = _read_text(path)
+    try:
+        obj = decode_rounds_json(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{path}: not JSON this reader accepts: nested too deeply") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: not JSON this reader accepts: {exc}") from None
     try:
         return parse_rounds(obj)
     except ValueError as exc:
@@ -168,7 +276,7 @@ def dump_rounds(log: RoundLog) -> str:
     header = [
         f'  "format": {json.dumps(FORMAT_NAME)},',
         f'  "version": {FORMAT_VERSION},',
-        f'  "metadata": {json.dumps(log.metadata, sort_keys=True)},',
+        f'  "metadata": {json.dumps(log.metadata, sort_keys=True, allow_nan=False)},',
     ]
     lines = [json.dumps(r.to_json_dict(), allow_nan=False) for r in log.rounds]
     body = ",\n".join(f"    {line}" for line in lines)

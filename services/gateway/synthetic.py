@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Sequence
 
 import numpy as np
 
+from services.gateway.gate import finite_float, is_integer, short_repr
 from services.gateway.rounds import Round, RoundLog, save_rounds
 
 BLOCK_SIZE = 5
@@ -37,11 +39,21 @@ BUCKET_BOUNDS = ((-3.0, -0.5), (-0.5, 0.5), (0.5, 1.5), (1.5, 3.0), (3.0, 6.0), 
 TARGET_ACCEPT_RATES = {"repeat": 1.0, "code": 0.825, "prose": 0.40, "math": 0.175}
 DEFAULT_SEED = 20260805
 DEFAULT_ROUNDS = 200
+MAX_ROUNDS = 100_000  # per workload; bounds the run time (about 4 s per 100,000 rounds)
+MAX_SEED = 2**128 - 1  # PCG64's state width
 _THETA_RANGE = (-60.0, 60.0)
 
 
 def expected_accept_rate(match_prob: float, block_size: int = BLOCK_SIZE) -> float:
-    """E[accepted] / block_size for iid positions matching with `match_prob` (first miss censors)."""
+    """E[accepted] / block_size for iid positions matching with `match_prob` (first miss censors).
+
+    Raises ValueError unless match_prob is a number in [0, 1] and block_size an integer >= 1.
+    """
+    p = finite_float(match_prob)
+    if p is None or not 0.0 <= p <= 1.0:
+        raise ValueError(f"match_prob={short_repr(match_prob)} must be a number in [0, 1]")
+    if not is_integer(block_size) or block_size < 1:
+        raise ValueError(f"block_size={short_repr(block_size)} must be an integer >= 1")
     return sum(match_prob**i for i in range(1, block_size + 1)) / block_size
 
 
@@ -54,18 +66,22 @@ def _tilt(theta: float) -> list[float]:
 def tilted_weights(target: float) -> tuple[float, ...]:
     """Bucket weights whose expected accept rate is `target` (fraction of the block accepted).
 
-    Raises ValueError when `target` is outside what the bucket rates can reach.
+    Reachable: [rate at θ = -60, rate at θ = 60] (about [0.049985, 0.999828]) by tilting, and exactly
+    1.0 (the rate-1 buckets alone). Raises ValueError naming the target and that range otherwise.
     """
-    if target >= 1.0:
-        ones = [n if r == 1.0 else 0 for n, r in zip(BUCKET_COUNTS, BUCKET_MATCH_RATES)]
-        return tuple(w / sum(ones) for w in ones)
     lo, hi = _THETA_RANGE
 
     def rate(theta: float) -> float:
         return expected_accept_rate(sum(w * r for w, r in zip(_tilt(theta), BUCKET_MATCH_RATES)))
 
-    if not rate(lo) <= target <= rate(hi):
-        raise ValueError(f"target accept rate {target} outside [{rate(lo):.4f}, 1.0]")
+    value = finite_float(target)
+    if value == 1.0:
+        ones = [n if r == 1.0 else 0 for n, r in zip(BUCKET_COUNTS, BUCKET_MATCH_RATES)]
+        return tuple(w / sum(ones) for w in ones)
+    if value is None or not rate(lo) <= value <= rate(hi):
+        shown = f"[{math.ceil(rate(lo) * 1e6) / 1e6}, {math.floor(rate(hi) * 1e6) / 1e6}]"  # inside the true range
+        raise ValueError(f"target accept rate {short_repr(target)} unreachable: must be in {shown} or exactly 1.0")
+    target = value
     for _ in range(200):  # fixed iteration count: the result must not depend on a tolerance
         mid = 0.5 * (lo + hi)
         lo, hi = (mid, hi) if rate(mid) < target else (lo, mid)
@@ -89,7 +105,17 @@ def draw_round(rng: np.random.Generator, workload: str, weights: Sequence[float]
 
 
 def generate(seed: int = DEFAULT_SEED, rounds_per_workload: int = DEFAULT_ROUNDS) -> RoundLog:
-    """All workloads' synthetic rounds, deterministic for a given seed and round count."""
+    """All workloads' synthetic rounds, deterministic for a given seed and round count.
+
+    Raises ValueError unless seed is an integer in [0, 2**128) and rounds_per_workload an
+    integer in [1, MAX_ROUNDS].
+    """
+    if not is_integer(seed) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed={short_repr(seed)} must be an integer in [0, 2**128)")
+    if not is_integer(rounds_per_workload) or not 1 <= rounds_per_workload <= MAX_ROUNDS:
+        shown = short_repr(rounds_per_workload)
+        raise ValueError(f"rounds_per_workload={shown} must be an integer in [1, {MAX_ROUNDS}]")
+    seed, rounds_per_workload = int(seed), int(rounds_per_workload)
     rng = np.random.Generator(np.random.PCG64(seed))
     rounds = []
     for workload, target in TARGET_ACCEPT_RATES.items():
@@ -114,15 +140,36 @@ def realised_accept_rates(log: RoundLog) -> dict[str, float]:
     }
 
 
+def _integer_arg(raw: str, flag: str, low: int, high: int, shown_range: str) -> int:
+    text = raw.strip(" \t")
+    if not re.fullmatch(r"-?[0-9]{1,40}", text) or not low <= int(text) <= high:
+        raise ValueError(f"{flag}={short_repr(raw)} must be an integer in {shown_range}")
+    return int(text)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Write the synthetic rounds file; prints realised vs target accept rates to stderr."""
+    """Write the synthetic rounds file; prints realised vs target accept rates to stderr.
+
+    Bad flags or an unwritable --out: a one-line error on stderr and exit code 2.
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="output JSON path")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, help="rounds per workload")
+    parser.add_argument("--seed", default=str(DEFAULT_SEED), help="integer in [0, 2**128)")
+    parser.add_argument("--rounds", default=str(DEFAULT_ROUNDS), help=f"rounds per workload, 1..{MAX_ROUNDS}")
     args = parser.parse_args(argv)
-    log = generate(args.seed, args.rounds)
-    save_rounds(log, args.out)
+    try:
+        seed = _integer_arg(args.seed, "--seed", 0, MAX_SEED, "[0, 2**128)")
+        rounds = _integer_arg(args.rounds, "--rounds", 1, MAX_ROUNDS, f"[1, {MAX_ROUNDS}]")
+        if not args.out:
+            raise ValueError("--out is an empty path ('')")
+        log = generate(seed, rounds)
+        save_rounds(log, args.out)
+    except OSError as exc:
+        print(f"synthetic: error: cannot write --out {args.out!r}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"synthetic: error: {exc}", file=sys.stderr)
+        return 2
     for name, rate in realised_accept_rates(log).items():
         print(f"{name}: realised {rate:.3f}, target {TARGET_ACCEPT_RATES[name]:.3f}", file=sys.stderr)
     return 0
