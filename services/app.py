@@ -40,15 +40,26 @@ def random_tiny_config() -> ModelConfig:
     return tiny_config(max_seq_len=256)
 
 
-def load_trunk(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32) -> Trunk:
-    """The verifier's trunk from a checkpoint folder, or the random tiny model when None."""
+def load_trunk(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32, tp: int = 1,
+               device: str = "cpu") -> Trunk:
+    """The verifier's trunk from a checkpoint folder, or the random tiny model when None.
+
+    tp > 1 starts tp - 1 worker processes (`services.verifier.tp.start_tp_trunk`) and returns
+    the rank-0 proxy, which `VerifierEngine` drives like a plain `Trunk`.
+    """
+    if tp > 1:
+        from services.verifier.tp import start_tp_trunk
+        if checkpoint is None:
+            cfg = random_tiny_config()
+            return start_tp_trunk(cfg, random_weights(cfg, "trunk", TINY_SEED), tp, dtype, device=device)
+        return start_tp_trunk(None, str(checkpoint), tp, dtype, device=device)
     if checkpoint is None:
         cfg = random_tiny_config()
         weights = random_weights(cfg, "trunk", TINY_SEED)
     else:
         from dsv4.checkpoint import load_trunk_weights
         cfg, weights = load_trunk_weights(checkpoint)
-    model = Trunk(cfg, dtype=dtype)
+    model = Trunk(cfg, dtype=dtype, device=device)
     model.load_weights(weights)
     return model
 
@@ -83,8 +94,8 @@ class Services:
 
 async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: str = "batched",
                          provider: TracerProvider | None = None, host: str = "127.0.0.1",
-                         credentials: grpc.ServerCredentials | None = None) -> RunningServer:
-    servicer = VerifierServicer(engine, default_mode, provider)
+                         credentials: grpc.ServerCredentials | None = None, tp: int = 1) -> RunningServer:
+    servicer = VerifierServicer(engine, default_mode, provider, tp)
     return await start_server("dspark.v1.Verifier",
                               lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
                               port, host, provider, credentials=credentials)
@@ -109,7 +120,11 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
         BackendError: the verifier is unreachable within the startup deadline.
     """
     backends = Backends(settings, provider)
-    limits, _ = await connect_backends(backends)
+    try:
+        limits, _ = await connect_backends(backends)
+    except BaseException:
+        await backends.close()  # a refused pairing leaves no open channels behind
+        raise
     gate_config = gate_config or GateConfig.from_env()
     tokenizer = load_tokenizer(checkpoint, limits.vocab_size, limits.eos_token_id)
     scheduler = Scheduler(limits, tokenizer, gate_config, settings.verify_mode, settings.cost_mode,

@@ -177,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineErrors(prog="dspark", description="DSpark speculative-decoding serving tools")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_replay(subparsers)
+    from services.serve_cli import add_commands  # serve, up, generate
+    add_commands(subparsers)
     return parser
 
 

@@ -35,6 +35,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="listen address (0.0.0.0 in containers)")
     serve.add_argument("--checkpoint", default=None,
                        help="checkpoint folder (default: $DSPARK_CHECKPOINT, else the random tiny model)")
+    serve.add_argument("--tp", type=int, default=1, help="verifier: tensor-parallel ranks (spawns tp - 1 workers)")
+    serve.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="verifier: where the trunk runs")
     serve.add_argument("--oracle", action="store_true", help="drafter: serve the oracle drafter")
     serve.add_argument("--oracle-corrupt-every", type=int, default=0,
                        help="oracle drafter: corrupt one draft slot in N positions (0 = never)")
@@ -53,6 +55,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--spec", choices=tuple(_SPEC), default="default")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--label", default="", help="workload label for the gateway's recorded rounds")
     gen.add_argument("--timeout", type=float, default=300.0, help="deadline of the whole call (s)")
     gen.add_argument("--json", action="store_true", help="print each streamed message as one JSON line")
     gen.set_defaults(func=_generate)
@@ -80,8 +83,9 @@ async def _serve_async(args, port: int) -> None:
     recorder = None
     if args.service == "verifier":
         settings = BackendSettings.from_env()
-        running = await app.start_verifier(app.verifier_engine(app.load_trunk(ckpt), settings), port,
-                                           settings.verify_mode, provider, args.host)
+        trunk = app.load_trunk(ckpt, tp=args.tp, device=args.device)
+        running = await app.start_verifier(app.verifier_engine(trunk, settings), port,
+                                           settings.verify_mode, provider, args.host, tp=args.tp)
     elif args.service == "drafter":
         settings = BackendSettings.from_env()
         model = app.load_trunk(ckpt) if args.oracle else app.load_drafter(ckpt)
@@ -143,7 +147,7 @@ def _generate(args) -> int:
 
 async def _generate_async(args) -> int:
     req = gateway_pb2.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens, spec=_SPEC[args.spec],
-                                      stop=args.stop, ignore_eos=args.ignore_eos)
+                                      stop=args.stop, ignore_eos=args.ignore_eos, label=args.label)
     async with grpc.aio.insecure_channel(args.target) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         async for msg in stub.Generate(req, timeout=args.timeout):

@@ -32,7 +32,7 @@ from services.common.telemetry import TRACER_NAME, trace_context
 from services.gateway.backends import BackendError, DrafterSession, VerifierSession
 from services.gateway.costs import CostTracker
 from services.gateway.gate import Gate, GateConfig, GateStats
-from services.gateway.rounds import Round
+from services.gateway.rounds import Round, check_workload
 from services.gateway.tokenizer import Detokenizer, Tokenizer
 
 log = logging.getLogger("dspark.gateway")
@@ -178,7 +178,8 @@ class Scheduler:
         Raises:
             ValueError: naming the value: temperature != 0 (greedy only for now), an empty
                 prompt, a token id outside [0, vocab), max_tokens <= 0, prompt + max_tokens
-                beyond max_seq_len, an unknown spec mode, a stop token id out of range.
+                beyond max_seq_len, an unknown spec mode, a stop token id out of range, a blank
+                or reserved workload label.
         """
         lim = self.limits
         if temperature != 0:
@@ -201,7 +202,9 @@ class Scheduler:
         bad = [t for t in stops if not 0 <= t < lim.vocab_size]
         if bad:
             raise ValueError(f"stop token id {bad[0]} outside [0, vocab_size={lim.vocab_size})")
-        return GenerationParams(tuple(ids), max_tokens, spec, frozenset(stops), tuple(s for s in stop if s), label)
+        check_workload(label or "live")
+        return GenerationParams(tuple(ids), max_tokens, spec, frozenset(stops), tuple(s for s in stop if s),
+                                label or "live")
 
     # ------------------------------------------------------------------ generation
     async def generate(self, p: GenerationParams, verifier: VerifierSession,
@@ -290,16 +293,19 @@ class _Generation:
             span.set_attribute("spec_decode.round", c.rounds)
             span.set_attribute("spec_decode.anchor_margin", margin)
             drafts, conf, draft_ms, decision = [], None, None, "plain"
-            if self.drafter is not None:
+            if self.drafter is not None and self._max_drafts(s.limits.block_size, pos) == 0:
+                decision = "capped"  # one token left (or no room): a draft could not be submitted
+            elif self.drafter is not None:
                 if self.gate.should_draft(margin):
                     drafts, conf, draft_ms = await self._draft(anchor, pos, tc)
                     decision = "full" if drafts else "plain"
                 else:
                     c.margin_skipped_rounds += 1
                     decision = "margin_skipped"
-            k = self._length(drafts, conf, pos)
+            k, max_n = self._length(drafts, conf, pos)
             if drafts and k < len(drafts):
-                decision = "skipped_after_draft" if k == 0 else "truncated"
+                # the gate's choice (counted in the stats) vs the max_tokens / max_seq_len cap
+                decision = "skipped_after_draft" if k == 0 < max_n else "truncated" if k < max_n else "capped"
             t0 = time.perf_counter()
             if k > 0:
                 res = await self.verifier.verify(anchor, drafts[:k], pos, s.verify_mode, tc)
@@ -332,22 +338,28 @@ class _Generation:
         self.counters.drafted += len(reply.tokens)
         return reply.tokens, reply.confidence_logits, ms
 
-    def _length(self, drafts: list[int], conf: list[float] | None, pos: int) -> int:
-        """k: drafts to submit, capped by the remaining budget and the room before max_seq_len."""
+    def _max_drafts(self, drafted: int, pos: int) -> int:
+        """Drafts a round at anchor position `pos` may submit: capped by the remaining budget
+        (the round adds at most k + 1 tokens) and the room before max_seq_len (the bonus token
+        must stay a valid position)."""
+        remaining = self.p.max_tokens - len(self.out)
+        room = self.s.limits.max_seq_len - 2 - pos
+        return max(0, min(drafted, remaining - 1, room))
+
+    def _length(self, drafts: list[int], conf: list[float] | None, pos: int) -> tuple[int, int]:
+        """(k, max_n): drafts to submit, and the cap `_max_drafts` puts on them."""
         if not drafts:
-            return 0
-        remaining = self.p.max_tokens - len(self.out)  # this round adds at most k + 1 tokens
-        room = self.s.limits.max_seq_len - 2 - pos     # the bonus token must stay a valid position
-        max_n = max(0, min(len(drafts), remaining - 1, room))
+            return 0, 0
+        max_n = self._max_drafts(len(drafts), pos)
         if conf is None:
-            return max_n
+            return max_n, max_n
         k = self.gate.choose_length(conf, max_n)
         if k < max_n:
             if k == 0:
                 self.counters.skipped_after_draft += 1
             else:
                 self.counters.truncated_rounds += 1
-        return k
+        return k, max_n
 
     async def _commit(self, rows, first_position: int, token_ids: Sequence[int], token_first: int) -> None:
         if self.drafter is None:

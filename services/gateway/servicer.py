@@ -102,10 +102,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.scheduler, self.backends = scheduler, backends
 
     async def Generate(self, request, context):
+        if request.spec not in _SPEC:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"spec={request.spec}: not a SpecMode (0 default, 1 off, 2 always, 3 gated)")
         try:
             params = self.scheduler.params(
                 request.prompt, list(request.prompt_token_ids), request.max_tokens, _SPEC.get(request.spec, ""),
-                request.temperature, list(request.stop_token_ids), list(request.stop), request.ignore_eos)
+                request.temperature, list(request.stop_token_ids), list(request.stop), request.ignore_eos,
+                request.label)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         s = self.backends.settings
