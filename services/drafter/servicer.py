@@ -81,6 +81,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         rows = from_proto(commit.rows, max_elements=1 << 26)
         if rows.ndim != 2 or rows.shape[1] != self.row_width:
             raise ValueError(f"commit rows have shape {list(rows.shape)}, expected [R, row_width={self.row_width}]")
+        if not rows.is_floating_point():
+            raise ValueError(f"commit rows have dtype {commit.rows.dtype!r}, expected bfloat16 or float32")
         first = commit.first_position
         if first < 0:
             raise ValueError(f"commit first_position={first}: must be >= 0")

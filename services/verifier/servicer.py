@@ -67,6 +67,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             raise ValueError("VerifierRequest has no operation: set prefill, decode or verify")
         with message_span(self.provider, f"verifier.{op}", request.trace) as span:
             if op == "prefill":
+                if not request.prefill.token_ids:
+                    raise ValueError("empty prompt: PrefillRequest.token_ids has no tokens")
                 res = await asyncio.to_thread(self.engine.prefill, sid, list(request.prefill.token_ids))
                 response = self._step_response(res)
             elif op == "decode":
@@ -75,6 +77,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 response = self._step_response(res)
             else:
                 v = request.verify
+                if v.mode not in _MODES and v.mode != verifier_pb2.VERIFY_MODE_UNSPECIFIED:
+                    raise ValueError(f"verify mode={v.mode}: not a VerifyMode (0 default, 1 sequential, 2 batched)")
                 mode = _MODES.get(v.mode, self.default_mode)
                 res = await asyncio.to_thread(self.engine.verify, sid, v.anchor, list(v.drafts), v.position, mode)
                 response = verifier_pb2.VerifierResponse(
