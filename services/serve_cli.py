@@ -83,9 +83,10 @@ async def _serve_async(args, port: int) -> None:
     recorder = None
     if args.service == "verifier":
         settings = BackendSettings.from_env()
-        trunk = app.load_trunk(ckpt, tp=args.tp, device=args.device)
+        tp = getattr(args, "tp", 1)
+        trunk = app.load_trunk(ckpt, tp=tp, device=getattr(args, "device", "cpu"))
         running = await app.start_verifier(app.verifier_engine(trunk, settings), port,
-                                           settings.verify_mode, provider, args.host, tp=args.tp)
+                                           settings.verify_mode, provider, args.host, tp=tp)
     elif args.service == "drafter":
         settings = BackendSettings.from_env()
         model = app.load_trunk(ckpt) if args.oracle else app.load_drafter(ckpt)

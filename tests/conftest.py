@@ -1,9 +1,13 @@
 """Suite-wide settings.
 
-torch runs single-threaded in tests: on the 2-core CI machine a second intra-op thread adds
+gRPC core logs only errors. torch runs single-threaded in tests: on the 2-core CI machine a second intra-op thread adds
 ~8 ms to every small op under load, and a fixed thread count keeps reductions in one order.
 """
 
-import torch
+import os
+
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # gRPC core logs every GOAWAY at INFO otherwise
+
+import torch  # noqa: E402
 
 torch.set_num_threads(1)
