@@ -92,12 +92,30 @@ class _Stream:
                                grpc.StatusCode.DEADLINE_EXCEEDED) from None
         except grpc.aio.AioRpcError as e:
             raise BackendError(self.name, f"{e.code().name}: {e.details()}", e.code()) from None
+        except asyncio.InvalidStateError:  # the stream had already ended (backend gone) before this write
+            code = await self.call.code()
+            if code == grpc.StatusCode.OK:
+                raise BackendError(self.name, "stream closed by the backend") from None
+            raise BackendError(self.name, f"{code.name}: {await self.call.details()}", code) from None
         if reply is grpc.aio.EOF:
             raise BackendError(self.name, "stream closed by the backend")
         return reply
 
     async def close(self) -> None:
-        self.call.cancel()
+        """Half-close and read to the end: the backend ends its session normally and the OTel
+        client span of the stream ends (a cancelled call leaves it open until GC). Cancels
+        instead when that fails or takes longer than the round timeout."""
+        if self.call.done():
+            return
+        try:
+            await asyncio.wait_for(self.call.done_writing(), self.timeout_s)
+            while await asyncio.wait_for(self.call.read(), self.timeout_s) is not grpc.aio.EOF:
+                pass
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError):
+            self.call.cancel()
+        except asyncio.CancelledError:
+            self.call.cancel()
+            raise
 
 
 class GrpcVerifierSession:
