@@ -17,7 +17,14 @@ position into every stage's ring in one call; rows are processed one at a time s
 write equals successive single writes bitwise. A draft attends (non-causally, one index
 list for every slot) over the ring's positions max(0, p-W+1)..p plus the whole block; the
 block's own keys never enter the ring, and rejected positions are never written (a write
-at q evicts q-W, which may still be inside the next window).
+at q evicts q-W, which may still be inside the next window). A commit may repeat positions
+still in the window only with rows that give the same keys (the protocol only ever resends
+identical rows); one that would change a ring is rejected (see `write_main_kv`).
+
+End of the sequence: `draft` returns only the drafts of positions < max_seq_len, i.e.
+min(B, max_seq_len - p - 2) of them (0 when the anchor is the last position), and raises
+when the anchor itself lies at or past max_seq_len (`draft_length`). The block is computed
+in full either way, so the drafts it does return equal those of an unbounded sequence.
 
 Head (spec §9.5). y = hc_head(h) of the last stage (pre-norm), base logits = head(norm(y))
 for every slot, then strictly sequentially: logits[j] += markov_w2(markov_w1[prev]) with
@@ -30,8 +37,9 @@ all-reduces per stage). Parameter names equal `dsv4.inventory.drafter_params(cfg
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -47,6 +55,7 @@ from dsv4.settings import Settings
 from dsv4.trunk import DTYPES, Block
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+ROW_DTYPES = (torch.float32, torch.bfloat16)  # what the wire carries; fp16/fp64 rows are rejected
 
 
 class DraftMoE(nn.Module):
@@ -179,9 +188,9 @@ class DraftState:
 
 @dataclass(frozen=True)
 class DraftOutput:
-    """tokens: B drafted ids (positions p+2..p+B+1); logits [B, V] fp32 with the Markov bias;
-    confidence [B] fp32 raw logits (None without a confidence head); hidden [B, D] the
-    pre-norm hc_head output."""
+    """tokens: n drafted ids (positions p+2..p+n+1; n = B, or fewer from `draft` near
+    max_seq_len, see `draft_length`); logits [n, V] fp32 with the Markov bias; confidence [n]
+    fp32 raw logits (None without a confidence head); hidden [n, D] the pre-norm hc_head output."""
 
     tokens: list[int]
     logits: torch.Tensor
@@ -226,14 +235,26 @@ class DSparkDraft(nn.Module):
         self._loaded = False
 
     # ------------------------------------------------------------------ weights
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy the FULL logical drafter weights (`drafter_params` names) into the module, sharded
-        for this TP rank and cast to each parameter's dtype. Strict.
+        for this TP rank and cast to each parameter's dtype. Strict and atomic: every tensor is
+        checked (type, floating dtype, finite values, over all ranks' tensors so the ranks of a
+        TP group agree; then names and shapes) before the first copy, so a rejected call leaves
+        the module exactly as it was (loaded or not).
 
         Raises:
-            ValueError: naming every missing, unexpected or mis-shaped tensor (a confidence
-                head present in the weights but not in the module, or vice versa, is one).
+            ValueError: naming every value that is not a torch floating-point tensor (an
+                integer tensor would be cast silently, a numpy array fail mid-copy), every
+                tensor holding NaN or Inf, and every missing, unexpected or mis-shaped tensor
+                (a confidence head present in the weights but not in the module, or vice
+                versa, is one).
         """
+        if not isinstance(weights, Mapping):
+            raise ValueError(f"load_weights: weights must be a mapping name -> tensor, got {type(weights).__name__}")
+        problems = [_weight_problem(n, t) for n, t in weights.items()]
+        problems = [p for p in problems if p]
+        if problems:
+            raise ValueError("load_weights: " + _listed(problems))
         local = self.tp.shard_weights(self.cfg, weights)
         own = self.state_dict(keep_vars=True)
         problems = [f"missing: {sorted(set(own) - set(local))}"] if set(own) - set(local) else []
@@ -277,56 +298,109 @@ class DSparkDraft(nn.Module):
     def write_main_kv(self, state: DraftState, rows: torch.Tensor, positions: Sequence[int]) -> None:
         """Write committed rows [R, T*D] (fp32/bf16) of `positions` into every stage's ring (spec §9.6).
 
-        positions: R consecutive ascending positions. The first write of a sequence must start
-        at 0 or hold >= W rows (prefill priming: the prompt's last min(n, W) rows); later writes
-        must continue the last committed position (start <= last + 1). Rows of positions
-        already written are written again (idempotent for the same rows); positions that end
-        up outside the window are skipped.
+        positions: R consecutive ascending integer positions (a range, a list of ints or a 1-D
+        integer tensor). The first write of a sequence must start at 0 or hold >= W rows
+        (prefill priming: the prompt's last min(n, W) rows); later writes must continue the
+        last committed position (start <= last + 1). A position already committed and still
+        in the window must come with a row whose keys equal the ring's (the protocol only
+        resends identical rows; a different row is a caller bug that would silently change
+        the context of later drafts). The check costs no memory and no extra compute: the
+        keys of a resent row are computed anyway and compared bitwise with the ring's, so a
+        different row whose keys still come out bitwise equal (e.g. a difference rounded
+        away by a bf16 module) is accepted as the no-op it is. Positions that end up outside
+        the window are skipped unchecked (they can no longer reach a draft).
+
+        Atomic: everything (rows, positions, the keys of every row to write) is checked
+        before the first ring write; a rejected call leaves the state unchanged.
         Raises:
-            ValueError: bad shape/width/non-finite rows, R != len(positions), non-consecutive
-                positions, position outside [0, max_seq_len), a gap after the last committed
-                position, or a first write that leaves part of the window unknown.
+            ValueError: a state not from this module; bad type/shape/width/dtype or non-finite
+                rows; non-integer, non-consecutive or out-of-range positions, R !=
+                len(positions); a gap after the last committed position; a first write that
+                leaves part of the window unknown; a row too large for main_norm (finite rows
+                whose main_proj output overflows the norm's mean square would give zero or
+                NaN keys) or with non-finite keys; a committed position rewritten with a
+                different row (named).
             RuntimeError: weights not loaded.
         """
         self._require_loaded()
+        self._check_state(state)
         pos = check_commit(self.cfg, state.last_position, rows, positions)
         rows = rows.to(self.embed.weight.device)
-        last = max(state.last_position, pos[-1])
+        old_last = state.last_position
+        last = max(old_last, pos[-1])
         W = self.cfg.window_size
-        for i, p in enumerate(pos):
-            if p <= last - W:
-                continue
-            mx = self.main_features(rows[i:i + 1])  # [1, D]; one row at a time: batch-size invariant
-            at = torch.tensor([p], device=mx.device)
-            for stage, ring in zip(self.mtp, state.rings):
-                ring[p % W] = stage.attn.project_kv(mx, at)[0]
+        todo = [(i, p) for i, p in enumerate(pos) if p > last - W]
+        # Keys of every row to write, one row at a time (batch-size invariant), checked before any write.
+        computed = [self._row_keys(rows[i:i + 1], p) for i, p in todo]
+        finite = torch.stack([ok for _, ok in computed]) if computed else torch.ones(0, 1, dtype=torch.bool)
+        if not bool(finite.all()):  # [n, 1 + stages]: one host sync for all rows
+            j, s = (int(x) for x in (~finite).nonzero()[0])
+            i, p = todo[j]
+            if s == 0:  # rsqrt(inf) = 0 in main_norm: a finite but huge row would give zero (or NaN) keys
+                raise ValueError(f"rows[{i}] (position {p}) is out of range: its main_proj output overflows "
+                                 f"main_norm's mean square (|x| up to ~1e19 in fp32)")
+            raise ValueError(f"rows[{i}] (position {p}) gives a non-finite key in stage {s - 1}")
+        for (i, p), (keys, _) in zip(todo, computed):
+            if p <= old_last:  # still in the window, so slot p % W holds position p
+                changed = [s for s, (k, ring) in enumerate(zip(keys, state.rings))
+                           if not torch.equal(k.to(ring.dtype), ring[p % W])]
+                if changed:
+                    raise ValueError(f"position {p} is already committed with a different row: rows[{i}] "
+                                     f"would change stage {changed[0]}'s key (committed positions may only "
+                                     f"be resent with identical rows)")
+        for (i, p), (keys, _) in zip(todo, computed):
+            if p > old_last:
+                for ring, k in zip(state.rings, keys):
+                    ring[p % W] = k
         state.last_position = last
+
+    def _row_keys(self, row: torch.Tensor, p: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Keys [Dh] of one committed row [1, T*D] at position p, one per stage, and on-device flags
+        [1 + stages]: main_norm's mean square is finite, then each stage's key is finite."""
+        stage0 = self.mtp[0]
+        proj = stage0.main_proj(row)  # [1, D]
+        mx = stage0.main_norm(proj)
+        at = torch.tensor([p], device=mx.device)
+        keys = [stage.attn.project_kv(mx, at)[0] for stage in self.mtp]
+        ok = [torch.isfinite(proj.float().square().mean())] + [torch.isfinite(k).all() for k in keys]
+        return keys, torch.stack(ok)
 
     # ------------------------------------------------------------------ draft
     @torch.no_grad()
     def draft(self, state: DraftState, anchor: int, seed_position: int) -> DraftOutput:
-        """Draft B tokens from `anchor` (the committed token at seed_position + 1).
+        """Draft from `anchor` (the committed token at seed_position + 1): the drafts of positions
+        p+2.. that lie before max_seq_len, min(B, max_seq_len - p - 2) of them (`draft_length`).
 
+        anchor, seed_position: integers (int, numpy or torch integer; never bool or float,
+        which would otherwise be truncated).
         Raises:
-            ValueError: seed_position is not the last committed position (both named), nothing
-                committed, anchor outside [0, vocab_size), or no room for the anchor
-                (seed_position + 1 >= max_seq_len).
+            ValueError: a state not from this module; a non-integer anchor or seed_position;
+                anchor outside [0, vocab_size); nothing committed; seed_position not the last
+                committed position (both named); no room for the anchor (seed_position + 1 >=
+                max_seq_len).
             RuntimeError: weights not loaded.
         """
-        check_seed(state.last_position, seed_position)
-        return self.draft_from_rings(state.rings, anchor, seed_position)
+        self._require_loaded()
+        self._check_state(state)
+        anchor, p = check_draft_args(self.cfg, anchor, seed_position)
+        check_seed(state.last_position, p)
+        n = draft_length(self.cfg, p)
+        out = self.draft_from_rings(state.rings, anchor, p)
+        conf = None if out.confidence is None else out.confidence[:n]
+        return DraftOutput(out.tokens[:n], out.logits[:n], conf, out.hidden[:n])
 
     @torch.no_grad()
     def draft_from_rings(self, rings: list[torch.Tensor], anchor: int, seed_position: int) -> DraftOutput:
-        """The unchecked draft forward over given rings (spec §9.3): rings[s] [W, Dh] must hold
-        positions max(0, p-W+1)..p at slots q % W. For probes that perturb one input at a time."""
+        """The draft forward over given rings (spec §9.3), all B slots: rings[s] [W, Dh] must hold
+        positions max(0, p-W+1)..p at slots q % W (not checked against any state). For probes
+        that perturb one input at a time. Raises ValueError like `draft` (anchor, seed range,
+        ring count/shape)."""
         self._require_loaded()
-        cfg, p = self.cfg, int(seed_position)
+        self._check_rings(rings)
+        cfg = self.cfg
+        anchor, p = check_draft_args(cfg, anchor, seed_position)
         B = cfg.dspark_block_size
-        if not 0 <= anchor < cfg.vocab_size:
-            raise ValueError(f"anchor={anchor} outside [0, vocab_size={cfg.vocab_size})")
-        if not 0 <= p < cfg.max_seq_len - 1:
-            raise ValueError(f"seed_position={p}: the anchor at {p + 1} must lie before max_seq_len={cfg.max_seq_len}")
+        draft_length(cfg, p)
         dev = self.embed.weight.device
         ids = torch.full((B,), cfg.dspark_noise_token_id, dtype=torch.int64, device=dev)  # [B]
         ids[0] = anchor
@@ -363,6 +437,24 @@ class DSparkDraft(nn.Module):
         if not self._loaded:
             raise RuntimeError("DSparkDraft weights are not loaded: call load_weights first")
 
+    def _check_state(self, state: DraftState) -> None:
+        if not isinstance(state, DraftState):
+            raise ValueError(f"state must be a DraftState, got {type(state).__name__}: use module.new_state()")
+        self._check_rings(state.rings)
+
+    def _check_rings(self, rings: Sequence[torch.Tensor]) -> None:
+        """One [W, Dh] ring per stage in the module's dtype and device (`new_state`'s), or ValueError."""
+        w, n = self.embed.weight, len(self.mtp)
+        shape = (self.cfg.window_size, self.cfg.head_dim)
+        if not isinstance(rings, (list, tuple)) or len(rings) != n:
+            got = len(rings) if isinstance(rings, (list, tuple)) else type(rings).__name__
+            raise ValueError(f"state has {got} rings, the module {n} stages: use module.new_state()")
+        for s, r in enumerate(rings):
+            if not torch.is_tensor(r) or tuple(r.shape) != shape or r.dtype != w.dtype or r.device != w.device:
+                got = f"{tuple(r.shape)} {r.dtype} on {r.device}" if torch.is_tensor(r) else type(r).__name__
+                raise ValueError(f"rings[{s}] is {got}, the module needs {shape} (window_size, head_dim) "
+                                 f"{w.dtype} on {w.device}: use module.new_state()")
+
 
 def load_draft_module(path, dtype: torch.dtype = torch.float32, tp: DraftTP | None = None,
                       device: torch.device | str = "cpu") -> DSparkDraft:
@@ -371,10 +463,14 @@ def load_draft_module(path, dtype: torch.dtype = torch.float32, tp: DraftTP | No
     confidence head iff the checkpoint has one; sharded for `tp`.
 
     Raises:
+        ValueError: dtype not float32/bfloat16 (checked before reading anything), or a tensor
+            with NaN or Inf (named, by the checkpoint reader or `DSparkDraft.load_weights`).
         CheckpointError: a drafter tensor missing, unexpected or mis-shaped.
     """
     from dsv4.checkpoint import load_drafter_weights
 
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype}: must be torch.float32 or torch.bfloat16")
     cfg, weights, has_conf = load_drafter_weights(path)
     module = DSparkDraft(cfg, dtype=dtype, confidence_head=has_conf, tp=tp, device=device)
     module.load_weights(weights)
@@ -384,25 +480,31 @@ def load_draft_module(path, dtype: torch.dtype = torch.float32, tp: DraftTP | No
 def check_commit(cfg: ModelConfig, last_position: int, rows: torch.Tensor, positions: Sequence[int]) -> list[int]:
     """Validate one commit (see `DSparkDraft.write_main_kv`); returns the positions as ints.
 
-    last_position: the sequence's last committed position (-1: nothing yet).
+    rows: a [R, T*D] torch.float32 or torch.bfloat16 tensor (the dtypes the wire carries;
+    fp16 and fp64 are rejected rather than silently rounded or widened). positions: R
+    integers (int, numpy or torch integer, not bool); a float such as 11.5 is an error, never
+    truncated. last_position: the sequence's last committed position (-1: nothing yet).
     Raises:
         ValueError: naming the bad value (see `write_main_kv`).
     """
-    if not torch.is_tensor(rows) or rows.ndim != 2 or not rows.is_floating_point():
-        raise ValueError(f"rows must be a 2-D float tensor [R, {cfg.tap_width}], got "
-                         f"{tuple(rows.shape) if torch.is_tensor(rows) else type(rows).__name__}")
+    if not torch.is_tensor(rows):
+        raise ValueError(f"rows must be a torch tensor [R, {cfg.tap_width}], got {type(rows).__name__}")
+    if rows.ndim != 2:
+        raise ValueError(f"rows must be a 2-D tensor [R, {cfg.tap_width}], got shape {tuple(rows.shape)}")
+    if rows.dtype not in ROW_DTYPES:
+        raise ValueError(f"rows dtype {rows.dtype}: must be torch.float32 or torch.bfloat16")
     if rows.shape[1] != cfg.tap_width:
         raise ValueError(f"row width {rows.shape[1]} != tap width {cfg.tap_width} "
                          f"({len(cfg.dspark_target_layer_ids)} target layers x dim {cfg.dim})")
-    pos = [int(p) for p in positions]
-    if len(pos) != rows.shape[0] or not pos:
-        raise ValueError(f"{rows.shape[0]} rows but {len(pos)} positions (need as many, >= 1)")
+    pos = as_int_list("positions", positions, expect_len=rows.shape[0], what="rows")
     if any(b != a + 1 for a, b in zip(pos, pos[1:])):
-        raise ValueError(f"positions {pos[0]}..{pos[-1]} are not consecutive ascending: {pos}")
+        raise ValueError(f"positions {pos[0]}..{pos[-1]} are not consecutive ascending: {_short(pos)}")
     if pos[0] < 0 or pos[-1] >= cfg.max_seq_len:
         raise ValueError(f"positions {pos[0]}..{pos[-1]} outside [0, max_seq_len={cfg.max_seq_len})")
-    if not torch.isfinite(rows).all():
-        raise ValueError("rows contain NaN or Inf")
+    bad = (~torch.isfinite(rows)).any(dim=1).nonzero()
+    if bad.numel():
+        i = int(bad[0, 0])
+        raise ValueError(f"rows[{i}] (position {pos[i]}) contains NaN or Inf")
     if last_position < 0 and pos[0] > 0 and len(pos) < cfg.window_size:
         raise ValueError(f"first write starts at position {pos[0]} with {len(pos)} rows: it must start "
                          f"at 0 or hold >= window_size={cfg.window_size} rows")
@@ -423,3 +525,78 @@ def check_seed(last_position: int, seed_position: int) -> None:
     if seed_position != last_position:
         raise ValueError(f"seed_position={seed_position} is not the last committed position "
                          f"{last_position} (the anchor is roped at seed_position + 1)")
+
+
+def check_draft_args(cfg: ModelConfig, anchor: Any, seed_position: Any) -> tuple[int, int]:
+    """(anchor, seed_position) as ints. Raises ValueError naming the value unless both are
+    integers (see `as_int`), 0 <= anchor < vocab_size and seed_position >= 0."""
+    anchor, p = as_int("anchor", anchor), as_int("seed_position", seed_position)
+    if not 0 <= anchor < cfg.vocab_size:
+        raise ValueError(f"anchor={anchor} outside [0, vocab_size={cfg.vocab_size})")
+    if p < 0:
+        raise ValueError(f"seed_position={p}: must be >= 0")
+    return anchor, p
+
+
+def draft_length(cfg: ModelConfig, seed_position: int) -> int:
+    """Drafts a round at seed position p returns: those of positions p+2.. before max_seq_len,
+    min(B, max_seq_len - p - 2) (0 when the anchor is the last position). The one rule of the
+    DSpark engine and both oracles; the gateway caps k by the same room (and keeps the bonus
+    token inside the sequence), so it never submits a missing draft.
+
+    Raises:
+        ValueError: no room for the anchor (seed_position + 1 >= max_seq_len).
+    """
+    if seed_position + 1 >= cfg.max_seq_len:
+        raise ValueError(f"seed_position={seed_position}: no room for the anchor at {seed_position + 1}, "
+                         f"it must lie before max_seq_len={cfg.max_seq_len}")
+    return min(cfg.dspark_block_size, cfg.max_seq_len - seed_position - 2)
+
+
+def as_int(name: str, value: Any) -> int:
+    """`value` as an int if it is an integer: a Python int, a numpy integer or a 0-d torch
+    integer tensor. bool, float (even 12.0), str and everything else raise ValueError naming
+    `name` and the value: nothing is truncated."""
+    if torch.is_tensor(value):
+        if value.ndim == 0 and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+            return int(value)
+    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    raise ValueError(f"{name}={_short(value)} ({type(value).__name__}): must be an integer (not bool or float)")
+
+
+def as_int_list(name: str, values: Any, expect_len: int | None = None, what: str = "") -> list[int]:
+    """`values` (a range, list, tuple, numpy array or 1-D torch integer tensor) as a non-empty
+    list of ints, each checked by `as_int`; `expect_len`: the number of `what` it must match.
+    The length is checked before the elements are read. Raises ValueError naming the value."""
+    if torch.is_tensor(values):
+        if values.ndim != 1 or values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise ValueError(f"{name}={_short(values)} ({values.dtype}, shape {tuple(values.shape)}): "
+                             f"must be a 1-D integer tensor or a sequence of integers")
+        values = values.tolist()
+    elif isinstance(values, (str, bytes, Mapping)) or not (hasattr(values, "__len__") and hasattr(values, "__iter__")):
+        raise ValueError(f"{name}={_short(values)} ({type(values).__name__}): must be a sequence of integers")
+    if expect_len is not None and len(values) != expect_len:
+        raise ValueError(f"{expect_len} {what} but {len(values)} {name} (need as many, >= 1)")
+    if len(values) == 0:
+        raise ValueError(f"{name} is empty: need at least one")
+    return [as_int(f"{name}[{i}]", v) for i, v in enumerate(values)]
+
+
+def _weight_problem(name: str, t: Any) -> str:
+    """What is wrong with one weight value ("" if nothing)."""
+    if not torch.is_tensor(t):
+        return f"{name}: {type(t).__name__} is not a torch tensor"
+    if not t.is_floating_point():
+        return f"{name}: dtype {t.dtype} is not floating point"
+    return "" if bool(torch.isfinite(t).all()) else f"{name}: contains NaN or Inf"
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _listed(items: list[str], limit: int = 8) -> str:
+    more = f"; (and {len(items) - limit} more)" if len(items) > limit else ""
+    return "; ".join(items[:limit]) + more

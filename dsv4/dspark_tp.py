@@ -20,6 +20,7 @@ torch.distributed; TP=1 never touches it.
 
 from __future__ import annotations
 
+import numbers
 import re
 from typing import Any, Mapping
 
@@ -39,18 +40,18 @@ class DraftTP:
         group: a `torch.distributed` process group of `world_size` ranks (None only at TP=1).
         reduce_dtype: dtype the partial sums travel in (bf16, as the seed and the trunk).
     Raises:
-        ValueError: world_size < 1, rank outside [0, world_size), world_size > 1 without a
-            process group (a partial sum would still read as a well-formed draft), or a
-            group whose size/rank disagree with the arguments.
+        ValueError: rank or world_size not an integer, world_size < 1, rank outside
+            [0, world_size), world_size > 1 without a process group (a partial sum would
+            still read as a well-formed draft), or a group whose size/rank disagree with
+            the arguments.
     `n_all_reduce` counts `all_reduce` calls (also at TP=1, where they are identities).
     """
 
     def __init__(self, rank: int = 0, world_size: int = 1, group: Any = None,
                  reduce_dtype: torch.dtype = torch.bfloat16):
-        if world_size < 1:
-            raise ValueError(f"world_size={world_size}: must be >= 1")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank={rank}: must lie in [0, world_size={world_size})")
+        _check_world_size(world_size)
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank!r}: must be an integer in [0, world_size={world_size})")
         if world_size > 1:
             if group is None:
                 raise ValueError(f"world_size={world_size} needs a torch.distributed process group, got None")
@@ -93,11 +94,17 @@ class DraftTP:
 
 
 def check_shardable(cfg: ModelConfig, world_size: int) -> None:
-    """Raises ValueError naming the field when n_heads, o_groups or n_routed_experts is not
-    divisible by world_size."""
+    """Raises ValueError naming the value when world_size is not an integer >= 1, or naming the
+    field when n_heads, o_groups or n_routed_experts is not divisible by world_size."""
+    _check_world_size(world_size)
     for name in ("n_heads", "o_groups", "n_routed_experts"):
         if getattr(cfg, name) % world_size:
             raise ValueError(f"{name}={getattr(cfg, name)} is not divisible by TP world_size={world_size}")
+
+
+def _check_world_size(world_size: int) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: must be an integer >= 1")
 
 
 def local_experts(cfg: ModelConfig, rank: int, world_size: int) -> range:

@@ -3,9 +3,12 @@
 Losslessness: with a fixed block length, speculative decoding reproduces plain greedy
 decoding token for token over >= 64 tokens, with the oracle drafter (rounds fully accepted,
 partly accepted and rejected; fewer rounds than tokens) and with the real DSpark module
-(random weights: it is rarely accepted, losslessness is about output equality). After the
-loop the drafter's rings equal rings written from plain decode's rows: only committed rows
-were written. Block alignment: verify given [anchor, drafts...] accepts the oracle's drafts;
+(random weights: it is rarely accepted, losslessness is about output equality). Output
+equality cannot catch a drafter bug (sequential verify is lossless whatever it drafts), so
+for the DSpark module every round's drafts are also compared with a fresh module's drafts
+from rings written with plain decode's rows through the round's seed, and after the loop the
+drafter's rings equal rings written from plain decode's rows: only committed rows were
+written, at the right positions. Block alignment: verify given [anchor, drafts...] accepts the oracle's drafts;
 the misaligned block (the drafts alone, so every comparison shifts one position) reads as
 near-zero acceptance.
 """
@@ -59,17 +62,18 @@ def plain_decode(n_new: int = N_NEW + 2 * B) -> tuple[list[int], dict[int, torch
     return tokens, rows
 
 
-def speculative_decode(drafter, n_new: int, k: int) -> tuple[list[int], list[int], int]:
+def speculative_decode(drafter, n_new: int, k: int) -> tuple[list[int], list[int], int, list[tuple]]:
     """Greedy speculative decoding with drafts cut to k. Returns (prompt + n_new tokens,
-    accepted count per round, the drafter session id)."""
+    accepted count per round, the drafter session id, (seed, anchor, drafts) per round)."""
     v = verifier()
     vs, ds = v.open_session(), drafter.open_session()
     step = v.prefill(vs, PROMPT)
     drafter.commit(ds, step.rows, step.positions)  # ring priming: the prompt's last min(n, W) rows
-    tokens, accepted = [*PROMPT, step.next_token], []
+    tokens, accepted, rounds = [*PROMPT, step.next_token], [], []
     n = len(PROMPT)  # position of the anchor tokens[-1]
     while len(tokens) < len(PROMPT) + n_new:
         drafts, _ = drafter.draft(ds, tokens[-1], n - 1)
+        rounds.append((n - 1, tokens[-1], drafts))
         res = v.verify(vs, tokens[-1], drafts[:k], n, mode="sequential")
         assert list(res.positions) == list(range(n, n + res.accepted + 1))
         drafter.commit(ds, res.rows, res.positions)  # positions n..n+a only
@@ -77,7 +81,7 @@ def speculative_decode(drafter, n_new: int, k: int) -> tuple[list[int], list[int
         accepted.append(res.accepted)
         n += res.accepted + 1
     v.close_session(vs)
-    return tokens[:len(PROMPT) + n_new], accepted, ds
+    return tokens[:len(PROMPT) + n_new], accepted, ds, rounds
 
 
 def oracle_script(corrupt: frozenset[int] = frozenset()) -> OracleScript:
@@ -117,7 +121,7 @@ def test_speculative_loop_with_the_oracle_is_lossless():
     g = torch.Generator().manual_seed(8)
     corrupt = frozenset(q for q in range(len(PROMPT), len(PROMPT) + N_NEW + 2 * B)
                         if float(torch.rand((), generator=g)) < 0.12)
-    tokens, accepted, _ = speculative_decode(OracleDrafter(CFG, oracle_script(corrupt)), N_NEW, B)
+    tokens, accepted, _, _ = speculative_decode(OracleDrafter(CFG, oracle_script(corrupt)), N_NEW, B)
     print(f"oracle: {len(accepted)} rounds for {N_NEW} tokens, accepted per round {accepted}")
     assert tokens == plain_decode()[0][:len(PROMPT) + N_NEW]
     assert B in accepted and 0 in accepted and any(0 < a < B for a in accepted)
@@ -128,12 +132,23 @@ def test_speculative_loop_with_the_dspark_module_is_lossless():
     module = DSparkDraft(CFG)
     module.load_weights({p.name: weights()[p.name] for p in drafter_params(CFG)})
     drafter = DrafterEngine(module)
-    tokens, accepted, ds = speculative_decode(drafter, N_NEW, B)
+    tokens, accepted, ds, rounds = speculative_decode(drafter, N_NEW, B)
     print(f"dspark: {len(accepted)} rounds for {N_NEW} tokens, {sum(accepted)} drafts accepted")
     assert tokens == plain_decode()[0][:len(PROMPT) + N_NEW]
+    plain, rows = plain_decode()
+    # Every round drafted what a fresh module drafts from plain decode's rows through its seed:
+    # a write of a rejected position, a skipped or shifted row, or a wrong seed changes a draft.
+    ref, last_written = module.new_state(), len(PROMPT) - W - 1
+    for seed, anchor, drafts in rounds:
+        assert anchor == plain[seed + 1]
+        module.write_main_kv(ref, torch.stack([rows[q] for q in range(last_written + 1, seed + 1)]),
+                             range(last_written + 1, seed + 1))
+        last_written = seed
+        assert drafts == module.draft(ref, anchor, seed).tokens, f"round at seed {seed}"
+    assert len({tuple(d) for _, _, d in rounds}) > len(rounds) // 2  # the drafts depend on the round
     # Only committed rows reached the rings: they equal rings written from plain decode's rows.
     state = drafter.session_state(ds)
-    last, rows = state.last_position, plain_decode()[1]
+    last = state.last_position
     fresh = module.new_state()
     module.write_main_kv(fresh, torch.stack([rows[q] for q in range(last - W + 1, last + 1)]),
                          range(last - W + 1, last + 1))

@@ -5,12 +5,14 @@ folder) each build their shard from the same full weights and draft the same rou
 fixed synthetic seed (rows and anchors). Both ranks must draft exactly the TP=1 tokens; the
 logits differ only by the bf16 rounding of the two all-reduces per stage. The parametrised
 negative case moves the shared expert inside the MoE all-reduce (it is then counted twice)
-and shows that the same comparison fails.
+and shows that the same comparison fails. The same TP=2 run also builds a module for a
+config its world size does not divide (5 experts), which must raise before allocating.
 """
 
 from __future__ import annotations
 
 import functools
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,15 @@ class SharedInsideAllReduce(DraftMoE):
         return self.reduce(y).to(x.dtype)
 
 
+def indivisible_config_error(tp: DraftTP) -> str:
+    """The ValueError message of building a module with 5 routed experts on `tp` ("" if none)."""
+    try:
+        DSparkDraft(CFG.replace(n_routed_experts=5), tp=tp)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
 def run_drafts(tp: DraftTP, variant: str) -> dict:
     """Build this rank's module, commit the synthetic rows and draft ROUNDS."""
     module = DSparkDraft(CFG, tp=tp)
@@ -45,7 +56,8 @@ def run_drafts(tp: DraftTP, variant: str) -> dict:
     module.load_weights(conformance_weights(CFG, 0))
     rows = synthetic_rows(CFG, 24, seed=6)
     state = module.new_state()
-    out = {"tokens": [], "logits": [], "confidence": [], "reduces_in_writes": 0, "reduces_per_draft": []}
+    out = {"tokens": [], "logits": [], "confidence": [], "reduces_in_writes": 0, "reduces_per_draft": [],
+           "indivisible_config_error": indivisible_config_error(tp)}
     last = -1
     for anchor, p in ROUNDS:
         n = tp.n_all_reduce
@@ -69,9 +81,12 @@ def _worker(rank: int, world_size: int, store: str, out_dir: str, variant: str) 
         dist.destroy_process_group()
 
 
-def run_tp(world_size: int, tmp: Path, variant: str) -> list[dict]:
-    mp.spawn(_worker, args=(world_size, str(tmp / "store"), str(tmp), variant), nprocs=world_size, join=True)
-    return [torch.load(tmp / f"{r}.pt") for r in range(world_size)]
+@functools.lru_cache(maxsize=None)
+def run_tp(world_size: int, variant: str) -> list[dict]:
+    with tempfile.TemporaryDirectory() as folder:
+        tmp = Path(folder)
+        mp.spawn(_worker, args=(world_size, str(tmp / "store"), str(tmp), variant), nprocs=world_size, join=True)
+        return [torch.load(tmp / f"{r}.pt") for r in range(world_size)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,8 +96,8 @@ def tp1() -> dict:
 
 # ------------------------------------------------------------------ TP=2 vs TP=1
 @pytest.mark.parametrize("variant, should_match", [("seed", True), ("shared_inside_all_reduce", False)])
-def test_tp2_drafts_equal_tp1_drafts(tmp_path, variant, should_match):
-    ranks = run_tp(2, tmp_path, variant)
+def test_tp2_drafts_equal_tp1_drafts(variant, should_match):
+    ranks = run_tp(2, variant)
     ref = tp1()
     errs = [rel_err(torch.stack(r["logits"]), torch.stack(ref["logits"])) for r in ranks]
     same = all(r["tokens"] == ref["tokens"] for r in ranks)
@@ -98,6 +113,12 @@ def test_tp2_drafts_equal_tp1_drafts(tmp_path, variant, should_match):
     else:
         assert not same, "moving the shared expert inside the all-reduce must break TP=1 == TP=2"
         assert max(errs) > 0.1
+
+
+def test_tp2_module_rejects_a_config_the_world_size_does_not_divide():
+    for r in run_tp(2, "seed"):
+        assert r["indivisible_config_error"] == "n_routed_experts=5 is not divisible by TP world_size=2"
+    assert tp1()["indivisible_config_error"] == ""  # 1 divides everything
 
 
 def test_tp1_does_two_identity_reductions_per_stage():
@@ -118,6 +139,13 @@ def test_indivisible_config_is_rejected():
         check_shardable(CFG, 3)
     with pytest.raises(ValueError, match="n_routed_experts=5 is not divisible by TP world_size=2"):
         check_shardable(CFG.replace(n_routed_experts=5), 2)
+    for bad in (0, -2, 2.0, True, "2", None):
+        with pytest.raises(ValueError, match=f"world_size={bad!r}: must be an integer >= 1"):
+            check_shardable(CFG, bad)
+    with pytest.raises(ValueError, match="world_size=0"):
+        DraftTP(rank=0, world_size=0)
+    with pytest.raises(ValueError, match="rank=0.5"):
+        DraftTP(rank=0.5, world_size=1)
 
 
 def test_shards_partition_heads_groups_and_experts():

@@ -17,6 +17,7 @@ fans calls out from rank 0 belongs to the service.
 from __future__ import annotations
 
 import itertools
+import numbers
 import threading
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -67,13 +68,16 @@ class _Session:
 class SessionTable:
     """Open sessions by id with a limit; shared by the DSpark and the oracle engines.
 
-    Raises SessionLimitError on `open` when full, UnknownSessionError on `get` of an id not open.
+    Raises ValueError unless max_sessions is an integer >= 1 (not bool, float or str),
+    SessionLimitError on `open` when full, UnknownSessionError on `get` of an id not open.
+    `close` drops the table's reference to the session (its state is freed once no caller
+    holds it).
     """
 
     def __init__(self, max_sessions: int):
-        if max_sessions < 1:
-            raise ValueError(f"max_sessions={max_sessions}: must be >= 1")
-        self.max_sessions = max_sessions
+        if isinstance(max_sessions, bool) or not isinstance(max_sessions, numbers.Integral) or max_sessions < 1:
+            raise ValueError(f"max_sessions={max_sessions!r}: must be an integer >= 1")
+        self.max_sessions = int(max_sessions)
         self._sessions: dict[int, object] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -105,9 +109,9 @@ class DrafterEngine:
 
     Args:
         module: a loaded `DSparkDraft`.
-        max_sessions: open sessions allowed at once (>= 1).
+        max_sessions: open sessions allowed at once (an integer >= 1).
     Raises:
-        ValueError: max_sessions < 1.
+        ValueError: max_sessions not an integer >= 1.
     Thread safety: calls on different sessions may run concurrently; calls on one session
     are serialised by its lock.
     """
@@ -155,9 +159,10 @@ class DrafterEngine:
         """Write committed tap rows [R, T*D] (fp32 or bf16) of `positions` into the session's rings.
 
         See `DSparkDraft.write_main_kv` for the position rules (prefill priming, continuation,
-        idempotent rewrites).
+        rewrites only with identical rows). Atomic: a rejected commit leaves the session as it was.
         Raises:
-            ValueError: bad rows or positions (named), a gap after the last committed position.
+            ValueError: bad rows or positions (named), a gap after the last committed position,
+                a committed position resent with a different row.
             UnknownSessionError: `sid` not open.
         """
         s = self._table.get(sid)
@@ -165,17 +170,20 @@ class DrafterEngine:
             self.module.write_main_kv(s.state, rows, positions)
 
     def draft(self, sid: int, anchor: int, seed_position: int) -> tuple[list[int], torch.Tensor | None]:
-        """Draft block_size tokens after `anchor` (the committed token at seed_position + 1).
+        """Draft after `anchor` (the committed token at seed_position + 1).
 
-        Returns (tokens for positions seed_position+2 .. seed_position+block_size+1, confidence
-        logits [block_size] fp32 on CPU, or None when the module has no confidence head).
+        Returns (tokens for positions seed_position+2 .. up to seed_position+block_size+1,
+        confidence logits [n] fp32 on CPU, or None when the module has no confidence head).
+        n = block_size, or fewer near the end: only positions < max_seq_len are drafted
+        (`dsv4.dspark.draft_length`).
         Raises:
-            ValueError: seed_position is not the last committed position (both named), nothing
-                committed, anchor out of range.
+            ValueError: anchor or seed_position not an integer (bool and float included: never
+                truncated), anchor out of range, nothing committed, seed_position not the last
+                committed position (both named), no room for the anchor.
             UnknownSessionError: `sid` not open.
         """
         s = self._table.get(sid)
         with s.lock:
-            out = self.module.draft(s.state, int(anchor), int(seed_position))
+            out = self.module.draft(s.state, anchor, seed_position)
         conf = None if out.confidence is None else out.confidence.detach().float().cpu()
         return out.tokens, conf

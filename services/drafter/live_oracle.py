@@ -2,24 +2,29 @@
 
 The service form of the oracle drafter (`dspark serve drafter --oracle`). It holds a copy of
 the trunk, follows each session's committed tokens (`observe_tokens`, fed from the commit
-messages' token ids) and drafts by greedy-decoding the anchor and the next block_size - 1
-tokens on a copy of the session's target state. Every draft it makes is therefore what the
-verifier would choose, except where the corruption schedule replaces a token by
-(token + 1) % vocab_size: slot j of a draft at seed position p is corrupted when
-`corrupt_every` > 0 and (p + j) % corrupt_every == corrupt_every - 1. Confidence logits are
-`confident` for kept tokens and `doubtful` for corrupted ones, so a gated run can learn them.
+messages' token ids) and drafts by greedy-decoding the anchor and the next tokens on a copy
+of the session's target state. Every draft it makes is therefore what the verifier would
+choose, except where the corruption schedule replaces a token by (token + 1) % vocab_size:
+slot j of a draft at seed position p is corrupted when `corrupt_every` > 0 and
+(p + j) % corrupt_every == corrupt_every - 1. Confidence logits are `confident` for kept
+tokens and `doubtful` for corrupted ones, so a gated run can learn them. Like every drafter
+it drafts only positions before max_seq_len (`dsv4.dspark.draft_length`: fewer than
+block_size tokens near the end). Commits are checked with the DSpark engine's rules
+(`dsv4.dspark.check_commit`); their rows are not used.
 """
 
 from __future__ import annotations
 
 import copy
+import math
+import numbers
 import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from dsv4.dspark import check_seed
+from dsv4.dspark import as_int, as_int_list, check_commit, check_draft_args, check_seed, draft_length
 from dsv4.trunk import Trunk, TrunkState
 from services.drafter.engine import SessionTable, drafter_identity
 
@@ -35,17 +40,26 @@ class _LiveSession:
 class LiveOracleDrafter:
     """Drafter-engine interface over a `Trunk` (see the module docstring).
 
+    Args:
+        trunk: a loaded `Trunk` (shared by all sessions; each session has its own state).
+        max_sessions: open sessions allowed at once (an integer >= 1).
+        corrupt_every: corruption period in positions (an integer >= 0; 0 = never corrupt).
+        confident, doubtful: the confidence logits of kept and corrupted tokens (finite reals).
     Raises:
-        ValueError: corrupt_every < 0.
+        ValueError: naming the value: max_sessions or corrupt_every not an integer in range
+            (bool, float, NaN and str included), confident/doubtful not finite reals.
     """
 
     def __init__(self, trunk: Trunk, max_sessions: int = 16, corrupt_every: int = 0,
                  confident: float = 6.5, doubtful: float = -2.0):
-        if corrupt_every < 0:
-            raise ValueError(f"corrupt_every={corrupt_every}: must be >= 0")
-        self.trunk, self.cfg = trunk, trunk.cfg
-        self.corrupt_every, self.confident, self.doubtful = corrupt_every, confident, doubtful
+        if isinstance(corrupt_every, bool) or not isinstance(corrupt_every, numbers.Integral) or corrupt_every < 0:
+            raise ValueError(f"corrupt_every={corrupt_every!r}: must be an integer >= 0 (0: never corrupt)")
+        for name, value in (("confident", confident), ("doubtful", doubtful)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name}={value!r}: must be a finite real number")
         self._table = SessionTable(max_sessions)
+        self.trunk, self.cfg = trunk, trunk.cfg
+        self.corrupt_every, self.confident, self.doubtful = int(corrupt_every), float(confident), float(doubtful)
 
     @property
     def max_sessions(self) -> int:
@@ -64,62 +78,84 @@ class LiveOracleDrafter:
     def close_session(self, sid: int) -> None:
         self._table.close(sid)
 
+    def last_position(self, sid: int) -> int:
+        """The session's last committed position (-1 before the first commit)."""
+        return self._table.get(sid).last_position
+
+    def observed_tokens(self, sid: int) -> list[int]:
+        """A copy of the committed tokens the session has seen."""
+        return list(self._table.get(sid).tokens)
+
     def observe_tokens(self, sid: int, first_position: int, token_ids: Sequence[int]) -> None:
         """Feed committed tokens of positions first_position.. (the prompt first, then each round's).
 
+        Atomic: the position, every id and the room before max_seq_len are checked before the
+        trunk runs, so a rejected call leaves the session as it was.
         Raises:
-            ValueError: the tokens do not continue the ones already seen.
+            ValueError: first_position not an integer or not continuing the tokens already seen;
+                token_ids empty, not a sequence, or holding an id that is not an integer in
+                [0, vocab_size) (named with its index); positions reaching max_seq_len.
         """
         s = self._table.get(sid)
+        first = as_int("token_first_position", first_position)
+        ids = as_int_list("token_ids", token_ids)
+        V, L = self.cfg.vocab_size, self.cfg.max_seq_len
+        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < V]
+        if bad:
+            raise ValueError(f"token id {bad[0][1]} at index {bad[0][0]} outside [0, vocab_size={V})")
         with s.lock:
-            if first_position != len(s.tokens):
-                raise ValueError(f"oracle: token_first_position={first_position} does not continue the "
+            if first != len(s.tokens):
+                raise ValueError(f"oracle: token_first_position={first} does not continue the "
                                  f"{len(s.tokens)} committed tokens seen")
-            ids = [int(t) for t in token_ids]
+            if first + len(ids) > L:
+                raise ValueError(f"oracle: tokens of positions {first}..{first + len(ids) - 1} reach past "
+                                 f"max_seq_len={L}")
             if not s.tokens:
                 self.trunk.prefill(s.state, torch.tensor(ids), taps=False)
             else:
                 for i, t in enumerate(ids):
-                    self.trunk.decode(s.state, t, first_position + i, taps=False)
+                    self.trunk.decode(s.state, t, first + i, taps=False)
             s.tokens += ids
 
     def commit(self, sid: int, rows: torch.Tensor, positions: Sequence[int]) -> None:
-        """Rows are not used; after the first (priming) commit, positions must continue (or repeat)
-        the committed ones."""
-        s = self._table.get(sid)
-        positions = list(positions)
-        with s.lock:
-            if positions and s.last_position >= 0 and positions[0] > s.last_position + 1:
-                raise ValueError(f"commit positions start at {positions[0]}, after the last committed "
-                                 f"position {s.last_position}: a gap")
-            if positions:
-                s.last_position = max(s.last_position, positions[-1])
-
-    def draft(self, sid: int, anchor: int, seed_position: int) -> tuple[list[int], torch.Tensor]:
-        """Greedy continuation of [committed tokens, anchor], corrupted by the schedule.
-
+        """Record committed positions. Rows and positions are checked like the DSpark engine's
+        (`dsv4.dspark.check_commit`: rows [R, row_width] fp32/bf16 and finite; integer,
+        consecutive positions below max_seq_len that continue the last committed one; the
+        first commit starts at 0 or holds >= window_size rows); the rows are not used
+        otherwise, so a resent position is not compared with its first row.
         Raises:
-            ValueError: seed_position is not the last committed position (both named), or the
-                committed tokens are not known up to it.
+            ValueError: naming the bad value.
         """
         s = self._table.get(sid)
         with s.lock:
-            check_seed(s.last_position, seed_position)
-            if len(s.tokens) != seed_position + 1:
+            pos = check_commit(self.cfg, s.last_position, rows, positions)
+            s.last_position = max(s.last_position, pos[-1])
+
+    def draft(self, sid: int, anchor: int, seed_position: int) -> tuple[list[int], torch.Tensor]:
+        """Greedy continuation of [committed tokens, anchor], corrupted by the schedule: tokens of
+        positions p+2..p+n+1 and confidence logits [n] fp32, n = min(block_size,
+        max_seq_len - p - 2).
+
+        Raises:
+            ValueError: anchor or seed_position not an integer (bool and float included),
+                anchor outside [0, vocab_size), seed_position not the last committed position
+                (both named), no room for the anchor, or the committed tokens not known up to
+                seed_position.
+        """
+        anchor, p = check_draft_args(self.cfg, anchor, seed_position)
+        s = self._table.get(sid)
+        with s.lock:
+            check_seed(s.last_position, p)
+            n = draft_length(self.cfg, p)
+            if len(s.tokens) != p + 1:
                 raise ValueError(f"oracle: knows {len(s.tokens)} committed tokens, seed position "
-                                 f"{seed_position} needs {seed_position + 1}")
-            state = copy.deepcopy(s.state)
-        B, V = self.cfg.dspark_block_size, self.cfg.vocab_size
-        tokens, conf, token = [], [], int(anchor)
-        for j in range(B):
-            pos = seed_position + 1 + j
-            if pos >= self.cfg.max_seq_len:
-                break
-            token = int(self.trunk.decode(state, token, pos, taps=False).logits.argmax())
-            bad = self.corrupt_every > 0 and (seed_position + j) % self.corrupt_every == self.corrupt_every - 1
+                                 f"{p} needs {p + 1}")
+            state = copy.deepcopy(s.state) if n else None
+        V, every = self.cfg.vocab_size, self.corrupt_every
+        tokens, conf, token = [], [], anchor
+        for j in range(n):  # decode positions p+1..p+n, all < max_seq_len - 1
+            token = int(self.trunk.decode(state, token, p + 1 + j, taps=False).logits.argmax())
+            bad = every > 0 and (p + j) % every == every - 1
             tokens.append((token + 1) % V if bad else token)
             conf.append(self.doubtful if bad else self.confident)
-        while len(tokens) < B:  # past max_seq_len: filler the verifier never receives
-            tokens.append(0)
-            conf.append(self.doubtful)
-        return tokens, torch.tensor(conf)
+        return tokens, torch.tensor(conf, dtype=torch.float32)
