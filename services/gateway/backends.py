@@ -47,7 +47,8 @@ class VerifierReply:
 
 @dataclass(frozen=True)
 class DraftReply:
-    """tokens [block]; confidence_logits [block] or None without a confidence head; forward_ms."""
+    """tokens: up to block_size drafts (fewer near max_seq_len); confidence_logits: one per token,
+    or None without a confidence head; forward_ms: compute time."""
 
     tokens: list[int]
     confidence_logits: list[float] | None
