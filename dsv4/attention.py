@@ -110,6 +110,28 @@ class Attention(nn.Module):
             indexer=self.indexer.compressor.new_state(self.max_seq_len) if self.indexer else None,
         )
 
+    def state_mismatch(self, st: AttentionState) -> str | None:
+        """Why `st` cannot be this layer's state (another model's: window, head_dim, dtype,
+        device, ratio, max_seq_len), or None. Compares with what `new_state` makes."""
+        if not isinstance(st, AttentionState):
+            return f"state is a {type(st).__name__}, not an AttentionState"
+        w = self.wkv.weight
+        want = (self.window, self.head_dim)
+        if tuple(st.ring.shape) != want or st.ring.dtype != w.dtype or st.ring.device != w.device:
+            return (f"ring {tuple(st.ring.shape)} {st.ring.dtype} on {st.ring.device}, expected {want} "
+                    f"{w.dtype} on {w.device}")
+        parts = (("compressor", self.compressor, st.compressor),
+                 ("indexer", self.indexer.compressor if self.indexer else None, st.indexer))
+        for name, module, cst in parts:
+            if (module is None) != (cst is None):
+                return (f"{name} state {'absent' if cst is None else 'present'}, but this layer "
+                        f"(ratio {self.ratio}) {'has' if module is not None else 'has no'} {name}")
+            if module is not None:
+                problem = module.state_mismatch(cst, self.max_seq_len)
+                if problem:
+                    return f"{name}: {problem}"
+        return None
+
     # ------------------------------------------------------------------ projections (reusable by DSpark)
     def project_q(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [S, D], pos [S] -> (q [S, H, Dh] roped, per-head unweighted RMS-scaled; qr [S, Lq]) (spec §5.2)."""

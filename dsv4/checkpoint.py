@@ -14,17 +14,25 @@ drafter `mtp.*` plus `embed.weight` and `head.weight`; each loader validates its
 against the expected inventory and ignores the other set's names. Shards are streamed: one
 open at a time, only the consumer's tensors read, so peak memory is about the loaded model
 plus one shard.
+
+Every way a folder can be broken raises `CheckpointError` (a ValueError) naming the file,
+and the tensor and its shard where one is at fault: missing or unreadable files (a folder,
+not UTF-8, truncated, data offsets outside the file), malformed index / header / config,
+shard names that are not plain file names, missing / unexpected / mis-typed / mis-shaped
+tensors, and weights that decode to NaN or inf (NaN / inf stored in a float tensor, an e4m3
+NaN byte 0x7F / 0xFF, a ue8m0 scale byte 0xFF, or a scale that overflows float32).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from dsv4.codecs import fp4_decode, fp4_encode, fp8_decode, fp8_encode
@@ -39,6 +47,10 @@ DEFAULT_MAX_SHARD_BYTES = 4 * 2**30
 # The routed-expert count is read from these tensors' shape[0] (spec §14: REAP copies).
 EXPERT_COUNT_TENSORS = ("layers.0.ffn.gate.weight", "mtp.0.ffn.gate.weight")
 _MAX_HEADER_BYTES = 100 * 2**20
+LOAD_DTYPES = (torch.float32, torch.bfloat16)  # what `Trunk` / `DSparkDraft` hold
+# Bytes per element of the safetensors dtypes (for the data_offsets check of `read_header`).
+_ST_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+             "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
 
 class CheckpointError(ValueError):
@@ -65,8 +77,11 @@ def header_specs(header: Mapping[str, Any]) -> dict[str, TensorSpec]:
 def read_header(shard: str | Path) -> dict[str, TensorSpec]:
     """Name -> TensorSpec of one safetensors file, from its header only (no tensor data read).
 
+    Also checks every entry's `data_offsets` against the file size and the tensor's byte
+    size, so a truncated shard is reported here, before any tensor is read.
     Raises:
-        CheckpointError: the file is missing or its header is not valid safetensors JSON.
+        CheckpointError: the file is missing or unreadable (e.g. a folder), its header is
+            not valid safetensors JSON, or a tensor's data lies outside the file.
     """
     p = Path(shard)
     try:
@@ -75,13 +90,37 @@ def read_header(shard: str | Path) -> dict[str, TensorSpec]:
             if n > _MAX_HEADER_BYTES:
                 raise CheckpointError(f"{p}: header length {n} is implausible")
             header = json.loads(f.read(n))
+            data_bytes = p.stat().st_size - 8 - n
     except FileNotFoundError:
         raise CheckpointError(f"shard file {p} is missing") from None
     except (struct.error, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{p}: not a safetensors file ({e})") from None
+    except OSError as e:  # a folder, no permission, I/O error
+        raise CheckpointError(f"{p}: cannot read shard file ({e.strerror or e})") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{p}: header is not a JSON object")
-    return header_specs(header)
+    specs = header_specs(header)
+    for name, spec in specs.items():
+        _check_offsets(p, name, spec, header[name], data_bytes)
+    return specs
+
+
+def _check_offsets(p: Path, name: str, spec: TensorSpec, entry: Mapping[str, Any], data_bytes: int) -> None:
+    off = entry.get("data_offsets") if isinstance(entry, Mapping) else None
+    if (not isinstance(off, list) or len(off) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in off)):
+        raise CheckpointError(f"{p}: tensor {name!r} has malformed data_offsets {off!r}")
+    begin, end = off
+    if not 0 <= begin <= end <= data_bytes:
+        raise CheckpointError(f"{p}: tensor {name!r} data_offsets {off} lie outside the {data_bytes} data "
+                              "bytes of the file (truncated or corrupt shard)")
+    item = _ST_BYTES.get(spec.dtype)
+    numel = 1
+    for d in spec.shape:
+        numel *= d
+    if item is not None and end - begin != numel * item:
+        raise CheckpointError(f"{p}: tensor {name!r} data_offsets {off} span {end - begin} bytes, "
+                              f"its {spec.dtype} shape {list(spec.shape)} needs {numel * item}")
 
 
 def weight_map(path: str | Path) -> dict[str, str]:
@@ -95,13 +134,13 @@ def weight_map(path: str | Path) -> dict[str, str]:
     index = folder / INDEX_NAME
     if index.is_file():
         try:
-            wm = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            wm = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, OSError) as e:
             raise CheckpointError(f"{index}: malformed index ({e!r})") from None
         if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
             raise CheckpointError(f"{index}: weight_map must map names to shard file names")
         for shard in set(wm.values()):
-            if Path(shard).name != shard:
+            if shard in ("", ".", "..") or Path(shard).name != shard:
                 raise CheckpointError(f"{index}: shard {shard!r} is not a plain file name")
         return dict(wm)
     if (folder / SINGLE_NAME).is_file():
@@ -140,12 +179,16 @@ def read_config(path: str | Path) -> ModelConfig:
     """`config.json` of a checkpoint folder, with `n_routed_experts` taken from the tensors.
 
     Only the header of the shard holding the gate is read. Raises CheckpointError if
-    config.json, the index or the gate tensor is missing; ValueError for an invalid field.
+    config.json, the index or the gate tensor is missing, or config.json is invalid
+    (unreadable, not a JSON object, or a bad field: named).
     """
     folder = Path(path)
     if not (folder / CONFIG_NAME).is_file():
         raise CheckpointError(f"{folder}: {CONFIG_NAME} is missing")
-    cfg = ModelConfig.load(folder / CONFIG_NAME)
+    try:
+        cfg = ModelConfig.load(folder / CONFIG_NAME)
+    except ValueError as e:  # the message names the file and the field
+        raise CheckpointError(str(e)) from None
     wm = weight_map(folder)
     gate = next((n for n in EXPERT_COUNT_TENSORS if n in wm), None)
     if gate is None:
@@ -174,12 +217,14 @@ def load_trunk_weights(
     Args:
         path: checkpoint folder.
         cfg: the model config; default `read_config(path)` (experts counted from the tensors).
-        dtype: float dtype of the returned weights (`tid2eid` stays int64).
+        dtype: torch.float32 or torch.bfloat16, of the returned weights (`tid2eid` stays int64).
     Returns:
         (cfg, logical weights name -> tensor, in `trunk_params(cfg)` order).
     Raises:
-        CheckpointError: a trunk tensor is missing, unexpected, or has the wrong dtype or
-            shape (the message names the tensor and its shard); `mtp.*` names are ignored.
+        ValueError: another dtype.
+        CheckpointError: a trunk tensor is missing, unexpected, has the wrong dtype or
+            shape, or decodes to NaN / inf (the message names the tensor and its shard), or
+            a file is unreadable (see the module docstring); `mtp.*` names are ignored.
     """
     cfg, weights, _ = _load(Path(path), cfg, dtype, "trunk")
     return cfg, weights
@@ -199,8 +244,8 @@ def load_drafter_weights(
 
 
 def _load(folder: Path, cfg: ModelConfig | None, dtype: torch.dtype, part: str):
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype={dtype!r}: must be a torch floating dtype")
+    if dtype not in LOAD_DTYPES:
+        raise ValueError(f"dtype={dtype!r}: must be torch.float32 or torch.bfloat16")
     cfg = cfg if cfg is not None else read_config(folder)
     wm = weight_map(folder)
     own = {name: shard for name, shard in wm.items() if owns(part, name)}
@@ -242,15 +287,38 @@ def _stream(folder: Path, params: list[Param], own: Mapping[str, str], dtype: to
     owner = {stored: p for p in params for stored in p.stored()}
     pending: dict[str, torch.Tensor] = {}  # parts of parameters not yet complete (split pairs)
     out: dict[str, torch.Tensor] = {}
+    shard_of: dict[str, str] = {}
     for shard, names in _by_shard(own, own).items():
-        with safe_open(str(folder / shard), framework="pt", device="cpu") as f:
+        with _open_shard(folder, shard) as f:
             for name in names:
-                pending[name] = f.get_tensor(name)
+                try:
+                    pending[name] = f.get_tensor(name)
+                except SafetensorError as e:
+                    raise CheckpointError(f"{folder}: tensor {name!r} in shard {shard!r} is unreadable: {e}") from None
+                shard_of[name] = shard
                 p = owner[name]
                 parts = p.stored()
                 if all(s in pending for s in parts):
-                    out[p.name] = decode_param(p, {s: pending.pop(s) for s in parts}, dtype)
+                    try:
+                        out[p.name] = decode_param(p, {s: pending.pop(s) for s in parts}, dtype)
+                    except CheckpointError as e:
+                        where = " and ".join(sorted({repr(shard_of[s]) for s in parts}))
+                        raise CheckpointError(f"{folder}: shard {where}: {e}") from None
     return {p.name: out[p.name] for p in params}
+
+
+@contextlib.contextmanager
+def _open_shard(folder: Path, shard: str) -> Iterator[Any]:
+    """`safe_open` of one shard, with safetensors' errors (truncated file, bad offsets) as
+    CheckpointError naming the shard."""
+    try:
+        handle = safe_open(str(folder / shard), framework="pt", device="cpu")
+    except FileNotFoundError:
+        raise CheckpointError(f"{folder}: shard file {shard!r} is missing") from None
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{folder}: shard {shard!r} is unreadable: {e}") from None
+    with handle as f:
+        yield f
 
 
 def decode_param(p: Param, stored: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -258,29 +326,50 @@ def decode_param(p: Param, stored: Mapping[str, torch.Tensor], dtype: torch.dtyp
 
     fp8/fp4 pairs are dequantised to `dtype` [N, K]; bf16/f32 tensors cast to `dtype`;
     i64 stays int64.
+    Raises:
+        CheckpointError: naming the tensor and the first bad element, when a float result
+            holds NaN or inf (stored NaN/inf, an e4m3 NaN byte, a ue8m0 scale byte 0xFF or a
+            scale that overflows float32 / `dtype`).
     """
     if p.storage in ("fp8", "fp4"):
         decode = fp8_decode if p.storage == "fp8" else fp4_decode
         scale = p.name[: -len("weight")] + "scale"
-        return decode(stored[p.name], stored[scale]).to(dtype)
-    t = stored[p.name]
-    return t.to(torch.int64) if p.storage == "i64" else t.to(dtype)
+        out = decode(stored[p.name], stored[scale]).to(dtype)
+    else:
+        t = stored[p.name]
+        if p.storage == "i64":
+            return t.to(torch.int64)
+        out = t.to(dtype)
+    bad = ~torch.isfinite(out)
+    if bool(bad.any()):
+        pos = [int(i) for i in bad.nonzero()[0]]
+        raise CheckpointError(f"tensor {p.name!r} ({p.storage}) decodes to {float(out[tuple(pos)])} at {pos}: "
+                              "non-finite weights (NaN/inf stored, an e4m3 NaN byte, a scale byte 0xFF or "
+                              "a scale that overflows)")
+    return out
 
 
 def read_stored(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every stored tensor of a checkpoint folder, as stored (fp8/e8m0/int8/bf16/f32/int64)."""
+    """Every stored tensor of a checkpoint folder, as stored (fp8/e8m0/int8/bf16/f32/int64).
+
+    No decoding, so no finiteness check. Raises CheckpointError for a missing, truncated or
+    otherwise unreadable shard, or an index entry its shard lacks.
+    """
     folder = Path(path)
     wm = weight_map(folder)
     out = {}
     for shard, names in _by_shard(wm, wm).items():
         if not (folder / shard).is_file():
             raise CheckpointError(f"{folder}: shard file {shard!r} is missing")
-        with safe_open(str(folder / shard), framework="pt", device="cpu") as f:
+        with _open_shard(folder, shard) as f:
             present = set(f.keys())
             for name in names:
                 if name not in present:
                     raise CheckpointError(f"{folder}: index maps {name!r} to shard {shard!r}, which lacks it")
-                out[name] = f.get_tensor(name)
+                try:
+                    out[name] = f.get_tensor(name)
+                except SafetensorError as e:
+                    raise CheckpointError(f"{folder}: tensor {name!r} in shard {shard!r} is unreadable: {e}") from None
     return {name: out[name] for name in wm}
 
 

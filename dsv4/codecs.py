@@ -19,7 +19,16 @@ decoders accept that dtype or `uint8`.
 Every scale exponent is the exact `ceil(log2(amax / qmax))`, computed from the float's
 mantissa and exponent (no rounded division or log), so a block's largest value never needs
 clamping and decode -> encode reproduces the stored bytes whenever a block's largest code
-lies in (qmax/2, qmax]. All functions return new tensors and never modify their inputs.
+lies in (qmax/2, qmax]. All functions return new tensors and never modify their inputs,
+and follow the input's device.
+
+Non-finite values. The encoders raise ValueError naming the first NaN / inf (or a float64
+value beyond float32's range): a block's scale would be undefined and the whole block
+silently corrupt. The decoders return what the bytes say (an e4m3 NaN byte 0x7F/0xFF, a
+scale byte 0xFF or a scale that overflows float32 decode to NaN/inf); `dsv4.checkpoint`
+rejects such tensors by name. The activation round trips propagate instead of raising
+(no host sync in the hot path): a block holding a NaN or inf comes back all NaN, since its
+scale is undefined; finite blocks are unaffected.
 """
 
 from __future__ import annotations
@@ -95,6 +104,16 @@ def _check_2d(name: str, w: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected a float tensor, got {w.dtype}")
 
 
+def _check_finite(name: str, w: torch.Tensor, x: torch.Tensor) -> None:
+    """ValueError naming the first element of x (= w in float32) that is NaN or +-inf."""
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        pos = [int(i) for i in bad.nonzero()[0]]
+        v = float(w[tuple(pos)])
+        why = "not finite" if not math.isfinite(v) else "outside the float32 range"
+        raise ValueError(f"{name}: value {v!r} at {pos} is {why}; the block's scale would be undefined")
+
+
 # ----------------------------------------------------------------------------- fp8 weights
 def fp8_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantise a weight to e4m3 with ue8m0 128x128 block scales (spec §6.3).
@@ -106,11 +125,13 @@ def fp8_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = 2^ceil(log2(block amax / 448)) (all-zero block: 2^-127) and
         weight = RNE-cast of w / scale clamped to +-448.
     Raises:
-        ValueError: `w` not a 2-D float tensor.
+        ValueError: `w` not a 2-D float tensor, or an element that is NaN, inf or beyond
+            float32's range (the first one is named).
     """
     _check_2d("fp8_encode input", w)
     n, k = w.shape
     x = w.float()
+    _check_finite("fp8_encode input", w, x)
     nb, kb = -(-n // FP8_BLOCK), -(-k // FP8_BLOCK)
     padded = x.new_zeros(nb * FP8_BLOCK, kb * FP8_BLOCK)
     padded[:n, :k] = x
@@ -158,7 +179,7 @@ def _fp4_codes(y: torch.Tensor) -> torch.Tensor:
     mantissa bit is 0), i.e. midpoint i rounds up exactly when i is odd.
     """
     a = y.abs().clamp(max=FP4_MAX)
-    code = torch.zeros(y.shape, dtype=torch.uint8)
+    code = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
     for i, mid in enumerate(_FP4_MIDPOINTS):
         up = (a > mid) | ((a == mid) & (i % 2 == 1))
         code += up.to(torch.uint8)
@@ -167,7 +188,7 @@ def _fp4_codes(y: torch.Tensor) -> torch.Tensor:
 
 def _fp4_values(code: torch.Tensor) -> torch.Tensor:
     """e2m1 codes 0..15 (any int dtype) -> float32 values (code 8 = -0.0)."""
-    lut = torch.tensor(FP4_GRID + tuple(-g for g in FP4_GRID), dtype=torch.float32)
+    lut = torch.tensor(FP4_GRID + tuple(-g for g in FP4_GRID), dtype=torch.float32, device=code.device)
     return lut[code.long()]
 
 
@@ -182,13 +203,16 @@ def fp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         2^ceil(log2(block amax / 6)) (all-zero block: 2^-127); codes are the round-to-nearest-
         even e2m1 values of w / scale, sign kept.
     Raises:
-        ValueError: `w` not 2-D float, or K not a multiple of 32.
+        ValueError: `w` not 2-D float, K not a multiple of 32, or an element that is NaN, inf
+            or beyond float32's range (the first one is named).
     """
     _check_2d("fp4_encode input", w)
     n, k = w.shape
     if k % FP4_BLOCK:
         raise ValueError(f"fp4_encode: in_features={k} must be a multiple of {FP4_BLOCK}")
-    x = w.float().view(n, k // FP4_BLOCK, FP4_BLOCK)  # (N, Kq, 32)
+    x = w.float()
+    _check_finite("fp4_encode input", w, x)
+    x = x.view(n, k // FP4_BLOCK, FP4_BLOCK)  # (N, Kq, 32)
     exponent = _weight_exponent(_last_dim_amax(x), FP4_MAX)  # [N, Kq]
     codes = _fp4_codes(x * _pow2(-exponent)[..., None]).view(n, k // 2, 2)  # (N, K/2, 2)
     packed = codes[..., 0] | (codes[..., 1] << 4)
@@ -199,13 +223,16 @@ def fp4_decode(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Dequantise packed e2m1 [N, K/2] (int8 or uint8) with ue8m0 scale [N, Kq] -> float32 [N, K].
 
     Raises:
-        ValueError: wrong dtypes, or a scale shape other than [N, K/32].
+        ValueError: wrong dtypes, K = 2 * packed columns not a multiple of 32, or a scale
+            shape other than [N, K/32].
     """
     if packed.dtype not in (torch.int8, torch.uint8) or packed.ndim != 2:
         raise ValueError(f"fp4 weight: expected 2-D int8, got {packed.dtype} {tuple(packed.shape)}")
     n, half = packed.shape
     k = 2 * half
-    if k % FP4_BLOCK or tuple(scale.shape) != (n, k // FP4_BLOCK):
+    if k % FP4_BLOCK:
+        raise ValueError(f"fp4 weight: K = 2 * {half} packed columns = {k} is not a multiple of {FP4_BLOCK}")
+    if tuple(scale.shape) != (n, k // FP4_BLOCK):
         raise ValueError(f"fp4 scale shape {tuple(scale.shape)}: expected {(n, k // FP4_BLOCK)} for K={k}")
     b = packed.view(torch.uint8)
     codes = torch.stack((b & 0xF, b >> 4), dim=-1).view(n, k)  # low nibble = even column
@@ -223,19 +250,26 @@ def _blocks(x: torch.Tensor, block: int, who: str) -> torch.Tensor:
     return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)  # (..., d/block, block)
 
 
+def _nan_if_non_finite(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Per-block scale [..., 1] with NaN where the block's amax is NaN / inf: the output
+    multiply then turns the whole block NaN, without a full-size extra pass or a host sync."""
+    return scale + amax * 0.0  # amax * 0 is 0 when finite, NaN for NaN and inf (inf * 0 = NaN)
+
+
 def act_quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
     """fp8 activation round trip (spec §2.4 `act_quant`, ue8m0 scales): same shape and dtype as x.
 
     Per block of `block` along the last dim: amax = max(|x|, 1e-4),
     s = 2^ceil(log2(amax / 448)), result = e4m3(clamp(x / s, +-448)) * s, cast to x.dtype.
+    A block holding a NaN or inf comes back all NaN (see the module docstring).
     Raises:
         ValueError: `block` does not divide x.shape[-1].
     """
     xb = _blocks(x, block, "act_quant_fp8")
-    amax = _last_dim_amax(xb).unsqueeze(-1).clamp(min=1e-4)
-    exponent = _ceil_log2_ratio(amax, FP8_MAX)
+    amax = _last_dim_amax(xb).unsqueeze(-1)  # (..., d/block, 1); NaN / inf if the block holds one
+    exponent = _ceil_log2_ratio(amax.clamp(min=1e-4), FP8_MAX)
     q = (xb * _pow2(-exponent)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * _pow2(exponent)).reshape(x.shape).to(x.dtype)
+    return (q.float() * _nan_if_non_finite(_pow2(exponent), amax)).reshape(x.shape).to(x.dtype)
 
 
 def act_quant_fp4(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
@@ -243,15 +277,15 @@ def act_quant_fp4(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
 
     Per block of `block` along the last dim: amax = max(|x|, 6 * 2^-126),
     s = 2^ceil(log2(amax / 6)), result = RNE_e2m1(clamp(x / s, +-6)) * s (sign kept),
-    cast to x.dtype.
+    cast to x.dtype. A block holding a NaN or inf comes back all NaN (see the module docstring).
     Raises:
         ValueError: `block` does not divide x.shape[-1].
     """
     xb = _blocks(x, block, "act_quant_fp4")
-    amax = _last_dim_amax(xb).unsqueeze(-1).clamp(min=FP4_MAX * 2.0**-126)
-    exponent = _ceil_log2_ratio(amax, FP4_MAX)
+    amax = _last_dim_amax(xb).unsqueeze(-1)  # (..., d/block, 1); NaN / inf if the block holds one
+    exponent = _ceil_log2_ratio(amax.clamp(min=FP4_MAX * 2.0**-126), FP4_MAX)
     q = _fp4_values(_fp4_codes(xb * _pow2(-exponent)))
-    return (q * _pow2(exponent)).reshape(x.shape).to(x.dtype)
+    return (q * _nan_if_non_finite(_pow2(exponent), amax)).reshape(x.shape).to(x.dtype)
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:

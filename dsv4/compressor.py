@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from dsv4.codecs import act_quant_fp4, act_quant_fp8, hadamard_rotate
+from dsv4.config import KV_QUANT_BLOCK  # fp8 sim block of the no-rope part of K/V (spec §5.2)
 from dsv4.layers import Linear, RMSNorm, frozen_param
 from dsv4.rope import Rope
 
-KV_QUANT_BLOCK = 64  # fp8 sim block of the no-rope part of K/V (spec §5.2)
 FP4_QUANT_BLOCK = 32  # fp4 sim block of indexer vectors (spec §5.7)
 
 
@@ -114,6 +114,21 @@ class Compressor(nn.Module):
         )
         st.reset()
         return st
+
+    def state_mismatch(self, st: CompressorState, max_seq_len: int) -> str | None:
+        """Why `st` is not a state `new_state(max_seq_len)` of this compressor could make, or None."""
+        if not isinstance(st, CompressorState):
+            return f"state is a {type(st).__name__}, not a CompressorState"
+        dev = self.ape.device
+        rows, width = self.ape.shape[0] * (2 if self.overlap else 1), self.ape.shape[1]
+        for name, t in (("kv", st.kv), ("score", st.score)):
+            if tuple(t.shape) != (rows, width) or t.dtype != torch.float32 or t.device != dev:
+                return f"{name} {tuple(t.shape)} {t.dtype} on {t.device}, expected {(rows, width)} torch.float32 on {dev}"
+        want = (max_seq_len // self.ratio, self.head_dim)
+        if tuple(st.cache.shape) != want or st.cache.dtype != self.dtype or st.cache.device != dev:
+            return (f"cache {tuple(st.cache.shape)} {st.cache.dtype} on {st.cache.device}, expected {want} "
+                    f"{self.dtype} on {dev}")
+        return None
 
     def _project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [S, D], pos [S] -> v, g [S, k*d] fp32 (g includes ape[pos mod r])."""

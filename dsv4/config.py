@@ -10,14 +10,24 @@ applying the spec's §1.4 corrections:
 3. the routed-expert count is read from the checkpoint's tensors by the loader
    (`dsv4.checkpoint`), which replaces `n_routed_experts` so pruned checkpoints load.
 
-Every invalid value raises `ValueError` naming the field and the value.
+Every invalid value raises `ValueError` naming the field and the value, on every
+construction path (`ModelConfig(...)`, `replace`, `from_dict`, `load`, `tiny_config`):
+types are checked in `__post_init__` (integers are ints, not bools; an integral float such as
+4.0 becomes 4, 4.9 is rejected; floats are finite numbers; `quant_sim` is a bool), then
+ranges. Stated bounds: every integer field <= MAX_INT (2**31 - 1), `max_seq_len` <=
+MAX_SEQ_LEN (2**24 tokens), `vocab_size` >= 2 (greedy margins need a runner-up),
+`norm_eps`/`hc_eps` in (0, 0.1], `rope_theta`/`compress_rope_theta` in (1, 1e12],
+`route_scale` in (0, 100], `rope_factor` in [1, 1e4], `beta_fast` > `beta_slow` > 0.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
+import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -26,6 +36,14 @@ SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 WEIGHT_DTYPES = ("fp8", "bf16")  # storage of the dense linears
 EXPERT_DTYPES = ("fp4", "fp8", "bf16")  # storage of the routed experts
 DEFAULT_N_MTP_LAYERS = 3  # spec §1.4 (1): the 0731 checkpoint ships 3 DSpark stages
+MAX_INT = 2**31 - 1  # bound of every integer field: sizes index int32 kernels and torch storages
+MAX_SEQ_LEN = 2**24  # 16.7M tokens (Flash: 1M): every position is exact in fp32 (rope angles)
+MAX_EPS = 0.1  # norm_eps / hc_eps beyond this no longer act as a stabiliser
+MAX_THETA = 1e12  # rope bases; base**(2j/R) stays finite in fp32
+MAX_ROUTE_SCALE = 100.0
+MAX_ROPE_FACTOR = 1e4
+KV_QUANT_BLOCK = 64  # fp8 sim block of kv[:head_dim - rope_head_dim] (spec §5.2)
+ACT_QUANT_BLOCK = 128  # fp8 activation block before fp8/fp4-stored linears (spec §2.4)
 
 
 @dataclass(frozen=True)
@@ -91,23 +109,57 @@ class ModelConfig:
     extra: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
-        object.__setattr__(
-            self, "dspark_target_layer_ids", tuple(int(i) for i in self.dspark_target_layer_ids)
-        )
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, _coerce(f.name, f.type, getattr(self, f.name)))
         self._validate()
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
+        self._validate_bounds()
+        self._validate_layout()
+        if self.quant_sim:
+            self.check_quant_sim_blocks()
+
+    def _validate_bounds(self) -> None:
+        """Per-field ranges: integer bounds, positive sizes, finite and sane floats."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.type == "int":
+                _require(0 <= v <= MAX_INT, f.name, f"must lie in [0, {MAX_INT}]", v)
+            elif f.type == "float":
+                _require(math.isfinite(v), f.name, "must be finite", v)
+        for name in ("compress_ratios", "dspark_target_layer_ids"):
+            for i, v in enumerate(getattr(self, name)):
+                _require(0 <= v <= MAX_INT, name, f"entry {i} = {v} must lie in [0, {MAX_INT}]")
         positive = (
             "vocab_size dim n_layers n_heads head_dim rope_head_dim q_lora_rank o_groups "
             "o_lora_rank window_size n_routed_experts n_activated_experts moe_inter_dim "
             "hc_mult hc_sinkhorn_iters max_seq_len index_n_heads index_head_dim index_topk"
         ).split()
         for name in positive:
-            _require(isinstance(getattr(self, name), int), name, "must be an integer")
-            _require(getattr(self, name) > 0, name, "must be > 0")
-        _require(self.n_mtp_layers >= 0, "n_mtp_layers", "must be >= 0")
+            _require(getattr(self, name) > 0, name, "must be > 0", getattr(self, name))
+        _require(self.vocab_size >= 2, "vocab_size", "must be >= 2 (greedy margins need a runner-up)", self.vocab_size)
+        _require(self.max_seq_len <= MAX_SEQ_LEN, "max_seq_len", f"must be <= {MAX_SEQ_LEN}", self.max_seq_len)
+        for name in ("norm_eps", "hc_eps"):
+            _require(0 < getattr(self, name) <= MAX_EPS, name, f"must lie in (0, {MAX_EPS}]", getattr(self, name))
+        for name in ("rope_theta", "compress_rope_theta"):
+            _require(1 < getattr(self, name) <= MAX_THETA, name, f"must lie in (1, {MAX_THETA:g}]", getattr(self, name))
+        _require(0 < self.route_scale <= MAX_ROUTE_SCALE, "route_scale",
+                 f"must lie in (0, {MAX_ROUTE_SCALE:g}]", self.route_scale)
+        _require(self.swiglu_limit >= 0, "swiglu_limit", "must be >= 0 (0 = no clamp)", self.swiglu_limit)
+        _require(1 <= self.rope_factor <= MAX_ROPE_FACTOR, "rope_factor",
+                 f"must lie in [1, {MAX_ROPE_FACTOR:g}]", self.rope_factor)
+        # YaRN's correction range divides by beta and takes log(original_seq_len / beta): both
+        # betas must be positive, and the fast one above the slow one (spec §2.2). Checked
+        # even when YaRN is off (original_seq_len == 0) so a config never holds garbage.
+        _require(self.beta_slow > 0, "beta_slow", "must be > 0", self.beta_slow)
+        _require(self.beta_fast > self.beta_slow, "beta_fast", f"must be > beta_slow={self.beta_slow}", self.beta_fast)
+        _require(self.score_func in SCORE_FUNCS, "score_func", f"must be one of {SCORE_FUNCS}", self.score_func)
+        _require(self.weight_dtype in WEIGHT_DTYPES, "weight_dtype", f"must be one of {WEIGHT_DTYPES}", self.weight_dtype)
+        _require(self.expert_dtype in EXPERT_DTYPES, "expert_dtype", f"must be one of {EXPERT_DTYPES}", self.expert_dtype)
+
+    def _validate_layout(self) -> None:
+        """Relations between fields: heads and groups, per-layer ratios, experts, DSpark ids."""
         _require(self.rope_head_dim % 2 == 0, "rope_head_dim", "must be even (interleaved pairs)")
         _require(self.rope_head_dim < self.head_dim, "rope_head_dim", f"must be < head_dim={self.head_dim}")
         _require(self.n_heads % self.o_groups == 0, "o_groups", f"must divide n_heads={self.n_heads}")
@@ -127,14 +179,6 @@ class ModelConfig:
                  f"must be <= n_routed_experts={self.n_routed_experts}")
         _require(self.n_shared_experts == 1, "n_shared_experts", "the reference supports exactly 1")
         _require(0 <= self.n_hash_layers <= self.n_layers, "n_hash_layers", f"must be in [0, n_layers={self.n_layers}]")
-        _require(self.score_func in SCORE_FUNCS, "score_func", f"must be one of {SCORE_FUNCS}")
-        _require(self.weight_dtype in WEIGHT_DTYPES, "weight_dtype", f"must be one of {WEIGHT_DTYPES}")
-        _require(self.expert_dtype in EXPERT_DTYPES, "expert_dtype", f"must be one of {EXPERT_DTYPES}")
-        for name in ("norm_eps", "hc_eps", "rope_theta", "compress_rope_theta", "route_scale"):
-            _require(getattr(self, name) > 0, name, "must be > 0")
-        _require(self.swiglu_limit >= 0, "swiglu_limit", "must be >= 0 (0 = no clamp)")
-        _require(self.rope_factor >= 1, "rope_factor", "must be >= 1")
-        _require(self.original_seq_len >= 0, "original_seq_len", "must be >= 0 (0 = no YaRN)")
         ids = self.dspark_target_layer_ids
         _require(list(ids) == sorted(set(ids)), "dspark_target_layer_ids", "must be ascending and unique")
         _require(all(0 <= i < self.n_layers for i in ids), "dspark_target_layer_ids",
@@ -147,6 +191,30 @@ class ModelConfig:
                      f"must lie in [0, vocab_size={self.vocab_size})")
         for name in ("bos_token_id", "eos_token_id"):
             _require(0 <= getattr(self, name) < self.vocab_size, name, f"must lie in [0, vocab_size={self.vocab_size})")
+
+    def check_quant_sim_blocks(self) -> None:
+        """Raise ValueError unless the sizes fit the quantisation simulation's blocks (spec §2.4).
+
+        kv[:head_dim - rope_head_dim] and compressor entries go through fp8 blocks of 64;
+        with fp8 dense weights the inputs of wq_a, wkv, shared experts (dim), wq_b,
+        indexer.wq_b (q_lora_rank), wo_b (o_groups * o_lora_rank) and shared w2
+        (moe_inter_dim) through fp8 blocks of 128; with fp4/fp8 experts the routed experts'
+        inputs (dim, moe_inter_dim) too. Called at construction when `quant_sim` is on, and
+        by `Trunk` when it turns the simulation on itself.
+        """
+        dn = self.head_dim - self.rope_head_dim
+        _require(dn % KV_QUANT_BLOCK == 0, "head_dim",
+                 f"head_dim - rope_head_dim = {dn} must be a multiple of {KV_QUANT_BLOCK} (fp8 sim blocks)")
+        widths = {}
+        if self.weight_dtype == "fp8":
+            widths.update(dim=self.dim, q_lora_rank=self.q_lora_rank, moe_inter_dim=self.moe_inter_dim,
+                          o_lora_rank=self.o_groups * self.o_lora_rank)
+        if self.expert_dtype in ("fp4", "fp8"):
+            widths.update(dim=self.dim, moe_inter_dim=self.moe_inter_dim)
+        for name, width in widths.items():
+            what = f"o_groups * o_lora_rank = {width}" if name == "o_lora_rank" else f"{name} = {width}"
+            _require(width % ACT_QUANT_BLOCK == 0, name,
+                     f"{what} must be a multiple of {ACT_QUANT_BLOCK} (fp8 activation sim blocks with quant_sim)")
 
     # ------------------------------------------------------------------ derived
     def layer_ratio(self, layer_id: int) -> int:
@@ -168,7 +236,12 @@ class ModelConfig:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def replace(self, **changes: Any) -> "ModelConfig":
-        """A copy with `changes` applied (validated again)."""
+        """A copy with `changes` applied (type-checked and validated again).
+
+        Raises:
+            ValueError: an unknown field (named, with the closest known name) or a bad value.
+        """
+        _reject_unknown(changes)
         return dataclasses.replace(self, **changes)
 
     # ------------------------------------------------------------------ (de)serialisation
@@ -205,11 +278,23 @@ class ModelConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         """Build from an HF (long names) or reference-style (short names) dict.
 
-        HF detection: presence of `hidden_size`. Unknown keys are kept in `extra`.
-        `num_nextn_predict_layers` is ignored (spec §1.4): stages = `n_mtp_layers` if given,
-        else 3. `quant_sim` defaults to on when the dict describes fp8 quantisation without
-        an explicit `quant_sim` key (the real 0731 checkpoint), off otherwise.
+        HF detection: presence of `hidden_size`. `num_nextn_predict_layers` is ignored
+        (spec §1.4): stages = `n_mtp_layers` if given, else 3. `quant_sim` defaults to on when
+        the dict describes fp8 quantisation without an explicit `quant_sim` key (the real
+        0731 checkpoint), off otherwise.
+
+        Unknown keys are kept in `extra`, not rejected: HF and reference JSON files carry many
+        keys this model does not use (architectures, torch_dtype, quantization_config,
+        dtype, scale_fmt, max_batch_size, temperature, ...). A misspelt field therefore ends up
+        in `extra` here; `tiny_config` and `replace`, which take hand-written overrides,
+        reject unknown names instead.
+        Raises:
+            ValueError: `d` is not a mapping, `rope_scaling` is not an object, or a field is
+                invalid (named).
         """
+        if not isinstance(d, Mapping):
+            raise ValueError(f"config must be a JSON object (a mapping of field names), got {type(d).__name__}: "
+                             f"{_short_repr(d)}")
         d = dict(d)
         known = {f.name for f in dataclasses.fields(cls)}
         kw: dict[str, Any] = {}
@@ -217,7 +302,10 @@ class ModelConfig:
             for hf_key, short in _HF_TO_SHORT.items():
                 if hf_key in d:
                     kw[short] = d.pop(hf_key)
-            rs = d.pop("rope_scaling", None) or {}
+            rs = d.pop("rope_scaling", None)
+            if rs is not None and not isinstance(rs, Mapping):
+                raise ValueError(f"config field 'rope_scaling'={_short_repr(rs)}: must be an object "
+                                 "({type, factor, original_max_position_embeddings, beta_fast, beta_slow}) or null")
             if rs:
                 kw["original_seq_len"] = rs.get("original_max_position_embeddings", 0)
                 kw["rope_factor"] = rs.get("factor", 1.0)
@@ -237,7 +325,6 @@ class ModelConfig:
         kw.setdefault("n_mtp_layers", DEFAULT_N_MTP_LAYERS)
         if "n_layers" in kw and "compress_ratios" not in kw:
             raise ValueError("config field 'compress_ratios' is missing")
-        _check_types(kw)
         return cls(**kw, extra=d)
 
     @classmethod
@@ -246,16 +333,26 @@ class ModelConfig:
 
         Raises:
             FileNotFoundError: the file does not exist.
-            ValueError: invalid JSON or an invalid field (named).
+            ValueError: naming the file: unreadable (not UTF-8, a folder), invalid JSON, not
+                a JSON object, or an invalid field (named).
         """
         p = Path(path)
         if p.is_dir():
             p = p / "config.json"
         try:
-            d = json.loads(p.read_text())
+            d = json.loads(p.read_bytes().decode("utf-8"))
+        except FileNotFoundError:
+            raise
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{p}: not UTF-8 text ({e})") from None
         except json.JSONDecodeError as e:
             raise ValueError(f"{p}: not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        except OSError as e:
+            raise ValueError(f"{p}: cannot be read ({e.strerror or e})") from None
+        try:
+            return cls.from_dict(d)
+        except ValueError as e:
+            raise ValueError(f"{p}: {e}") from None
 
 
 # HF key -> reference short name (spec §1.2). rope_scaling and max_position_embeddings are
@@ -277,29 +374,63 @@ _HF_TO_SHORT = {
     "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id",
 }
 
-_INT_FIELDS = {f.name for f in dataclasses.fields(ModelConfig) if f.type in ("int", int)}
-_FLOAT_FIELDS = {f.name for f in dataclasses.fields(ModelConfig) if f.type in ("float", float)}
+def _coerce(name: str, kind: str, v: Any) -> Any:
+    """Type check of one field (its annotation `kind`); returns the canonical value."""
+    if kind == "int":
+        if isinstance(v, bool) or not isinstance(v, (numbers.Integral, float)):
+            raise ValueError(f"config field {name!r}={_short_repr(v)}: must be an integer")
+        if isinstance(v, float):
+            if not v.is_integer():  # also rejects inf / nan
+                raise ValueError(f"config field {name!r}={v!r}: must be an integer")
+        return int(v)
+    if kind == "float":
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise ValueError(f"config field {name!r}={_short_repr(v)}: must be a number")
+        try:
+            return float(v)
+        except OverflowError:
+            raise ValueError(f"config field {name!r}={_short_repr(v)}: must be a finite number") from None
+    if kind == "bool":
+        if not isinstance(v, bool):
+            raise ValueError(f"config field {name!r}={_short_repr(v)}: must be true or false (a bool)")
+        return v
+    if kind == "str":
+        if not isinstance(v, str):
+            raise ValueError(f"config field {name!r}={_short_repr(v)}: must be a string")
+        return v
+    if kind.startswith("tuple"):
+        if not isinstance(v, (list, tuple)) or not all(
+                isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in v):
+            raise ValueError(f"config field {name!r}={_short_repr(v)}: must be a list of integers")
+        return tuple(int(x) for x in v)
+    if name == "extra":
+        if not isinstance(v, Mapping):
+            raise ValueError(f"config field 'extra'={_short_repr(v)}: must be a mapping")
+        return v
+    raise AssertionError(f"unhandled field type {kind!r} of {name!r}")
 
 
-def _check_types(kw: dict[str, Any]) -> None:
-    for k, v in kw.items():
-        if k in _INT_FIELDS and (isinstance(v, bool) or not isinstance(v, int)):
-            if isinstance(v, float) and v.is_integer():
-                kw[k] = int(v)
-            else:
-                raise ValueError(f"config field {k!r}={v!r}: must be an integer")
-        elif k in _FLOAT_FIELDS:
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"config field {k!r}={v!r}: must be a number")
-            kw[k] = float(v)
-        elif k in ("compress_ratios", "dspark_target_layer_ids"):
-            if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-                raise ValueError(f"config field {k!r}={v!r}: must be a list of integers")
+def _short_repr(v: Any, limit: int = 80) -> str:
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
-def _require(ok: bool, name: str, why: str) -> None:
+def _reject_unknown(keys: Mapping[str, Any]) -> None:
+    known = [f.name for f in dataclasses.fields(ModelConfig)]
+    for k in keys:
+        if k not in known:
+            close = difflib.get_close_matches(str(k), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown config field {k!r}{hint}")
+
+
+_NO_VALUE = object()
+
+
+def _require(ok: bool, name: str, why: str, value: Any = _NO_VALUE) -> None:
     if not ok:
-        raise ValueError(f"config field {name!r}: {why}")
+        shown = "" if value is _NO_VALUE else f"={value!r}"
+        raise ValueError(f"config field {name!r}{shown}: {why}")
 
 
 # The spec's §13 tiny test configuration: exercises every path (SWA + hash routing in layer
@@ -319,5 +450,11 @@ TINY = dict(
 
 
 def tiny_config(**overrides: Any) -> ModelConfig:
-    """The spec §13 tiny config (quantisation simulation off), with `overrides` applied."""
+    """The spec §13 tiny config (quantisation simulation off), with `overrides` applied.
+
+    Raises:
+        ValueError: an override names no `ModelConfig` field (a typo such as `windowsize`
+            would otherwise be kept silently in `extra`), or makes the config invalid.
+    """
+    _reject_unknown(overrides)
     return ModelConfig.from_dict({**TINY, **overrides})

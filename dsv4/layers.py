@@ -16,8 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.codecs import act_quant_fp8
-
-ACT_QUANT_BLOCK = 128  # fp8 activation block of the reference's fp8/fp4 GEMMs (spec §2.4)
+from dsv4.config import ACT_QUANT_BLOCK  # fp8 activation block of the reference's fp8/fp4 GEMMs (spec §2.4)
 
 
 def frozen_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:

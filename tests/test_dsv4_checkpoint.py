@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 
@@ -312,3 +313,144 @@ def test_missing_folder_contents_raise(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CFG.to_hf_dict()))
     with pytest.raises(CheckpointError, match=INDEX_NAME):
         load_trunk_weights(tmp_path)
+
+
+# ----------------------------------------------------------------------------- corruption
+def _copy(ckpt, tmp_path):
+    path = tmp_path / "ck"
+    shutil.copytree(ckpt, path)
+    return path
+
+
+def _only_shard(path):
+    (shard,) = set(json.loads((path / INDEX_NAME).read_text())["weight_map"].values())
+    return shard
+
+
+@pytest.mark.parametrize("reader", [load_trunk_weights, lambda p: load_drafter_weights(p), read_stored])
+def test_truncated_shard_is_a_checkpoint_error_naming_the_shard(tmp_path, ckpt, reader):
+    path = _copy(ckpt, tmp_path)
+    shard = path / _only_shard(path)
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="truncated or corrupt shard|unreadable.*not fully covered") as e:
+        reader(path)
+    assert shard.name in str(e.value)
+
+
+def test_shard_with_trailing_garbage_is_a_checkpoint_error_naming_the_shard(tmp_path, ckpt):
+    """Offsets inside the file but not covering it: safetensors' own error, wrapped."""
+    path = _copy(ckpt, tmp_path)
+    shard = path / _only_shard(path)
+    shard.write_bytes(shard.read_bytes() + b"\0" * 64)
+    with pytest.raises(CheckpointError, match=re.escape(repr(shard.name)) + " is unreadable"):
+        load_trunk_weights(path)
+    with pytest.raises(CheckpointError, match="unreadable"):
+        read_stored(path)
+
+
+def test_data_offsets_that_do_not_fit_the_tensor_are_named(tmp_path, ckpt):
+    path = _copy(ckpt, tmp_path)
+    shard = path / _only_shard(path)
+    raw = shard.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    name = "layers.0.attn.attn_sink"
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [begin, end - 4]
+    text = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    assert len(text) == n
+    shard.write_bytes(raw[:8] + text + raw[8 + n:])
+    with pytest.raises(CheckpointError, match=re.escape(repr(name)) + r" data_offsets .* span 12 bytes, .* needs 16"):
+        read_header(shard)
+
+
+def _set_byte(t, index, value):
+    raw = t.view(torch.uint8).clone()
+    raw[index] = value
+    return raw.view(t.dtype)
+
+
+@pytest.mark.parametrize("loader, edits, bad", [
+    (load_trunk_weights, {"layers.1.attn.wq_b.scale": ((0, 0), 0xFF)}, "layers.1.attn.wq_b.weight"),
+    (load_trunk_weights, {"layers.2.ffn.experts.3.w1.scale": ((5, 1), 0xFF)}, "layers.2.ffn.experts.3.w1.weight"),
+    (load_trunk_weights, {"layers.1.attn.wq_b.weight": ((4, 9), 0x7F)}, "layers.1.attn.wq_b.weight"),
+    (load_trunk_weights, {"layers.1.attn.wq_b.weight": ((4, 9), 0xFF)}, "layers.1.attn.wq_b.weight"),
+    (load_trunk_weights, {"layers.1.attn.wq_b.weight": ((0, 0), 0x7E), "layers.1.attn.wq_b.scale": ((0, 0), 250)},
+     "layers.1.attn.wq_b.weight"),  # 448 * 2^123 overflows float32
+    (load_drafter_weights, {"mtp.0.attn.wkv.scale": ((0, 0), 0xFF)}, "mtp.0.attn.wkv.weight"),
+])
+def test_weights_that_decode_to_nan_or_inf_are_named_with_their_shard(tmp_path, stored, loader, edits, bad):
+    def edit(s):
+        for name, (index, value) in edits.items():
+            s[name] = _set_byte(s[name], index, value)
+
+    path = _broken(tmp_path, stored, edit)
+    with pytest.raises(CheckpointError, match=re.escape(repr(bad)) + ".*decodes to (nan|inf)") as e:
+        loader(path)
+    assert _shard_of(path, bad) in str(e.value)
+
+
+@pytest.mark.parametrize("name, value", [("layers.0.attn_norm.weight", math.nan), ("mtp.1.attn_norm.weight", math.inf),
+                                         ("layers.0.hc_attn_base", -math.inf)])
+def test_nan_or_inf_in_plain_float_tensors_is_named(tmp_path, stored, name, value):
+    def edit(s):
+        s[name] = s[name].clone()
+        s[name].view(-1)[3] = value
+
+    path = _broken(tmp_path, stored, edit)
+    loader = load_drafter_weights if name.startswith("mtp.") else load_trunk_weights
+    with pytest.raises(CheckpointError, match=re.escape(repr(name)) + r".* decodes to .* at \[3\]") as e:
+        loader(path)
+    assert _shard_of(path, name) in str(e.value)
+
+
+def test_missing_shard_file_is_named(tmp_path, ckpt):
+    path = _copy(ckpt, tmp_path)
+    shard = _only_shard(path)
+    (path / shard).unlink()
+    for reader in (load_trunk_weights, load_drafter_weights, read_stored):
+        with pytest.raises(CheckpointError, match="missing") as e:
+            reader(path)
+        assert shard in str(e.value)
+
+
+@pytest.mark.parametrize("content, why", [
+    (b"[1]", "must be a JSON object"), (b"\xff\xfe", "not UTF-8"), (b"{", "not valid JSON"),
+    (json.dumps({**CFG.to_hf_dict(), "rms_norm_eps": 1.0}).encode(), "'norm_eps'=1.0"),
+    (json.dumps({**CFG.to_hf_dict(), "rope_scaling": "yarn"}).encode(), "'rope_scaling'='yarn'"),
+])
+def test_invalid_config_json_is_a_checkpoint_error_naming_the_file(tmp_path, ckpt, content, why):
+    path = _copy(ckpt, tmp_path)
+    (path / "config.json").write_bytes(content)
+    with pytest.raises(CheckpointError, match=why) as e:
+        load_trunk_weights(path)
+    assert str(path / "config.json") in str(e.value)
+
+
+@pytest.mark.parametrize("shard", ["", ".", "..", "sub/model.safetensors", "../model.safetensors"])
+def test_index_shard_names_must_be_plain_file_names(tmp_path, ckpt, shard):
+    path = _copy(ckpt, tmp_path)
+    index = json.loads((path / INDEX_NAME).read_text())
+    index["weight_map"]["layers.0.attn.wkv.weight"] = shard
+    (path / INDEX_NAME).write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=re.escape(repr(shard)) + " is not a plain file name"):
+        load_trunk_weights(path)
+
+
+def test_non_utf8_index_is_a_checkpoint_error(tmp_path, ckpt):
+    path = _copy(ckpt, tmp_path)
+    (path / INDEX_NAME).write_bytes(b'{"weight_map": {"\xff": "x"}}')
+    with pytest.raises(CheckpointError, match="malformed index"):
+        load_trunk_weights(path)
+
+
+def test_read_header_of_a_folder_is_a_checkpoint_error(tmp_path):
+    with pytest.raises(CheckpointError, match="cannot read shard file"):
+        read_header(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float16, torch.float64, torch.int32])
+def test_loaders_only_produce_fp32_or_bf16(ckpt, dtype):
+    for loader in (load_trunk_weights, load_drafter_weights):
+        with pytest.raises(ValueError, match=re.escape(f"dtype={dtype!r}: must be torch.float32 or torch.bfloat16")):
+            loader(ckpt, dtype=dtype)

@@ -282,3 +282,84 @@ def test_hadamard_keeps_bf16_dtype_and_rejects_non_power_of_two():
     assert y.dtype == torch.bfloat16 and y.shape == x.shape
     with pytest.raises(ValueError, match="96"):
         hadamard_rotate(torch.ones(2, 96))
+
+
+# ----------------------------------------------------------------------------- full scale range, non-finite
+def test_fp8_round_trip_over_every_finite_scale_byte():
+    """Scale bytes 0..246: a block whose largest code is in (224, 448] decodes to finite
+    float32 (448 * 2^119 < 2^128) and re-encodes to the same bytes, subnormal results included."""
+    n_blocks = 247
+    g = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 256, (1, 128 * n_blocks), generator=g, dtype=torch.int32)
+    codes = torch.where((codes & 0x7F) == 0x7F, codes - 1, codes)  # no NaN bytes
+    codes[0, ::128] = torch.randint(0x77, 0x7F, (n_blocks,), generator=g, dtype=torch.int32)  # 240 .. 448
+    scale = torch.arange(n_blocks, dtype=torch.uint8)[None, :]
+    w = fp8_decode(codes.to(torch.uint8), scale)
+    assert bool(torch.isfinite(w).all())
+    assert (w[0, 0].item(), w[0, -128].item()) == (_e4m3_value(int(codes[0, 0])) * 2.0**-127,
+                                                    _e4m3_value(int(codes[0, -128])) * 2.0**119)
+    q, s = fp8_encode(w)
+    assert torch.equal(_bytes(q), codes.to(torch.uint8))
+    assert torch.equal(_bytes(s), scale)
+
+
+def test_fp4_round_trip_over_every_finite_scale_byte():
+    """Scale bytes 0..252 (6 * 2^125 < 2^128), largest code 4 or 6 per block."""
+    n_blocks = 253
+    g = torch.Generator().manual_seed(6)
+    codes = torch.randint(0, 16, (1, 32 * n_blocks), generator=g, dtype=torch.int32)
+    codes[0, ::32] = torch.randint(6, 8, (n_blocks,), generator=g, dtype=torch.int32)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    scale = torch.arange(n_blocks, dtype=torch.uint8)[None, :]
+    w = fp4_decode(packed, scale)
+    assert bool(torch.isfinite(w).all())
+    assert w[0, -32].item() == E2M1[int(codes[0, -32])] * 2.0**125
+    p, s = fp4_encode(w)
+    assert torch.equal(p, packed)
+    assert torch.equal(_bytes(s), scale)
+
+
+@pytest.mark.parametrize("encode", [fp8_encode, fp4_encode])
+@pytest.mark.parametrize("value, dtype, why", [
+    (math.nan, torch.float32, "value nan at \\[2, 37\\] is not finite"),
+    (math.inf, torch.float32, "value inf at \\[2, 37\\] is not finite"),
+    (-math.inf, torch.bfloat16, "value -inf at \\[2, 37\\] is not finite"),
+    (1e300, torch.float64, "value 1e\\+300 at \\[2, 37\\] is outside the float32 range"),
+])
+def test_encoders_reject_non_finite_values_naming_the_first_position(encode, value, dtype, why):
+    w = torch.randn(4, 64).to(dtype)
+    w[2, 37] = value
+    w[3, 1] = value  # a later one is not the one named
+    with pytest.raises(ValueError, match=why):
+        encode(w)
+
+
+@pytest.mark.parametrize("quant, block", [(act_quant_fp8, 32), (act_quant_fp4, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_act_quant_turns_blocks_with_non_finite_inputs_into_nan(quant, block, dtype):
+    """Decision: propagate, not raise (no host sync in the hot path). NaN used to become 0
+    (fp4) and inf a finite 448 * s / 6 * s."""
+    x = torch.randn(3, 4 * block, generator=torch.Generator().manual_seed(2)).to(dtype)
+    bad = x.clone()
+    bad[0, block + 3] = math.nan  # row 0, block 1
+    bad[1, 3 * block] = math.inf  # row 1, block 3
+    bad[2, 0] = -math.inf  # row 2, block 0
+    out = quant(bad, block).float().view(3, 4, block)
+    poisoned = torch.zeros(3, 4, dtype=torch.bool)
+    poisoned[0, 1] = poisoned[1, 3] = poisoned[2, 0] = True
+    assert torch.equal(out.isnan().all(-1), poisoned)
+    assert torch.equal(out.isnan().any(-1), poisoned)
+    clean = quant(x, block).float().view(3, 4, block)
+    assert torch.equal(out[~poisoned], clean[~poisoned])  # finite blocks are unaffected
+
+
+def test_fp4_decode_names_a_width_that_is_not_a_multiple_of_32():
+    with pytest.raises(ValueError, match=r"K = 2 \* 24 packed columns = 48 is not a multiple of 32"):
+        fp4_decode(torch.zeros(2, 24, dtype=torch.int8), torch.zeros(2, 1, dtype=torch.uint8))
+
+
+def test_fp4_helpers_follow_the_input_device():
+    """`_fp4_codes` / `_fp4_values` used to build CPU tensors whatever the input's device."""
+    x = torch.empty(2, 64, device="meta")
+    assert act_quant_fp4(x).device.type == "meta"
+    assert act_quant_fp8(x, 32).device.type == "meta"

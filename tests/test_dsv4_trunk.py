@@ -6,9 +6,11 @@ Error measure: `rel` = max |a - b| / max |b| over the compared tensor.
 
 from __future__ import annotations
 
+import re
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -313,3 +315,275 @@ def test_bf16_logits_agree_with_fp32(model):
     errors.append(rel_l2(out.logits, ref.logits))
     assert max(errors) <= BF16_MAX, errors
     assert statistics.median(errors) <= BF16_MEDIAN, errors
+
+
+# ----------------------------------------------------------------------------- argument types
+def prefilled(model, n=6, seed=0):
+    st = model.new_state()
+    model.prefill(st, tokens(n, seed))
+    return st
+
+
+def same_next_decode(model, st, n=6, seed=0, token=7):
+    """The next decode on `st` equals the one on a fresh state prefilled with the same prompt
+    (i.e. `st` is unchanged by whatever failed on it)."""
+    ref = prefilled(model, n, seed)
+    a, b = model.decode(st, token, n), model.decode(ref, token, n)
+    return torch.equal(a.logits, b.logits) and torch.equal(a.taps, b.taps)
+
+
+@pytest.mark.parametrize("position", [6.0, "6", True, None, torch.tensor([6, 7]), torch.tensor(6.0)])
+def test_decode_rejects_non_integer_positions_before_any_change(model, position):
+    st = prefilled(model)
+    with pytest.raises(ValueError, match="decode position=") as e:
+        model.decode(st, 7, position)
+    assert repr(position)[:10] in str(e.value)
+    assert st.next_position == 6 and same_next_decode(model, st)
+
+
+@pytest.mark.parametrize("token", [None, "abc", 3.0, True, torch.tensor([3, 4]), torch.tensor([[3]])])
+def test_decode_rejects_non_integer_tokens_before_any_change(model, token):
+    st = prefilled(model)
+    with pytest.raises(ValueError, match="token_id="):
+        model.decode(st, token, 6)
+    assert st.next_position == 6 and same_next_decode(model, st)
+
+
+@pytest.mark.parametrize("position", [np.int64(6), torch.tensor(6), torch.tensor([6]), np.array(6)])
+def test_numpy_and_torch_integer_positions_become_ints(model, position):
+    st = prefilled(model)
+    ref = prefilled(model)
+    out = model.decode(st, np.int32(7), position)
+    assert type(st.next_position) is int and st.next_position == 7
+    assert torch.equal(out.logits, model.decode(ref, 7, 6).logits)
+
+
+@pytest.mark.parametrize("keep_rows", [2.5, "3", True, -1])
+def test_prefill_rejects_bad_keep_rows_before_any_change(model, keep_rows):
+    st = model.new_state()
+    with pytest.raises(ValueError, match="keep_rows="):
+        model.prefill(st, tokens(6), keep_rows=keep_rows)
+    assert st.next_position == 0
+    model.prefill(st, tokens(6))
+    assert same_next_decode(model, st)
+
+
+@pytest.mark.parametrize("ids, why", [
+    ([], "empty prompt"), (torch.tensor([]), "empty prompt"), (None, "1-D integer tensor or a list"),
+    ("abc", "1-D integer tensor or a list"), ([1, 2.5], r"token_ids\[1\]=2.5"), ([1, "2"], r"token_ids\[1\]='2'"),
+    (torch.ones(2, 2, dtype=torch.int64), "1-D integer"), (torch.tensor([True, False]), "1-D integer"),
+])
+def test_prefill_rejects_malformed_token_ids(model, ids, why):
+    st = model.new_state()
+    with pytest.raises(ValueError, match=why):
+        model.prefill(st, ids)
+    assert st.next_position == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32])
+def test_small_integer_dtypes_are_accepted_by_value(model, dtype):
+    """uint8 / int8 ids used to be compared with vocab_size=512 in their own dtype (wrapped)."""
+    ids = torch.tensor([3, 100, 7, 120, 5], dtype=dtype)
+    out = model.prefill(model.new_state(), ids)
+    assert torch.equal(out.logits, model.prefill(model.new_state(), ids.long()).logits)
+
+
+@pytest.mark.parametrize("ids, bad", [
+    (torch.tensor([3, 600], dtype=torch.int16), 600), (torch.tensor([3, -3], dtype=torch.int16), -3),
+    (torch.tensor([3, 2**63 + 5], dtype=torch.uint64), 2**63 + 5), (np.array([3, 512], dtype=np.uint16), 512),
+])
+def test_out_of_range_ids_of_any_integer_dtype_are_named_by_true_value(model, ids, bad):
+    with pytest.raises(ValueError, match=f"token id {bad} at index 1"):
+        model.prefill(model.new_state(), ids)
+    ok = torch.tensor([3, 9], dtype=torch.uint64)
+    assert torch.equal(model.prefill(model.new_state(), ok).logits,
+                       model.prefill(model.new_state(), torch.tensor([3, 9])).logits)
+
+
+# ----------------------------------------------------------------------------- taps without target layers
+def test_taps_without_target_layers_are_empty_and_the_state_advances():
+    cfg = tiny_config(n_mtp_layers=0, dspark_target_layer_ids=[], compress_ratios=[0, 4, 8, 4])
+    m = make(cfg, varied_weights(cfg))
+    st = m.new_state()
+    out = m.prefill(st, tokens(12), keep_rows=5)
+    assert out.taps.shape == (5, 0) and st.next_position == 12
+    assert m.decode(st, 3, 12).taps.shape == (1, 0) and st.next_position == 13
+    block = m.forward_block(st, torch.tensor([4, 5, 6]), 13)
+    assert block.taps.shape == (3, 0) and block.logits.shape == (3, cfg.vocab_size)
+    m.rollback(st, block.undo, 2)
+    assert st.next_position == 15
+
+
+# ----------------------------------------------------------------------------- verify block errors
+def block_state(model, n=13):
+    st = model.new_state()
+    model.prefill(st, tokens(n))
+    return st
+
+
+@pytest.mark.parametrize("start_pos, ids, why", [
+    (0, [1, 2], "start_pos=0 needs a prefilled state"),
+    (12, [1, 2], "start_pos=12 .* next_position=13"),
+    (13.0, [1, 2], "start_pos=13.0: must be an integer"),
+    (13, list(range(52)), "52 tokens at 13 runs past max_seq_len=64"),
+    (13, [1, 512], "token id 512 at index 1"),
+    (13, [], "empty prompt"),
+])
+def test_forward_block_rejects_bad_arguments_before_any_change(model, start_pos, ids, why):
+    st = block_state(model)
+    before = [t.clone() for t in state_tensors(st)]
+    with pytest.raises(ValueError, match=why):
+        model.forward_block(st, ids, start_pos)
+    assert st.next_position == 13 and st.open_block is None
+    assert all(torch.equal(a, b) for a, b in zip(before, state_tensors(st)))
+
+
+def state_tensors(st):
+    out = []
+    for layer in st.layers:
+        out.append(layer.ring)
+        for c in (layer.compressor, layer.indexer):
+            if c is not None:
+                out += [c.kv, c.score, c.cache, torch.tensor(c.n_entries)]
+    return out
+
+
+@pytest.mark.parametrize("keep, why", [(0, r"keep=0: must lie in \[1, 4\]"), (5, r"keep=5: must lie"),
+                                       (2.5, "keep=2.5: must be an integer"), (True, "keep=True"),
+                                       ("2", "keep='2'")])
+def test_rollback_rejects_bad_keep_before_touching_any_layer(model, keep, why):
+    """keep=2.5 used to restore layer 0's ring and then fail with a TypeError."""
+    st = block_state(model)
+    out = model.forward_block(st, torch.tensor([5, 6, 7, 8]), 13)
+    before = [t.clone() for t in state_tensors(st)]
+    with pytest.raises(ValueError, match=why):
+        model.rollback(st, out.undo, keep)
+    assert all(torch.equal(a, b) for a, b in zip(before, state_tensors(st)))
+    assert st.open_block is out.undo and st.next_position == 17
+    model.rollback(st, out.undo, 2)  # the record is still usable
+    assert st.next_position == 15
+
+
+def test_rollback_rejects_a_stale_or_foreign_undo_record(model):
+    a, b = block_state(model), block_state(model)
+    out_a = model.forward_block(a, torch.tensor([5, 6, 7]), 13)
+    out_b = model.forward_block(b, torch.tensor([5, 9, 9]), 13)  # ends at the same position
+    with pytest.raises(ValueError, match="belongs to another state"):
+        model.rollback(a, out_b.undo, 1)
+    model.rollback(a, out_a.undo, 2)
+    with pytest.raises(ValueError, match="stale undo record .* single use"):
+        model.rollback(a, out_a.undo, 2)  # second use
+    out_a2 = model.forward_block(a, torch.tensor([7, 1]), 15)
+    with pytest.raises(ValueError, match="stale undo record"):
+        model.rollback(a, out_a.undo, 1)  # the state's previous block, while a newer one is open
+    model.rollback(a, out_a2.undo, 1)
+    model.rollback(b, out_b.undo, 1)
+    b.reset()
+    with pytest.raises(ValueError, match="stale undo record"):
+        model.rollback(b, out_b.undo, 1)  # reset discards the open block
+    with pytest.raises(ValueError, match="not a BlockUndo"):
+        model.rollback(a, None, 1)
+
+
+def test_rollback_rejects_a_state_moved_since_the_block(model):
+    st = block_state(model)
+    out = model.forward_block(st, torch.tensor([5, 6, 7]), 13)
+    st.next_position += 1
+    with pytest.raises(ValueError, match="state is at position 17, the block ended at 16"):
+        model.rollback(st, out.undo, 1)
+
+
+def test_open_block_must_be_rolled_back_before_any_other_forward(model):
+    """Decision (#24): no implicit commit. Decodes after a forgotten rollback used to append
+    to the block's journals; now every other forward raises until rollback closes it."""
+    st, ref = block_state(model), block_state(model)
+    block = torch.tensor([5, 6, 7])
+    out = model.forward_block(st, block, 13)
+    for call in (lambda: model.decode(st, 1, 16), lambda: model.forward_block(st, torch.tensor([1]), 16),
+                 lambda: model.prefill(st, tokens(3))):
+        with pytest.raises(ValueError, match=r"open verify block at positions 13..15: call rollback"):
+            call()
+    assert st.next_position == 16
+    model.rollback(st, out.undo, 3)  # keep = n_tokens commits the whole block
+    assert st.open_block is None and all(c.journal is None for layer in st.layers
+                                         for c in (layer.compressor, layer.indexer) if c is not None)
+    for i, t in enumerate(block.tolist()):
+        model.decode(ref, t, 13 + i)
+    assert rel(model.decode(st, 1, 16).logits, model.decode(ref, 1, 16).logits) < 1e-4
+
+
+# ----------------------------------------------------------------------------- state compatibility
+@pytest.mark.parametrize("other, why", [
+    (dict(window_size=16), r"layer 0: ring \(16, 96\)"),
+    (dict(max_seq_len=128), r"layer 1: compressor: cache \(32, 96\)"),
+    (dict(compress_ratios=[0, 8, 8, 4, 0, 0, 0]), r"layer 1: compressor: kv \(8, 96\)"),
+    (dict(compress_ratios=[4, 4, 8, 4, 0, 0, 0]), "layer 0: compressor state present"),
+    (dict(head_dim=160), r"layer 0: ring \(8, 160\)"),
+    (dict(n_layers=3, compress_ratios=[0, 4, 8, 0, 0, 0], dspark_target_layer_ids=[1, 2]), "state has 3 layers"),
+])
+def test_state_of_another_model_is_rejected_before_any_change(model, other, why):
+    foreign = Trunk(tiny_config(**other), device="cpu").new_state()
+    for call in (lambda: model.prefill(foreign, tokens(4)), lambda: model.decode(foreign, 1, 0)):
+        with pytest.raises(ValueError, match=why):
+            call()
+    assert foreign.next_position == 0
+
+
+def test_bf16_state_is_rejected_by_an_fp32_model(model):
+    foreign = Trunk(CFG, dtype=torch.bfloat16).new_state()
+    with pytest.raises(ValueError, match="ring .* torch.bfloat16 .* expected .* torch.float32"):
+        model.prefill(foreign, tokens(4))
+
+
+# ----------------------------------------------------------------------------- atomic loading
+def loaded_copy():
+    return make(dtype=torch.float32, quant_sim=False, deterministic_reduce=True)
+
+
+def _bad_weights(kind):
+    w = dict(WEIGHTS)
+    name = "layers.2.attn.wkv.weight"  # in the middle of the state-dict order
+    if kind == "numpy":
+        w[name] = w[name].numpy()
+    elif kind == "meta":
+        w[name] = torch.empty(w[name].shape, device="meta")
+    elif kind in ("nan", "inf"):
+        w[name] = w[name].clone()
+        w[name][3, 5] = float(kind)
+    elif kind in ("bool", "int", "complex"):
+        w[name] = torch.zeros(w[name].shape, dtype={"bool": torch.bool, "int": torch.int32,
+                                                     "complex": torch.complex64}[kind])
+    elif kind.startswith("tid2eid"):
+        name = "layers.0.ffn.gate.tid2eid"
+        t = w[name].clone()
+        if kind == "tid2eid bool":
+            t = t.bool()
+        elif kind == "tid2eid float":
+            t = t.float()
+        else:
+            t[7, 1] = t[7, 0]  # row 7 routes twice to one expert
+        w[name] = t
+    return w, name
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("numpy", "not a torch.Tensor"), ("meta", "meta tensor"), ("nan", r"non-finite value nan at \[3, 5\]"),
+    ("inf", "non-finite value inf"), ("bool", "torch.bool is not a float"), ("int", "torch.int32 is not a float"),
+    ("complex", "complex64 is not a float"), ("tid2eid bool", "torch.bool is not integer"),
+    ("tid2eid float", "float32 is not integer"), ("tid2eid repeat", "row 7 repeats an expert"),
+])
+def test_load_weights_failure_leaves_the_model_unchanged(model, kind, why):
+    m = loaded_copy()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    ids = tokens(9)
+    expected = m.prefill(m.new_state(), ids).logits
+    w, name = _bad_weights(kind)
+    with pytest.raises(ValueError, match=re.escape(name) + ": .*" + why):
+        m.load_weights(w)
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    assert torch.equal(m.prefill(m.new_state(), ids).logits, expected)
+    fresh = Trunk(CFG)
+    with pytest.raises(ValueError):
+        fresh.load_weights(w)
+    with pytest.raises(RuntimeError, match="load_weights"):  # still not loaded
+        fresh.prefill(fresh.new_state(), ids)

@@ -15,16 +15,26 @@ consumed. After either call the state holds positions 0..n+a and `next_position`
 Correctness policy.
   Asserted (tests/test_verifier_engine.py):
     * sequential verify is exact w.r.t. plain decode: it forwards one position at a time
-      and stops at the first mismatch, so nothing uncommitted enters the state;
+      and stops at the first mismatch, so nothing uncommitted enters the state; a greedy
+      speculative chain verified sequentially is token-for-token the plain greedy chain;
     * batched verify's per-position logits and rows match k+1 sequential decodes within
       rel. 1e-4 in fp32 (quantisation simulation off), at positions that wrap the ring and
       straddle compressor boundaries;
-    * rollback is exact: after a batched verify that accepted a of k drafts, the state
-      equals (bitwise) the state of a run that forwarded only the a+1 committed positions
-      in the same block shape, and continuations are identical for any rejected suffix.
-  Reported, never asserted: the first token where batched and sequential greedy chains
-  diverge and the top1 - top2 margin there (GEMM shapes change reduction order; the seed
-  measured such drift turning into different tokens).
+    * rollback restores exactly what the rejected positions changed (ring slots, compressor
+      and indexer accumulators, entry counts): continuations after a rollback equal a clean
+      run that forwarded only the committed positions within that tolerance, and the
+      continuation tokens are identical whichever rejected suffix was rolled back.
+  Not claimed: bitwise equality of the committed state across different rejected suffixes.
+  The committed positions were computed inside a (k+1)-row forward whose MoE routing
+  batches and attention shapes depend on the rejected rows, so their kv / compressor rows
+  differ in the last bits between suffixes.
+  Reported, never asserted: those committed-state differences, and the first token where
+  batched and plain greedy chains diverge with the top1 - top2 margin there (GEMM shapes
+  change reduction order; the seed measured such drift turning into different tokens).
+
+Inputs: token ids and positions must be integers (Python ints, numpy / torch integer
+scalars), drafts a list / tuple / 1-D integer tensor; anything else (floats, strings, bools,
+sets) raises ValueError naming the value, before the session changes.
 """
 
 from __future__ import annotations
@@ -34,9 +44,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from dsv4.trunk import Trunk, TrunkState
+from dsv4.trunk import Trunk, TrunkState, as_int
 
 VERIFY_MODES = ("sequential", "batched")
 
@@ -105,6 +116,22 @@ def top2_margin(logits: torch.Tensor) -> tuple[int, float]:
     return int(logits.argmax()), float(top[0] - top[1])
 
 
+def _token_list(ids: object, name: str) -> list[int]:
+    """A list / tuple / 1-D integer tensor or array of token ids -> list of Python ints.
+
+    Raises ValueError naming `name` and the bad value (floats, strings, bools, sets, ...).
+    """
+    if torch.is_tensor(ids) or isinstance(ids, np.ndarray):
+        t = torch.as_tensor(ids)
+        if t.ndim != 1 or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be a 1-D integer tensor, got shape {tuple(t.shape)} dtype {t.dtype}")
+        return [int(v) for v in t.tolist()]
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"{name} must be a list, tuple or 1-D integer tensor of token ids, "
+                         f"got {type(ids).__name__}")
+    return [as_int(v, f"{name}[{i}]") for i, v in enumerate(ids)]
+
+
 class VerifierEngine:
     """Sessions over one `Trunk` (TP=1 here; `services.verifier.tp` drives TP > 1).
 
@@ -114,14 +141,20 @@ class VerifierEngine:
         prefill_keep_rows: tap rows a prefill returns (default: window_size, what the
             drafter's rings can hold).
     Raises:
-        ValueError: max_sessions < 1.
+        ValueError: max_sessions not an integer >= 1, prefill_keep_rows not None or an
+            integer >= 0.
     Thread safety: calls on different sessions may run concurrently; calls on one session
     are serialised by its lock.
     """
 
     def __init__(self, model: Trunk, max_sessions: int = 16, prefill_keep_rows: int | None = None):
+        max_sessions = as_int(max_sessions, "max_sessions")
         if max_sessions < 1:
             raise ValueError(f"max_sessions={max_sessions}: must be >= 1")
+        if prefill_keep_rows is not None:
+            prefill_keep_rows = as_int(prefill_keep_rows, "prefill_keep_rows")
+            if prefill_keep_rows < 0:
+                raise ValueError(f"prefill_keep_rows={prefill_keep_rows}: must be >= 0")
         self.model, self.cfg = model, model.cfg
         self.max_sessions = max_sessions
         self.keep_rows = self.cfg.window_size if prefill_keep_rows is None else prefill_keep_rows
@@ -168,30 +201,39 @@ class VerifierEngine:
         """Forward the prompt x[0..n-1] at positions 0..n-1; returns the first anchor x[n].
 
         Raises:
-            ValueError: empty prompt, ids out of range, prompt too long, session already prefilled.
+            ValueError: empty prompt, non-integer ids, ids out of range, prompt too long,
+                session already prefilled; the session is unchanged then.
             UnknownSessionError: `sid` not open.
         """
         s = self._get(sid)
         with s.lock:
             if s.prefilled:
                 raise ValueError(f"session {sid} is already prefilled (next position {s.state.next_position})")
-            ids = torch.as_tensor(token_ids)
+            ids = _token_list(token_ids, "prompt")
+            if not ids:
+                raise ValueError(f"empty prompt: session {sid} needs at least one token")
+            self._check_range(ids)
             t0 = time.perf_counter()
-            out = self.model.prefill(s.state, ids, keep_rows=self.keep_rows, taps=True)
+            out = self.model.prefill(s.state, torch.tensor(ids, dtype=torch.int64), keep_rows=self.keep_rows,
+                                     taps=True)
             ms = (time.perf_counter() - t0) * 1e3
-            s.prefilled = True
             n = s.state.next_position
             token, margin = top2_margin(out.logits)
-            return StepResult(token, margin, out.taps, range(n - out.taps.shape[0], n), ms)
+            result = StepResult(token, margin, out.taps, range(n - out.taps.shape[0], n), ms)
+            s.prefilled = True  # only once everything succeeded
+            return result
 
     def decode(self, sid: int, token_id: int, position: int) -> StepResult:
         """Forward one committed token at `position` (must be the session's next position).
 
         Returns the argmax at `position` (the next anchor), its margin and the row of `position`.
         Raises:
-            ValueError: position is not the session's next position (both named), session not
-                prefilled, id out of range, position beyond max_seq_len.
+            ValueError: position or token_id not an integer, position is not the session's
+                next position (both named), session not prefilled, id out of range, position
+                beyond max_seq_len; the session is unchanged then.
         """
+        token_id = as_int(token_id, "token_id")
+        position = as_int(position, "position")
         s = self._get(sid)
         with s.lock:
             self._check_position(sid, s, position)
@@ -201,11 +243,16 @@ class VerifierEngine:
             return StepResult(token, margin, out.taps, range(position, position + 1),
                               (time.perf_counter() - t0) * 1e3)
 
+    def _check_range(self, ids: list[int]) -> None:
+        for i, t in enumerate(ids):
+            if not 0 <= t < self.cfg.vocab_size:
+                raise ValueError(f"token id {t} at index {i} outside [0, vocab_size={self.cfg.vocab_size})")
+
     def _check_position(self, sid: int, s: _Session, position: int) -> None:
         if not s.prefilled:
             raise ValueError(f"session {sid} has no prompt yet: prefill first")
         if position != s.state.next_position:
-            raise ValueError(f"position={position} is not session {sid}'s next position "
+            raise ValueError(f"position={position!r} is not session {sid}'s next position "
                              f"{s.state.next_position}")
 
     # ------------------------------------------------------------------ verify
@@ -217,22 +264,25 @@ class VerifierEngine:
         mode "batched": one (k+1)-position forward, then exact rollback of positions
         n+a+1..n+k (ring slots, compressor accumulators, compressed and indexer caches).
         Raises:
-            ValueError: unknown mode, wrong position (named), ids out of range, a block that
-                would run past max_seq_len.
+            ValueError: unknown mode; anchor / position not an integer, drafts not a list /
+                tuple / 1-D integer tensor of integers (each named); wrong position (named),
+                ids out of range, a block that would run past max_seq_len. The session is
+                unchanged then.
         """
         if mode not in VERIFY_MODES:
             raise ValueError(f"verify mode={mode!r}: must be one of {VERIFY_MODES}")
+        anchor = as_int(anchor, "anchor")
+        position = as_int(position, "position")
+        draft_ids = _token_list(drafts, "drafts")
         s = self._get(sid)
         with s.lock:
             self._check_position(sid, s, position)
-            k = len(drafts)
+            k = len(draft_ids)
             if position + k >= self.cfg.max_seq_len:
                 raise ValueError(f"verify block at position {position} with {k} drafts runs past "
                                  f"max_seq_len={self.cfg.max_seq_len}")
-            ids = [int(anchor), *map(int, drafts)]
-            bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
-            if bad:
-                raise ValueError(f"token id {bad[0]} outside [0, vocab_size={self.cfg.vocab_size})")
+            ids = [anchor, *draft_ids]
+            self._check_range(ids)
             if mode == "sequential" or k == 0:
                 return self._verify_sequential(s, ids, position)
             return self._verify_batched(s, ids, position)
