@@ -1,0 +1,139 @@
+"""`DSV4_TOPK_DIAG=K`: the verifier's trunk writes the top-K ids and logits of every forward (for `dspark parity`).
+
+`maybe_wrap(model, rank)` returns `model` unchanged unless `DSV4_TOPK_DIAG` is set to an
+integer K >= 1; then a `TopKDiagTrunk` that forwards every call to the model and, after each
+prefill, decode and verify block, appends one JSON line to
+`$DSV4_TOPK_DIAG_DIR/topk-rank{rank}-pid{pid}.jsonl` (default directory: the working one;
+a second wrapped trunk in the same process writes `...-pid{pid}-1.jsonl`, and so on).
+The verifier wraps its trunk with it (`services.app.verifier_engine`), and under tensor
+parallelism every rank wraps its own shard (`services.verifier.tp`), so each rank writes its
+own file.
+
+File format (one JSON object per line):
+  header  {"format": "dspark-topk", "version": 1, "k": K, "rank": r, "pid": p, "config_hash": h}
+  forward {"session": s, "op": "prefill" | "decode" | "block", "positions": [q...],
+           "tokens": [input token at each q], "ids": [[K ids] per q], "logits": [[K logits] per q]}
+          with, for "prefill", "prompt_len" and "prompt_sha256" (of the ids, little-endian int64).
+`session` numbers the states in the order of their prefill within the process (0, 1, ...).
+A prefill records only its last position (the trunk returns only that row's logits); a
+verify block records every forwarded position, rejected ones included: a later forward of
+the same position (after the rollback) supersedes it. Writing syncs the device once per
+forward, so this is for diagnosis, never for serving speed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import threading
+import weakref
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+ENV_K = "DSV4_TOPK_DIAG"
+ENV_DIR = "DSV4_TOPK_DIAG_DIR"
+FORMAT = "dspark-topk"
+MAX_K = 4096
+_WRAPPED = itertools.count()
+
+
+def topk_setting(environ: Mapping[str, str] = os.environ) -> tuple[int, Path] | None:
+    """(K, directory) from the environment, or None when DSV4_TOPK_DIAG is unset, empty or 0.
+
+    Raises ValueError naming the variable and value: K not an integer in [0, 4096], or a
+    directory that does not exist.
+    """
+    raw = environ.get(ENV_K, "").strip()
+    if raw in ("", "0"):
+        return None
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_K:
+        raise ValueError(f"{ENV_K}={environ[ENV_K]!r}: must be an integer in [0, {MAX_K}] (0 = off)")
+    folder = Path(environ.get(ENV_DIR) or ".")
+    if not folder.is_dir():
+        raise ValueError(f"{ENV_DIR}={str(folder)!r}: not an existing directory")
+    return int(raw), folder
+
+
+def maybe_wrap(model, rank: int = 0, environ: Mapping[str, str] = os.environ):
+    """`model`, wrapped in a `TopKDiagTrunk` when DSV4_TOPK_DIAG asks for dumps (module docstring)."""
+    setting = topk_setting(environ)
+    if setting is None:
+        return model
+    k, folder = setting
+    n = next(_WRAPPED)  # a second wrapped trunk in one process (tests) gets its own file
+    suffix = "" if n == 0 else f"-{n}"
+    return TopKDiagTrunk(model, k, folder / f"topk-rank{rank}-pid{os.getpid()}{suffix}.jsonl", rank)
+
+
+def _sha256(ids: list[int]) -> str:
+    return hashlib.sha256(torch.tensor(ids, dtype=torch.int64).numpy().tobytes()).hexdigest()
+
+
+def _ids(token_ids: Any) -> list[int]:
+    if torch.is_tensor(token_ids):
+        return [int(t) for t in token_ids.reshape(-1).tolist()]
+    return [int(t) for t in token_ids]
+
+
+class TopKDiagTrunk:
+    """A Trunk proxy that dumps top-K logits per forward; every other attribute is the model's."""
+
+    def __init__(self, model, k: int, path: Path, rank: int = 0):
+        self.model, self.k, self.path, self.rank = model, k, Path(path), rank
+        self._lock = threading.Lock()
+        self._sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._next = itertools.count()
+        self._file = open(self.path, "a", encoding="utf-8")
+        cfg = getattr(model, "cfg", None)
+        header = {"format": FORMAT, "version": 1, "k": k, "rank": rank, "pid": os.getpid(),
+                  "config_hash": cfg.config_hash() if cfg is not None else None}
+        self._emit(header)
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def _emit(self, record: dict) -> None:
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+
+    def _record(self, state, op: str, positions: list[int], tokens: list[int], logits: torch.Tensor,
+                **extra) -> None:
+        k = min(self.k, logits.shape[-1])
+        top = torch.topk(logits.detach().float().reshape(len(positions), -1), k, dim=-1)  # [R, K]
+        session = self._sessions.get(state, -1)
+        self._emit({"session": session, "op": op, "positions": positions, "tokens": tokens,
+                    "ids": top.indices.cpu().tolist(), "logits": top.values.cpu().tolist(), **extra})
+
+    def prefill(self, state, token_ids, keep_rows=None, taps=True):
+        out = self.model.prefill(state, token_ids, keep_rows=keep_rows, taps=taps)
+        ids = _ids(token_ids)
+        with self._lock:
+            self._sessions[state] = next(self._next)
+        self._record(state, "prefill", [len(ids) - 1], [ids[-1]], out.logits, prompt_len=len(ids),
+                     prompt_sha256=_sha256(ids))
+        return out
+
+    def decode(self, state, token_id, position, taps=True):
+        out = self.model.decode(state, token_id, position, taps=taps)
+        self._record(state, "decode", [int(position)], [int(token_id)], out.logits)
+        return out
+
+    def forward_block(self, state, token_ids, start_pos):
+        out = self.model.forward_block(state, token_ids, start_pos)
+        ids = _ids(token_ids)
+        self._record(state, "block", list(range(int(start_pos), int(start_pos) + len(ids))), ids, out.logits)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.close()
+        close = getattr(self.model, "close", None)
+        if close is not None:
+            close()
