@@ -1,0 +1,1 @@
+"""Training of the bundled small model (issue #7): corpus, tokenizer, config, trunk training."""
