@@ -12,11 +12,21 @@ compressor (HCA), the indexer's top-k for ratio 4 (CSA), none for ratio 0.
 Prefill (start_pos == 0) attends over [fresh kv (S rows) | the prompt's entries] and then
 fills the ring with the last min(S, W) rows; decode (start_pos > 0, one token) writes ring
 slot p % W first and attends over [ring (W rows) | cached entries].
+
+Exact mode (`n_real` given; `Trunk(verify_numerics="exact")`): x is a fixed tile of R rows
+(`dsv4.trunk.EXACT_ROWS`) whose first `n_real` are the tokens, for a decode (n_real == 1)
+and a verify block alike. Every query gets the same key list in both: window positions
+p, p-1, .., p-W+1 (ring before the call, then the call's own rows), then its compressed
+entries (indexer: exactly index_topk columns; plain compressor: ascending entries), padded
+with -1; attention folds over fixed chunks of EXACT_KEY_CHUNK keys (`sparse_attn_chunked`)
+and the indexer scores fixed chunks of entries, so no reduction's shape depends on how many
+tokens the call holds or how many entries exist yet.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -27,6 +37,8 @@ from dsv4.config import ModelConfig
 from dsv4.indexer import Indexer
 from dsv4.layers import Linear, RMSNorm, frozen_param
 from dsv4.rope import Rope
+
+EXACT_KEY_CHUNK = 64  # keys (and indexer entries) per reduction step in exact mode
 
 
 @dataclass
@@ -76,8 +88,11 @@ class Attention(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, quant_sim: bool,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", attend: Callable[..., torch.Tensor] | None = None):
         super().__init__()
+        # `attend`: the sparse attention implementation (`kernels.select.KernelConfig.op`),
+        # same signature as `sparse_attn`; None -> `sparse_attn`. Not used by exact mode.
+        self.attend = sparse_attn if attend is None else attend
         D, H, Dh, G = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.o_groups
         self.n_heads, self.head_dim, self.groups = H, Dh, G
         self.rope_dim, self.window, self.ratio = cfg.rope_head_dim, cfg.window_size, cfg.layer_ratio(layer_id)
@@ -157,13 +172,17 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, start_pos: int, st: AttentionState,
-                undo: list[AttentionUndo] | None = None) -> torch.Tensor:
+                undo: list[AttentionUndo] | None = None, n_real: int | None = None) -> torch.Tensor:
         """x [S, D] (normed sublayer input) at positions start_pos.. -> [S, D]; updates `st`.
 
         start_pos == 0 is a prefill of the whole prompt into an empty state; start_pos > 0
         without `undo` is one decode token (S == 1); with `undo` (a list to append this
         layer's `AttentionUndo` to) it is a verify block of S >= 1 tokens (`_block_keys`).
+        `n_real` selects exact mode (module docstring): x is a tile whose first n_real rows
+        are tokens at start_pos.. (a decode when `undo` is None); the other rows are padding.
         """
+        if n_real is not None:
+            return self._forward_exact(x, start_pos, st, undo, n_real)
         S = x.shape[0]
         pos = torch.arange(start_pos, start_pos + S, device=x.device)
         q, qr = self.project_q(x, pos)
@@ -176,7 +195,17 @@ class Attention(nn.Module):
             if S != 1:
                 raise ValueError(f"decode at start_pos={start_pos} takes 1 token, got S={S}")
             keys, idx = self._decode_keys(x, qr, kv, start_pos, st)
-        o = sparse_attn(q, keys, self.attn_sink, idx, self.softmax_scale)
+        o = self.attend(q, keys, self.attn_sink, idx, self.softmax_scale)
+        return self.project_out(o, pos)
+
+    def _forward_exact(self, x: torch.Tensor, n: int, st: AttentionState, undo: list[AttentionUndo] | None,
+                       n_real: int) -> torch.Tensor:
+        """Exact mode: x [R, D] tile, rows < n_real are tokens at n.. -> [R, D] (padding rows: 0 attention)."""
+        pos = torch.arange(n, n + x.shape[0], device=x.device)
+        q, qr = self.project_q(x, pos)
+        kv = self.project_kv(x, pos)
+        keys, idx = self._exact_keys(x, qr, kv, n, n_real, st, undo)
+        o = sparse_attn_chunked(q, keys, self.attn_sink, idx, self.softmax_scale, EXACT_KEY_CHUNK)
         return self.project_out(o, pos)
 
     def rollback(self, st: AttentionState, record: AttentionUndo, keep: int, ring: bool = True,
@@ -242,6 +271,45 @@ class Attention(nn.Module):
         undo.append(record)
         return keys, torch.cat(lists, dim=1)
 
+    def _exact_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, n: int, S: int,
+                    st: AttentionState, undo: list[AttentionUndo] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact mode: keys [W + R + E, Dh] = [ring before the call | the tile's kv | entries] and
+        index lists [R, W + Kc] (padding rows all -1) for tokens n..n+S-1 of an R-row tile.
+
+        The same lists for a position whether it is decoded alone or inside a block: window
+        positions in descending order, then the indexer's top-k (exactly index_topk columns)
+        or the plain compressor's visible entries in ascending order. Compressors step token by
+        token; with `undo` (a verify block) every change is journaled as in `_block_keys`.
+        """
+        R, W, r, dev = x.shape[0], self.window, self.ratio, x.device
+        slots = torch.arange(n, n + S, device=dev)[-W:] % W
+        record = AttentionUndo(n, S, slots, st.ring[slots].clone(), kv[:S]) if undo is not None else None
+        q_pos = torch.arange(n, n + R, device=dev)
+        win_pos = q_pos[:, None] - torch.arange(W, device=dev)[None, :]  # [R, W] positions q, q-1, ...
+        win = torch.where(win_pos >= n, W + win_pos - n, win_pos % W)
+        lists = [torch.where(win_pos >= 0, win, -1)]
+        if r == 4:
+            if record is not None:
+                record.indexer = self.indexer.compressor.open_journal(st.indexer, n, S)
+            top = self.indexer.exact_topk(x, qr, n, S, st.indexer, EXACT_KEY_CHUNK)  # [R, index_topk]
+            lists.append(torch.where(top >= 0, top + W + R, top))
+        keys = torch.cat((st.ring, kv))
+        if r:
+            if record is not None:
+                record.compressor = self.compressor.open_journal(st.compressor, n, S)
+            for i in range(S):
+                self.compressor.step(x[i:i + 1], n + i, st.compressor)
+            keys = torch.cat((keys, st.compressor.entries()))
+        if r and r != 4:
+            j = torch.arange(st.compressor.n_entries, device=dev)
+            lists.append(torch.where(j[None, :] < ((q_pos + 1) // r)[:, None], j[None, :] + W + R, -1))
+        idx = torch.cat(lists, dim=1)
+        idx[S:] = -1  # padding rows attend to nothing (output 0)
+        st.ring[slots] = kv[:S][-W:]
+        if record is not None:
+            undo.append(record)
+        return keys, idx
+
     def _prefill_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor,
                       st: AttentionState) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [S + n, Dh] = [kv | entries] and index lists [S, Kw + Kc] for a prompt (spec §5.4)."""
@@ -297,3 +365,32 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
     p = torch.exp(logits - m)
     den = p.sum(-1, keepdim=True) + torch.exp(sink[None, :, None] - m)
     return torch.einsum("shk,skd->shd", p / den, rows).to(q.dtype)
+
+
+def sparse_attn_chunked(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                        scale: float, chunk: int) -> torch.Tensor:
+    """`sparse_attn` as a left fold over fixed chunks of `chunk` index columns (exact mode).
+
+    Same arguments and result (up to rounding) as `sparse_attn`. Every matmul and sum has a
+    shape fixed by (rows, heads, chunk), and a trailing chunk of masked columns adds exact
+    zeros (p = exp(-inf) = 0, m unchanged), so a query's output is bitwise the same whatever
+    the number of rows in the call and however many masked columns pad its list.
+    """
+    S, K = idx.shape
+    Kp = max(chunk, -(-K // chunk) * chunk)
+    idx = torch.nn.functional.pad(idx, (0, Kp - K), value=-1)  # [S, Kp]
+    rows = kv[idx.clamp(min=0)].float()  # (S, Kp, Dh)
+    qf, masked = q.float(), (idx < 0)[:, None, :]  # masked (S, 1, Kp)
+    logits = [torch.einsum("shd,skd->shk", qf, rows[:, c:c + chunk]).mul_(scale)
+              .masked_fill_(masked[..., c:c + chunk], float("-inf")) for c in range(0, Kp, chunk)]  # (S, H, chunk)
+    m = sink[None, :].expand(S, -1)
+    for lg in logits:
+        m = torch.maximum(m, lg.amax(-1))
+    m = m.unsqueeze(-1)  # (S, H, 1)
+    den = out = None
+    for c, lg in zip(range(0, Kp, chunk), logits):
+        p = torch.exp(lg - m)
+        part, pv = p.sum(-1, keepdim=True), torch.einsum("shk,skd->shd", p, rows[:, c:c + chunk])
+        den, out = (part, pv) if den is None else (den + part, out + pv)
+    den = den + torch.exp(sink[None, :, None] - m)
+    return (out / den).to(q.dtype)

@@ -78,6 +78,38 @@ class Indexer(nn.Module):
             scores = self.reduce_scores(scores)
         return select_topk(scores, (pos + 1) // INDEX_RATIO, self.topk)
 
+    def exact_topk(self, x: torch.Tensor, qr: torch.Tensor, start_pos: int, n_real: int, st: CompressorState,
+                   chunk: int) -> torch.Tensor:
+        """Exact mode (see `dsv4.attention`): x [R, D], qr [R, Lq] tile whose first n_real rows
+        are tokens at start_pos.. -> [R, index_topk] int64, exactly index_topk columns (-1 = none;
+        padding rows all -1). Steps the compressor over the n_real tokens, then scores fixed
+        chunks of entries (`index_scores_chunked`), so the selection of a position is the same
+        in a decode and inside a verify block."""
+        R = x.shape[0]
+        pos = torch.arange(start_pos, start_pos + R, device=x.device)
+        for s in range(n_real):
+            self.compressor.step(x[s:s + 1], start_pos + s, st)
+        scores = index_scores_chunked(self.project_q(qr, pos), self.head_weights(x), st.entries(), chunk, self.topk)
+        if self.reduce_scores is not None:
+            scores = self.reduce_scores(scores)
+        n_visible = torch.where(pos < start_pos + n_real, (pos + 1) // INDEX_RATIO, 0)
+        return select_topk(scores, n_visible, self.topk)
+
+
+def index_scores_chunked(qi: torch.Tensor, w: torch.Tensor, kc: torch.Tensor, chunk: int,
+                         min_cols: int) -> torch.Tensor:
+    """`index_scores` over fixed chunks of `chunk` entries (exact mode): -> [S, Ep] fp32.
+
+    The entries are zero-padded to Ep = a multiple of `chunk` >= max(E, min_cols), and each
+    chunk is scored by the same fixed-shape matmul and head sum, so an entry's score does not
+    depend on how many entries exist; columns >= E are padding (the caller masks them).
+    """
+    E = kc.shape[0]
+    Ep = -(-max(E, min_cols, 1) // chunk) * chunk
+    kp = kc.new_zeros(Ep, kc.shape[1])
+    kp[:E] = kc
+    return torch.cat([index_scores(qi, w, kp[c:c + chunk]) for c in range(0, Ep, chunk)], dim=1)
+
 
 def index_scores(qi: torch.Tensor, w: torch.Tensor, kc: torch.Tensor) -> torch.Tensor:
     """qi [S, Hi, Di], w [S, Hi] fp32, kc [E, Di] -> scores [S, E] fp32 (spec §5.7)."""

@@ -9,6 +9,11 @@ token are summed in ascending expert-id order (a fixed left fold), so the output
 depend on the order in which the gate lists a token's experts; without it they are summed
 with `index_add_` in routing (slot) order. Experts are evaluated in ascending id order on
 their tokens in ascending token order either way.
+
+Exact mode (`n_real` given, `Trunk(verify_numerics="exact")`): every route of the first
+n_real rows is evaluated on its own token (one 1-row call per route, never a group of the
+tokens that share an expert), so a token's expert outputs do not depend on which other
+tokens are in the call; the combine is the same fold.
 """
 
 from __future__ import annotations
@@ -115,9 +120,13 @@ class MoE(nn.Module):
         self.expert_offset = 0
         self.reduce_routed: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, n_real: int | None = None) -> torch.Tensor:
+        """x [N, D], ids [N] -> [N, D]; `n_real`: exact mode, routed experts only for rows < n_real."""
         weights, experts = self.gate(x, ids)
-        y = self.combine(x, weights, experts)
+        if n_real is None:
+            y = self.combine(x, weights, experts)
+        else:
+            y = self.combine_per_token(x, weights, experts, n_real)
         if self.reduce_routed is not None:
             y = self.reduce_routed(y)
         y = y + self.shared_experts(x).float()
@@ -136,9 +145,27 @@ class MoE(nn.Module):
                 continue  # another TP rank's expert
             tok, slot = torch.nonzero(experts == e, as_tuple=True)  # ascending token
             partial[tok, slot] = self.experts[e - lo](x[tok], weights[tok, slot]).float()
+        return self._reduce(partial, experts)
+
+    def combine_per_token(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                          n_real: int) -> torch.Tensor:
+        """Exact-mode routed sum: like `combine`, but each route of rows < n_real is its own
+        1-row expert call; rows >= n_real (padding) get 0."""
+        N, k = experts.shape
+        lo, hi = self.expert_offset, self.expert_offset + len(self.experts)
+        partial = x.new_zeros(N, k, x.shape[1], dtype=torch.float32)  # [N, k, D] one row per route
+        for t, row in enumerate(experts[:n_real].tolist()):
+            for slot, e in enumerate(row):
+                if lo <= e < hi:
+                    partial[t, slot] = self.experts[e - lo](x[t:t + 1], weights[t, slot:slot + 1])[0].float()
+        return self._reduce(partial, experts)
+
+    def _reduce(self, partial: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Per-route partials [N, k, D] fp32 -> [N, D] in the configured order (module docstring)."""
+        N, k, D = partial.shape
         if not self.deterministic_reduce:
-            rows = torch.arange(N, device=x.device).repeat_interleave(k)  # [N*k] token of each route
-            return partial.new_zeros(N, x.shape[1]).index_add_(0, rows, partial.flatten(0, 1))
+            rows = torch.arange(N, device=partial.device).repeat_interleave(k)  # [N*k] token of each route
+            return partial.new_zeros(N, D).index_add_(0, rows, partial.flatten(0, 1))
         order = experts.argsort(dim=1, stable=True)  # [N, k] slots by ascending expert id
         partial = partial.gather(1, order.unsqueeze(-1).expand_as(partial))
         y = partial[:, 0].clone()

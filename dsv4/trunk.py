@@ -5,7 +5,8 @@ M = (2 + C) * C mHC logits, T = len(dspark_target_layer_ids), L = n_layers.
 
 One sequence per `TrunkState`; positions are absolute (0-based). `prefill` runs a prompt at
 positions 0..S-1 into an empty state; `decode` runs one token at `state.next_position`.
-Both go through `Trunk._forward(state, ids, start_pos)` (decode is its S == 1 case).
+Both go through `Trunk._forward(state, ids, start_pos)` (decode is its S == 1 case), except
+that with `verify_numerics="exact"` decode and forward_block go through `_forward_exact`.
 `forward_block` + `rollback` verify a draft block as one transaction (see `Trunk`).
 Logits are fp32 for the last position only. Taps (spec §3, §9.2) are the lane mean of the
 block output of every `dspark_target_layer_ids` layer, concatenated in ascending layer order:
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import numbers
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
@@ -35,11 +37,14 @@ from torch import nn
 from dsv4.attention import Attention, AttentionState, AttentionUndo
 from dsv4.config import ModelConfig
 from dsv4.layers import Embedding, Linear, RMSNorm, frozen_param
-from dsv4.mhc import hc_head, hc_post, hc_pre, lane_mean
+from dsv4.mhc import hc_head, hc_post, hc_pre
 from dsv4.moe import MoE
 from dsv4.settings import Settings
+from kernels.select import KernelConfig
 
 DTYPES = (torch.float32, torch.bfloat16)
+VERIFY_NUMERICS = ("fast", "exact")
+EXACT_ROWS = 8  # exact mode: rows of every dense forward (a decode, or a verify block of <= 8 tokens)
 
 
 class Block(nn.Module):
@@ -51,7 +56,8 @@ class Block(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype = torch.float32,
-                 quant_sim: bool = False, deterministic_reduce: bool = True, device: torch.device | str = "cpu"):
+                 quant_sim: bool = False, deterministic_reduce: bool = True, device: torch.device | str = "cpu",
+                 kernels: KernelConfig | None = None):
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
         D, C = cfg.dim, cfg.hc_mult
@@ -62,7 +68,8 @@ class Block(nn.Module):
             setattr(self, f"hc_{part}_fn", frozen_param((M, C * D), torch.float32, device))
             setattr(self, f"hc_{part}_base", frozen_param((M,), torch.float32, device))
             setattr(self, f"hc_{part}_scale", frozen_param((3,), torch.float32, device))
-        self.attn = Attention(cfg, layer_id, dtype, quant_sim, device)
+        self.attn = Attention(cfg, layer_id, dtype, quant_sim, device,
+                              attend=(kernels or KernelConfig()).op("sparse_attn"))
         self.ffn = MoE(cfg, layer_id, dtype, quant_sim, deterministic_reduce, device)
 
     def _residual(self, h: torch.Tensor, part: str, norm: RMSNorm,
@@ -76,18 +83,21 @@ class Block(nn.Module):
         """h [S, C, D] -> hc_post(attend(attn_norm(hc_pre(h))), h); `attend`: [S, D] -> [S, D]."""
         return self._residual(h, "attn", self.attn_norm, attend)
 
-    def ffn_residual(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """h [S, C, D], ids [S] (hash routing) -> h after the MoE sublayer."""
-        return self._residual(h, "ffn", self.ffn_norm, lambda x: self.ffn(x, ids))
+    def ffn_residual(self, h: torch.Tensor, ids: torch.Tensor, n_real: int | None = None) -> torch.Tensor:
+        """h [S, C, D], ids [S] (hash routing) -> h after the MoE sublayer (`n_real`: exact mode)."""
+        if n_real is None:  # DSpark stages' MoE takes (x, ids) only
+            return self._residual(h, "ffn", self.ffn_norm, lambda x: self.ffn(x, ids))
+        return self._residual(h, "ffn", self.ffn_norm, lambda x: self.ffn(x, ids, n_real))
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor, start_pos: int, st: AttentionState,
-                undo: list[AttentionUndo] | None = None) -> torch.Tensor:
+                undo: list[AttentionUndo] | None = None, n_real: int | None = None) -> torch.Tensor:
         """Trunk block: h [S, C, D], ids [S] at positions start_pos.. -> [S, C, D]; updates `st`.
 
         `undo`: for a verify block, the list this layer's `AttentionUndo` is appended to.
+        `n_real`: exact mode, h is an EXACT_ROWS tile whose first n_real rows are tokens.
         """
-        h = self.attn_residual(h, lambda x: self.attn(x, start_pos, st, undo))
-        return self.ffn_residual(h, ids)
+        h = self.attn_residual(h, lambda x: self.attn(x, start_pos, st, undo, n_real))
+        return self.ffn_residual(h, ids, n_real)
 
 
 class TrunkState:
@@ -201,6 +211,31 @@ class Trunk(nn.Module):
     unverified drafts silently, and later decodes would keep appending to the block's
     journals. `state.reset()` also discards an open block.
 
+    Verify numerics (`verify_numerics`, DESIGN.md §4). "fast" (default): decode runs one
+    row, a verify block k+1 rows; their logits agree to rounding (~1e-6 relative in fp32, ~5e-3
+in bf16), not bitwise. "exact":
+    decode and forward_block compute a position's logits and taps bitwise alike, so a
+    batched speculative chain equals the plain greedy chain token for token. Recipe
+    (`_forward_exact`): every decode and verify block runs as a tile of EXACT_ROWS = 8 rows
+    (the tokens, then padding), so every dense op (linears, mHC, norms, rope, head) has one
+    fixed shape and a row's result does not depend on the other rows; attention keys per
+    query are the same list in decode and verify, reduced in fixed chunks
+    (`dsv4.attention.sparse_attn_chunked`), the indexer scores fixed chunks of entries and
+    always returns index_topk columns; routed experts run one 1-row call per route (never a
+    group by expert); compressors already step token by token; intra-op threads are pinned to
+    the count at construction (`exact_threads`) during each exact forward. Prefill is
+    unchanged (plain and speculative runs share it). Blocks hold at most EXACT_ROWS tokens.
+    Cost on CPU (bench/bench_exact.py, fp32, 1 thread; the shared machine moves ratios by
+    ~10%): tiny config, exact plain decode 0.86-0.88x the tok/s of fast plain decode and exact
+    always-k 0.92-0.94x fast always-k; dim-1024 config (16 experts, top-4), 0.75-0.81x and
+    0.73-0.83x. Where it comes from (dim 1024, profiled): a decode runs mHC, the attention
+    projections and the head on 8 rows instead of 1 (+35%; its routed experts cost the same,
+    one token either way); a verify(5) evaluates 24 one-row expert calls instead of <= 16
+    grouped ones (+28% in all, nearly all of it in the routed experts); padding 6 -> 8 rows
+    and the chunked attention and indexer cost little. On a GPU decode is memory-bound, so
+    the padded rows are nearly free and per-route experts are the small-batch fp4 path
+    (`kernels.fp4_gemm`); bench/gpu_check.py measures both when a device is lent.
+
     Args:
         dtype: storage/compute dtype of the linears and the residual stream (torch.float32
             or torch.bfloat16); norms, mHC parameters, attn_sink, ape, compressor linears,
@@ -208,18 +243,29 @@ class Trunk(nn.Module):
         quant_sim: fp8/fp4 activation simulation (spec §2.4); None -> cfg.quant_sim.
         deterministic_reduce: MoE combine order; None -> `Settings.from_env()`.
         device: where parameters and states live; "meta" builds the module tree without memory.
+        verify_numerics: "fast" or "exact" (above).
+        kernels: implementation of the `kernels/` ops the model uses (sparse attention of the
+            fast path, tap pooling); None -> `KernelConfig.from_env()` (torch unless
+            `DSV4_KERNELS=triton`).
     Raises:
-        ValueError: dtype not float32/bfloat16, or quant_sim on with sizes that do not fit its
-            blocks (`ModelConfig.check_quant_sim_blocks`).
+        ValueError: dtype not float32/bfloat16, verify_numerics not "fast"/"exact", or
+            quant_sim on with sizes that do not fit its blocks (`ModelConfig.check_quant_sim_blocks`).
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, quant_sim: bool | None = None,
-                 deterministic_reduce: bool | None = None, device: torch.device | str = "cpu"):
+                 deterministic_reduce: bool | None = None, device: torch.device | str = "cpu",
+                 verify_numerics: str = "fast", kernels: KernelConfig | None = None):
         super().__init__()
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype}: must be torch.float32 or torch.bfloat16")
+        if verify_numerics not in VERIFY_NUMERICS:
+            raise ValueError(f"verify_numerics={verify_numerics!r}: must be one of {VERIFY_NUMERICS}")
+        self.verify_numerics = verify_numerics
+        self.exact_threads = torch.get_num_threads() if verify_numerics == "exact" else None
+        self.kernels = KernelConfig.from_env() if kernels is None else kernels
+        self._lane_mean = self.kernels.op("lane_mean")
         self.cfg, self.dtype = cfg, dtype
         self.quant_sim = cfg.quant_sim if quant_sim is None else bool(quant_sim)
         if self.quant_sim:
@@ -230,7 +276,8 @@ class Trunk(nn.Module):
         D, C = cfg.dim, cfg.hc_mult
         self.embed = Embedding(cfg.vocab_size, D, dtype, device)
         self.layers = nn.ModuleList(
-            Block(cfg, i, dtype, self.quant_sim, self.deterministic_reduce, device) for i in range(cfg.n_layers))
+            Block(cfg, i, dtype, self.quant_sim, self.deterministic_reduce, device, self.kernels)
+            for i in range(cfg.n_layers))
         self.norm = RMSNorm(D, cfg.norm_eps, device)
         self.hc_head_fn = frozen_param((C, C * D), torch.float32, device)
         self.hc_head_base = frozen_param((C,), torch.float32, device)
@@ -359,6 +406,9 @@ class Trunk(nn.Module):
             raise ValueError(f"decode position={position}: must be < max_seq_len={self.cfg.max_seq_len}")
         ids = self._check_ids([tok])
         _require_bool(taps, "taps")
+        if self.verify_numerics == "exact":
+            logits, rows = self._forward_exact(state, ids, position, None)
+            return ForwardOutput(logits=logits[0], taps=rows if taps else None)
         return self._forward(state, ids, position, 1 if taps else None)
 
     def forward_block(self, state: TrunkState, token_ids: Any, start_pos: int) -> BlockOutput:
@@ -385,6 +435,13 @@ class Trunk(nn.Module):
         S = ids.shape[0]
         if start_pos + S > self.cfg.max_seq_len:
             raise ValueError(f"verify block of {S} tokens at {start_pos} runs past max_seq_len={self.cfg.max_seq_len}")
+        if self.verify_numerics == "exact":
+            if S > EXACT_ROWS:
+                raise ValueError(f"verify block of {S} tokens: exact mode verifies at most {EXACT_ROWS} "
+                                 f"(k <= {EXACT_ROWS - 1} drafts)")
+            undo = []
+            logits, taps = self._forward_exact(state, ids, start_pos, undo)
+            return self._open_block(state, logits, taps, undo, start_pos, S)
         cfg, undo = self.cfg, []
         rows = []
         with torch.no_grad():
@@ -392,10 +449,15 @@ class Trunk(nn.Module):
             for i, block in enumerate(self.layers):
                 h = block(h, ids, start_pos, state.layers[i], undo)
                 if i in cfg.dspark_target_layer_ids:
-                    rows.append(lane_mean(h))  # [S, D]
+                    rows.append(self._lane_mean(h))  # [S, D]
             x = hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, cfg.norm_eps, cfg.hc_eps)
             logits = self.head(self.norm(x).float())  # [S, V] fp32
         taps = torch.cat(rows, dim=-1) if rows else logits.new_zeros(S, 0)  # [S, T*D]
+        return self._open_block(state, logits, taps, undo, start_pos, S)
+
+    def _open_block(self, state: TrunkState, logits: torch.Tensor, taps: torch.Tensor,
+                    undo: list[AttentionUndo], start_pos: int, S: int) -> BlockOutput:
+        """Record the block's undo on `state` (now open) and advance it to start_pos + S."""
         record = BlockUndo(start_pos, S, undo, state._token)
         state.next_position = start_pos + S
         state.open_block = record
@@ -512,7 +574,7 @@ class Trunk(nn.Module):
         for i, block in enumerate(self.layers):
             h = block(h, ids, start_pos, state.layers[i])
             if keep is not None and i in cfg.dspark_target_layer_ids:
-                rows.append(lane_mean(h[S - keep:]))  # [keep, D]
+                rows.append(self._lane_mean(h[S - keep:]))  # [keep, D]
         x = hc_head(h[-1:], self.hc_head_fn, self.hc_head_scale, self.hc_head_base, cfg.norm_eps, cfg.hc_eps)
         logits = self.head(self.norm(x).float())[0]  # [V] fp32
         taps = None
@@ -520,3 +582,39 @@ class Trunk(nn.Module):
             taps = torch.cat(rows, dim=-1) if rows else logits.new_zeros(keep, 0)  # [keep, T*D]
         state.next_position = start_pos + S  # only once everything above succeeded
         return ForwardOutput(logits=logits, taps=taps)
+
+    @torch.no_grad()
+    def _forward_exact(self, state: TrunkState, ids: torch.Tensor, start_pos: int,
+                       undo: list[AttentionUndo] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact mode (class docstring): ids [S] (S <= EXACT_ROWS) at start_pos.. as one
+        EXACT_ROWS-row tile (padding rows: token 0, never written to the state) ->
+        (logits [S, V] fp32, taps [S, T*D] fp32). `undo`: a verify block's journal list, or None
+        for a decode. The caller has checked every argument and the state."""
+        cfg, S = self.cfg, ids.shape[0]
+        tile = torch.nn.functional.pad(ids, (0, EXACT_ROWS - S))  # [R]
+        with _pinned_threads(self.exact_threads):
+            h = self.embed(tile).unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # (R, C, D)
+            rows = []
+            for i, block in enumerate(self.layers):
+                h = block(h, tile, start_pos, state.layers[i], undo, n_real=S)
+                if i in cfg.dspark_target_layer_ids:
+                    rows.append(self._lane_mean(h))  # [R, D]
+            x = hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, cfg.norm_eps, cfg.hc_eps)
+            logits = self.head(self.norm(x).float())  # [R, V] fp32
+        taps = torch.cat(rows, dim=-1) if rows else logits.new_zeros(EXACT_ROWS, 0)  # [R, T*D]
+        state.next_position = start_pos + S
+        return logits[:S], taps[:S]
+
+
+@contextmanager
+def _pinned_threads(n: int):
+    """Run the body with `n` torch intra-op threads, restoring the count after (exact mode:
+    a GEMM may split its work, and so its sums, differently with another thread count)."""
+    before = torch.get_num_threads()
+    if before != n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if before != n:
+            torch.set_num_threads(before)
