@@ -22,9 +22,11 @@ from dsv4.init import random_weights
 from dsv4.trunk import Trunk
 from services.common.server import RunningServer, start_server
 from services.common.settings import BackendSettings, GatewaySettings
+from services.common.tls import TlsFiles
 from services.drafter.engine import DrafterEngine
 from services.drafter.live_oracle import LiveOracleDrafter
 from services.drafter.servicer import DrafterServicer
+from services.gateway.auth import BearerTokenInterceptor
 from services.gateway.gate import GateConfig
 from services.gateway.scheduler import Scheduler
 from services.gateway.servicer import Backends, GatewayServicer, connect_backends
@@ -33,6 +35,12 @@ from services.verifier.engine import VerifierEngine
 from services.verifier.servicer import VerifierServicer
 
 TINY_SEED = 0
+BUNDLED_CHECKPOINT = Path(__file__).resolve().parents[1] / "assets" / "dspark-small"  # issue #7's model
+
+
+def default_checkpoint() -> str | None:
+    """The bundled model's folder (assets/dspark-small) when it exists, else None (the random tiny model)."""
+    return str(BUNDLED_CHECKPOINT) if (BUNDLED_CHECKPOINT / "config.json").is_file() else None
 
 
 def random_tiny_config() -> ModelConfig:
@@ -111,15 +119,23 @@ async def start_drafter(engine, port: int = 0, provider: TracerProvider | None =
 
 async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | None = None, port: int = 0,
                         provider: TracerProvider | None = None, checkpoint: str | Path | None = None,
-                        recorder: list | None = None, host: str = "127.0.0.1"
-                        ) -> tuple[RunningServer, Scheduler, Backends]:
+                        recorder: list | None = None, host: str = "127.0.0.1",
+                        backend_tls: TlsFiles | None = None, credentials: grpc.ServerCredentials | None = None,
+                        metrics=None) -> tuple[RunningServer, Scheduler, Backends]:
     """Connect to the backends (identity check), then serve the Gateway.
 
+    backend_tls: the gateway's client certificate and the backends' CA (mTLS; None = plaintext).
+    credentials: TLS of the client-facing port (None = plaintext). `settings.token`, when set,
+    is required from every client call (`services.gateway.auth`).
+    metrics: a `services.gateway.metrics.GatewayMetrics` the scheduler records into (None: none).
     Raises:
         IdentityMismatch: drafter and verifier serve different models.
         BackendError: the verifier is unreachable within the startup deadline.
     """
-    backends = Backends(settings, provider)
+    if backend_tls is None:
+        backends = Backends(settings, provider)
+    else:
+        backends = Backends(settings, provider, backend_tls.channel_credentials(), backend_tls.channel_options())
     try:
         limits, _ = await connect_backends(backends)
     except BaseException:
@@ -128,16 +144,20 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
     gate_config = gate_config or GateConfig.from_env()
     tokenizer = load_tokenizer(checkpoint, limits.vocab_size, limits.eos_token_id)
     scheduler = Scheduler(limits, tokenizer, gate_config, settings.verify_mode, settings.cost_mode,
-                          provider, recorder)
+                          provider, recorder, metrics)
     servicer = GatewayServicer(scheduler, backends)
+    auth = [BearerTokenInterceptor(settings.token)] if settings.token else []
     running = await start_server("dspark.v1.Gateway",
                                  lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
-                                 port, host, provider)
+                                 port, host, provider, credentials=credentials, interceptors=auth)
     return running, scheduler, backends
 
 
 def verifier_engine(model: Trunk, settings: BackendSettings | None = None) -> VerifierEngine:
     settings = settings or BackendSettings.from_env()
+    if isinstance(model, Trunk):  # DSV4_TOPK_DIAG dumps; a TP trunk wraps each rank itself
+        from services.verifier.topk_diag import maybe_wrap
+        model = maybe_wrap(model)
     return VerifierEngine(model, max_sessions=settings.max_sessions)
 
 

@@ -179,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replay(subparsers)
     from services.serve_cli import add_commands  # serve, up, generate
     add_commands(subparsers)
+    from services.analysis.cli import add_commands as add_analysis  # trace-report, calibrate, parity
+    add_analysis(subparsers)
     return parser
 
 

@@ -41,6 +41,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--oracle-corrupt-every", type=int, default=0,
                        help="oracle drafter: corrupt one draft slot in N positions (0 = never)")
     serve.add_argument("--record-rounds", default=None, help="gateway: write every round to FILE (replay format)")
+    serve.add_argument("--metrics-port", type=int, default=None,
+                       help="gateway: serve Prometheus metrics on this port (default: $DSPARK_METRICS_PORT, else none)")
     serve.set_defaults(func=_serve)
 
     up = sub.add_parser("up", help="start verifier, drafter and gateway on localhost")
@@ -58,6 +60,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--label", default="", help="workload label for the gateway's recorded rounds")
     gen.add_argument("--timeout", type=float, default=300.0, help="deadline of the whole call (s)")
     gen.add_argument("--json", action="store_true", help="print each streamed message as one JSON line")
+    gen.add_argument("--token", default=None,
+                     help="bearer token for a gateway that requires one (default: $DSPARK_GATEWAY_TOKEN)")
+    gen.add_argument("--tls-ca", default=None, metavar="FILE",
+                     help="connect with TLS, trusting the CA certificates in FILE (PEM); default plaintext")
     gen.set_defaults(func=_generate)
 
 
@@ -68,41 +74,69 @@ def _checkpoint(args) -> str | None:
 def _serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     port = DEFAULT_PORTS[args.service] if args.port is None else args.port
-    asyncio.run(_serve_async(args, port))
+    from services.common.settings import ServeSettings
+    from services.common.tls import gateway_tls_from_env, tls_from_env
+    try:  # settings that are files are checked before any model loads
+        serve = ServeSettings.from_env()
+        tls = tls_from_env()
+        gateway_tls = gateway_tls_from_env() if args.service == "gateway" else None
+        from services.gateway.metrics import metrics_port
+        args.metrics_port = metrics_port(args.metrics_port) if args.service == "gateway" else None
+    except ValueError as exc:
+        print(f"dspark serve {args.service}: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(_serve_async(args, port, tls, gateway_tls, serve))
     return 0
 
 
-async def _serve_async(args, port: int) -> None:
+async def _serve_async(args, port: int, tls=None, gateway_tls=None, serve=None) -> None:
     from services import app
     from services.common.server import run_until_signal
+    from services.common.tls import start_health_server
     from services.common.settings import BackendSettings, GatewaySettings
     from services.common.telemetry import tracer_provider_from_env
 
     provider = tracer_provider_from_env(f"dspark-{args.service}")
     ckpt = _checkpoint(args)
-    recorder = None
+    recorder = metrics = None
     if args.service == "verifier":
         settings = BackendSettings.from_env()
         tp = getattr(args, "tp", 1)
         trunk = app.load_trunk(ckpt, tp=tp, device=getattr(args, "device", "cpu"))
         running = await app.start_verifier(app.verifier_engine(trunk, settings), port,
-                                           settings.verify_mode, provider, args.host, tp=tp)
+                                           settings.verify_mode, provider, args.host, tp=tp,
+                                           credentials=tls and tls.server_credentials())
     elif args.service == "drafter":
         settings = BackendSettings.from_env()
         model = app.load_trunk(ckpt) if args.oracle else app.load_drafter(ckpt)
         engine = app.drafter_engine(model, args.oracle, settings, args.oracle_corrupt_every)
-        running = await app.start_drafter(engine, port, provider, args.host)
+        running = await app.start_drafter(engine, port, provider, args.host,
+                                          credentials=tls and tls.server_credentials())
     else:
         recorder = [] if args.record_rounds else None
+        if args.metrics_port is not None:
+            from services.gateway.metrics import GatewayMetrics
+            metrics = GatewayMetrics()
+            metrics.serve(args.metrics_port, args.host)
         running, _, backends = await app.start_gateway(GatewaySettings.from_env(), port=port, provider=provider,
-                                                       checkpoint=ckpt, recorder=recorder, host=args.host)
+                                                       checkpoint=ckpt, recorder=recorder, host=args.host,
+                                                       backend_tls=tls,
+                                                       credentials=gateway_tls and gateway_tls.server_credentials(),
+                                                       metrics=metrics)
+    health = None
+    if serve is not None and serve.health_port is not None:
+        health, _ = await start_health_server(running.health, serve.health_port, args.host)
     try:
-        await run_until_signal(running)
+        await run_until_signal(running, serve.drain_timeout_s if serve is not None else 30.0)
     finally:
+        if health is not None:
+            await health.stop(0)
         if recorder is not None:
             from services.gateway.rounds import RoundLog, save_rounds
             save_rounds(RoundLog(tuple(recorder), {"source": "dspark serve gateway --record-rounds"}),
                         args.record_rounds)
+        if metrics is not None:
+            metrics.close()
         provider.shutdown()
 
 
@@ -139,6 +173,13 @@ def _generate(args) -> int:
     if args.max_tokens <= 0:
         print(f"dspark generate: --max-tokens={args.max_tokens} must be > 0", file=sys.stderr)
         return 2
+    if args.tls_ca is not None:
+        try:
+            with open(args.tls_ca, "rb") as f:
+                args.tls_ca_pem = f.read(1 << 20)
+        except OSError as e:
+            print(f"dspark generate: --tls-ca={args.tls_ca!r}: cannot read: {e.strerror or e}", file=sys.stderr)
+            return 2
     try:
         return asyncio.run(_generate_async(args))
     except grpc.aio.AioRpcError as e:
@@ -149,9 +190,15 @@ def _generate(args) -> int:
 async def _generate_async(args) -> int:
     req = gateway_pb2.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens, spec=_SPEC[args.spec],
                                       stop=args.stop, ignore_eos=args.ignore_eos, label=args.label)
-    async with grpc.aio.insecure_channel(args.target) as channel:
+    token = os.environ.get("DSPARK_GATEWAY_TOKEN", "") if args.token is None else args.token
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    if args.tls_ca is not None:
+        channel = grpc.aio.secure_channel(args.target, grpc.ssl_channel_credentials(args.tls_ca_pem))
+    else:
+        channel = grpc.aio.insecure_channel(args.target)
+    async with channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
-        async for msg in stub.Generate(req, timeout=args.timeout):
+        async for msg in stub.Generate(req, timeout=args.timeout, metadata=metadata):
             if args.json:
                 print(json.dumps(_as_dict(msg)), flush=True)
             elif msg.finished:

@@ -43,17 +43,25 @@ class VerifyRequest(_message.Message):
     mode: VerifyMode
     def __init__(self, anchor: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., mode: _Optional[_Union[VerifyMode, str]] = ...) -> None: ...
 
+class RowsRequest(_message.Message):
+    __slots__ = ("count",)
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    def __init__(self, count: _Optional[int] = ...) -> None: ...
+
 class VerifierRequest(_message.Message):
-    __slots__ = ("trace", "prefill", "decode", "verify")
+    __slots__ = ("trace", "prefill", "decode", "verify", "rows")
     TRACE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     VERIFY_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     trace: _common_pb2.TraceContext
     prefill: PrefillRequest
     decode: DecodeRequest
     verify: VerifyRequest
-    def __init__(self, trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ...) -> None: ...
+    rows: RowsRequest
+    def __init__(self, trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., rows: _Optional[_Union[RowsRequest, _Mapping]] = ...) -> None: ...
 
 class VerifierResponse(_message.Message):
     __slots__ = ("next_token", "margin", "accepted", "rows", "first_position", "next_position", "timing")

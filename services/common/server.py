@@ -12,7 +12,7 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -55,13 +55,18 @@ class RunningServer:
 async def start_server(service_name: str, register: Callable[[grpc.aio.Server], None], port: int = 0,
                        host: str = "127.0.0.1", provider: TracerProvider | None = None,
                        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                       credentials: grpc.ServerCredentials | None = None) -> RunningServer:
+                       credentials: grpc.ServerCredentials | None = None,
+                       interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> RunningServer:
     """Start an aio server on host:port (0 = any free port) with `register(server)` servicers.
+    `credentials`: TLS (None = plaintext); `interceptors` run after the OTel one (e.g. auth).
 
     Raises:
         RuntimeError: the port could not be bound (named).
     """
-    server = grpc.aio.server(interceptors=server_interceptors(provider), options=channel_options(max_message_bytes))
+    from services.common.settings import ServeSettings  # DSPARK_MAX_CONNECTION_AGE_S
+    age_ms = int(ServeSettings.from_env().max_connection_age_s * 1000)
+    server = grpc.aio.server(interceptors=server_interceptors(provider) + list(interceptors),
+                             options=channel_options(max_message_bytes) + [("grpc.max_connection_age_ms", age_ms)])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

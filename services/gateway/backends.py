@@ -31,6 +31,12 @@ class BackendError(RuntimeError):
         self.backend, self.code = backend, code
 
 
+# Drafter failures another replica may cure (the replica died, is unreachable, hung or is
+# shutting down): the gateway re-primes a new drafter session on them (`DSPARK_DRAFTER_FAILOVERS`).
+FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            grpc.StatusCode.CANCELLED})
+
+
 @dataclass(frozen=True)
 class VerifierReply:
     """next_token: the new anchor; margin: its top1 - top2 logit; accepted: drafts accepted;
@@ -60,6 +66,9 @@ class VerifierSession(Protocol):
     async def decode(self, token_id: int, position: int, trace: common_pb2.TraceContext) -> VerifierReply: ...
     async def verify(self, anchor: int, drafts: Sequence[int], position: int, mode: str,
                      trace: common_pb2.TraceContext) -> VerifierReply: ...
+    # The last min(count, kept) committed rows (count 0: all kept, up to window_size); needed
+    # only for drafter failover (the gRPC session has it, the in-process one does not).
+    async def rows(self, count: int, trace: common_pb2.TraceContext) -> VerifierReply: ...
     async def close(self) -> None: ...
 
 
@@ -139,6 +148,9 @@ class GrpcVerifierSession:
     async def verify(self, anchor, drafts, position, mode, trace):
         req = verifier_pb2.VerifyRequest(anchor=anchor, drafts=list(drafts), position=position, mode=_MODE_ENUM[mode])
         return await self._ask(trace, verify=req)
+
+    async def rows(self, count, trace):
+        return await self._ask(trace, rows=verifier_pb2.RowsRequest(count=count))
 
     async def close(self):
         await self._s.close()

@@ -12,8 +12,12 @@ which prime the drafter. Each round, with the anchor x[p] at position p:
      margin, rows of positions p..p+a;
   5. commit those rows to the drafter, stream d1..da + bonus token by token with the stop
      checks, feed the gate (censored), advance p by a+1.
-A drafter failure degrades the generation to plain decode (identical output under sequential
-verify); a verifier failure ends it (the servicer answers UNAVAILABLE).
+A drafter failure that another replica may cure (`FAILOVER_CODES`) re-primes a new drafter
+session (`reopen_drafter`: a new stream, which the channel's round_robin places on a live
+replica) with the verifier's last min(W, committed) rows and the committed tokens, and
+speculation resumes; otherwise, or with no replica left, the generation continues with plain
+decode (identical output under sequential verify). A verifier failure ends it (the servicer
+answers UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -23,13 +27,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.telemetry import TRACER_NAME, trace_context
-from services.gateway.backends import BackendError, DrafterSession, VerifierSession
+from services.gateway.backends import FAILOVER_CODES, BackendError, DrafterSession, VerifierSession
 from services.gateway.costs import CostTracker
 from services.gateway.gate import Gate, GateConfig, GateStats
 from services.gateway.rounds import Round, check_workload
@@ -76,6 +80,7 @@ class SpecCounters:
     truncated_rounds: int = 0
     skipped_after_draft: int = 0
     plain_rounds: int = 0
+    drafter_failovers: int = 0   # new drafter sessions re-primed after a drafter failed
     drafter_failed: bool = False
 
     @property
@@ -154,11 +159,12 @@ class Scheduler:
         cost_mode: "configured" or "measured" (see `services.gateway.costs`).
         provider: tracer provider for generation and round spans (None: no spans).
         recorder: a list that receives one `Round` per speculative round (`--record-rounds`).
+        metrics: `services.gateway.metrics.GatewayMetrics` fed per round and per generation (None: none).
     """
 
     def __init__(self, limits: ModelLimits, tokenizer: Tokenizer, gate_config: GateConfig,
                  verify_mode: str = "batched", cost_mode: str = "configured",
-                 provider: TracerProvider | None = None, recorder: list[Round] | None = None):
+                 provider: TracerProvider | None = None, recorder: list[Round] | None = None, metrics=None):
         if verify_mode not in VERIFY_MODES:
             raise ValueError(f"verify mode={verify_mode!r}: must be one of {VERIFY_MODES}")
         self.limits, self.tokenizer, self.gate_config = limits, tokenizer, gate_config
@@ -167,6 +173,7 @@ class Scheduler:
         self.costs.model(cost_mode)  # validates the mode
         self.tracer = (provider or trace.NoOpTracerProvider()).get_tracer(TRACER_NAME)
         self.recorder = recorder
+        self.metrics = metrics
         self.stats = ProcessStats()
 
     # ------------------------------------------------------------------ validation
@@ -208,13 +215,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ generation
     async def generate(self, p: GenerationParams, verifier: VerifierSession,
-                       drafter: DrafterSession | None) -> AsyncIterator[TokenEvent | FinalEvent]:
+                       drafter: DrafterSession | None,
+                       reopen_drafter: Callable[[], DrafterSession | None] | None = None
+                       ) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Run one generation; yields TokenEvents, then one FinalEvent.
 
         `drafter` None (or spec "off") is plain decode. Raises BackendError when the verifier
-        fails; drafter failures are absorbed (plain decode from then on).
+        fails; drafter failures are absorbed: `reopen_drafter()` (None: no failover) returns a
+        new drafter session to re-prime, or None when no more attempts are allowed; without
+        one, plain decode from then on.
         """
-        gen = _Generation(self, p, verifier, drafter if p.spec != "off" else None)
+        gen = _Generation(self, p, verifier, drafter if p.spec != "off" else None, reopen_drafter)
         with self.tracer.start_as_current_span("gateway.generate") as span:
             span.set_attribute("gen_ai.operation.name", "text_completion")
             span.set_attribute("gen_ai.request.max_tokens", p.max_tokens)
@@ -228,6 +239,9 @@ class Scheduler:
                     for k, v in event.counters.to_dict().items():
                         span.set_attribute(f"spec_decode.{k}", v)
                     self.stats.add(event, gen.gate.stats)
+                    if self.metrics is not None:
+                        self.metrics.record_generation(event.time_to_first_token_ms / 1e3, time.perf_counter() - gen.t0,
+                                                       event.completion_tokens, event.counters.drafter_failed)
                 yield event
 
 
@@ -235,8 +249,10 @@ class _Generation:
     """State of one generation (see the module docstring for the round protocol)."""
 
     def __init__(self, sched: Scheduler, p: GenerationParams, verifier: VerifierSession,
-                 drafter: DrafterSession | None):
+                 drafter: DrafterSession | None, reopen_drafter: Callable[[], DrafterSession | None] | None = None):
         self.s, self.p, self.verifier, self.drafter = sched, p, verifier, drafter
+        self.reopen_drafter = reopen_drafter if drafter is not None else None
+        self.committed: list[int] = []  # tokens of the positions the verifier has committed
         gate_cfg = sched.gate_config
         if p.spec == "gated":
             gate_cfg = dataclasses.replace(gate_cfg, enabled=sched.limits.confidence_head)
@@ -327,12 +343,14 @@ class _Generation:
             return a, [*drafts[:a], res.next_token], res.margin
 
     async def _draft(self, anchor: int, pos: int, tc) -> tuple[list[int], list[float] | None, float | None]:
-        t0 = time.perf_counter()
-        try:
-            reply = await self.drafter.draft(anchor, pos - 1, tc)
-        except BackendError as exc:
-            await self._drop_drafter(exc)
-            return [], None, None
+        while True:
+            t0 = time.perf_counter()
+            try:
+                reply = await self.drafter.draft(anchor, pos - 1, tc)
+                break
+            except BackendError as exc:
+                if not await self._drafter_failed(exc):
+                    return [], None, None
         ms = (time.perf_counter() - t0) * 1e3
         self.s.costs.add_draft(ms)
         self.counters.drafted += len(reply.tokens)
@@ -362,24 +380,48 @@ class _Generation:
         return k, max_n
 
     async def _commit(self, rows, first_position: int, token_ids: Sequence[int], token_first: int) -> None:
+        self.committed[token_first:] = token_ids
         if self.drafter is None:
             return
         try:
             await self.drafter.commit(rows, first_position, token_ids, token_first,
                                       trace_context(trace.get_current_span()))
         except BackendError as exc:
-            await self._drop_drafter(exc)
+            await self._drafter_failed(exc)  # a new session is primed with these rows too
 
-    async def _drop_drafter(self, exc: BackendError) -> None:
-        """The drafter failed: plain decode for the rest of this generation."""
-        drafter, self.drafter = self.drafter, None
+    async def _drafter_failed(self, exc: BackendError) -> bool:
+        """The drafter failed. Re-prime new drafter sessions (another replica) while
+        `reopen_drafter` allows and the failure is one another replica may cure; True when one
+        took over. Otherwise plain decode for the rest of this generation (False).
+
+        Raises:
+            BackendError: the verifier failed to return its kept rows (ends the generation).
+        """
+        await _close_quietly(self.drafter)
+        self.drafter = None
+        span = trace.get_current_span()
+        span.add_event("drafter_failed", {"error": str(exc)})
+        while self.reopen_drafter is not None and exc.code in FAILOVER_CODES:
+            new = self.reopen_drafter()
+            if new is None:
+                break
+            tc = trace_context(span)
+            kept = await self.verifier.rows(0, tc)  # the last min(W, committed) rows
+            last = kept.first_position + kept.rows.shape[0]
+            try:  # the oracle drafter needs every committed token; the DSpark one ignores them
+                await new.commit(kept.rows, kept.first_position, self.committed[:last], 0, tc)
+            except BackendError as again:
+                await _close_quietly(new)
+                exc = again
+                continue
+            self.drafter = new
+            self.counters.drafter_failovers += 1
+            log.warning("drafter failed (%s); a new drafter session took over from position %d", exc, last)
+            span.add_event("drafter_failover", {"first_position": kept.first_position, "rows": kept.rows.shape[0]})
+            return True
         self.counters.drafter_failed = True
         log.warning("drafter failed, generation continues with plain decode: %s", exc)
-        trace.get_current_span().add_event("drafter_failed", {"error": str(exc)})
-        try:
-            await drafter.close()
-        except Exception:  # the stream is already broken; nothing more to free here
-            pass
+        return False
 
     def _record(self, span, conf, k, a, margin, decision, draft_ms, verify_ms, drafted) -> None:
         for key, value in (("drafted", drafted), ("submitted", k), ("accepted", a), ("gate_decision", decision),
@@ -387,8 +429,20 @@ class _Generation:
             span.set_attribute(f"spec_decode.{key}", value)
         if draft_ms is not None:
             span.set_attribute("spec_decode.draft_ms", draft_ms)
+        if conf is not None:  # for the reliability diagram of `dspark trace-report`
+            span.set_attribute("spec_decode.confidence_logits", [float(c) for c in conf])
+        if self.s.metrics is not None:
+            self.s.metrics.record_round(drafted, k, a, decision)
         if self.s.recorder is not None and conf is not None:  # replay needs the confidences
             self.s.recorder.append(Round(
                 workload=self.p.label, confidence_logits=tuple(conf),
                 submitted=k, accepted=a, anchor_margin=margin, draft_ms=draft_ms,
                 verify_ms=verify_ms if k > 0 else None, plain_ms=verify_ms if k == 0 else None))
+
+
+async def _close_quietly(session) -> None:
+    """Close a drafter session whose stream may already be broken (nothing more to free then)."""
+    try:
+        await session.close()
+    except Exception:
+        pass

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Sequence
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from dspark_proto.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
 from services.common.server import channel_options
-from services.common.settings import GatewaySettings
+from services.common.settings import GatewaySettings, backend_target
 from services.common.telemetry import client_interceptors
 from services.gateway.backends import BackendError, GrpcDrafterSession, GrpcVerifierSession
 from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler, SpecCounters
@@ -48,9 +49,11 @@ class Backends:
     """Channels and stubs to the verifier and (optionally) the drafter."""
 
     def __init__(self, settings: GatewaySettings, provider: TracerProvider | None = None,
-                 credentials: grpc.ChannelCredentials | None = None):
+                 credentials: grpc.ChannelCredentials | None = None, options: Sequence[tuple[str, object]] = ()):
         self.settings = settings
-        opts = channel_options() + [("grpc.lb_policy_name", "round_robin")]
+        # round_robin: a target that resolves to several addresses (`ipv4:a,b`, `dns:///` of a
+        # headless Service) spreads the Session streams over the replicas, one stream each.
+        opts = channel_options() + [("grpc.lb_policy_name", "round_robin"), *options]
         inter = client_interceptors(provider)
 
         def channel(target: str) -> grpc.aio.Channel:
@@ -58,9 +61,10 @@ class Backends:
                 return grpc.aio.secure_channel(target, credentials, options=opts, interceptors=inter)
             return grpc.aio.insecure_channel(target, options=opts, interceptors=inter)
 
-        self.verifier_channel = channel(settings.verifier_target)
+        self.verifier_channel = channel(backend_target(settings.verifier_target, "verifier target"))
         self.verifier = verifier_pb2_grpc.VerifierStub(self.verifier_channel)
-        self.drafter_channel = channel(settings.drafter_target) if settings.drafter_target else None
+        self.drafter_channel = (channel(backend_target(settings.drafter_target, "drafter target"))
+                                if settings.drafter_target else None)
         self.drafter = drafter_pb2_grpc.DrafterStub(self.drafter_channel) if self.drafter_channel else None
 
     async def close(self) -> None:
@@ -116,10 +120,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         metadata = _forwarded_metadata(context)
         verifier = GrpcVerifierSession(self.backends.verifier, s.round_timeout_s, s.generation_timeout_s, metadata)
         drafter = None
+        opened: list[GrpcDrafterSession] = []  # every drafter session of this generation (failovers too)
+
+        def open_drafter() -> GrpcDrafterSession | None:
+            if len(opened) > s.drafter_failovers:  # the first one and DSPARK_DRAFTER_FAILOVERS re-primes
+                return None
+            opened.append(GrpcDrafterSession(self.backends.drafter, s.round_timeout_s, s.generation_timeout_s,
+                                             metadata))
+            return opened[-1]
+
         if params.spec != "off" and self.backends.drafter is not None:
-            drafter = GrpcDrafterSession(self.backends.drafter, s.round_timeout_s, s.generation_timeout_s, metadata)
+            drafter = open_drafter()
         try:
-            async for event in self.scheduler.generate(params, verifier, drafter):
+            async for event in self.scheduler.generate(params, verifier, drafter, open_drafter):
                 yield _response(event)
         except BackendError as exc:
             code = exc.code if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -127,8 +140,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(code, str(exc))
         finally:
             await verifier.close()
-            if drafter is not None:
-                await drafter.close()
+            for d in opened:
+                await d.close()
 
     async def Stats(self, request, context):
         stats = self.scheduler.stats.to_dict()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 
 import grpc
+import torch
 from opentelemetry.sdk.trace import TracerProvider
 
 from dspark_proto.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -26,6 +28,36 @@ def verifier_identity(engine: VerifierEngine, tp: int = 1) -> common_pb2.ModelId
         target_layer_ids=list(cfg.dspark_target_layer_ids), row_width=cfg.tap_width, tp=tp,
         max_seq_len=cfg.max_seq_len, noise_token_id=cfg.dspark_noise_token_id,
         eos_token_id=cfg.eos_token_id, max_sessions=engine.max_sessions, open_sessions=engine.num_sessions)
+
+
+class CommittedRows:
+    """The last `window` committed tap rows of one session, kept (as bfloat16, the wire dtype,
+    so a resend is bit-identical to the first send) to prime a new drafter replica after the
+    session's drafter failed. Memory: window * row_width * 2 bytes per session."""
+
+    def __init__(self, window: int):
+        self._rows: collections.deque[torch.Tensor] = collections.deque(maxlen=window)
+        self.next_position = 0  # position after the last kept row
+        self.next_token, self.margin = 0, 0.0
+
+    def add(self, rows: torch.Tensor, positions: range, next_token: int, margin: float) -> None:
+        """Keep the rows of `positions` (consecutive, continuing the kept ones) and the new anchor."""
+        self._rows.extend(rows.detach().to("cpu", torch.bfloat16).unbind(0))
+        self.next_position = positions.stop
+        self.next_token, self.margin = next_token, margin
+
+    def last(self, count: int) -> tuple[torch.Tensor, int]:
+        """The last min(count, kept) rows (count 0: all kept) as [R, row_width] and the position of rows[0].
+
+        Raises:
+            ValueError: count < 0, or nothing committed yet (both named).
+        """
+        if count < 0:
+            raise ValueError(f"rows count={count}: must be >= 0 (0 = every kept row)")
+        if not self._rows:
+            raise ValueError("rows: the session has no committed positions yet: prefill first")
+        n = len(self._rows) if count == 0 else min(count, len(self._rows))
+        return torch.stack(list(self._rows)[-n:]), self.next_position - n
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
@@ -50,22 +82,29 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             sid = self.engine.open_session()
         except Exception as exc:  # the session limit
             await context.abort(status_for(exc), message_for(exc))
+        kept = CommittedRows(self.engine.cfg.window_size)
         try:
             async for request in request_iterator:
                 received = time.perf_counter()
                 try:
-                    response = await self._handle(sid, request, received)
+                    response = await self._handle(sid, request, received, kept)
                 except (ValueError, TypeError) as exc:
                     await context.abort(status_for(exc), message_for(exc))
                 yield response
         finally:
             self.engine.close_session(sid)
 
-    async def _handle(self, sid: int, request, received: float) -> verifier_pb2.VerifierResponse:
+    async def _handle(self, sid: int, request, received: float, kept: CommittedRows) -> verifier_pb2.VerifierResponse:
         op = request.WhichOneof("op")
         if op is None:
-            raise ValueError("VerifierRequest has no operation: set prefill, decode or verify")
+            raise ValueError("VerifierRequest has no operation: set prefill, decode, verify or rows")
         with message_span(self.provider, f"verifier.{op}", request.trace) as span:
+            if op == "rows":
+                rows, first = kept.last(request.rows.count)
+                span.set_attribute("verifier.rows", rows.shape[0])
+                return verifier_pb2.VerifierResponse(
+                    next_token=kept.next_token, margin=kept.margin, rows=to_proto(rows), first_position=first,
+                    next_position=kept.next_position)
             if op == "prefill":
                 if not request.prefill.token_ids:
                     raise ValueError("empty prompt: PrefillRequest.token_ids has no tokens")
@@ -89,6 +128,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 span.set_attribute("spec_decode.accepted", res.accepted)
                 span.set_attribute("spec_decode.submitted", len(v.drafts))
                 span.set_attribute("verifier.mode", mode)
+            kept.add(res.rows, res.positions, response.next_token, response.margin)
             total_ms = (time.perf_counter() - received) * 1e3
             response.timing.forward_ms = res.forward_ms
             response.timing.queue_ms = max(0.0, total_ms - res.forward_ms)

@@ -1,0 +1,115 @@
+"""`dspark trace-report`, `dspark calibrate` and `dspark parity` (registered by `add_commands`).
+
+Bad input (a missing or unreadable file, a value that is not a span) exits 2 with one line
+on stderr naming the file and line. `calibrate` exits 1 when the traces cannot give all four
+costs (it prints the lines it can, and says on stderr what is missing); `parity` exits 1
+when a row is a mismatch (near ties are numerical drift and exit 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Register trace-report, calibrate and parity on the `dspark` parser's subcommands."""
+    rep = sub.add_parser("trace-report", help="latency split, gate mix and fitted gate costs from span files",
+                         description="Read the services' span files (DSPARK_TRACES_JSONL of each service, or "
+                         "OTLP-JSON) and report per round: gateway wall, drafter compute, verifier compute, "
+                         "residual (network + serialisation); p50/p99 per k; gate decisions; TTFT and time per "
+                         "output token per generation; fitted gate costs as DEEPSEEK_DSPARK_GATE_* lines.")
+    rep.add_argument("traces", nargs="+", metavar="TRACES", help="span files (JSON lines or OTLP-JSON)")
+    rep.add_argument("--png", metavar="DIR", default=None, help="also write the four plots as PNG files into DIR")
+    rep.add_argument("--json", action="store_true", help="print the report as JSON")
+    rep.set_defaults(func=_run_report)
+
+    cal = sub.add_parser("calibrate", help="print fitted DEEPSEEK_DSPARK_GATE_*_MS lines from span files",
+                         description="Fit verify(k) = base + slope·k, draft ms and plain ms from the gateway's "
+                         "round spans and print them as ready-to-use DEEPSEEK_DSPARK_GATE_*=value lines.")
+    cal.add_argument("traces", nargs="+", metavar="TRACES", help="span files (JSON lines or OTLP-JSON)")
+    cal.set_defaults(func=_run_calibrate)
+
+    par = sub.add_parser("parity", help="compare two DSV4_TOPK_DIAG top-k dumps (argmax_agree / near_tie / mismatch)",
+                         description="Align two top-k dumps by session and position and give each row a verdict; "
+                         "near_tie: gap_A + gap_B <= 2·δ with δ the logit disagreement measured on the agreeing "
+                         "rows (docs/analysis.md).")
+    par.add_argument("a", metavar="A", help="top-k dump of one side (topk-rank*-pid*.jsonl)")
+    par.add_argument("b", metavar="B", help="top-k dump of the other side")
+    par.add_argument("--tolerance", type=float, default=0.0,
+                     help="lower bound on δ in logits (default 0: δ is measured from the agreeing rows only)")
+    par.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    par.set_defaults(func=_run_parity)
+
+
+def _error(command: str, message: str) -> int:
+    from services.cli import printable
+    print(f"dspark {command}: error: {printable(message)}", file=sys.stderr)
+    return 2
+
+
+def _console():
+    from rich.console import Console
+    return Console(width=None if sys.stdout.isatty() else 160, emoji=False, highlight=False)
+
+
+def _load(args):
+    from services.analysis.report import build_report
+    from services.analysis.traces import load_spans
+    return build_report(load_spans(args.traces), args.traces)
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from services.analysis.report import render_report, report_to_dict
+    try:
+        report = _load(args)
+        paths = []
+        if args.png is not None:
+            if args.png == "":
+                raise ValueError("--png '' is an empty path")
+            from services.analysis.plots import write_plots
+            paths = write_plots(report, args.png)
+    except (ValueError, OSError) as exc:
+        return _error("trace-report", str(exc))
+    if args.json:
+        out = report_to_dict(report)
+        out["png"] = [str(p) for p in paths]
+        print(json.dumps(out, indent=1, allow_nan=False))
+    else:
+        console = _console()
+        render_report(report, console)
+        for p in paths:
+            console.print(f"wrote {p}", markup=False)
+    return 0
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    from services.analysis.report import gate_env_lines
+    try:
+        report = _load(args)
+    except (ValueError, OSError) as exc:
+        return _error("calibrate", str(exc))
+    lines, notes = gate_env_lines(report.fit)
+    if not lines:
+        return _error("calibrate", "no costs could be fitted: needs " + "; ".join(report.fit.missing()))
+    print("\n".join(lines))
+    for note in notes + [f"not fitted: needs {m}" for m in report.fit.missing()]:
+        print(f"dspark calibrate: {note}", file=sys.stderr)
+    return 1 if report.fit.missing() else 0
+
+
+def _run_parity(args: argparse.Namespace) -> int:
+    from services.analysis.parity import exit_code, parity_files, render
+    try:
+        for path in (args.a, args.b):
+            if path == "":
+                raise ValueError("top-k dump '' is an empty path")
+        result = parity_files(args.a, args.b, args.tolerance)
+    except (ValueError, OSError) as exc:
+        return _error("parity", str(exc))
+    if args.json:
+        print(json.dumps(result, indent=1, allow_nan=False))
+    else:
+        render(result, _console())
+    return exit_code(result)

@@ -1,0 +1,499 @@
+"""`dspark trace-report` / `dspark calibrate`: where a round's time goes, and the gate's costs, from spans.
+
+Attribution of one `spec_decode.round` span (the gateway's wall time of the round):
+  drafter compute  = `drafter.forward_ms` of its `drafter.draft` and `drafter.commit` children;
+  verifier compute = `verifier.forward_ms` of its `verifier.verify` or `verifier.decode` child;
+  residual         = wall - drafter compute - verifier compute: network, (de)serialisation,
+                     the backends' servicer time outside the forward (of which the verifier's
+                     `verifier.queue_ms` is shown apart) and the gateway's own round logic.
+The gateway awaits the draft, the verify and the commit one after the other inside the round
+span, and each backend times its forward inside its handling of that one message, i.e.
+between the gateway's write and its read of the reply. The compute intervals are therefore
+disjoint sub-intervals of the round, so the residual is >= 0 on a real run. Only durations
+are compared, never timestamps across hosts, so clock offsets between machines do not matter.
+
+Costs fitted as the gate uses them (`services.gateway.costs`, docs/gate.md §2), from the
+gateway's own timings of the calls: verify(k) = base + slope·k by least squares over the
+verify rounds' (k = drafts submitted, `spec_decode.verify_ms`); draft ms = mean
+`spec_decode.draft_ms`; plain ms = mean `spec_decode.verify_ms` of the rounds with k = 0
+(a single-token decode).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from services.analysis.traces import Span
+from services.gateway.gate import BUCKET_EDGES, NUM_BUCKETS, bucket_index, bucket_label
+
+ROUND = "spec_decode.round"
+GENERATE = "gateway.generate"
+GATE_ENV = {"draft_ms": "DEEPSEEK_DSPARK_GATE_DRAFT_MS", "verify_base_ms": "DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS",
+            "verify_slope_ms": "DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS", "plain_ms": "DEEPSEEK_DSPARK_GATE_PLAIN_MS"}
+PLAIN_MS_FLOOR = 1e-3  # the gate's lower bound on plain_ms (docs/gate.md §8)
+COUNT_KEYS = ("rounds", "drafted", "submitted", "accepted", "verify_rounds", "margin_skipped_rounds",
+              "truncated_rounds", "skipped_after_draft", "plain_rounds", "drafter_failovers", "drafter_failed")
+MAX_GENERATION_ROWS = 30  # the text report lists at most this many generations
+DECISIONS = ("full", "truncated", "skipped_after_draft", "capped", "margin_skipped", "plain")
+
+
+@dataclass
+class RoundRecord:
+    """One round: the gateway's attributes and the time split (ms; None where a span is missing)."""
+
+    trace_id: str
+    span_id: str
+    generation_id: str | None
+    index: int
+    start_ns: int
+    end_ns: int
+    decision: str
+    drafted: int
+    submitted: int
+    accepted: int
+    anchor_margin: float | None
+    verify_ms: float | None
+    draft_ms: float | None
+    confidence_logits: tuple[float, ...] | None
+    drafter_failures: int  # `drafter_failed` events of the round
+    drafter_failovers: int  # `drafter_failover` events: a new drafter session took over
+    drafter_ms: float | None
+    verifier_ms: float | None
+    verifier_overhead_ms: float | None
+    children: list[Span] = field(default_factory=list, repr=False)
+
+    @property
+    def wall_ms(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e6
+
+    @property
+    def residual_ms(self) -> float | None:
+        """wall - drafter compute - verifier compute (network + serialisation + overheads)."""
+        if self.drafter_ms is None or self.verifier_ms is None:
+            return None
+        return self.wall_ms - self.drafter_ms - self.verifier_ms
+
+
+@dataclass
+class GenerationRecord:
+    """One `gateway.generate` span, its rounds, and counts derived from the rounds."""
+
+    trace_id: str
+    span_id: str
+    mode: str
+    start_ns: int
+    end_ns: int
+    input_tokens: int | None
+    output_tokens: int | None
+    ttft_ms: float | None
+    final: dict
+    rounds: list[RoundRecord]
+    span: Span = field(repr=False)
+    prefill: list[Span] = field(default_factory=list, repr=False)
+
+    @property
+    def duration_ms(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e6
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Time per output token after the first (GenAI semantic conventions)."""
+        if self.ttft_ms is None or not self.output_tokens or self.output_tokens < 2:
+            return None
+        return (self.duration_ms - self.ttft_ms) / (self.output_tokens - 1)
+
+    def counts(self) -> dict:
+        """The generation's speculation counters recomputed from its round spans."""
+        return round_counts(self.rounds, self.span.events)
+
+    @property
+    def consistent(self) -> bool | None:
+        """Whether the counts from the rounds equal the span's final `spec_decode.*` counters."""
+        if not self.final:
+            return None
+        mine = self.counts()
+        return all(mine[k] == self.final[k] for k in COUNT_KEYS if k in self.final)
+
+
+@dataclass(frozen=True)
+class CostFit:
+    """Fitted gate costs (ms) with their sample counts; base/slope None without two distinct k."""
+
+    verify_base_ms: float | None
+    verify_slope_ms: float | None
+    draft_ms: float | None
+    plain_ms: float | None
+    verify_samples: int
+    distinct_k: int
+    draft_samples: int
+    plain_samples: int
+    verify_rms_ms: float | None
+
+    def missing(self) -> list[str]:
+        """What keeps the fit from giving all four costs, in words (empty when complete)."""
+        out = []
+        if self.verify_base_ms is None:
+            out.append(f"verify rounds over at least two distinct k (have {self.verify_samples} rounds, "
+                       f"{self.distinct_k} distinct k)")
+        if self.draft_ms is None:
+            out.append("rounds that drafted (spec_decode.draft_ms)")
+        if self.plain_ms is None:
+            out.append("rounds with k = 0 (plain decode)")
+        return out
+
+
+@dataclass(frozen=True)
+class BucketStat:
+    """Confidence bucket: censored observations (docs/gate.md §2), matches, mean logit."""
+
+    index: int
+    label: str
+    observed: int
+    matched: int
+    mean_logit: float | None
+
+    @property
+    def rate(self) -> float | None:
+        return self.matched / self.observed if self.observed else None
+
+
+@dataclass
+class Report:
+    sources: list[str]
+    spans: int
+    backend_spans: bool
+    generations: list[GenerationRecord]
+    rounds: list[RoundRecord]
+    fit: CostFit
+    reliability: list[BucketStat]
+
+
+# ---------------------------------------------------------------------------- building
+def _float(v) -> float | None:
+    return None if v is None else float(v)
+
+
+def _round_record(span: Span, children: list[Span]) -> RoundRecord:
+    a = span.attributes
+    draft = [c for c in children if c.name == "drafter.draft"]
+    drafter = [c for c in children if c.name.startswith("drafter.")]
+    verifier = [c for c in children if c.name in ("verifier.verify", "verifier.decode")]
+    draft_ms = _float(a.get("spec_decode.draft_ms"))
+    drafter_ms = sum(float(c.attr("drafter.forward_ms", 0.0)) for c in drafter)
+    if draft_ms is not None and not draft:
+        drafter_ms = None  # the round drafted but the drafter's spans are not in the input
+    conf = a.get("spec_decode.confidence_logits")
+    return RoundRecord(
+        trace_id=span.trace_id, span_id=span.span_id, generation_id=span.parent_id,
+        index=int(a.get("spec_decode.round", 0)), start_ns=span.start_ns, end_ns=span.end_ns,
+        decision=str(a.get("spec_decode.gate_decision", "")), drafted=int(a.get("spec_decode.drafted", 0)),
+        submitted=int(a.get("spec_decode.submitted", 0)), accepted=int(a.get("spec_decode.accepted", 0)),
+        anchor_margin=_float(a.get("spec_decode.anchor_margin")), verify_ms=_float(a.get("spec_decode.verify_ms")),
+        draft_ms=draft_ms, confidence_logits=None if conf is None else tuple(float(c) for c in conf),
+        drafter_failures=sum(e.get("name") == "drafter_failed" for e in span.events),
+        drafter_failovers=sum(e.get("name") == "drafter_failover" for e in span.events),
+        drafter_ms=drafter_ms,
+        verifier_ms=float(verifier[0].attr("verifier.forward_ms", 0.0)) if verifier else None,
+        verifier_overhead_ms=_float(verifier[0].attr("verifier.queue_ms")) if verifier else None,
+        children=sorted(children, key=lambda c: c.start_ns))
+
+
+def round_counts(rounds: Sequence[RoundRecord], events: Sequence[dict] = ()) -> dict:
+    """SpecCounters-style counts of `rounds` (the gateway's definitions, docs/services.md §2);
+    `events`: the generation span's own (a drafter failure while committing the prompt)."""
+    d = Counter(r.decision for r in rounds)
+    failures = sum(r.drafter_failures for r in rounds) + sum(e.get("name") == "drafter_failed" for e in events)
+    failovers = sum(r.drafter_failovers for r in rounds) + sum(e.get("name") == "drafter_failover" for e in events)
+    return {"rounds": len(rounds), "drafted": sum(r.drafted for r in rounds),
+            "submitted": sum(r.submitted for r in rounds), "accepted": sum(r.accepted for r in rounds),
+            "verify_rounds": sum(r.submitted > 0 for r in rounds), "margin_skipped_rounds": d["margin_skipped"],
+            "truncated_rounds": d["truncated"], "skipped_after_draft": d["skipped_after_draft"],
+            "plain_rounds": sum(r.submitted == 0 for r in rounds),
+            # every failure either ends in a failover or leaves the generation on plain decode
+            "drafter_failovers": failovers, "drafter_failed": failures > failovers}
+
+
+def _final(span: Span) -> dict:
+    out = {}
+    for k in COUNT_KEYS:
+        v = span.attr(f"spec_decode.{k}")
+        if v is not None:
+            out[k] = bool(v) if k == "drafter_failed" else int(v)
+    return out
+
+
+def build_report(spans: Sequence[Span], sources: Sequence[str] = ()) -> Report:
+    """Rounds and generations of `spans` (any mix of the three services' spans, any order)."""
+    children: dict[str, list[Span]] = defaultdict(list)
+    for s in spans:
+        if s.parent_id is not None:
+            children[s.parent_id].append(s)
+    rounds = [_round_record(s, children.get(s.span_id, [])) for s in spans if s.name == ROUND]
+    by_generation: dict[str | None, list[RoundRecord]] = defaultdict(list)
+    for r in rounds:
+        by_generation[r.generation_id].append(r)
+    generations = []
+    for s in spans:
+        if s.name != GENERATE:
+            continue
+        rs = sorted(by_generation.get(s.span_id, []), key=lambda r: r.index)
+        ttft = s.attr("gen_ai.server.time_to_first_token")
+        prefill = [c for c in children.get(s.span_id, []) if c.name in ("gateway.prefill", "drafter.commit")]
+        prefill += [g for p in prefill for g in children.get(p.span_id, [])]
+        generations.append(GenerationRecord(
+            trace_id=s.trace_id, span_id=s.span_id, mode=str(s.attr("spec_decode.mode", "")),
+            start_ns=s.start_ns, end_ns=s.end_ns, input_tokens=s.attr("gen_ai.usage.input_tokens"),
+            output_tokens=s.attr("gen_ai.usage.output_tokens"), ttft_ms=None if ttft is None else float(ttft) * 1e3,
+            final=_final(s), rounds=rs, span=s, prefill=sorted(prefill, key=lambda c: c.start_ns)))
+    generations.sort(key=lambda g: g.start_ns)
+    rounds.sort(key=lambda r: (r.start_ns, r.index))
+    backend = any(s.name.startswith("verifier.") for s in spans)
+    return Report(list(sources), len(spans), backend, generations, rounds, fit_costs(rounds), reliability(rounds))
+
+
+# ---------------------------------------------------------------------------- costs
+def fit_costs(rounds: Iterable[RoundRecord]) -> CostFit:
+    """Least-squares verify(k) = base + slope·k over verify rounds; means of draft and plain ms."""
+    ks, ms, drafts, plains = [], [], [], []
+    for r in rounds:
+        if r.draft_ms is not None:
+            drafts.append(r.draft_ms)
+        if r.verify_ms is None:
+            continue
+        if r.submitted > 0:
+            ks.append(r.submitted)
+            ms.append(r.verify_ms)
+        else:
+            plains.append(r.verify_ms)
+    base = slope = rms = None
+    distinct = len(set(ks))
+    if distinct >= 2:
+        x, y = np.asarray(ks, dtype=float), np.asarray(ms, dtype=float)
+        design = np.stack([np.ones_like(x), x], axis=1)  # [n, 2]
+        (base, slope), *_ = np.linalg.lstsq(design, y, rcond=None)
+        base, slope = float(base), float(slope)
+        rms = float(np.sqrt(np.mean((y - (base + slope * x)) ** 2)))
+    return CostFit(base, slope, float(np.mean(drafts)) if drafts else None,
+                   float(np.mean(plains)) if plains else None, len(ks), distinct, len(drafts), len(plains), rms)
+
+
+def gate_env_lines(fit: CostFit) -> tuple[list[str], list[str]]:
+    """(`DEEPSEEK_DSPARK_GATE_*=value` lines for the costs the fit has, notes on clamped values).
+
+    Values are clamped into what `GateConfig` accepts (docs/gate.md §8): each cost >= 0,
+    plain_ms >= 0.001, so the lines can be used as they are.
+    """
+    lines, notes = [], []
+    for name, env in GATE_ENV.items():
+        value = getattr(fit, name)
+        if value is None:
+            continue
+        low = PLAIN_MS_FLOOR if name == "plain_ms" else 0.0
+        if value < low:
+            notes.append(f"{env}: fitted {value:.3f} ms is below {low:g}; clamped")
+            value = low
+        lines.append(f"{env}={value:.3f}")
+    return lines, notes
+
+
+# ---------------------------------------------------------------------------- calibration
+def reliability(rounds: Iterable[RoundRecord]) -> list[BucketStat]:
+    """Per confidence bucket (the gate's edges): censored match statistics of verified drafts.
+
+    Of a round that submitted k drafts and had a accepted, positions 0..a-1 are matches and
+    position a is a miss when a < k; positions after a (and past k) were never decided, so
+    they are not counted (seed "Censored observations"; the same rule as `Gate.observe`).
+    """
+    observed, matched = [0] * NUM_BUCKETS, [0] * NUM_BUCKETS
+    logit_sum = [0.0] * NUM_BUCKETS
+    for r in rounds:
+        if not r.confidence_logits or r.submitted <= 0:
+            continue
+        for pos in range(min(r.accepted + 1, r.submitted)):
+            c = r.confidence_logits[pos]
+            b = bucket_index(c)
+            observed[b] += 1
+            matched[b] += pos < r.accepted
+            logit_sum[b] += c
+    return [BucketStat(b, bucket_label(b), observed[b], matched[b],
+                       logit_sum[b] / observed[b] if observed[b] else None) for b in range(NUM_BUCKETS)]
+
+
+# ---------------------------------------------------------------------------- summaries
+def _pct(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if len(values) else None
+
+
+def _stats(values: Sequence[float]) -> dict:
+    v = [x for x in values if x is not None]
+    return {"n": len(v), "sum": float(sum(v)), "mean": float(np.mean(v)) if v else None,
+            "p50": _pct(v, 50), "p99": _pct(v, 99), "min": float(min(v)) if v else None,
+            "max": float(max(v)) if v else None}
+
+
+def parts_summary(rounds: Sequence[RoundRecord]) -> dict:
+    """Totals and percentiles (ms) of each part of the round time."""
+    return {"wall_ms": _stats([r.wall_ms for r in rounds]), "drafter_ms": _stats([r.drafter_ms for r in rounds]),
+            "verifier_ms": _stats([r.verifier_ms for r in rounds]),
+            "residual_ms": _stats([r.residual_ms for r in rounds]),
+            "verifier_overhead_ms": _stats([r.verifier_overhead_ms for r in rounds])}
+
+
+def per_k(rounds: Sequence[RoundRecord]) -> list[dict]:
+    """p50/p99 of the round wall, the verify call and its parts, per submitted length k."""
+    groups: dict[int, list[RoundRecord]] = defaultdict(list)
+    for r in rounds:
+        groups[r.submitted].append(r)
+    out = []
+    for k in sorted(groups):
+        rs = groups[k]
+        row = {"k": k, "rounds": len(rs)}
+        for name, values in (("wall_ms", [r.wall_ms for r in rs]), ("verify_ms", [r.verify_ms for r in rs]),
+                             ("verifier_ms", [r.verifier_ms for r in rs]),
+                             ("residual_ms", [r.residual_ms for r in rs])):
+            v = [x for x in values if x is not None]
+            row[name] = {"p50": _pct(v, 50), "p99": _pct(v, 99)}
+        out.append(row)
+    return out
+
+
+def decision_mix(rounds: Sequence[RoundRecord]) -> dict:
+    counts = Counter(r.decision for r in rounds)
+    names = list(DECISIONS) + sorted(set(counts) - set(DECISIONS))
+    return {d: {"rounds": counts[d], "share": counts[d] / len(rounds) if rounds else 0.0} for d in names}
+
+
+def acceptance_histogram(rounds: Sequence[RoundRecord]) -> dict[int, dict[int, int]]:
+    """{k: {accepted: verify rounds}} over the rounds that verified (k > 0)."""
+    hist: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for r in rounds:
+        if r.submitted > 0:
+            hist[r.submitted][r.accepted] += 1
+    return {k: dict(sorted(v.items())) for k, v in sorted(hist.items())}
+
+
+def latency_summary(generations: Sequence[GenerationRecord]) -> dict:
+    """p50/p99 (and the rest of `_stats`) of TTFT, TPOT and duration over generations (ms)."""
+    return {"ttft_ms": _stats([g.ttft_ms for g in generations]), "tpot_ms": _stats([g.tpot_ms for g in generations]),
+            "duration_ms": _stats([g.duration_ms for g in generations])}
+
+
+def _generation_dict(g: GenerationRecord) -> dict:
+    return {"trace_id": g.trace_id, "span_id": g.span_id, "mode": g.mode, "input_tokens": g.input_tokens,
+            "output_tokens": g.output_tokens, "duration_ms": g.duration_ms, "ttft_ms": g.ttft_ms,
+            "tpot_ms": g.tpot_ms, "counts": g.counts(), "final": g.final, "consistent": g.consistent}
+
+
+def _round_dict(r: RoundRecord) -> dict:
+    d = {k: v for k, v in asdict(r).items() if k not in ("children", "start_ns", "end_ns")}
+    d["confidence_logits"] = None if r.confidence_logits is None else list(r.confidence_logits)
+    d.update(wall_ms=r.wall_ms, residual_ms=r.residual_ms)
+    return d
+
+
+def report_to_dict(report: Report) -> dict:
+    """The report as JSON-ready data (no NaN or inf)."""
+    lines, notes = gate_env_lines(report.fit)
+    return {
+        "sources": report.sources, "spans": report.spans, "backend_spans": report.backend_spans,
+        "generations": [_generation_dict(g) for g in report.generations],
+        "latency": latency_summary(report.generations),
+        "parts": parts_summary(report.rounds), "per_k": per_k(report.rounds),
+        "gate_decisions": decision_mix(report.rounds),
+        "acceptance_histogram": {str(k): {str(a): n for a, n in v.items()}
+                                 for k, v in acceptance_histogram(report.rounds).items()},
+        "reliability": [{"bucket": b.index, "range": b.label, "observed": b.observed, "matched": b.matched,
+                         "match_rate": b.rate, "mean_logit": b.mean_logit} for b in report.reliability],
+        "bucket_edges": list(BUCKET_EDGES),
+        "fit": asdict(report.fit), "fit_missing": report.fit.missing(), "gate_env": lines, "gate_env_notes": notes,
+        "rounds": [_round_dict(r) for r in report.rounds],
+    }
+
+
+# ---------------------------------------------------------------------------- text
+def _ms(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def render_report(report: Report, console) -> None:
+    """Rich tables: the round split, per-k percentiles, the gate mix, generations, the fit."""
+    from rich.table import Table
+    from rich.text import Text
+
+    rounds = report.rounds
+    console.print(Text(f"{report.spans} spans from {len(report.sources)} file(s): {len(report.generations)} "
+                       f"generations, {len(rounds)} rounds"))
+    if not report.backend_spans:
+        console.print(Text("no verifier spans in the input: the compute split needs the verifier's and the "
+                           "drafter's span files too (each service writes its own DSPARK_TRACES_JSONL)"))
+    parts = parts_summary(rounds)
+    wall = parts["wall_ms"]["sum"] or 0.0
+    t = Table(title="Round time split (ms; residual = network + serialisation + overheads)", title_justify="left")
+    for col in ("part", "total", "share", "mean", "p50", "p99", "min"):
+        t.add_column(col, justify="left" if col == "part" else "right")
+    for name, label in (("wall_ms", "gateway round wall"), ("drafter_ms", "drafter compute"),
+                        ("verifier_ms", "verifier compute"), ("residual_ms", "residual"),
+                        ("verifier_overhead_ms", "  of which verifier servicer")):
+        s = parts[name]
+        share = f"{100 * s['sum'] / wall:.1f}%" if wall and s["n"] else "-"
+        t.add_row(label, _ms(s["sum"], 1), share, _ms(s["mean"]), _ms(s["p50"]), _ms(s["p99"]), _ms(s["min"]))
+    console.print(t)
+
+    t = Table(title="Per submitted length k (ms)", title_justify="left")
+    for col in ("k", "rounds", "wall p50", "wall p99", "verify p50", "verify p99", "verifier p50", "residual p50"):
+        t.add_column(col, justify="right")
+    for row in per_k(rounds):
+        t.add_row(str(row["k"]), str(row["rounds"]), _ms(row["wall_ms"]["p50"]), _ms(row["wall_ms"]["p99"]),
+                  _ms(row["verify_ms"]["p50"]), _ms(row["verify_ms"]["p99"]), _ms(row["verifier_ms"]["p50"]),
+                  _ms(row["residual_ms"]["p50"]))
+    console.print(t)
+
+    t = Table(title="Gate decisions", title_justify="left")
+    t.add_column("decision")
+    t.add_column("rounds", justify="right")
+    t.add_column("share", justify="right")
+    for d, v in decision_mix(rounds).items():
+        t.add_row(d, str(v["rounds"]), f"{100 * v['share']:.1f}%")
+    console.print(t)
+
+    gens = report.generations
+    shown = gens if len(gens) <= MAX_GENERATION_ROWS else gens[:MAX_GENERATION_ROWS]
+    t = Table(title="Generations (TTFT and time per output token after the first, ms)", title_justify="left",
+              caption=None if shown is gens else f"first {len(shown)} of {len(gens)} generations (all in --json)",
+              caption_justify="left")
+    for col in ("trace", "mode", "tokens", "rounds", "accepted/submitted", "TTFT", "TPOT", "duration", "stats match"):
+        t.add_column(col, justify="left" if col in ("trace", "mode") else "right")
+    for g in shown:
+        c = g.counts()
+        t.add_row(g.trace_id[:12], Text(g.mode), str(g.output_tokens), str(c["rounds"]),
+                  f"{c['accepted']}/{c['submitted']}", _ms(g.ttft_ms, 1), _ms(g.tpot_ms, 1), _ms(g.duration_ms, 1),
+                  {True: "yes", False: "NO", None: "-"}[g.consistent])
+    console.print(t)
+    lat = latency_summary(gens)
+    console.print(Text(f"over {len(gens)} generations: TTFT p50 {_ms(lat['ttft_ms']['p50'], 1)} / p99 "
+                       f"{_ms(lat['ttft_ms']['p99'], 1)} ms; TPOT p50 {_ms(lat['tpot_ms']['p50'], 1)} / p99 "
+                       f"{_ms(lat['tpot_ms']['p99'], 1)} ms; stats match in "
+                       f"{sum(g.consistent is True for g in gens)}"))
+
+    t = Table(title="Draft confidence vs match rate (censored; the gate's buckets)", title_justify="left")
+    for col in ("bucket", "observed", "matched", "match rate"):
+        t.add_column(col, justify="right")
+    for b in report.reliability:
+        t.add_row(b.label, str(b.observed), str(b.matched), "-" if b.rate is None else f"{100 * b.rate:.0f}%")
+    console.print(t)
+
+    f = report.fit
+    console.print(Text(
+        f"Fitted costs: verify(k) = {_ms(f.verify_base_ms)} + {_ms(f.verify_slope_ms)}·k ms over {f.verify_samples} "
+        f"verify rounds ({f.distinct_k} distinct k, rms {_ms(f.verify_rms_ms)} ms); draft {_ms(f.draft_ms)} ms "
+        f"({f.draft_samples}); plain {_ms(f.plain_ms)} ms ({f.plain_samples})"))
+    lines, notes = gate_env_lines(f)
+    for line in lines:
+        console.print(Text(line))
+    for note in notes + [f"not fitted: needs {m}" for m in f.missing()]:
+        console.print(Text(f"# {note}"))

@@ -1,0 +1,283 @@
+"""Load finished spans from trace files: the services' JSON lines or OTLP-JSON.
+
+Accepted per file (the format is detected per JSON value, so files may mix them):
+  * the JSON-lines exporter's output (`DSPARK_TRACES_JSONL`): one `ReadableSpan.to_json()`
+    object per line (`name`, `context.trace_id`, `context.span_id`, `parent_id`,
+    `start_time`/`end_time` as ISO-8601 UTC, `attributes`, `events`, `resource`);
+  * the console exporter's output: the same objects pretty-printed one after another;
+  * OTLP-JSON: `ExportTraceServiceRequest` documents (`resourceSpans` → `scopeSpans` →
+    `spans`, ids in hex, times in `*UnixNano`, attributes as `AnyValue` lists), one per line
+    (the collector's file exporter) or one per file; a JSON array of either kind of object.
+Files over `PROGRESS_MIN_BYTES` show a progress bar (rich) on stderr when it is a terminal.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import calendar
+import datetime
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+PROGRESS_MIN_BYTES = 16 << 20  # inputs at least this large get a progress bar (when stderr is a terminal)
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(frozen=True)
+class Span:
+    """One finished span. Ids are lowercase hex without `0x`; times are ns since the epoch."""
+
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str | None
+    start_ns: int
+    end_ns: int
+    attributes: Mapping[str, Any] = field(default_factory=dict)
+    events: tuple[Mapping[str, Any], ...] = ()
+    service: str = ""
+
+    @property
+    def duration_ms(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e6
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        return self.attributes.get(key, default)
+
+
+# ---------------------------------------------------------------------------- SDK JSON
+_SECONDS_CACHE: dict[str, int] = {}
+
+
+def iso_to_ns(text: str) -> int:
+    """'2026-11-29T23:50:37.157496Z' (the SDK's format; any fraction length, 'Z' or '+00:00') -> ns.
+
+    Raises ValueError naming the text when it is not such a timestamp.
+    """
+    if not isinstance(text, str) or len(text) < 20 or text[10] != "T":
+        raise ValueError(f"timestamp {text!r} is not ISO-8601 'YYYY-MM-DDTHH:MM:SS[.ffffff]Z'")
+    head, rest = text[:19], text[19:]
+    seconds = _SECONDS_CACHE.get(head)
+    if seconds is None:
+        try:
+            dt = datetime.datetime.strptime(head, "%Y-%m-%dT%H:%M:%S")
+        except ValueError:
+            raise ValueError(f"timestamp {text!r} is not ISO-8601 'YYYY-MM-DDTHH:MM:SS[.ffffff]Z'") from None
+        seconds = calendar.timegm(dt.timetuple())
+        if len(_SECONDS_CACHE) > 100_000:
+            _SECONDS_CACHE.clear()
+        _SECONDS_CACHE[head] = seconds
+    frac_ns = 0
+    if rest.startswith("."):
+        digits = rest[1:].rstrip("Z").split("+")[0]
+        if not digits.isdigit():
+            raise ValueError(f"timestamp {text!r} has a bad fraction")
+        frac_ns = int((digits + "000000000")[:9])
+        rest = rest[1 + len(digits):]
+    if rest not in ("Z", "+00:00", ""):
+        raise ValueError(f"timestamp {text!r} is not UTC")
+    return seconds * 1_000_000_000 + frac_ns
+
+
+def _hex_id(value: Any, width: int, what: str) -> str:
+    """An id as lowercase hex of `width` digits: '0x…' (SDK), plain hex or base64 (OTLP-JSON)."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{what}={value!r} is not an id")
+    text = value[2:] if value.startswith("0x") else value
+    if len(text) == width:
+        try:
+            int(text, 16)
+            return text.lower()
+        except ValueError:
+            pass
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raw = b""
+    if len(raw) * 2 == width:
+        return raw.hex()
+    raise ValueError(f"{what}={value!r} is neither {width} hex digits nor base64 of {width // 2} bytes")
+
+
+def _sdk_span(obj: Mapping[str, Any]) -> Span:
+    ctx = obj["context"]
+    parent = obj.get("parent_id")
+    resource = (obj.get("resource") or {}).get("attributes") or {}
+    events = tuple({"name": e.get("name", ""), "attributes": e.get("attributes") or {}} for e in obj.get("events") or ())
+    return Span(name=obj["name"], trace_id=_hex_id(ctx["trace_id"], 32, "trace_id"),
+                span_id=_hex_id(ctx["span_id"], 16, "span_id"),
+                parent_id=_hex_id(parent, 16, "parent_id") if parent else None,
+                start_ns=iso_to_ns(obj["start_time"]), end_ns=iso_to_ns(obj["end_time"]),
+                attributes=dict(obj.get("attributes") or {}), events=events,
+                service=str(resource.get("service.name", "")))
+
+
+# ---------------------------------------------------------------------------- OTLP-JSON
+def _any_value(v: Mapping[str, Any]) -> Any:
+    """An OTLP `AnyValue` as a Python value (int64 arrives as a string in JSON)."""
+    if "stringValue" in v:
+        return v["stringValue"]
+    if "boolValue" in v:
+        return bool(v["boolValue"])
+    if "intValue" in v:
+        return int(v["intValue"])
+    if "doubleValue" in v:
+        return float(v["doubleValue"])
+    if "arrayValue" in v:
+        return [_any_value(x) for x in (v["arrayValue"].get("values") or [])]
+    if "kvlistValue" in v:
+        return _otlp_attributes(v["kvlistValue"].get("values") or [])
+    if "bytesValue" in v:
+        return v["bytesValue"]
+    return None
+
+
+def _otlp_attributes(items: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    return {kv["key"]: _any_value(kv.get("value") or {}) for kv in items}
+
+
+def _otlp_spans(doc: Mapping[str, Any]) -> Iterator[Span]:
+    for rs in doc.get("resourceSpans") or ():
+        resource = _otlp_attributes((rs.get("resource") or {}).get("attributes") or ())
+        service = str(resource.get("service.name", ""))
+        for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or ():
+            for s in ss.get("spans") or ():
+                parent = s.get("parentSpanId")
+                events = tuple({"name": e.get("name", ""), "attributes": _otlp_attributes(e.get("attributes") or ())}
+                               for e in s.get("events") or ())
+                yield Span(name=s["name"], trace_id=_hex_id(s["traceId"], 32, "traceId"),
+                           span_id=_hex_id(s["spanId"], 16, "spanId"),
+                           parent_id=_hex_id(parent, 16, "parentSpanId") if parent else None,
+                           start_ns=int(s["startTimeUnixNano"]), end_ns=int(s["endTimeUnixNano"]),
+                           attributes=_otlp_attributes(s.get("attributes") or ()), events=events, service=service)
+
+
+def spans_of(value: Any) -> Iterator[Span]:
+    """The spans in one decoded JSON value: an SDK span, an OTLP document, or a list of either.
+
+    Raises ValueError (KeyError/TypeError wrapped by the caller) when it is none of them.
+    """
+    if isinstance(value, list):
+        for item in value:
+            yield from spans_of(item)
+    elif isinstance(value, dict) and "resourceSpans" in value:
+        yield from _otlp_spans(value)
+    elif isinstance(value, dict) and "context" in value and "name" in value:
+        yield _sdk_span(value)
+    else:
+        keys = sorted(value)[:6] if isinstance(value, dict) else type(value).__name__
+        raise ValueError(f"not a span or an OTLP document (keys {keys})")
+
+
+# ---------------------------------------------------------------------------- files
+def _values_of_text(text: str, path: str, first_line: int) -> Iterator[tuple[int, Any]]:
+    """Every JSON value in `text` (concatenated or pretty-printed) with its line number."""
+    pos, n = 0, len(text)
+    while True:
+        while pos < n and text[pos].isspace():
+            pos += 1
+        if pos >= n:
+            return
+        try:
+            value, end = _DECODER.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{first_line + text.count(chr(10), 0, e.pos)}: not JSON ({e.msg})") from None
+        yield first_line + text.count("\n", 0, pos), value
+        pos = end
+
+
+def _file_values(path: str, advance) -> Iterator[tuple[int, Any]]:
+    """JSON values of one file: line by line while every line is a whole value, else the rest
+    of the file as concatenated values (pretty-printed spans, an OTLP document)."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            advance(len(raw))
+            line = raw.strip()
+            if not line:
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                rest = raw + f.read()
+                advance(len(rest) - len(raw))
+                try:
+                    text = rest.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason})") from None
+                yield from _values_of_text(text, path, lineno)
+                return
+
+
+def _check_file(path: str) -> int:
+    if path == "":
+        raise ValueError("trace file '' is an empty path")
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"trace file {path!r} is a directory")
+    if p.exists() and not p.is_file():
+        raise ValueError(f"trace file {path!r} is not a regular file")
+    return os.stat(path).st_size  # OSError names the file when it is missing
+
+
+def load_spans(paths: Sequence[str | os.PathLike], progress: bool | None = None) -> list[Span]:
+    """Every span in `paths`, in file order.
+
+    progress: show a progress bar (None: when the inputs total at least PROGRESS_MIN_BYTES
+    and stderr is a terminal).
+    Raises:
+        ValueError: naming the file and line of a value that is not JSON, not a span or an
+            OTLP document, or a span with a missing or malformed field; a directory or
+            an empty path.
+        OSError: a file that cannot be read (the message names it).
+    """
+    names = [os.fspath(p) for p in paths]
+    sizes = [_check_file(p) for p in names]
+    total = sum(sizes)
+    if progress is None:
+        progress = total >= PROGRESS_MIN_BYTES and sys.stderr.isatty()
+    spans: list[Span] = []
+    bar = None
+    if progress:
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+        bar = Progress(TextColumn("reading traces"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                       console=Console(stderr=True), transient=True)
+        task = bar.add_task("read", total=total)
+        advance = lambda n: bar.advance(task, n)  # noqa: E731
+        bar.start()
+    else:
+        advance = lambda n: None  # noqa: E731
+    try:
+        for path in names:
+            for lineno, value in _file_values(path, advance):
+                try:
+                    spans.extend(spans_of(value))
+                except (KeyError, TypeError, ValueError, AttributeError) as e:
+                    why = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+                    raise ValueError(f"{path}:{lineno}: {why}") from None
+    finally:
+        if bar is not None:
+            bar.stop()
+    return spans
+
+
+# ---------------------------------------------------------------------------- writing (tests, tools)
+def ns_to_iso(ns: int) -> str:
+    """ns since the epoch -> the SDK's ISO-8601 form (microseconds, 'Z')."""
+    seconds, rem = divmod(int(ns), 1_000_000_000)
+    dt = datetime.datetime.fromtimestamp(seconds, tz=datetime.timezone.utc)
+    return dt.strftime("%Y-%m-%dT%H:%M:%S") + f".{rem // 1000:06d}Z"
+
+
+def span_to_json(span: Span) -> dict:
+    """`span` as the JSON-lines exporter writes it (the fields `load_spans` reads)."""
+    return {"name": span.name, "context": {"trace_id": "0x" + span.trace_id, "span_id": "0x" + span.span_id},
+            "parent_id": None if span.parent_id is None else "0x" + span.parent_id,
+            "start_time": ns_to_iso(span.start_ns), "end_time": ns_to_iso(span.end_ns),
+            "attributes": dict(span.attributes), "events": [dict(e) for e in span.events],
+            "resource": {"attributes": {"service.name": span.service}}}
