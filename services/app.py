@@ -49,12 +49,18 @@ def random_tiny_config() -> ModelConfig:
 
 
 def load_trunk(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32, tp: int = 1,
-               device: str = "cpu") -> Trunk:
+               device: str = "cpu", verify_numerics: str = "fast") -> Trunk:
     """The verifier's trunk from a checkpoint folder, or the random tiny model when None.
 
     tp > 1 starts tp - 1 worker processes (`services.verifier.tp.start_tp_trunk`) and returns
-    the rank-0 proxy, which `VerifierEngine` drives like a plain `Trunk`.
+    the rank-0 proxy, which `VerifierEngine` drives like a plain `Trunk`. verify_numerics
+    "exact" (`Trunk`'s exact mode: batched verify bitwise equal to decode) is TP=1 only.
+    Raises:
+        ValueError: exact numerics requested with tp > 1.
     """
+    if tp > 1 and verify_numerics != "fast":
+        raise ValueError(f"DSPARK_VERIFY_NUMERICS={verify_numerics!r} needs --tp 1: exact mode is not "
+                         "implemented under tensor parallelism")
     if tp > 1:
         from services.verifier.tp import start_tp_trunk
         if checkpoint is None:
@@ -67,7 +73,7 @@ def load_trunk(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32
     else:
         from dsv4.checkpoint import load_trunk_weights
         cfg, weights = load_trunk_weights(checkpoint)
-    model = Trunk(cfg, dtype=dtype, device=device)
+    model = Trunk(cfg, dtype=dtype, device=device, verify_numerics=verify_numerics)
     model.load_weights(weights)
     return model
 

@@ -102,7 +102,8 @@ async def _serve_async(args, port: int, tls=None, gateway_tls=None, serve=None) 
     if args.service == "verifier":
         settings = BackendSettings.from_env()
         tp = getattr(args, "tp", 1)
-        trunk = app.load_trunk(ckpt, tp=tp, device=getattr(args, "device", "cpu"))
+        trunk = app.load_trunk(ckpt, tp=tp, device=getattr(args, "device", "cpu"),
+                               verify_numerics=settings.verify_numerics)
         running = await app.start_verifier(app.verifier_engine(trunk, settings), port,
                                            settings.verify_mode, provider, args.host, tp=tp,
                                            credentials=tls and tls.server_credentials())

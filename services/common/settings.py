@@ -163,9 +163,12 @@ class ServeSettings:
 class BackendSettings:
     max_sessions: int = 16
     verify_mode: str = "batched"
+    verify_numerics: str = "fast"  # "exact": the verifier's batched verify is bitwise equal to decode
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "BackendSettings":
         """Raises ValueError naming the variable and value when one is invalid."""
         return cls(max_sessions=_int(environ, "DSPARK_MAX_SESSIONS", cls.max_sessions),
-                   verify_mode=_choice(environ, "DSPARK_VERIFY_MODE", cls.verify_mode, VERIFY_MODES))
+                   verify_mode=_choice(environ, "DSPARK_VERIFY_MODE", cls.verify_mode, VERIFY_MODES),
+                   verify_numerics=_choice(environ, "DSPARK_VERIFY_NUMERICS", cls.verify_numerics,
+                                           ("fast", "exact")))
