@@ -16,9 +16,10 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-# The main job. For now: replay the synthetic rounds through the gate's policies.
+# The main job: the bundled model (assets/dspark-small) served by the three services; plain,
+# always-k and gated generations of four prompts, then the table (training/demo.py).
 demo: setup
-	$(VENV)/bin/dspark replay --synthetic
+	$(PY) -m training.demo
 
 test: setup
 	$(PY) -m pytest -q

@@ -146,6 +146,8 @@ def _up(args) -> int:
     ckpt = ["--checkpoint", args.checkpoint] if args.checkpoint else []
     env = dict(os.environ, DSPARK_VERIFIER_TARGET=f"127.0.0.1:{DEFAULT_PORTS['verifier']}",
                DSPARK_DRAFTER_TARGET=f"127.0.0.1:{DEFAULT_PORTS['drafter']}")
+    # the gateway starts beside backends that are still loading their weights: wait for them
+    env.setdefault("DSPARK_STARTUP_TIMEOUT_S", "120")
     procs = [subprocess.Popen(exe + ["verifier"] + ckpt, env=env),
              subprocess.Popen(exe + ["drafter"] + ckpt + (["--oracle"] if args.oracle else []), env=env)]
     procs.append(subprocess.Popen(exe + ["gateway"] + ckpt, env=env))

@@ -1,0 +1,293 @@
+"""The main job (`make demo`): the bundled model served by the three services, plain vs speculative.
+
+    python -m training.demo [--checkpoint assets/dspark-small] [--max-tokens 64] [--record-rounds FILE]
+    python -m training.demo --calibration 160 --record-rounds tests/data/bundled_rounds.json   # + ~1,000 rounds
+
+Starts the verifier, drafter and gateway as gRPC servers in this process (localhost, port 0,
+real channels; the same `services.app` start functions `dspark up` uses) on the bundled
+checkpoint, then generates greedily for four prompts — repeat (counting upward), code, prose,
+math — three ways each: plain decode (spec off), always-k (every round verifies the whole
+drafted block) and gated (the confidence gate picks k each round), all with batched verify
+and the gate's costs measured live (`cost_mode="measured"`). The gated generation of each
+prompt is streamed to the terminal as it arrives.
+
+Table per prompt and mode: completion tokens, accept rate (accepted / submitted drafts), mean
+acceptance length (tokens per verify round, bonus included, as the gateway reports it),
+tok/s, the ratio to plain, and where the output first diverges from plain: the token index
+and the trunk's top-1 minus top-2 logit margin there on the plain path (batched speculative
+verify is not guaranteed bitwise identical to plain decode unless exact mode is on; a
+divergence at a near-tie margin is that rounding, not a bug). Then the per-position
+acceptance h(j) = P(match at j | all before matched) of the always-k rounds and the gate's
+calibration (confidence bucket, verified drafts n, match rate; censored as `Gate.observe`
+counts them; buckets with fewer than `--min-bucket` drafts merged into a neighbour).
+
+`--calibration TOKENS` adds always-k generations on four more prompts per workload
+(`CALIBRATION_PROMPTS`) whose rounds only feed h(j), the calibration table, the live-vs-replay
+table and the recorded file. `--record-rounds FILE` writes the always-k rounds (replay format,
+`dspark replay FILE`); the draft/decode line compares the drafter call's median wall with
+plain decode's median ms per token.
+
+Timings are CPU figures of one run on this machine (DESIGN.md §8): compare the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+DEFAULT_CHECKPOINT = Path("assets/dspark-small")
+WORKLOADS = {
+    "repeat": "0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "code": "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "prose": "The old lighthouse keeper walked slowly along the shore, watching",
+    "math": "Solve for x: 3x + 7 = 22. Subtract 7 from both sides: 3x =",
+}
+# More prompts per workload for `--calibration`: always-k generations whose rounds only feed
+# h(j), the calibration table and the recorded file (not the table).
+CALIBRATION_PROMPTS = {
+    "repeat": ["10, 11, 12, 13, 14, 15, 16, 17,", "alpha, beta, gamma, alpha, beta, gamma, alpha, beta,",
+               "x = 1\nx = 1\nx = 1\nx = 1\n", "100, 101, 102, 103, 104, 105,"],
+    "code": ["import os\nimport sys\n\n\ndef main():\n", "class Stack:\n    def __init__(self):\n        self.items = []\n",
+             "for i in range(10):\n    if i % 2 == 0:\n", "    def __repr__(self):\n        return"],
+    "prose": ["This program is free software; you can redistribute it and/or modify",
+              "The following options are available:", "NAME\n       ls - list directory contents\n",
+              "Permission is hereby granted, free of charge, to any person"],
+    "math": ["12 + 30 = 42\n7 * 8 =", "Compute 15 * 4 = 60. Then 60 - 25 =", "2 + 2 = 4\n3 + 5 = 8\n9 + 1 =",
+             "Solve for y: 2y - 4 = 10. Add 4 to both sides: 2y ="],
+}
+MODES = ("off", "always", "gated")
+MODE_NAMES = {"off": "plain", "always": "always-k", "gated": "gated"}
+CALL_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    text: str
+    wall_s: float
+    rounds: int
+    submitted: int
+    accepted: int
+    mean_len: float
+
+    @property
+    def tok_s(self) -> float:
+        return len(self.tokens) / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def accept_rate(self) -> float | None:
+        return self.accepted / self.submitted if self.submitted else None
+
+
+async def generate(stub, prompt: str, mode: str, max_tokens: int, label: str, stream: bool) -> Generation:
+    from dspark_proto.v1 import gateway_pb2
+    spec = {"off": gateway_pb2.SPEC_MODE_OFF, "always": gateway_pb2.SPEC_MODE_ALWAYS,
+            "gated": gateway_pb2.SPEC_MODE_GATED}[mode]
+    req = gateway_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, spec=spec, ignore_eos=True, label=label)
+    tokens, final, t0 = [], None, time.perf_counter()
+    async for msg in stub.Generate(req, timeout=CALL_TIMEOUT_S):
+        tokens += msg.token_ids
+        if stream and msg.text_delta:
+            print(msg.text_delta, end="", flush=True)
+        final = msg if msg.finished else final
+    wall = time.perf_counter() - t0
+    s = final.spec_stats
+    return Generation(tokens, final.text, wall, s.rounds, s.submitted, s.accepted, s.mean_acceptance_length)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (None when equal over the shorter length)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None
+
+
+@torch.no_grad()
+def margin_at(trunk, prompt_ids: list[int], plain: list[int], i: int) -> float:
+    """The trunk's top-1 minus top-2 logit at completion index i on the plain path."""
+    st = trunk.new_state()
+    logits = trunk.prefill(st, torch.tensor(prompt_ids + plain[:i]), taps=False).logits
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def position_acceptance(rounds, block: int) -> list[tuple[int, int, float | None]]:
+    """(j, decided, h(j)) over rounds: position j is decided when every earlier one matched and j < submitted."""
+    decided, matched = [0] * block, [0] * block
+    for r in rounds:
+        for j in range(min(r.accepted + 1, r.submitted)):
+            decided[j] += 1
+            matched[j] += j < r.accepted
+    return [(j, decided[j], matched[j] / decided[j] if decided[j] else None) for j in range(block)]
+
+
+def calibration_table(rounds, min_n: int) -> list[tuple[str, int, float]]:
+    """(bucket label(s), n, match rate) of the gate's confidence buckets, sparse ones merged upward."""
+    from services.gateway.gate import NUM_BUCKETS, bucket_index, bucket_label
+    observed, matched = [0] * NUM_BUCKETS, [0] * NUM_BUCKETS
+    for r in rounds:
+        for pos in range(min(r.accepted + 1, r.submitted)):
+            b = bucket_index(r.confidence_logits[pos])
+            observed[b] += 1
+            matched[b] += pos < r.accepted
+    rows, start, n, m = [], None, 0, 0
+    for b in range(NUM_BUCKETS):
+        if observed[b] == 0 and n == 0:
+            continue
+        start = b if n == 0 else start
+        n, m = n + observed[b], m + matched[b]
+        if n >= min_n:
+            label = bucket_label(start) if start == b else f"{bucket_label(start)} .. {bucket_label(b)}"
+            rows.append((label, n, m / n))
+            n, m = 0, 0
+    if n:  # a sparse tail joins the last row
+        if rows:
+            label, n0, r0 = rows.pop()
+            rows.append((f"{label.split(' .. ')[0]} .. {bucket_label(NUM_BUCKETS - 1)}", n0 + n, (r0 * n0 + m) / (n0 + n)))
+        else:
+            rows.append((f"{bucket_label(start)} ..", n, m / n))
+    return rows
+
+
+def fmt(x: float | None, spec: str) -> str:
+    """`x` formatted by `spec`, or "-" right-aligned to the spec's width when None."""
+    width = int("".join(c for c in spec.split(".")[0] if c.isdigit()) or 0)
+    return "-".rjust(width) if x is None else format(x, spec)
+
+
+async def run(args) -> int:
+    from services.app import (drafter_engine, load_drafter, load_trunk, start_drafter, start_gateway,
+                              start_verifier, verifier_engine)
+    from services.common.server import channel_options
+    from services.common.settings import BackendSettings, GatewaySettings
+    from services.gateway.gate import GateConfig
+    from services.gateway.rounds import RoundLog, save_rounds
+    from dspark_proto.v1 import gateway_pb2_grpc
+
+    ckpt = Path(args.checkpoint)
+    if not (ckpt / "config.json").is_file():
+        print(f"demo: no checkpoint at {ckpt} (expected the bundled model, assets/dspark-small)", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    trunk = load_trunk(str(ckpt))
+    drafter = load_drafter(str(ckpt))
+    cfg = trunk.cfg
+    verifier = await start_verifier(verifier_engine(trunk, BackendSettings()))
+    dsrv = await start_drafter(drafter_engine(drafter, settings=BackendSettings()))
+    settings = GatewaySettings(verifier_target=f"127.0.0.1:{verifier.port}",
+                               drafter_target=f"127.0.0.1:{dsrv.port}", verify_mode="batched", cost_mode="measured")
+    recorder: list = []
+    gw, scheduler, backends = await start_gateway(settings, GateConfig.from_env(), checkpoint=str(ckpt),
+                                                  recorder=recorder)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}", options=channel_options())
+    stub = gateway_pb2_grpc.GatewayStub(channel)
+    print(f"bundled model {ckpt} (config {cfg.config_hash()}, {cfg.n_layers} layers + {cfg.n_mtp_layers} DSpark "
+          f"stages, block {cfg.dspark_block_size}); verifier :{verifier.port}, drafter :{dsrv.port}, "
+          f"gateway :{gw.port}; started in {time.perf_counter() - t0:.1f} s; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} thread(s)")
+    try:
+        for mode in MODES:  # warm-up: first-call costs, and the measured cost model gets samples
+            await generate(stub, "0 1 2 3", mode, 16, "warmup", stream=False)
+        recorder.clear()
+        always: list = []  # the always-k generations' rounds: every drafted position verified
+        results: dict[str, dict[str, Generation]] = {}
+        for name, prompt in WORKLOADS.items():
+            results[name] = {}
+            print(f"\n--- {name}: {prompt!r} (gated, streamed)\n{prompt}", end="", flush=True)
+            for mode in ("gated", "off", "always"):
+                start = len(recorder)
+                results[name][mode] = await generate(stub, prompt, mode, args.max_tokens, name, stream=mode == "gated")
+                if mode == "always":
+                    always.extend(recorder[start:])
+            print()
+        if args.calibration:
+            print(f"\ncalibration rounds: {sum(map(len, CALIBRATION_PROMPTS.values()))} more always-k generations "
+                  f"of {args.calibration} tokens ...", flush=True)
+            for name, prompts in CALIBRATION_PROMPTS.items():
+                for prompt in prompts:
+                    start = len(recorder)
+                    await generate(stub, prompt, "always", args.calibration, name, stream=False)
+                    always.extend(recorder[start:])
+        if args.record_rounds:
+            save_rounds(RoundLog(tuple(always), {"source": "training.demo (always-k rounds)", "checkpoint": str(ckpt),
+                                                 "max_tokens": args.max_tokens}), args.record_rounds)
+    finally:
+        await channel.close()
+        await backends.close()
+        for s in (gw, dsrv, verifier):
+            await s.stop(0)
+
+    tok = scheduler.tokenizer if hasattr(scheduler, "tokenizer") else None
+    print(f"\n{'workload':8} {'mode':9} {'tokens':>6} {'accept':>7} {'mean len':>8} {'tok/s':>7} {'x plain':>7}  first divergence from plain")
+    for name, by in results.items():
+        plain = by["off"]
+        prompt_ids = tok.encode(WORKLOADS[name]) if tok is not None else None
+        for mode in MODES:
+            g = by[mode]
+            div = "-" if mode == "off" else "none"
+            if mode != "off":
+                i = first_divergence(plain.tokens, g.tokens)
+                if i is not None:
+                    margin = margin_at(trunk, prompt_ids, plain.tokens, i) if prompt_ids is not None else None
+                    div = f"token {i} (margin {fmt(margin, '.3f')})"
+            acc = None if mode == "off" else g.accept_rate
+            mlen = None if mode == "off" else g.mean_len
+            print(f"{name:8} {MODE_NAMES[mode]:9} {len(g.tokens):6d} {fmt(acc, '7.1%')} {fmt(mlen, '8.2f')} "
+                  f"{g.tok_s:7.1f} {g.tok_s / plain.tok_s:7.2f}  {div}")
+    verified = [r for r in always if r.submitted > 0]
+    print(f"\nper-position acceptance h(j) = P(match at j | all before matched), {len(verified)} always-k rounds:")
+    print("  " + "  ".join(f"h({j})={fmt(h, '.2f')} (n={n})" for j, n, h in position_acceptance(verified, cfg.dspark_block_size)))
+    print(f"\ncalibration of the confidence head (bucket, verified drafts n, match rate; under {args.min_bucket} merged):")
+    for label, n, rate in calibration_table(verified, args.min_bucket):
+        print(f"  {label:>24} {n:6d} {rate:7.1%}")
+    if verified:
+        from services.gateway.gate import GateConfig
+        from services.gateway.replay import replay_log
+        from services.gateway.rounds import RoundLog
+        rep = replay_log(RoundLog(tuple(always), {}), GateConfig.from_env())
+        print("\nlive vs replay of the same always-k rounds (`dspark replay`, its configured costs): x plain")
+        print(f"{'workload':8} {'live always-k':>13} {'replay always-k':>15} {'live gated':>10} {'replay gated':>12}")
+        for w in rep.workloads:
+            live = results.get(w.name)
+            if live is None:
+                continue
+            lp = live["off"].tok_s
+            rp = w.results["plain"].tok_s
+            print(f"{w.name:8} {live['always'].tok_s / lp:13.2f} {w.results['always-k'].tok_s / rp:15.2f} "
+                  f"{live['gated'].tok_s / lp:10.2f} {w.results['gated'].tok_s / rp:12.2f}")
+    draft_ms = sorted(r.draft_ms for r in recorder if r.draft_ms is not None)
+    plain_ms = sorted(1e3 * by["off"].wall_s / max(1, len(by["off"].tokens)) for by in results.values())
+    if draft_ms and plain_ms:
+        d, p = draft_ms[len(draft_ms) // 2], plain_ms[len(plain_ms) // 2]
+        print(f"\ndraft round {d:.1f} ms (median of {len(draft_ms)}, drafter call as the gateway sees it) vs plain "
+              f"decode {p:.1f} ms/token (median over the plain generations): draft/decode = {d / p:.2f}")
+    if args.record_rounds:
+        print(f"\nrecorded {len(always)} always-k rounds to {args.record_rounds} (replay: dspark replay {args.record_rounds})")
+    return 0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="The main job: the bundled model served by the three services.")
+    ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--record-rounds", default=None, help="write the recorded rounds to FILE (replay format)")
+    ap.add_argument("--calibration", type=int, default=0, metavar="TOKENS",
+                    help="also run always-k generations of TOKENS tokens on more prompts per workload, for "
+                         "h(j), the calibration table and --record-rounds (default 0: none)")
+    ap.add_argument("--min-bucket", type=int, default=30, help="merge calibration buckets with fewer drafts")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    sys.exit(asyncio.run(run(args)))
+
+
+if __name__ == "__main__":
+    main()

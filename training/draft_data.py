@@ -1,0 +1,136 @@
+"""The DSpark draft's training data: the exported trunk's own greedy continuations (issue #7).
+
+    python -m training.draft_data --checkpoint assets/dspark-small --out runs/draft/data/final \
+        --split train --sequences 200 --shard 0 --of 2            # one of two processes
+
+The trunk is read through `dsv4.checkpoint.load_trunk_weights` (the verifier's loader), so the
+draft learns exactly the model the verifier runs. Per sequence: a prompt of `--prompt-min`..
+`--prompt-max` tokens cut at a random offset of one domain's tokenized stream (the domain
+drawn by `--mix`; no bos is added, as the gateway adds none), then `Trunk.prefill` of the
+prompt and `--new` greedy `Trunk.decode` steps. Stored per sequence:
+
+* ids [S] int64: prompt + greedy continuation (S = P + new);
+* taps [S, T*D] fp32: the DSpark tap rows (lane mean of the target layers) of every
+  position, from the prefill (prompt) and the decode steps (prefill and decode compute the
+  same rows, `Trunk` docstring);
+* top_ix / top_lp [new, K]: the trunk's top-K token ids and log-probabilities at positions
+  P-1..S-2 (the distributions of the continuation tokens P..S-1; K = `--topk`), for the
+  total-variation loss; the argmax is the next token (greedy).
+
+Output: `<out>/shard{i}of{n}.pt` = {"meta": ..., "seqs": [dict, ...]} rewritten every
+`--save-every` sequences, so a killed run keeps what it made and `--resume` continues it.
+Sequence k of shard i is a pure function of (seed, split, i + k * n), so shards never overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dsv4.checkpoint import load_trunk_weights
+from dsv4.trunk import Trunk
+
+DOMAINS = ("code", "prose", "math", "repeat")
+DEFAULT_MIX = {"code": 0.35, "prose": 0.15, "math": 0.2, "repeat": 0.3}
+
+
+def load_trunk(checkpoint: str | Path) -> Trunk:
+    """The verifier's trunk (fp32) from a checkpoint folder."""
+    cfg, weights = load_trunk_weights(checkpoint)
+    trunk = Trunk(cfg)
+    trunk.load_weights(weights)
+    return trunk
+
+
+def sample_prompt(streams: dict[str, np.ndarray], mix: dict[str, float], seed: int, split: str, index: int,
+                  prompt_min: int, prompt_max: int) -> tuple[str, torch.Tensor]:
+    """(domain, prompt ids [P]) of sequence `index`, a pure function of the arguments."""
+    rng = np.random.default_rng([seed, 0 if split == "train" else 1, index])
+    names = [d for d in DOMAINS if mix.get(d, 0) > 0]
+    p = np.array([mix[d] for d in names], dtype=np.float64)
+    d = names[int(rng.choice(len(names), p=p / p.sum()))]
+    n = int(rng.integers(prompt_min, prompt_max + 1))
+    s = streams[d]
+    off = int(rng.integers(0, len(s) - n))
+    return d, torch.from_numpy(np.asarray(s[off:off + n], dtype=np.int64))
+
+
+@torch.no_grad()
+def continue_greedy(trunk: Trunk, prompt: torch.Tensor, new: int, topk: int) -> dict[str, torch.Tensor]:
+    """Prefill `prompt` [P] and decode `new` greedy tokens; see the module docstring for the fields."""
+    P = prompt.shape[0]
+    st = trunk.new_state()
+    out = trunk.prefill(st, prompt, keep_rows=P)
+    taps, lps = [out.taps], []
+    ids = prompt.tolist()
+    logits = out.logits
+    for pos in range(P, P + new):
+        lps.append(torch.log_softmax(logits.float(), -1))
+        token = int(logits.argmax())
+        ids.append(token)
+        if pos == P + new - 1:
+            break
+        out = trunk.decode(st, token, pos)
+        taps.append(out.taps)
+        logits = out.logits
+    # The last token's tap row: one more decode step (its logits are not needed).
+    out = trunk.decode(st, ids[-1], P + new - 1)
+    taps.append(out.taps)
+    lp = torch.stack(lps)  # [new, V]
+    top_lp, top_ix = lp.topk(topk, dim=-1)
+    return {"ids": torch.tensor(ids, dtype=torch.int64), "prompt_len": P, "taps": torch.cat(taps).float(),
+            "top_ix": top_ix.to(torch.int16), "top_lp": top_lp.to(torch.float32)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="Greedy continuations + taps + top-K targets of the exported trunk.")
+    ap.add_argument("--checkpoint", type=Path, default=Path("assets/dspark-small"))
+    ap.add_argument("--data", type=Path, default=Path("runs/trunk/data"), help="tokenized streams (train_trunk)")
+    ap.add_argument("--out", type=Path, default=Path("runs/draft/data/final"))
+    ap.add_argument("--split", choices=("train", "heldout"), default="train")
+    ap.add_argument("--sequences", type=int, default=200, help="sequences in this shard")
+    ap.add_argument("--shard", type=int, default=0)
+    ap.add_argument("--of", type=int, default=1)
+    ap.add_argument("--prompt-min", type=int, default=8)
+    ap.add_argument("--prompt-max", type=int, default=96)
+    ap.add_argument("--new", type=int, default=96, help="greedy tokens per sequence")
+    ap.add_argument("--topk", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save-every", type=int, default=8)
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from training.train_trunk import load_streams
+
+    streams = load_streams(args.data, args.split)
+    trunk = load_trunk(args.checkpoint)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{args.split}_shard{args.shard}of{args.of}.pt"
+    meta = {"checkpoint": str(args.checkpoint), "split": args.split, "new": args.new, "topk": args.topk,
+            "seed": args.seed, "config_hash": trunk.cfg.config_hash()}
+    seqs = torch.load(path, weights_only=False)["seqs"] if args.resume and path.is_file() else []
+    t0, start = time.monotonic(), len(seqs)
+    for k in range(len(seqs), args.sequences):
+        index = args.shard + k * args.of
+        domain, prompt = sample_prompt(streams, DEFAULT_MIX, args.seed, args.split, index,
+                                       args.prompt_min, args.prompt_max)
+        seq = continue_greedy(trunk, prompt, args.new, args.topk)
+        seq["domain"] = domain
+        seqs.append(seq)
+        if len(seqs) % args.save_every == 0 or len(seqs) == args.sequences:
+            tmp = path.with_suffix(".tmp")
+            torch.save({"meta": meta, "seqs": seqs}, tmp)
+            os.replace(tmp, path)
+            made = k + 1 - start
+            print(f"{path.name}: {len(seqs)}/{args.sequences} sequences, "
+                  f"{made * args.new / (time.monotonic() - t0):.0f} tok/s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
