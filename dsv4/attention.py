@@ -251,25 +251,43 @@ class Attention(nn.Module):
         slots = written % W
         record = AttentionUndo(n, S, slots, st.ring[slots].clone(), kv)
         q_pos = torch.arange(n, n + S, device=dev)
-        win_pos = q_pos[:, None] - torch.arange(W, device=dev)[None, :]  # [S, W] positions q, q-1, ...
-        win = torch.where(win_pos >= n, W + win_pos - n, win_pos % W)
-        lists = [torch.where(win_pos >= 0, win, -1)]
+        lists = [self._window_list(q_pos, n)]
         if r == 4:
             record.indexer = self.indexer.compressor.open_journal(st.indexer, n, S)
             top = self.indexer(x, qr, n, st.indexer)  # [S, K], steps the indexer compressor per token
             lists.append(torch.where(top >= 0, top + W + S, top))
-        keys = torch.cat((st.ring, kv))
-        if r:
-            record.compressor = self.compressor.open_journal(st.compressor, n, S)
-            for i in range(S):
-                self.compressor.step(x[i:i + 1], n + i, st.compressor)
-            keys = torch.cat((keys, st.compressor.entries()))
+        keys = self._step_compressor(x, n, S, st, record, torch.cat((st.ring, kv)))
         if r and r != 4:
-            j = torch.arange(st.compressor.n_entries, device=dev)
-            lists.append(torch.where(j[None, :] < ((q_pos + 1) // r)[:, None], j[None, :] + W + S, -1))
+            lists.append(self._plain_entry_list(q_pos, st.compressor.n_entries, W + S))
         st.ring[slots] = kv[-W:]
         undo.append(record)
         return keys, torch.cat(lists, dim=1)
+
+    def _window_list(self, q_pos: torch.Tensor, n: int) -> torch.Tensor:
+        """Window index lists [Q, W] for queries at q_pos [Q] of a call starting at n: positions
+        q, q-1, .. q-W+1; those >= n are the call's own rows (W + offset), earlier ones are ring
+        slots as they were before the call (pos % W), negative positions -1."""
+        W = self.window
+        win_pos = q_pos[:, None] - torch.arange(W, device=q_pos.device)[None, :]  # [Q, W]
+        win = torch.where(win_pos >= n, W + win_pos - n, win_pos % W)
+        return torch.where(win_pos >= 0, win, -1)
+
+    def _plain_entry_list(self, q_pos: torch.Tensor, n_entries: int, offset: int) -> torch.Tensor:
+        """Plain-compressor lists [Q, n_entries]: entry j (at key row offset + j) for j < (q+1)//r, else -1."""
+        j = torch.arange(n_entries, device=q_pos.device)
+        return torch.where(j[None, :] < ((q_pos + 1) // self.ratio)[:, None], j[None, :] + offset, -1)
+
+    def _step_compressor(self, x: torch.Tensor, n: int, S: int, st: AttentionState,
+                         record: AttentionUndo | None, keys: torch.Tensor) -> torch.Tensor:
+        """Feed tokens n..n+S-1 to the attention compressor one by one (journaled into `record`
+        when given) and return `keys` with its entries appended (unchanged for ratio 0)."""
+        if not self.ratio:
+            return keys
+        if record is not None:
+            record.compressor = self.compressor.open_journal(st.compressor, n, S)
+        for i in range(S):
+            self.compressor.step(x[i:i + 1], n + i, st.compressor)
+        return torch.cat((keys, st.compressor.entries()))
 
     def _exact_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, n: int, S: int,
                     st: AttentionState, undo: list[AttentionUndo] | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,24 +303,15 @@ class Attention(nn.Module):
         slots = torch.arange(n, n + S, device=dev)[-W:] % W
         record = AttentionUndo(n, S, slots, st.ring[slots].clone(), kv[:S]) if undo is not None else None
         q_pos = torch.arange(n, n + R, device=dev)
-        win_pos = q_pos[:, None] - torch.arange(W, device=dev)[None, :]  # [R, W] positions q, q-1, ...
-        win = torch.where(win_pos >= n, W + win_pos - n, win_pos % W)
-        lists = [torch.where(win_pos >= 0, win, -1)]
+        lists = [self._window_list(q_pos, n)]
         if r == 4:
             if record is not None:
                 record.indexer = self.indexer.compressor.open_journal(st.indexer, n, S)
             top = self.indexer.exact_topk(x, qr, n, S, st.indexer, EXACT_KEY_CHUNK)  # [R, index_topk]
             lists.append(torch.where(top >= 0, top + W + R, top))
-        keys = torch.cat((st.ring, kv))
-        if r:
-            if record is not None:
-                record.compressor = self.compressor.open_journal(st.compressor, n, S)
-            for i in range(S):
-                self.compressor.step(x[i:i + 1], n + i, st.compressor)
-            keys = torch.cat((keys, st.compressor.entries()))
+        keys = self._step_compressor(x, n, S, st, record, torch.cat((st.ring, kv)))
         if r and r != 4:
-            j = torch.arange(st.compressor.n_entries, device=dev)
-            lists.append(torch.where(j[None, :] < ((q_pos + 1) // r)[:, None], j[None, :] + W + R, -1))
+            lists.append(self._plain_entry_list(q_pos, st.compressor.n_entries, W + R))
         idx = torch.cat(lists, dim=1)
         idx[S:] = -1  # padding rows attend to nothing (output 0)
         st.ring[slots] = kv[:S][-W:]
@@ -325,8 +334,7 @@ class Attention(nn.Module):
             self.compressor.prefill(x, st.compressor)
             keys = torch.cat((kv, st.compressor.entries()))
         if r and r != 4:
-            j = torch.arange(S // r, device=x.device)
-            lists.append(torch.where(j[None, :] < ((t + 1) // r)[:, None], j[None, :] + S, -1))  # [S, S//r]
+            lists.append(self._plain_entry_list(t, S // r, S))  # [S, S//r]
         keep = min(S, W)
         st.ring[(t[-keep:] % W)] = kv[-keep:]
         return keys, torch.cat(lists, dim=1)

@@ -1,6 +1,6 @@
 """Dense float64 reference of the DeepSeek-V4-Flash trunk forward, for conformance tests.
 
-Written directly from the spec (/work/shared/research/v4_dspark_spec.md §2–§6), sharing no
+Written directly from the spec (../shared/research/v4_dspark_spec.md §2–§6), sharing no
 code with `dsv4/` except `ModelConfig`. It is deliberately slow and NON-incremental: no ring
 buffer, no compressor state machine, no caches. For every layer and every query position t
 it builds the set of keys t may attend to straight from the definitions:
