@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import grpc
 
+from services.common.sessions import SessionLimitError, UnknownSessionError
+
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
     """INVALID_ARGUMENT for ValueError/TypeError, RESOURCE_EXHAUSTED for a session limit,
     NOT_FOUND for an unknown session, INTERNAL otherwise."""
-    name = type(exc).__name__
-    if name == "SessionLimitError":
+    if isinstance(exc, SessionLimitError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
-    if name == "UnknownSessionError":
+    if isinstance(exc, UnknownSessionError):
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, (ValueError, TypeError)):
         return grpc.StatusCode.INVALID_ARGUMENT

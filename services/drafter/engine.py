@@ -24,16 +24,10 @@ from typing import Sequence
 
 import torch
 
+from services.common.sessions import SessionLimitError, UnknownSessionError  # noqa: F401 (re-exported)
+
 from dsv4.config import ModelConfig
 from dsv4.dspark import DraftState, DSparkDraft
-
-
-class SessionLimitError(RuntimeError):
-    """No session slot free (the service maps this to RESOURCE_EXHAUSTED)."""
-
-
-class UnknownSessionError(KeyError):
-    """The session id is not open (closed, never opened, or from another engine)."""
 
 
 def drafter_identity(cfg: ModelConfig, confidence_head: bool, tp: int, kind: str) -> dict:

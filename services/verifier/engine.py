@@ -47,17 +47,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from services.common.sessions import SessionLimitError, UnknownSessionError  # noqa: F401 (re-exported)
+
 from dsv4.trunk import Trunk, TrunkState, as_int
 
 VERIFY_MODES = ("sequential", "batched")
-
-
-class SessionLimitError(RuntimeError):
-    """No session slot free (the service maps this to RESOURCE_EXHAUSTED)."""
-
-
-class UnknownSessionError(KeyError):
-    """The session id is not open (closed, never opened, or from another engine)."""
 
 
 @dataclass(frozen=True)
