@@ -204,3 +204,31 @@ def test_stored_weights_round_trip_inside_and_restore_masters():
         assert not torch.equal(params[names[1]], before[names[1]])  # fp4 really changed it
         assert torch.equal(params[names[3]], before[names[3]])  # f32 stays
     assert all(torch.equal(p, before[n]) for n, p in trunk.named_parameters())
+
+
+def test_draft_data_prompts_begin_documents_when_asked():
+    import numpy as np
+
+    from training.draft_data import document_starts, sample_prompt
+    # Two documents per domain: bos a.. eos bos b.. eos (ids >= 2 are text).
+    doc = lambda first, n: [0, *range(first, first + n), 1]  # noqa: E731
+    streams = {d: np.array(doc(10, 6) + doc(100, 30) + doc(200, 40), dtype=np.uint16)
+               for d in ("code", "prose", "math", "repeat")}
+    starts = document_starts(streams)
+    assert starts["code"].tolist() == [1, 9, 41]
+    mix = {"code": 1.0}
+    firsts = set()
+    for i in range(40):
+        d, ids = sample_prompt(streams, mix, 0, "train", i, 4, 12, doc_start=1.0, starts=starts)
+        assert d == "code" and 2 <= len(ids) <= 12
+        assert int(ids[0]) in (10, 100, 200) and not (ids <= 1).any()  # a document's first token, no bos/eos
+        firsts.add(int(ids[0]))
+    assert firsts == {10, 100, 200}
+    # The short first document ends the prompt before its eos.
+    short = [ids for i in range(40) for d, ids in [sample_prompt(streams, mix, 0, "train", i, 8, 12, 1.0, starts)]
+             if int(ids[0]) == 10]
+    assert short and all(ids.tolist() == list(range(10, 16)) for ids in short)
+    # doc_start = 0 keeps the old draw (a pure function of seed, split and index).
+    a = sample_prompt(streams, mix, 3, "train", 5, 4, 12)
+    b = sample_prompt(streams, mix, 3, "train", 5, 4, 12, 0.0, starts)
+    assert a[0] == b[0] and torch.equal(a[1], b[1])

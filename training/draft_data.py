@@ -25,6 +25,7 @@ Sequence k of shard i is a pure function of (seed, split, i + k * n), so shards 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ import torch
 
 from dsv4.checkpoint import load_trunk_weights
 from dsv4.trunk import Trunk
+from training.tokenizer import BOS_ID as BOS, EOS_ID as EOS
 
 DOMAINS = ("code", "prose", "math", "repeat")
 DEFAULT_MIX = {"code": 0.35, "prose": 0.15, "math": 0.2, "repeat": 0.3}
@@ -47,15 +49,35 @@ def load_trunk(checkpoint: str | Path) -> Trunk:
     return trunk
 
 
+def document_starts(streams: dict[str, np.ndarray], bos: int = BOS) -> dict[str, np.ndarray]:
+    """Domain -> offsets [n_docs] int64 of each document's first token (the one after its bos)."""
+    return {d: np.flatnonzero(np.asarray(s) == bos) + 1 for d, s in streams.items()}
+
+
 def sample_prompt(streams: dict[str, np.ndarray], mix: dict[str, float], seed: int, split: str, index: int,
-                  prompt_min: int, prompt_max: int) -> tuple[str, torch.Tensor]:
-    """(domain, prompt ids [P]) of sequence `index`, a pure function of the arguments."""
+                  prompt_min: int, prompt_max: int, doc_start: float = 0.0,
+                  starts: dict[str, np.ndarray] | None = None) -> tuple[str, torch.Tensor]:
+    """(domain, prompt ids [P]) of sequence `index`, a pure function of the arguments.
+
+    With probability `doc_start` the prompt begins a random document (`starts`, from
+    `document_starts`) and ends before that document's eos (at least 2 tokens); otherwise it
+    is cut at a random offset (it may then span documents).
+    """
     rng = np.random.default_rng([seed, 0 if split == "train" else 1, index])
     names = [d for d in DOMAINS if mix.get(d, 0) > 0]
     p = np.array([mix[d] for d in names], dtype=np.float64)
     d = names[int(rng.choice(len(names), p=p / p.sum()))]
     n = int(rng.integers(prompt_min, prompt_max + 1))
     s = streams[d]
+    at_start = doc_start > 0 and rng.random() < doc_start  # no draw at 0: the old prompts stay
+    if at_start and starts is not None and len(starts[d]):
+        off = int(starts[d][int(rng.integers(0, len(starts[d])))])
+        ids = np.asarray(s[off:off + n], dtype=np.int64)
+        ends = np.flatnonzero(ids == EOS)
+        if len(ends) and ends[0] >= 2:
+            ids = ids[:ends[0]]
+        if len(ids) >= 2 and not (ids == EOS).any():
+            return d, torch.from_numpy(ids)
     off = int(rng.integers(0, len(s) - n))
     return d, torch.from_numpy(np.asarray(s[off:off + n], dtype=np.int64))
 
@@ -98,6 +120,9 @@ def main() -> None:
     ap.add_argument("--of", type=int, default=1)
     ap.add_argument("--prompt-min", type=int, default=8)
     ap.add_argument("--prompt-max", type=int, default=96)
+    ap.add_argument("--doc-start", type=float, default=0.0,
+                    help="probability that a prompt begins a document instead of a random offset")
+    ap.add_argument("--mix", type=json.loads, default=None, help='domain weights, JSON (default %s)' % DEFAULT_MIX)
     ap.add_argument("--new", type=int, default=96, help="greedy tokens per sequence")
     ap.add_argument("--topk", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
@@ -109,17 +134,20 @@ def main() -> None:
     from training.train_trunk import load_streams
 
     streams = load_streams(args.data, args.split)
+    starts = document_starts(streams) if args.doc_start > 0 else None
+    mix = args.mix or DEFAULT_MIX
     trunk = load_trunk(args.checkpoint)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.split}_shard{args.shard}of{args.of}.pt"
     meta = {"checkpoint": str(args.checkpoint), "split": args.split, "new": args.new, "topk": args.topk,
-            "seed": args.seed, "config_hash": trunk.cfg.config_hash()}
+            "seed": args.seed, "config_hash": trunk.cfg.config_hash(), "mix": mix, "doc_start": args.doc_start,
+            "prompt_min": args.prompt_min, "prompt_max": args.prompt_max}
     seqs = torch.load(path, weights_only=False)["seqs"] if args.resume and path.is_file() else []
     t0, start = time.monotonic(), len(seqs)
     for k in range(len(seqs), args.sequences):
         index = args.shard + k * args.of
-        domain, prompt = sample_prompt(streams, DEFAULT_MIX, args.seed, args.split, index,
-                                       args.prompt_min, args.prompt_max)
+        domain, prompt = sample_prompt(streams, mix, args.seed, args.split, index,
+                                       args.prompt_min, args.prompt_max, args.doc_start, starts)
         seq = continue_greedy(trunk, prompt, args.new, args.topk)
         seq["domain"] = domain
         seqs.append(seq)

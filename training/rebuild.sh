@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Rebuild the bundled model (assets/dspark-small) from nothing: corpus, tokenizer, trunk,
+# greedy draft data, DSpark draft, export (issue #7). The exact recipe of the committed assets.
+#
+#     bash training/rebuild.sh            # ~2 h on the 2-core CPU box; every stage resumable
+#     OUT=/tmp/dspark-small bash training/rebuild.sh
+#
+# Each stage skips itself when its output exists and resumes from its checkpoint when one
+# does, so after a killed session the same command continues. Logs: runs/**/train.log,
+# runs/draft/data/v2/*.log. Measured stage times (2 cores, 2026-11-30) are in training/CORPUS.md
+# and the README. Never run by CI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+OUT=${OUT:-assets/dspark-small}
+STAGE=runs/stage/dspark-small            # the trunk exported with placeholder mtp.* weights
+DATA=runs/draft/data/v2
+SEQS=${SEQS:-700}                         # greedy sequences per train shard (2 shards)
+DRAFT_MINUTES=${DRAFT_MINUTES:-32}
+
+say() { printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
+
+say corpus
+[ -f runs/corpus/manifest.json ] || $PY -m training.corpus --out runs/corpus
+
+say tokenizer
+[ -f runs/tokenizer/tokenizer.json ] || $PY -m training.tokenizer --corpus runs/corpus --out runs/tokenizer/tokenizer.json
+
+say "trunk: 620 steps, then a warm restart of the cosine to 1,200 steps (2.46M tokens)"
+mkdir -p runs/trunk
+if [ ! -f runs/trunk/final.pt ]; then
+  if [ -f runs/trunk/ckpt.pt ]; then $PY -m training.train_trunk --run runs/trunk --resume --threads 2
+  else $PY -m training.train_trunk --run runs/trunk --steps 620 --threads 2; fi
+fi >> runs/trunk/train.log
+if ! grep -q '"done": 1200' runs/trunk/train.log 2>/dev/null; then
+  $PY -m training.train_trunk --run runs/trunk --resume --steps 1200 --threads 2 >> runs/trunk/train.log
+fi
+
+say "export the trunk (placeholder draft) for the draft data"
+[ -f $STAGE/config.json ] || $PY -m training.export --trunk runs/trunk/final.pt --out $STAGE --threads 2
+
+say "draft data: greedy continuations of the exported trunk (2 train shards + 1 held-out)"
+mkdir -p $DATA
+gen() {  # shard of
+  $PY -m training.draft_data --checkpoint $STAGE --out $DATA --split train --sequences "$SEQS" --shard "$1" --of 2 \
+      --prompt-min 4 --prompt-max 64 --new 64 --doc-start 0.5 --resume >> $DATA/gen$1.log 2>&1
+}
+gen 0 & gen 1 &
+$PY -m training.draft_data --checkpoint $STAGE --out $DATA --split heldout --sequences 64 \
+    --prompt-min 4 --prompt-max 64 --new 64 --doc-start 0.5 --resume >> $DATA/heldout.log 2>&1
+wait
+
+mkdir -p runs/draft
+say "DSpark draft: random init, ${DRAFT_MINUTES} min; then the confidence head toward the greedy match"
+if [ ! -f runs/draft/v2/final.pt ]; then
+  if [ -f runs/draft/v2/ckpt.pt ]; then $PY -m training.train_draft --run runs/draft/v2 --resume
+  else $PY -m training.train_draft --run runs/draft/v2 --checkpoint $STAGE --data "$DATA/train_*.pt" \
+         --heldout "$DATA/heldout_*.pt" --steps 100000 --minutes "$DRAFT_MINUTES" --eval-every 500; fi
+fi >> runs/draft/v2.log
+if [ ! -f runs/draft/v2conf/final.pt ]; then
+  if [ -f runs/draft/v2conf/ckpt.pt ]; then $PY -m training.train_draft --run runs/draft/v2conf --resume
+  else $PY -m training.train_draft --run runs/draft/v2conf --checkpoint $STAGE --data "$DATA/train_*.pt" \
+         --heldout "$DATA/heldout_*.pt" --init runs/draft/v2/final.pt --only mtp.2.confidence_head \
+         --conf-target match --conf-weight 1.0 --lr 0.003 --warmup 10 --steps 100000 --minutes 1.5 \
+         --eval-every 100000; fi
+fi >> runs/draft/v2conf.log
+
+say "export trunk + draft to $OUT"
+$PY -m training.export --trunk runs/trunk/final.pt --draft runs/draft/v2conf/final.pt --out "$OUT" --threads 2
