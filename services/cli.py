@@ -14,10 +14,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from services.gateway.gate import GateConfig, parse_setting
+from services.gateway.gate import GateConfig
 from services.gateway.replay import POLICIES, ReplayReport, WorkloadReport, comparisons, replay_log, report_to_dict
 from services.gateway.rounds import load_rounds
 from services.gateway.synthetic import DEFAULT_ROUNDS, DEFAULT_SEED, generate
+from services.gateway.values import parse_setting
 
 # GateConfig fields settable by flag (--draft-ms ...); each overrides its DEEPSEEK_DSPARK_GATE_* env value.
 _OVERRIDES = (

@@ -169,7 +169,7 @@ class DrafterEngine:
         Returns (tokens for positions seed_position+2 .. up to seed_position+block_size+1,
         confidence logits [n] fp32 on CPU, or None when the module has no confidence head).
         n = block_size, or fewer near the end: only positions < max_seq_len are drafted
-        (`dsv4.dspark.draft_length`).
+        (`dsv4.draft_args.draft_length`).
         Raises:
             ValueError: anchor or seed_position not an integer (bool and float included: never
                 truncated), anchor out of range, nothing committed, seed_position not the last

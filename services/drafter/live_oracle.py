@@ -8,9 +8,9 @@ choose, except where the corruption schedule replaces a token by (token + 1) % v
 slot j of a draft at seed position p is corrupted when `corrupt_every` > 0 and
 (p + j) % corrupt_every == corrupt_every - 1. Confidence logits are `confident` for kept
 tokens and `doubtful` for corrupted ones, so a gated run can learn them. Like every drafter
-it drafts only positions before max_seq_len (`dsv4.dspark.draft_length`: fewer than
+it drafts only positions before max_seq_len (`dsv4.draft_args.draft_length`: fewer than
 block_size tokens near the end). Commits are checked with the DSpark engine's rules
-(`dsv4.dspark.check_commit`); their rows are not used.
+(`dsv4.draft_args.check_commit`); their rows are not used.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from dsv4.dspark import as_int, as_int_list, check_commit, check_draft_args, check_seed, draft_length
+from dsv4.draft_args import as_int, as_int_list, check_commit, check_draft_args, check_seed, draft_length
 from dsv4.trunk import Trunk, TrunkState
 from services.drafter.engine import SessionTable, drafter_identity
 
@@ -119,7 +119,7 @@ class LiveOracleDrafter:
 
     def commit(self, sid: int, rows: torch.Tensor, positions: Sequence[int]) -> None:
         """Record committed positions. Rows and positions are checked like the DSpark engine's
-        (`dsv4.dspark.check_commit`: rows [R, row_width] fp32/bf16 and finite; integer,
+        (`dsv4.draft_args.check_commit`: rows [R, row_width] fp32/bf16 and finite; integer,
         consecutive positions below max_seq_len that continue the last committed one; the
         first commit starts at 0 or holds >= window_size rows); the rows are not used
         otherwise, so a resent position is not compared with its first row.

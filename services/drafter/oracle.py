@@ -3,14 +3,14 @@
 Same interface as `DrafterEngine` (open_session, commit, draft, close_session, identity), no
 model. A draft from anchor x[p+1] at seed position p proposes the script's tokens of
 positions p+2..p+B+1 (only those before max_seq_len, as every drafter:
-`dsv4.dspark.draft_length`), each replaced by (token + 1) % vocab_size where the script
+`dsv4.draft_args.draft_length`), each replaced by (token + 1) % vocab_size where the script
 corrupts that position, with the script's confidence logit for that position. The anchor
 must be the script's token at p+1; an anchor past the script's end is an error (the script
 has no continuation there), while block positions past the end propose `filler_token`. Tests use it to drive
 the verifier with drafts of known quality (full, partial and zero acceptance); the services
 issue exposes it as a drafter service.
 
-Commits are validated exactly like the DSpark engine's (`dsv4.dspark.check_commit`: rows'
+Commits are validated exactly like the DSpark engine's (`dsv4.draft_args.check_commit`: rows'
 type, shape, dtype and finiteness; integer positions that continue the last committed one;
 the seed position must be the last committed position); rows are otherwise ignored, so a
 resent position is not compared with its first row (it cannot change a proposal).
@@ -27,7 +27,7 @@ from typing import Mapping, Sequence
 import torch
 
 from dsv4.config import ModelConfig
-from dsv4.dspark import as_int, as_int_list, check_commit, check_draft_args, check_seed, draft_length
+from dsv4.draft_args import as_int, as_int_list, check_commit, check_draft_args, check_seed, draft_length
 from services.drafter.engine import SessionTable, drafter_identity
 
 
@@ -138,7 +138,7 @@ class OracleDrafter:
 
     def draft(self, sid: int, anchor: int, seed_position: int) -> tuple[list[int], torch.Tensor]:
         """The script's block after `anchor`: (tokens of positions p+2..p+n+1, confidence logits
-        [n] fp32), n = min(B, max_seq_len - p - 2) (`dsv4.dspark.draft_length`).
+        [n] fp32), n = min(B, max_seq_len - p - 2) (`dsv4.draft_args.draft_length`).
 
         Raises:
             ValueError: anchor or seed_position not an integer, anchor outside [0, vocab_size),

@@ -11,10 +11,10 @@ import bisect
 import math
 import numbers
 import os
-import re
-import reprlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
+
+from services.gateway.values import MIN_COST_MS, check_setting, finite_float, is_integer, parse_setting, short_repr
 
 # Seed "Gating", confidence table: < -0.5 | -0.5..0.5 | 0.5..1.5 | 1.5..3.0 | 3.0..6.0 | > 6.0.
 # A logit equal to an edge belongs to the bucket above it (lower edge inclusive).
@@ -24,11 +24,6 @@ NUM_BUCKETS = len(BUCKET_EDGES) + 1
 # bucket the gate has not observed estimates 1.0 and a cold gate drafts the full block.
 PRIOR_MEAN = 1.0
 DEFAULT_PRIOR_WEIGHT = 1.0
-# Cost bounds (ms): every cost is in [0, MAX_COST_MS]; plain_ms and a verified round's fixed part
-# (draft + verify base + verify slope) are >= MIN_COST_MS, so tok/s and time sums stay finite.
-MIN_COST_MS = 1e-3
-MAX_COST_MS = 1e7
-MAX_MIN_DRAFT = 1_000_000
 
 ENV_PREFIX = "DEEPSEEK_DSPARK_GATE"
 # GateConfig field -> env var; names and defaults are the seed's env-var table.
@@ -43,41 +38,6 @@ ENV_VARS = {
     "verify_slope_ms": f"{ENV_PREFIX}_VERIFY_SLOPE_MS",
     "plain_ms": f"{ENV_PREFIX}_PLAIN_MS",
 }
-_SWITCH_WORDS = {"1": True, "true": True, "0": False, "false": False}
-# ASCII decimal forms only: no '+', '_', non-ASCII digits, inf or nan (float() and int() take them all).
-_INT_TEXT = re.compile(r"-?[0-9]+")
-_FLOAT_TEXT = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
-
-
-_SHORT = reprlib.Repr()  # keyword arguments need Python 3.12
-_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxlong, _SHORT.maxother = 2, 60, 40, 60
-
-
-def short_repr(value: object) -> str:
-    """repr(value) elided to a few dozen characters (reprlib), so a 400-digit integer, a long
-    string or a deeply nested list cannot flood a one-line error."""
-    if isinstance(value, int) and value.bit_length() > 128:
-        if value.bit_length() > 14000:  # str() of > 4300 digits raises
-            return f"<integer of ~{int(value.bit_length() * math.log10(2)) + 1} digits>"
-        return f"{_SHORT.repr(value)} ({len(str(abs(value)))} digits)"
-    return _SHORT.repr(value)
-
-
-def is_integer(value: object) -> bool:
-    """True for int and numpy integers; False for bool (a flag is not a count) and everything else."""
-    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
-
-
-def finite_float(value: object) -> float | None:
-    """`value` as a finite float (-0.0 made 0.0), or None for a non-number, bool, NaN, inf or an
-    integer too large for a float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return None
-    try:
-        number = float(value)
-    except OverflowError:
-        return None
-    return number + 0.0 if math.isfinite(number) else None
 
 
 def _logit(value: object, where: str) -> float:
@@ -133,66 +93,6 @@ def bucket_label(index: int) -> str:
     if index == NUM_BUCKETS - 1:
         return f">= {BUCKET_EDGES[-1]}"
     return f"[{BUCKET_EDGES[index - 1]}, {BUCKET_EDGES[index]})"
-
-
-_COST_RULE = (lambda v: 0.0 <= v <= MAX_COST_MS, f"in [0, {MAX_COST_MS:g}] (ms)")
-# Field -> (predicate on the normalised value, rule in words).
-_RULES = {
-    "margin_threshold": (lambda v: v >= 0, ">= 0"),
-    "margin": (lambda v: v >= 1.0, ">= 1"),
-    "min_draft": (lambda v: 0 <= v <= MAX_MIN_DRAFT, f"an integer in [0, {MAX_MIN_DRAFT}]"),
-    "decay": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
-    "draft_ms": _COST_RULE,
-    "verify_base_ms": _COST_RULE,
-    "verify_slope_ms": _COST_RULE,
-    "plain_ms": (lambda v: MIN_COST_MS <= v <= MAX_COST_MS, f"in [{MIN_COST_MS:g}, {MAX_COST_MS:g}] (ms)"),
-    "prior_weight": (lambda v: v > 0, "> 0"),
-}
-
-
-def check_setting(field_name: str, value: object, name: str, raw: str | None = None) -> bool | int | float:
-    """The validated, normalised value of GateConfig field `field_name` (int, float or bool).
-
-    Raises ValueError naming `name` (field, env var or CLI flag) and the value (`raw` if given).
-    """
-    shown = short_repr(raw if raw is not None else value)
-    if field_name == "enabled":
-        if not isinstance(value, bool):
-            raise ValueError(f"{name}={shown} must be a bool")
-        return value
-    ok, rule = _RULES[field_name]
-    if field_name == "min_draft":
-        if not is_integer(value) or not ok(value):
-            raise ValueError(f"{name}={shown} must be {rule}")
-        return int(value)
-    number = finite_float(value)
-    if number is None:
-        raise ValueError(f"{name}={shown} must be a finite number")
-    if not ok(number):
-        raise ValueError(f"{name}={shown} must be {rule}")
-    return number
-
-
-def parse_setting(field_name: str, raw: str, name: str) -> bool | int | float:
-    """Parse the text `raw` of field `field_name` (env var or CLI flag `name`) and validate it.
-
-    Accepts only ASCII decimal forms (surrounding spaces ignored): an integer `-?[0-9]+` for
-    min_draft, a decimal or exponent number for the rest, 0/1/true/false for enabled.
-    Raises ValueError naming `name` and `raw`.
-    """
-    text = raw.strip(" \t\r\n")
-    if field_name == "enabled":
-        if text.lower() not in _SWITCH_WORDS:
-            raise ValueError(f"{name}={short_repr(raw)} is not one of 0, 1, true, false")
-        return _SWITCH_WORDS[text.lower()]
-    pattern, what = (_INT_TEXT, "an integer") if field_name == "min_draft" else (_FLOAT_TEXT, "a number")
-    if not pattern.fullmatch(text):
-        raise ValueError(f"{name}={short_repr(raw)} is not {what} (ASCII decimal digits)")
-    if field_name == "min_draft":
-        if len(text.lstrip("-")) > 20:  # int() refuses > 4300 digits; anything this long is out of range
-            raise ValueError(f"{name}={short_repr(raw)} must be {_RULES['min_draft'][1]}")
-        return check_setting(field_name, int(text), name, raw)
-    return check_setting(field_name, float(text), name, raw)
 
 
 @dataclass(frozen=True)

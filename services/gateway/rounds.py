@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.gateway.gate import finite_float, short_repr
+from services.gateway.values import finite_float, short_repr
 
 FORMAT_NAME = "dspark-rounds"
 FORMAT_VERSION = 1

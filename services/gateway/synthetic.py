@@ -28,8 +28,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from services.gateway.gate import finite_float, is_integer, short_repr
 from services.gateway.rounds import Round, RoundLog, save_rounds
+from services.gateway.values import finite_float, is_integer, short_repr
 
 BLOCK_SIZE = 5
 BUCKET_COUNTS = (5, 17, 19, 19, 14, 36)  # seed "Gating": n per confidence bucket, pooled
