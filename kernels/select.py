@@ -10,10 +10,14 @@ as a constructor argument and never reads a module global.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
-from dsv4.settings import KERNEL_BACKENDS, Settings
+import torch
+
+from dsv4.settings import ENV_KERNELS, KERNEL_BACKENDS, Settings
 
 # op name -> (module in kernels/, triton wrapper name, torch reference name)
 OPS = {
@@ -49,10 +53,23 @@ class KernelConfig:
         """The implementation of op `name` (a key of OPS) for this backend.
 
         Raises:
-            ValueError: unknown op name.
-            ImportError: backend "triton" without triton installed.
+            ValueError: unknown op name; backend "triton" on a machine with neither a CUDA
+                device nor `TRITON_INTERPRET=1` (its kernels could not run: the error would
+                come only at the first forward, from deep inside triton).
+            ImportError: backend "triton" without triton installed (DSV4_KERNELS named).
         """
         if name not in OPS:
             raise ValueError(f"unknown kernel op {name!r}: one of {', '.join(OPS)}")
         module, kernel, ref = OPS[name]
+        if self.backend == "triton":
+            _check_triton_runs()
         return getattr(importlib.import_module(module), kernel if self.backend == "triton" else ref)
+
+
+def _check_triton_runs() -> None:
+    """Raise unless triton is installed and has somewhere to run (module `op`'s Raises)."""
+    if importlib.util.find_spec("triton") is None:
+        raise ImportError(f"{ENV_KERNELS}=triton: triton is not installed (use {ENV_KERNELS}=torch)")
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        raise ValueError(f"{ENV_KERNELS}=triton: no CUDA device here and TRITON_INTERPRET is not 1 (the CPU "
+                         f"interpreter), so the triton kernels cannot run; use {ENV_KERNELS}=torch")

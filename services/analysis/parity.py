@@ -80,19 +80,70 @@ class Dump:
     sessions: list[Session]
 
 
+FLOAT32_MAX = 3.4028234663852886e38  # the dumps hold float32 logits; larger values are not logits
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int(value, what: str) -> int:
+    """`value` when it is a JSON integer (not a bool, not a float); ValueError naming `what` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what}={_short(value)} is not an integer")
+    return value
+
+
+def _list(value, what: str) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"{what}={_short(value)} is not a list")
+    return value
+
+
+def _row(q, tok, ids, logits, op: str) -> Row:
+    """One position's record, checked: integer position and token, distinct integer ids, and
+    as many finite float32 logits in descending order (as `torch.topk` writes them)."""
+    q = _int(q, "position")
+    ids, logits = _list(ids, f"position {q}: ids"), _list(logits, f"position {q}: logits")
+    if len(ids) != len(logits) or not ids:
+        raise ValueError(f"position {q}: {len(ids)} ids but {len(logits)} logits")
+    ids = tuple(_int(x, f"position {q}: id") for x in ids)
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"position {q}: ids {_short(list(ids))} repeat a token")
+    for x in logits:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not abs(x) <= FLOAT32_MAX:
+            raise ValueError(f"position {q}: logit {_short(x)} is not a finite float32 number")
+    if any(b > a for a, b in zip(logits, logits[1:])):
+        raise ValueError(f"position {q}: logits {_short(logits)} are not in descending order")
+    return Row(q, _int(tok, f"position {q}: token"), ids, tuple(float(x) for x in logits), op)
+
+
 def load_dump(path: str | os.PathLike) -> Dump:
-    """Read a top-k dump. Raises ValueError naming the file and line of a malformed record."""
+    """Read a top-k dump.
+
+    Raises:
+        ValueError: naming the file and line of a malformed record: not a JSON object, a
+            missing field, a session, position, token or id that is not an integer, lists
+            of different lengths, repeated ids, a logit that is NaN, infinite or beyond
+            float32, logits not best first; a file that is not UTF-8, empty or a directory.
+        OSError: a file that cannot be read (named).
+    """
     path = os.fspath(path)
     if os.path.isdir(path):
         raise ValueError(f"top-k dump {path!r} is a directory")
     header: dict | None = None
     sessions: dict[int, Session] = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
+    with open(path, "rb") as f:
+        lineno = 0
+        try:
+            for lineno, raw in enumerate(f, 1):
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 rec = json.loads(line)
+                if not isinstance(rec, dict):
+                    raise ValueError(f"a {type(rec).__name__}, not a JSON object")
                 if header is None:
                     if rec.get("format") != FORMAT:
                         raise ValueError(f"first line is not a {FORMAT} header")
@@ -100,20 +151,29 @@ def load_dump(path: str | os.PathLike) -> Dump:
                     continue
                 if rec.get("format") == FORMAT:  # a second process appended to the file
                     continue
-                s = sessions.setdefault(int(rec["session"]), Session(int(rec["session"])))
-                if rec["op"] == "prefill":
+                op = rec["op"]
+                if op not in ("prefill", "decode", "block"):
+                    raise ValueError(f"op={_short(op)} is not prefill, decode or block")
+                index = _int(rec["session"], "session")
+                s = sessions.setdefault(index, Session(index))
+                if op == "prefill":
                     s.prompt_len, s.prompt_sha256 = rec.get("prompt_len"), rec.get("prompt_sha256")
-                ids, logits = rec["ids"], rec["logits"]
-                if not (len(rec["positions"]) == len(rec["tokens"]) == len(ids) == len(logits)):
+                    if not isinstance(s.prompt_sha256, (str, type(None))):
+                        raise ValueError(f"prompt_sha256={_short(s.prompt_sha256)} is not a string")
+                columns = [_list(rec[k], k) for k in ("positions", "tokens", "ids", "logits")]
+                if len({len(c) for c in columns}) != 1:
                     raise ValueError("positions, tokens, ids and logits differ in length")
-                for q, tok, i, v in zip(rec["positions"], rec["tokens"], ids, logits):
-                    if len(i) != len(v) or not i:
-                        raise ValueError(f"position {q}: {len(i)} ids but {len(v)} logits")
-                    s.rows[int(q)] = Row(int(q), int(tok), tuple(int(x) for x in i), tuple(float(x) for x in v),
-                                         rec["op"])
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-                why = f"missing field {e}" if isinstance(e, KeyError) else str(e)
-                raise ValueError(f"{path}:{lineno}: {why}") from None
+                for q, tok, i, v in zip(*columns):
+                    row = _row(q, tok, i, v, op)
+                    s.rows[row.position] = row
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason})") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not JSON ({e.msg})") from None
+        except (KeyError, TypeError, ValueError, RecursionError) as e:
+            why = f"missing field {e}" if isinstance(e, KeyError) else \
+                "JSON nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise ValueError(f"{path}:{lineno}: {why}") from None
     if header is None:
         raise ValueError(f"{path}: empty, not a {FORMAT} dump")
     return Dump(path, header, [sessions[k] for k in sorted(sessions) if k >= 0])
@@ -154,9 +214,12 @@ def aligned_rows(sa: Session, sb: Session) -> tuple[list[tuple[Row, Row]], int |
 
 
 def compare(a: Dump, b: Dump, tolerance: float = 0.0) -> dict:
-    """Per-session and overall verdicts of B against A (module docstring); JSON-ready."""
-    if tolerance < 0 or tolerance != tolerance:
-        raise ValueError(f"tolerance={tolerance!r}: must be a number >= 0")
+    """Per-session and overall verdicts of B against A (module docstring); JSON-ready.
+
+    Raises ValueError naming the tolerance when it is negative, NaN or infinite.
+    """
+    if not 0 <= tolerance < float("inf"):
+        raise ValueError(f"tolerance={tolerance!r}: must be a finite number >= 0")
     pairs, notes = [], []
     for sa, sb in zip(a.sessions, b.sessions):
         if sa.prompt_sha256 != sb.prompt_sha256:

@@ -156,6 +156,7 @@ def _wilson(matched: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def plot_reliability(report: Report, path: Path) -> Path:
+    """Match rate per bucket; σ(mean logit) as 0.5·(1 + tanh(x/2)), which never overflows (x = ±1000)."""
     fig, ax = plt.subplots(figsize=(7.5, 5))
     stats = report.reliability
     xs = np.arange(len(stats))
@@ -169,7 +170,7 @@ def plot_reliability(report: Report, path: Path) -> Path:
                label="match rate (Wilson 95% interval)" if not ax.get_legend_handles_labels()[1] else None)
         ax.errorbar(x, b.rate, yerr=[[max(0.0, b.rate - lo)], [max(0.0, hi - b.rate)]], color="black", capsize=4, linewidth=1)
         ax.text(x, hi + 0.02, f"{b.matched}/{b.observed}", ha="center", va="bottom", fontsize=8)
-        ax.plot(x, 1 / (1 + math.exp(-b.mean_logit)), marker="D", color="#e76f51", markersize=6, linestyle="none",
+        ax.plot(x, 0.5 * (1 + math.tanh(b.mean_logit / 2)), marker="D", color="#e76f51", markersize=6, linestyle="none",
                 label="σ(mean confidence logit)" if len(ax.get_legend_handles_labels()[1]) < 2 else None)
     ax.set_xticks(xs, [b.label for b in stats])
     ax.set_xlim(-0.5, len(stats) - 0.5)

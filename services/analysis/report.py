@@ -174,32 +174,93 @@ class Report:
 
 
 # ---------------------------------------------------------------------------- building
-def _float(v) -> float | None:
-    return None if v is None else float(v)
+MAX_MS = 1e12  # ~32 years: no timing attribute is larger; keeps every sum and fit finite
+MAX_COUNT = 2**53  # counts stay exact as floats
+
+
+def _bad(span: Span, key: str, value, what: str) -> ValueError:
+    text = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    where = f"{span.origin}: " if span.origin else ""
+    return ValueError(f"{where}span {span.name!r} {span.span_id}: {key}={text} is not {what}")
+
+
+def _real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(span: Span, key: str, default: int | None = 0) -> int | None:
+    """Attribute `key` of `span` as a count (an integer in [0, 2^53]); `default` when absent.
+
+    Raises ValueError naming the span, the attribute and its value otherwise (so for every
+    attribute reader below)."""
+    v = span.attributes.get(key)
+    if v is None:
+        return default
+    if not _real(v) or v < 0 or v > MAX_COUNT or int(v) != v:
+        raise _bad(span, key, v, "a count (an integer >= 0)")
+    return int(v)
+
+
+def _duration(span: Span, key: str, scale: float = 1.0) -> float | None:
+    """Attribute `key` (a duration, in ms after multiplying by `scale`) of `span`; None when absent."""
+    v = span.attributes.get(key)
+    if v is None:
+        return None
+    if not _real(v) or not 0 <= v * scale <= MAX_MS:
+        raise _bad(span, key, v, f"a duration (a finite number >= 0{' ms' if scale == 1.0 else ''})")
+    return float(v) * scale
+
+
+def _number(span: Span, key: str) -> float | None:
+    """Attribute `key` as a float (inf and NaN allowed: a margin of masked logits); None when absent."""
+    v = span.attributes.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise _bad(span, key, v, "a number")
+    return float(v)
+
+
+def _confidence(span: Span, submitted: int, accepted: int) -> tuple[float, ...] | None:
+    """The round's confidence logits: finite numbers, at least one per position the round decided."""
+    key = "spec_decode.confidence_logits"
+    conf = span.attributes.get(key)
+    if conf is None:
+        return None
+    if not isinstance(conf, (list, tuple)) or not all(_real(c) or c in (math.inf, -math.inf) for c in conf):
+        raise _bad(span, key, conf, "a list of numbers (not NaN)")
+    if submitted and len(conf) < min(accepted + 1, submitted):
+        raise _bad(span, key, conf, f"one logit per decided draft (the round submitted {submitted}, "
+                                    f"accepted {accepted})")
+    return tuple(float(c) for c in conf)
 
 
 def _round_record(span: Span, children: list[Span]) -> RoundRecord:
+    """Raises ValueError naming the span and the attribute: a count or duration of the wrong
+    type or out of range, more drafts accepted than submitted, too few confidence logits."""
     a = span.attributes
     draft = [c for c in children if c.name == "drafter.draft"]
     drafter = [c for c in children if c.name.startswith("drafter.")]
     verifier = [c for c in children if c.name in ("verifier.verify", "verifier.decode")]
-    draft_ms = _float(a.get("spec_decode.draft_ms"))
-    drafter_ms = sum(float(c.attr("drafter.forward_ms", 0.0)) for c in drafter)
+    draft_ms = _duration(span, "spec_decode.draft_ms")
+    drafter_ms = sum(_duration(c, "drafter.forward_ms") or 0.0 for c in drafter)
     if draft_ms is not None and not draft:
         drafter_ms = None  # the round drafted but the drafter's spans are not in the input
-    conf = a.get("spec_decode.confidence_logits")
+    submitted, accepted = _count(span, "spec_decode.submitted"), _count(span, "spec_decode.accepted")
+    if accepted > submitted:
+        raise _bad(span, "spec_decode.accepted", accepted, f"at most spec_decode.submitted={submitted}")
     return RoundRecord(
         trace_id=span.trace_id, span_id=span.span_id, generation_id=span.parent_id,
-        index=int(a.get("spec_decode.round", 0)), start_ns=span.start_ns, end_ns=span.end_ns,
-        decision=str(a.get("spec_decode.gate_decision", "")), drafted=int(a.get("spec_decode.drafted", 0)),
-        submitted=int(a.get("spec_decode.submitted", 0)), accepted=int(a.get("spec_decode.accepted", 0)),
-        anchor_margin=_float(a.get("spec_decode.anchor_margin")), verify_ms=_float(a.get("spec_decode.verify_ms")),
-        draft_ms=draft_ms, confidence_logits=None if conf is None else tuple(float(c) for c in conf),
+        index=_count(span, "spec_decode.round"), start_ns=span.start_ns, end_ns=span.end_ns,
+        decision=str(a.get("spec_decode.gate_decision", "")), drafted=_count(span, "spec_decode.drafted"),
+        submitted=submitted, accepted=accepted, anchor_margin=_number(span, "spec_decode.anchor_margin"),
+        verify_ms=_duration(span, "spec_decode.verify_ms"), draft_ms=draft_ms,
+        confidence_logits=_confidence(span, submitted, accepted),
         drafter_failures=sum(e.get("name") == "drafter_failed" for e in span.events),
         drafter_failovers=sum(e.get("name") == "drafter_failover" for e in span.events),
         drafter_ms=drafter_ms,
-        verifier_ms=float(verifier[0].attr("verifier.forward_ms", 0.0)) if verifier else None,
-        verifier_overhead_ms=_float(verifier[0].attr("verifier.queue_ms")) if verifier else None,
+        verifier_ms=(_duration(verifier[0], "verifier.forward_ms") or 0.0) if verifier else None,
+        verifier_overhead_ms=_duration(verifier[0], "verifier.queue_ms") if verifier else None,
         children=sorted(children, key=lambda c: c.start_ns))
 
 
@@ -222,13 +283,24 @@ def _final(span: Span) -> dict:
     out = {}
     for k in COUNT_KEYS:
         v = span.attr(f"spec_decode.{k}")
-        if v is not None:
-            out[k] = bool(v) if k == "drafter_failed" else int(v)
+        if v is None:
+            continue
+        if k != "drafter_failed":
+            out[k] = _count(span, f"spec_decode.{k}")
+        elif isinstance(v, bool) or v in (0, 1):
+            out[k] = bool(v)
+        else:
+            raise _bad(span, f"spec_decode.{k}", v, "a boolean")
     return out
 
 
 def build_report(spans: Sequence[Span], sources: Sequence[str] = ()) -> Report:
-    """Rounds and generations of `spans` (any mix of the three services' spans, any order)."""
+    """Rounds and generations of `spans` (any mix of the three services' spans, any order).
+
+    Raises:
+        ValueError: naming the span (and the file and line it was read from) and the
+            attribute, when a count, duration or confidence logit has the wrong type or range.
+    """
     children: dict[str, list[Span]] = defaultdict(list)
     for s in spans:
         if s.parent_id is not None:
@@ -242,13 +314,13 @@ def build_report(spans: Sequence[Span], sources: Sequence[str] = ()) -> Report:
         if s.name != GENERATE:
             continue
         rs = sorted(by_generation.get(s.span_id, []), key=lambda r: r.index)
-        ttft = s.attr("gen_ai.server.time_to_first_token")
+        ttft = _duration(s, "gen_ai.server.time_to_first_token", 1e3)
         prefill = [c for c in children.get(s.span_id, []) if c.name in ("gateway.prefill", "drafter.commit")]
         prefill += [g for p in prefill for g in children.get(p.span_id, [])]
         generations.append(GenerationRecord(
             trace_id=s.trace_id, span_id=s.span_id, mode=str(s.attr("spec_decode.mode", "")),
-            start_ns=s.start_ns, end_ns=s.end_ns, input_tokens=s.attr("gen_ai.usage.input_tokens"),
-            output_tokens=s.attr("gen_ai.usage.output_tokens"), ttft_ms=None if ttft is None else float(ttft) * 1e3,
+            start_ns=s.start_ns, end_ns=s.end_ns, input_tokens=_count(s, "gen_ai.usage.input_tokens", None),
+            output_tokens=_count(s, "gen_ai.usage.output_tokens", None), ttft_ms=ttft,
             final=_final(s), rounds=rs, span=s, prefill=sorted(prefill, key=lambda c: c.start_ns)))
     generations.sort(key=lambda g: g.start_ns)
     rounds.sort(key=lambda r: (r.start_ns, r.index))
@@ -396,10 +468,21 @@ def _round_dict(r: RoundRecord) -> dict:
     return d
 
 
+def _finite(value):
+    """`value` with every NaN or infinite float (in lists and dicts too) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def report_to_dict(report: Report) -> dict:
-    """The report as JSON-ready data (no NaN or inf)."""
+    """The report as JSON-ready data (no NaN or inf: such a value would be None)."""
     lines, notes = gate_env_lines(report.fit)
-    return {
+    return _finite({
         "sources": report.sources, "spans": report.spans, "backend_spans": report.backend_spans,
         "generations": [_generation_dict(g) for g in report.generations],
         "latency": latency_summary(report.generations),
@@ -412,7 +495,7 @@ def report_to_dict(report: Report) -> dict:
         "bucket_edges": list(BUCKET_EDGES),
         "fit": asdict(report.fit), "fit_missing": report.fit.missing(), "gate_env": lines, "gate_env_notes": notes,
         "rounds": [_round_dict(r) for r in report.rounds],
-    }
+    })
 
 
 # ---------------------------------------------------------------------------- text

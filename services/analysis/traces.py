@@ -41,6 +41,7 @@ class Span:
     attributes: Mapping[str, Any] = field(default_factory=dict)
     events: tuple[Mapping[str, Any], ...] = ()
     service: str = ""
+    origin: str = field(default="", compare=False, repr=False)  # "file:line" it was read from ("" if built)
 
     @property
     def duration_ms(self) -> float:
@@ -104,71 +105,131 @@ def _hex_id(value: Any, width: int, what: str) -> str:
     raise ValueError(f"{what}={value!r} is neither {width} hex digits nor base64 of {width // 2} bytes")
 
 
-def _sdk_span(obj: Mapping[str, Any]) -> Span:
-    ctx = obj["context"]
+def _object(value: Any, what: str) -> Mapping[str, Any]:
+    """`value` when it is a JSON object (None: an empty one); ValueError naming `what` otherwise."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{what}={_short(value)} is not a JSON object")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _checked(span: Span) -> Span:
+    """`span` when its name is a string and 0 <= start <= end; ValueError naming the field otherwise."""
+    if not isinstance(span.name, str):
+        raise ValueError(f"span name {_short(span.name)} is not a string")
+    if span.start_ns < 0:
+        raise ValueError(f"span {span.name!r}: start time {span.start_ns} ns is before 1970")
+    if span.end_ns < span.start_ns:
+        raise ValueError(f"span {span.name!r}: ends {(span.start_ns - span.end_ns) / 1e6:g} ms before it starts")
+    return span
+
+
+def _sdk_span(obj: Mapping[str, Any], origin: str = "") -> Span:
+    ctx = _object(obj["context"], "context")
     parent = obj.get("parent_id")
-    resource = (obj.get("resource") or {}).get("attributes") or {}
-    events = tuple({"name": e.get("name", ""), "attributes": e.get("attributes") or {}} for e in obj.get("events") or ())
-    return Span(name=obj["name"], trace_id=_hex_id(ctx["trace_id"], 32, "trace_id"),
-                span_id=_hex_id(ctx["span_id"], 16, "span_id"),
-                parent_id=_hex_id(parent, 16, "parent_id") if parent else None,
-                start_ns=iso_to_ns(obj["start_time"]), end_ns=iso_to_ns(obj["end_time"]),
-                attributes=dict(obj.get("attributes") or {}), events=events,
-                service=str(resource.get("service.name", "")))
+    resource = _object(_object(obj.get("resource"), "resource").get("attributes"), "resource.attributes")
+    events = tuple({"name": e.get("name", ""), "attributes": _object(e.get("attributes"), "event attributes")}
+                   for e in (_object(e, "event") for e in obj.get("events") or ()))
+    return _checked(Span(name=obj["name"], trace_id=_hex_id(ctx["trace_id"], 32, "trace_id"),
+                         span_id=_hex_id(ctx["span_id"], 16, "span_id"),
+                         parent_id=_hex_id(parent, 16, "parent_id") if parent else None,
+                         start_ns=iso_to_ns(obj["start_time"]), end_ns=iso_to_ns(obj["end_time"]),
+                         attributes=dict(_object(obj.get("attributes"), "attributes")), events=events,
+                         service=str(resource.get("service.name", "")), origin=origin))
 
 
 # ---------------------------------------------------------------------------- OTLP-JSON
 def _any_value(v: Mapping[str, Any]) -> Any:
     """An OTLP `AnyValue` as a Python value (int64 arrives as a string in JSON)."""
+    v = _object(v, "attribute value")
     if "stringValue" in v:
         return v["stringValue"]
     if "boolValue" in v:
         return bool(v["boolValue"])
     if "intValue" in v:
-        return int(v["intValue"])
+        i = v["intValue"]
+        if isinstance(i, bool) or not (isinstance(i, int) or isinstance(i, str) and i.lstrip("-").isdigit()):
+            raise ValueError(f"intValue={_short(i)} is not an integer")
+        return int(i)
     if "doubleValue" in v:
-        return float(v["doubleValue"])
+        d = v["doubleValue"]
+        if isinstance(d, bool) or not isinstance(d, (int, float, str)):
+            raise ValueError(f"doubleValue={_short(d)} is not a number")
+        try:
+            return float(d)
+        except ValueError:
+            raise ValueError(f"doubleValue={_short(d)} is not a number") from None
     if "arrayValue" in v:
-        return [_any_value(x) for x in (v["arrayValue"].get("values") or [])]
+        return [_any_value(x) for x in (_object(v["arrayValue"], "arrayValue").get("values") or [])]
     if "kvlistValue" in v:
-        return _otlp_attributes(v["kvlistValue"].get("values") or [])
+        return _otlp_attributes(_object(v["kvlistValue"], "kvlistValue").get("values") or [])
     if "bytesValue" in v:
         return v["bytesValue"]
     return None
 
 
 def _otlp_attributes(items: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    return {kv["key"]: _any_value(kv.get("value") or {}) for kv in items}
+    if not isinstance(items, list):
+        raise ValueError(f"attributes={_short(items)} is not a list of key/value objects")
+    return {_object(kv, "attribute")["key"]: _any_value(kv.get("value") or {}) for kv in items}
 
 
-def _otlp_spans(doc: Mapping[str, Any]) -> Iterator[Span]:
-    for rs in doc.get("resourceSpans") or ():
-        resource = _otlp_attributes((rs.get("resource") or {}).get("attributes") or ())
+def _list(value: Any, what: str) -> list:
+    if not isinstance(value, list):
+        raise ValueError(f"{what}={_short(value)} is not a JSON array")
+    return value
+
+
+def _unix_nano(value: Any, what: str) -> int:
+    """An OTLP `fixed64` time: a decimal string (proto3 JSON) or a whole JSON number."""
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        return int(value)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and value >= 0 \
+            and value != float("inf") and int(value) == value:
+        return int(value)
+    raise ValueError(f"{what}={_short(value)} is not a time in ns since 1970")
+
+
+def _otlp_spans(doc: Mapping[str, Any], origin: str = "") -> Iterator[Span]:
+    for rs in _list(doc.get("resourceSpans") or [], "resourceSpans"):
+        rs = _object(rs, "resourceSpans[]")
+        resource = _otlp_attributes(_object(rs.get("resource"), "resource").get("attributes") or [])
         service = str(resource.get("service.name", ""))
-        for ss in rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or ():
-            for s in ss.get("spans") or ():
+        for ss in _list(rs.get("scopeSpans") or rs.get("instrumentationLibrarySpans") or [], "scopeSpans"):
+            for s in _list(_object(ss, "scopeSpans[]").get("spans") or [], "spans"):
+                s = _object(s, "span")
                 parent = s.get("parentSpanId")
-                events = tuple({"name": e.get("name", ""), "attributes": _otlp_attributes(e.get("attributes") or ())}
-                               for e in s.get("events") or ())
-                yield Span(name=s["name"], trace_id=_hex_id(s["traceId"], 32, "traceId"),
-                           span_id=_hex_id(s["spanId"], 16, "spanId"),
-                           parent_id=_hex_id(parent, 16, "parentSpanId") if parent else None,
-                           start_ns=int(s["startTimeUnixNano"]), end_ns=int(s["endTimeUnixNano"]),
-                           attributes=_otlp_attributes(s.get("attributes") or ()), events=events, service=service)
+                events = tuple({"name": e.get("name", ""), "attributes": _otlp_attributes(e.get("attributes") or [])}
+                               for e in (_object(e, "event") for e in _list(s.get("events") or [], "events")))
+                yield _checked(Span(name=s["name"], trace_id=_hex_id(s["traceId"], 32, "traceId"),
+                                    span_id=_hex_id(s["spanId"], 16, "spanId"),
+                                    parent_id=_hex_id(parent, 16, "parentSpanId") if parent else None,
+                                    start_ns=_unix_nano(s["startTimeUnixNano"], "startTimeUnixNano"),
+                                    end_ns=_unix_nano(s["endTimeUnixNano"], "endTimeUnixNano"),
+                                    attributes=_otlp_attributes(s.get("attributes") or []), events=events,
+                                    service=service, origin=origin))
 
 
-def spans_of(value: Any) -> Iterator[Span]:
+def spans_of(value: Any, origin: str = "") -> Iterator[Span]:
     """The spans in one decoded JSON value: an SDK span, an OTLP document, or a list of either.
+    `origin` ("file:line") is stored on each span for error messages.
 
-    Raises ValueError (KeyError/TypeError wrapped by the caller) when it is none of them.
+    Raises ValueError (KeyError/TypeError wrapped by the caller) when it is none of them, or
+    a span whose name is not a string or that ends before it starts.
     """
     if isinstance(value, list):
         for item in value:
-            yield from spans_of(item)
+            yield from spans_of(item, origin)
     elif isinstance(value, dict) and "resourceSpans" in value:
-        yield from _otlp_spans(value)
+        yield from _otlp_spans(value, origin)
     elif isinstance(value, dict) and "context" in value and "name" in value:
-        yield _sdk_span(value)
+        yield _sdk_span(value, origin)
     else:
         keys = sorted(value)[:6] if isinstance(value, dict) else type(value).__name__
         raise ValueError(f"not a span or an OTLP document (keys {keys})")
@@ -183,12 +244,22 @@ def _values_of_text(text: str, path: str, first_line: int) -> Iterator[tuple[int
             pos += 1
         if pos >= n:
             return
+        line = first_line + text.count("\n", 0, pos)
         try:
             value, end = _DECODER.raw_decode(text, pos)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{first_line + text.count(chr(10), 0, e.pos)}: not JSON ({e.msg})") from None
-        yield first_line + text.count("\n", 0, pos), value
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"{path}:{line}: {_json_limit(e)}") from None
+        yield line, value
         pos = end
+
+
+def _json_limit(exc: BaseException) -> str:
+    """Why a JSON value that parses could not be read: nested too deeply, an integer too long."""
+    if isinstance(exc, RecursionError):
+        return "JSON nested too deeply"
+    return f"not readable as JSON ({exc})"
 
 
 def _file_values(path: str, advance) -> Iterator[tuple[int, Any]]:
@@ -201,16 +272,22 @@ def _file_values(path: str, advance) -> Iterator[tuple[int, Any]]:
             if not line:
                 continue
             try:
-                yield lineno, json.loads(line)
+                value = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError):
-                rest = raw + f.read()
-                advance(len(rest) - len(raw))
-                try:
-                    text = rest.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason})") from None
-                yield from _values_of_text(text, path, lineno)
-                return
+                pass  # not a whole value on this line: read the rest of the file as text below
+            except (ValueError, RecursionError) as e:
+                raise ValueError(f"{path}:{lineno}: {_json_limit(e)}") from None
+            else:
+                yield lineno, value
+                continue
+            rest = raw + f.read()
+            advance(len(rest) - len(raw))
+            try:
+                text = rest.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason})") from None
+            yield from _values_of_text(text, path, lineno)
+            return
 
 
 def _check_file(path: str) -> int:
@@ -225,14 +302,16 @@ def _check_file(path: str) -> int:
 
 
 def load_spans(paths: Sequence[str | os.PathLike], progress: bool | None = None) -> list[Span]:
-    """Every span in `paths`, in file order.
+    """Every span in `paths`, in file order; a span given twice (the same file passed twice,
+    an exporter that retried) is kept once.
 
     progress: show a progress bar (None: when the inputs total at least PROGRESS_MIN_BYTES
     and stderr is a terminal).
     Raises:
         ValueError: naming the file and line of a value that is not JSON, not a span or an
-            OTLP document, or a span with a missing or malformed field; a directory or
-            an empty path.
+            OTLP document, or a span with a missing or malformed field (a name that is not
+            a string, an end before its start); two different spans with one id; a
+            directory or an empty path.
         OSError: a file that cannot be read (the message names it).
     """
     names = [os.fspath(p) for p in paths]
@@ -256,14 +335,30 @@ def load_spans(paths: Sequence[str | os.PathLike], progress: bool | None = None)
         for path in names:
             for lineno, value in _file_values(path, advance):
                 try:
-                    spans.extend(spans_of(value))
-                except (KeyError, TypeError, ValueError, AttributeError) as e:
-                    why = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+                    spans.extend(spans_of(value, f"{path}:{lineno}"))
+                except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as e:
+                    why = f"missing field {e}" if isinstance(e, KeyError) else _json_limit(e) \
+                        if isinstance(e, RecursionError) else str(e)
                     raise ValueError(f"{path}:{lineno}: {why}") from None
     finally:
         if bar is not None:
             bar.stop()
-    return spans
+    return _unique(spans)
+
+
+def _unique(spans: list[Span]) -> list[Span]:
+    """`spans` without repeats of one span (a file passed twice, an exporter's retry); a span id
+    used by two different spans of one trace raises ValueError naming both places."""
+    first: dict[tuple[str, str], Span] = {}
+    out = []
+    for s in spans:
+        seen = first.setdefault((s.trace_id, s.span_id), s)
+        if seen is s:
+            out.append(s)
+        elif seen != s:
+            raise ValueError(f"{s.origin}: span id {s.span_id} of trace {s.trace_id} is also the id of a different "
+                             f"span at {seen.origin}")
+    return out
 
 
 # ---------------------------------------------------------------------------- writing (tests, tools)

@@ -32,7 +32,17 @@ from services.gateway.costs import COST_MODES
 from services.gateway.scheduler import VERIFY_MODES
 
 
-def _float(environ: Mapping[str, str], name: str, default: float, low: float = 0.0) -> float:
+# Longest accepted timeout (s), ~3 years: a gRPC deadline past ~7e9 s overflows and every
+# call then fails at once with DEADLINE_EXCEEDED.
+MAX_TIMEOUT_S = 1e8
+# grpc.max_connection_age_ms is a C int: at most 2^31 - 1 ms (~24.8 days), at least 1 ms.
+MAX_CONNECTION_AGE_S = (2**31 - 1) / 1000
+
+
+def _float(environ: Mapping[str, str], name: str, default: float, low: float = 0.0,
+           high: float = MAX_TIMEOUT_S) -> float:
+    """Seconds in (low, high] from `name`; `default` when unset. Raises ValueError naming the
+    variable and value otherwise (empty, not a number, NaN, out of range)."""
     raw = environ.get(name)
     if raw is None:
         return default
@@ -40,8 +50,8 @@ def _float(environ: Mapping[str, str], name: str, default: float, low: float = 0
         value = float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r}: not a number") from None
-    if not (value > low) or value != value or value == float("inf"):
-        raise ValueError(f"{name}={raw!r}: must be a finite number > {low:g}")
+    if not low < value <= high:
+        raise ValueError(f"{name}={raw!r}: must be a number > {low:g} and <= {high:.10g}")
     return value
 
 
@@ -62,11 +72,17 @@ def backend_target(value: str, name: str = "target") -> str:
     `ipv4:` or `ipv6:` target over all of them (the gateway's channels balance round_robin).
 
     Raises:
-        ValueError: naming `name` and the value: a list entry that is not an IP address:port,
-            or a list mixing IPv4 and IPv6.
+        ValueError: naming `name` and the value: empty, a port outside 1..65535, a list entry
+            that is not an IP address:port, or a list mixing IPv4 and IPv6.
     """
     value = value.strip()
+    if not value:
+        raise ValueError(f"{name}='': empty (a host:port or a gRPC target such as dns:///name:port)")
     if "," not in value or value.startswith(_SCHEMES):
+        host, sep, port = value.rpartition(":")
+        if sep and port.isascii() and port.isdigit() and not 0 < int(port) < 65536 \
+                and not value.startswith(("unix:", "unix-abstract:")):
+            raise ValueError(f"{name}={value!r}: port {port} is not in 1..65535")
         return value
     families = set()
     for entry in (e.strip() for e in value.split(",")):
@@ -156,7 +172,8 @@ class ServeSettings:
             raise ValueError(f"DSPARK_HEALTH_PORT={environ['DSPARK_HEALTH_PORT']!r}: must be a port in 1..65535")
         return cls(health_port=port,
                    drain_timeout_s=_float(environ, "DSPARK_DRAIN_TIMEOUT_S", cls.drain_timeout_s),
-                   max_connection_age_s=_float(environ, "DSPARK_MAX_CONNECTION_AGE_S", cls.max_connection_age_s))
+                   max_connection_age_s=_float(environ, "DSPARK_MAX_CONNECTION_AGE_S", cls.max_connection_age_s,
+                                               low=0.0, high=MAX_CONNECTION_AGE_S))
 
 
 @dataclass(frozen=True)

@@ -128,8 +128,15 @@ class GatewayMetrics:
             self.drafter_failures.add(1)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Serve `/metrics` on host:port in a daemon thread; returns the bound port (port 0: a free one)."""
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        """Serve `/metrics` on host:port in a daemon thread; returns the bound port (port 0: a free one).
+
+        Raises:
+            RuntimeError: the port could not be bound (host, port and the reason named).
+        """
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise RuntimeError(f"could not bind the metrics port {host}:{port}: {exc.strerror or exc}") from None
         self.port = self._server.server_port
         log.info("metrics on http://%s:%d/metrics", host, self.port)
         return self.port

@@ -59,14 +59,23 @@ def topk_setting(environ: Mapping[str, str] = os.environ) -> tuple[int, Path] | 
 
 
 def maybe_wrap(model, rank: int = 0, environ: Mapping[str, str] = os.environ):
-    """`model`, wrapped in a `TopKDiagTrunk` when DSV4_TOPK_DIAG asks for dumps (module docstring)."""
+    """`model`, wrapped in a `TopKDiagTrunk` when DSV4_TOPK_DIAG asks for dumps (module docstring).
+
+    Raises ValueError naming the variable and value: a bad setting (`topk_setting`), or a dump
+    file that cannot be created in DSV4_TOPK_DIAG_DIR (read-only, no permission).
+    """
     setting = topk_setting(environ)
     if setting is None:
         return model
     k, folder = setting
     n = next(_WRAPPED)  # a second wrapped trunk in one process (tests) gets its own file
     suffix = "" if n == 0 else f"-{n}"
-    return TopKDiagTrunk(model, k, folder / f"topk-rank{rank}-pid{os.getpid()}{suffix}.jsonl", rank)
+    path = folder / f"topk-rank{rank}-pid{os.getpid()}{suffix}.jsonl"
+    try:
+        return TopKDiagTrunk(model, k, path, rank)
+    except OSError as exc:
+        raise ValueError(f"{ENV_DIR}={str(folder)!r}: cannot create the dump {path.name}: "
+                         f"{exc.strerror or exc}") from None
 
 
 def _sha256(ids: list[int]) -> str:
