@@ -22,6 +22,8 @@ import grpc
 
 from dspark_proto.v1 import gateway_pb2, gateway_pb2_grpc
 
+# == services.common.settings.MAX_TIMEOUT_S (a test checks; not imported: `generate` stays light)
+MAX_TIMEOUT_S = 1e8
 DEFAULT_PORTS = {"verifier": 50051, "drafter": 50052, "gateway": 50050}
 _SPEC = {"off": gateway_pb2.SPEC_MODE_OFF, "always": gateway_pb2.SPEC_MODE_ALWAYS,
          "gated": gateway_pb2.SPEC_MODE_GATED, "default": gateway_pb2.SPEC_MODE_DEFAULT}
@@ -58,7 +60,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--label", default="", help="workload label for the gateway's recorded rounds")
-    gen.add_argument("--timeout", type=float, default=300.0, help="deadline of the whole call (s)")
+    gen.add_argument("--timeout", type=float, default=300.0, help="deadline of the whole call (s; > 0, <= 1e8)")
     gen.add_argument("--json", action="store_true", help="print each streamed message as one JSON line")
     gen.add_argument("--token", default=None,
                      help="bearer token for a gateway that requires one (default: $DSPARK_GATEWAY_TOKEN)")
@@ -71,25 +73,66 @@ def _checkpoint(args) -> str | None:
     return args.checkpoint or os.environ.get("DSPARK_CHECKPOINT") or None
 
 
+def _check_settings(service: str, environ=os.environ, tp: int = 1) -> dict:
+    """Every setting `dspark serve <service>` reads, parsed before any model loads (fail fast).
+
+    Returns the keyword arguments of `_serve_async` (tls, gateway_tls, serve, backend, gateway).
+    Raises:
+        ValueError: naming the variable (or flag) and its value.
+    """
+    from services.common.settings import BackendSettings, GatewaySettings, ServeSettings
+    from services.common.tls import gateway_tls_from_env, tls_from_env
+    checked = {"serve": ServeSettings.from_env(environ), "tls": tls_from_env(environ),
+               "gateway_tls": None, "backend": None, "gateway": None}
+    if service == "gateway":
+        from services.gateway.gate import GateConfig  # DEEPSEEK_DSPARK_GATE_*: read again at the start
+        checked["gateway_tls"] = gateway_tls_from_env(environ)
+        checked["gateway"] = GatewaySettings.from_env(environ)
+        GateConfig.from_env(environ)
+        return checked
+    from dsv4.settings import Settings  # DSV4_KERNELS, ...: read again when the model is built
+    Settings.from_env(environ)
+    backend = checked["backend"] = BackendSettings.from_env(environ)
+    if service == "verifier":
+        from services.verifier.topk_diag import topk_setting
+        topk_setting(environ)
+        if tp > 1 and backend.verify_numerics != "fast":  # what `app.load_trunk` refuses, before it loads
+            raise ValueError(f"DSPARK_VERIFY_NUMERICS={backend.verify_numerics!r} needs --tp 1: exact mode "
+                             "is not implemented under tensor parallelism")
+    return checked
+
+
+# Start-up failures `dspark serve` reports as one line (exit 2): bad settings and checkpoints
+# (ValueError, CheckpointError), ports that will not bind and unreachable or mismatched
+# backends (RuntimeError: BackendError, IdentityMismatch). Anything else is a bug: traceback.
+_STARTUP_ERRORS = (ValueError, RuntimeError)
+
+
 def _serve(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     port = DEFAULT_PORTS[args.service] if args.port is None else args.port
-    from services.common.settings import ServeSettings
-    from services.common.tls import gateway_tls_from_env, tls_from_env
-    try:  # settings that are files are checked before any model loads
-        serve = ServeSettings.from_env()
-        tls = tls_from_env()
-        gateway_tls = gateway_tls_from_env() if args.service == "gateway" else None
+    try:  # every setting is checked before any model loads
+        if not 0 <= port <= 65535:
+            raise ValueError(f"--port={port}: must be in [0, 65535]")
+        if args.tp < 1:
+            raise ValueError(f"--tp={args.tp}: must be >= 1")
+        checked = _check_settings(args.service, tp=args.tp)
         from services.gateway.metrics import metrics_port
         args.metrics_port = metrics_port(args.metrics_port) if args.service == "gateway" else None
     except ValueError as exc:
         print(f"dspark serve {args.service}: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(_serve_async(args, port, tls, gateway_tls, serve))
+    try:
+        asyncio.run(_serve_async(args, port, **checked))
+    except _STARTUP_ERRORS as exc:
+        print(f"dspark serve {args.service}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
-async def _serve_async(args, port: int, tls=None, gateway_tls=None, serve=None) -> None:
+async def _serve_async(args, port: int, tls=None, gateway_tls=None, serve=None, backend=None, gateway=None) -> None:
+    """Start `args.service` and serve until SIGTERM. backend / gateway: the service's settings
+    (None: read from the environment here)."""
     from services import app
     from services.common.server import run_until_signal
     from services.common.tls import start_health_server
@@ -98,41 +141,43 @@ async def _serve_async(args, port: int, tls=None, gateway_tls=None, serve=None) 
 
     provider = tracer_provider_from_env(f"dspark-{args.service}")
     ckpt = _checkpoint(args)
-    recorder = metrics = None
-    if args.service == "verifier":
-        settings = BackendSettings.from_env()
-        tp = getattr(args, "tp", 1)
-        trunk = app.load_trunk(ckpt, tp=tp, device=getattr(args, "device", "cpu"),
-                               verify_numerics=settings.verify_numerics)
-        running = await app.start_verifier(app.verifier_engine(trunk, settings), port,
-                                           settings.verify_mode, provider, args.host, tp=tp,
-                                           credentials=tls and tls.server_credentials())
-    elif args.service == "drafter":
-        settings = BackendSettings.from_env()
-        model = app.load_trunk(ckpt) if args.oracle else app.load_drafter(ckpt)
-        engine = app.drafter_engine(model, args.oracle, settings, args.oracle_corrupt_every)
-        running = await app.start_drafter(engine, port, provider, args.host,
-                                          credentials=tls and tls.server_credentials())
-    else:
-        recorder = [] if args.record_rounds else None
-        if args.metrics_port is not None:
-            from services.gateway.metrics import GatewayMetrics
-            metrics = GatewayMetrics()
-            metrics.serve(args.metrics_port, args.host)
-        running, _, backends = await app.start_gateway(GatewaySettings.from_env(), port=port, provider=provider,
-                                                       checkpoint=ckpt, recorder=recorder, host=args.host,
-                                                       backend_tls=tls,
-                                                       credentials=gateway_tls and gateway_tls.server_credentials(),
-                                                       metrics=metrics)
-    health = None
-    if serve is not None and serve.health_port is not None:
-        health, _ = await start_health_server(running.health, serve.health_port, args.host)
+    recorder = metrics = health = running = None
+    stopped = False
     try:
+        if args.service == "verifier":
+            settings = backend or BackendSettings.from_env()
+            tp = getattr(args, "tp", 1)
+            trunk = app.load_trunk(ckpt, tp=tp, device=getattr(args, "device", "cpu"),
+                                   verify_numerics=settings.verify_numerics)
+            running = await app.start_verifier(app.verifier_engine(trunk, settings), port,
+                                               settings.verify_mode, provider, args.host, tp=tp,
+                                               credentials=tls and tls.server_credentials())
+        elif args.service == "drafter":
+            settings = backend or BackendSettings.from_env()
+            model = app.load_trunk(ckpt) if args.oracle else app.load_drafter(ckpt)
+            engine = app.drafter_engine(model, args.oracle, settings, args.oracle_corrupt_every)
+            running = await app.start_drafter(engine, port, provider, args.host,
+                                              credentials=tls and tls.server_credentials())
+        else:
+            recorder = [] if args.record_rounds else None
+            if args.metrics_port is not None:
+                from services.gateway.metrics import GatewayMetrics
+                metrics = GatewayMetrics()
+                metrics.serve(args.metrics_port, args.host)
+            running, _, backends = await app.start_gateway(
+                gateway or GatewaySettings.from_env(), port=port, provider=provider, checkpoint=ckpt,
+                recorder=recorder, host=args.host, backend_tls=tls,
+                credentials=gateway_tls and gateway_tls.server_credentials(), metrics=metrics)
+        if serve is not None and serve.health_port is not None:
+            health, _ = await start_health_server(running.health, serve.health_port, args.host)
         await run_until_signal(running, serve.drain_timeout_s if serve is not None else 30.0)
+        stopped = True
     finally:
         if health is not None:
             await health.stop(0)
-        if recorder is not None:
+        if running is not None and not stopped:
+            await running.stop(0)  # started, but the start-up failed after it (the health port)
+        if recorder is not None and running is not None:
             from services.gateway.rounds import RoundLog, save_rounds
             save_rounds(RoundLog(tuple(recorder), {"source": "dspark serve gateway --record-rounds"}),
                         args.record_rounds)
@@ -148,6 +193,14 @@ def _up(args) -> int:
                DSPARK_DRAFTER_TARGET=f"127.0.0.1:{DEFAULT_PORTS['drafter']}")
     # the gateway starts beside backends that are still loading their weights: wait for them
     env.setdefault("DSPARK_STARTUP_TIMEOUT_S", "120")
+    try:  # the three children's settings, checked once here before anything starts
+        for service in ("verifier", "drafter", "gateway"):
+            _check_settings(service, env)
+        from services.gateway.metrics import metrics_port
+        metrics_port(None, env)
+    except ValueError as exc:
+        print(f"dspark up: {exc}", file=sys.stderr)
+        return 2
     procs = [subprocess.Popen(exe + ["verifier"] + ckpt, env=env),
              subprocess.Popen(exe + ["drafter"] + ckpt + (["--oracle"] if args.oracle else []), env=env)]
     procs.append(subprocess.Popen(exe + ["gateway"] + ckpt, env=env))
@@ -168,13 +221,28 @@ def _up(args) -> int:
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:
             p.kill()
-    failed = [p.args[4] for p in procs if p.returncode not in (0, -signal.SIGTERM)]
-    return 1 if failed else 0
+    failed = [(p.args[4], p.returncode) for p in procs if p.returncode not in (0, -signal.SIGTERM)]
+    if failed:  # each child printed its own reason (a start-up failure: one line, exit 2)
+        print("dspark up: " + ", ".join(f"{name} exited with status {rc}" for name, rc in failed)
+              + "; stopped the others", file=sys.stderr)
+        return 2 if any(rc == 2 for _, rc in failed) else 1
+    return 0
 
 
 def _generate(args) -> int:
     if args.max_tokens <= 0:
         print(f"dspark generate: --max-tokens={args.max_tokens} must be > 0", file=sys.stderr)
+        return 2
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN fails too
+        print(f"dspark generate: --timeout={args.timeout:g} must be > 0 and <= {MAX_TIMEOUT_S:.10g} s",
+              file=sys.stderr)
+        return 2
+    source = "DSPARK_GATEWAY_TOKEN" if args.token is None else "--token"
+    args.token = os.environ.get("DSPARK_GATEWAY_TOKEN", "") if args.token is None else args.token
+    if args.token and not (args.token.isascii() and args.token.isprintable() and " " not in args.token):
+        # as the gateway checks its own DSPARK_GATEWAY_TOKEN; gRPC metadata would refuse it anyway
+        print(f"dspark generate: {source}: the token must be printable ASCII without spaces (value not shown)",
+              file=sys.stderr)
         return 2
     if args.tls_ca is not None:
         try:
@@ -193,8 +261,7 @@ def _generate(args) -> int:
 async def _generate_async(args) -> int:
     req = gateway_pb2.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens, spec=_SPEC[args.spec],
                                       stop=args.stop, ignore_eos=args.ignore_eos, label=args.label)
-    token = os.environ.get("DSPARK_GATEWAY_TOKEN", "") if args.token is None else args.token
-    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else None
     if args.tls_ca is not None:
         channel = grpc.aio.secure_channel(args.target, grpc.ssl_channel_credentials(args.tls_ca_pem))
     else:

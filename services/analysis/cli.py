@@ -85,7 +85,7 @@ def _run_report(args: argparse.Namespace) -> int:
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
-    from services.analysis.report import gate_env_lines
+    from services.analysis.calibration import gate_env_lines
     try:
         report = _load(args)
     except (ValueError, OSError) as exc:

@@ -12,11 +12,7 @@ between the gateway's write and its read of the reply. The compute intervals are
 disjoint sub-intervals of the round, so the residual is >= 0 on a real run. Only durations
 are compared, never timestamps across hosts, so clock offsets between machines do not matter.
 
-Costs fitted as the gate uses them (`services.gateway.costs`, docs/gate.md §2), from the
-gateway's own timings of the calls: verify(k) = base + slope·k by least squares over the
-verify rounds' (k = drafts submitted, `spec_decode.verify_ms`); draft ms = mean
-`spec_decode.draft_ms`; plain ms = mean `spec_decode.verify_ms` of the rounds with k = 0
-(a single-token decode).
+The gate's costs fitted from the rounds, and the confidence reliability: `services.analysis.calibration`.
 """
 
 from __future__ import annotations
@@ -24,18 +20,17 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
+from services.analysis.calibration import (GATE_ENV, PLAIN_MS_FLOOR, BucketStat, CostFit,  # noqa: F401 - re-exported
+                                           fit_costs, gate_env_lines, reliability)
 from services.analysis.traces import Span
-from services.gateway.gate import BUCKET_EDGES, NUM_BUCKETS, bucket_index, bucket_label
+from services.gateway.gate import BUCKET_EDGES
 
 ROUND = "spec_decode.round"
 GENERATE = "gateway.generate"
-GATE_ENV = {"draft_ms": "DEEPSEEK_DSPARK_GATE_DRAFT_MS", "verify_base_ms": "DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS",
-            "verify_slope_ms": "DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS", "plain_ms": "DEEPSEEK_DSPARK_GATE_PLAIN_MS"}
-PLAIN_MS_FLOOR = 1e-3  # the gate's lower bound on plain_ms (docs/gate.md §8)
 COUNT_KEYS = ("rounds", "drafted", "submitted", "accepted", "verify_rounds", "margin_skipped_rounds",
               "truncated_rounds", "skipped_after_draft", "plain_rounds", "drafter_failovers", "drafter_failed")
 MAX_GENERATION_ROWS = 30  # the text report lists at most this many generations
@@ -118,48 +113,6 @@ class GenerationRecord:
             return None
         mine = self.counts()
         return all(mine[k] == self.final[k] for k in COUNT_KEYS if k in self.final)
-
-
-@dataclass(frozen=True)
-class CostFit:
-    """Fitted gate costs (ms) with their sample counts; base/slope None without two distinct k."""
-
-    verify_base_ms: float | None
-    verify_slope_ms: float | None
-    draft_ms: float | None
-    plain_ms: float | None
-    verify_samples: int
-    distinct_k: int
-    draft_samples: int
-    plain_samples: int
-    verify_rms_ms: float | None
-
-    def missing(self) -> list[str]:
-        """What keeps the fit from giving all four costs, in words (empty when complete)."""
-        out = []
-        if self.verify_base_ms is None:
-            out.append(f"verify rounds over at least two distinct k (have {self.verify_samples} rounds, "
-                       f"{self.distinct_k} distinct k)")
-        if self.draft_ms is None:
-            out.append("rounds that drafted (spec_decode.draft_ms)")
-        if self.plain_ms is None:
-            out.append("rounds with k = 0 (plain decode)")
-        return out
-
-
-@dataclass(frozen=True)
-class BucketStat:
-    """Confidence bucket: censored observations (docs/gate.md §2), matches, mean logit."""
-
-    index: int
-    label: str
-    observed: int
-    matched: int
-    mean_logit: float | None
-
-    @property
-    def rate(self) -> float | None:
-        return self.matched / self.observed if self.observed else None
 
 
 @dataclass
@@ -326,74 +279,6 @@ def build_report(spans: Sequence[Span], sources: Sequence[str] = ()) -> Report:
     rounds.sort(key=lambda r: (r.start_ns, r.index))
     backend = any(s.name.startswith("verifier.") for s in spans)
     return Report(list(sources), len(spans), backend, generations, rounds, fit_costs(rounds), reliability(rounds))
-
-
-# ---------------------------------------------------------------------------- costs
-def fit_costs(rounds: Iterable[RoundRecord]) -> CostFit:
-    """Least-squares verify(k) = base + slope·k over verify rounds; means of draft and plain ms."""
-    ks, ms, drafts, plains = [], [], [], []
-    for r in rounds:
-        if r.draft_ms is not None:
-            drafts.append(r.draft_ms)
-        if r.verify_ms is None:
-            continue
-        if r.submitted > 0:
-            ks.append(r.submitted)
-            ms.append(r.verify_ms)
-        else:
-            plains.append(r.verify_ms)
-    base = slope = rms = None
-    distinct = len(set(ks))
-    if distinct >= 2:
-        x, y = np.asarray(ks, dtype=float), np.asarray(ms, dtype=float)
-        design = np.stack([np.ones_like(x), x], axis=1)  # [n, 2]
-        (base, slope), *_ = np.linalg.lstsq(design, y, rcond=None)
-        base, slope = float(base), float(slope)
-        rms = float(np.sqrt(np.mean((y - (base + slope * x)) ** 2)))
-    return CostFit(base, slope, float(np.mean(drafts)) if drafts else None,
-                   float(np.mean(plains)) if plains else None, len(ks), distinct, len(drafts), len(plains), rms)
-
-
-def gate_env_lines(fit: CostFit) -> tuple[list[str], list[str]]:
-    """(`DEEPSEEK_DSPARK_GATE_*=value` lines for the costs the fit has, notes on clamped values).
-
-    Values are clamped into what `GateConfig` accepts (docs/gate.md §8): each cost >= 0,
-    plain_ms >= 0.001, so the lines can be used as they are.
-    """
-    lines, notes = [], []
-    for name, env in GATE_ENV.items():
-        value = getattr(fit, name)
-        if value is None:
-            continue
-        low = PLAIN_MS_FLOOR if name == "plain_ms" else 0.0
-        if value < low:
-            notes.append(f"{env}: fitted {value:.3f} ms is below {low:g}; clamped")
-            value = low
-        lines.append(f"{env}={value:.3f}")
-    return lines, notes
-
-
-# ---------------------------------------------------------------------------- calibration
-def reliability(rounds: Iterable[RoundRecord]) -> list[BucketStat]:
-    """Per confidence bucket (the gate's edges): censored match statistics of verified drafts.
-
-    Of a round that submitted k drafts and had a accepted, positions 0..a-1 are matches and
-    position a is a miss when a < k; positions after a (and past k) were never decided, so
-    they are not counted (seed "Censored observations"; the same rule as `Gate.observe`).
-    """
-    observed, matched = [0] * NUM_BUCKETS, [0] * NUM_BUCKETS
-    logit_sum = [0.0] * NUM_BUCKETS
-    for r in rounds:
-        if not r.confidence_logits or r.submitted <= 0:
-            continue
-        for pos in range(min(r.accepted + 1, r.submitted)):
-            c = r.confidence_logits[pos]
-            b = bucket_index(c)
-            observed[b] += 1
-            matched[b] += pos < r.accepted
-            logit_sum[b] += c
-    return [BucketStat(b, bucket_label(b), observed[b], matched[b],
-                       logit_sum[b] / observed[b] if observed[b] else None) for b in range(NUM_BUCKETS)]
 
 
 # ---------------------------------------------------------------------------- summaries

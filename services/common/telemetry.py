@@ -59,7 +59,8 @@ def tracer_provider_from_env(service_name: str, environ: Mapping[str, str] = os.
     """A provider for `service_name` with the exporters the environment asks for (module docstring).
 
     Raises:
-        ValueError: OTEL_TRACES_EXPORTER names an unsupported exporter (the value is named).
+        ValueError: OTEL_TRACES_EXPORTER names an unsupported exporter, or DSPARK_TRACES_JSONL a
+            file that cannot be opened (the value is named).
     """
     resource = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME", service_name)})
     provider = TracerProvider(resource=resource)
@@ -75,7 +76,11 @@ def tracer_provider_from_env(service_name: str, environ: Mapping[str, str] = os.
             provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
     path = environ.get("DSPARK_TRACES_JSONL")
     if path:
-        provider.add_span_processor(SimpleSpanProcessor(JsonLinesSpanExporter(path)))
+        try:
+            exporter = JsonLinesSpanExporter(path)
+        except OSError as exc:
+            raise ValueError(f"DSPARK_TRACES_JSONL={path!r}: cannot open: {exc.strerror or exc}") from None
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
     return provider
 
 

@@ -85,7 +85,9 @@ async def connect_backends(backends: Backends) -> tuple[ModelLimits, common_pb2.
     try:
         v = await backends.verifier.Info(common_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
     except grpc.aio.AioRpcError as e:
-        raise BackendError("verifier", f"Info failed: {e.code().name}: {e.details()}", e.code()) from None
+        raise BackendError("verifier", f"Info failed within DSPARK_STARTUP_TIMEOUT_S={timeout:g} s at "
+                           f"DSPARK_VERIFIER_TARGET={backends.settings.verifier_target!r}: "
+                           f"{e.code().name}: {e.details()}", e.code()) from None
     confidence = False
     if backends.drafter is not None:
         try:
