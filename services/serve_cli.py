@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 
@@ -102,6 +103,22 @@ def _check_settings(service: str, environ=os.environ, tp: int = 1) -> dict:
     return checked
 
 
+def _check_writable(flag: str, path: str) -> None:
+    """Refuse an output file that could not be written at shutdown (its rounds would be lost).
+
+    Raises:
+        ValueError: naming `flag` and `path`: a directory, a missing parent folder, or no write permission.
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag}={path!r}: is a directory")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"{flag}={path!r}: folder {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ValueError(f"{flag}={path!r}: not writable")
+
+
 # Start-up failures `dspark serve` reports as one line (exit 2): bad settings and checkpoints
 # (ValueError, CheckpointError), ports that will not bind and unreachable or mismatched
 # backends (RuntimeError: BackendError, IdentityMismatch). Anything else is a bug: traceback.
@@ -117,6 +134,8 @@ def _serve(args) -> int:
         if args.tp < 1:
             raise ValueError(f"--tp={args.tp}: must be >= 1")
         checked = _check_settings(args.service, tp=args.tp)
+        if args.record_rounds is not None:
+            _check_writable("--record-rounds", args.record_rounds)
         from services.gateway.metrics import metrics_port
         args.metrics_port = metrics_port(args.metrics_port) if args.service == "gateway" else None
     except ValueError as exc:

@@ -64,6 +64,9 @@ BAD_SETTINGS = [  # (service, extra args, environment, what the line names)
     ("drafter", ["--port", "70000"], {}, "--port=70000"),
     ("gateway", [], {"DEEPSEEK_DSPARK_GATE_MARGIN": "abc"}, "DEEPSEEK_DSPARK_GATE_MARGIN"),
     ("drafter", [], {"OTEL_TRACES_EXPORTER": "bogus"}, "OTEL_TRACES_EXPORTER='bogus'"),
+    ("gateway", ["--record-rounds", str(REPO / "no-such-dir" / "r.json")], {},
+     f"--record-rounds='{REPO / 'no-such-dir' / 'r.json'}': folder '{REPO / 'no-such-dir'}' does not exist"),
+    ("gateway", ["--record-rounds", str(REPO / "tests")], {}, f"--record-rounds='{REPO / 'tests'}': is a directory"),
     ("verifier", [], {"DSPARK_TRACES_JSONL": str(REPO / "no-such-dir" / "t.jsonl")},
      f"DSPARK_TRACES_JSONL='{REPO / 'no-such-dir' / 't.jsonl'}': cannot open"),
 ]
