@@ -51,6 +51,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     up = sub.add_parser("up", help="start verifier, drafter and gateway on localhost")
     up.add_argument("--checkpoint", default=None)
     up.add_argument("--oracle", action="store_true", help="use the oracle drafter")
+    up.add_argument("--port-base", type=int, default=DEFAULT_PORTS["gateway"],
+                    help="gateway port; the verifier listens on port-base + 1, the drafter on + 2 (default 50050)")
+    up.add_argument("--record-rounds", default=None, help="gateway: write every round to FILE at shutdown")
     up.set_defaults(func=_up)
 
     gen = sub.add_parser("generate", help="stream a generation from a gateway")
@@ -205,11 +208,29 @@ async def _serve_async(args, port: int, tls=None, gateway_tls=None, serve=None, 
         provider.shutdown()
 
 
+def up_ports(port_base: int) -> dict[str, int]:
+    """The ports `dspark up --port-base N` uses: gateway N, verifier N + 1, drafter N + 2.
+
+    Raises:
+        ValueError: naming the value, when N + 2 is not a port (N outside 1..65533).
+    """
+    if not 1 <= port_base <= 65533:
+        raise ValueError(f"--port-base={port_base}: must be in [1, 65533] (the drafter listens on port-base + 2)")
+    return {"gateway": port_base, "verifier": port_base + 1, "drafter": port_base + 2}
+
+
 def _up(args) -> int:
     exe = [sys.executable, "-m", "services.cli", "serve"]
     ckpt = ["--checkpoint", args.checkpoint] if args.checkpoint else []
-    env = dict(os.environ, DSPARK_VERIFIER_TARGET=f"127.0.0.1:{DEFAULT_PORTS['verifier']}",
-               DSPARK_DRAFTER_TARGET=f"127.0.0.1:{DEFAULT_PORTS['drafter']}")
+    try:
+        ports = up_ports(args.port_base)
+        if args.record_rounds is not None:
+            _check_writable("--record-rounds", args.record_rounds)
+    except ValueError as exc:
+        print(f"dspark up: {exc}", file=sys.stderr)
+        return 2
+    env = dict(os.environ, DSPARK_VERIFIER_TARGET=f"127.0.0.1:{ports['verifier']}",
+               DSPARK_DRAFTER_TARGET=f"127.0.0.1:{ports['drafter']}")
     # the gateway starts beside backends that are still loading their weights: wait for them
     env.setdefault("DSPARK_STARTUP_TIMEOUT_S", "120")
     try:  # the three children's settings, checked once here before anything starts
@@ -220,11 +241,14 @@ def _up(args) -> int:
     except ValueError as exc:
         print(f"dspark up: {exc}", file=sys.stderr)
         return 2
-    procs = [subprocess.Popen(exe + ["verifier"] + ckpt, env=env),
-             subprocess.Popen(exe + ["drafter"] + ckpt + (["--oracle"] if args.oracle else []), env=env)]
-    procs.append(subprocess.Popen(exe + ["gateway"] + ckpt, env=env))
-    print(f"dspark up: gateway on 127.0.0.1:{DEFAULT_PORTS['gateway']} "
-          f"(verifier :{DEFAULT_PORTS['verifier']}, drafter :{DEFAULT_PORTS['drafter']}); Ctrl-C stops", flush=True)
+    port = {name: ["--port", str(p)] for name, p in ports.items()}
+    record = ["--record-rounds", args.record_rounds] if args.record_rounds else []
+    procs = [subprocess.Popen(exe + ["verifier"] + port["verifier"] + ckpt, env=env),
+             subprocess.Popen(exe + ["drafter"] + port["drafter"] + ckpt + (["--oracle"] if args.oracle else []),
+                              env=env)]
+    procs.append(subprocess.Popen(exe + ["gateway"] + port["gateway"] + ckpt + record, env=env))
+    print(f"dspark up: gateway on 127.0.0.1:{ports['gateway']} "
+          f"(verifier :{ports['verifier']}, drafter :{ports['drafter']}); Ctrl-C stops", flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     try:

@@ -90,6 +90,24 @@ def test_serve_on_a_port_in_use_exits_2_naming_the_address():
     assert f"127.0.0.1:{port}" in _error(out, "dspark serve drafter: ")
 
 
+def test_a_second_grpc_server_on_a_taken_port_is_refused_not_sharing_it():
+    # gRPC's default SO_REUSEPORT would let two services bind one port and split its clients.
+    import asyncio
+
+    from services.common.server import start_server
+
+    async def scenario() -> str:
+        first = await start_server("first", lambda server: None)
+        try:
+            with pytest.raises(RuntimeError) as err:
+                await start_server("second", lambda server: None, port=first.port)
+            return str(err.value)
+        finally:
+            await first.server.stop(0)
+
+    assert asyncio.run(scenario()).startswith("could not bind 127.0.0.1:")
+
+
 def test_serve_with_a_missing_checkpoint_exits_2_naming_it():
     missing = REPO / "no-such-checkpoint"
     assert not missing.exists()

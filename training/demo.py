@@ -3,12 +3,12 @@
     python -m training.demo [--checkpoint assets/dspark-small] [--max-tokens 64] [--record-rounds FILE]
     python -m training.demo --calibration 160 --record-rounds tests/data/bundled_rounds.json   # + ~1,000 rounds
 
-Starts the verifier, drafter and gateway as gRPC servers in this process (localhost, port 0,
-real channels; the same `services.app` start functions `dspark up` uses) on the bundled
-checkpoint, then generates greedily for four prompts — repeat (counting upward), code, prose,
+Starts `dspark up --checkpoint assets/dspark-small` (the verifier, drafter and gateway as three
+processes on localhost, `--port-base`, default 50150: gateway, verifier +1, drafter +2; batched
+verify, `DSPARK_GATE_COSTS=measured`), waits for the gateway's gRPC health check, then generates greedily for four prompts — repeat (counting upward), code, prose,
 math — three ways each: plain decode (spec off), always-k (every round verifies the whole
-drafted block) and gated (the confidence gate picks k each round), all with batched verify
-and the gate's costs measured live (`cost_mode="measured"`). The gated generation of each
+drafted block) and gated (the confidence gate picks k each round), all through the gateway
+as any client would (`dspark generate` does the same). The gated generation of each
 prompt is streamed to the terminal as it arrives.
 
 Table per prompt and mode: completion tokens, accept rate (accepted / submitted drafts), mean
@@ -23,9 +23,12 @@ counts them; buckets with fewer than `--min-bucket` drafts merged into a neighbo
 
 `--calibration TOKENS` adds always-k generations on four more prompts per workload
 (`CALIBRATION_PROMPTS`) whose rounds only feed h(j), the calibration table, the live-vs-replay
-table and the recorded file. `--record-rounds FILE` writes the always-k rounds (replay format,
-`dspark replay FILE`); the draft/decode line compares the drafter call's median wall with
-plain decode's median ms per token.
+table and the recorded file. The rounds come from the gateway's own recorder (`dspark up
+--record-rounds`, written when the services stop): always-k generations carry the workload
+name as their label, the others a label the tables drop. `--record-rounds FILE` keeps the
+always-k rounds (replay format, `dspark replay FILE`); the draft/decode line compares the
+drafter call's median wall with plain decode's median ms per token. The divergence margins
+come from the trunk loaded in this process (the verifier's loader).
 
 Timings are CPU figures of one run on this machine (DESIGN.md §8): compare the ratios.
 """
@@ -34,7 +37,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -163,80 +171,151 @@ def fmt(x: float | None, spec: str) -> str:
     return "-".rjust(width) if x is None else format(x, spec)
 
 
+class Services:
+    """`dspark up` as a child process group: start, wait until the gateway serves, stop.
+
+    Raises:
+        RuntimeError: the services exit or the gateway is not SERVING within `timeout_s` (s).
+    """
+
+    def __init__(self, checkpoint: Path, port_base: int, record: Path, timeout_s: float = 300.0):
+        from services.serve_cli import up_ports
+        for name, port in up_ports(port_base).items():  # never talk to someone else's services
+            with socket.socket() as probe:
+                try:
+                    probe.bind(("127.0.0.1", port))
+                except OSError as exc:
+                    raise RuntimeError(f"--port-base={port_base}: the {name} port {port} is in use ({exc.strerror}); "
+                                       "choose another --port-base") from None
+        env = dict(os.environ, DSPARK_VERIFY_MODE="batched", DSPARK_GATE_COSTS="measured")
+        cmd = [sys.executable, "-m", "services.cli", "up", "--checkpoint", str(checkpoint),
+               "--port-base", str(port_base), "--record-rounds", str(record)]
+        self.target, self.timeout_s = f"127.0.0.1:{port_base}", timeout_s
+        self.log = record.with_suffix(".log")  # the services' own output, shown when they fail
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+
+    def log_tail(self, lines: int = 20) -> str:
+        text = self.log.read_text(errors="replace") if self.log.is_file() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    async def wait_serving(self) -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+        deadline = time.monotonic() + self.timeout_s
+        async with grpc.aio.insecure_channel(self.target) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"dspark up exited with status {self.proc.returncode} before serving")
+                try:
+                    r = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                    if r.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.aio.AioRpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"gateway {self.target} not serving within {self.timeout_s:g} s")
+                await asyncio.sleep(0.5)
+
+    def stop(self) -> None:
+        """SIGTERM `dspark up` (it stops its children; the gateway writes the rounds), then wait."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+
 async def run(args) -> int:
-    from services.app import (drafter_engine, load_drafter, load_trunk, start_drafter, start_gateway,
-                              start_verifier, verifier_engine)
-    from services.common.server import channel_options
-    from services.common.settings import BackendSettings, GatewaySettings
-    from services.gateway.gate import GateConfig
-    from services.gateway.rounds import RoundLog, save_rounds
-    from dspark_proto.v1 import gateway_pb2_grpc
+    from services.app import load_trunk
+    from services.gateway.rounds import RoundLog, load_rounds, save_rounds
+    from services.gateway.tokenizer import load_tokenizer
 
     ckpt = Path(args.checkpoint)
     if not (ckpt / "config.json").is_file():
         print(f"demo: no checkpoint at {ckpt} (expected the bundled model, assets/dspark-small)", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    trunk = load_trunk(str(ckpt))
-    drafter = load_drafter(str(ckpt))
-    cfg = trunk.cfg
-    verifier = await start_verifier(verifier_engine(trunk, BackendSettings()))
-    dsrv = await start_drafter(drafter_engine(drafter, settings=BackendSettings()))
-    settings = GatewaySettings(verifier_target=f"127.0.0.1:{verifier.port}",
-                               drafter_target=f"127.0.0.1:{dsrv.port}", verify_mode="batched", cost_mode="measured")
-    recorder: list = []
-    gw, scheduler, backends = await start_gateway(settings, GateConfig.from_env(), checkpoint=str(ckpt),
-                                                  recorder=recorder)
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}", options=channel_options())
-    stub = gateway_pb2_grpc.GatewayStub(channel)
-    print(f"bundled model {ckpt} (config {cfg.config_hash()}, {cfg.n_layers} layers + {cfg.n_mtp_layers} DSpark "
-          f"stages, block {cfg.dspark_block_size}); verifier :{verifier.port}, drafter :{dsrv.port}, "
-          f"gateway :{gw.port}; started in {time.perf_counter() - t0:.1f} s; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} thread(s)")
-    try:
+    with tempfile.TemporaryDirectory(prefix="dspark-demo-") as tmp:
+        record = Path(tmp) / "rounds.json"
+        try:
+            services = Services(ckpt, args.port_base, record)
+        except (RuntimeError, ValueError) as exc:
+            print(f"demo: {exc}", file=sys.stderr)
+            return 2
+        try:
+            print(f"starting `dspark up --checkpoint {ckpt} --port-base {args.port_base}` ...", flush=True)
+            await services.wait_serving()
+            trunk = load_trunk(str(ckpt))  # only for the divergence margins
+            cfg = trunk.cfg
+            print(f"bundled model {ckpt} (config {cfg.config_hash()}, {cfg.n_layers} layers + {cfg.n_mtp_layers} "
+                  f"DSpark stages, block {cfg.dspark_block_size}) behind `dspark up` (gateway {services.target}, "
+                  f"three processes); serving after {time.perf_counter() - t0:.1f} s; torch {torch.__version__}")
+            results = await generate_all(services.target, args)
+        except (RuntimeError, grpc.aio.AioRpcError) as exc:
+            services.stop()
+            print(f"demo: {exc}\n--- the services' output (last lines):\n{services.log_tail()}", file=sys.stderr)
+            return 1
+        finally:
+            services.stop()
+        if services.proc.returncode not in (0, -signal.SIGTERM):
+            print(f"demo: dspark up exited with status {services.proc.returncode}\n{services.log_tail()}",
+                  file=sys.stderr)
+            return 1
+        recorded = load_rounds(record).rounds
+    always = [r for r in recorded if r.workload in WORKLOADS]
+    if args.record_rounds:
+        save_rounds(RoundLog(tuple(always), {"source": "training.demo (always-k rounds)", "checkpoint": str(ckpt),
+                                             "max_tokens": args.max_tokens}), args.record_rounds)
+    tok = load_tokenizer(str(ckpt), cfg.vocab_size, cfg.eos_token_id)
+    print_tables(args, cfg, trunk, tok, results, always, recorded)
+    return 0
+
+
+async def generate_all(target: str, args) -> dict[str, dict[str, Generation]]:
+    """The table's generations (and the calibration ones) through the gateway at `target`.
+
+    Labels: always-k generations carry the workload name (their rounds feed the tables);
+    gated and warm-up ones a label the tables drop.
+    """
+    from services.common.server import channel_options
+    from dspark_proto.v1 import gateway_pb2_grpc
+    async with grpc.aio.insecure_channel(target, options=channel_options()) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
         for mode in MODES:  # warm-up: first-call costs, and the measured cost model gets samples
             await generate(stub, "0 1 2 3", mode, 16, "warmup", stream=False)
-        recorder.clear()
-        always: list = []  # the always-k generations' rounds: every drafted position verified
         results: dict[str, dict[str, Generation]] = {}
         for name, prompt in WORKLOADS.items():
             results[name] = {}
             print(f"\n--- {name}: {prompt!r} (gated, streamed)\n{prompt}", end="", flush=True)
             for mode in ("gated", "off", "always"):
-                start = len(recorder)
-                results[name][mode] = await generate(stub, prompt, mode, args.max_tokens, name, stream=mode == "gated")
-                if mode == "always":
-                    always.extend(recorder[start:])
+                label = name if mode == "always" else f"{mode}-{name}"
+                results[name][mode] = await generate(stub, prompt, mode, args.max_tokens, label, stream=mode == "gated")
             print()
         if args.calibration:
             print(f"\ncalibration rounds: {sum(map(len, CALIBRATION_PROMPTS.values()))} more always-k generations "
                   f"of {args.calibration} tokens ...", flush=True)
             for name, prompts in CALIBRATION_PROMPTS.items():
                 for prompt in prompts:
-                    start = len(recorder)
                     await generate(stub, prompt, "always", args.calibration, name, stream=False)
-                    always.extend(recorder[start:])
-        if args.record_rounds:
-            save_rounds(RoundLog(tuple(always), {"source": "training.demo (always-k rounds)", "checkpoint": str(ckpt),
-                                                 "max_tokens": args.max_tokens}), args.record_rounds)
-    finally:
-        await channel.close()
-        await backends.close()
-        for s in (gw, dsrv, verifier):
-            await s.stop(0)
+    return results
 
-    tok = scheduler.tokenizer if hasattr(scheduler, "tokenizer") else None
+
+def print_tables(args, cfg, trunk, tok, results, always, recorded) -> None:
+    """The demo table, h(j), the calibration table, live vs replay, and the draft/decode line."""
     print(f"\n{'workload':8} {'mode':9} {'tokens':>6} {'accept':>7} {'mean len':>8} {'tok/s':>7} {'x plain':>7}  first divergence from plain")
     for name, by in results.items():
         plain = by["off"]
-        prompt_ids = tok.encode(WORKLOADS[name]) if tok is not None else None
+        prompt_ids = tok.encode(WORKLOADS[name])
         for mode in MODES:
             g = by[mode]
             div = "-" if mode == "off" else "none"
             if mode != "off":
                 i = first_divergence(plain.tokens, g.tokens)
                 if i is not None:
-                    margin = margin_at(trunk, prompt_ids, plain.tokens, i) if prompt_ids is not None else None
+                    margin = margin_at(trunk, prompt_ids, plain.tokens, i)
                     div = f"token {i} (margin {fmt(margin, '.3f')})"
             acc = None if mode == "off" else g.accept_rate
             mlen = None if mode == "off" else g.mean_len
@@ -263,7 +342,7 @@ async def run(args) -> int:
             rp = w.results["plain"].tok_s
             print(f"{w.name:8} {live['always'].tok_s / lp:13.2f} {w.results['always-k'].tok_s / rp:15.2f} "
                   f"{live['gated'].tok_s / lp:10.2f} {w.results['gated'].tok_s / rp:12.2f}")
-    draft_ms = sorted(r.draft_ms for r in recorder if r.draft_ms is not None)
+    draft_ms = sorted(r.draft_ms for r in recorded if r.draft_ms is not None)
     plain_ms = sorted(1e3 * by["off"].wall_s / max(1, len(by["off"].tokens)) for by in results.values())
     if draft_ms and plain_ms:
         d, p = draft_ms[len(draft_ms) // 2], plain_ms[len(plain_ms) // 2]
@@ -271,7 +350,6 @@ async def run(args) -> int:
               f"decode {p:.1f} ms/token (median over the plain generations): draft/decode = {d / p:.2f}")
     if args.record_rounds:
         print(f"\nrecorded {len(always)} always-k rounds to {args.record_rounds} (replay: dspark replay {args.record_rounds})")
-    return 0
 
 
 def main() -> None:
@@ -283,7 +361,9 @@ def main() -> None:
                     help="also run always-k generations of TOKENS tokens on more prompts per workload, for "
                          "h(j), the calibration table and --record-rounds (default 0: none)")
     ap.add_argument("--min-bucket", type=int, default=30, help="merge calibration buckets with fewer drafts")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--port-base", type=int, default=50150,
+                    help="gateway port of `dspark up`; verifier +1, drafter +2 (default 50150)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of this process (the divergence margins)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     sys.exit(asyncio.run(run(args)))

@@ -52,6 +52,11 @@ class RunningServer:
         await self.server.stop(grace_s)
 
 
+# gRPC sets SO_REUSEPORT by default on Linux: a second server on a taken port would then bind
+# and silently share its connections. A taken port must be an error instead.
+NO_REUSEPORT = ("grpc.so_reuseport", 0)
+
+
 async def start_server(service_name: str, register: Callable[[grpc.aio.Server], None], port: int = 0,
                        host: str = "127.0.0.1", provider: TracerProvider | None = None,
                        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -66,14 +71,18 @@ async def start_server(service_name: str, register: Callable[[grpc.aio.Server], 
     from services.common.settings import ServeSettings  # DSPARK_MAX_CONNECTION_AGE_S
     age_ms = int(ServeSettings.from_env().max_connection_age_s * 1000)
     server = grpc.aio.server(interceptors=server_interceptors(provider) + list(interceptors),
-                             options=channel_options(max_message_bytes) + [("grpc.max_connection_age_ms", age_ms)])
+                             options=channel_options(max_message_bytes) + [("grpc.max_connection_age_ms", age_ms),
+                                                                            NO_REUSEPORT])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     addr = f"{host}:{port}"
-    bound = server.add_secure_port(addr, credentials) if credentials else server.add_insecure_port(addr)
+    try:
+        bound = server.add_secure_port(addr, credentials) if credentials else server.add_insecure_port(addr)
+    except RuntimeError:  # grpcio raises "Failed to bind ..." (older versions returned 0)
+        bound = 0
     if bound == 0:
-        raise RuntimeError(f"could not bind {addr}")
+        raise RuntimeError(f"could not bind {addr} (in use, or not an address of this host)")
     await server.start()
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

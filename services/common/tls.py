@@ -136,7 +136,9 @@ async def start_health_server(health_servicer, port: int, host: str = "127.0.0.1
     """
     from grpc_health.v1 import health_pb2_grpc
 
-    server = grpc.aio.server()
+    from services.common.server import NO_REUSEPORT
+
+    server = grpc.aio.server(options=[NO_REUSEPORT])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
