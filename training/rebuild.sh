@@ -2,21 +2,28 @@
 # Rebuild the bundled model (assets/dspark-small) from nothing: corpus, tokenizer, trunk,
 # greedy draft data, DSpark draft, export (issue #7). The exact recipe of the committed assets.
 #
-#     bash training/rebuild.sh            # ~2 h on the 2-core CPU box; every stage resumable
+#     bash training/rebuild.sh            # ~3 h on the 2-core CPU box; every stage resumable
 #     OUT=/tmp/dspark-small bash training/rebuild.sh
 #
 # Each stage skips itself when its output exists and resumes from its checkpoint when one
 # does, so after a killed session the same command continues. Logs: runs/**/train.log,
-# runs/draft/data/v2/*.log. Measured stage times (2 cores, 2026-11-30) are in training/CORPUS.md
-# and the README. Never run by CI.
+# runs/draft/data/v2/*.log. Never run by CI.
+#
+# Stage times measured on the 2-core CPU box (2026-11-29/30): corpus ~2 min, tokenizer ~3 min,
+# trunk 620 steps ~45 min + 580 steps ~25 min (2 threads), export ~10 s, draft data ~25 min
+# (2 processes, ~2.5 s per 64-token sequence each), draft 70 min, confidence head 1.5 min,
+# export ~10 s: about 3 h in all. How the committed draft differs from this sequential run:
+# its first 22.5 min (3,225 steps) trained while its data was still being generated (the run
+# re-reads the shards every 50 steps), then it resumed with all 864 sequences and its
+# time-based cosine stretched from 35 to 70 min (a warm restart of the learning rate).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-assets/dspark-small}
 STAGE=runs/stage/dspark-small            # the trunk exported with placeholder mtp.* weights
 DATA=runs/draft/data/v2
-SEQS=${SEQS:-700}                         # greedy sequences per train shard (2 shards)
-DRAFT_MINUTES=${DRAFT_MINUTES:-32}
+SEQS=${SEQS:-432}                         # greedy sequences per train shard (2 shards: 864 in all)
+DRAFT_MINUTES=${DRAFT_MINUTES:-70}
 
 say() { printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
 
