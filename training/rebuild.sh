@@ -9,7 +9,7 @@
 # does, so after a killed session the same command continues. Logs: runs/**/train.log,
 # runs/draft/data/v2/*.log. Never run by CI.
 #
-# Stage times measured on the 2-core CPU box (2026-11-29/30): corpus ~2 min, tokenizer ~3 min,
+# Stage times on the 2-core CPU box (2026-11-29/30): corpus and tokenizer a few minutes (not timed),
 # trunk 620 steps ~45 min + 580 steps ~25 min (2 threads), export ~10 s, draft data ~25 min
 # (2 processes, ~2.5 s per 64-token sequence each), draft 70 min, confidence head 1.5 min,
 # export ~10 s: about 3 h in all. How the committed draft differs from this sequential run:
