@@ -499,3 +499,22 @@ def test_calibration_rejects_bad_max_weight(max_weight):
 def test_calibration_snapshot_rejects_nan_counts():
     with pytest.raises(ValueError, match="bucket 2"):
         Calibration((0.0,) * 6, (0.0, 0.0, NAN, 0.0, 0.0, 0.0))
+
+
+def test_a_bucket_cut_to_zero_is_tried_again_once_its_evidence_has_aged():
+    # Five verified rounds that all miss at position 0 drive the bucket's estimate low enough
+    # that the gate cuts the next round to 0. Cut rounds verify nothing, but each ages the
+    # counts by `decay`, so the estimate drifts back to the prior and the gate drafts again.
+    gate = Gate(GateConfig(enabled=True, decay=0.9))
+    conf = [2.0] * 5  # one bucket for every position
+    for _ in range(5):
+        gate.observe(conf, 5, 0)
+    low = gate.estimates()[bucket_index(2.0)]
+    assert gate.choose_length(conf, 5) == 0
+    cuts = 1
+    while gate.choose_length(conf, 5) == 0:
+        cuts += 1
+        assert cuts < 100, gate.estimates()
+    assert gate.estimates()[bucket_index(2.0)] > low
+    assert gate.stats.skipped_after_draft == cuts
+    assert gate.stats.verified_rounds == 5  # the cuts observed nothing

@@ -397,6 +397,7 @@ class Gate:
         self.stats.drafted += len(logits)
         if n == 0 < max_n:
             self.stats.skipped_after_draft += 1
+            self._age()  # nothing is verified, so nothing is learned: let the evidence fade instead
         elif n < max_n:
             self.stats.truncated += 1
         return n
@@ -420,9 +421,7 @@ class Gate:
         if submitted == 0:
             return
         buckets = [bisect.bisect_right(BUCKET_EDGES, c) for c in logits[: min(accepted + 1, submitted)]]
-        decay = self.config.decay
-        self._matched = [m * decay for m in self._matched]
-        self._observed = [o * decay for o in self._observed]
+        self._age()
         for pos, b in enumerate(buckets):
             hit = pos < accepted
             self._observed[b] += 1.0
@@ -430,6 +429,15 @@ class Gate:
             self.stats.bucket_observed[b] += 1
             self.stats.bucket_matched[b] += int(hit)
         self._count_verified(submitted, accepted)
+
+    def _age(self) -> None:
+        """Decay every bucket's counts by `decay` (once per verified round, and once per round
+        cut to 0 after drafting). Without the second, a bucket whose estimate fell low enough
+        to cut every round to 0 would never be verified again and stay low for good; aged, its
+        estimate drifts back toward the optimistic prior until the gate tries it again."""
+        decay = self.config.decay
+        self._matched = [m * decay for m in self._matched]
+        self._observed = [o * decay for o in self._observed]
 
     def _count_verified(self, submitted: int, accepted: int) -> None:
         s = self.stats
