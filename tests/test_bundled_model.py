@@ -4,9 +4,12 @@ Skips, saying why, only when the bundled checkpoint is absent. Everything loads 
 services' loaders (`services.app.load_trunk` / `load_drafter`, i.e. `dsv4.checkpoint`), the
 same path as the real checkpoint. CPU, one process, a few seconds.
 
-* Draft acceptance (absolute bar, as the seed's draft test): on a cyclic prompt, greedy
-  speculative rounds with the whole block verified (always-k) accept >= 80% of the drafted
-  tokens. Rounds are simulated exactly: the target's greedy continuation is decoded once
+* Draft acceptance (absolute bar, as the seed's draft test): on cyclic prompts (a counting run,
+  the demo's repeat prompt, and a cycle of three words), greedy speculative rounds with the
+  whole block verified (always-k) accept >= 80% of the drafted tokens. The bar is on the
+  draft following the target: the prompts are ones whose target continuation is periodic.
+  (The previous prompt, "red, green, blue" x 6, no longer is under the retrained trunk: it
+  continues ", sigr, sigr, ... sig, sig", and the draft accepts 32/70 = 46% of it.) Rounds are simulated exactly: the target's greedy continuation is decoded once
   (its tap rows committed as the verifier would), and a round at seed p accepts the drafts
   that equal that continuation, then commits the bonus token.
 * A fixed prompt's greedy continuation is pinned (expected ids below; regenerate them only
@@ -29,13 +32,16 @@ ROUNDS = ROOT / "tests" / "data" / "bundled_rounds.json"
 pytestmark = pytest.mark.skipif(not (BUNDLED / "config.json").is_file(),
                                 reason=f"bundled model absent: {BUNDLED} has no config.json (issue #7's assets)")
 
-CYCLIC_PROMPT = "red, green, blue, red, green, blue, red, green, blue, red, green, blue, red, green, blue, red, green, blue"
-PINNED_PROMPT = "def add(a, b):\n    return"
+CYCLIC_PROMPTS = ["0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+                  "alpha, beta, gamma, alpha, beta, gamma, alpha, beta, gamma, alpha, beta, gamma, alpha, beta, gamma, "
+                  "alpha, beta, gamma"]
+PINNED_PROMPT = "0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
 PINNED_NEW = 16
-# Greedy ids of PINNED_PROMPT from the exported model (smallest top-1/top-2 logit margin 0.20).
-PINNED_IDS: list[int] = [304, 15, 450, 9, 290, 15, 450, 9, 290, 15, 450, 9, 290, 15, 450, 9]
+# Greedy ids of PINNED_PROMPT from the exported model: " 13, 14, 15, 16, 17, 1" (smallest
+# top-1/top-2 logit margin 0.94, far from a tie).
+PINNED_IDS: list[int] = [285, 20, 13, 285, 21, 13, 285, 22, 13, 285, 23, 13, 285, 24, 13, 285]
 # dspark replay tests/data/bundled_rounds.json under the default gate config (tok/s, 2 decimals).
-PINNED_REPLAY: dict[str, dict[str, float]] = {'repeat': {'plain': 3.3, 'always-k': 4.85, 'threshold': 4.92, 'gated': 3.06}, 'code': {'plain': 3.3, 'always-k': 4.73, 'threshold': 4.81, 'gated': 5.07}, 'prose': {'plain': 3.3, 'always-k': 5.48, 'threshold': 5.53, 'gated': 1.98}, 'math': {'plain': 3.3, 'always-k': 4.34, 'threshold': 4.12, 'gated': 4.53}, 'overall': {'plain': 3.3, 'always-k': 4.81, 'threshold': 4.85, 'gated': 4.03}}
+PINNED_REPLAY: dict[str, dict[str, float]] = {'repeat': {'plain': 3.3, 'always-k': 5.33, 'threshold': 5.33, 'gated': 5.33}, 'code': {'plain': 3.3, 'always-k': 4.95, 'threshold': 4.88, 'gated': 4.98}, 'prose': {'plain': 3.3, 'always-k': 4.98, 'threshold': 4.99, 'gated': 5.08}, 'math': {'plain': 3.3, 'always-k': 4.83, 'threshold': 4.83, 'gated': 4.83}, 'overall': {'plain': 3.3, 'always-k': 5.01, 'threshold': 5.0, 'gated': 5.05}}
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +88,10 @@ def always_k_rounds(draft, prompt: list[int], gen: list[int], taps: torch.Tensor
     return accepted, submitted, per_round
 
 
-def test_bundled_draft_accepts_80_percent_on_a_cyclic_prompt(models):
+@pytest.mark.parametrize("text", CYCLIC_PROMPTS, ids=["counting", "three-words"])
+def test_bundled_draft_accepts_80_percent_on_a_cyclic_prompt(models, text):
     trunk, draft, tok = models
-    prompt = tok.encode(CYCLIC_PROMPT)
+    prompt = tok.encode(text)
     gen, taps = greedy(trunk, prompt, 48)
     accepted, submitted, per_round = always_k_rounds(draft, prompt, gen, taps)
     assert submitted >= 20
