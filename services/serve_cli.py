@@ -137,7 +137,7 @@ def _serve(args) -> int:
         if args.tp < 1:
             raise ValueError(f"--tp={args.tp}: must be >= 1")
         checked = _check_settings(args.service, tp=args.tp)
-        if args.record_rounds is not None:
+        if getattr(args, "record_rounds", None) is not None:
             _check_writable("--record-rounds", args.record_rounds)
         from services.gateway.metrics import metrics_port
         args.metrics_port = metrics_port(args.metrics_port) if args.service == "gateway" else None
