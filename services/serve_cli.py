@@ -152,13 +152,12 @@ def _serve(args) -> int:
     return 0
 
 
-async def _serve_async(args, port: int, tls=None, gateway_tls=None, serve=None, backend=None, gateway=None) -> None:
-    """Start `args.service` and serve until SIGTERM. backend / gateway: the service's settings
-    (None: read from the environment here)."""
+async def _serve_async(args, port: int, *, tls, gateway_tls, serve, backend, gateway) -> None:
+    """Start `args.service` and serve until SIGTERM, with the settings `_check_settings` parsed
+    (backend: verifier and drafter; gateway, gateway_tls: the gateway)."""
     from services import app
     from services.common.server import run_until_signal
     from services.common.tls import start_health_server
-    from services.common.settings import BackendSettings, GatewaySettings
     from services.common.telemetry import tracer_provider_from_env
 
     provider = tracer_provider_from_env(f"dspark-{args.service}")
@@ -167,17 +166,15 @@ async def _serve_async(args, port: int, tls=None, gateway_tls=None, serve=None, 
     stopped = False
     try:
         if args.service == "verifier":
-            settings = backend or BackendSettings.from_env()
             tp = getattr(args, "tp", 1)
             trunk = app.load_trunk(ckpt, tp=tp, device=getattr(args, "device", "cpu"),
-                                   verify_numerics=settings.verify_numerics)
-            running = await app.start_verifier(app.verifier_engine(trunk, settings), port,
-                                               settings.verify_mode, provider, args.host, tp=tp,
+                                   verify_numerics=backend.verify_numerics)
+            running = await app.start_verifier(app.verifier_engine(trunk, backend), port,
+                                               backend.verify_mode, provider, args.host, tp=tp,
                                                credentials=tls and tls.server_credentials())
         elif args.service == "drafter":
-            settings = backend or BackendSettings.from_env()
             model = app.load_trunk(ckpt) if args.oracle else app.load_drafter(ckpt)
-            engine = app.drafter_engine(model, args.oracle, settings, args.oracle_corrupt_every)
+            engine = app.drafter_engine(model, args.oracle, backend, args.oracle_corrupt_every)
             running = await app.start_drafter(engine, port, provider, args.host,
                                               credentials=tls and tls.server_credentials())
         else:
@@ -187,12 +184,12 @@ async def _serve_async(args, port: int, tls=None, gateway_tls=None, serve=None, 
                 metrics = GatewayMetrics()
                 metrics.serve(args.metrics_port, args.host)
             running, _, backends = await app.start_gateway(
-                gateway or GatewaySettings.from_env(), port=port, provider=provider, checkpoint=ckpt,
+                gateway, port=port, provider=provider, checkpoint=ckpt,
                 recorder=recorder, host=args.host, backend_tls=tls,
                 credentials=gateway_tls and gateway_tls.server_credentials(), metrics=metrics)
-        if serve is not None and serve.health_port is not None:
+        if serve.health_port is not None:
             health, _ = await start_health_server(running.health, serve.health_port, args.host)
-        await run_until_signal(running, serve.drain_timeout_s if serve is not None else 30.0)
+        await run_until_signal(running, serve.drain_timeout_s)
         stopped = True
     finally:
         if health is not None:

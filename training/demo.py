@@ -1,11 +1,12 @@
 """The main job (`make demo`): the bundled model served by the three services, plain vs speculative.
 
     python -m training.demo [--checkpoint assets/dspark-small] [--max-tokens 64] [--record-rounds FILE]
-    python -m training.demo --calibration 160 --record-rounds tests/data/bundled_rounds.json   # + ~1,000 rounds
+    python -m training.demo --calibration 320 --record-rounds tests/data/bundled_rounds.json   # + ~1,000 rounds
 
 Starts `dspark up --checkpoint assets/dspark-small` (the verifier, drafter and gateway as three
 processes on localhost, `--port-base`, default 50150: gateway, verifier +1, drafter +2; batched
-verify, `DSPARK_GATE_COSTS=measured`), waits for the gateway's gRPC health check, then generates greedily for four prompts — repeat (counting upward), code, prose,
+verify, `DSPARK_GATE_COSTS=measured`), waits for the gateway's gRPC health check, then
+generates greedily for four prompts — repeat (counting upward), code, prose,
 math — three ways each: plain decode (spec off), always-k (every round verifies the whole
 drafted block) and gated (the confidence gate picks k each round), all through the gateway
 as any client would (`dspark generate` does the same). The gated generation of each
@@ -245,6 +246,7 @@ async def run(args) -> int:
         except (RuntimeError, ValueError) as exc:
             print(f"demo: {exc}", file=sys.stderr)
             return 2
+        failure = None
         try:
             print(f"starting `dspark up --checkpoint {ckpt} --port-base {args.port_base}` ...", flush=True)
             await services.wait_serving()
@@ -255,11 +257,12 @@ async def run(args) -> int:
                   f"three processes); serving after {time.perf_counter() - t0:.1f} s; torch {torch.__version__}")
             results = await generate_all(services.target, args)
         except (RuntimeError, grpc.aio.AioRpcError) as exc:
-            services.stop()
-            print(f"demo: {exc}\n--- the services' output (last lines):\n{services.log_tail()}", file=sys.stderr)
-            return 1
+            failure = exc
         finally:
             services.stop()
+        if failure is not None:
+            print(f"demo: {failure}\n--- the services' output (last lines):\n{services.log_tail()}", file=sys.stderr)
+            return 1
         if services.proc.returncode not in (0, -signal.SIGTERM):
             print(f"demo: dspark up exited with status {services.proc.returncode}\n{services.log_tail()}",
                   file=sys.stderr)
