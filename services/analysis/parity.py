@@ -34,6 +34,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
+from services.gateway.values import short_repr
 from services.verifier.topk_diag import FORMAT
 
 VERDICTS = ("argmax_agree", "near_tie", "mismatch")
@@ -83,21 +84,16 @@ class Dump:
 FLOAT32_MAX = 3.4028234663852886e38  # the dumps hold float32 logits; larger values are not logits
 
 
-def _short(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _int(value, what: str) -> int:
     """`value` when it is a JSON integer (not a bool, not a float); ValueError naming `what` otherwise."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{what}={_short(value)} is not an integer")
+        raise ValueError(f"{what}={short_repr(value)} is not an integer")
     return value
 
 
 def _list(value, what: str) -> list:
     if not isinstance(value, list):
-        raise ValueError(f"{what}={_short(value)} is not a list")
+        raise ValueError(f"{what}={short_repr(value)} is not a list")
     return value
 
 
@@ -110,12 +106,12 @@ def _row(q, tok, ids, logits, op: str) -> Row:
         raise ValueError(f"position {q}: {len(ids)} ids but {len(logits)} logits")
     ids = tuple(_int(x, f"position {q}: id") for x in ids)
     if len(set(ids)) != len(ids):
-        raise ValueError(f"position {q}: ids {_short(list(ids))} repeat a token")
+        raise ValueError(f"position {q}: ids {short_repr(list(ids))} repeat a token")
     for x in logits:
         if isinstance(x, bool) or not isinstance(x, (int, float)) or not abs(x) <= FLOAT32_MAX:
-            raise ValueError(f"position {q}: logit {_short(x)} is not a finite float32 number")
+            raise ValueError(f"position {q}: logit {short_repr(x)} is not a finite float32 number")
     if any(b > a for a, b in zip(logits, logits[1:])):
-        raise ValueError(f"position {q}: logits {_short(logits)} are not in descending order")
+        raise ValueError(f"position {q}: logits {short_repr(logits)} are not in descending order")
     return Row(q, _int(tok, f"position {q}: token"), ids, tuple(float(x) for x in logits), op)
 
 
@@ -153,13 +149,13 @@ def load_dump(path: str | os.PathLike) -> Dump:
                     continue
                 op = rec["op"]
                 if op not in ("prefill", "decode", "block"):
-                    raise ValueError(f"op={_short(op)} is not prefill, decode or block")
+                    raise ValueError(f"op={short_repr(op)} is not prefill, decode or block")
                 index = _int(rec["session"], "session")
                 s = sessions.setdefault(index, Session(index))
                 if op == "prefill":
                     s.prompt_len, s.prompt_sha256 = rec.get("prompt_len"), rec.get("prompt_sha256")
                     if not isinstance(s.prompt_sha256, (str, type(None))):
-                        raise ValueError(f"prompt_sha256={_short(s.prompt_sha256)} is not a string")
+                        raise ValueError(f"prompt_sha256={short_repr(s.prompt_sha256)} is not a string")
                 columns = [_list(rec[k], k) for k in ("positions", "tokens", "ids", "logits")]
                 if len({len(c) for c in columns}) != 1:
                     raise ValueError("positions, tokens, ids and logits differ in length")

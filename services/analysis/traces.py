@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
+from services.gateway.values import short_repr
+
 PROGRESS_MIN_BYTES = 16 << 20  # inputs at least this large get a progress bar (when stderr is a terminal)
 _DECODER = json.JSONDecoder()
 
@@ -110,19 +112,14 @@ def _object(value: Any, what: str) -> Mapping[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, Mapping):
-        raise ValueError(f"{what}={_short(value)} is not a JSON object")
+        raise ValueError(f"{what}={short_repr(value)} is not a JSON object")
     return value
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _checked(span: Span) -> Span:
     """`span` when its name is a string and 0 <= start <= end; ValueError naming the field otherwise."""
     if not isinstance(span.name, str):
-        raise ValueError(f"span name {_short(span.name)} is not a string")
+        raise ValueError(f"span name {short_repr(span.name)} is not a string")
     if span.start_ns < 0:
         raise ValueError(f"span {span.name!r}: start time {span.start_ns} ns is before 1970")
     if span.end_ns < span.start_ns:
@@ -155,16 +152,16 @@ def _any_value(v: Mapping[str, Any]) -> Any:
     if "intValue" in v:
         i = v["intValue"]
         if isinstance(i, bool) or not (isinstance(i, int) or isinstance(i, str) and i.lstrip("-").isdigit()):
-            raise ValueError(f"intValue={_short(i)} is not an integer")
+            raise ValueError(f"intValue={short_repr(i)} is not an integer")
         return int(i)
     if "doubleValue" in v:
         d = v["doubleValue"]
         if isinstance(d, bool) or not isinstance(d, (int, float, str)):
-            raise ValueError(f"doubleValue={_short(d)} is not a number")
+            raise ValueError(f"doubleValue={short_repr(d)} is not a number")
         try:
             return float(d)
         except ValueError:
-            raise ValueError(f"doubleValue={_short(d)} is not a number") from None
+            raise ValueError(f"doubleValue={short_repr(d)} is not a number") from None
     if "arrayValue" in v:
         return [_any_value(x) for x in (_object(v["arrayValue"], "arrayValue").get("values") or [])]
     if "kvlistValue" in v:
@@ -176,13 +173,13 @@ def _any_value(v: Mapping[str, Any]) -> Any:
 
 def _otlp_attributes(items: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     if not isinstance(items, list):
-        raise ValueError(f"attributes={_short(items)} is not a list of key/value objects")
+        raise ValueError(f"attributes={short_repr(items)} is not a list of key/value objects")
     return {_object(kv, "attribute")["key"]: _any_value(kv.get("value") or {}) for kv in items}
 
 
 def _list(value: Any, what: str) -> list:
     if not isinstance(value, list):
-        raise ValueError(f"{what}={_short(value)} is not a JSON array")
+        raise ValueError(f"{what}={short_repr(value)} is not a JSON array")
     return value
 
 
@@ -193,7 +190,7 @@ def _unix_nano(value: Any, what: str) -> int:
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value and value >= 0 \
             and value != float("inf") and int(value) == value:
         return int(value)
-    raise ValueError(f"{what}={_short(value)} is not a time in ns since 1970")
+    raise ValueError(f"{what}={short_repr(value)} is not a time in ns since 1970")
 
 
 def _otlp_spans(doc: Mapping[str, Any], origin: str = "") -> Iterator[Span]:
