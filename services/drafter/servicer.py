@@ -77,6 +77,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return response
 
     def _commit(self, sid: int, commit) -> drafter_pb2.DrafterResponse:
+        # The rows' wire shape is checked before the token ids are fed: an observing drafter
+        # advances its state on them, so a commit rejected afterwards would leave it ahead.
         rows = from_proto(commit.rows, max_elements=1 << 26)
         if rows.ndim != 2 or rows.shape[1] != self.row_width:
             raise ValueError(f"commit rows have shape {list(rows.shape)}, expected [R, row_width={self.row_width}]")
