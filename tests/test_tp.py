@@ -29,6 +29,7 @@ from dsv4.trunk import Trunk
 from services.verifier.engine import VerifierEngine
 from services.verifier.tp import (ENV_CALL_TIMEOUT, ENV_INIT_TIMEOUT, TPSettings, TPWorkerError,
                                   start_tp_trunk)
+from tp_faults import worker_faults
 
 CFG = tiny_config()
 # every part shards at ws=4 (the tiny config's o_groups=2 / index_n_heads=2 do not)
@@ -86,8 +87,8 @@ def ref_chain(ref):
 def tp2():
     # rank 1 joins 3 s late, longer than the 2 s call timeout: the rendezvous must wait on the
     # init timeout (the seed's ranks died on a short id wait while rank 0 loaded)
-    px = start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=60, call_timeout_s=2.0),
-                        start_delays_s={1: 3.0})
+    with worker_faults(start_delays_s={1: 3.0}):
+        px = start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=60, call_timeout_s=2.0))
     yield px
     px.close()
 
@@ -238,8 +239,8 @@ def test_rollback_rejects_a_foreign_undo(tp2):
 
 def test_worker_killed_mid_call_gives_clear_error():
     call_timeout = 30.0
-    px = start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=60, call_timeout_s=call_timeout),
-                        stall=(1, 2, 60.0))  # rank 1 sleeps in command 2 (the first decode)
+    with worker_faults(stall=(1, 2, 60.0)):  # rank 1 sleeps in command 2 (the first decode)
+        px = start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=60, call_timeout_s=call_timeout))
     try:
         st = px.new_state()
         px.prefill(st, PROMPT)
@@ -256,8 +257,8 @@ def test_worker_killed_mid_call_gives_clear_error():
 
 
 def test_stalled_worker_times_out_with_clear_error():
-    px = start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=60, call_timeout_s=1.5),
-                        stall=(1, 2, 60.0))
+    with worker_faults(stall=(1, 2, 60.0)):
+        px = start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=60, call_timeout_s=1.5))
     try:
         st = px.new_state()
         px.prefill(st, PROMPT)
@@ -273,8 +274,8 @@ def test_stalled_worker_times_out_with_clear_error():
 
 def test_worker_later_than_init_timeout_fails_start():
     with pytest.raises(TPWorkerError, match=rf"ranks \[1\] did not join within 1 s \({ENV_INIT_TIMEOUT}\)"):
-        start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=1.0, call_timeout_s=1.0),
-                       start_delays_s={1: 30.0})
+        with worker_faults(start_delays_s={1: 30.0}):
+            start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=1.0, call_timeout_s=1.0))
 
 
 # ---------------------------------------------------------------------------- settings
