@@ -48,10 +48,10 @@ import numpy as np
 import torch
 
 from services.common.sessions import SessionLimitError, UnknownSessionError  # noqa: F401 (re-exported)
+from services.common.settings import VERIFY_MODES
 
 from dsv4.trunk import Trunk, TrunkState, as_int
 
-VERIFY_MODES = ("sequential", "batched")
 
 
 @dataclass(frozen=True)
