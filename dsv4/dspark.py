@@ -204,7 +204,7 @@ class DSparkDraft(nn.Module):
         dtype: linears, embedding and rings (torch.float32 or torch.bfloat16); norms, mHC
             parameters, attn_sink, gate, head, Markov and confidence heads stay fp32.
         quant_sim: fp8 activation simulation (spec §2.4); None -> cfg.quant_sim.
-        deterministic_reduce: MoE combine order; None -> `Settings.from_env()`.
+        deterministic_reduce: MoE combine order; None -> `Settings()`'s (ascending expert id).
         confidence_head: whether the module has (and its weights include) the confidence head.
         tp: this rank's `DraftTP` (default: TP=1).
     Raises:
@@ -223,7 +223,7 @@ class DSparkDraft(nn.Module):
         self.cfg, self.dtype, self.tp = cfg, dtype, tp if tp is not None else DraftTP()
         self.quant_sim = cfg.quant_sim if quant_sim is None else bool(quant_sim)
         if deterministic_reduce is None:
-            deterministic_reduce = Settings.from_env().moe_deterministic_reduce
+            deterministic_reduce = Settings().moe_deterministic_reduce
         self.has_confidence_head = confidence_head
         local_cfg = self.tp.local_config(cfg)
         self.embed = Embedding(cfg.vocab_size, cfg.dim, dtype, device)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import threading
 import time
 import traceback
@@ -42,9 +41,8 @@ from dsv4 import tp as dtp
 from dsv4.checkpoint import load_trunk_weights, read_config
 from dsv4.config import ModelConfig
 from dsv4.trunk import BlockOutput, ForwardOutput, Trunk, TrunkState
+from services.verifier.topk_diag import TopKDiagSettings, maybe_wrap
 
-ENV_INIT_TIMEOUT = "DSV4_TP_INIT_TIMEOUT_S"
-ENV_CALL_TIMEOUT = "DSV4_TP_CALL_TIMEOUT_S"
 ACK_GRACE_S = 1.0  # extra wait for acks after rank 0's own part failed at the deadline
 POLL_S = 0.05  # liveness poll while waiting for the store rendezvous
 
@@ -56,7 +54,7 @@ class TPWorkerError(RuntimeError):
 
 @dataclass(frozen=True)
 class TPSettings:
-    """TP timeouts in seconds (env: `DSV4_TP_INIT_TIMEOUT_S`, `DSV4_TP_CALL_TIMEOUT_S`).
+    """TP timeouts in seconds (`services.settings`: `DSV4_TP_INIT_TIMEOUT_S`, `DSV4_TP_CALL_TIMEOUT_S`).
 
     init_timeout_s: rendezvous plus weight loading of every rank.
     call_timeout_s: one proxied call (the process group's per-collective timeout).
@@ -73,30 +71,6 @@ class TPSettings:
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name}={value!r}: must be a finite number of seconds > 0")
 
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "TPSettings":
-        """Read the variables from `env` (default `os.environ`); unset or empty means default.
-
-        Raises:
-            ValueError: naming the variable and its value when it is not a finite number > 0.
-        """
-        env = os.environ if env is None else env
-        return cls(init_timeout_s=_seconds(env, ENV_INIT_TIMEOUT, cls.init_timeout_s),
-                   call_timeout_s=_seconds(env, ENV_CALL_TIMEOUT, cls.call_timeout_s))
-
-
-def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name, "")
-    if raw.strip() == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={raw!r}: must be a finite number of seconds > 0")
-    return value
-
 
 @dataclass(frozen=True)
 class _RankSpec:
@@ -112,6 +86,7 @@ class _RankSpec:
     port: int
     settings: TPSettings
     num_threads: int
+    topk: TopKDiagSettings | None = None
 
     def device(self, rank: int) -> torch.device:
         return torch.device("cuda", rank) if self.backend == "nccl" else torch.device("cpu")
@@ -122,9 +97,8 @@ def _build(spec: _RankSpec, comm: dtp.Collectives) -> Trunk:
     weights = spec.weights
     if isinstance(weights, str):
         _, weights = load_trunk_weights(weights, spec.cfg, dtype=spec.dtype)
-    from services.verifier.topk_diag import maybe_wrap  # DSV4_TOPK_DIAG: one dump file per rank
     return maybe_wrap(dtp.build_rank_trunk(spec.cfg, weights, comm, spec.plan, spec.dtype, spec.quant_sim,
-                                           spec.deterministic_reduce, spec.device(comm.rank)), comm.rank)
+                                           spec.deterministic_reduce, spec.device(comm.rank)), spec.topk, comm.rank)
 
 
 def _rendezvous(store, spec: _RankSpec, rank: int) -> dtp.Collectives:
@@ -446,6 +420,7 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
                    dtype: torch.dtype = torch.float32, *, quant_sim: bool | None = None,
                    deterministic_reduce: bool | None = None, device: str = "cpu",
                    settings: TPSettings | None = None, strict: bool = False, num_threads: int | None = None,
+                   topk: TopKDiagSettings | None = None,
                    start_delays_s: Mapping[int, float] | None = None,
                    stall: tuple[int, int, float] | None = None) -> Trunk | TPTrunk:
     """Start the trunk on `tp` ranks and return what `VerifierEngine(model)` takes.
@@ -456,10 +431,11 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
             that every rank reads itself.
         tp: ranks; 1 returns a loaded plain `Trunk` (no processes, no torch.distributed).
         device: "cpu" (gloo) or "cuda" (NCCL, rank r on cuda:r).
-        settings: timeouts; default `TPSettings.from_env()`.
+        settings: timeouts; default `TPSettings()`.
         strict: raise instead of replicating a part whose size tp does not divide
             (`dsv4.tp.plan_sharding`).
         num_threads: torch intra-op threads per worker (default: this process's count).
+        topk: at tp > 1 every rank dumps its top-k logits (`topk_diag.maybe_wrap`); None = off.
         start_delays_s, stall: test-only knobs: {rank: seconds} a worker sleeps before
             joining; (rank, command index, seconds) a worker sleeps on that command.
     Raises:
@@ -468,7 +444,7 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
         TPWorkerError: a worker failed to start, died, or did not join and load within
             the init timeout (`DSV4_TP_INIT_TIMEOUT_S`).
     """
-    settings = TPSettings.from_env() if settings is None else settings
+    settings = TPSettings() if settings is None else settings
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp={tp!r}: must be an integer >= 1")
     if device not in ("cpu", "cuda"):
@@ -489,7 +465,7 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
     store, port = dtp.create_store(tp, settings.init_timeout_s)
     spec = _RankSpec(cfg, weights, plan, dtype, quant_sim, deterministic_reduce,
                      "nccl" if device == "cuda" else "gloo", port, settings,
-                     num_threads or torch.get_num_threads())
+                     num_threads or torch.get_num_threads(), topk)
     workers = _spawn(spec, start_delays_s or {}, stall)
     try:
         model = _start_rank0(spec, store, workers)
