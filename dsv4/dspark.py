@@ -456,10 +456,11 @@ class DSparkDraft(nn.Module):
 
 
 def load_draft_module(path, dtype: torch.dtype = torch.float32, tp: DraftTP | None = None,
-                      device: torch.device | str = "cpu") -> DSparkDraft:
+                      device: torch.device | str = "cpu", deterministic_reduce: bool | None = None) -> DSparkDraft:
     """The drafter process's loader: read the drafter's consumer set (`mtp.*`, embed, head) of a
     checkpoint folder (`dsv4.checkpoint.load_drafter_weights`) into a `DSparkDraft`, with the
-    confidence head iff the checkpoint has one; sharded for `tp`.
+    confidence head iff the checkpoint has one; sharded for `tp`. `deterministic_reduce`: as
+    `DSparkDraft`'s.
 
     Raises:
         ValueError: dtype not float32/bfloat16 (checked before reading anything), or a tensor
@@ -471,6 +472,7 @@ def load_draft_module(path, dtype: torch.dtype = torch.float32, tp: DraftTP | No
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype}: must be torch.float32 or torch.bfloat16")
     cfg, weights, has_conf = load_drafter_weights(path)
-    module = DSparkDraft(cfg, dtype=dtype, confidence_head=has_conf, tp=tp, device=device)
+    module = DSparkDraft(cfg, dtype=dtype, deterministic_reduce=deterministic_reduce, confidence_head=has_conf,
+                         tp=tp, device=device)
     module.load_weights(weights)
     return module

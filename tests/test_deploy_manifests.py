@@ -27,7 +27,7 @@ import pytest
 import yaml
 
 from services.common.settings import BackendSettings, GatewaySettings, ServeSettings
-from services.common.telemetry import EXPORTERS
+from services.common.settings import EXPORTERS
 from services.gateway.gate import GateConfig
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,7 +1,7 @@
 """Typed settings of the three services and the limits every setting is checked against.
 
 This module owns the frozen dataclasses the services take (`GatewaySettings`,
-`ServeSettings`, `BackendSettings`), the choice lists (`VERIFY_MODES`, `COST_MODES`,
+`ServeSettings`, `BackendSettings`, `TelemetrySettings`), the choice lists (`VERIFY_MODES`, `COST_MODES`,
 `VERIFY_NUMERICS`), the timeout limits, and `backend_target`, which validates a gRPC target.
 It never reads the process environment: `services.settings` parses the variables once at
 each entry point (its docstring has the table of every variable and default) and passes
@@ -30,6 +30,8 @@ MAX_TIMEOUT_S = 1e8
 # grpc.max_connection_age_ms is a C int: at most 2^31 - 1 ms (~24.8 days), at least 1 ms.
 MAX_CONNECTION_AGE_S = (2**31 - 1) / 1000
 DEFAULT_MAX_CONNECTION_AGE_S = 300.0
+# span exporters a service can have ("none": no exporter)
+EXPORTERS = ("otlp", "console", "none")
 
 _SCHEMES = ("ipv4:", "ipv6:", "dns:", "unix:", "unix-abstract:", "vsock:", "xds:")
 
@@ -171,3 +173,25 @@ class BackendSettings:
         check_count("max_sessions", self.max_sessions, 1)
         check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
         check_choice("verify_numerics", self.verify_numerics, VERIFY_NUMERICS)
+
+
+@dataclass(frozen=True)
+class TelemetrySettings:
+    """Which span exporters a service's tracer provider gets.
+
+    exporters: names from EXPORTERS ("none" adds nothing; "otlp" is configured by the standard
+        `OTEL_EXPORTER_OTLP_*` variables, which the OTLP exporter reads itself).
+    jsonl_path: append every span as one JSON line to this file (None = no file).
+    service_name: `service.name` on spans (None = the service's own, e.g. "dspark-gateway").
+    Raises:
+        ValueError: an exporter name not in EXPORTERS (named).
+    """
+
+    exporters: tuple[str, ...] = ()
+    jsonl_path: str | None = None
+    service_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in self.exporters:
+            if name not in EXPORTERS:
+                raise ValueError(f"exporter {name!r}: supported exporters are {EXPORTERS}")

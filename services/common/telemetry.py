@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from dataclasses import dataclass
 from typing import Iterator, Mapping, Sequence
 
 from opentelemetry import context as otel_context
@@ -29,10 +28,10 @@ from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExpor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from dspark_proto.v1 import common_pb2
+from services.common.settings import TelemetrySettings
 
 TRACER_NAME = "dspark"
 _PROPAGATOR = TraceContextTextMapPropagator()
-EXPORTERS = ("otlp", "console", "none")
 
 
 class JsonLinesSpanExporter(SpanExporter):
@@ -53,28 +52,6 @@ class JsonLinesSpanExporter(SpanExporter):
     def shutdown(self) -> None:
         with self._lock:
             self._file.close()
-
-
-@dataclass(frozen=True)
-class TelemetrySettings:
-    """Which span exporters a service's tracer provider gets.
-
-    exporters: names from EXPORTERS ("none" adds nothing; "otlp" is configured by the standard
-        `OTEL_EXPORTER_OTLP_*` variables, which the OTLP exporter reads itself).
-    jsonl_path: append every span as one JSON line to this file (None = no file).
-    service_name: `service.name` on spans (None = the service's own, e.g. "dspark-gateway").
-    Raises:
-        ValueError: an exporter name not in EXPORTERS (named).
-    """
-
-    exporters: tuple[str, ...] = ()
-    jsonl_path: str | None = None
-    service_name: str | None = None
-
-    def __post_init__(self) -> None:
-        for name in self.exporters:
-            if name not in EXPORTERS:
-                raise ValueError(f"exporter {name!r}: supported exporters are {EXPORTERS}")
 
 
 def tracer_provider(service_name: str, settings: TelemetrySettings) -> TracerProvider:
