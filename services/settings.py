@@ -273,7 +273,7 @@ def model_settings(environ: Environ) -> ModelSettings:
 def tp_settings(environ: Environ) -> TPSettings:
     """Tensor-parallel deadlines (unset or empty = default). Raises ValueError naming the
     variable and its value when it is not a finite number of seconds > 0."""
-    from services.verifier.tp import TPSettings
+    from services.verifier.tp import ENV_CALL_TIMEOUT, ENV_INIT_TIMEOUT, TPSettings
 
     def seconds(name: str, default: float) -> float:
         raw = environ.get(name, "")
@@ -287,8 +287,8 @@ def tp_settings(environ: Environ) -> TPSettings:
             raise ValueError(f"{name}={raw!r}: must be a finite number of seconds > 0")
         return value
 
-    return TPSettings(init_timeout_s=seconds("DSV4_TP_INIT_TIMEOUT_S", TPSettings.init_timeout_s),
-                      call_timeout_s=seconds("DSV4_TP_CALL_TIMEOUT_S", TPSettings.call_timeout_s))
+    return TPSettings(init_timeout_s=seconds(ENV_INIT_TIMEOUT, TPSettings.init_timeout_s),
+                      call_timeout_s=seconds(ENV_CALL_TIMEOUT, TPSettings.call_timeout_s))
 
 
 def topk_diag_settings(environ: Environ) -> TopKDiagSettings | None:

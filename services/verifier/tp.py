@@ -43,6 +43,8 @@ from dsv4.config import ModelConfig
 from dsv4.trunk import BlockOutput, ForwardOutput, Trunk, TrunkState
 from services.verifier.topk_diag import TopKDiagSettings, maybe_wrap
 
+ENV_INIT_TIMEOUT = "DSV4_TP_INIT_TIMEOUT_S"  # the variables of TPSettings, named in its errors
+ENV_CALL_TIMEOUT = "DSV4_TP_CALL_TIMEOUT_S"
 ACK_GRACE_S = 1.0  # extra wait for acks after rank 0's own part failed at the deadline
 POLL_S = 0.05  # liveness poll while waiting for the store rendezvous
 
