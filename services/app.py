@@ -78,7 +78,8 @@ def load_trunk(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32
         cfg = random_tiny_config() if checkpoint is None else None
         weights = random_weights(cfg, "trunk", TINY_SEED) if checkpoint is None else str(checkpoint)
         return start_tp_trunk(cfg, weights, tp, dtype, device=device, settings=tp_settings, topk=topk,
-                              deterministic_reduce=model.moe_deterministic_reduce)
+                              deterministic_reduce=model.moe_deterministic_reduce,
+                              kernels=KernelConfig.from_settings(model))
     if checkpoint is None:
         cfg = random_tiny_config()
         weights = random_weights(cfg, "trunk", TINY_SEED)

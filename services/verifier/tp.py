@@ -41,6 +41,7 @@ from dsv4 import tp as dtp
 from dsv4.checkpoint import load_trunk_weights, read_config
 from dsv4.config import ModelConfig
 from dsv4.trunk import BlockOutput, ForwardOutput, Trunk, TrunkState
+from kernels.select import KernelConfig
 from services.verifier.topk_diag import TopKDiagSettings, maybe_wrap
 
 ENV_INIT_TIMEOUT = "DSV4_TP_INIT_TIMEOUT_S"  # the variables of TPSettings, named in its errors
@@ -89,6 +90,7 @@ class _RankSpec:
     settings: TPSettings
     num_threads: int
     topk: TopKDiagSettings | None = None
+    kernels: KernelConfig | None = None
 
     def device(self, rank: int) -> torch.device:
         return torch.device("cuda", rank) if self.backend == "nccl" else torch.device("cpu")
@@ -100,7 +102,8 @@ def _build(spec: _RankSpec, comm: dtp.Collectives) -> Trunk:
     if isinstance(weights, str):
         _, weights = load_trunk_weights(weights, spec.cfg, dtype=spec.dtype)
     return maybe_wrap(dtp.build_rank_trunk(spec.cfg, weights, comm, spec.plan, spec.dtype, spec.quant_sim,
-                                           spec.deterministic_reduce, spec.device(comm.rank)), spec.topk, comm.rank)
+                                           spec.deterministic_reduce, spec.device(comm.rank), spec.kernels),
+                      spec.topk, comm.rank)
 
 
 def _rendezvous(store, spec: _RankSpec, rank: int) -> dtp.Collectives:
@@ -422,7 +425,7 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
                    dtype: torch.dtype = torch.float32, *, quant_sim: bool | None = None,
                    deterministic_reduce: bool | None = None, device: str = "cpu",
                    settings: TPSettings | None = None, strict: bool = False, num_threads: int | None = None,
-                   topk: TopKDiagSettings | None = None,
+                   topk: TopKDiagSettings | None = None, kernels: KernelConfig | None = None,
                    start_delays_s: Mapping[int, float] | None = None,
                    stall: tuple[int, int, float] | None = None) -> Trunk | TPTrunk:
     """Start the trunk on `tp` ranks and return what `VerifierEngine(model)` takes.
@@ -438,6 +441,7 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
             (`dsv4.tp.plan_sharding`).
         num_threads: torch intra-op threads per worker (default: this process's count).
         topk: at tp > 1 every rank dumps its top-k logits (`topk_diag.maybe_wrap`); None = off.
+        kernels: the `kernels/` implementations every rank's trunk uses (None = torch).
         start_delays_s, stall: test-only knobs: {rank: seconds} a worker sleeps before
             joining; (rank, command index, seconds) a worker sleeps on that command.
     Raises:
@@ -458,7 +462,7 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
             raise ValueError("cfg=None needs weights to be a checkpoint folder")
         cfg = read_config(weights)
     if tp == 1:
-        model = Trunk(cfg, dtype, quant_sim, deterministic_reduce, device=device)
+        model = Trunk(cfg, dtype, quant_sim, deterministic_reduce, device=device, kernels=kernels)
         model.load_weights(load_trunk_weights(weights, cfg, dtype)[1] if isinstance(weights, str) else weights)
         return model
     if device == "cuda" and torch.cuda.device_count() < tp:
@@ -467,7 +471,7 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
     store, port = dtp.create_store(tp, settings.init_timeout_s)
     spec = _RankSpec(cfg, weights, plan, dtype, quant_sim, deterministic_reduce,
                      "nccl" if device == "cuda" else "gloo", port, settings,
-                     num_threads or torch.get_num_threads(), topk)
+                     num_threads or torch.get_num_threads(), topk, kernels)
     workers = _spawn(spec, start_delays_s or {}, stall)
     try:
         model = _start_rank0(spec, store, workers)
