@@ -27,6 +27,7 @@ from dsv4.config import tiny_config
 from dsv4.init import random_weights
 from dsv4.trunk import Trunk
 from services.verifier.engine import VerifierEngine
+from services.settings import read_settings, tp_settings
 from services.verifier.tp import (ENV_CALL_TIMEOUT, ENV_INIT_TIMEOUT, TPSettings, TPWorkerError,
                                   start_tp_trunk)
 from tp_faults import worker_faults
@@ -280,19 +281,18 @@ def test_worker_later_than_init_timeout_fails_start():
 
 # ---------------------------------------------------------------------------- settings
 @pytest.mark.parametrize("raw", ["abc", "0", "-5", "nan", "inf"])
-def test_invalid_init_timeout_raises_naming_it(raw, monkeypatch):
+def test_invalid_init_timeout_raises_naming_it(raw):
     with pytest.raises(ValueError, match=f"{ENV_INIT_TIMEOUT}='{raw}'"):
-        TPSettings.from_env({ENV_INIT_TIMEOUT: raw})
-    monkeypatch.setenv(ENV_INIT_TIMEOUT, raw)
-    with pytest.raises(ValueError, match=ENV_INIT_TIMEOUT):  # before any worker is spawned
-        start_tp_trunk(CFG, W, 2)
+        tp_settings({ENV_INIT_TIMEOUT: raw})
+    with pytest.raises(ValueError, match=ENV_INIT_TIMEOUT):  # parsed at start-up, before any worker is spawned
+        read_settings({ENV_INIT_TIMEOUT: raw}, "verifier", tp=2)
 
 
 def test_settings_defaults_and_overrides():
-    assert TPSettings.from_env({}) == TPSettings(600.0, 120.0)
-    assert TPSettings.from_env({ENV_INIT_TIMEOUT: " 30 ", ENV_CALL_TIMEOUT: "2.5"}) == TPSettings(30.0, 2.5)
+    assert tp_settings({}) == TPSettings(600.0, 120.0)
+    assert tp_settings({ENV_INIT_TIMEOUT: " 30 ", ENV_CALL_TIMEOUT: "2.5"}) == TPSettings(30.0, 2.5)
     with pytest.raises(ValueError, match=f"{ENV_CALL_TIMEOUT}='x'"):
-        TPSettings.from_env({ENV_CALL_TIMEOUT: "x"})
+        tp_settings({ENV_CALL_TIMEOUT: "x"})
 
 
 def test_checkpoint_folder_loads_on_every_rank(tmp_path, ref):

@@ -56,11 +56,11 @@ import torch
 
 from services.common.sessions import (SessionHost, SessionLimitError, SessionTable,  # noqa: F401 (re-exported)
                                       UnknownSessionError)
+from services.common.settings import VERIFY_MODES
 from services.verifier.committed import CommittedRows, CommittedTail
 
 from dsv4.trunk import EXACT_ROWS, Trunk, TrunkState, as_int
 
-VERIFY_MODES = ("sequential", "batched")
 
 
 @dataclass(frozen=True)

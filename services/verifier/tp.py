@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import threading
 import time
 import weakref
@@ -43,8 +42,10 @@ from dsv4.checkpoint import load_trunk_weights, read_config
 from dsv4.config import ModelConfig
 from dsv4.trunk import BlockOutput, ForwardOutput, Trunk, TrunkState
 from services.verifier.tp_worker import RankSpec, build_rank, rendezvous, send, worker_main
+from kernels.select import KernelConfig
+from services.verifier.topk_diag import TopKDiagSettings
 
-ENV_INIT_TIMEOUT = "DSV4_TP_INIT_TIMEOUT_S"
+ENV_INIT_TIMEOUT = "DSV4_TP_INIT_TIMEOUT_S"  # the variables of TPSettings, named in its errors
 ENV_CALL_TIMEOUT = "DSV4_TP_CALL_TIMEOUT_S"
 ACK_GRACE_S = 1.0  # extra wait for acks after rank 0's own part failed at the deadline
 POLL_S = 0.05  # liveness poll while waiting for the store rendezvous
@@ -57,7 +58,7 @@ class TPWorkerError(RuntimeError):
 
 @dataclass(frozen=True)
 class TPSettings:
-    """TP timeouts in seconds (env: `DSV4_TP_INIT_TIMEOUT_S`, `DSV4_TP_CALL_TIMEOUT_S`).
+    """TP timeouts in seconds (`services.settings`: `DSV4_TP_INIT_TIMEOUT_S`, `DSV4_TP_CALL_TIMEOUT_S`).
 
     init_timeout_s: rendezvous plus weight loading of every rank.
     call_timeout_s: one proxied call (the process group's per-collective timeout).
@@ -73,30 +74,6 @@ class TPSettings:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name}={value!r}: must be a finite number of seconds > 0")
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "TPSettings":
-        """Read the variables from `env` (default `os.environ`); unset or empty means default.
-
-        Raises:
-            ValueError: naming the variable and its value when it is not a finite number > 0.
-        """
-        env = os.environ if env is None else env
-        return cls(init_timeout_s=_seconds(env, ENV_INIT_TIMEOUT, cls.init_timeout_s),
-                   call_timeout_s=_seconds(env, ENV_CALL_TIMEOUT, cls.call_timeout_s))
-
-
-def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name, "")
-    if raw.strip() == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={raw!r}: must be a finite number of seconds > 0")
-    return value
 
 
 # ---------------------------------------------------------------------------- rank 0
@@ -341,8 +318,8 @@ class TPTrunk:
 def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] | str | Path, tp: int,
                    dtype: torch.dtype = torch.float32, *, quant_sim: bool | None = None,
                    deterministic_reduce: bool | None = None, device: str = "cpu",
-                   settings: TPSettings | None = None, strict: bool = False,
-                   num_threads: int | None = None) -> Trunk | TPTrunk:
+                   settings: TPSettings | None = None, strict: bool = False, num_threads: int | None = None,
+                   topk: TopKDiagSettings | None = None, kernels: KernelConfig | None = None) -> Trunk | TPTrunk:
     """Start the trunk on `tp` ranks and return what `VerifierEngine(model)` takes.
 
     Args:
@@ -351,17 +328,19 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
             that every rank reads itself.
         tp: ranks; 1 returns a loaded plain `Trunk` (no processes, no torch.distributed).
         device: "cpu" (gloo) or "cuda" (NCCL, rank r on cuda:r).
-        settings: timeouts; default `TPSettings.from_env()`.
+        settings: timeouts; default `TPSettings()`.
         strict: raise instead of replicating a part whose size tp does not divide
             (`dsv4.tp.plan_sharding`).
         num_threads: torch intra-op threads per worker (default: this process's count).
+        topk: at tp > 1 every rank dumps its top-k logits (`topk_diag.maybe_wrap`); None = off.
+        kernels: the `kernels/` implementations every rank's trunk uses (None = torch).
     Raises:
         ValueError: tp < 1, bad device, cfg None with weights not a path, an invalid
             DSV4_TP_* variable (named), or (strict) a size tp does not divide.
         TPWorkerError: a worker failed to start, died, or did not join and load within
             the init timeout (`DSV4_TP_INIT_TIMEOUT_S`).
     """
-    settings = TPSettings.from_env() if settings is None else settings
+    settings = TPSettings() if settings is None else settings
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp={tp!r}: must be an integer >= 1")
     if device not in ("cpu", "cuda"):
@@ -373,7 +352,7 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
             raise ValueError("cfg=None needs weights to be a checkpoint folder")
         cfg = read_config(weights)
     if tp == 1:
-        model = Trunk(cfg, dtype, quant_sim, deterministic_reduce, device=device)
+        model = Trunk(cfg, dtype, quant_sim, deterministic_reduce, device=device, kernels=kernels)
         model.load_weights(load_trunk_weights(weights, cfg, dtype)[1] if isinstance(weights, str) else weights)
         return model
     if device == "cuda" and torch.cuda.device_count() < tp:
@@ -382,7 +361,7 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
     store, port = dtp.create_store(tp, settings.init_timeout_s)
     spec = RankSpec(cfg, weights, plan, dtype, quant_sim, deterministic_reduce,
                      "nccl" if device == "cuda" else "gloo", port, settings,
-                     num_threads or torch.get_num_threads())
+                     num_threads or torch.get_num_threads(), topk, kernels)
     workers = _spawn(spec)
     try:
         model = _start_rank0(spec, store, workers)

@@ -25,6 +25,8 @@ from dsv4.config import ModelConfig
 from dsv4.trunk import Trunk, TrunkState
 
 if TYPE_CHECKING:
+    from kernels.select import KernelConfig
+    from services.verifier.topk_diag import TopKDiagSettings
     from services.verifier.tp import TPSettings
 
 
@@ -37,6 +39,7 @@ class RankSpec:
     port: the rendezvous TCP store's port on this host.
     settings: the TP timeouts (init and per call, seconds).
     num_threads: torch intra-op threads of the rank.
+    topk: the rank's top-k logit dumps (None = off); kernels: its `kernels/` implementations.
     """
 
     cfg: ModelConfig
@@ -49,6 +52,8 @@ class RankSpec:
     port: int
     settings: "TPSettings"
     num_threads: int
+    topk: "TopKDiagSettings | None" = None
+    kernels: "KernelConfig | None" = None
 
     def device(self, rank: int) -> torch.device:
         """Where `rank`'s shard lives."""
@@ -65,7 +70,8 @@ def build_rank(spec: RankSpec, comm: dtp.Collectives) -> Trunk:
         _, weights = load_trunk_weights(weights, spec.cfg, dtype=spec.dtype)
     from services.verifier.topk_diag import maybe_wrap  # DSV4_TOPK_DIAG: one dump file per rank
     return maybe_wrap(dtp.build_rank_trunk(spec.cfg, weights, comm, spec.plan, spec.dtype, spec.quant_sim,
-                                           spec.deterministic_reduce, spec.device(comm.rank)), comm.rank)
+                                           spec.deterministic_reduce, spec.device(comm.rank), spec.kernels),
+                      spec.topk, comm.rank)
 
 
 def rendezvous(store, spec: RankSpec, rank: int) -> dtp.Collectives:
