@@ -23,6 +23,8 @@ from dspark_proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, gateway_p
 from services.app import drafter_engine, start_drafter, start_gateway, start_verifier, verifier_engine
 from services.common.server import RunningServer, channel_options, start_server
 from services.common.settings import BackendSettings, GatewaySettings
+from services.gateway.backends import DraftReply, InvalidDraftReply, failure_reason, may_fail_over
+from services.gateway.drafters import DraftCheck, DrafterSupply
 from services.gateway.gate import GateConfig
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.servicer import MAX_RECONNECT_BACKOFF_MS
@@ -101,7 +103,6 @@ BAD_REPLIES = {  # case: (script, the check it must fail)
     "id_at_vocab_size": (_drafts(tokens=[GOOD_TOKEN, V] + G[2:]), "token_range"),
     "id_int32_max": (_drafts(tokens=G[:3] + [2**31 - 1] + G[4:]), "token_range"),
     "id_minus_one": (_drafts(tokens=[-1] + G[1:]), "token_range"),
-    "noise_token_id": (_drafts(tokens=[GOOD_TOKEN, NOISE] + G[2:]), "reserved_token"),
     "nan_confidence": (_drafts(conf=[1.0, math.nan] + [1.0] * (B - 2)), "confidence_finite"),
     "inf_confidence": (_drafts(conf=[math.inf] * B), "confidence_finite"),
     "fewer_confidences": (_drafts(conf=[1.0, 1.0]), "confidence_count"),
@@ -190,6 +191,19 @@ def test_well_formed_scripted_replies_are_used(rig):
     assert gen.stats.submitted > 0 and gen.stats.drafted > 0
     assert not gen.stats.drafter_failed and gen.stats.drafter_failovers == 0
     assert fault_count(rig.metrics, "invalid_reply", "token_range") == before
+
+
+def test_a_draft_of_the_noise_token_is_valid_since_the_target_may_emit_it(rig):
+    """The verifier reserves no id: the random tiny target itself emits its noise id."""
+    rig.scripted.script = _drafts(tokens=[NOISE] * B)
+    before = fault_count(rig.metrics, "invalid_reply", "reserved_token")
+    try:
+        gen = service_loop().run(collect(rig.stub, gen_request(PROMPT, max_tokens=MAX_TOKENS, spec="always")))
+    finally:
+        rig.scripted.script = None
+    assert gen.token_ids == rig.off.token_ids
+    assert gen.stats.submitted > 0 and not gen.stats.drafter_failed
+    assert fault_count(rig.metrics, "invalid_reply", "reserved_token") == before
 
 
 @pytest.mark.parametrize("case", sorted(BAD_REPLIES))
@@ -380,3 +394,29 @@ def test_a_restarted_verifier_serves_new_generations_within_the_reconnect_bound(
                         for e in down)
     assert after.token_ids == before.token_ids
     assert waited <= RESTART_BOUND_S, f"the verifier was used again {waited:.2f} s after the restart"
+
+
+# ---------------------------------------------------------------------------- the checks and the budget
+def test_draft_check_names_the_rule_and_the_value():
+    check = DraftCheck(vocab_size=512, block_size=5, reserved_ids={7})
+    check(DraftReply([1, 2, 3], [0.5, -1.0, 2.0], 0.0))
+    check(DraftReply([], None, 0.0))
+    cases = [(DraftReply([1, 512], None, 0.0), "token_range", "token id 512 at index 1 outside [0, vocab_size=512)"),
+             (DraftReply([1, 7], None, 0.0), "reserved_token", "token id 7 at index 1 is reserved"),
+             (DraftReply([1] * 6, None, 0.0), "block_size", "6 tokens, block_size is 5"),
+             (DraftReply([1, 2], [0.1], 0.0), "confidence_count", "1 confidence logits for 2 tokens"),
+             (DraftReply([1, 2], [0.1, -math.inf], 0.0), "confidence_finite", "confidence logit -inf at index 1")]
+    for reply, rule, needle in cases:
+        with pytest.raises(InvalidDraftReply) as err:
+            check(reply)
+        assert err.value.check == rule and needle in str(err.value), (rule, str(err.value))
+        assert failure_reason(err.value) == "invalid_reply" and may_fail_over(err.value)
+
+
+def test_drafter_supply_hands_out_the_first_session_and_the_failover_budget():
+    opened = []
+    supply = DrafterSupply(lambda: opened.append(len(opened)) or len(opened), failovers=2)
+    assert [supply.open() for _ in range(4)] == [1, 2, 3, None]
+    assert DrafterSupply.of("only").open() == "only"
+    with pytest.raises(ValueError, match="failovers=-1"):
+        DrafterSupply(lambda: None, failovers=-1)

@@ -26,7 +26,7 @@ class DraftCheck:
     Args:
         vocab_size: token ids must lie in [0, vocab_size).
         block_size: at most this many tokens per reply (the model's dspark_block_size).
-        reserved_ids: ids the target never emits (the DSpark noise token): never a valid draft.
+        reserved_ids: ids the verifier guarantees it never emits: never a valid draft.
 
     Raises:
         ValueError: vocab_size or block_size < 1 (named).

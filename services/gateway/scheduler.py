@@ -57,7 +57,9 @@ class ModelLimits:
     eos_token_id: int
     block_size: int
     confidence_head: bool = True
-    reserved_token_ids: frozenset[int] = frozenset()  # ids the target never emits (the DSpark noise token)
+    # Ids the verifier guarantees it never emits: a draft holding one is invalid. None today
+    # (the target's argmax spans the whole vocabulary); a verifier that masked ids would list them.
+    reserved_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

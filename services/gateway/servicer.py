@@ -111,8 +111,9 @@ async def connect_backends(backends: Backends) -> tuple[ModelLimits, common_pb2.
         except grpc.aio.AioRpcError as e:
             log.warning("drafter unreachable at start (%s); generations decode plainly until it is up",
                         e.code().name)
-    limits = ModelLimits(v.vocab_size, v.max_seq_len, v.eos_token_id, v.block_size, confidence,
-                         frozenset({v.noise_token_id}))
+    # No reserved ids: the verifier's argmax spans the whole vocabulary, so it can emit any id,
+    # the DSpark noise token included (the random tiny model does), and a draft of one is valid.
+    limits = ModelLimits(v.vocab_size, v.max_seq_len, v.eos_token_id, v.block_size, confidence)
     return limits, v
 
 
