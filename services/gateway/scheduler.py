@@ -422,7 +422,7 @@ class _Generation:
         span.add_event("drafter_failed", {"error": str(exc), "reason": failure_reason(exc)})
         while True:
             new = self.drafters.open() if self.drafters is not None and may_fail_over(exc) else None
-            self._count_failure(exc, "a new drafter session takes over" if new else "plain decode from here")
+            self._count_failure(exc, "trying a new drafter session" if new else "plain decode from here")
             if new is None:
                 break
             again = await self._prime(new, span)
