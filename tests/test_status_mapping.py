@@ -72,13 +72,12 @@ def test_an_unexpected_gateway_exception_is_internal_and_a_failing_drafter_is_ab
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
                 stub = gateway_pb2_grpc.GatewayStub(ch)
-                # the drafter's own answer to the fault
-                dcall = drafter_pb2_grpc.DrafterStub(ch_d := grpc.aio.insecure_channel(
-                    f"127.0.0.1:{drafter.port}")).Session(timeout=30)
-                await dcall.write(drafter_pb2.DrafterRequest(draft=drafter_pb2.DraftRequest(anchor=5, seed_position=0)))
-                with pytest.raises(grpc.aio.AioRpcError) as derr:
-                    await dcall.read()
-                await ch_d.close()
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{drafter.port}") as dch:  # the drafter's own answer
+                    dcall = drafter_pb2_grpc.DrafterStub(dch).Session(timeout=30)
+                    await dcall.write(drafter_pb2.DrafterRequest(
+                        draft=drafter_pb2.DraftRequest(anchor=5, seed_position=0)))
+                    with pytest.raises(grpc.aio.AioRpcError) as derr:
+                        await dcall.read()
                 off = await collect(stub, gen_request("abc", max_tokens=10, spec="off"))
                 spec = await collect(stub, gen_request("abc", max_tokens=10, spec="always"))
                 scheduler.tokenizer.encode = _raise
