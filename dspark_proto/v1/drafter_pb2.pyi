@@ -28,23 +28,27 @@ class DraftRequest(_message.Message):
     def __init__(self, anchor: _Optional[int] = ..., seed_position: _Optional[int] = ...) -> None: ...
 
 class DrafterRequest(_message.Message):
-    __slots__ = ("trace", "commit", "draft")
+    __slots__ = ("trace", "commit", "draft", "session_tag")
     TRACE_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TAG_FIELD_NUMBER: _ClassVar[int]
     trace: _common_pb2.TraceContext
     commit: CommitRequest
     draft: DraftRequest
-    def __init__(self, trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., commit: _Optional[_Union[CommitRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftRequest, _Mapping]] = ...) -> None: ...
+    session_tag: int
+    def __init__(self, trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., commit: _Optional[_Union[CommitRequest, _Mapping]] = ..., draft: _Optional[_Union[DraftRequest, _Mapping]] = ..., session_tag: _Optional[int] = ...) -> None: ...
 
 class DrafterResponse(_message.Message):
-    __slots__ = ("tokens", "confidence_logits", "committed_through", "timing")
+    __slots__ = ("tokens", "confidence_logits", "committed_through", "timing", "session_tag")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_LOGITS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_THROUGH_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TAG_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     confidence_logits: _containers.RepeatedScalarFieldContainer[float]
     committed_through: int
     timing: _common_pb2.ComputeTiming
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., confidence_logits: _Optional[_Iterable[float]] = ..., committed_through: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ComputeTiming, _Mapping]] = ...) -> None: ...
+    session_tag: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., confidence_logits: _Optional[_Iterable[float]] = ..., committed_through: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ComputeTiming, _Mapping]] = ..., session_tag: _Optional[int] = ...) -> None: ...

@@ -49,7 +49,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("rounds", "drafted", "submitted", "accepted", "acceptance_rate", "mean_acceptance_length", "margin_skipped_rounds", "truncated_rounds", "skipped_after_draft", "plain_rounds", "drafter_failed")
+    __slots__ = ("rounds", "drafted", "submitted", "accepted", "acceptance_rate", "mean_acceptance_length", "margin_skipped_rounds", "truncated_rounds", "skipped_after_draft", "plain_rounds", "drafter_failed", "drafter_failovers")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     SUBMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class SpecStats(_message.Message):
     SKIPPED_AFTER_DRAFT_FIELD_NUMBER: _ClassVar[int]
     PLAIN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FAILED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted: int
     submitted: int
@@ -72,7 +73,8 @@ class SpecStats(_message.Message):
     skipped_after_draft: int
     plain_rounds: int
     drafter_failed: bool
-    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., submitted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., margin_skipped_rounds: _Optional[int] = ..., truncated_rounds: _Optional[int] = ..., skipped_after_draft: _Optional[int] = ..., plain_rounds: _Optional[int] = ..., drafter_failed: _Optional[bool] = ...) -> None: ...
+    drafter_failovers: int
+    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., submitted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., margin_skipped_rounds: _Optional[int] = ..., truncated_rounds: _Optional[int] = ..., skipped_after_draft: _Optional[int] = ..., plain_rounds: _Optional[int] = ..., drafter_failed: _Optional[bool] = ..., drafter_failovers: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text_delta", "finished", "finish_reason", "usage", "spec_stats", "text", "time_to_first_token_ms")

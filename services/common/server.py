@@ -1,9 +1,10 @@
 """gRPC server bootstrap shared by the three services: aio server, health, limits, SIGTERM.
 
 `start_server` builds a `grpc.aio.Server` with explicit message-size limits, the OTel server
-interceptor, and the stock `grpc.health.v1` Health service (the overall status and the
-service's own name set to SERVING); `run_until_signal` serves until SIGTERM/SIGINT, then
-marks the service NOT_SERVING and stops with a grace period so open generations can finish.
+interceptor, the status mapping of `services.common.errors` (no call ends UNKNOWN), and the
+stock `grpc.health.v1` Health service (the overall status and the service's own name set to
+SERVING); `run_until_signal` serves until SIGTERM/SIGINT, then marks the service
+NOT_SERVING and stops with a grace period so open generations can finish.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 
-from services.common.settings import DEFAULT_MAX_CONNECTION_AGE_S
+from services.common.errors import StatusInterceptor
 from services.common.telemetry import server_interceptors
 
 log = logging.getLogger("dspark.server")
@@ -72,7 +73,8 @@ async def start_server(service_name: str, register: Callable[[grpc.aio.Server], 
         RuntimeError: the port could not be bound (named).
     """
     age_ms = int(max_connection_age_s * 1000)
-    server = grpc.aio.server(interceptors=server_interceptors(provider) + list(interceptors),
+    # StatusInterceptor last, so it is the innermost: whatever a servicer raises becomes a status there
+    server = grpc.aio.server(interceptors=server_interceptors(provider) + list(interceptors) + [StatusInterceptor()],
                              options=channel_options(max_message_bytes) + [("grpc.max_connection_age_ms", age_ms),
                                                                             NO_REUSEPORT])
     register(server)

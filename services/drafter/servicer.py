@@ -73,6 +73,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             forward_ms = (time.perf_counter() - t0) * 1e3
             response.timing.forward_ms = forward_ms
             response.timing.queue_ms = max(0.0, (t0 - received) * 1e3)
+            response.session_tag = request.session_tag  # the gateway checks the echo
             span.set_attribute("drafter.forward_ms", forward_ms)
             return response
 

@@ -11,6 +11,7 @@ rows to bfloat16 exactly as the wire does, so both paths produce the same drafts
 from __future__ import annotations
 
 import asyncio
+import secrets
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -31,10 +32,47 @@ class BackendError(RuntimeError):
         self.backend, self.code = backend, code
 
 
+class InvalidDraftReply(BackendError):
+    """A drafter reply that breaks the Drafter contract; `check` names the rule it broke
+    (`DRAFT_CHECKS`). The gateway treats it as a failed drafter, never as the client's fault."""
+
+    def __init__(self, check: str, message: str):
+        if check not in DRAFT_CHECKS:
+            raise ValueError(f"draft check {check!r}: must be one of {DRAFT_CHECKS}")
+        super().__init__("drafter", f"invalid reply ({check}): {message}", grpc.StatusCode.DATA_LOSS)
+        self.check = check
+
+
+# The rules every drafter reply must meet (metric label `check`): token ids inside the
+# vocabulary, no reserved id, at most block_size tokens, one finite confidence per token or
+# none, and the session and position the request asked about.
+DRAFT_CHECKS = ("token_range", "reserved_token", "block_size", "confidence_count", "confidence_finite",
+                "session", "position")
+
 # Drafter failures another replica may cure (the replica died, is unreachable, hung or is
 # shutting down): the gateway re-primes a new drafter session on them (`DSPARK_DRAFTER_FAILOVERS`).
+# An invalid reply is cured the same way (see `failure_reason`).
 FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                             grpc.StatusCode.CANCELLED})
+
+
+def failure_reason(exc: BackendError) -> str:
+    """Why a drafter call failed, for logs and metrics: "timeout" (no reply within the round
+    timeout, DEADLINE_EXCEEDED), "dead" (stream broken, unreachable, shutting down),
+    "invalid_reply" (`InvalidDraftReply`), "error" (any other status the drafter answered,
+    e.g. RESOURCE_EXHAUSTED at its session limit)."""
+    if isinstance(exc, InvalidDraftReply):
+        return "invalid_reply"
+    if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "timeout"
+    if exc.code in FAILOVER_CODES:
+        return "dead"
+    return "error"
+
+
+def may_fail_over(exc: BackendError) -> bool:
+    """True when another drafter replica may cure the failure (dead, timeout, invalid reply)."""
+    return failure_reason(exc) != "error"
 
 
 @dataclass(frozen=True)
@@ -157,19 +195,36 @@ class GrpcVerifierSession:
 
 
 class GrpcDrafterSession:
-    """A drafter `Session` stream (see the module docstring)."""
+    """A drafter `Session` stream (see the module docstring).
+
+    Every request carries this stream's random non-zero `session_tag`; every reply must echo
+    it (0 is accepted from a drafter built before the field existed) and report as
+    `committed_through` the position the request asked about (a commit's last row, a draft's
+    seed position). A reply that does not raises `InvalidDraftReply` ("session" / "position").
+    """
 
     def __init__(self, stub, timeout_s: float, deadline_s: float, metadata=None):
         self._s = _Stream("drafter", stub.Session, timeout_s, deadline_s, metadata)
+        self.tag = secrets.randbits(63) + 1
+
+    async def _ask(self, request: drafter_pb2.DrafterRequest, position: int) -> drafter_pb2.DrafterResponse:
+        request.session_tag = self.tag
+        r = await self._s.ask(request)
+        if r.session_tag not in (0, self.tag):
+            raise InvalidDraftReply("session", f"reply tagged session {r.session_tag:#x}, this stream is {self.tag:#x}")
+        if r.committed_through != position:
+            raise InvalidDraftReply("position", f"reply answers position {r.committed_through}, "
+                                                f"the request's is {position}")
+        return r
 
     async def commit(self, rows, first_position, token_ids, token_first_position, trace):
         req = drafter_pb2.CommitRequest(rows=to_proto(rows), first_position=first_position,
                                         token_ids=list(token_ids), token_first_position=token_first_position)
-        await self._s.ask(drafter_pb2.DrafterRequest(trace=trace, commit=req))
+        await self._ask(drafter_pb2.DrafterRequest(trace=trace, commit=req), first_position + rows.shape[0] - 1)
 
     async def draft(self, anchor, seed_position, trace):
-        r = await self._s.ask(drafter_pb2.DrafterRequest(
-            trace=trace, draft=drafter_pb2.DraftRequest(anchor=anchor, seed_position=seed_position)))
+        r = await self._ask(drafter_pb2.DrafterRequest(
+            trace=trace, draft=drafter_pb2.DraftRequest(anchor=anchor, seed_position=seed_position)), seed_position)
         conf = list(r.confidence_logits) if len(r.confidence_logits) else None
         return DraftReply(list(r.tokens), conf, r.timing.forward_ms)
 

@@ -10,6 +10,10 @@ The gate and the rounds (names of `SpecStats`):
   spec_decode_margin_skipped_rounds, spec_decode_truncated_rounds,
   spec_decode_skipped_after_draft_rounds, spec_decode_plain_rounds (k = 0),
   spec_decode_drafter_failures (generations that fell back to plain decode).
+Drafter faults (each failed drafter call or rejected reply once; `docs/services.md` §3):
+  spec_decode_drafter_faults                {reason = dead | timeout | invalid_reply | error,
+                                             check = the failed `DRAFT_CHECKS` rule, or none}
+  spec_decode_drafter_failovers             new drafter sessions that took over after a fault
 GenAI server histograms (semantic conventions, seconds, their ExplicitBucketBoundaries),
 recorded for each generation that finishes, with `gen_ai.operation.name` = text_completion
 and `gen_ai.provider.name` = dspark:
@@ -27,6 +31,9 @@ from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.resources import Resource
 from prometheus_client import CollectorRegistry, start_http_server
+
+from services.gateway.backends import DRAFT_CHECKS
+from services.gateway.drafters import FAILURE_REASONS
 
 log = logging.getLogger("dspark.gateway")
 # OpenTelemetry GenAI semantic conventions, "Generative AI model server metrics".
@@ -64,9 +71,17 @@ class GatewayMetrics:
         self.plain_rounds = c("spec_decode_plain_rounds", description="Rounds that decoded one token (k = 0)")
         self.drafter_failures = c("spec_decode_drafter_failures",
                                   description="Generations whose drafter failed (continued with plain decode)")
+        self.drafter_faults = c("spec_decode_drafter_faults",
+                                description="Failed drafter calls and rejected drafter replies, by reason and check")
+        self.drafter_failovers = c("spec_decode_drafter_failovers",
+                                   description="New drafter sessions that took over after a drafter fault")
         for counter in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.rounds,
-                        self.drafted_tokens, *self.decisions.values(), self.plain_rounds, self.drafter_failures):
+                        self.drafted_tokens, *self.decisions.values(), self.plain_rounds, self.drafter_failures,
+                        self.drafter_failovers):
             counter.add(0)  # exported (as 0) from the start, not only once something happened
+        for reason in FAILURE_REASONS:  # every (reason, check) series exists from the start
+            for check in (DRAFT_CHECKS if reason == "invalid_reply" else ("none",)):
+                self.drafter_faults.add(0, {"reason": reason, "check": check})
         h = meter.create_histogram
         self.ttft = h("gen_ai.server.time_to_first_token", unit="s",
                       description="Time to generate first token for successful responses",
@@ -105,6 +120,15 @@ class GatewayMetrics:
             self.tpot.record(max(0.0, duration_s - ttft_s) / (completion_tokens - 1), GENAI_ATTRIBUTES)
         if drafter_failed:
             self.drafter_failures.add(1)
+
+    def record_drafter_failure(self, reason: str, check: str | None = None) -> None:
+        """One failed drafter call or rejected reply: `reason` in FAILURE_REASONS, `check` the
+        failed rule of an invalid reply (None otherwise; exported as "none")."""
+        self.drafter_faults.add(1, {"reason": reason, "check": check or "none"})
+
+    def record_drafter_failover(self) -> None:
+        """A new drafter session took over after a fault."""
+        self.drafter_failovers.add(1)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve `/metrics` on host:port in a daemon thread; returns the bound port (port 0: a free one).

@@ -12,12 +12,15 @@ which prime the drafter. Each round, with the anchor x[p] at position p:
      margin, rows of positions p..p+a;
   5. commit those rows to the drafter, stream d1..da + bonus token by token with the stop
      checks, feed the gate (censored), advance p by a+1.
-A drafter failure that another replica may cure (`FAILOVER_CODES`) re-primes a new drafter
-session (`reopen_drafter`: a new stream, which the channel's round_robin places on a live
-replica) with the verifier's last min(W, committed) rows and the committed tokens, and
-speculation resumes; otherwise, or with no replica left, the generation continues with plain
-decode (identical output under sequential verify). A verifier failure ends it (the servicer
-answers UNAVAILABLE).
+Every draft reply is checked (`DraftCheck`) before the gate or the verifier sees it; a reply
+that fails is discarded whole and counts as a drafter failure. A drafter failure that another
+replica may cure (`may_fail_over`: dead, timed out, invalid reply) re-primes a new drafter
+session from the generation's `DrafterSupply` (a new stream, which the channel's round_robin
+places on a live replica) with the verifier's last min(W, committed) rows and the committed
+tokens, and speculation resumes; otherwise, or with the supply spent, the generation continues
+with plain decode (identical output under sequential verify). A verifier failure ends it (the
+servicer answers UNAVAILABLE). A generation that can never submit a draft (max_tokens <= 2, or
+no room before max_seq_len) opens no drafter session at all.
 """
 
 from __future__ import annotations
@@ -27,15 +30,16 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Sequence
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.settings import VERIFY_MODES
 from services.common.telemetry import TRACER_NAME, trace_context
-from services.gateway.backends import FAILOVER_CODES, BackendError, DrafterSession, VerifierSession
+from services.gateway.backends import BackendError, DrafterSession, VerifierSession, failure_reason, may_fail_over
 from services.gateway.costs import CostTracker
+from services.gateway.drafters import DraftCheck, DrafterFaults, DrafterSupply
 from services.gateway.gate import Gate, GateConfig, GateStats
 from services.gateway.rounds import Round, check_workload
 from services.gateway.tokenizer import Detokenizer, Tokenizer
@@ -53,6 +57,9 @@ class ModelLimits:
     eos_token_id: int
     block_size: int
     confidence_head: bool = True
+    # Ids the verifier guarantees it never emits: a draft holding one is invalid. None today
+    # (the target's argmax spans the whole vocabulary); a verifier that masked ids would list them.
+    reserved_token_ids: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -175,6 +182,8 @@ class Scheduler:
         self.recorder = recorder
         self.metrics = metrics
         self.stats = ProcessStats()
+        self.draft_check = DraftCheck(limits.vocab_size, limits.block_size, limits.reserved_token_ids)
+        self.drafter_faults = DrafterFaults()  # process-wide, by reason (the Stats RPC)
 
     # ------------------------------------------------------------------ validation
     def params(self, prompt: str, prompt_ids: Sequence[int], max_tokens: int, spec: str,
@@ -215,17 +224,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------ generation
     async def generate(self, p: GenerationParams, verifier: VerifierSession,
-                       drafter: DrafterSession | None,
-                       reopen_drafter: Callable[[], DrafterSession | None] | None = None
+                       drafter: DrafterSupply | DrafterSession | None = None
                        ) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Run one generation; yields TokenEvents, then one FinalEvent.
 
-        `drafter` None (or spec "off") is plain decode. Raises BackendError when the verifier
-        fails; drafter failures are absorbed: `reopen_drafter()` (None: no failover) returns a
-        new drafter session to re-prime, or None when no more attempts are allowed; without
-        one, plain decode from then on.
+        `drafter`: a `DrafterSupply` (the first session and the failover budget; the caller
+        closes it after the generation), one session (no failover; the caller closes it), or
+        None (plain decode, as is spec "off"). Sessions are opened only when the generation
+        can draft at all. Raises BackendError when the verifier fails; drafter failures,
+        invalid draft replies included, are absorbed (failover, else plain decode).
         """
-        gen = _Generation(self, p, verifier, drafter if p.spec != "off" else None, reopen_drafter)
+        supply = drafter if drafter is None or isinstance(drafter, DrafterSupply) else DrafterSupply.of(drafter)
+        gen = _Generation(self, p, verifier, supply if p.spec != "off" else None)
         with self.tracer.start_as_current_span("gateway.generate") as span:
             span.set_attribute("gen_ai.operation.name", "text_completion")
             span.set_attribute("gen_ai.request.max_tokens", p.max_tokens)
@@ -249,9 +259,13 @@ class _Generation:
     """State of one generation (see the module docstring for the round protocol)."""
 
     def __init__(self, sched: Scheduler, p: GenerationParams, verifier: VerifierSession,
-                 drafter: DrafterSession | None, reopen_drafter: Callable[[], DrafterSession | None] | None = None):
-        self.s, self.p, self.verifier, self.drafter = sched, p, verifier, drafter
-        self.reopen_drafter = reopen_drafter if drafter is not None else None
+                 drafters: DrafterSupply | None):
+        self.s, self.p, self.verifier = sched, p, verifier
+        # The first round is the most permissive (one token out, anchor at the prompt's end):
+        # when it cannot submit a draft (see `_max_drafts`), no round can, so no drafter session.
+        can_draft = p.max_tokens - 2 > 0 and sched.limits.max_seq_len - 2 - len(p.prompt_ids) > 0
+        self.drafters = drafters if can_draft else None
+        self.drafter: DrafterSession | None = self.drafters.open() if self.drafters is not None else None
         self.committed: list[int] = []  # tokens of the positions the verifier has committed
         gate_cfg = sched.gate_config
         if p.spec == "gated":
@@ -343,10 +357,14 @@ class _Generation:
             return a, [*drafts[:a], res.next_token], res.margin
 
     async def _draft(self, anchor: int, pos: int, tc) -> tuple[list[int], list[float] | None, float | None]:
+        """Drafts, confidence logits and the draft call's wall time (ms) from the drafter, or
+        ([], None, None) when it failed and no new session took over. A reply that fails
+        `DraftCheck` is discarded whole: its valid prefix is not used either."""
         while True:
             t0 = time.perf_counter()
             try:
                 reply = await self.drafter.draft(anchor, pos - 1, tc)
+                self.s.draft_check(reply)
                 break
             except BackendError as exc:
                 if not await self._drafter_failed(exc):
@@ -390,9 +408,10 @@ class _Generation:
             await self._drafter_failed(exc)  # a new session is primed with these rows too
 
     async def _drafter_failed(self, exc: BackendError) -> bool:
-        """The drafter failed. Re-prime new drafter sessions (another replica) while
-        `reopen_drafter` allows and the failure is one another replica may cure; True when one
-        took over. Otherwise plain decode for the rest of this generation (False).
+        """The drafter failed (`exc`: its error or an `InvalidDraftReply`). Re-prime a new
+        drafter session from the supply while it has one and the failure is one another
+        replica may cure; True when one took over. Otherwise plain decode for the rest of this
+        generation (False). Every failure is counted by reason and logged once.
 
         Raises:
             BackendError: the verifier failed to return its kept rows (ends the generation).
@@ -400,28 +419,52 @@ class _Generation:
         await _close_quietly(self.drafter)
         self.drafter = None
         span = trace.get_current_span()
-        span.add_event("drafter_failed", {"error": str(exc)})
-        while self.reopen_drafter is not None and exc.code in FAILOVER_CODES:
-            new = self.reopen_drafter()
+        span.add_event("drafter_failed", {"error": str(exc), "reason": failure_reason(exc)})
+        while True:
+            new = self.drafters.open() if self.drafters is not None and may_fail_over(exc) else None
+            self._count_failure(exc, "trying a new drafter session" if new else "plain decode from here")
             if new is None:
                 break
-            tc = trace_context(span)
-            kept = await self.verifier.rows(0, tc)  # the last min(W, committed) rows
-            last = kept.first_position + kept.rows.shape[0]
-            try:  # the oracle drafter needs every committed token; the DSpark one ignores them
-                await new.commit(kept.rows, kept.first_position, self.committed[:last], 0, tc)
-            except BackendError as again:
+            again = await self._prime(new, span)
+            if again is not None:
                 await _close_quietly(new)
                 exc = again
                 continue
             self.drafter = new
             self.counters.drafter_failovers += 1
-            log.warning("drafter failed (%s); a new drafter session took over from position %d", exc, last)
-            span.add_event("drafter_failover", {"first_position": kept.first_position, "rows": kept.rows.shape[0]})
+            self.s.drafter_faults.failover()
+            if self.s.metrics is not None:
+                self.s.metrics.record_drafter_failover()
             return True
         self.counters.drafter_failed = True
-        log.warning("drafter failed, generation continues with plain decode: %s", exc)
+        self.s.drafter_faults.fell_back()
         return False
+
+    async def _prime(self, new: DrafterSession, span) -> BackendError | None:
+        """Commit the verifier's kept rows (the last min(W, committed)) and the committed tokens
+        to `new`; returns the drafter's error when that commit failed, else None.
+
+        Raises:
+            BackendError: the verifier failed to return its rows (ends the generation).
+        """
+        tc = trace_context(span)
+        kept = await self.verifier.rows(0, tc)
+        last = kept.first_position + kept.rows.shape[0]
+        try:  # the oracle drafter needs every committed token; the DSpark one ignores them
+            await new.commit(kept.rows, kept.first_position, self.committed[:last], 0, tc)
+        except BackendError as exc:
+            return exc
+        span.add_event("drafter_failover", {"first_position": kept.first_position, "rows": kept.rows.shape[0]})
+        return None
+
+    def _count_failure(self, exc: BackendError, outcome: str) -> None:
+        """Count one drafter failure by reason (process stats, metrics) and log it once."""
+        reason = failure_reason(exc)
+        check = getattr(exc, "check", None)
+        self.s.drafter_faults.failure(reason, check)
+        if self.s.metrics is not None:
+            self.s.metrics.record_drafter_failure(reason, check)
+        log.warning("drafter failure (%s%s): %s; %s", reason, f": {check}" if check else "", exc, outcome)
 
     def _record(self, span, conf, k, a, margin, decision, draft_ms, verify_ms, drafted) -> None:
         for key, value in (("drafted", drafted), ("submitted", k), ("accepted", a), ("gate_decision", decision),

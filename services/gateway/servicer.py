@@ -1,10 +1,12 @@
 """Gateway gRPC servicer: validates requests, opens backend streams, runs the scheduler.
 
 Client-facing: `Generate` (server streaming) and `Stats`. Each generation opens one verifier
-`Session` stream and, unless speculation is off, one drafter `Session` stream; both are
-closed when the generation ends, fails or the client cancels. `connect_backends` checks at
-start that the drafter and the verifier serve the same model and refuses to pair them
-otherwise, naming the differing fields.
+`Session` stream and, when it speculates at all, one drafter `Session` stream (more after a
+drafter failure, within `DSPARK_DRAFTER_FAILOVERS`); all are closed when the generation ends,
+fails or the client cancels. `connect_backends` checks at start that the drafter and the
+verifier serve the same model and refuses to pair them otherwise, naming the differing fields.
+The backend channels reconnect at most `MAX_RECONNECT_BACKOFF_MS` apart, so a backend that
+restarts is used again within about that long (see docs/services.md §4).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from services.common.server import channel_options
 from services.common.settings import GatewaySettings, backend_target
 from services.common.telemetry import client_interceptors
 from services.gateway.backends import BackendError, GrpcDrafterSession, GrpcVerifierSession
+from services.gateway.drafters import DrafterSupply
 from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler, SpecCounters
 
 log = logging.getLogger("dspark.gateway")
@@ -30,6 +33,17 @@ _SPEC = {gateway_pb2.SPEC_MODE_DEFAULT: "", gateway_pb2.SPEC_MODE_OFF: "off",
 # Fields that must agree between the verifier and the drafter.
 IDENTITY_FIELDS = ("config_hash", "vocab_size", "block_size", "window_size", "target_layer_ids",
                    "row_width", "max_seq_len", "noise_token_id")
+
+
+# Reconnect pacing of the backend channels. gRPC's default backoff (1 s, growing x1.6 up to
+# 120 s) left a restarted drafter unused for ~14 s, every generation meanwhile running plain.
+# A dead backend costs one refused connect per channel and second at this pace; the connect
+# timeout itself (`grpc.min_reconnect_backoff_ms`, 20 s) stays gRPC's, so a slow handshake
+# over a real network is not cut short. gRPC adds up to 20 % jitter to each wait.
+INITIAL_RECONNECT_BACKOFF_MS = 100
+MAX_RECONNECT_BACKOFF_MS = 1000
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
+                     ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
 
 
 class IdentityMismatch(RuntimeError):
@@ -53,7 +67,7 @@ class Backends:
         self.settings = settings
         # round_robin: a target that resolves to several addresses (`ipv4:a,b`, `dns:///` of a
         # headless Service) spreads the Session streams over the replicas, one stream each.
-        opts = channel_options() + [("grpc.lb_policy_name", "round_robin"), *options]
+        opts = channel_options() + [("grpc.lb_policy_name", "round_robin"), *RECONNECT_OPTIONS, *options]
         inter = client_interceptors(provider)
 
         def channel(target: str) -> grpc.aio.Channel:
@@ -97,6 +111,8 @@ async def connect_backends(backends: Backends) -> tuple[ModelLimits, common_pb2.
         except grpc.aio.AioRpcError as e:
             log.warning("drafter unreachable at start (%s); generations decode plainly until it is up",
                         e.code().name)
+    # No reserved ids: the verifier's argmax spans the whole vocabulary, so it can emit any id,
+    # the DSpark noise token included (the random tiny model does), and a draft of one is valid.
     limits = ModelLimits(v.vocab_size, v.max_seq_len, v.eos_token_id, v.block_size, confidence)
     return limits, v
 
@@ -120,19 +136,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         s = self.backends.settings
         verifier = GrpcVerifierSession(self.backends.verifier, s.round_timeout_s, s.generation_timeout_s)
-        drafter = None
-        opened: list[GrpcDrafterSession] = []  # every drafter session of this generation (failovers too)
-
-        def open_drafter() -> GrpcDrafterSession | None:
-            if len(opened) > s.drafter_failovers:  # the first one and DSPARK_DRAFTER_FAILOVERS re-primes
-                return None
-            opened.append(GrpcDrafterSession(self.backends.drafter, s.round_timeout_s, s.generation_timeout_s))
-            return opened[-1]
-
-        if params.spec != "off" and self.backends.drafter is not None:
-            drafter = open_drafter()
+        drafters = None
+        if self.backends.drafter is not None:
+            drafters = DrafterSupply(lambda: GrpcDrafterSession(self.backends.drafter, s.round_timeout_s,
+                                                                s.generation_timeout_s),
+                                     s.drafter_failovers)
         try:
-            async for event in self.scheduler.generate(params, verifier, drafter, open_drafter):
+            async for event in self.scheduler.generate(params, verifier, drafters):
                 yield _response(event)
         except BackendError as exc:
             code = exc.code if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -140,14 +150,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(code, str(exc))
         finally:
             await verifier.close()
-            for d in opened:
-                await d.close()
+            if drafters is not None:
+                await drafters.close()
 
     async def Stats(self, request, context):
         stats = self.scheduler.stats.to_dict()
         stats["costs"] = self.scheduler.costs.to_dict()
         stats["verify_mode"] = self.scheduler.verify_mode
         stats["cost_mode"] = self.scheduler.cost_mode
+        stats["drafter_failures"] = self.scheduler.drafter_faults.to_dict()
         return gateway_pb2.StatsResponse(json=json.dumps(stats, allow_nan=False))
 
 
@@ -167,4 +178,5 @@ def spec_stats(c: SpecCounters) -> gateway_pb2.SpecStats:
         rounds=c.rounds, drafted=c.drafted, submitted=c.submitted, accepted=c.accepted,
         acceptance_rate=c.acceptance_rate, mean_acceptance_length=c.mean_acceptance_length,
         margin_skipped_rounds=c.margin_skipped_rounds, truncated_rounds=c.truncated_rounds,
-        skipped_after_draft=c.skipped_after_draft, plain_rounds=c.plain_rounds, drafter_failed=c.drafter_failed)
+        skipped_after_draft=c.skipped_after_draft, plain_rounds=c.plain_rounds, drafter_failed=c.drafter_failed,
+        drafter_failovers=c.drafter_failovers)
