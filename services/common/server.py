@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.errors import StatusInterceptor
+from services.common.settings import DEFAULT_MAX_CONNECTION_AGE_S
 from services.common.telemetry import server_interceptors
 
 log = logging.getLogger("dspark.server")
