@@ -38,6 +38,8 @@ def wire_quantised_gemms(model: nn.Module, params: Iterable[Param], kernels: Ker
     storage = {p.name: p.storage for p in params}
     fp8, fp4 = kernels.op("fp8_gemm"), kernels.op("fp4_moe_gemm")
     for name, module in model.named_modules():
+        if name.endswith("wo_a"):
+            continue  # applied per output group by `Attention.project_out`'s einsum, never as a Linear
         if isinstance(module, Linear) and storage.get(f"{name}.weight") == "fp8":
             module.use_fp8_gemm(fp8)
         elif isinstance(module, MoE) and storage.get(f"{name}.experts.0.w1.weight") == "fp4":

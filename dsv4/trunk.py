@@ -48,6 +48,7 @@ from dsv4.mhc import hc_head, hc_post, hc_pre
 from dsv4.moe import MoE, Route
 from dsv4.numerics import EXACT_ROWS, Call, FastNumerics, numerics_for  # noqa: F401 (EXACT_ROWS: re-exported)
 from dsv4.quantised import pack_quantised, wire_quantised_gemms
+from dsv4.settings import Settings
 from dsv4.trunk_state import BlockOutput, BlockUndo, ForwardOutput, TrunkState
 from kernels.select import KernelConfig
 
@@ -162,8 +163,9 @@ class Trunk(nn.Module):
             or torch.bfloat16); norms, mHC parameters, attn_sink, ape, compressor linears,
             gate and head stay fp32.
         quant_sim: fp8/fp4 activation simulation (spec §2.4); None -> cfg.quant_sim.
-        deterministic_reduce: MoE combine order (`dsv4.moe`); the process value is
-            `dsv4.settings.Settings.moe_deterministic_reduce`, passed by the entry point.
+        deterministic_reduce: MoE combine order (`dsv4.moe`); None -> `Settings()`'s (ascending
+            expert id). The process value (`Settings.moe_deterministic_reduce`) is passed by
+            the model's builder; the trunk never reads the environment.
         device: where parameters and states live; "meta" builds the module tree without memory.
         verify_numerics: "fast" or "exact" (above).
         kernels: implementation of the `kernels/` ops the model uses: sparse attention of the
@@ -171,33 +173,33 @@ class Trunk(nn.Module):
             quantised linears (`dsv4.quantised`); `KernelConfig.from_settings` builds it from
             the process settings. Default: torch everywhere.
     Raises:
-        ValueError: cfg not a ModelConfig, dtype not float32/bfloat16, deterministic_reduce
-            not a bool, verify_numerics not "fast"/"exact", quant_sim on with sizes that do
+        ValueError: cfg not a ModelConfig, dtype not float32/bfloat16, verify_numerics not "fast"/"exact", quant_sim on with sizes that do
             not fit its blocks (`ModelConfig.check_quant_sim_blocks`), or the triton backend
             with nowhere to run (`KernelConfig.op`).
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, quant_sim: bool | None = None,
-                 deterministic_reduce: bool = True, device: torch.device | str = "cpu",
+                 deterministic_reduce: bool | None = None, device: torch.device | str = "cpu",
                  verify_numerics: str = "fast", kernels: KernelConfig = KernelConfig()):
         super().__init__()
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype}: must be torch.float32 or torch.bfloat16")
-        if not isinstance(deterministic_reduce, bool):
-            raise ValueError(f"deterministic_reduce={deterministic_reduce!r}: must be True or False")
+        if deterministic_reduce is None:
+            deterministic_reduce = Settings().moe_deterministic_reduce
         self.numerics = numerics_for(verify_numerics)
         self.kernels = kernels
         self._lane_mean = kernels.op("lane_mean")
-        self.cfg, self.dtype, self.deterministic_reduce = cfg, dtype, deterministic_reduce
+        self.cfg, self.dtype, self.deterministic_reduce = cfg, dtype, bool(deterministic_reduce)
         self.quant_sim = cfg.quant_sim if quant_sim is None else bool(quant_sim)
         if self.quant_sim:
             cfg.check_quant_sim_blocks()
         D, C = cfg.dim, cfg.hc_mult
         self.embed = Embedding(cfg.vocab_size, D, dtype, device)
         self.layers = nn.ModuleList(
-            Block(cfg, i, dtype, self.quant_sim, deterministic_reduce, device, kernels) for i in range(cfg.n_layers))
+            Block(cfg, i, dtype, self.quant_sim, self.deterministic_reduce, device, kernels)
+            for i in range(cfg.n_layers))
         self.norm = RMSNorm(D, cfg.norm_eps, device)
         self.hc_head_fn = frozen_param((C, C * D), torch.float32, device)
         self.hc_head_base = frozen_param((C,), torch.float32, device)

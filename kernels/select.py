@@ -31,9 +31,10 @@ OPS = {
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """backend: "torch" | "triton". moe_multi_token_fp4: decode / verify calls of several
-    rows take the small-batch path of the fp4 routed-expert GEMM (`dsv4.moe.MoE`); one row
-    always does, prefill takes the grouped path.
+    """backend: "torch" | "triton". moe_multi_token_fp4: decode / verify calls of several rows
+    take the small-batch path of the fp4 routed-expert GEMM (`dsv4.moe.MoE`; one row always
+    does, prefill takes the grouped path). deterministic_reduce: the fold order for callers of
+    `fp4_moe_gemm(combine=True)` (the model's MoE folds in its own configured order).
 
     Raises:
         ValueError: backend not one of `KERNEL_BACKENDS`.
@@ -41,15 +42,17 @@ class KernelConfig:
 
     backend: str = "torch"
     moe_multi_token_fp4: bool = False
+    deterministic_reduce: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in KERNEL_BACKENDS:
             raise ValueError(f"kernel backend={self.backend!r}: must be one of {', '.join(KERNEL_BACKENDS)}")
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "KernelConfig":
-        """The kernel choices of a `dsv4.settings.Settings` (`kernels`, `moe_multi_token_fp4`)."""
-        return cls(settings.kernels, settings.moe_multi_token_fp4)
+    def from_settings(cls, s: Settings) -> "KernelConfig":
+        """The kernel switches of `s` (`DSV4_KERNELS`, `DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4`,
+        `DSV4_MOE_DETERMINISTIC_REDUCE`, parsed by `services.settings`)."""
+        return cls(s.kernels, s.moe_multi_token_fp4, s.moe_deterministic_reduce)
 
     def op(self, name: str) -> Callable:
         """The implementation of op `name` (a key of OPS) for this backend.

@@ -271,6 +271,7 @@ def test_metrics_port_in_use_names_host_and_port():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a CUDA device the triton backend can run")
 def test_triton_backend_without_a_device_or_interpreter_fails_at_construction_naming_dsv4_kernels(monkeypatch):
     # before: the trunk built fine and the first forward died inside triton ("0 active drivers")
+    from dsv4.settings import Settings
     from dsv4.trunk import Trunk
     from kernels.select import KernelConfig
     from services.app import random_tiny_config
@@ -281,7 +282,7 @@ def test_triton_backend_without_a_device_or_interpreter_fails_at_construction_na
         KernelConfig("triton").op("sparse_attn")
     assert str(err.value) == message
     with pytest.raises(ValueError) as err:
-        Trunk(random_tiny_config(), kernels=KernelConfig.from_env({"DSV4_KERNELS": "triton"}))
+        Trunk(random_tiny_config(), kernels=KernelConfig.from_settings(Settings(kernels="triton")))
     assert str(err.value) == message
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert KernelConfig("triton").op("sparse_attn").__name__ == "sparse_attn"
