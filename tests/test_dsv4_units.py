@@ -58,11 +58,11 @@ def test_settings_invalid_value_names_variable_and_value(raw):
         Settings.from_env({ENV_MOE_DETERMINISTIC_REDUCE: raw})
 
 
-def test_trunk_takes_deterministic_reduce_from_env(monkeypatch):
-    monkeypatch.setenv(ENV_MOE_DETERMINISTIC_REDUCE, "0")
-    assert Trunk(CFG, device="meta").layers[3].ffn.deterministic_reduce is False
-    monkeypatch.setenv(ENV_MOE_DETERMINISTIC_REDUCE, "1")
-    assert Trunk(CFG, device="meta").layers[3].ffn.deterministic_reduce is True
+def test_trunk_takes_deterministic_reduce_from_the_settings():
+    for raw, expected in (("0", False), ("1", True)):
+        reduce = Settings.from_env({ENV_MOE_DETERMINISTIC_REDUCE: raw}).moe_deterministic_reduce
+        assert Trunk(CFG, deterministic_reduce=reduce, device="meta").layers[3].ffn.deterministic_reduce is expected
+    assert Trunk(CFG, device="meta").layers[3].ffn.deterministic_reduce is True  # no setting: the default
 
 
 # ----------------------------------------------------------------------------- rope
