@@ -28,8 +28,9 @@ different summation order). A part whose size is not divisible is replicated ins
 (recorded in `ShardPlan.replicated`), or raises with `strict=True`.
 
 Numerics: sums are regrouped (per-rank partial sums, then the ranks' sum), so logits
-differ from TP=1 by rounding only; tests/test_tp.py states the measured bound. This module
-is the only importer of `torch.distributed` in `dsv4`.
+differ from TP=1 by rounding only; tests/test_tp.py states the measured bound. In `dsv4`,
+this module and `dsv4.dspark_tp` (the draft module's all-reduces, which import it lazily) are
+the only users of `torch.distributed`.
 """
 
 from __future__ import annotations
