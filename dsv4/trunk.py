@@ -173,9 +173,10 @@ class Trunk(nn.Module):
             quantised linears (`dsv4.quantised`); `KernelConfig.from_settings` builds it from
             the process settings. Default: torch everywhere.
     Raises:
-        ValueError: cfg not a ModelConfig, dtype not float32/bfloat16, verify_numerics not "fast"/"exact", quant_sim on with sizes that do
-            not fit its blocks (`ModelConfig.check_quant_sim_blocks`), or the triton backend
-            with nowhere to run (`KernelConfig.op`).
+        ValueError: cfg not a ModelConfig, dtype not float32/bfloat16, verify_numerics not
+            "fast"/"exact", quant_sim on with sizes that do not fit its blocks
+            (`ModelConfig.check_quant_sim_blocks`), or the triton backend with nowhere to run
+            (`KernelConfig.op`).
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, quant_sim: bool | None = None,
@@ -210,7 +211,7 @@ class Trunk(nn.Module):
 
     @property
     def verify_numerics(self) -> str:
-        """"fast" or "exact"."""
+        """The numerics strategy's name: "fast" or "exact"."""
         return self.numerics.name
 
     @property

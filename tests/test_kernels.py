@@ -228,6 +228,24 @@ def test_triton_backend_runs_the_quantised_gemms_and_matches_the_torch_path(mult
     assert calls["fp4"] == [(11, False)] * three + [(1, multi_token)] * three + [(4, multi_token)] * three
 
 
+@needs_triton
+def test_exact_mode_stays_bitwise_with_the_quantised_gemms():
+    """Exact numerics on the triton backend: fixed 8-row tiles for the fp8 GEMMs and the
+    row-invariant small-batch fp4 path keep verify rows bitwise equal to decode rows."""
+    cfg = tiny_config()
+    m = Trunk(cfg, verify_numerics="exact", kernels=KernelConfig("triton"))
+    m.load_weights(quantised_weights(cfg, varied_weights(cfg, seed=5)))
+    assert quantised_gemms(m)["fp4_moes"] == cfg.n_layers
+    block = [5, 9, 2, 8]
+    a, b = m.new_state(), m.new_state()
+    for st in (a, b):
+        m.prefill(st, list(range(3, 15)))
+    out = m.forward_block(a, torch.tensor(block), 12)
+    for i, t in enumerate(block):
+        step = m.decode(b, t, 12 + i)
+        assert torch.equal(out.logits[i], step.logits) and torch.equal(out.taps[i], step.taps[0])
+
+
 def test_weights_that_are_not_exactly_fp8_or_fp4_keep_the_torch_gemms():
     """Random float weights are not representable in the stored formats: the model keeps
     F.linear and the per-expert torch path (no silent requantisation)."""
