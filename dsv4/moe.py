@@ -232,14 +232,19 @@ class MoE(nn.Module):
         return gemm(h, "w2")  # [N, k, D]
 
     def _reduce(self, partial: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Per-route partials [N, k, D] fp32 -> [N, D] in the configured order (module docstring)."""
-        N, k, D = partial.shape
-        if not self.deterministic_reduce:
-            rows = torch.arange(N, device=partial.device).repeat_interleave(k)  # [N*k] token of each route
-            return partial.new_zeros(N, D).index_add_(0, rows, partial.flatten(0, 1))
-        order = experts.argsort(dim=1, stable=True)  # [N, k] slots by ascending expert id
-        partial = partial.gather(1, order.unsqueeze(-1).expand_as(partial))
-        y = partial[:, 0].clone()
-        for j in range(1, k):
-            y += partial[:, j]
-        return y
+        return reduce_routes(partial, experts, self.deterministic_reduce)
+
+
+def reduce_routes(partial: torch.Tensor, experts: torch.Tensor, deterministic: bool) -> torch.Tensor:
+    """Per-route partials [N, k, D] fp32, experts [N, k] -> [N, D]: a left fold in ascending
+    expert id (`deterministic`), else `index_add_` in routing order (module docstring)."""
+    N, k, D = partial.shape
+    if not deterministic:
+        rows = torch.arange(N, device=partial.device).repeat_interleave(k)  # [N*k] token of each route
+        return partial.new_zeros(N, D).index_add_(0, rows, partial.flatten(0, 1))
+    order = experts.argsort(dim=1, stable=True)  # [N, k] slots by ascending expert id
+    partial = partial.gather(1, order.unsqueeze(-1).expand_as(partial))
+    y = partial[:, 0].clone()
+    for j in range(1, k):
+        y += partial[:, j]
+    return y
