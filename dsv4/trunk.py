@@ -171,7 +171,7 @@ class Trunk(nn.Module):
         kernels: implementation of the `kernels/` ops the model uses: sparse attention of the
             fast path, tap pooling, and with the triton backend the fp8 / fp4 GEMMs of the
             quantised linears (`dsv4.quantised`); `KernelConfig.from_settings` builds it from
-            the process settings. Default: torch everywhere.
+            the process settings. None -> `KernelConfig()`: torch everywhere.
     Raises:
         ValueError: cfg not a ModelConfig, dtype not float32/bfloat16, verify_numerics not
             "fast"/"exact", quant_sim on with sizes that do not fit its blocks
@@ -181,7 +181,7 @@ class Trunk(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, quant_sim: bool | None = None,
                  deterministic_reduce: bool | None = None, device: torch.device | str = "cpu",
-                 verify_numerics: str = "fast", kernels: KernelConfig = KernelConfig()):
+                 verify_numerics: str = "fast", kernels: KernelConfig | None = None):
         super().__init__()
         if not isinstance(cfg, ModelConfig):
             raise ValueError(f"cfg must be a ModelConfig, got {type(cfg).__name__}")
@@ -190,7 +190,7 @@ class Trunk(nn.Module):
         if deterministic_reduce is None:
             deterministic_reduce = Settings().moe_deterministic_reduce
         self.numerics = numerics_for(verify_numerics)
-        self.kernels = kernels
+        self.kernels = kernels = KernelConfig() if kernels is None else kernels
         self._lane_mean = kernels.op("lane_mean")
         self.cfg, self.dtype, self.deterministic_reduce = cfg, dtype, bool(deterministic_reduce)
         self.quant_sim = cfg.quant_sim if quant_sim is None else bool(quant_sim)
