@@ -13,8 +13,8 @@ Prefill (start_pos == 0) attends over [fresh kv (S rows) | the prompt's entries]
 fills the ring with the last min(S, W) rows; decode (start_pos > 0, one token) writes ring
 slot p % W first and attends over [ring (W rows) | cached entries].
 
-Exact mode (`n_real` given; `Trunk(verify_numerics="exact")`): x is a fixed tile of R rows
-(`dsv4.trunk.EXACT_ROWS`) whose first `n_real` are the tokens, for a decode (n_real == 1)
+Exact mode (`forward_exact`; `Trunk(verify_numerics="exact")`): x is a fixed tile of R rows
+(`dsv4.numerics.EXACT_ROWS`) whose first `n_real` are the tokens, for a decode (n_real == 1)
 and a verify block alike. Every query gets the same key list in both: window positions
 p, p-1, .., p-W+1 (ring before the call, then the call's own rows), then its compressed
 entries (indexer: exactly index_topk columns; plain compressor: ascending entries), padded
@@ -172,17 +172,13 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, start_pos: int, st: AttentionState,
-                undo: list[AttentionUndo] | None = None, n_real: int | None = None) -> torch.Tensor:
+                undo: list[AttentionUndo] | None = None) -> torch.Tensor:
         """x [S, D] (normed sublayer input) at positions start_pos.. -> [S, D]; updates `st`.
 
         start_pos == 0 is a prefill of the whole prompt into an empty state; start_pos > 0
         without `undo` is one decode token (S == 1); with `undo` (a list to append this
         layer's `AttentionUndo` to) it is a verify block of S >= 1 tokens (`_block_keys`).
-        `n_real` selects exact mode (module docstring): x is a tile whose first n_real rows
-        are tokens at start_pos.. (a decode when `undo` is None); the other rows are padding.
         """
-        if n_real is not None:
-            return self._forward_exact(x, start_pos, st, undo, n_real)
         S = x.shape[0]
         pos = torch.arange(start_pos, start_pos + S, device=x.device)
         q, qr = self.project_q(x, pos)
@@ -192,19 +188,20 @@ class Attention(nn.Module):
         elif undo is not None:
             keys, idx = self._block_keys(x, qr, kv, start_pos, st, undo)
         else:
-            if S != 1:
-                raise ValueError(f"decode at start_pos={start_pos} takes 1 token, got S={S}")
+            assert S == 1, f"decode at start_pos={start_pos} takes 1 token, got S={S}"
             keys, idx = self._decode_keys(x, qr, kv, start_pos, st)
         o = self.attend(q, keys, self.attn_sink, idx, self.softmax_scale)
         return self.project_out(o, pos)
 
-    def _forward_exact(self, x: torch.Tensor, n: int, st: AttentionState, undo: list[AttentionUndo] | None,
-                       n_real: int) -> torch.Tensor:
-        """Exact mode: x [R, D] tile, rows < n_real are tokens at n.. -> [R, D] (padding rows: 0 attention)."""
-        pos = torch.arange(n, n + x.shape[0], device=x.device)
+    def forward_exact(self, x: torch.Tensor, start_pos: int, st: AttentionState,
+                      undo: list[AttentionUndo] | None, n_real: int) -> torch.Tensor:
+        """Exact mode (module docstring): x [R, D] tile whose rows < n_real are tokens at
+        start_pos.. (a decode when `undo` is None, else a verify block) -> [R, D]; padding
+        rows get 0 attention and never reach the state."""
+        pos = torch.arange(start_pos, start_pos + x.shape[0], device=x.device)
         q, qr = self.project_q(x, pos)
         kv = self.project_kv(x, pos)
-        keys, idx = self._exact_keys(x, qr, kv, n, n_real, st, undo)
+        keys, idx = self._exact_keys(x, qr, kv, start_pos, n_real, st, undo)
         o = sparse_attn_chunked(q, keys, self.attn_sink, idx, self.softmax_scale, EXACT_KEY_CHUNK)
         return self.project_out(o, pos)
 

@@ -49,7 +49,7 @@ from dsv4.draft_args import check_commit, check_draft_args, check_seed, draft_le
 from dsv4.dspark_tp import DraftTP
 from dsv4.layers import Embedding, Linear, RMSNorm, frozen_param
 from dsv4.mhc import hc_head
-from dsv4.moe import Expert, Gate
+from dsv4.moe import Expert, Gate, reduce_routes
 from dsv4.rope import Rope
 from dsv4.settings import Settings
 from dsv4.trunk import DTYPES, Block
@@ -90,15 +90,7 @@ class DraftMoE(nn.Module):
                 continue
             tok, slot = torch.nonzero(experts == e, as_tuple=True)  # ascending token
             partial[tok, slot] = self.experts[str(e)](x[tok], weights[tok, slot]).float()
-        if not self.deterministic_reduce:
-            rows = torch.arange(N, device=x.device).repeat_interleave(k)  # [N*k] token of each route
-            return partial.new_zeros(N, x.shape[1]).index_add_(0, rows, partial.flatten(0, 1))
-        order = experts.argsort(dim=1, stable=True)  # [N, k] slots by ascending expert id
-        partial = partial.gather(1, order.unsqueeze(-1).expand_as(partial))
-        y = partial[:, 0].clone()
-        for j in range(1, k):
-            y += partial[:, j]
-        return y
+        return reduce_routes(partial, experts, self.deterministic_reduce)
 
 
 class MarkovHead(nn.Module):

@@ -7,15 +7,22 @@ input dtype. A `Linear` holds its weight in the model dtype (fp32 or bf16); with
 `act_quant=True` (quantisation simulation of an fp8/fp4-stored linear) its input goes
 through the fp8 round trip `act_quant_fp8(x, 128)` first, as the reference's w8a8 / w4a8
 GEMMs quantise activations per 128 along K.
+
+Quantised GEMMs (`Linear.use_fp8_gemm`, wired by `dsv4.quantised`): an fp8-stored linear can
+run an fp8 GEMM kernel on the weight's e4m3 bytes instead of `F.linear` on the float weight.
+It does so only when the weight is exactly an fp8 weight (what a checkpoint's dequantised
+tensor is), so choosing the kernel changes results by GEMM rounding only.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.codecs import act_quant_fp8
+from dsv4.codecs import act_quant_fp8, fp8_decode, fp8_encode
 from dsv4.config import ACT_QUANT_BLOCK  # fp8 activation block of the reference's fp8/fp4 GEMMs (spec §2.4)
 
 
@@ -57,11 +64,34 @@ class Linear(nn.Module):
                              f"of {ACT_QUANT_BLOCK}")
         self.act_quant = act_quant
         self.weight = frozen_param((out_features, in_features), dtype, device)
+        self.fp8_gemm: Callable[..., torch.Tensor] | None = None
+        self.fp8_weight: tuple[torch.Tensor, torch.Tensor] | None = None  # (e4m3 [O, D], scale [Ob, Db])
+
+    def use_fp8_gemm(self, gemm: Callable[..., torch.Tensor]) -> None:
+        """Run `gemm(x [M, D], e4m3 [O, D], scale) -> [M, O] fp32` (`kernels.fp8_gemm`) once
+        `pack` has found the weight to be an exact fp8 weight."""
+        self.fp8_gemm = gemm
+
+    def pack(self) -> bool:
+        """After a weight load: keep the weight's fp8 encoding for the GEMM kernel if it is
+        exact (decode(encode(w)) == w), else drop it and use `F.linear`. Returns whether the
+        kernel runs."""
+        self.fp8_weight = None
+        if self.fp8_gemm is None or self.weight.device.type == "meta":
+            return False
+        w = self.weight.detach().float()
+        packed = fp8_encode(w)
+        if torch.equal(fp8_decode(*packed), w):
+            self.fp8_weight = packed
+        return self.fp8_weight is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.weight.dtype)
         if self.act_quant:
             x = act_quant_fp8(x, ACT_QUANT_BLOCK)
+        if self.fp8_weight is not None:
+            y = self.fp8_gemm(x.reshape(-1, x.shape[-1]), *self.fp8_weight)  # [M, O] fp32
+            return y.to(x.dtype).reshape(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.weight)
 
 

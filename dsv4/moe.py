@@ -3,17 +3,26 @@
 Dimension legend: N = tokens, D = dim, I = moe_inter_dim, E = n_routed_experts,
 k = n_activated_experts (routes per token), V = vocab.
 
-Combine (DESIGN.md §11, `DSV4_MOE_DETERMINISTIC_REDUCE`): every route (token, slot) gets an
+Combine (`Settings.moe_deterministic_reduce`): every route (token, slot) gets an
 fp32 partial = expert(x[token], weight) [D]. With `deterministic_reduce` the partials of a
 token are summed in ascending expert-id order (a fixed left fold), so the output does not
 depend on the order in which the gate lists a token's experts; without it they are summed
 with `index_add_` in routing (slot) order. Experts are evaluated in ascending id order on
 their tokens in ascending token order either way.
 
-Exact mode (`n_real` given, `Trunk(verify_numerics="exact")`): every route of the first
+Exact mode (`combine_per_token`, `dsv4.numerics.ExactNumerics`): every route of the first
 n_real rows is evaluated on its own token (one 1-row call per route, never a group of the
 tokens that share an expert), so a token's expert outputs do not depend on which other
 tokens are in the call; the combine is the same fold.
+
+fp4 expert GEMM (`MoE.use_fp4_gemm`, wired by `dsv4.quantised`): routed experts stored as
+fp4 can run the routed fp4 kernel (`kernels.fp4_gemm.fp4_moe_gemm`) on their packed e2m1
+bytes, all routes of a call at once, when every local expert weight is exactly an fp4
+weight. Calls with few rows (decode, verify: `small_m`) take its small-batch path when
+`multi_token` is set (one row always does); prefill takes the grouped path. Exact mode always
+takes the small-batch path, whose rows do not depend on each other. Per-route rows are
+rounded to the model dtype as `Expert` rounds them, then folded by `_reduce`, so the kernel
+changes results by GEMM rounding only.
 """
 
 from __future__ import annotations
@@ -24,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.config import ModelConfig
+from dsv4.codecs import act_quant_fp8, fp4_decode, fp4_encode
+from dsv4.config import ACT_QUANT_BLOCK, ModelConfig
 from dsv4.layers import Linear, frozen_param
 
 
@@ -88,14 +98,21 @@ class Expert(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, D], weights [N] fp32 or None -> [N, D]."""
-        gate, up = self.w1(x).float(), self.w3(x).float()
-        if self.limit > 0:
-            up = up.clamp(-self.limit, self.limit)
-            gate = gate.clamp(max=self.limit)
-        h = F.silu(gate) * up
-        if weights is not None:
-            h = weights.unsqueeze(-1) * h
+        h = swiglu(self.w1(x).float(), self.w3(x).float(), self.limit, weights)
         return self.w2(h.to(self.w2.weight.dtype))
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, weights: torch.Tensor | None) -> torch.Tensor:
+    """Clamped SwiGLU of fp32 projections [..., I] (limit 0: no clamp), times the routing
+    weights [...] when given -> [..., I] fp32."""
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    h = F.silu(gate) * up
+    return h if weights is None else weights.unsqueeze(-1) * h
+
+
+Route = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class MoE(nn.Module):
@@ -119,24 +136,29 @@ class MoE(nn.Module):
         # replicated shared expert is added, so the shared expert is counted once.
         self.expert_offset = 0
         self.reduce_routed: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.fp4_gemm: Callable[..., torch.Tensor] | None = None
+        self.multi_token = False
+        self.fp4_weights: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # w1/w2/w3 -> packed, scale
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, n_real: int | None = None) -> torch.Tensor:
-        """x [N, D], ids [N] -> [N, D]; `n_real`: exact mode, routed experts only for rows < n_real."""
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, route: Route | None = None) -> torch.Tensor:
+        """x [N, D], ids [N] -> [N, D]; `route(x, weights, experts)` -> routed sum [N, D] fp32
+        (default `combine`; the trunk's numerics strategy passes its own)."""
         weights, experts = self.gate(x, ids)
-        if n_real is None:
-            y = self.combine(x, weights, experts)
-        else:
-            y = self.combine_per_token(x, weights, experts, n_real)
+        y = (route or self.combine)(x, weights, experts)
         if self.reduce_routed is not None:
             y = self.reduce_routed(y)
         y = y + self.shared_experts(x).float()
         return y.to(x.dtype)
 
-    def combine(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def combine(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                small_m: bool = False) -> torch.Tensor:
         """Routed sum: x [N, D], weights [N, k] fp32, experts [N, k] int64 -> [N, D] fp32.
 
         Under TP only this rank's experts contribute (the other routes' rows stay 0).
+        `small_m`: a decode or verify call (selects the fp4 kernel's path, module docstring).
         """
+        if self.fp4_weights is not None:
+            return self._reduce(self._routed_fp4(x, weights, experts, small_m and self.multi_token), experts)
         N, k = experts.shape
         lo, hi = self.expert_offset, self.expert_offset + len(self.experts)
         partial = x.new_zeros(N, k, x.shape[1], dtype=torch.float32)  # [N, k, D] one row per route
@@ -152,23 +174,77 @@ class MoE(nn.Module):
         """Exact-mode routed sum: like `combine`, but each route of rows < n_real is its own
         1-row expert call; rows >= n_real (padding) get 0."""
         N, k = experts.shape
-        lo, hi = self.expert_offset, self.expert_offset + len(self.experts)
         partial = x.new_zeros(N, k, x.shape[1], dtype=torch.float32)  # [N, k, D] one row per route
+        if self.fp4_weights is not None:  # the small-batch path: one program per token
+            partial[:n_real] = self._routed_fp4(x[:n_real], weights[:n_real], experts[:n_real], True)
+            return self._reduce(partial, experts)
+        lo, hi = self.expert_offset, self.expert_offset + len(self.experts)
         for t, row in enumerate(experts[:n_real].tolist()):
             for slot, e in enumerate(row):
                 if lo <= e < hi:
                     partial[t, slot] = self.experts[e - lo](x[t:t + 1], weights[t, slot:slot + 1])[0].float()
         return self._reduce(partial, experts)
 
+    # ------------------------------------------------------------------ fp4 expert kernel
+    def use_fp4_gemm(self, gemm: Callable[..., torch.Tensor], multi_token: bool) -> None:
+        """Run the routed experts with `gemm` (`kernels.fp4_gemm.fp4_moe_gemm`) once `pack` has
+        found every local expert weight to be an exact fp4 weight; `multi_token`: several-row
+        decode/verify calls take its small-batch path."""
+        self.fp4_gemm, self.multi_token = gemm, multi_token
+
+    def pack(self) -> bool:
+        """After a weight load: stack the local experts' fp4 encodings [E, O, I/2] + scales for
+        the kernel if every one is exact, else use the per-expert torch path. Returns whether
+        the kernel runs."""
+        self.fp4_weights = None
+        if self.fp4_gemm is None or self.gate.weight.device.type == "meta":
+            return False
+        packed = {}
+        for part in ("w1", "w2", "w3"):
+            codes = []
+            for expert in self.experts:
+                w = getattr(expert, part).weight.detach().float()
+                code = fp4_encode(w)
+                if not torch.equal(fp4_decode(*code), w):
+                    return False
+                codes.append(code)
+            packed[part] = (torch.stack([c for c, _ in codes]), torch.stack([s for _, s in codes]))
+        self.fp4_weights = packed
+        return True
+
+    def _routed_fp4(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                    small_batch: bool) -> torch.Tensor:
+        """Per-route rows [N, k, D] fp32 of every local route through the fp4 kernel, rounded to
+        the model dtype as `Expert.forward` rounds them; other ranks' routes are 0."""
+        first = self.experts[0]
+        dtype, lo = first.w1.weight.dtype, self.expert_offset
+        local = (experts >= lo) & (experts < lo + len(self.experts))
+        ex = torch.where(local, experts - lo, 0)
+        w = torch.where(local, weights, 0.0)  # a zero weight makes the route's h, and so its row, 0
+
+        def gemm(inp: torch.Tensor, part: str) -> torch.Tensor:
+            inp = inp.to(dtype)
+            if first.w1.act_quant:
+                inp = act_quant_fp8(inp, ACT_QUANT_BLOCK)
+            return self.fp4_gemm(inp, *self.fp4_weights[part], ex, small_batch=small_batch).to(dtype).float()
+
+        h = swiglu(gemm(x, "w1"), gemm(x, "w3"), first.limit, w)  # [N, k, I]
+        return gemm(h, "w2")  # [N, k, D]
+
     def _reduce(self, partial: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Per-route partials [N, k, D] fp32 -> [N, D] in the configured order (module docstring)."""
-        N, k, D = partial.shape
-        if not self.deterministic_reduce:
-            rows = torch.arange(N, device=partial.device).repeat_interleave(k)  # [N*k] token of each route
-            return partial.new_zeros(N, D).index_add_(0, rows, partial.flatten(0, 1))
-        order = experts.argsort(dim=1, stable=True)  # [N, k] slots by ascending expert id
-        partial = partial.gather(1, order.unsqueeze(-1).expand_as(partial))
-        y = partial[:, 0].clone()
-        for j in range(1, k):
-            y += partial[:, j]
-        return y
+        return reduce_routes(partial, experts, self.deterministic_reduce)
+
+
+def reduce_routes(partial: torch.Tensor, experts: torch.Tensor, deterministic: bool) -> torch.Tensor:
+    """Per-route partials [N, k, D] fp32, experts [N, k] -> [N, D]: a left fold in ascending
+    expert id (`deterministic`), else `index_add_` in routing order (module docstring)."""
+    N, k, D = partial.shape
+    if not deterministic:
+        rows = torch.arange(N, device=partial.device).repeat_interleave(k)  # [N*k] token of each route
+        return partial.new_zeros(N, D).index_add_(0, rows, partial.flatten(0, 1))
+    order = experts.argsort(dim=1, stable=True)  # [N, k] slots by ascending expert id
+    partial = partial.gather(1, order.unsqueeze(-1).expand_as(partial))
+    y = partial[:, 0].clone()
+    for j in range(1, k):
+        y += partial[:, j]
+    return y

@@ -28,8 +28,9 @@ different summation order). A part whose size is not divisible is replicated ins
 (recorded in `ShardPlan.replicated`), or raises with `strict=True`.
 
 Numerics: sums are regrouped (per-rank partial sums, then the ranks' sum), so logits
-differ from TP=1 by rounding only; tests/test_tp.py states the measured bound. This module
-is the only importer of `torch.distributed` in `dsv4`.
+differ from TP=1 by rounding only; tests/test_tp.py states the measured bound. In `dsv4`,
+this module and `dsv4.dspark_tp` (the draft module's all-reduces, which import it lazily) are
+the only users of `torch.distributed`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.config import ModelConfig
+from dsv4.inventory import trunk_params
 from dsv4.layers import ACT_QUANT_BLOCK, Embedding, Linear, frozen_param
+from dsv4.quantised import wire_quantised_gemms
 from dsv4.rope import Rope
 from dsv4.trunk import Trunk
 from kernels.select import KernelConfig
@@ -303,6 +306,7 @@ def build_rank_trunk(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], comm
         raise ValueError(f"plan for tp={plan.world_size} used with a group of {comm.world_size} ranks")
     model = Trunk(cfg, dtype, quant_sim, deterministic_reduce, device="meta", kernels=kernels)  # no memory yet
     _shard_modules(model, cfg, plan, comm)
+    wire_quantised_gemms(model, trunk_params(cfg), model.kernels)  # the sharded linears are new modules
     _materialise(model, device)
     _restore_rope(model, cfg, device)
     model.load_weights(shard_weights(cfg, weights, plan, comm.rank))

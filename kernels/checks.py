@@ -1,8 +1,21 @@
-"""Argument helpers shared by the kernel wrappers."""
+"""Helpers shared by the kernel wrappers: where the kernels run, and their destinations."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+
+def interpreting() -> bool:
+    """Whether Triton runs its kernels in the CPU interpreter.
+
+    `TRITON_INTERPRET=1` is Triton's own switch, read by triton itself when it compiles a
+    kernel; it is not a setting of this project, so it is read here the way triton reads it
+    (and not passed down from the entry point). The wrappers use it to choose tile sizes and
+    fp32 dots, and `kernels.select` to refuse a backend that has nowhere to run.
+    """
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def out_tensor(out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,

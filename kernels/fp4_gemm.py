@@ -25,12 +25,10 @@ take it when `small_batch` (`DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4=1`; the seed's ver
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from dsv4.codecs import FP4_BLOCK, fp4_decode
-from kernels.checks import out_tensor
+from kernels.checks import interpreting, out_tensor
 
 try:
     import triton
@@ -208,7 +206,7 @@ def fp4_moe_gemm(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, exp
     _check(x, packed, scale, experts)
     E, N, half = packed.shape
     K, (M, k) = 2 * half, experts.shape
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = interpreting()
     bn, bk = block_n or (256 if interpret else 64), block_k or (256 if interpret else 128)
     x = x.contiguous()
     w, s = packed.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8)

@@ -11,12 +11,10 @@ multiplies by the block scale before the dot. Every dequantised weight is exact 
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from dsv4.codecs import FP8_BLOCK, fp8_decode
-from kernels.checks import out_tensor
+from kernels.checks import interpreting, out_tensor
 
 try:
     import triton
@@ -98,7 +96,7 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_m
     want = (-(-N // FP8_BLOCK), -(-K // FP8_BLOCK))
     if tuple(scale.shape) != want:
         raise ValueError(f"fp8_gemm: scale shape {tuple(scale.shape)}, expected {want} for weight {(N, K)}")
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = interpreting()
     bm, bn, bk = block_m or 16, block_n or (128 if interpret else 64), block_k or (128 if interpret else 64)
     x, w, s = x.contiguous(), weight.contiguous().view(torch.uint8), scale.contiguous().view(torch.uint8)
     out = out_tensor(out, (M, N), torch.float32, x.device, "fp8_gemm")

@@ -3,21 +3,21 @@
 `backend="torch"` picks the plain-torch `<op>_ref` (CPU or GPU, the default); `"triton"`
 picks the Triton kernel wrapper (CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1`).
 The triton modules are imported only when picked, so the torch backend never imports triton.
-A process's choice comes from `DSV4_KERNELS` (`dsv4.settings.Settings`, `from_settings`); the
-model takes the config as a constructor argument and never reads a module global.
+The entry point builds the config from its `dsv4.settings.Settings` (`from_settings`); the
+model takes it as a constructor argument and never reads a module global or the environment.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from dsv4.settings import ENV_KERNELS, KERNEL_BACKENDS, Settings
+from kernels.checks import interpreting
 
 # op name -> (module in kernels/, triton wrapper name, torch reference name)
 OPS = {
@@ -31,9 +31,14 @@ OPS = {
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """backend: "torch" | "triton". moe_multi_token_fp4: multi-token fp4 routed-expert GEMMs
-    take the small-batch path (`DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4`); deterministic_reduce: the
-    fp4 MoE combine sums routes in ascending expert id (`DSV4_MOE_DETERMINISTIC_REDUCE`)."""
+    """backend: "torch" | "triton". moe_multi_token_fp4: decode / verify calls of several rows
+    take the small-batch path of the fp4 routed-expert GEMM (`dsv4.moe.MoE`; one row always
+    does, prefill takes the grouped path). deterministic_reduce: the fold order for callers of
+    `fp4_moe_gemm(combine=True)` (the model's MoE folds in its own configured order).
+
+    Raises:
+        ValueError: backend not one of `KERNEL_BACKENDS`.
+    """
 
     backend: str = "torch"
     moe_multi_token_fp4: bool = False
@@ -70,6 +75,6 @@ def _check_triton_runs() -> None:
     """Raise unless triton is installed and has somewhere to run (module `op`'s Raises)."""
     if importlib.util.find_spec("triton") is None:
         raise ImportError(f"{ENV_KERNELS}=triton: triton is not installed (use {ENV_KERNELS}=torch)")
-    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+    if not interpreting() and not torch.cuda.is_available():
         raise ValueError(f"{ENV_KERNELS}=triton: no CUDA device here and TRITON_INTERPRET is not 1 (the CPU "
                          f"interpreter), so the triton kernels cannot run; use {ENV_KERNELS}=torch")

@@ -12,11 +12,9 @@ zeros, so padding a list with -1 never changes a result.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from kernels.checks import out_tensor
+from kernels.checks import interpreting, out_tensor
 
 try:
     import triton
@@ -113,7 +111,7 @@ def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torc
                          f"sink {tuple(sink.shape)}, idx {tuple(idx.shape)}")
     if idx.is_floating_point() or not q.is_floating_point() or not kv.is_floating_point():
         raise ValueError(f"sparse_attn: float q/kv and integer idx expected, got {q.dtype}, {kv.dtype}, {idx.dtype}")
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    interpret = interpreting()
     block_h = block_h or (triton.next_power_of_2(max(H, 16)) if interpret else 16)
     block_k = block_k or (128 if interpret else (64 if Dh <= 256 else 32))  # wide heads: smaller key tiles
     q, kv, idx = q.contiguous(), kv.contiguous(), idx.contiguous()

@@ -21,23 +21,10 @@ from dsv4.moe import Expert
 from dsv4.rope import Rope, apply_rope, rope_inv_freq, yarn_ramp_bounds
 from dsv4.settings import ENV_MOE_DETERMINISTIC_REDUCE
 from dsv4.trunk import Trunk
+from model_fixtures import varied_weights
 from services.settings import model_settings
 
 CFG = tiny_config()
-
-
-def varied_weights(cfg, seed=0):
-    """random_weights with norm weights, sinks, hc biases and ape made non-trivial."""
-    w = random_weights(cfg, "trunk", seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    for name, t in w.items():
-        if t.ndim == 1 and "norm" in name:
-            w[name] = 1 + 0.3 * torch.randn(t.shape, generator=g)
-        elif name.endswith("attn_sink") or name.endswith("_base"):
-            w[name] = 0.5 * torch.randn(t.shape, generator=g)
-        elif name.endswith("ape"):
-            w[name] = torch.randn(t.shape, generator=g)
-    return w
 
 
 @pytest.fixture(scope="module")

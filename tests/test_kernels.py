@@ -16,13 +16,18 @@ from dsv4.attention import sparse_attn as model_sparse_attn
 from dsv4.codecs import fp4_encode, fp8_encode
 from dsv4.config import tiny_config
 from dsv4.init import random_weights
+from dsv4.inventory import trunk_params
+from dsv4.layers import Linear
 from dsv4.mhc import lane_mean as model_lane_mean
+from dsv4.moe import MoE
+from dsv4.quantised import quantised_gemms
 from dsv4.trunk import Trunk
 from kernels.fp4_gemm import fold_routes, fp4_gemm_ref, fp4_moe_gemm_ref
 from kernels.fp8_gemm import fp8_gemm_ref
 from kernels.lane_mean import lane_mean_ref
 from kernels.select import OPS, KernelConfig
 from kernels.sparse_attn import sparse_attn_ref
+from model_fixtures import quantised_weights, varied_weights
 from services.settings import model_settings
 
 try:
@@ -174,6 +179,81 @@ def test_trunk_with_triton_kernels_matches_torch_kernels():
     for a, b in zip(*outs):
         assert rel(b.logits[None], a.logits[None]) < TOL[torch.float32]
         assert rel(b.taps, a.taps) < TOL[torch.float32]
+
+
+# ---------------------------------------------------------------- the model's quantised GEMMs
+def _record_gemms(model):
+    """Wrap every wired fp8 linear's and fp4 MoE's kernel to record its calls: fp8 row counts,
+    and (rows, small_batch) of the fp4 calls."""
+    calls = {"fp8": [], "fp4": []}
+    for m in model.modules():
+        if isinstance(m, Linear) and m.fp8_gemm is not None:
+            m.fp8_gemm = lambda x, *a, f=m.fp8_gemm: calls["fp8"].append(x.shape[0]) or f(x, *a)
+        if isinstance(m, MoE) and m.fp4_gemm is not None:
+            m.fp4_gemm = lambda x, *a, f=m.fp4_gemm, **kw: calls["fp4"].append((x.shape[0], kw["small_batch"])) or f(
+                x, *a, **kw)
+    return calls
+
+
+@needs_triton
+@pytest.mark.parametrize("multi_token", [False, True])
+def test_triton_backend_runs_the_quantised_gemms_and_matches_the_torch_path(multi_token):
+    """With checkpoint-like (exactly fp8 / fp4) weights, every fp8-stored linear runs fp8_gemm
+    and every MoE the fp4 kernel: prefill on its grouped path, decode on the small path, a
+    verify block on the small path only with moe_multi_token_fp4; logits and taps within fp32
+    rounding of the torch backend."""
+    cfg = tiny_config()
+    w = quantised_weights(cfg, varied_weights(cfg, seed=4))
+    ref, tri = Trunk(cfg), Trunk(cfg, kernels=KernelConfig("triton", multi_token))
+    for m in (ref, tri):
+        m.load_weights(w)
+    n_fp8 = sum(p.storage == "fp8" and not p.name.endswith("wo_a.weight") for p in trunk_params(cfg))
+    assert quantised_gemms(tri) == {"fp8_linears": n_fp8, "fp4_moes": cfg.n_layers}
+    assert quantised_gemms(ref) == {"fp8_linears": 0, "fp4_moes": 0}
+    calls = _record_gemms(tri)
+    outs = []
+    for m in (ref, tri):
+        st = m.new_state()
+        first = m.prefill(st, list(range(3, 14)))
+        step = m.decode(st, 7, 11)
+        block = m.forward_block(st, torch.tensor([5, 9, 2, 8]), 12)
+        m.rollback(st, block.undo, 2)
+        outs.append([(first.logits[None], first.taps), (step.logits[None], step.taps), (block.logits, block.taps)])
+    for (a_logits, a_taps), (b_logits, b_taps) in zip(*outs):
+        assert rel(b_logits, a_logits) < TOL[torch.float32] and rel(b_taps, a_taps) < TOL[torch.float32]
+    assert set(calls["fp8"]) == {11, 1, 4}  # every fp8 linear of every call ran the kernel
+    three = 3 * cfg.n_layers  # w1, w3, w2 of every layer's MoE per forward
+    # prefill: grouped path; decode: one row (the kernel's small path either way); verify:
+    # small path iff moe_multi_token_fp4
+    assert calls["fp4"] == [(11, False)] * three + [(1, multi_token)] * three + [(4, multi_token)] * three
+
+
+@needs_triton
+def test_exact_mode_stays_bitwise_with_the_quantised_gemms():
+    """Exact numerics on the triton backend: fixed 8-row tiles for the fp8 GEMMs and the
+    row-invariant small-batch fp4 path keep verify rows bitwise equal to decode rows."""
+    cfg = tiny_config()
+    m = Trunk(cfg, verify_numerics="exact", kernels=KernelConfig("triton"))
+    m.load_weights(quantised_weights(cfg, varied_weights(cfg, seed=5)))
+    assert quantised_gemms(m)["fp4_moes"] == cfg.n_layers
+    block = [5, 9, 2, 8]
+    a, b = m.new_state(), m.new_state()
+    for st in (a, b):
+        m.prefill(st, list(range(3, 15)))
+    out = m.forward_block(a, torch.tensor(block), 12)
+    for i, t in enumerate(block):
+        step = m.decode(b, t, 12 + i)
+        assert torch.equal(out.logits[i], step.logits) and torch.equal(out.taps[i], step.taps[0])
+
+
+def test_weights_that_are_not_exactly_fp8_or_fp4_keep_the_torch_gemms():
+    """Random float weights are not representable in the stored formats: the model keeps
+    F.linear and the per-expert torch path (no silent requantisation)."""
+    cfg = tiny_config()
+    w = varied_weights(cfg, seed=4)
+    m = Trunk(cfg, kernels=KernelConfig("triton")) if triton is not None else Trunk(cfg)
+    m.load_weights(w)
+    assert quantised_gemms(m) == {"fp8_linears": 0, "fp4_moes": 0}
 
 
 # ---------------------------------------------------------------- fp8 GEMM

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from dsv4 import tp as dtp
 from dsv4.checkpoint import save_checkpoint
 from dsv4.config import tiny_config
-from dsv4.init import random_weights
 from dsv4.trunk import Trunk
+from model_fixtures import varied_weights
 from services.verifier.engine import VerifierEngine
 from services.settings import read_settings, tp_settings
 from services.verifier.tp import (ENV_CALL_TIMEOUT, ENV_INIT_TIMEOUT, TPSettings, TPWorkerError,
@@ -40,21 +40,7 @@ N_DECODE = 32
 PROMPT = torch.randint(0, CFG.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
 
 
-def weights_for(cfg, seed=0):
-    """random_weights with non-trivial norms, sinks, hc biases and ape (logit std ~1)."""
-    w = random_weights(cfg, "trunk", seed)
-    g = torch.Generator().manual_seed(seed + 100)
-    for name, t in w.items():
-        if t.ndim == 1 and "norm" in name:
-            w[name] = 1 + 0.3 * torch.randn(t.shape, generator=g)
-        elif name.endswith("attn_sink") or name.endswith("_base"):
-            w[name] = 0.5 * torch.randn(t.shape, generator=g)
-        elif name.endswith("ape"):
-            w[name] = torch.randn(t.shape, generator=g)
-    return w
-
-
-W = weights_for(CFG)
+W = varied_weights(CFG)
 
 
 def rel(a, b):
@@ -116,7 +102,7 @@ def test_plan_falls_back_or_raises_naming_the_field():
 
 @pytest.mark.parametrize("ws,cfg", [(2, CFG), (4, CFG), (4, CFG4)])
 def test_shards_reassemble_the_full_weights(ws, cfg):
-    w = W if cfg is CFG else weights_for(cfg)
+    w = W if cfg is CFG else varied_weights(cfg)
     plan = dtp.plan_sharding(cfg, ws)
     shards = [dtp.shard_weights(cfg, w, plan, r) for r in range(ws)]
     Er = cfg.n_routed_experts // ws
@@ -139,7 +125,7 @@ def test_shards_reassemble_the_full_weights(ws, cfg):
 def test_in_process_tp4_matches_tp1_with_block_verify():
     """Four ranks as threads (gloo over a HashStore) on CFG4, where every part is sharded:
     prefill, decodes, a 4-token verify block and a rollback to 2 positions."""
-    w = weights_for(CFG4)
+    w = varied_weights(CFG4)
     full = Trunk(CFG4)
     full.load_weights(w)
     plan, store = dtp.plan_sharding(CFG4, 4, strict=True), dist.HashStore()

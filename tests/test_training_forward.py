@@ -15,9 +15,9 @@ import torch
 from dsv4.attention import sparse_attn
 from dsv4.compressor import Compressor
 from dsv4.config import tiny_config
-from dsv4.init import random_weights
 from dsv4.rope import Rope
 from dsv4.trunk import Trunk
+from model_fixtures import varied_weights
 from training.forward import (ForwardStats, compress, lm_loss, masked_attn, trainable_parameters,
                               trunk_logits, update_gate_biases)
 from training.model_config import bundled_config
@@ -34,15 +34,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def make_trunk(cfg, seed=0) -> Trunk:
-    w = random_weights(cfg, "trunk", seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    for name, t in w.items():
-        if t.ndim == 1 and "norm" in name:
-            w[name] = 1 + 0.3 * torch.randn(t.shape, generator=g)
-        elif name.endswith("attn_sink") or name.endswith("_base"):
-            w[name] = 0.5 * torch.randn(t.shape, generator=g)
-        elif name.endswith("ape"):
-            w[name] = torch.randn(t.shape, generator=g)
+    w = varied_weights(cfg, seed, noise_seed=seed + 1)
     trunk = Trunk(cfg)
     trunk.load_weights(w)
     return trunk

@@ -1,0 +1,40 @@
+"""Weights shared by the model tests: random weights with non-trivial norms, sinks, mHC biases
+and ape (`varied_weights`), and the same rounded to their checkpoint storage formats
+(`quantised_weights`)."""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.codecs import fp4_decode, fp4_encode, fp8_decode, fp8_encode
+from dsv4.config import ModelConfig
+from dsv4.init import random_weights
+from dsv4.inventory import trunk_params
+
+
+def varied_weights(cfg: ModelConfig, seed: int = 0, noise_seed: int | None = None) -> dict[str, torch.Tensor]:
+    """`random_weights(cfg, "trunk", seed)` with norm weights 1 + 0.3 N(0, 1), attn sinks and
+    mHC biases 0.5 N(0, 1) and ape N(0, 1) (logit std ~1); `noise_seed` (default seed + 100)
+    seeds those draws."""
+    w = random_weights(cfg, "trunk", seed)
+    g = torch.Generator().manual_seed(seed + 100 if noise_seed is None else noise_seed)
+    for name, t in w.items():
+        if t.ndim == 1 and "norm" in name:
+            w[name] = 1 + 0.3 * torch.randn(t.shape, generator=g)
+        elif name.endswith("attn_sink") or name.endswith("_base"):
+            w[name] = 0.5 * torch.randn(t.shape, generator=g)
+        elif name.endswith("ape"):
+            w[name] = torch.randn(t.shape, generator=g)
+    return w
+
+
+def quantised_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`weights` with every fp8- / fp4-stored trunk parameter replaced by its decoded encoding,
+    i.e. what a real checkpoint's dequantised tensors look like."""
+    codecs = {"fp8": (fp8_encode, fp8_decode), "fp4": (fp4_encode, fp4_decode)}
+    out = dict(weights)
+    for p in trunk_params(cfg):
+        if p.storage in codecs:
+            encode, decode = codecs[p.storage]
+            out[p.name] = decode(*encode(weights[p.name].float()))
+    return out
