@@ -1,4 +1,4 @@
-"""Tensor parallelism of the trunk (spec §2.5, issue #4): sharding plan and weights, TP=2/4
+"""Tensor parallelism of the trunk (docs/model.md §2.5, issue #4): sharding plan and weights, TP=2/4
 vs TP=1 (in-process threads and spawned gloo workers), the verifier engine over the TP
 proxy, start-up rendezvous, dead / stalled workers, settings.
 

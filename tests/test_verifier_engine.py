@@ -1,6 +1,6 @@
 """Verifier engine: row contract, sequential and batched verify, exact rollback, sessions (issue #4).
 
-Tiny config (spec §13): W = 8, layer 1 ratio 4 with indexer (index_topk 2), layer 2 ratio 8,
+Tiny config (docs/model.md §13): W = 8, layer 1 ratio 4 with indexer (index_topk 2), layer 2 ratio 8,
 layer 3 ratio 4. Start positions 13, 14, 15, 22 wrap the ring; 15 and 23 are ratio-4 and
 ratio-8 block boundaries ((p + 1) % r == 0).
 """

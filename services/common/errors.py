@@ -1,4 +1,8 @@
-"""Map engine exceptions to gRPC status codes (DESIGN.md §6): client faults are never INTERNAL."""
+"""Map engine exceptions to gRPC status codes (docs/architecture.md §6): client faults are never INTERNAL.
+
+Owns the one mapping from an engine's exception to a status code and message, which both
+backends' session loops use; it never decides whether a request is valid (the engines do) and
+imports nothing from the gateway, verifier or drafter packages."""
 
 from __future__ import annotations
 
