@@ -1,10 +1,13 @@
 """Draft cost per round vs one trunk decode step: `python -m bench.bench_draft [--threads N] [--rounds N]`.
 
-Tiny config (spec §13), random weights, quant_sim off, fp32 and bf16. In one process:
+Owns the measurement of the draft's per-round cost (ring commit plus draft) against one trunk
+decode; it prints figures and never asserts them (figures of record: bench/README.md).
+
+Tiny config (docs/model.md §13), random weights, quant_sim off, fp32 and bf16. In one process:
 trunk decode ms/step (mean over `rounds` steps after a warm-up), and per draft round the
 drafter's commit of one row (`write_main_kv`, 3 stages) and the draft itself (3 stages over
 5 slots + the 5-step Markov head). Prints each figure and the ratio draft round / decode
-step. No assertions: CPU figures are for comparing runs on one machine (DESIGN.md §8).
+step. CPU figures are for comparing runs on one machine (docs/architecture.md §8).
 """
 
 from __future__ import annotations

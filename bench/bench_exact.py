@@ -1,12 +1,16 @@
 """Cost of exact verify numerics on CPU: `python -m bench.bench_exact [--config tiny|large] [options]`.
 
+Owns the measurement of what exact verify numerics cost against fast ones, per call and per
+workload, and whether each mode's tokens equal its plain chain; it prints figures and never
+asserts them (figures of record: bench/README.md).
+
 One process run, one set of random weights, two trunks: "fast" (the default numerics) and
 "exact" (`Trunk(verify_numerics="exact")`: 8-row tiles, fixed key lists and chunks, routed
 experts per route; see dsv4.trunk.Trunk). Printed:
 
 1. Per call: plain decode ms (fast = the fastest plain decode, one unpadded row; exact) and
    batched verify ms for k = 1..5 (fast, exact), with exact/fast ratios. Medians.
-2. Per workload (the seed's four: repeat, code, prose, math; byte-tokenised prompts):
+2. Per workload (repeat, code, prose, math as in docs/architecture.md §8; byte-tokenised prompts):
    completion tok/s of plain decode (fast, exact), always-k speculative decoding with batched
    verify (fast, exact) and gated exact speculative decoding; verify rounds, accepted drafts
    and whether the tokens equal the plain chain of the same numerics. Ratios: exact plain /
@@ -17,10 +21,10 @@ Drafts come from an oracle: the plain chain of the same numerics with slot j of 
 position p corrupted ((token + 1) % V) when (p + j) % corrupt_every == corrupt_every - 1
 (the live oracle drafter's schedule), because the random model's DSpark drafts are rarely
 accepted. The oracle costs nothing here, so "speedup" is the verify amortisation alone; the
-"incl. draft" columns add, per drafted round, the seed's draft cost relative to plain decode
-(196 / 303 ms) times the measured fast plain ms per token. The gate is the seed's
-(services.gateway.gate) with costs measured in this run (verify line fitted to the exact
-batched verify ms). No assertions; CPU figures are ratios for this machine only (DESIGN.md §8).
+"incl. draft" columns add, per drafted round, the reference setup's draft cost relative to plain
+decode (196 / 303 ms, docs/architecture.md §12) times the measured fast plain ms per token. The
+gate is services.gateway.gate with costs measured in this run (verify line fitted to the exact
+batched verify ms). CPU figures are ratios for this machine only (docs/architecture.md §8).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ WORKLOADS = {  # as bench/bench_services.py
     "prose": "The old lighthouse keeper walked slowly along the shore, watching",
     "math": "Solve for x: 3x + 7 = 22. Subtract 7 from both sides: 3x =",
 }
-SEED_DRAFT_OVER_PLAIN = 196.0 / 303.0  # seed: draft 196 ms, plain decode 303 ms
+REFERENCE_DRAFT_OVER_PLAIN = 196.0 / 303.0  # docs/architecture.md §12: draft 196 ms, plain decode 303 ms
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -149,7 +153,7 @@ def run_workload(engines: dict, prompt: list[int], args, gate_cfg: GateConfig, p
             toks, rounds, acc = fn()
             walls[v].append(time.perf_counter() - t0)
             info[v] = (rounds, acc, toks == chains["fast" if v.endswith("fast") else "exact"])
-    draft_s = SEED_DRAFT_OVER_PLAIN * plain_ms / 1e3
+    draft_s = REFERENCE_DRAFT_OVER_PLAIN * plain_ms / 1e3
     res = {}
     for v in variants:
         wall = statistics.median(walls[v])
@@ -193,7 +197,7 @@ def main() -> None:
 
     base, slope = fit_line({k: costs["exact"][k] for k in range(1, 6)})
     plain_ms = costs["fast"]["decode"]
-    gate_cfg = GateConfig(enabled=True, draft_ms=SEED_DRAFT_OVER_PLAIN * plain_ms, verify_base_ms=max(base, 1e-3),
+    gate_cfg = GateConfig(enabled=True, draft_ms=REFERENCE_DRAFT_OVER_PLAIN * plain_ms, verify_base_ms=max(base, 1e-3),
                           verify_slope_ms=max(slope, 1e-3), plain_ms=costs["exact"]["decode"])
     print(f"gate costs (ms): draft {gate_cfg.draft_ms:.1f}, verify {gate_cfg.verify_base_ms:.1f} + "
           f"{gate_cfg.verify_slope_ms:.1f} k, plain {gate_cfg.plain_ms:.1f}")

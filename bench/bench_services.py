@@ -1,9 +1,13 @@
 """The three gRPC services vs the in-process scheduler: `python -m bench.bench_services [options]`.
 
-One process, one run: the random tiny model (spec §13 config, max_seq_len 256), one verifier
+Owns the measurement of what the services' gRPC hops cost per round against the same
+scheduler over in-process sessions; it prints figures and never asserts them (figures of
+record: bench/README.md).
+
+One process, one run: the random tiny model (docs/model.md §13 config, max_seq_len 256), one verifier
 engine, two drafters (the live oracle drafter with a corrupted slot every `--corrupt-every`
-positions, and the DSpark module with its random weights), four text workloads as in the
-seed (repeat = counting upward, code, prose, math). Every (workload, drafter, spec mode)
+positions, and the DSpark module with its random weights), four text workloads
+(docs/architecture.md §8: repeat = counting upward, code, prose, math). Every (workload, drafter, spec mode)
 runs once through the services (verifier, drafter and gateway servers on localhost port 0,
 real channels, OTel interceptors on) and once through the same `Scheduler` over in-process
 sessions on the same engines, back to back, `--repeats` times (medians are reported), after
@@ -15,7 +19,7 @@ Per row: completion tok/s of each path; the round count and acceptance; mean rou
   B = service round wall - backend compute in that round (the `forward_ms` timing fields
       the verifier and drafter report for their messages),
 in ms and as % of the service round wall. B also counts the gateway's own round logic.
-No assertions; CPU figures are for comparing the two paths in one run (DESIGN.md §8). The
+CPU figures are for comparing the two paths in one run (docs/architecture.md §8). The
 oracle drafter decodes with the target itself (its draft costs ~B target decodes), and the
 random DSpark weights are rarely accepted, so speculative tok/s here say nothing about the
 real model's speed-up; the overhead columns are the point.
@@ -154,7 +158,7 @@ async def bench(args) -> None:
     try:
         print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); tiny random model; "
               f"verify {args.verify_mode}; max_tokens {args.max_tokens}; oracle corrupt_every {args.corrupt_every}; "
-              f"gate costs configured (seed defaults)")
+              f"gate costs configured (reference defaults, docs/architecture.md §12)")
         for name in d_engines:  # warm-up, both paths
             await run_service(gateways[name][0], exporter, "warm up", "always", 12)
             await run_local(locals_[name], local_exporter, v_engine, d_engines[name], "warm up", "always", 12)

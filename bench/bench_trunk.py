@@ -1,9 +1,13 @@
 """Trunk prefill / decode speed on CPU: `python -m bench.bench_trunk [--threads N] [--no-bf16]`.
 
+Owns the trunk's prefill and decode speed measurement and the larger CPU configuration
+(`large_config`) that `bench_verify` and `gpu_check` reuse; it prints figures and never
+asserts them (figures of record: bench/README.md).
+
 Prints each configuration in full, then prefill tokens/s and decode ms/token (mean over the
-decoded tokens, after one warm-up run) for the spec §13 tiny config and a larger CPU config
-(dim 1024, 8 layers, 16 experts), in fp32 and bf16. Random weights; quant_sim off. No
-assertions: CPU figures are for comparing runs on one machine (DESIGN.md §8).
+decoded tokens, after one warm-up run) for the docs/model.md §13 tiny config and a larger CPU
+config (dim 1024, 8 layers, 16 experts), in fp32 and bf16. Random weights; quant_sim off. CPU
+figures are for comparing runs on one machine (docs/architecture.md §8).
 """
 
 from __future__ import annotations

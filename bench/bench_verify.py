@@ -1,11 +1,15 @@
 """Verify cost on CPU: `python -m bench.bench_verify [--config tiny|large] [--repeats N]`.
 
+Owns the measurement of sequential and batched verify against plain decode, of rollback bytes
+and of the 100 %-acceptance ceiling; it prints figures and never asserts them (figures of
+record: bench/README.md).
+
 For k = 1..5 drafts, in one process run: plain decode ms per token, sequential verify ms per
 call and batched verify ms per call (perfect drafts, so every position is forwarded and
 accepted), rollback bytes copied per batched round (all drafts rejected: the worst case),
 and the 100%-acceptance ceiling in tokens per ms relative to plain decode:
 ceiling(k) = (k + 1) / verify_ms(k) / (1 / decode_ms). Medians over `repeats` calls after a
-warm-up. No assertions; CPU figures are ratios for this machine only (DESIGN.md §8).
+warm-up. CPU figures are ratios for this machine only (docs/architecture.md §8).
 """
 
 from __future__ import annotations

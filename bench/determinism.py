@@ -1,40 +1,39 @@
-"""The seed's output-determinism table: `python -m bench.determinism [options]`.
+"""The output-determinism table (docs/architecture.md §12) for this code base: `python -m bench.determinism`.
 
-For each verify mode (sequential, batched) and prompt (the seed's math, code and prose;
-repeat with `--prompts`), five greedy generations run through the gateway's `Scheduler`
-over in-process sessions (`LocalVerifierSession` / `LocalDrafterSession`, rows rounded to
+Owns the measurement of whether speculative decoding changes the tokens, per verify mode and
+prompt, and the attribution of a divergence to the gate or to the verify path; it only prints
+(a table, or JSON with `--json`) and never asserts, times or changes the engines it drives.
+
+For each verify mode (sequential, batched, exact) and prompt (math, code and prose as in
+docs/architecture.md §12; repeat with `--prompts`), five greedy generations run through the
+gateway's `Scheduler` over in-process sessions (`LocalVerifierSession` / `LocalDrafterSession`, rows rounded to
 bfloat16 as on the wire), each in fresh sessions: plain twice, always-k twice, gated once.
 Cells compare token sequences:
   plain vs plain | always-k vs always-k | gated vs always-k | always-k vs plain
 (and gated vs plain in --json) each "identical" or "diverges at i (margin m)": i is the first differing completion token
 (0-based) and m the top1 - top2 logit margin a plain forward of prompt + the common prefix
-gives there (how close to a tie the choice was). Attribution (seed): a gated vs always-k
-divergence is gate-caused only if always-k agrees with itself through that token; if
-always-k already differs from itself at or before it, it is the verify path's.
-The third verify mode of the issue, "exact": where the trunk offers exact verify numerics
-(`Trunk(verify_numerics="exact")`, issue #8) the table has "exact" rows (batched verify on
-such a trunk, plain decode on it too); without them it says that exact does not exist yet
-(the services have sequential, exact by construction, and batched).
+gives there (how close to a tie the choice was). Attribution (docs/architecture.md §4): a
+gated vs always-k divergence is gate-caused only if always-k agrees with itself through that
+token; if always-k already differs from itself at or before it, it is the verify path's.
+The "exact" rows run batched verify on a trunk built with exact verify numerics
+(`services.app.load_trunk(..., verify_numerics="exact")`), whose plain runs decode with the
+same trunk.
 Defaults: the random tiny model (no checkpoint), the live oracle drafter with a corrupted
 slot every 4 positions (so the gate truncates and batched verify rolls back), 32 tokens,
 float32 (`--dtype bfloat16` for the serving precision, where batched drift is larger).
-Nothing is asserted; the table is printed (and `--json` writes it as JSON).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import inspect
 import json
 import sys
 from dataclasses import dataclass
 
 import torch
 
-from dsv4.init import random_weights
-from dsv4.trunk import Trunk
-from services.app import TINY_SEED, drafter_engine, load_drafter, load_trunk, random_tiny_config, verifier_engine
+from services.app import drafter_engine, load_drafter, load_trunk, verifier_engine
 from services.common.settings import BackendSettings
 from services.gateway.backends import LocalDrafterSession, LocalVerifierSession
 from services.gateway.gate import GateConfig
@@ -49,27 +48,8 @@ PROMPTS = {
 }
 CHECKS = ("plain vs plain", "always-k vs always-k", "gated vs always-k", "always-k vs plain")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-EXACT_NOTE = "exact verify mode: does not exist yet (sequential is exact by construction; batched is one forward)"
 EXACT_ROWS = ("exact = batched verify on a trunk with verify_numerics='exact' (decode and verify rows bitwise "
               "alike); its plain runs decode with the same trunk")
-
-
-def exact_numerics_available() -> bool:
-    """Whether this checkout's Trunk offers exact verify numerics (issue #8)."""
-    return "verify_numerics" in inspect.signature(Trunk.__init__).parameters
-
-
-def exact_trunk(checkpoint: str | None, dtype: torch.dtype) -> Trunk:
-    """The verifier's trunk as `load_trunk` builds it, with verify_numerics="exact"."""
-    if checkpoint is None:
-        cfg = random_tiny_config()
-        weights = random_weights(cfg, "trunk", TINY_SEED)
-    else:
-        from dsv4.checkpoint import load_trunk_weights
-        cfg, weights = load_trunk_weights(checkpoint)
-    model = Trunk(cfg, dtype=dtype, verify_numerics="exact")
-    model.load_weights(weights)
-    return model
 
 
 @dataclass(frozen=True)
@@ -94,10 +74,10 @@ class Bench:
                  dtype: torch.dtype = torch.float32):
         self.trunk = load_trunk(checkpoint, dtype=dtype)
         self.engine = verifier_engine(self.trunk, BackendSettings())
+        exact = verifier_engine(load_trunk(checkpoint, dtype=dtype, verify_numerics="exact"), BackendSettings())
         # verify mode -> (verifier engine, the scheduler's verify mode)
-        self.modes = {"sequential": (self.engine, "sequential"), "batched": (self.engine, "batched")}
-        if exact_numerics_available():
-            self.modes["exact"] = (verifier_engine(exact_trunk(checkpoint, dtype), BackendSettings()), "batched")
+        self.modes = {"sequential": (self.engine, "sequential"), "batched": (self.engine, "batched"),
+                      "exact": (exact, "batched")}
         if drafter == "oracle":
             self.drafter = drafter_engine(self.trunk, oracle=True, settings=BackendSettings(),
                                           corrupt_every=corrupt_every)
@@ -153,7 +133,8 @@ class Bench:
 
 
 def attribution(cells: dict[str, Cell]) -> str:
-    """The seed's rule, plus what the gated run followed when it is the gate's by that rule."""
+    """The attribution rule of docs/architecture.md §4, plus what the gated run followed when it
+    is the gate's by that rule."""
     gated, self_cmp = cells["gated vs always-k"], cells["always-k vs always-k"]
     if gated.diverges_at is None:
         return "-"
@@ -204,7 +185,7 @@ def main(argv=None) -> int:
     rows = [asyncio.run(bench.row(n, PROMPTS[n], mode)) for mode in bench.modes for n in names]
     meta = {"model": f"{args.checkpoint or 'random tiny model'} ({args.dtype})", "drafter": args.drafter + (
         f" (corrupt every {args.corrupt_every})" if args.drafter == "oracle" else ""), "max_tokens": args.max_tokens,
-        "exact": EXACT_ROWS if "exact" in bench.modes else EXACT_NOTE}
+        "exact": EXACT_ROWS}
     if args.json:
         print(json.dumps({"meta": meta, "rows": [{**r, "cells": {c: v.text() for c, v in r["cells"].items()}}
                                                  for r in rows]}, indent=1))

@@ -1,5 +1,9 @@
 """Device checks for a session that is lent a GPU: `python -m bench.gpu_check [--dry-run] [--quick]`.
 
+Owns the checks that need a CUDA device (kernels against their torch references, kernel and
+bandwidth timings, exactness on the GPU); it never changes the device's settings, and its
+timings are never asserted (tests/test_kernels.py runs only its `--dry-run`).
+
 One command; prints one table (check | value | bound | status) and exits 1 when a check
 fails (2 when no CUDA device and no --dry-run). Sections:
 

@@ -1,11 +1,15 @@
 """Build and start the three services (used by `dspark serve`, tests and benchmarks).
 
+Owns wiring: loading a model source into engines and starting each service's gRPC server
+around them. It holds no serving logic (that is the engines' and the scheduler's) and never
+reads the environment: every setting arrives as an argument (`services.settings` parses the
+environment at the entry point), and an omitted one takes its dataclass default.
+
 A model source is a checkpoint folder in the real layout (`dsv4.checkpoint`) or, with no
-checkpoint, `random_tiny_model()`: the spec §13 tiny config with fixed random weights, for
-smoke tests. Each service process loads only its own consumer set: the verifier the trunk
-tensors, the drafter `mtp.*` + embed + head (the oracle drafter the trunk).
-Every setting arrives as an argument (`services.settings` parses the environment at the entry
-point); an omitted one takes its dataclass default, never the environment.
+checkpoint, the random tiny model: `random_tiny_config()` (the docs/model.md §13 tiny config)
+with fixed random weights (`TINY_SEED`), for smoke tests. Each service process loads only its
+own consumer set: the verifier the trunk tensors, the drafter `mtp.*` + embed + head (the
+oracle drafter the trunk).
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """The `dspark` command line: replay here; serve, up and generate in `services.serve_cli`;
-trace-report, calibrate and parity in `services.analysis.cli`. Settings come from the
-environment through `services.settings`, read once per command."""
+trace-report, calibrate and parity in `services.analysis.cli`.
+
+Owns the top-level parser and the `replay` command's output; it is an entry point, so it may
+read the environment, but only through `services.settings`, once per command, and it holds no
+replay logic (`services.gateway.replay`)."""
 
 from __future__ import annotations
 

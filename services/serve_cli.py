@@ -1,5 +1,10 @@
 """`dspark serve verifier|drafter|gateway`, `dspark up` and `dspark generate`.
 
+Owns these entry points: it parses the environment once (`services.settings.read_settings`),
+with the flags taking precedence, checks every setting before any model loads, and hands the
+typed settings to `services.app`, which builds the engines and servers; it serves no request
+itself.
+
 serve: one service in this process until SIGTERM (graceful: NOT_SERVING, then drain).
 up: the three services on localhost as three child processes (the embedded default model
 when no checkpoint is given); Ctrl-C / SIGTERM stops them.

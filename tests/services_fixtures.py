@@ -3,7 +3,7 @@
 What is here (import what you need; pytest picks up the fixtures a test module imports):
 
 * `tiny_trunk()`, `tiny_draft_module()`, `tiny_tokenizer()`: the random tiny model of
-  `services.app` (spec §13 config, max_seq_len 256, fixed seed), loaded once per process.
+  `services.app` (docs/model.md §13 config, max_seq_len 256, fixed seed), loaded once per process.
 * `ServiceLoop` / `service_loop()`: one asyncio event loop in a daemon thread for the whole
   test process. Servers, channels and clients all live on it; a synchronous test calls
   `loop.run(coro, timeout_s)`, which raises TimeoutError (and cancels the coroutine) when the

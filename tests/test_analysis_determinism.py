@@ -1,5 +1,5 @@
-"""`bench/determinism.py` (issue #9): the divergence index, the seed's attribution rule, and a
-short real run in which sequential verify reproduces plain decode exactly."""
+"""`bench/determinism.py`: the divergence index, the attribution rule of docs/architecture.md §4,
+and a short real run in which sequential verify reproduces plain decode exactly."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def test_attribution_follows_the_seed_rule():
     # always-k already differs from itself at or before the gated divergence: not the gate's
     assert attribution(cells(gated=14, self_=14)) == "verify path (always-k differs from itself at 14)"
     assert attribution(cells(gated=14, self_=9)).startswith("verify path")
-    # always-k is self-consistent through it: the gate's by the seed's rule
+    # always-k is self-consistent through it: the gate's by the attribution rule
     assert attribution(cells(gated=14, self_=20)) == "gate (always-k agrees with itself through 14)"
     text = attribution(cells(gated=20, vs_plain=20, gated_plain=None))
     assert text.startswith("gate (always-k agrees with itself through 20); gated equals plain there")

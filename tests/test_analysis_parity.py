@@ -1,4 +1,4 @@
-"""`DSV4_TOPK_DIAG` dumps and `dspark parity` (issue #9): the verdict rule on synthetic logits,
+"""`DSV4_TOPK_DIAG` dumps and `dspark parity` (docs/analysis.md §6-§7): the verdict rule on synthetic logits,
 sequential vs batched verify of the tiny model from real dumps, and one dump per TP rank."""
 
 from __future__ import annotations

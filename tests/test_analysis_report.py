@@ -1,4 +1,4 @@
-"""`dspark trace-report` on synthetic spans with known costs (issue #9): the fit, the time split,
+"""`dspark trace-report` on synthetic spans with known costs (docs/analysis.md §2): the fit, the time split,
 the censored reliability counts, the readers (JSON lines, OTLP-JSON, pretty-printed) and bad input."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from services.analysis.traces import Span, load_spans, span_to_json
 from services.gateway.gate import Gate, GateConfig
 from services.settings import gate_config
 
-BASE, SLOPE, DRAFT, PLAIN = 300.0, 109.0, 196.0, 303.0  # the seed's costs (ms)
+BASE, SLOPE, DRAFT, PLAIN = 300.0, 109.0, 196.0, 303.0  # the reference costs (ms), docs/architecture.md §12
 NOISE = 0.03  # relative noise of every synthetic timing
 
 

@@ -1,4 +1,4 @@
-"""Trace analysis and metrics on a real run through the three services (issue #9).
+"""Trace analysis and metrics on a real run through the three services (docs/analysis.md).
 
 Verifier, live oracle drafter (a corrupted slot every 4 positions, so the gate truncates and
 batched verify rejects) and a gateway with Prometheus metrics, all in process on port 0 with

@@ -1,15 +1,17 @@
-"""The bundled model (assets/dspark-small, issue #7): its draft, its greedy output, its recorded rounds.
+"""The bundled model (assets/dspark-small, docs/architecture.md §9): its draft, its greedy output,
+its recorded rounds.
 
 Skips, saying why, only when the bundled checkpoint is absent. Everything loads through the
 services' loaders (`services.app.load_trunk` / `load_drafter`, i.e. `dsv4.checkpoint`), the
 same path as the real checkpoint. CPU, one process, a few seconds.
 
-* Draft acceptance (absolute bar, as the seed's draft test): on cyclic prompts (a counting run,
-  the demo's repeat prompt, and a cycle of three words), greedy speculative rounds with the
-  whole block verified (always-k) accept >= 80% of the drafted tokens. The bar is on the
-  draft following the target: the prompts are ones whose target continuation is periodic.
-  (The previous prompt, "red, green, blue" x 6, no longer is under the retrained trunk: it
-  continues ", sigr, sigr, ... sig, sig", and the draft accepts 32/70 = 46% of it.) Rounds are simulated exactly: the target's greedy continuation is decoded once
+* Draft acceptance (an absolute bar on prompts the trunk is near-certain about,
+  docs/architecture.md §12): on cyclic prompts (a counting run, the demo's repeat prompt, and
+  a cycle of three words), greedy speculative rounds with the whole block verified (always-k)
+  accept >= 80% of the drafted tokens. The bar is on the draft following the target: the
+  prompts are ones whose target continuation is periodic. ("red, green, blue" x 6 is not such
+  a prompt for this trunk: it continues ", sigr, sigr, ... sig, sig", and the draft accepts
+  32/70 = 46% of it.) Rounds are simulated exactly: the target's greedy continuation is decoded once
   (its tap rows committed as the verifier would), and a round at seed p accepts the drafts
   that equal that continuation, then commits the bonus token.
 * A fixed prompt's greedy continuation is pinned (expected ids below; regenerate them only
@@ -30,7 +32,8 @@ BUNDLED = ROOT / "assets" / "dspark-small"
 ROUNDS = ROOT / "tests" / "data" / "bundled_rounds.json"
 
 pytestmark = pytest.mark.skipif(not (BUNDLED / "config.json").is_file(),
-                                reason=f"bundled model absent: {BUNDLED} has no config.json (issue #7's assets)")
+                                reason=f"bundled model absent: {BUNDLED} has no config.json "
+                                       "(rebuild: bash training/rebuild.sh)")
 
 CYCLIC_PROMPTS = ["0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
                   "alpha, beta, gamma, alpha, beta, gamma, alpha, beta, gamma, alpha, beta, gamma, alpha, beta, gamma, "

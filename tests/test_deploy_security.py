@@ -1,4 +1,4 @@
-"""Transport security (issue #10): mTLS between the gateway and the backends, the gateway's
+"""Transport security (docs/deployment.md §5): mTLS between the gateway and the backends, the gateway's
 bearer token, TLS on its client port, the plaintext health port, and the settings' errors.
 
 Certificates are made at test time with `cryptography`: a CA, a server certificate for

@@ -1,4 +1,4 @@
-"""Telemetry of the services (issue #6, DESIGN.md §7): spans in memory, the JSON-lines exporter,
+"""Telemetry of the services (docs/architecture.md §7): spans in memory, the JSON-lines exporter,
 and the gate's measured costs in `Gateway.Stats`.
 
 The three services run in process on port 0 with real channels, each with its own

@@ -1,6 +1,7 @@
-"""Verifier engine: row contract, sequential and batched verify, exact rollback, sessions (issue #4).
+"""Verifier engine: row contract, sequential and batched verify, exact rollback, sessions
+(docs/architecture.md §3-§4).
 
-Tiny config (spec §13): W = 8, layer 1 ratio 4 with indexer (index_topk 2), layer 2 ratio 8,
+Tiny config (docs/model.md §13): W = 8, layer 1 ratio 4 with indexer (index_topk 2), layer 2 ratio 8,
 layer 3 ratio 4. Start positions 13, 14, 15, 22 wrap the ring; 15 and 23 are ratio-4 and
 ratio-8 block boundaries ((p + 1) % r == 0).
 """
@@ -135,7 +136,7 @@ def plain_greedy(model, prompt_ids, n_tokens):
 
 
 def test_perfect_draft_sequential_accepts_every_position(model, prompt, capsys):
-    """The seed's perfect-draft test: the plain greedy chain fed back as drafts, block 5.
+    """Perfect drafts: the plain greedy chain fed back as drafts, block 5.
 
     Sequential: every draft accepted and every bonus is the chain's next token. Batched: its
     logits match the plain ones within rel. TOL per row (asserted above), so a draft can be
@@ -219,7 +220,8 @@ def test_full_rollback_continuation_equals_clean_run(model, prompt, n, keep, ove
 @pytest.mark.parametrize("n,keep", [(14, 1), (22, 1)])
 def test_without_compressor_rollback_the_continuation_diverges(model, prompt, n, keep, overshoot, capsys):
     """Rejected tokens that cross a ratio boundary shift the overlapped accumulator and emit
-    entries: without restoring them the state and the logits differ (seed: all six diverge)."""
+    entries: without restoring them the state and the logits differ (all six diverge on the
+    reference setup, docs/architecture.md §12)."""
     state, (toks, logits) = overshoot_run(model, prompt, n, keep, overshoot, compressor=False)
     clean_state, (clean_toks, clean_logits) = clean_run(model, prompt, n, keep)
     assert rel(logits, clean_logits) > 100 * TOL
@@ -246,7 +248,7 @@ def test_ring_rollback_on_a_config_without_compressed_layers(prompt, overshoot):
         assert rel(off_logits, clean_logits) < TOL
 
 
-# ---------------------------------------------------------------- transaction (seed procedure)
+# ---------------------------------------------------------------- transaction (a verify block and its undo)
 def refined_block(engine, prompt_ids, chain):
     """Block [anchor, d1..d5] refined until batched verify accepts every row."""
     n = len(prompt_ids)

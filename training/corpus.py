@@ -1,5 +1,8 @@
 """Deterministic training corpus for the bundled model: real text found offline on this machine
-plus generated arithmetic and counting text (issue #7, DESIGN.md §9).
+plus generated arithmetic and counting text (docs/architecture.md §9).
+
+Owns which documents the bundled model is trained on, their domains, licences and the
+train/held-out split; it only reads local files (never the network) and never tokenizes.
 
 Four domains, the four demo workloads:
 

@@ -1,5 +1,9 @@
 """The main job (`make demo`): the bundled model served by the three services, plain vs speculative.
 
+Owns the end-to-end measurement a user runs first: it drives the services only as a client
+would (through the gateway, or `dspark up` as a subprocess) and never reaches into their
+engines, except to load a trunk of its own for the divergence margins.
+
     python -m training.demo [--checkpoint assets/dspark-small] [--max-tokens 64] [--record-rounds FILE]
     python -m training.demo --calibration 320 --record-rounds tests/data/bundled_rounds.json   # + ~1,000 rounds
 
@@ -31,7 +35,7 @@ always-k rounds (replay format, `dspark replay FILE`); the draft/decode line com
 drafter call's median wall with plain decode's median ms per token. The divergence margins
 come from the trunk loaded in this process (the verifier's loader).
 
-Timings are CPU figures of one run on this machine (DESIGN.md §8): compare the ratios.
+Timings are CPU figures of one run on this machine (docs/architecture.md §8): compare the ratios.
 """
 
 from __future__ import annotations

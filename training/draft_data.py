@@ -1,4 +1,7 @@
-"""The DSpark draft's training data: the exported trunk's own greedy continuations (issue #7).
+"""The DSpark draft's training data: the exported trunk's own greedy continuations.
+
+Owns the draft's training sequences (ids, tap rows, the trunk's top-K distributions) and
+their shard files; it reads the trunk only through the verifier's loader and never trains.
 
     python -m training.draft_data --checkpoint assets/dspark-small --out runs/draft/data/final \
         --split train --sequences 200 --shard 0 --of 2            # one of two processes

@@ -1,9 +1,13 @@
 """Training forward of the DSpark draft: what `DSparkDraft.draft` computes, for many anchors at once.
 
+Owns the batched, differentiable restatement of the draft; it reuses `dsv4.dspark`'s
+parameters and pieces of math and must never compute anything the inference draft does not
+(a test holds the two equal).
+
 Dimension legend: S = positions of one sequence, N = anchors (blocks), B = dspark_block_size,
 C = hc_mult, D = dim, H = heads, Dh = head_dim, W = window_size, V = vocab, Rm = markov rank.
 
-Inference (`dsv4.dspark`, spec §9) drafts one block per round: seed position p, block ids
+Inference (`dsv4.dspark`, docs/model.md §9) drafts one block per round: seed position p, block ids
 [anchor = ids[p+1], noise x (B-1)] at positions p+1..p+B, every slot attending (non-causally)
 the ring keys of positions max(0, p-W+1)..p (computed from the trunk's tap rows by
 main_proj -> main_norm -> each stage's wkv / kv_norm / rope) plus the block's own keys.
@@ -14,7 +18,7 @@ with gradients, reusing the module's own parameters and pieces of math (`main_fe
 all S positions, and each block's attention is a dense masked softmax with the sink (the
 `sparse_attn` formula) over [those keys, masked to the block's window | its own B keys].
 
-Markov head (spec §9.5). Inference adds markov_w2(markov_w1[prev]) to slot j with prev =
+Markov head (docs/model.md §9.5). Inference adds markov_w2(markov_w1[prev]) to slot j with prev =
 the draft of slot j-1 (the anchor for slot 0). `prev="draft"` does exactly that (sequential
 argmax; used by the parity test); `prev="teacher"` uses the sequence's own tokens ids[p+1+j]
 instead (teacher forcing). Slot j's draft only counts when every earlier slot matched the

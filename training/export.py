@@ -1,4 +1,8 @@
-"""Export the bundled model (trunk + DSpark draft) in the real checkpoint layout (issue #7).
+"""Export the bundled model (trunk + DSpark draft) in the real checkpoint layout.
+
+Owns turning training weights into a checkpoint folder; it writes only through
+`dsv4.checkpoint.save_checkpoint` (never its own tensor format), so the services load the
+result exactly as they load the real checkpoint.
 
     python -m training.export --trunk runs/trunk/final.pt --draft runs/draft/final.pt --out assets/dspark-small
 

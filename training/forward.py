@@ -1,5 +1,9 @@
 """Training forward of the trunk: what `Trunk.prefill` computes, for every position, with gradients.
 
+Owns the differentiable, stateless restatement of the prefill path and the training-only
+routing rules (indexer auxiliary loss, gate-bias updates); it reuses `dsv4`'s modules and must
+never compute anything the inference prefill does not (a test holds the two equal).
+
 Dimension legend: S = tokens of one sequence (positions 0..S-1), D = dim, C = hc_mult,
 H = n_heads, Dh = head_dim, W = window_size, r = compress ratio, E = compressed entries
 (S // r), Hi / Di = indexer heads / head dim, V = vocab, N = keys attended over (S + E).
@@ -53,7 +57,7 @@ from dsv4.trunk import Block, Trunk
 class MhcFns:
     """The mHC functions the training forward calls: `dsv4.mhc.hc_pre` / `hc_post` themselves,
     or (`compiled_mhc`) their `torch.compile`d versions, which fuse the 20 Sinkhorn steps'
-    small element-wise ops (forward and backward; about 1.2x faster training on one CPU core)."""
+    small element-wise ops (forward and backward; the speed-up is in bench/README.md, "Training")."""
 
     hc_pre: Callable = hc_pre
     hc_post: Callable = hc_post

@@ -1,7 +1,10 @@
 """The bundled small model's configuration, its exported size, and its draft/decode cost ratio.
 
+Owns the bundled geometry (`bundled_config`); it never trains or exports, and its cost
+measurement only prints (figures of record: bench/README.md).
+
 `bundled_config()` is a DeepSeek-V4 trunk + 3-stage DSpark module small enough to train on
-one CPU core in under an hour, and shaped like the real 0731 model (spec §1.3):
+one CPU core in under an hour, and shaped like the real 0731 model (docs/model.md §1.3):
 
 | layer | ratio | attention | MoE gate |
 |---|---|---|---|
@@ -12,13 +15,13 @@ one CPU core in under an hour, and shaped like the real 0731 model (spec §1.3):
 | DSpark stages 9..11 | 0 | DSpark attention over the target rows | scored |
 
 Every fp8-stored linear has in_features % 128 == 0 and head_dim - rope_head_dim = 64, so the
-quantisation simulation could be switched on (spec §13 "why these values"); the model is
+quantisation simulation could be switched on (docs/model.md §13 "why these values"); the model is
 trained with it off (fp32 training, see `training.forward`). The vocabulary matches
 `training.tokenizer` (bos 0, eos 1, DSpark noise token vocab_size - 1).
 
 `python -m training.model_config` prints the stored checkpoint size and measures, with random
 weights, one trunk decode step (`Trunk.decode`) against one DSpark draft round
-(`DSparkDraft.draft`) in one process (CPU figures are ratios, DESIGN.md §8).
+(`DSparkDraft.draft`) in one process (CPU figures are ratios, docs/architecture.md §8).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rebuild the bundled model (assets/dspark-small) from nothing: corpus, tokenizer, trunk,
-# greedy draft data, DSpark draft, export (issue #7). The exact recipe of the committed assets.
+# greedy draft data, DSpark draft, export (docs/architecture.md §9). The exact recipe of the committed assets.
 #
 #     bash training/rebuild.sh            # ~3 h on the 2-core CPU box; every stage resumable
 #     OUT=/tmp/dspark-small bash training/rebuild.sh

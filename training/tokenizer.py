@@ -1,6 +1,9 @@
 """Byte-level BPE tokenizer of the bundled model (`tokenizers` library), saved as tokenizer.json.
 
-Reserved ids (spec §1.1 conventions, `training.model_config`):
+Owns training the tokenizer and the reserved ids; the gateway reads the saved file through its
+own `HFTokenizer` and never imports this module.
+
+Reserved ids (docs/model.md §1.1 conventions, `training.model_config`):
 
 * 0 = `<|bos|>`, 1 = `<|eos|>`: special added tokens (decoding skips them);
 * vocab_size - 1 = the DSpark noise token (`dspark_noise_token_id`): reserved OUTSIDE the

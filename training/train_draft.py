@@ -1,4 +1,8 @@
-"""Resumable training of the bundled DSpark draft against the frozen, exported trunk (issue #7 phase 2).
+"""Resumable training of the bundled DSpark draft against the frozen, exported trunk.
+
+Owns the draft's training loop (the second stage of training/rebuild.sh, after the trunk):
+losses, schedule, checkpoints and metrics; only `mtp.*` trains, and the trunk, its embedding
+and head are never changed.
 
     python -m training.train_draft --run runs/draft/final --data 'runs/draft/data/final/train_*.pt' \
         --heldout 'runs/draft/data/final/heldout_*.pt' --checkpoint assets/dspark-small --steps 1500

@@ -1,4 +1,7 @@
-"""Resumable trunk training of the bundled model on one CPU thread (issue #7 phase 1).
+"""Resumable trunk training of the bundled model on one CPU thread.
+
+Owns the trunk's training loop (the first stage of training/rebuild.sh): batches, losses,
+schedule, checkpoints and logs; it never writes the checkpoint folder (`training.export` does).
 
     python -m training.train_trunk --run runs/trunk --steps 900            # fresh run
     python -m training.train_trunk --run runs/trunk --resume               # continue it

@@ -1,6 +1,9 @@
 """The gate's costs and the drafter's confidence reliability, from a report's rounds
 (`dspark trace-report` / `dspark calibrate`; the rounds: `services.analysis.report`).
 
+Owns the least-squares cost fit and the censored reliability table; it reads the gate's bucket
+edges from `services.gateway.gate` and never changes the gate: it prints the variables to set.
+
 Costs fitted as the gate uses them (`services.gateway.costs`, docs/gate.md §2), from the
 gateway's own timings of the calls: verify(k) = base + slope·k by least squares over the
 verify rounds' (k = drafts submitted, `spec_decode.verify_ms`); draft ms = mean
@@ -118,7 +121,7 @@ def reliability(rounds: Iterable[RoundRecord]) -> list[BucketStat]:
 
     Of a round that submitted k drafts and had a accepted, positions 0..a-1 are matches and
     position a is a miss when a < k; positions after a (and past k) were never decided, so
-    they are not counted (seed "Censored observations"; the same rule as `Gate.observe`).
+    they are not counted (censoring, docs/architecture.md §5; the same rule as `Gate.observe`).
     """
     observed, matched = [0] * NUM_BUCKETS, [0] * NUM_BUCKETS
     logit_sum = [0.0] * NUM_BUCKETS

@@ -1,5 +1,8 @@
 """`dspark trace-report`, `dspark calibrate` and `dspark parity` (registered by `add_commands`).
 
+Owns the three commands' arguments, output and exit codes; every number they print is
+computed in `traces`, `report`, `calibration`, `parity` and `plots`, never here.
+
 Bad input (a missing or unreadable file, a value that is not a span) exits 2 with one line
 on stderr naming the file and line. `calibrate` exits 1 when the traces cannot give all four
 costs (it prints the lines it can, and says on stderr what is missing); `parity` exits 1

@@ -1,5 +1,8 @@
 """`dspark parity A B`: compare two top-k dumps (`DSV4_TOPK_DIAG=K`) position by position.
 
+Owns reading and aligning two dumps and the verdict per position; it reads files only and
+never runs a model (the dumps come from `services.verifier.topk_diag`).
+
 Alignment. Sessions are paired in prefill order (the i-th session of A with the i-th of
 B); a pair whose prompts differ (`prompt_sha256`) is reported and not compared. Within a
 session each position keeps its last record (a verify block's rejected positions are

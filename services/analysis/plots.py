@@ -1,5 +1,8 @@
 """`dspark trace-report --png DIR`: four matplotlib PNGs of a `Report`.
 
+Owns the figures only: every number drawn comes from the `Report`, plus drawing aids (the
+fitted line, Wilson intervals); it never reads spans or changes the report.
+
 timeline.png     the rounds of one generation (the one with the most verify rounds) on three lanes:
                  gateway round spans coloured by gate decision, drafter calls, verifier calls;
 verify_vs_k.png  each round's verify (or plain decode) wall ms against k, with the fitted line;

@@ -1,5 +1,9 @@
 """`dspark trace-report` / `dspark calibrate`: where a round's time goes, and the gate's costs, from spans.
 
+Owns turning loaded spans into per-round and per-generation records, the time split and the
+summaries; it neither parses files (`traces`) nor fits costs (`calibration`), and it compares
+durations only, never timestamps across hosts.
+
 Attribution of one `spec_decode.round` span (the gateway's wall time of the round):
   drafter compute  = `drafter.forward_ms` of its `drafter.draft` and `drafter.commit` children;
   verifier compute = `verifier.forward_ms` of its `verifier.verify` or `verifier.decode` child;

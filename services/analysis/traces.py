@@ -1,5 +1,8 @@
 """Load finished spans from trace files: the services' JSON lines or OTLP-JSON.
 
+Owns the file formats and the `Span` value every analysis reads; it interprets no span
+(which span means what is `report`'s) and rejects a malformed value with the file and line.
+
 Accepted per file (the format is detected per JSON value, so files may mix them):
   * the JSON-lines exporter's output (`DSPARK_TRACES_JSONL`): one `ReadableSpan.to_json()`
     object per line (`name`, `context.trace_id`, `context.span_id`, `parent_id`,

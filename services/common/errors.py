@@ -1,12 +1,14 @@
 """The one place where a servicer exception becomes a gRPC status (all three services).
 
-`status_for` maps an exception to a status code: client faults are never INTERNAL, and no
+Owns the mapping from an exception to a status code and message; it never decides whether a
+request is valid (the engines do) and imports nothing from the gateway, verifier or drafter
+packages. `status_for` maps an exception to a code: client faults are never INTERNAL, and no
 path yields UNKNOWN (gRPC's answer to an exception nobody mapped, which leaks the exception's
 class and message to the client). `StatusInterceptor`, installed last (innermost) on every
 server by `services.common.server.start_server`, applies it to whatever a servicer raises:
 ValueError and the like keep their message, which names the value; anything unexpected
 becomes INTERNAL with a message that names only the method, the exception's class and a
-reference to the full traceback in the server's log.
+reference to the full traceback in the server's log (docs/architecture.md §6).
 """
 
 from __future__ import annotations

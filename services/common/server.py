@@ -1,5 +1,9 @@
 """gRPC server bootstrap shared by the three services: aio server, health, limits, SIGTERM.
 
+Owns a server's construction, health status and graceful stop; it registers no service of its
+own besides health, reads no settings (every limit and deadline arrives as an argument) and
+knows nothing of the messages its servicers handle.
+
 `start_server` builds a `grpc.aio.Server` with explicit message-size limits, the OTel server
 interceptor, the status mapping of `services.common.errors` (no call ends UNKNOWN), and the
 stock `grpc.health.v1` Health service (the overall status and the service's own name set to

@@ -1,8 +1,12 @@
 """OpenTelemetry setup: tracer providers, exporters, gRPC interceptors, trace context in messages.
 
+Owns how spans are produced and exported and how a span's context crosses the wire; it sets no
+attribute of the spans the servicers and the scheduler open, and reads no environment (the
+settings arrive parsed as `TelemetrySettings`).
+
 A session is one long gRPC stream, so the interceptors alone give one span per generation on
-each backend (DESIGN.md §7). Every stream message therefore carries the W3C trace context of
-the gateway span that sent it (`dspark.v1.TraceContext`), and the backend opens a child span
+each backend (docs/architecture.md §7). Every stream message therefore carries the W3C trace
+context of the gateway span that sent it (`dspark.v1.TraceContext`), and the backend opens a child span
 per message from it (`message_span`).
 
 Exporters (`tracer_provider`, from a `TelemetrySettings` that `services.settings` parses out

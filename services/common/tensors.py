@@ -1,7 +1,10 @@
 """Tensor <-> protobuf `dspark.v1.Tensor` (raw bytes + dtype + shape), the only place the two meet.
 
-Hidden rows travel as bfloat16 (DESIGN.md §6): [R, row_width] rows of 4096·3 values cost
-24 KB each instead of ~100 KB as repeated floats.
+Owns the wire encoding of tensors and its checks (dtype, shape, byte length, element limit);
+it never interprets what a tensor means: which shape a rows tensor must have is the engines'.
+
+Hidden rows travel as bfloat16 (docs/architecture.md §6): [R, row_width] rows of 4096·3 values
+cost 24 KB each instead of ~100 KB as repeated floats.
 """
 
 from __future__ import annotations

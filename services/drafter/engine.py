@@ -1,10 +1,14 @@
 """Drafter engine: per-generation DSpark rings, commit of the verifier's rows, draft, identity.
 
+Owns one set of DSpark rings per generation and the commit and draft calls on them, plus the
+identity the gateway checks against the verifier's; the rules for rows, positions and anchors
+are `dsv4.draft_args`', and it never verifies, gates or touches gRPC.
+
 Dimension legend: R = committed rows in one call, T = len(dspark_target_layer_ids), D = dim,
 B = dspark_block_size.
 
-Protocol (DESIGN.md §3, spec §9.7). After the verifier's prefill of x[0..n-1] the gateway
-commits the prompt's last min(n, W) tap rows (positions n-min(n,W)..n-1) and drafts with
+Protocol (docs/architecture.md §3, docs/model.md §9.7). After the verifier's prefill of
+x[0..n-1] the gateway commits the prompt's last min(n, W) tap rows (positions n-min(n,W)..n-1) and drafts with
 the first anchor x[n] and seed position n-1. After each verify that accepted a drafts it
 commits the rows of positions n..n+a (never rejected ones) and drafts from the bonus token
 with seed position n+a. Plain decode steps commit their one row the same way.
@@ -29,7 +33,7 @@ from dsv4.dspark import DraftState, DSparkDraft
 
 
 def drafter_identity(cfg: ModelConfig, confidence_head: bool, tp: int, kind: str) -> dict:
-    """What the gateway compares with the verifier's identity before pairing them (DESIGN.md §6).
+    """What the gateway compares with the verifier's identity before pairing them (docs/architecture.md §6).
 
     Keys: kind ("dspark" | "oracle"), config_hash, vocab_size, block_size, window_size,
     target_layer_ids, row_width (= T*D, the width of a committed row), dim, max_seq_len,

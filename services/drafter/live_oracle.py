@@ -1,5 +1,9 @@
 """Live oracle drafter: proposes the target's own greedy continuation of the committed tokens.
 
+Owns drafts of known quality for benchmarks and service tests (`Drafter` interface); it is a
+measuring device, not a real drafter: each draft costs about one trunk decode per slot, and it
+validates the rows it is sent but never uses them.
+
 The service form of the oracle drafter (`dspark serve drafter --oracle`). It holds a copy of
 the trunk, follows each session's committed tokens (`observe_tokens`, fed from the commit
 messages' token ids) and drafts by greedy-decoding the anchor and the next tokens on a copy

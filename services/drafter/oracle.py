@@ -1,14 +1,16 @@
 """Oracle drafter: the verifier's own greedy continuation, corrupted where a script says so.
 
-Same interface as `DrafterEngine` (open_session, commit, draft, close_session, identity), no
-model. A draft from anchor x[p+1] at seed position p proposes the script's tokens of
+Owns scripted drafts for tests (the `Drafter` interface); it never runs a model and validates
+the rows it is sent but never uses them, so its drafts depend only on the script.
+
+Same interface as `DrafterEngine` (open_session, commit, draft, close_session, identity). A draft from anchor x[p+1] at seed position p proposes the script's tokens of
 positions p+2..p+B+1 (only those before max_seq_len, as every drafter:
 `dsv4.draft_args.draft_length`), each replaced by (token + 1) % vocab_size where the script
 corrupts that position, with the script's confidence logit for that position. The anchor
 must be the script's token at p+1; an anchor past the script's end is an error (the script
-has no continuation there), while block positions past the end propose `filler_token`. Tests use it to drive
-the verifier with drafts of known quality (full, partial and zero acceptance); the services
-issue exposes it as a drafter service.
+has no continuation there), while block positions past the end propose `filler_token`. Tests
+use it to drive the verifier with drafts of known quality (full, partial and zero acceptance);
+the service form is `services.drafter.live_oracle` (`dspark serve drafter --oracle`).
 
 Commits are validated exactly like the DSpark engine's (`dsv4.draft_args.check_commit`: rows'
 type, shape, dtype and finiteness; integer positions that continue the last committed one;

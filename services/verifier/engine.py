@@ -1,9 +1,13 @@
 """Verifier engine: per-generation target sessions, prefill, decode, and draft-block verify.
 
+Owns the target model's sessions, the accept rule and each session's committed tail, and is
+the one place that validates what a client sends (token ids, positions, block sizes); it never
+drafts, gates or counts rounds, and knows nothing of gRPC.
+
 Dimension legend: V = vocab, T = len(dspark_target_layer_ids), D = dim, k = drafts in a
 block, a = accepted drafts (0 <= a <= k), W = window_size.
 
-Row contract (DESIGN.md §3, issue #4). A session's committed tokens are x[0..n]; the target
+Row contract (docs/architecture.md §3). A session's committed tokens are x[0..n]; the target
 state holds positions 0..n-1 and x[n] is the anchor (the target's argmax at n-1).
 `verify(session, anchor, drafts, position=n)` forwards [anchor, d1..dk] at positions n..n+k,
 accepts the longest prefix a with d_{i+1} == argmax(logits at n+i), and returns the bonus
@@ -30,7 +34,8 @@ Correctness policy.
   differ in the last bits between suffixes.
   Reported, never asserted: those committed-state differences, and the first token where
   batched and plain greedy chains diverge with the top1 - top2 margin there (GEMM shapes
-  change reduction order; the seed measured such drift turning into different tokens).
+  change reduction order; docs/architecture.md §12 shows such drift turning into different
+  tokens).
 
 Inputs. This engine is the one boundary that validates what arrives over the wire: token
 ids and positions must be integers (Python ints, numpy / torch integer scalars), drafts a

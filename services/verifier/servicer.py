@@ -24,7 +24,7 @@ _MODES = {verifier_pb2.VERIFY_MODE_SEQUENTIAL: "sequential", verifier_pb2.VERIFY
 
 
 def verifier_identity(engine: VerifierEngine, tp: int = 1) -> common_pb2.ModelIdentity:
-    """The model identity the gateway checks against the drafter's (DESIGN.md §6)."""
+    """The model identity the gateway checks against the drafter's (docs/architecture.md §6)."""
     cfg = engine.cfg
     return common_pb2.ModelIdentity(
         role="verifier", config_hash=cfg.config_hash(), vocab_size=cfg.vocab_size,

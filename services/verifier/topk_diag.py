@@ -1,5 +1,8 @@
 """`DSV4_TOPK_DIAG=K`: the verifier's trunk writes the top-K ids and logits of every forward (for `dspark parity`).
 
+Owns the dump file format and its writing; the wrapper never changes a result of the trunk it
+wraps, and it reads no environment (K and the folder arrive as `TopKDiagSettings`).
+
 `maybe_wrap(model, setting, rank)` returns `model` unchanged when `setting` is None (what
 `services.settings` makes of `DSV4_TOPK_DIAG` unset or 0); for K >= 1 it returns a
 `TopKDiagTrunk` that forwards every call to the model and, after each

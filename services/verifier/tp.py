@@ -1,4 +1,8 @@
-"""Tensor-parallel trunk for the verifier: rank 0 drives tp-1 worker processes (issue #4, DESIGN.md §10).
+"""Tensor-parallel trunk for the verifier: rank 0 drives tp-1 worker processes (docs/architecture.md §10).
+
+Owns rank 0's side of tensor parallelism: starting the workers, forming the process group and
+sending every trunk call to all ranks in one order; it never changes what a forward computes
+(`dsv4.tp` shards the model) and never waits without a deadline.
 
 `start_tp_trunk(cfg, weights, tp)` returns a plain loaded `Trunk` at tp=1 (no
 torch.distributed, no processes) and otherwise a `TPTrunk`: a proxy with the Trunk's call
@@ -9,8 +13,8 @@ forwards and issue the same collectives in the same order. Workers
 (`services.verifier.tp_worker`) keep their own states keyed by handle and loop on commands
 until `close()`.
 
-Start-up order (the seed lost ranks that waited 30 s while rank 0 loaded 167 GB): rank 0
-opens a TCP store, spawns the workers, every rank announces itself in the store and waits
+Start-up order (a short rendezvous loses ranks while rank 0 loads 167 GB, docs/architecture.md
+§12): rank 0 opens a TCP store, spawns the workers, every rank announces itself in the store and waits
 for the others (bounded by `DSV4_TP_INIT_TIMEOUT_S`, default 600 s), the process group is
 created, and only then does each rank load and shard its weights; rank 0 waits for every
 worker's "ready" within the same init deadline.
