@@ -72,7 +72,8 @@ class RoundRecord:
     plain_ms: measured wall times (ms) of the draft call, the verify call (k > 0) and the decode
     call (k = 0); None when not measured or not made.
 
-    Raises ValueError naming the field when a count is not an integer >= 0, accepted >
+    Counts are stored as int (numpy integers accepted). Raises ValueError naming the field
+    when a count is not an integer >= 0, accepted >
     submitted, submitted > drafted, submitted > len(confidence_logits), a reason that needs a
     draft has none (or one that forbids it has one), or a timing is not None or a finite number >= 0.
     """
@@ -93,6 +94,7 @@ class RoundRecord:
             raise ValueError(f"RoundRecord.reason={short_repr(self.reason)} must be a Reason")
         for name in ("drafted", "submitted", "accepted"):
             _count(name, getattr(self, name))
+            object.__setattr__(self, name, int(getattr(self, name)))  # numpy counts fold as plain ints
         if not self.accepted <= self.submitted <= self.drafted:
             raise ValueError(f"RoundRecord needs accepted={self.accepted} <= submitted={self.submitted}"
                              f" <= drafted={self.drafted}")
