@@ -67,15 +67,16 @@ class RoundRecord:
     drafted: draft tokens produced (0: no draft). submitted: drafts sent to verify (k; 0 = a
     plain decode step). accepted: drafts the verifier accepted (the bonus token not counted).
     cost: the cost model (ms) the round is priced under (the generation's snapshot, or the
-    replay's). confidence_logits: one per drafted position when the gate saw them, else None.
-    anchor_margin: the anchor's top1 - top2 logit, None when unknown. draft_ms, verify_ms,
-    plain_ms: measured wall times (ms) of the draft call, the verify call (k > 0) and the decode
-    call (k = 0); None when not measured or not made.
+    replay's). confidence_logits: the drafter's confidence logits, one per drafted position;
+    None without a confidence head or without a draft call. anchor_margin: the anchor's top1 -
+    top2 logit, None when unknown. draft_ms, verify_ms, plain_ms: measured wall times (ms) of
+    the draft call, the verify call (k > 0) and the decode call (k = 0); None when not measured
+    or not made.
 
     Counts are stored as int (numpy integers accepted). Raises ValueError naming the field
-    when a count is not an integer >= 0, accepted >
-    submitted, submitted > drafted, submitted > len(confidence_logits), a reason that needs a
-    draft has none (or one that forbids it has one), or a timing is not None or a finite number >= 0.
+    when a count is not an integer >= 0, accepted > submitted, submitted > drafted, submitted >
+    len(confidence_logits), a reason that needs a draft has none (or one that forbids it has
+    one), or a timing is not None or a finite number >= 0.
     """
 
     reason: Reason
