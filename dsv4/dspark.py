@@ -204,7 +204,7 @@ class DSparkDraft(nn.Module):
         dtype: linears, embedding and rings (torch.float32 or torch.bfloat16); norms, mHC
             parameters, attn_sink, gate, head, Markov and confidence heads stay fp32.
         quant_sim: fp8 activation simulation (spec §2.4); None -> cfg.quant_sim.
-        deterministic_reduce: MoE combine order; None -> `Settings.from_env()`.
+        deterministic_reduce: MoE combine order; None -> `Settings()`'s (ascending expert id).
         confidence_head: whether the module has (and its weights include) the confidence head.
         tp: this rank's `DraftTP` (default: TP=1).
     Raises:
@@ -223,7 +223,7 @@ class DSparkDraft(nn.Module):
         self.cfg, self.dtype, self.tp = cfg, dtype, tp if tp is not None else DraftTP()
         self.quant_sim = cfg.quant_sim if quant_sim is None else bool(quant_sim)
         if deterministic_reduce is None:
-            deterministic_reduce = Settings.from_env().moe_deterministic_reduce
+            deterministic_reduce = Settings().moe_deterministic_reduce
         self.has_confidence_head = confidence_head
         local_cfg = self.tp.local_config(cfg)
         self.embed = Embedding(cfg.vocab_size, cfg.dim, dtype, device)
@@ -456,10 +456,11 @@ class DSparkDraft(nn.Module):
 
 
 def load_draft_module(path, dtype: torch.dtype = torch.float32, tp: DraftTP | None = None,
-                      device: torch.device | str = "cpu") -> DSparkDraft:
+                      device: torch.device | str = "cpu", deterministic_reduce: bool | None = None) -> DSparkDraft:
     """The drafter process's loader: read the drafter's consumer set (`mtp.*`, embed, head) of a
     checkpoint folder (`dsv4.checkpoint.load_drafter_weights`) into a `DSparkDraft`, with the
-    confidence head iff the checkpoint has one; sharded for `tp`.
+    confidence head iff the checkpoint has one; sharded for `tp`. `deterministic_reduce`: as
+    `DSparkDraft`'s.
 
     Raises:
         ValueError: dtype not float32/bfloat16 (checked before reading anything), or a tensor
@@ -471,6 +472,7 @@ def load_draft_module(path, dtype: torch.dtype = torch.float32, tp: DraftTP | No
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype}: must be torch.float32 or torch.bfloat16")
     cfg, weights, has_conf = load_drafter_weights(path)
-    module = DSparkDraft(cfg, dtype=dtype, confidence_head=has_conf, tp=tp, device=device)
+    module = DSparkDraft(cfg, dtype=dtype, deterministic_reduce=deterministic_reduce, confidence_head=has_conf,
+                         tp=tp, device=device)
     module.load_weights(weights)
     return module

@@ -47,6 +47,7 @@ from dsv4.config import ModelConfig
 from dsv4.layers import ACT_QUANT_BLOCK, Embedding, Linear, frozen_param
 from dsv4.rope import Rope
 from dsv4.trunk import Trunk
+from kernels.select import KernelConfig
 
 BACKENDS = ("gloo", "nccl")
 
@@ -290,7 +291,7 @@ class VocabParallelHead(Linear):
 def build_rank_trunk(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], comm: Collectives,
                      plan: ShardPlan, dtype: torch.dtype = torch.float32, quant_sim: bool | None = None,
                      deterministic_reduce: bool | None = None,
-                     device: torch.device | str = "cpu") -> Trunk:
+                     device: torch.device | str = "cpu", kernels: KernelConfig | None = None) -> Trunk:
     """This rank's loaded `Trunk` shard: full logical `weights` in, `plan` applied.
 
     Every rank must build with the same cfg, plan, dtype and flags; the returned model's
@@ -300,7 +301,7 @@ def build_rank_trunk(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], comm
     """
     if plan.world_size != comm.world_size:
         raise ValueError(f"plan for tp={plan.world_size} used with a group of {comm.world_size} ranks")
-    model = Trunk(cfg, dtype, quant_sim, deterministic_reduce, device="meta")  # no memory yet
+    model = Trunk(cfg, dtype, quant_sim, deterministic_reduce, device="meta", kernels=kernels)  # no memory yet
     _shard_modules(model, cfg, plan, comm)
     _materialise(model, device)
     _restore_rope(model, cfg, device)

@@ -241,12 +241,11 @@ in bf16), not bitwise. "exact":
             or torch.bfloat16); norms, mHC parameters, attn_sink, ape, compressor linears,
             gate and head stay fp32.
         quant_sim: fp8/fp4 activation simulation (spec §2.4); None -> cfg.quant_sim.
-        deterministic_reduce: MoE combine order; None -> `Settings.from_env()`.
+        deterministic_reduce: MoE combine order; None -> `Settings()`'s (ascending expert id).
         device: where parameters and states live; "meta" builds the module tree without memory.
         verify_numerics: "fast" or "exact" (above).
         kernels: implementation of the `kernels/` ops the model uses (sparse attention of the
-            fast path, tap pooling); None -> `KernelConfig.from_env()` (torch unless
-            `DSV4_KERNELS=triton`).
+            fast path, tap pooling); None -> `KernelConfig()` (torch).
     Raises:
         ValueError: dtype not float32/bfloat16, verify_numerics not "fast"/"exact", or
             quant_sim on with sizes that do not fit its blocks (`ModelConfig.check_quant_sim_blocks`).
@@ -264,14 +263,14 @@ in bf16), not bitwise. "exact":
             raise ValueError(f"verify_numerics={verify_numerics!r}: must be one of {VERIFY_NUMERICS}")
         self.verify_numerics = verify_numerics
         self.exact_threads = torch.get_num_threads() if verify_numerics == "exact" else None
-        self.kernels = KernelConfig.from_env() if kernels is None else kernels
+        self.kernels = KernelConfig() if kernels is None else kernels
         self._lane_mean = self.kernels.op("lane_mean")
         self.cfg, self.dtype = cfg, dtype
         self.quant_sim = cfg.quant_sim if quant_sim is None else bool(quant_sim)
         if self.quant_sim:
             cfg.check_quant_sim_blocks()
         if deterministic_reduce is None:
-            deterministic_reduce = Settings.from_env().moe_deterministic_reduce
+            deterministic_reduce = Settings().moe_deterministic_reduce
         self.deterministic_reduce = bool(deterministic_reduce)
         D, C = cfg.dim, cfg.hc_mult
         self.embed = Embedding(cfg.vocab_size, D, dtype, device)

@@ -3,8 +3,8 @@
 `backend="torch"` picks the plain-torch `<op>_ref` (CPU or GPU, the default); `"triton"`
 picks the Triton kernel wrapper (CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1`).
 The triton modules are imported only when picked, so the torch backend never imports triton.
-The process default comes from `DSV4_KERNELS` (`dsv4.settings`); the model takes the config
-as a constructor argument and never reads a module global.
+A process's choice comes from `DSV4_KERNELS` (`dsv4.settings.Settings`, `from_settings`); the
+model takes the config as a constructor argument and never reads a module global.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable
 
 import torch
 
@@ -44,9 +44,9 @@ class KernelConfig:
             raise ValueError(f"kernel backend={self.backend!r}: must be one of {', '.join(KERNEL_BACKENDS)}")
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "KernelConfig":
-        """From `DSV4_KERNELS`, `DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4`, `DSV4_MOE_DETERMINISTIC_REDUCE`."""
-        s = Settings.from_env(env)
+    def from_settings(cls, s: Settings) -> "KernelConfig":
+        """The kernel switches of `s` (`DSV4_KERNELS`, `DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4`,
+        `DSV4_MOE_DETERMINISTIC_REDUCE`, parsed by `services.settings`)."""
         return cls(s.kernels, s.moe_multi_token_fp4, s.moe_deterministic_reduce)
 
     def op(self, name: str) -> Callable:

@@ -1,15 +1,17 @@
-"""Build and start the three services (used by `dspark serve|up`, tests and benchmarks).
+"""Build and start the three services (used by `dspark serve`, tests and benchmarks).
 
 A model source is a checkpoint folder in the real layout (`dsv4.checkpoint`) or, with no
 checkpoint, `random_tiny_model()`: the spec §13 tiny config with fixed random weights, for
 smoke tests. Each service process loads only its own consumer set: the verifier the trunk
 tensors, the drafter `mtp.*` + embed + head (the oracle drafter the trunk).
+Every setting arrives as an argument (`services.settings` parses the environment at the entry
+point); an omitted one takes its dataclass default, never the environment.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -20,8 +22,10 @@ from dsv4.config import ModelConfig, tiny_config
 from dsv4.dspark import DSparkDraft, load_draft_module
 from dsv4.init import random_weights
 from dsv4.trunk import Trunk
+from dsv4.settings import Settings as ModelSettings
+from kernels.select import KernelConfig
 from services.common.server import RunningServer, start_server
-from services.common.settings import BackendSettings, GatewaySettings
+from services.common.settings import DEFAULT_MAX_CONNECTION_AGE_S, BackendSettings, GatewaySettings
 from services.common.tls import TlsFiles
 from services.drafter.engine import DrafterEngine
 from services.drafter.live_oracle import LiveOracleDrafter
@@ -33,9 +37,13 @@ from services.gateway.servicer import Backends, GatewayServicer, connect_backend
 from services.gateway.tokenizer import load_tokenizer
 from services.verifier.engine import VerifierEngine
 from services.verifier.servicer import VerifierServicer
+from services.verifier.topk_diag import TopKDiagSettings, maybe_wrap
+
+if TYPE_CHECKING:  # imports torch.distributed: loaded only when tp > 1
+    from services.verifier.tp import TPSettings
 
 TINY_SEED = 0
-BUNDLED_CHECKPOINT = Path(__file__).resolve().parents[1] / "assets" / "dspark-small"  # issue #7's model
+BUNDLED_CHECKPOINT = Path(__file__).resolve().parents[1] / "assets" / "dspark-small"
 
 
 def default_checkpoint() -> str | None:
@@ -49,94 +57,100 @@ def random_tiny_config() -> ModelConfig:
 
 
 def load_trunk(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32, tp: int = 1,
-               device: str = "cpu", verify_numerics: str = "fast") -> Trunk:
+               device: str = "cpu", verify_numerics: str = "fast", model: ModelSettings | None = None,
+               tp_settings: TPSettings | None = None, topk: TopKDiagSettings | None = None) -> Trunk:
     """The verifier's trunk from a checkpoint folder, or the random tiny model when None.
 
-    tp > 1 starts tp - 1 worker processes (`services.verifier.tp.start_tp_trunk`) and returns
-    the rank-0 proxy, which `VerifierEngine` drives like a plain `Trunk`. verify_numerics
-    "exact" (`Trunk`'s exact mode: batched verify bitwise equal to decode) is TP=1 only.
+    tp > 1 starts tp - 1 worker processes (`services.verifier.tp.start_tp_trunk`, deadlines
+    `tp_settings`) and returns the rank-0 proxy, which `VerifierEngine` drives like a plain
+    `Trunk`. verify_numerics "exact" (`Trunk`'s exact mode: batched verify bitwise equal to
+    decode) is TP=1 only. model: the numerics switches (default `ModelSettings()`); topk: dump
+    every forward's top-k logits (`services.verifier.topk_diag`; every TP rank its own file).
     Raises:
-        ValueError: exact numerics requested with tp > 1.
+        ValueError: exact numerics requested with tp > 1; what the checkpoint loader raises.
     """
     if tp > 1 and verify_numerics != "fast":
         raise ValueError(f"DSPARK_VERIFY_NUMERICS={verify_numerics!r} needs --tp 1: exact mode is not "
                          "implemented under tensor parallelism")
+    model = ModelSettings() if model is None else model
     if tp > 1:
         from services.verifier.tp import start_tp_trunk
-        if checkpoint is None:
-            cfg = random_tiny_config()
-            return start_tp_trunk(cfg, random_weights(cfg, "trunk", TINY_SEED), tp, dtype, device=device)
-        return start_tp_trunk(None, str(checkpoint), tp, dtype, device=device)
+        cfg = random_tiny_config() if checkpoint is None else None
+        weights = random_weights(cfg, "trunk", TINY_SEED) if checkpoint is None else str(checkpoint)
+        return start_tp_trunk(cfg, weights, tp, dtype, device=device, settings=tp_settings, topk=topk,
+                              deterministic_reduce=model.moe_deterministic_reduce,
+                              kernels=KernelConfig.from_settings(model))
     if checkpoint is None:
         cfg = random_tiny_config()
         weights = random_weights(cfg, "trunk", TINY_SEED)
     else:
         from dsv4.checkpoint import load_trunk_weights
         cfg, weights = load_trunk_weights(checkpoint)
-    model = Trunk(cfg, dtype=dtype, device=device, verify_numerics=verify_numerics)
-    model.load_weights(weights)
-    return model
+    trunk = Trunk(cfg, dtype=dtype, device=device, verify_numerics=verify_numerics,
+                  deterministic_reduce=model.moe_deterministic_reduce, kernels=KernelConfig.from_settings(model))
+    trunk.load_weights(weights)
+    return maybe_wrap(trunk, topk)
 
 
-def load_drafter(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32) -> DSparkDraft:
-    """The drafter's DSpark module from a checkpoint folder, or the random tiny model when None."""
+def load_drafter(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32,
+                 model: ModelSettings | None = None) -> DSparkDraft:
+    """The drafter's DSpark module from a checkpoint folder, or the random tiny model when None;
+    `model`: the numerics switches (default `ModelSettings()`).
+
+    Raises:
+        ValueError, CheckpointError: what `dsv4.dspark.load_draft_module` raises.
+    """
+    reduce = (ModelSettings() if model is None else model).moe_deterministic_reduce
     if checkpoint is not None:
-        return load_draft_module(checkpoint, dtype=dtype)
+        return load_draft_module(checkpoint, dtype=dtype, deterministic_reduce=reduce)
     cfg = random_tiny_config()
-    module = DSparkDraft(cfg, dtype=dtype)
+    module = DSparkDraft(cfg, dtype=dtype, deterministic_reduce=reduce)
     module.load_weights(random_weights(cfg, "drafter", TINY_SEED))
     return module
 
 
-@dataclass
-class Services:
-    """Running in-process servers (tests, `dspark up --in-process`)."""
-
-    verifier: RunningServer | None = None
-    drafter: RunningServer | None = None
-    gateway: RunningServer | None = None
-    backends: Backends | None = None
-    scheduler: Scheduler | None = None
-
-    async def stop(self, grace_s: float = 1.0) -> None:
-        for s in (self.gateway, self.drafter, self.verifier):
-            if s is not None:
-                await s.stop(grace_s)
-        if self.backends is not None:
-            await self.backends.close()
-
-
 async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: str = "batched",
                          provider: TracerProvider | None = None, host: str = "127.0.0.1",
-                         credentials: grpc.ServerCredentials | None = None, tp: int = 1) -> RunningServer:
+                         credentials: grpc.ServerCredentials | None = None, tp: int = 1,
+                         max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S) -> RunningServer:
+    """Serve the Verifier over `engine` on host:port (0 = any free port); `default_mode` is the
+    verify path of requests that name none; credentials: TLS (None = plaintext);
+    max_connection_age_s: clients reconnect after it (s). Raises RuntimeError: port not bound."""
     servicer = VerifierServicer(engine, default_mode, provider, tp)
     return await start_server("dspark.v1.Verifier",
                               lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
-                              port, host, provider, credentials=credentials)
+                              port, host, provider, credentials=credentials, max_connection_age_s=max_connection_age_s)
 
 
 async def start_drafter(engine, port: int = 0, provider: TracerProvider | None = None,
-                        host: str = "127.0.0.1", credentials: grpc.ServerCredentials | None = None) -> RunningServer:
+                        host: str = "127.0.0.1", credentials: grpc.ServerCredentials | None = None,
+                        max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S) -> RunningServer:
+    """Serve the Drafter over `engine` (a `DrafterEngine` or an oracle drafter), as
+    `start_verifier`. Raises RuntimeError: port not bound."""
     servicer = DrafterServicer(engine, provider)
     return await start_server("dspark.v1.Drafter",
                               lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
-                              port, host, provider, credentials=credentials)
+                              port, host, provider, credentials=credentials, max_connection_age_s=max_connection_age_s)
 
 
 async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | None = None, port: int = 0,
                         provider: TracerProvider | None = None, checkpoint: str | Path | None = None,
                         recorder: list | None = None, host: str = "127.0.0.1",
                         backend_tls: TlsFiles | None = None, credentials: grpc.ServerCredentials | None = None,
-                        metrics=None) -> tuple[RunningServer, Scheduler, Backends]:
+                        metrics=None, max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S,
+                        ) -> tuple[RunningServer, Scheduler, Backends]:
     """Connect to the backends (identity check), then serve the Gateway.
 
+    gate_config: the gate (None = `GateConfig()`'s defaults).
     backend_tls: the gateway's client certificate and the backends' CA (mTLS; None = plaintext).
     credentials: TLS of the client-facing port (None = plaintext). `settings.token`, when set,
     is required from every client call (`services.gateway.auth`).
     metrics: a `services.gateway.metrics.GatewayMetrics` the scheduler records into (None: none).
+    max_connection_age_s: clients reconnect after it (s).
     Raises:
         IdentityMismatch: drafter and verifier serve different models.
         BackendError: the verifier is unreachable within the startup deadline.
+        RuntimeError: the port could not be bound.
     """
     if backend_tls is None:
         backends = Backends(settings, provider)
@@ -147,7 +161,7 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
     except BaseException:
         await backends.close()  # a refused pairing leaves no open channels behind
         raise
-    gate_config = gate_config or GateConfig.from_env()
+    gate_config = GateConfig() if gate_config is None else gate_config
     tokenizer = load_tokenizer(checkpoint, limits.vocab_size, limits.eos_token_id)
     scheduler = Scheduler(limits, tokenizer, gate_config, settings.verify_mode, settings.cost_mode,
                           provider, recorder, metrics)
@@ -155,21 +169,24 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
     auth = [BearerTokenInterceptor(settings.token)] if settings.token else []
     running = await start_server("dspark.v1.Gateway",
                                  lambda s: gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, s),
-                                 port, host, provider, credentials=credentials, interceptors=auth)
+                                 port, host, provider, credentials=credentials, interceptors=auth,
+                                 max_connection_age_s=max_connection_age_s)
     return running, scheduler, backends
 
 
 def verifier_engine(model: Trunk, settings: BackendSettings | None = None) -> VerifierEngine:
-    settings = settings or BackendSettings.from_env()
-    if isinstance(model, Trunk):  # DSV4_TOPK_DIAG dumps; a TP trunk wraps each rank itself
-        from services.verifier.topk_diag import maybe_wrap
-        model = maybe_wrap(model)
+    """A `VerifierEngine` over `model` (a `Trunk`, TP proxy or top-k wrapper) with
+    `settings.max_sessions` sessions (default `BackendSettings()`)."""
+    settings = BackendSettings() if settings is None else settings
     return VerifierEngine(model, max_sessions=settings.max_sessions)
 
 
 def drafter_engine(module_or_trunk, oracle: bool = False, settings: BackendSettings | None = None,
                    corrupt_every: int = 0):
-    settings = settings or BackendSettings.from_env()
+    """The drafter's engine: a `DrafterEngine` over a DSpark module, or with `oracle` a
+    `LiveOracleDrafter` over a trunk that corrupts one draft slot in `corrupt_every` positions
+    (0 = never); `settings.max_sessions` sessions (default `BackendSettings()`)."""
+    settings = BackendSettings() if settings is None else settings
     if oracle:
         return LiveOracleDrafter(module_or_trunk, settings.max_sessions, corrupt_every)
     return DrafterEngine(module_or_trunk, max_sessions=settings.max_sessions)

@@ -1,4 +1,6 @@
-"""The `dspark` command line: one subcommand per job (replay now; serve, up, generate later)."""
+"""The `dspark` command line: replay here; serve, up and generate in `services.serve_cli`;
+trace-report, calibrate and parity in `services.analysis.cli`. Settings come from the
+environment through `services.settings`, read once per command."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from services.gateway.replay import POLICIES, ReplayReport, WorkloadReport, comp
 from services.gateway.rounds import load_rounds
 from services.gateway.synthetic import DEFAULT_ROUNDS, DEFAULT_SEED, generate
 from services.gateway.values import parse_setting
+from services.settings import gate_config
 
 # GateConfig fields settable by flag (--draft-ms ...); each overrides its DEEPSEEK_DSPARK_GATE_* env value.
 _OVERRIDES = (
@@ -133,8 +136,9 @@ def render_report(report: ReplayReport, console: Console) -> None:
 
 
 def _config_from(args: argparse.Namespace) -> GateConfig:
-    """Env values, then the flags; a bad flag value raises ValueError naming the flag."""
-    config = GateConfig.from_env()
+    """The DEEPSEEK_DSPARK_GATE_* values, then the flags; a bad value raises ValueError naming
+    the variable or the flag."""
+    config = gate_config(os.environ)
     overrides = {k: parse_setting(k, getattr(args, k), _flag(k)) for k in _OVERRIDES if getattr(args, k) is not None}
     return replace(config, **overrides)
 

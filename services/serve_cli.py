@@ -22,9 +22,9 @@ from pathlib import Path
 import grpc
 
 from dspark_proto.v1 import gateway_pb2, gateway_pb2_grpc
+from services.common.settings import MAX_TIMEOUT_S, valid_token
+from services.settings import ProcessSettings, client_token, read_settings
 
-# == services.common.settings.MAX_TIMEOUT_S (a test checks; not imported: `generate` stays light)
-MAX_TIMEOUT_S = 1e8
 DEFAULT_PORTS = {"verifier": 50051, "drafter": 50052, "gateway": 50050}
 _SPEC = {"off": gateway_pb2.SPEC_MODE_OFF, "always": gateway_pb2.SPEC_MODE_ALWAYS,
          "gated": gateway_pb2.SPEC_MODE_GATED, "default": gateway_pb2.SPEC_MODE_DEFAULT}
@@ -73,39 +73,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     gen.set_defaults(func=_generate)
 
 
-def _checkpoint(args) -> str | None:
-    return args.checkpoint or os.environ.get("DSPARK_CHECKPOINT") or None
-
-
-def _check_settings(service: str, environ=os.environ, tp: int = 1) -> dict:
-    """Every setting `dspark serve <service>` reads, parsed before any model loads (fail fast).
-
-    Returns the keyword arguments of `_serve_async` (tls, gateway_tls, serve, backend, gateway).
-    Raises:
-        ValueError: naming the variable (or flag) and its value.
-    """
-    from services.common.settings import BackendSettings, GatewaySettings, ServeSettings
-    from services.common.tls import gateway_tls_from_env, tls_from_env
-    checked = {"serve": ServeSettings.from_env(environ), "tls": tls_from_env(environ),
-               "gateway_tls": None, "backend": None, "gateway": None}
-    if service == "gateway":
-        from services.gateway.gate import GateConfig  # DEEPSEEK_DSPARK_GATE_*: read again at the start
-        checked["gateway_tls"] = gateway_tls_from_env(environ)
-        checked["gateway"] = GatewaySettings.from_env(environ)
-        GateConfig.from_env(environ)
-        return checked
-    from dsv4.settings import Settings  # DSV4_KERNELS, ...: read again when the model is built
-    Settings.from_env(environ)
-    backend = checked["backend"] = BackendSettings.from_env(environ)
-    if service == "verifier":
-        from services.verifier.topk_diag import topk_setting
-        topk_setting(environ)
-        if tp > 1 and backend.verify_numerics != "fast":  # what `app.load_trunk` refuses, before it loads
-            raise ValueError(f"DSPARK_VERIFY_NUMERICS={backend.verify_numerics!r} needs --tp 1: exact mode "
-                             "is not implemented under tensor parallelism")
-    return checked
-
-
 def _check_writable(flag: str, path: str) -> None:
     """Refuse an output file that could not be written at shutdown (its rounds would be lost).
 
@@ -136,60 +103,47 @@ def _serve(args) -> int:
             raise ValueError(f"--port={port}: must be in [0, 65535]")
         if args.tp < 1:
             raise ValueError(f"--tp={args.tp}: must be >= 1")
-        checked = _check_settings(args.service, tp=args.tp)
+        settings = read_settings(os.environ, args.service, tp=args.tp,
+                                 checkpoint_flag=getattr(args, "checkpoint", None),
+                                 metrics_port_flag=getattr(args, "metrics_port", None))
         if getattr(args, "record_rounds", None) is not None:
             _check_writable("--record-rounds", args.record_rounds)
-        from services.gateway.metrics import metrics_port
-        args.metrics_port = metrics_port(args.metrics_port) if args.service == "gateway" else None
     except ValueError as exc:
         print(f"dspark serve {args.service}: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(_serve_async(args, port, **checked))
+        asyncio.run(_serve_async(args, port, settings))
     except _STARTUP_ERRORS as exc:
         print(f"dspark serve {args.service}: {exc}", file=sys.stderr)
         return 2
     return 0
 
 
-async def _serve_async(args, port: int, *, tls, gateway_tls, serve, backend, gateway) -> None:
-    """Start `args.service` and serve until SIGTERM, with the settings `_check_settings` parsed
-    (backend: verifier and drafter; gateway, gateway_tls: the gateway)."""
-    from services import app
-    from services.common.server import run_until_signal
-    from services.common.tls import start_health_server
-    from services.common.telemetry import tracer_provider_from_env
+async def _serve_async(args, port: int, settings: ProcessSettings) -> None:
+    """Start `settings.service` on `port` and serve until SIGTERM, then drain, write the
+    recorded rounds (gateway, `--record-rounds`) and flush the spans.
 
-    provider = tracer_provider_from_env(f"dspark-{args.service}")
-    ckpt = _checkpoint(args)
-    recorder = metrics = health = running = None
+    Raises:
+        ValueError, RuntimeError: a start-up failure (bad checkpoint, port in use, backends
+            unreachable or mismatched), reported by `_serve` as one line.
+    """
+    from services.common.server import run_until_signal
+    from services.common.telemetry import tracer_provider
+    from services.common.tls import start_health_server
+
+    provider = tracer_provider(f"dspark-{settings.service}", settings.telemetry)
+    recorder = [] if settings.service == "gateway" and args.record_rounds else None
+    metrics = health = running = None
     stopped = False
     try:
-        if args.service == "verifier":
-            tp = getattr(args, "tp", 1)
-            trunk = app.load_trunk(ckpt, tp=tp, device=getattr(args, "device", "cpu"),
-                                   verify_numerics=backend.verify_numerics)
-            running = await app.start_verifier(app.verifier_engine(trunk, backend), port,
-                                               backend.verify_mode, provider, args.host, tp=tp,
-                                               credentials=tls and tls.server_credentials())
-        elif args.service == "drafter":
-            model = app.load_trunk(ckpt) if args.oracle else app.load_drafter(ckpt)
-            engine = app.drafter_engine(model, args.oracle, backend, args.oracle_corrupt_every)
-            running = await app.start_drafter(engine, port, provider, args.host,
-                                              credentials=tls and tls.server_credentials())
-        else:
-            recorder = [] if args.record_rounds else None
-            if args.metrics_port is not None:
-                from services.gateway.metrics import GatewayMetrics
-                metrics = GatewayMetrics()
-                metrics.serve(args.metrics_port, args.host)
-            running, _, backends = await app.start_gateway(
-                gateway, port=port, provider=provider, checkpoint=ckpt,
-                recorder=recorder, host=args.host, backend_tls=tls,
-                credentials=gateway_tls and gateway_tls.server_credentials(), metrics=metrics)
-        if serve.health_port is not None:
-            health, _ = await start_health_server(running.health, serve.health_port, args.host)
-        await run_until_signal(running, serve.drain_timeout_s)
+        if settings.metrics_port is not None:
+            from services.gateway.metrics import GatewayMetrics
+            metrics = GatewayMetrics()
+            metrics.serve(settings.metrics_port, args.host)
+        running = await _start(args, port, settings, provider, recorder, metrics)
+        if settings.serve.health_port is not None:
+            health, _ = await start_health_server(running.health, settings.serve.health_port, args.host)
+        await run_until_signal(running, settings.serve.drain_timeout_s)
         stopped = True
     finally:
         if health is not None:
@@ -203,6 +157,31 @@ async def _serve_async(args, port: int, *, tls, gateway_tls, serve, backend, gat
         if metrics is not None:
             metrics.close()
         provider.shutdown()
+
+
+async def _start(args, port: int, s: ProcessSettings, provider, recorder: list | None, metrics):
+    """Load the model `s.service` needs and start its server (a `RunningServer`)."""
+    from services import app
+
+    tls = s.tls.server_credentials() if s.tls is not None else None
+    age = s.serve.max_connection_age_s
+    if s.service == "verifier":
+        tp = getattr(args, "tp", 1)
+        trunk = app.load_trunk(s.checkpoint, tp=tp, device=getattr(args, "device", "cpu"),
+                               verify_numerics=s.backend.verify_numerics, model=s.model, tp_settings=s.tp,
+                               topk=s.topk)
+        return await app.start_verifier(app.verifier_engine(trunk, s.backend), port, s.backend.verify_mode,
+                                        provider, args.host, credentials=tls, tp=tp, max_connection_age_s=age)
+    if s.service == "drafter":
+        model = app.load_trunk(s.checkpoint, model=s.model) if args.oracle else app.load_drafter(s.checkpoint,
+                                                                                                  model=s.model)
+        engine = app.drafter_engine(model, args.oracle, s.backend, args.oracle_corrupt_every)
+        return await app.start_drafter(engine, port, provider, args.host, credentials=tls, max_connection_age_s=age)
+    running, _, _ = await app.start_gateway(
+        s.gateway, s.gate, port=port, provider=provider, checkpoint=s.checkpoint, recorder=recorder,
+        host=args.host, backend_tls=s.tls, credentials=s.gateway_tls and s.gateway_tls.server_credentials(),
+        metrics=metrics, max_connection_age_s=age)
+    return running
 
 
 def up_ports(port_base: int) -> dict[str, int]:
@@ -232,9 +211,7 @@ def _up(args) -> int:
     env.setdefault("DSPARK_STARTUP_TIMEOUT_S", "120")
     try:  # the three children's settings, checked once here before anything starts
         for service in ("verifier", "drafter", "gateway"):
-            _check_settings(service, env)
-        from services.gateway.metrics import metrics_port
-        metrics_port(None, env)
+            read_settings(env, service)
     except ValueError as exc:
         print(f"dspark up: {exc}", file=sys.stderr)
         return 2
@@ -277,9 +254,8 @@ def _generate(args) -> int:
         print(f"dspark generate: --timeout={args.timeout:g} must be > 0 and <= {MAX_TIMEOUT_S:.10g} s",
               file=sys.stderr)
         return 2
-    source = "DSPARK_GATEWAY_TOKEN" if args.token is None else "--token"
-    args.token = os.environ.get("DSPARK_GATEWAY_TOKEN", "") if args.token is None else args.token
-    if args.token and not (args.token.isascii() and args.token.isprintable() and " " not in args.token):
+    args.token, source = client_token(args.token, os.environ)
+    if args.token and not valid_token(args.token):
         # as the gateway checks its own DSPARK_GATEWAY_TOKEN; gRPC metadata would refuse it anyway
         print(f"dspark generate: {source}: the token must be printable ASCII without spaces (value not shown)",
               file=sys.stderr)

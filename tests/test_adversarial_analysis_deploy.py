@@ -20,9 +20,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.analysis.traces import Span, load_spans, span_to_json
 from services.common.server import start_server
-from services.common.settings import MAX_CONNECTION_AGE_S, MAX_TIMEOUT_S, GatewaySettings, ServeSettings
+from services.common.settings import MAX_CONNECTION_AGE_S, MAX_TIMEOUT_S
 from services.gateway.metrics import GatewayMetrics
-from services.verifier.topk_diag import maybe_wrap
+from services.settings import gateway_settings, model_settings, serve_settings
+from services.verifier.topk_diag import TopKDiagSettings, maybe_wrap
 
 REPO = Path(__file__).resolve().parents[1]
 TRACE = "a" * 32
@@ -227,21 +228,22 @@ def test_bad_gateway_settings_name_the_variable_and_value(env, message):
     # before: an empty or port-99999 target failed only at start-up ("DEADLINE_EXCEEDED"); a
     # 1e10 s timeout made every backend call fail at once with DEADLINE_EXCEEDED
     with pytest.raises(ValueError) as err:
-        GatewaySettings.from_env(env)
+        gateway_settings(env)
     assert str(err.value) == message
 
 
-def test_connection_age_past_grpcs_int_milliseconds_is_refused_and_the_largest_allowed_serves(monkeypatch):
+def test_connection_age_past_grpcs_int_milliseconds_is_refused_and_the_largest_allowed_serves():
     # before: DSPARK_MAX_CONNECTION_AGE_S=1e7 crashed start_server with OverflowError inside grpc
     with pytest.raises(ValueError) as err:
-        ServeSettings.from_env({"DSPARK_MAX_CONNECTION_AGE_S": "1e7"})
+        serve_settings({"DSPARK_MAX_CONNECTION_AGE_S": "1e7"})
     assert str(err.value) == "DSPARK_MAX_CONNECTION_AGE_S='1e7': must be a number > 0 and <= 2147483.647"
-    monkeypatch.setenv("DSPARK_MAX_CONNECTION_AGE_S", repr(MAX_CONNECTION_AGE_S))
-    monkeypatch.setenv("DSPARK_DRAIN_TIMEOUT_S", repr(MAX_TIMEOUT_S))
-    assert ServeSettings.from_env().drain_timeout_s == MAX_TIMEOUT_S
+    serve = serve_settings({"DSPARK_MAX_CONNECTION_AGE_S": repr(MAX_CONNECTION_AGE_S),
+                            "DSPARK_DRAIN_TIMEOUT_S": repr(MAX_TIMEOUT_S)})
+    assert serve.drain_timeout_s == MAX_TIMEOUT_S
 
     async def scenario():
-        running = await start_server("dspark.test", lambda s: None, 0)
+        running = await start_server("dspark.test", lambda s: None, 0,
+                                     max_connection_age_s=serve.max_connection_age_s)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
                 stub = health_pb2_grpc.HealthStub(channel)
@@ -281,7 +283,7 @@ def test_triton_backend_without_a_device_or_interpreter_fails_at_construction_na
         KernelConfig("triton").op("sparse_attn")
     assert str(err.value) == message
     with pytest.raises(ValueError) as err:
-        Trunk(random_tiny_config(), kernels=KernelConfig.from_env({"DSV4_KERNELS": "triton"}))
+        Trunk(random_tiny_config(), kernels=KernelConfig.from_settings(model_settings({"DSV4_KERNELS": "triton"})))
     assert str(err.value) == message
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert KernelConfig("triton").op("sparse_attn").__name__ == "sparse_attn"
@@ -292,5 +294,5 @@ def test_triton_backend_without_a_device_or_interpreter_fails_at_construction_na
 def test_topk_dump_folder_that_refuses_files_names_the_variable():
     # before: FileNotFoundError from open() after the model had loaded, naming no variable
     with pytest.raises(ValueError) as err:
-        maybe_wrap("model", environ={"DSV4_TOPK_DIAG": "4", "DSV4_TOPK_DIAG_DIR": "/proc"})
+        maybe_wrap("model", TopKDiagSettings(4, Path("/proc")))
     assert str(err.value).startswith("DSV4_TOPK_DIAG_DIR='/proc': cannot create the dump topk-rank0-pid")

@@ -17,7 +17,8 @@ from services.gateway.backends import LocalDrafterSession, LocalVerifierSession
 from services.gateway.gate import GateConfig
 from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler
 from services.verifier.engine import VerifierEngine
-from services.verifier.topk_diag import TopKDiagTrunk, maybe_wrap, topk_setting
+from services.settings import topk_diag_settings
+from services.verifier.topk_diag import TopKDiagTrunk, maybe_wrap
 from services.verifier.tp import start_tp_trunk
 from services_fixtures import tiny_tokenizer, tiny_trunk
 
@@ -107,14 +108,14 @@ def test_parity_cli_exit_codes(tmp_path, capsys):
                                             ("-3", "DSV4_TOPK_DIAG='-3'")])
 def test_bad_topk_setting_names_the_variable(value, message):
     with pytest.raises(ValueError, match=message):
-        topk_setting({"DSV4_TOPK_DIAG": value})
+        topk_diag_settings({"DSV4_TOPK_DIAG": value})
 
 
 def test_topk_setting_off_and_missing_directory(tmp_path):
-    assert topk_setting({}) is None and topk_setting({"DSV4_TOPK_DIAG": "0"}) is None
-    assert maybe_wrap("model", environ={}) == "model"
+    assert topk_diag_settings({}) is None and topk_diag_settings({"DSV4_TOPK_DIAG": "0"}) is None
+    assert maybe_wrap("model", None) == "model"
     with pytest.raises(ValueError, match="DSV4_TOPK_DIAG_DIR="):
-        topk_setting({"DSV4_TOPK_DIAG": "4", "DSV4_TOPK_DIAG_DIR": str(tmp_path / "nope")})
+        topk_diag_settings({"DSV4_TOPK_DIAG": "4", "DSV4_TOPK_DIAG_DIR": str(tmp_path / "nope")})
 
 
 async def _generate(engine, spec: str, verify_mode: str, prompt: str, max_tokens: int) -> list[int]:
@@ -135,10 +136,10 @@ async def _generate(engine, spec: str, verify_mode: str, prompt: str, max_tokens
     return tokens
 
 
-def test_sequential_and_batched_verify_dumps_agree_under_parity(tmp_path, monkeypatch):
-    monkeypatch.setenv("DSV4_TOPK_DIAG", "8")
-    monkeypatch.setenv("DSV4_TOPK_DIAG_DIR", str(tmp_path))
-    engines = {mode: verifier_engine(tiny_trunk(), BackendSettings()) for mode in ("sequential", "batched")}
+def test_sequential_and_batched_verify_dumps_agree_under_parity(tmp_path):
+    topk = topk_diag_settings({"DSV4_TOPK_DIAG": "8", "DSV4_TOPK_DIAG_DIR": str(tmp_path)})
+    engines = {mode: verifier_engine(maybe_wrap(tiny_trunk(), topk), BackendSettings())
+               for mode in ("sequential", "batched")}
     assert all(isinstance(e.model, TopKDiagTrunk) for e in engines.values())
     tokens = {mode: asyncio.run(_generate(e, "always", mode, "def fibonacci(n):", 24)) for mode, e in engines.items()}
     a, b = (str(engines[m].model.path) for m in ("sequential", "batched"))
@@ -170,14 +171,13 @@ def _steps(model) -> None:
     engine.close_session(sid)
 
 
-def test_every_tp_rank_writes_its_dump_and_tp2_agrees_with_tp1(tmp_path, monkeypatch):
-    monkeypatch.setenv("DSV4_TOPK_DIAG", "4")
-    monkeypatch.setenv("DSV4_TOPK_DIAG_DIR", str(tmp_path))  # the spawned rank inherits the environment
+def test_every_tp_rank_writes_its_dump_and_tp2_agrees_with_tp1(tmp_path):
+    topk = topk_diag_settings({"DSV4_TOPK_DIAG": "4", "DSV4_TOPK_DIAG_DIR": str(tmp_path)})  # every rank gets it
     cfg = random_tiny_config()
     weights = random_weights(cfg, "trunk", TINY_SEED)
-    tp1 = maybe_wrap(start_tp_trunk(cfg, weights, 1))
+    tp1 = maybe_wrap(start_tp_trunk(cfg, weights, 1), topk)
     _steps(tp1)
-    tp2 = start_tp_trunk(cfg, weights, 2)
+    tp2 = start_tp_trunk(cfg, weights, 2, topk=topk)
     try:
         _steps(tp2)
         rank0 = tp2.model.path

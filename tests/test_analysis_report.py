@@ -13,6 +13,7 @@ from services.analysis.report import (BucketStat, build_report, fit_costs, gate_
                                       report_to_dict)
 from services.analysis.traces import Span, load_spans, span_to_json
 from services.gateway.gate import Gate, GateConfig
+from services.settings import gate_config
 
 BASE, SLOPE, DRAFT, PLAIN = 300.0, 109.0, 196.0, 303.0  # the seed's costs (ms)
 NOISE = 0.03  # relative noise of every synthetic timing
@@ -136,7 +137,7 @@ def test_gate_lines_are_ready_to_use_and_clamp_what_the_gate_refuses(synthetic):
     fit = build_report(spans).fit
     lines, notes = gate_env_lines(fit)
     env = dict(line.split("=", 1) for line in lines)
-    cfg = GateConfig.from_env(env)  # the strict parser of docs/gate.md §8 accepts them as printed
+    cfg = gate_config(env)  # the strict parser of docs/gate.md §8 accepts them as printed
     assert cfg.verify_slope_ms == pytest.approx(fit.verify_slope_ms, abs=1e-3)
     assert cfg.plain_ms == pytest.approx(fit.plain_ms, abs=1e-3) and notes == []
     bad = fit.__class__(-12.0, -0.5, 2.0, 0.0, 10, 2, 3, 3, 1.0)
@@ -145,7 +146,7 @@ def test_gate_lines_are_ready_to_use_and_clamp_what_the_gate_refuses(synthetic):
     assert env["DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS"] == "0.000"
     assert env["DEEPSEEK_DSPARK_GATE_PLAIN_MS"] == "0.001"
     assert len(notes) == 3
-    GateConfig.from_env(env)
+    gate_config(env)
 
 
 def test_time_split_counts_and_generation_figures_from_synthetic_spans(synthetic):

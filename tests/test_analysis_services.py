@@ -29,7 +29,8 @@ from services.app import start_gateway
 from services.common.server import channel_options
 from services.common.telemetry import JsonLinesSpanExporter
 from services.gateway.gate import GateConfig
-from services.gateway.metrics import DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, GatewayMetrics, metrics_port
+from services.gateway.metrics import DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS, GatewayMetrics
+from services.settings import gate_config, metrics_port
 from services_fixtures import collect, gen_request, spec_counts, start_stack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +139,7 @@ def test_fitted_costs_from_a_real_run_are_usable_gate_settings(report):
                                                       "DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS",
                                                       "DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS",
                                                       "DEEPSEEK_DSPARK_GATE_PLAIN_MS"]
-    GateConfig.from_env(dict(line.split("=", 1) for line in lines))
+    gate_config(dict(line.split("=", 1) for line in lines))
 
 
 def test_plots_are_written_as_nontrivial_pngs(report, tmp_path):

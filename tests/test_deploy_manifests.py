@@ -26,9 +26,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.common.settings import BackendSettings, GatewaySettings, ServeSettings
-from services.common.telemetry import EXPORTERS
-from services.gateway.gate import GateConfig
+from services.common.settings import EXPORTERS
+from services.settings import backend_settings, gate_config, gateway_settings, serve_settings
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -230,12 +229,12 @@ def test_settings_configmap_parses_with_the_services_own_readers(overlay):
     data = settings_of(objects(overlay))
     assert GATE_KEYS <= data.keys()
     assert {"OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_SAMPLER"} <= data.keys()
-    gate = GateConfig.from_env(data)
+    gate = gate_config(data)
     assert gate.enabled and gate.margin == 1.15
-    gateway = GatewaySettings.from_env(data)
+    gateway = gateway_settings(data)
     assert gateway.drafter_failovers == 2 and not gateway.token  # the token comes from a Secret
-    BackendSettings.from_env(data)
-    serve = ServeSettings.from_env(data)
+    backend_settings(data)
+    serve = serve_settings(data)
     assert serve.health_port == 8081
     assert serve.drain_timeout_s > gateway.generation_timeout_s
     assert all(n.strip() in EXPORTERS for n in data["OTEL_TRACES_EXPORTER"].split(","))
@@ -315,8 +314,8 @@ def test_compose_file_passes_compose_config_and_wires_the_services():
         assert service["command"][0] == name
         health_port = service["environment"]["DSPARK_HEALTH_PORT"]
         assert service["healthcheck"]["test"][3] == f"127.0.0.1:{health_port}"
-    assert GatewaySettings.from_env(svc["gateway"]["environment"]).drafter_failovers == 2
-    GateConfig.from_env(svc["gateway"]["environment"])
+    assert gateway_settings(svc["gateway"]["environment"]).drafter_failovers == 2
+    gate_config(svc["gateway"]["environment"])
     with_collector = compose("-f", "deploy/compose.yaml", "--profile", "telemetry", "config", "--services")
     assert with_collector.returncode == 0 and "otel-collector" in with_collector.stdout.split()
 

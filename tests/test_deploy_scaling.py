@@ -39,6 +39,7 @@ from services.common.server import channel_options
 from services.common.settings import BackendSettings, GatewaySettings, backend_target
 from services.common.tensors import from_proto
 from services.gateway.gate import GateConfig
+from services.settings import gateway_settings
 from services.verifier.engine import VerifierEngine
 from services_fixtures import RPC_TIMEOUT_S, collect, gen_request, service_loop, tiny_trunk
 
@@ -367,7 +368,7 @@ def test_verifier_rows_op_returns_the_last_committed_rows_as_sent():
     ("drafter:50052", "drafter:50052"),
 ])
 def test_backend_targets_accept_address_lists_and_grpc_targets(value, expected):
-    assert GatewaySettings.from_env({"DSPARK_DRAFTER_TARGET": value}).drafter_target == expected
+    assert gateway_settings({"DSPARK_DRAFTER_TARGET": value}).drafter_target == expected
 
 
 @pytest.mark.parametrize("env, message", [
@@ -379,9 +380,9 @@ def test_backend_targets_accept_address_lists_and_grpc_targets(value, expected):
 ])
 def test_bad_backend_settings_are_refused_naming_the_variable(env, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        GatewaySettings.from_env(env)
+        gateway_settings(env)
 
 
 def test_failovers_zero_keeps_the_old_behaviour_and_the_default_is_two():
-    assert GatewaySettings.from_env({}).drafter_failovers == 2
-    assert GatewaySettings.from_env({"DSPARK_DRAFTER_FAILOVERS": "0"}).drafter_failovers == 0
+    assert gateway_settings({}).drafter_failovers == 2
+    assert gateway_settings({"DSPARK_DRAFTER_FAILOVERS": "0"}).drafter_failovers == 0

@@ -26,9 +26,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from dspark_proto.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
 from services.app import drafter_engine, start_drafter, start_gateway, start_verifier, verifier_engine
 from services.common.settings import BackendSettings, GatewaySettings
-from services.common.tls import TlsFiles, gateway_tls_from_env, start_health_server, tls_from_env
+from services.common.tls import TlsFiles, start_health_server
 from services.gateway.backends import BackendError
 from services.gateway.gate import GateConfig
+from services.settings import gateway_settings, gateway_tls_files, tls_files
 from services_fixtures import collect, gen_request, service_loop, tiny_trunk
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,12 +97,12 @@ def pki(tmp_path_factory) -> dict[str, Path]:
 
 
 def server_tls(pki) -> TlsFiles:
-    return tls_from_env({"DSPARK_TLS_CERT": str(pki["server"]), "DSPARK_TLS_KEY": str(pki["server_key"]),
+    return tls_files({"DSPARK_TLS_CERT": str(pki["server"]), "DSPARK_TLS_KEY": str(pki["server_key"]),
                          "DSPARK_TLS_CA": str(pki["ca"])})
 
 
 def client_tls(pki, who: str = "client") -> TlsFiles:
-    return tls_from_env({"DSPARK_TLS_CERT": str(pki[who]), "DSPARK_TLS_KEY": str(pki[f"{who}_key"]),
+    return tls_files({"DSPARK_TLS_CERT": str(pki[who]), "DSPARK_TLS_KEY": str(pki[f"{who}_key"]),
                          "DSPARK_TLS_CA": str(pki["ca"])})
 
 
@@ -200,7 +201,7 @@ def token_gateway(pki):
         settings = GatewaySettings(verifier_target=f"127.0.0.1:{verifier.port}",
                                    drafter_target=f"127.0.0.1:{drafter.port}", verify_mode="sequential",
                                    token=TOKEN)
-        public = gateway_tls_from_env({"DSPARK_GATEWAY_TLS_CERT": str(pki["server"]),
+        public = gateway_tls_files({"DSPARK_GATEWAY_TLS_CERT": str(pki["server"]),
                                        "DSPARK_GATEWAY_TLS_KEY": str(pki["server_key"])})
         gw, _, backends = await start_gateway(settings, GateConfig(), credentials=public.server_credentials())
         return verifier, drafter, gw, backends
@@ -315,20 +316,20 @@ def test_plaintext_health_port_beside_an_mtls_port_serves_only_health_and_shows_
 # ---------------------------------------------------------------------------- settings
 def test_tls_settings_errors_name_the_variable_and_the_file(pki):
     with pytest.raises(ValueError, match="DSPARK_TLS_CERT set without DSPARK_TLS_KEY, DSPARK_TLS_CA"):
-        tls_from_env({"DSPARK_TLS_CERT": str(pki["server"])})
+        tls_files({"DSPARK_TLS_CERT": str(pki["server"])})
     env = {"DSPARK_TLS_CERT": str(pki["server"]), "DSPARK_TLS_KEY": str(pki["server_key"]),
            "DSPARK_TLS_CA": str(pki["not-pem"])}
     with pytest.raises(ValueError, match=f"DSPARK_TLS_CA='{pki['not-pem']}': not a PEM file"):
-        tls_from_env(env)
+        tls_files(env)
     with pytest.raises(ValueError, match="DSPARK_TLS_KEY=.*cannot read"):
-        tls_from_env({**env, "DSPARK_TLS_CA": str(pki["ca"]), "DSPARK_TLS_KEY": str(pki["server_key"]) + ".gone"})
+        tls_files({**env, "DSPARK_TLS_CA": str(pki["ca"]), "DSPARK_TLS_KEY": str(pki["server_key"]) + ".gone"})
     with pytest.raises(ValueError, match="not a certificate chain with its private key"):
-        tls_from_env({**env, "DSPARK_TLS_CA": str(pki["ca"]), "DSPARK_TLS_KEY": str(pki["client_key"])})
+        tls_files({**env, "DSPARK_TLS_CA": str(pki["ca"]), "DSPARK_TLS_KEY": str(pki["client_key"])})
     with pytest.raises(ValueError, match="DSPARK_GATEWAY_TLS_KEY set without DSPARK_GATEWAY_TLS_CERT"):
-        gateway_tls_from_env({"DSPARK_GATEWAY_TLS_KEY": str(pki["server_key"])})
-    assert tls_from_env({}) is None and gateway_tls_from_env({}) is None  # plaintext by default
+        gateway_tls_files({"DSPARK_GATEWAY_TLS_KEY": str(pki["server_key"])})
+    assert tls_files({}) is None and gateway_tls_files({}) is None  # plaintext by default
     with pytest.raises(ValueError, match=r"DSPARK_GATEWAY_TOKEN: must be printable ASCII .*\(value not shown\)"):
-        GatewaySettings.from_env({"DSPARK_GATEWAY_TOKEN": "two words"})
+        gateway_settings({"DSPARK_GATEWAY_TOKEN": "two words"})
     assert "token" not in repr(GatewaySettings(token=TOKEN)) and TOKEN not in repr(GatewaySettings(token=TOKEN))
 
 

@@ -19,8 +19,9 @@ from dsv4.indexer import index_scores, select_topk
 from dsv4.mhc import hc_head, hc_post, hc_pre, split_sinkhorn
 from dsv4.moe import Expert
 from dsv4.rope import Rope, apply_rope, rope_inv_freq, yarn_ramp_bounds
-from dsv4.settings import ENV_MOE_DETERMINISTIC_REDUCE, Settings
+from dsv4.settings import ENV_MOE_DETERMINISTIC_REDUCE
 from dsv4.trunk import Trunk
+from services.settings import model_settings
 
 CFG = tiny_config()
 
@@ -56,26 +57,26 @@ def rel(a, b):
 
 # ----------------------------------------------------------------------------- settings
 def test_settings_default_is_deterministic_reduce():
-    assert Settings.from_env({}).moe_deterministic_reduce is True
-    assert Settings.from_env({ENV_MOE_DETERMINISTIC_REDUCE: ""}).moe_deterministic_reduce is True
+    assert model_settings({}).moe_deterministic_reduce is True
+    assert model_settings({ENV_MOE_DETERMINISTIC_REDUCE: ""}).moe_deterministic_reduce is True
 
 
 @pytest.mark.parametrize("raw, expected", [("0", False), ("1", True), (" 0 ", False)])
 def test_settings_reads_deterministic_reduce(raw, expected):
-    assert Settings.from_env({ENV_MOE_DETERMINISTIC_REDUCE: raw}).moe_deterministic_reduce is expected
+    assert model_settings({ENV_MOE_DETERMINISTIC_REDUCE: raw}).moe_deterministic_reduce is expected
 
 
 @pytest.mark.parametrize("raw", ["yes", "2", "true", "-1"])
 def test_settings_invalid_value_names_variable_and_value(raw):
     with pytest.raises(ValueError, match=f"{ENV_MOE_DETERMINISTIC_REDUCE}={raw!r}"):
-        Settings.from_env({ENV_MOE_DETERMINISTIC_REDUCE: raw})
+        model_settings({ENV_MOE_DETERMINISTIC_REDUCE: raw})
 
 
-def test_trunk_takes_deterministic_reduce_from_env(monkeypatch):
-    monkeypatch.setenv(ENV_MOE_DETERMINISTIC_REDUCE, "0")
-    assert Trunk(CFG, device="meta").layers[3].ffn.deterministic_reduce is False
-    monkeypatch.setenv(ENV_MOE_DETERMINISTIC_REDUCE, "1")
-    assert Trunk(CFG, device="meta").layers[3].ffn.deterministic_reduce is True
+def test_trunk_takes_deterministic_reduce_from_the_settings():
+    for raw, expected in (("0", False), ("1", True)):
+        reduce = model_settings({ENV_MOE_DETERMINISTIC_REDUCE: raw}).moe_deterministic_reduce
+        assert Trunk(CFG, deterministic_reduce=reduce, device="meta").layers[3].ffn.deterministic_reduce is expected
+    assert Trunk(CFG, device="meta").layers[3].ffn.deterministic_reduce is True  # no setting: the default
 
 
 # ----------------------------------------------------------------------------- rope

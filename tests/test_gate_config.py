@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from services.gateway.gate import ENV_VARS, GateConfig
+from services.settings import gate_config
 
 FOUR_HUNDRED_ONES = "1" * 400
 
@@ -38,13 +39,13 @@ def test_env_names_are_the_seeds():
 
 
 def test_defaults_from_empty_environment_are_the_seeds():
-    config = GateConfig.from_env({})
+    config = gate_config({})
     assert {k: getattr(config, k) for k in SEED_DEFAULTS} == SEED_DEFAULTS
     assert config == GateConfig()
 
 
 def test_unrelated_variables_are_ignored():
-    assert GateConfig.from_env({"DEEPSEEK_DSPARK_GATE_FOO": "x", "PATH": "/bin"}) == GateConfig()
+    assert gate_config({"DEEPSEEK_DSPARK_GATE_FOO": "x", "PATH": "/bin"}) == GateConfig()
 
 
 def test_overrides_parse_every_variable():
@@ -59,7 +60,7 @@ def test_overrides_parse_every_variable():
         "DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS": " 2 ",
         "DEEPSEEK_DSPARK_GATE_PLAIN_MS": "25",
     }
-    config = GateConfig.from_env(env)
+    config = gate_config(env)
     assert config == GateConfig(True, 4.0, 1.3, 2, 1.0, 20.5, 30.0, 2.0, 25.0)
     assert isinstance(config.min_draft, int)
     cost = config.cost_model()
@@ -70,7 +71,7 @@ def test_overrides_parse_every_variable():
     ("raw", "expected"), [("0", False), ("1", True), ("true", True), ("FALSE", False), ("True", True)]
 )
 def test_gate_switch_words(raw, expected):
-    assert GateConfig.from_env({"DEEPSEEK_DSPARK_GATE": raw}).enabled is expected
+    assert gate_config({"DEEPSEEK_DSPARK_GATE": raw}).enabled is expected
 
 
 @pytest.mark.parametrize(("var", "raw"), [
@@ -109,7 +110,7 @@ def test_gate_switch_words(raw, expected):
 ])
 def test_invalid_value_names_variable_and_value(var, raw):
     with pytest.raises(ValueError) as info:
-        GateConfig.from_env({var: raw})
+        gate_config({var: raw})
     message = str(info.value)
     assert f"{var}=" in message
     assert repr(raw) in message
@@ -123,26 +124,26 @@ def test_invalid_value_names_variable_and_value(var, raw):
 ])
 def test_huge_integer_text_is_a_value_error_naming_the_variable(var, digits):
     with pytest.raises(ValueError, match=f"^{var}='1111") as info:
-        GateConfig.from_env({var: "1" * digits})
+        gate_config({var: "1" * digits})
     assert len(str(info.value)) < 200  # the value is elided, the message stays one short line
 
 
 @pytest.mark.parametrize(("raw", "expected"), [("-0", 0), (" 3 ", 3), ("007", 7)])
 def test_min_draft_accepts_ascii_integers_and_normalises_minus_zero(raw, expected):
-    config = GateConfig.from_env({"DEEPSEEK_DSPARK_GATE_MIN_DRAFT": raw})
+    config = gate_config({"DEEPSEEK_DSPARK_GATE_MIN_DRAFT": raw})
     assert config.min_draft == expected and type(config.min_draft) is int
 
 
 @pytest.mark.parametrize("raw", ["-0", "-0.0", "-0e5"])
 def test_minus_zero_cost_and_threshold_become_plus_zero(raw):
-    config = GateConfig.from_env({"DEEPSEEK_DSPARK_GATE_DRAFT_MS": raw, "DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD": raw})
+    config = gate_config({"DEEPSEEK_DSPARK_GATE_DRAFT_MS": raw, "DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD": raw})
     assert config.draft_ms == 0.0 and math.copysign(1.0, config.draft_ms) == 1.0
     assert math.copysign(1.0, config.margin_threshold) == 1.0
 
 
 @pytest.mark.parametrize(("raw", "expected"), [("1.5e2", 150.0), (".5", 0.5), ("2.", 2.0), ("1E-3", 0.001)])
 def test_cost_accepts_ascii_decimal_and_exponent_forms(raw, expected):
-    assert GateConfig.from_env({"DEEPSEEK_DSPARK_GATE_PLAIN_MS": raw}).plain_ms == expected
+    assert gate_config({"DEEPSEEK_DSPARK_GATE_PLAIN_MS": raw}).plain_ms == expected
 
 
 @pytest.mark.parametrize(("field", "value"), [

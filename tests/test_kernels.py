@@ -17,13 +17,13 @@ from dsv4.codecs import fp4_encode, fp8_encode
 from dsv4.config import tiny_config
 from dsv4.init import random_weights
 from dsv4.mhc import lane_mean as model_lane_mean
-from dsv4.settings import Settings
 from dsv4.trunk import Trunk
 from kernels.fp4_gemm import fold_routes, fp4_gemm_ref, fp4_moe_gemm_ref
 from kernels.fp8_gemm import fp8_gemm_ref
 from kernels.lane_mean import lane_mean_ref
 from kernels.select import OPS, KernelConfig
 from kernels.sparse_attn import sparse_attn_ref
+from services.settings import model_settings
 
 try:
     import triton
@@ -83,14 +83,14 @@ def test_fold_routes_orders_match_the_moe_combine():
 
 # ---------------------------------------------------------------- selection
 def test_kernel_config_reads_env_and_picks_refs_for_torch():
-    assert KernelConfig.from_env({}) == KernelConfig("torch", False, True)
+    assert KernelConfig.from_settings(model_settings({})) == KernelConfig("torch", False, True)
     env = {"DSV4_KERNELS": " Triton ", "DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4": "1", "DSV4_MOE_DETERMINISTIC_REDUCE": "0"}
-    assert KernelConfig.from_env(env) == KernelConfig("triton", True, False)
-    assert Settings.from_env(env).kernels == "triton"
+    assert KernelConfig.from_settings(model_settings(env)) == KernelConfig("triton", True, False)
+    assert model_settings(env).kernels == "triton"
     with pytest.raises(ValueError, match="DSV4_KERNELS='cuda'"):
-        KernelConfig.from_env({"DSV4_KERNELS": "cuda"})
+        model_settings({"DSV4_KERNELS": "cuda"})
     with pytest.raises(ValueError, match="DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4"):
-        KernelConfig.from_env({"DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4": "yes"})
+        model_settings({"DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4": "yes"})
     with pytest.raises(ValueError, match="backend"):
         KernelConfig("cuda")
     with pytest.raises(ValueError, match="unknown kernel op"):

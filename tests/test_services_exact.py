@@ -9,14 +9,15 @@ import pytest
 from services import app
 from services.common.settings import BackendSettings, GatewaySettings
 from services.gateway.gate import GateConfig
+from services.settings import backend_settings
 from services_fixtures import collect, gen_request
 
 
 def test_verify_numerics_setting_is_parsed_and_checked():
-    assert BackendSettings.from_env({"DSPARK_VERIFY_NUMERICS": "exact"}).verify_numerics == "exact"
-    assert BackendSettings.from_env({}).verify_numerics == "fast"
+    assert backend_settings({"DSPARK_VERIFY_NUMERICS": "exact"}).verify_numerics == "exact"
+    assert backend_settings({}).verify_numerics == "fast"
     with pytest.raises(ValueError, match="DSPARK_VERIFY_NUMERICS='bitwise'"):
-        BackendSettings.from_env({"DSPARK_VERIFY_NUMERICS": "bitwise"})
+        backend_settings({"DSPARK_VERIFY_NUMERICS": "bitwise"})
     with pytest.raises(ValueError, match="needs --tp 1"):
         app.load_trunk(None, tp=2, verify_numerics="exact")
 

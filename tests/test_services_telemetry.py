@@ -24,8 +24,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from dspark_proto.v1 import gateway_pb2, gateway_pb2_grpc
 from services.app import drafter_engine, start_drafter, start_gateway, start_verifier, verifier_engine
 from services.common.settings import BackendSettings, GatewaySettings
-from services.common.telemetry import tracer_provider_from_env
+from services.common.telemetry import tracer_provider
 from services.gateway.gate import GateConfig
+from services.settings import telemetry_settings
 from services_fixtures import collect, service_loop, spec_counts, tiny_trunk
 
 PROMPT = "def fibonacci(n):"
@@ -256,7 +257,7 @@ def test_backend_message_spans_carry_compute_timings(traced):
 # ---------------------------------------------------------------------------- exporters
 def test_jsonl_exporter_writes_one_parseable_span_per_line(tmp_path):
     path = tmp_path / "spans.jsonl"
-    provider = tracer_provider_from_env("dspark-test", {"DSPARK_TRACES_JSONL": str(path)})
+    provider = tracer_provider("dspark-test", telemetry_settings({"DSPARK_TRACES_JSONL": str(path)}))
     stack = Stack({name: provider for name in SERVICES})
 
     async def scenario():
@@ -281,7 +282,7 @@ def test_jsonl_exporter_writes_one_parseable_span_per_line(tmp_path):
 
 def test_unknown_traces_exporter_is_rejected_naming_the_value():
     with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER='zipkin'"):
-        tracer_provider_from_env("dspark-test", {"OTEL_TRACES_EXPORTER": "zipkin"})
+        telemetry_settings({"OTEL_TRACES_EXPORTER": "zipkin"})
 
 
 # ---------------------------------------------------------------------------- gate costs

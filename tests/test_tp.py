@@ -27,8 +27,10 @@ from dsv4.config import tiny_config
 from dsv4.init import random_weights
 from dsv4.trunk import Trunk
 from services.verifier.engine import VerifierEngine
+from services.settings import read_settings, tp_settings
 from services.verifier.tp import (ENV_CALL_TIMEOUT, ENV_INIT_TIMEOUT, TPSettings, TPWorkerError,
                                   start_tp_trunk)
+from tp_faults import worker_faults
 
 CFG = tiny_config()
 # every part shards at ws=4 (the tiny config's o_groups=2 / index_n_heads=2 do not)
@@ -86,8 +88,8 @@ def ref_chain(ref):
 def tp2():
     # rank 1 joins 3 s late, longer than the 2 s call timeout: the rendezvous must wait on the
     # init timeout (the seed's ranks died on a short id wait while rank 0 loaded)
-    px = start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=60, call_timeout_s=2.0),
-                        start_delays_s={1: 3.0})
+    with worker_faults(start_delays_s={1: 3.0}):
+        px = start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=60, call_timeout_s=2.0))
     yield px
     px.close()
 
@@ -238,8 +240,8 @@ def test_rollback_rejects_a_foreign_undo(tp2):
 
 def test_worker_killed_mid_call_gives_clear_error():
     call_timeout = 30.0
-    px = start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=60, call_timeout_s=call_timeout),
-                        stall=(1, 2, 60.0))  # rank 1 sleeps in command 2 (the first decode)
+    with worker_faults(stall=(1, 2, 60.0)):  # rank 1 sleeps in command 2 (the first decode)
+        px = start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=60, call_timeout_s=call_timeout))
     try:
         st = px.new_state()
         px.prefill(st, PROMPT)
@@ -256,8 +258,8 @@ def test_worker_killed_mid_call_gives_clear_error():
 
 
 def test_stalled_worker_times_out_with_clear_error():
-    px = start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=60, call_timeout_s=1.5),
-                        stall=(1, 2, 60.0))
+    with worker_faults(stall=(1, 2, 60.0)):
+        px = start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=60, call_timeout_s=1.5))
     try:
         st = px.new_state()
         px.prefill(st, PROMPT)
@@ -273,25 +275,24 @@ def test_stalled_worker_times_out_with_clear_error():
 
 def test_worker_later_than_init_timeout_fails_start():
     with pytest.raises(TPWorkerError, match=rf"ranks \[1\] did not join within 1 s \({ENV_INIT_TIMEOUT}\)"):
-        start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=1.0, call_timeout_s=1.0),
-                       start_delays_s={1: 30.0})
+        with worker_faults(start_delays_s={1: 30.0}):
+            start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=1.0, call_timeout_s=1.0))
 
 
 # ---------------------------------------------------------------------------- settings
 @pytest.mark.parametrize("raw", ["abc", "0", "-5", "nan", "inf"])
-def test_invalid_init_timeout_raises_naming_it(raw, monkeypatch):
+def test_invalid_init_timeout_raises_naming_it(raw):
     with pytest.raises(ValueError, match=f"{ENV_INIT_TIMEOUT}='{raw}'"):
-        TPSettings.from_env({ENV_INIT_TIMEOUT: raw})
-    monkeypatch.setenv(ENV_INIT_TIMEOUT, raw)
-    with pytest.raises(ValueError, match=ENV_INIT_TIMEOUT):  # before any worker is spawned
-        start_tp_trunk(CFG, W, 2)
+        tp_settings({ENV_INIT_TIMEOUT: raw})
+    with pytest.raises(ValueError, match=ENV_INIT_TIMEOUT):  # parsed at start-up, before any worker is spawned
+        read_settings({ENV_INIT_TIMEOUT: raw}, "verifier", tp=2)
 
 
 def test_settings_defaults_and_overrides():
-    assert TPSettings.from_env({}) == TPSettings(600.0, 120.0)
-    assert TPSettings.from_env({ENV_INIT_TIMEOUT: " 30 ", ENV_CALL_TIMEOUT: "2.5"}) == TPSettings(30.0, 2.5)
+    assert tp_settings({}) == TPSettings(600.0, 120.0)
+    assert tp_settings({ENV_INIT_TIMEOUT: " 30 ", ENV_CALL_TIMEOUT: "2.5"}) == TPSettings(30.0, 2.5)
     with pytest.raises(ValueError, match=f"{ENV_CALL_TIMEOUT}='x'"):
-        TPSettings.from_env({ENV_CALL_TIMEOUT: "x"})
+        tp_settings({ENV_CALL_TIMEOUT: "x"})
 
 
 def test_checkpoint_folder_loads_on_every_rank(tmp_path, ref):

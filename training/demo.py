@@ -250,7 +250,7 @@ async def run(args) -> int:
         try:
             print(f"starting `dspark up --checkpoint {ckpt} --port-base {args.port_base}` ...", flush=True)
             await services.wait_serving()
-            trunk = load_trunk(str(ckpt))  # only for the divergence margins
+            trunk = load_trunk(str(ckpt), model=args.model)  # only for the divergence margins
             cfg = trunk.cfg
             print(f"bundled model {ckpt} (config {cfg.config_hash()}, {cfg.n_layers} layers + {cfg.n_mtp_layers} "
                   f"DSpark stages, block {cfg.dspark_block_size}) behind `dspark up` (gateway {services.target}, "
@@ -331,10 +331,9 @@ def print_tables(args, cfg, trunk, tok, results, always, recorded) -> None:
     for label, n, rate in calibration_table(verified, args.min_bucket):
         print(f"  {label:>24} {n:6d} {rate:7.1%}")
     if verified:
-        from services.gateway.gate import GateConfig
         from services.gateway.replay import replay_log
         from services.gateway.rounds import RoundLog
-        rep = replay_log(RoundLog(tuple(always), {}), GateConfig.from_env())
+        rep = replay_log(RoundLog(tuple(always), {}), args.gate)
         print("\nlive vs replay of the same always-k rounds (`dspark replay`, its configured costs): x plain")
         print(f"{'workload':8} {'live always-k':>13} {'replay always-k':>15} {'live gated':>10} {'replay gated':>12}")
         for w in rep.workloads:
@@ -368,6 +367,11 @@ def main() -> None:
                     help="gateway port of `dspark up`; verifier +1, drafter +2 (default 50150)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of this process (the divergence margins)")
     args = ap.parse_args()
+    from services.settings import gate_config, model_settings
+    try:  # this process's own model (the margins) and the replay's gate, as the services read them
+        args.gate, args.model = gate_config(os.environ), model_settings(os.environ)
+    except ValueError as exc:
+        sys.exit(f"demo: {exc}")
     torch.set_num_threads(args.threads)
     sys.exit(asyncio.run(run(args)))
 

@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 
+from services.common.settings import DEFAULT_MAX_CONNECTION_AGE_S
 from services.common.telemetry import server_interceptors
 
 log = logging.getLogger("dspark.server")
@@ -61,15 +62,16 @@ async def start_server(service_name: str, register: Callable[[grpc.aio.Server], 
                        host: str = "127.0.0.1", provider: TracerProvider | None = None,
                        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                        credentials: grpc.ServerCredentials | None = None,
-                       interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> RunningServer:
+                       interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                       max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S) -> RunningServer:
     """Start an aio server on host:port (0 = any free port) with `register(server)` servicers.
     `credentials`: TLS (None = plaintext); `interceptors` run after the OTel one (e.g. auth).
+    `max_connection_age_s`: clients are asked to reconnect after this (s; `ServeSettings`).
 
     Raises:
         RuntimeError: the port could not be bound (named).
     """
-    from services.common.settings import ServeSettings  # DSPARK_MAX_CONNECTION_AGE_S
-    age_ms = int(ServeSettings.from_env().max_connection_age_s * 1000)
+    age_ms = int(max_connection_age_s * 1000)
     server = grpc.aio.server(interceptors=server_interceptors(provider) + list(interceptors),
                              options=channel_options(max_message_bytes) + [("grpc.max_connection_age_ms", age_ms),
                                                                             NO_REUSEPORT])

@@ -1,68 +1,37 @@
-"""Service settings read once from the environment into frozen dataclasses (CLI flags override).
+"""Typed settings of the three services and the limits every setting is checked against.
 
-| variable | default | meaning |
-|---|---|---|
-| DSPARK_VERIFIER_TARGET | 127.0.0.1:50051 | gateway -> verifier address(es) |
-| DSPARK_DRAFTER_TARGET | 127.0.0.1:50052 | gateway -> drafter address(es); empty = no drafter |
-| DSPARK_VERIFY_MODE | batched | verify path: sequential or batched |
-| DSPARK_GATE_COSTS | configured | gate costs: configured (DEEPSEEK_DSPARK_GATE_*_MS) or measured |
-| DSPARK_ROUND_TIMEOUT_S | 30 | gateway: deadline for one backend reply (s) |
-| DSPARK_GENERATION_TIMEOUT_S | 600 | gateway: deadline of one generation's backend streams (s) |
-| DSPARK_MAX_SESSIONS | 16 | verifier / drafter: concurrent sessions (streams) |
-| DSPARK_STARTUP_TIMEOUT_S | 10 | gateway: deadline for the backends' Info at start (s) |
-| DSPARK_DRAFTER_FAILOVERS | 2 | gateway: drafter re-primes per generation after a failure (0 = plain at once) |
-| DSPARK_GATEWAY_TOKEN | unset | gateway: bearer token required from clients (`authorization: Bearer ...`) |
-| DSPARK_HEALTH_PORT | unset | `dspark serve`: plaintext port with only grpc.health.v1 (probes) |
-| DSPARK_DRAIN_TIMEOUT_S | 30 | `dspark serve`: on SIGTERM, how long open streams may finish (s) |
-| DSPARK_MAX_CONNECTION_AGE_S | 300 | servers: clients reconnect (and re-resolve) after this (s) |
+This module owns the frozen dataclasses the services take (`GatewaySettings`,
+`ServeSettings`, `BackendSettings`, `TelemetrySettings`), the choice lists (`VERIFY_MODES`, `COST_MODES`,
+`VERIFY_NUMERICS`), the timeout limits, and `backend_target`, which validates a gRPC target.
+It never reads the process environment: `services.settings` parses the variables once at
+each entry point (its docstring has the table of every variable and default) and passes
+these objects down. It imports nothing from the gateway, verifier or drafter packages, so
+every package may import it.
 
-A target is any gRPC target (`host:port`, `ipv4:a:p,b:p`, `dns:///name:port`) or a comma-separated
-list of IP `address:port`s, which becomes an `ipv4:` / `ipv6:` target (one channel, round_robin).
-TLS files: `services/common/tls.py`.
+A target is any gRPC target (`host:port`, `ipv4:a:p,b:p`, `dns:///name:port`) or a
+comma-separated list of IP `address:port`s, which becomes an `ipv4:` / `ipv6:` target (one
+channel, round_robin).
 """
 
 from __future__ import annotations
 
 import ipaddress
-import os
 from dataclasses import dataclass, field
-from typing import Mapping
 
-from services.gateway.costs import COST_MODES
-from services.gateway.scheduler import VERIFY_MODES
-
-
+# verify paths of the verifier: one forward per draft token, or one forward of the block + rollback
+VERIFY_MODES = ("sequential", "batched")
+# where the gate's costs come from: the configured *_MS values, or fitted from round timings
+COST_MODES = ("configured", "measured")
+# "exact": batched verify uses fixed shapes so it is bitwise equal to plain decode (TP=1 only)
+VERIFY_NUMERICS = ("fast", "exact")
 # Longest accepted timeout (s), ~3 years: a gRPC deadline past ~7e9 s overflows and every
 # call then fails at once with DEADLINE_EXCEEDED.
 MAX_TIMEOUT_S = 1e8
 # grpc.max_connection_age_ms is a C int: at most 2^31 - 1 ms (~24.8 days), at least 1 ms.
 MAX_CONNECTION_AGE_S = (2**31 - 1) / 1000
-
-
-def _float(environ: Mapping[str, str], name: str, default: float, low: float = 0.0,
-           high: float = MAX_TIMEOUT_S) -> float:
-    """Seconds in (low, high] from `name`; `default` when unset. Raises ValueError naming the
-    variable and value otherwise (empty, not a number, NaN, out of range)."""
-    raw = environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: not a number") from None
-    if not low < value <= high:
-        raise ValueError(f"{name}={raw!r}: must be a number > {low:g} and <= {high:.10g}")
-    return value
-
-
-def _int(environ: Mapping[str, str], name: str, default: int, low: int = 1) -> int:
-    raw = environ.get(name)
-    if raw is None:
-        return default
-    if not raw.strip().isascii() or not raw.strip().isdigit() or int(raw) < low:
-        raise ValueError(f"{name}={raw!r}: must be an integer >= {low}")
-    return int(raw)
-
+DEFAULT_MAX_CONNECTION_AGE_S = 300.0
+# span exporters a service can have ("none": no exporter)
+EXPORTERS = ("otlp", "console", "none")
 
 _SCHEMES = ("ipv4:", "ipv6:", "dns:", "unix:", "unix-abstract:", "vsock:", "xds:")
 
@@ -104,22 +73,38 @@ def backend_target(value: str, name: str = "target") -> str:
     return f"ipv{families.pop()}:{entries}"
 
 
-def _token(environ: Mapping[str, str], name: str) -> str:
-    raw = environ.get(name, "")
-    if raw and not (raw.isascii() and raw.isprintable() and " " not in raw):
-        raise ValueError(f"{name}: must be printable ASCII without spaces (value not shown)")
-    return raw
+def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raises ValueError naming `name` and `value` unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: must be one of {choices}")
 
 
-def _choice(environ: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
-    raw = environ.get(name, default)
-    if raw not in choices:
-        raise ValueError(f"{name}={raw!r}: must be one of {choices}")
-    return raw
+def check_seconds(name: str, value: float, high: float = MAX_TIMEOUT_S) -> None:
+    """Raises ValueError naming `name` and `value` unless it is a number in (0, high] seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
+        raise ValueError(f"{name}={value!r}: must be a number of seconds > 0 and <= {high:.10g}")
+
+
+def check_count(name: str, value: int, low: int) -> None:
+    """Raises ValueError naming `name` and `value` unless it is an integer >= `low`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r}: must be an integer >= {low}")
 
 
 @dataclass(frozen=True)
 class GatewaySettings:
+    """What the gateway process connects to and how long it waits (all times in seconds).
+
+    verifier_target, drafter_target: gRPC targets of the backends ("" drafter = plain decode).
+    verify_mode: one of VERIFY_MODES. cost_mode: one of COST_MODES.
+    round_timeout_s: deadline of one backend reply. generation_timeout_s: deadline of one
+    generation's backend streams. startup_timeout_s: deadline of the backends' Info at start.
+    drafter_failovers: drafter re-primes a generation may make after a drafter failure.
+    token: bearer token every client call must carry ("" = none; never in repr).
+    Raises:
+        ValueError: a field outside its range (named with its value; the token's value is not shown).
+    """
+
     verifier_target: str = "127.0.0.1:50051"
     drafter_target: str = "127.0.0.1:50052"
     verify_mode: str = "batched"
@@ -128,64 +113,85 @@ class GatewaySettings:
     generation_timeout_s: float = 600.0
     startup_timeout_s: float = 10.0
     drafter_failovers: int = 2
-    token: str = field(default="", repr=False)  # DSPARK_GATEWAY_TOKEN; "" = no token required
+    token: str = field(default="", repr=False)
 
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "GatewaySettings":
-        """Raises ValueError naming the variable and value when one is invalid (the token's value is never shown)."""
-        drafter = environ.get("DSPARK_DRAFTER_TARGET", cls.drafter_target)
-        return cls(
-            verifier_target=backend_target(environ.get("DSPARK_VERIFIER_TARGET", cls.verifier_target),
-                                           "DSPARK_VERIFIER_TARGET"),
-            drafter_target=backend_target(drafter, "DSPARK_DRAFTER_TARGET") if drafter.strip() else "",
-            verify_mode=_choice(environ, "DSPARK_VERIFY_MODE", cls.verify_mode, VERIFY_MODES),
-            cost_mode=_choice(environ, "DSPARK_GATE_COSTS", cls.cost_mode, COST_MODES),
-            round_timeout_s=_float(environ, "DSPARK_ROUND_TIMEOUT_S", cls.round_timeout_s),
-            generation_timeout_s=_float(environ, "DSPARK_GENERATION_TIMEOUT_S", cls.generation_timeout_s),
-            startup_timeout_s=_float(environ, "DSPARK_STARTUP_TIMEOUT_S", cls.startup_timeout_s),
-            drafter_failovers=_int(environ, "DSPARK_DRAFTER_FAILOVERS", cls.drafter_failovers, low=0),
-            token=_token(environ, "DSPARK_GATEWAY_TOKEN"),
-        )
+    def __post_init__(self) -> None:
+        check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
+        check_choice("cost_mode", self.cost_mode, COST_MODES)
+        for name in ("round_timeout_s", "generation_timeout_s", "startup_timeout_s"):
+            check_seconds(name, getattr(self, name))
+        check_count("drafter_failovers", self.drafter_failovers, 0)
+        if self.token and not valid_token(self.token):
+            raise ValueError("token: must be printable ASCII without spaces (value not shown)")
+
+
+def valid_token(token: str) -> bool:
+    """Whether `token` can travel in an `authorization: Bearer` gRPC metadata value."""
+    return token.isascii() and token.isprintable() and " " not in token
 
 
 @dataclass(frozen=True)
 class ServeSettings:
     """Process settings of `dspark serve` (every service).
 
-    health_port: DSPARK_HEALTH_PORT, a plaintext port serving only grpc.health.v1 (Kubernetes
-        `grpc:` probes cannot present a client certificate); None = no such port.
-    drain_timeout_s: DSPARK_DRAIN_TIMEOUT_S, how long SIGTERM lets open streams finish (30 s).
-    max_connection_age_s: DSPARK_MAX_CONNECTION_AGE_S, after which a server asks a client to
-        reconnect (open streams are not cut), so a `dns:///` client re-resolves and sees new
-        replicas (300 s).
+    health_port: a plaintext port serving only grpc.health.v1 (Kubernetes `grpc:` probes
+        cannot present a client certificate); None = no such port.
+    drain_timeout_s: how long SIGTERM lets open streams finish (s).
+    max_connection_age_s: after it a server asks a client to reconnect (open streams are not
+        cut), so a `dns:///` client re-resolves and sees new replicas (s, <= MAX_CONNECTION_AGE_S).
+    Raises:
+        ValueError: a field outside its range (named with its value).
     """
 
     health_port: int | None = None
     drain_timeout_s: float = 30.0
-    max_connection_age_s: float = 300.0
+    max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S
 
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "ServeSettings":
-        """Raises ValueError naming the variable and value when one is invalid."""
-        port = _int(environ, "DSPARK_HEALTH_PORT", 0, low=0) if environ.get("DSPARK_HEALTH_PORT") else None
-        if port is not None and not 0 < port < 65536:
-            raise ValueError(f"DSPARK_HEALTH_PORT={environ['DSPARK_HEALTH_PORT']!r}: must be a port in 1..65535")
-        return cls(health_port=port,
-                   drain_timeout_s=_float(environ, "DSPARK_DRAIN_TIMEOUT_S", cls.drain_timeout_s),
-                   max_connection_age_s=_float(environ, "DSPARK_MAX_CONNECTION_AGE_S", cls.max_connection_age_s,
-                                               low=0.0, high=MAX_CONNECTION_AGE_S))
+    def __post_init__(self) -> None:
+        if self.health_port is not None and not (isinstance(self.health_port, int) and 0 < self.health_port < 65536):
+            raise ValueError(f"health_port={self.health_port!r}: must be a port in 1..65535")
+        check_seconds("drain_timeout_s", self.drain_timeout_s)
+        check_seconds("max_connection_age_s", self.max_connection_age_s, MAX_CONNECTION_AGE_S)
 
 
 @dataclass(frozen=True)
 class BackendSettings:
+    """Settings of a verifier or drafter process.
+
+    max_sessions: concurrent sessions (one per generation). verify_mode: the verifier's
+    default verify path (VERIFY_MODES). verify_numerics: "exact" makes the verifier's batched
+    verify bitwise equal to decode (VERIFY_NUMERICS).
+    Raises:
+        ValueError: a field outside its range (named with its value).
+    """
+
     max_sessions: int = 16
     verify_mode: str = "batched"
-    verify_numerics: str = "fast"  # "exact": the verifier's batched verify is bitwise equal to decode
+    verify_numerics: str = "fast"
 
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "BackendSettings":
-        """Raises ValueError naming the variable and value when one is invalid."""
-        return cls(max_sessions=_int(environ, "DSPARK_MAX_SESSIONS", cls.max_sessions),
-                   verify_mode=_choice(environ, "DSPARK_VERIFY_MODE", cls.verify_mode, VERIFY_MODES),
-                   verify_numerics=_choice(environ, "DSPARK_VERIFY_NUMERICS", cls.verify_numerics,
-                                           ("fast", "exact")))
+    def __post_init__(self) -> None:
+        check_count("max_sessions", self.max_sessions, 1)
+        check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
+        check_choice("verify_numerics", self.verify_numerics, VERIFY_NUMERICS)
+
+
+@dataclass(frozen=True)
+class TelemetrySettings:
+    """Which span exporters a service's tracer provider gets.
+
+    exporters: names from EXPORTERS ("none" adds nothing; "otlp" is configured by the standard
+        `OTEL_EXPORTER_OTLP_*` variables, which the OTLP exporter reads itself).
+    jsonl_path: append every span as one JSON line to this file (None = no file).
+    service_name: `service.name` on spans (None = the service's own, e.g. "dspark-gateway").
+    Raises:
+        ValueError: an exporter name not in EXPORTERS (named).
+    """
+
+    exporters: tuple[str, ...] = ()
+    jsonl_path: str | None = None
+    service_name: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in self.exporters:
+            if name not in EXPORTERS:
+                raise ValueError(f"exporter {name!r}: supported exporters are {EXPORTERS}")

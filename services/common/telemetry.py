@@ -5,17 +5,16 @@ each backend (DESIGN.md §7). Every stream message therefore carries the W3C tra
 the gateway span that sent it (`dspark.v1.TraceContext`), and the backend opens a child span
 per message from it (`message_span`).
 
-Exporters (`tracer_provider_from_env`): `OTEL_TRACES_EXPORTER` = `otlp` (the standard
-`OTEL_EXPORTER_OTLP_*` variables apply), `console`, or `none` (default); and, independently,
-`DSPARK_TRACES_JSONL=PATH` appends every span as one JSON line to PATH for offline analysis.
-Tests pass their own provider with an in-memory exporter.
+Exporters (`tracer_provider`, from a `TelemetrySettings` that `services.settings` parses out
+of `OTEL_TRACES_EXPORTER`, `OTEL_SERVICE_NAME` and `DSPARK_TRACES_JSONL`): `otlp`, `console`,
+none, and independently a JSON-lines file of every span for offline analysis. Tests pass their
+own provider with an in-memory exporter.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 from typing import Iterator, Mapping, Sequence
 
@@ -29,10 +28,10 @@ from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExpor
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from dspark_proto.v1 import common_pb2
+from services.common.settings import TelemetrySettings
 
 TRACER_NAME = "dspark"
 _PROPAGATOR = TraceContextTextMapPropagator()
-EXPORTERS = ("otlp", "console", "none")
 
 
 class JsonLinesSpanExporter(SpanExporter):
@@ -55,31 +54,28 @@ class JsonLinesSpanExporter(SpanExporter):
             self._file.close()
 
 
-def tracer_provider_from_env(service_name: str, environ: Mapping[str, str] = os.environ) -> TracerProvider:
-    """A provider for `service_name` with the exporters the environment asks for (module docstring).
+def tracer_provider(service_name: str, settings: TelemetrySettings) -> TracerProvider:
+    """A provider for `service_name` (unless `settings.service_name` overrides it) with the
+    exporters `settings` asks for. Call `shutdown()` on it to flush and close them.
 
     Raises:
-        ValueError: OTEL_TRACES_EXPORTER names an unsupported exporter, or DSPARK_TRACES_JSONL a
-            file that cannot be opened (the value is named).
+        ValueError: `settings.jsonl_path` cannot be opened for appending (DSPARK_TRACES_JSONL,
+            the variable that sets it, and the path are named).
     """
-    resource = Resource.create({"service.name": environ.get("OTEL_SERVICE_NAME", service_name)})
+    resource = Resource.create({"service.name": settings.service_name or service_name})
     provider = TracerProvider(resource=resource)
-    names = [n.strip() for n in environ.get("OTEL_TRACES_EXPORTER", "none").split(",") if n.strip()]
-    for name in names:
-        if name not in EXPORTERS:
-            raise ValueError(f"OTEL_TRACES_EXPORTER={environ['OTEL_TRACES_EXPORTER']!r}: "
-                             f"supported exporters are {EXPORTERS}")
+    for name in settings.exporters:
         if name == "otlp":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         elif name == "console":
             provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
-    path = environ.get("DSPARK_TRACES_JSONL")
-    if path:
+    if settings.jsonl_path:
         try:
-            exporter = JsonLinesSpanExporter(path)
+            exporter = JsonLinesSpanExporter(settings.jsonl_path)
         except OSError as exc:
-            raise ValueError(f"DSPARK_TRACES_JSONL={path!r}: cannot open: {exc.strerror or exc}") from None
+            raise ValueError(f"DSPARK_TRACES_JSONL={settings.jsonl_path!r}: cannot open: "
+                             f"{exc.strerror or exc}") from None
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     return provider
 

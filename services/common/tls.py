@@ -1,33 +1,33 @@
 """Transport security from PEM files: mTLS between the gateway and the backends, optional TLS
-on the gateway's client port. Plaintext stays the default: with no variable set, nothing changes.
+on the gateway's client port. Plaintext is the default.
 
-| variable | read by | meaning |
-|---|---|---|
-| DSPARK_TLS_CERT | all | this process's certificate chain (PEM): a backend's server, the gateway's client cert |
-| DSPARK_TLS_KEY | all | the private key of DSPARK_TLS_CERT (PEM, unencrypted) |
-| DSPARK_TLS_CA | all | CA certificates (PEM) that must have signed the other side's certificate |
-| DSPARK_TLS_SERVER_NAME | gateway | name the backends' certificates must carry, if not the target's host |
-| DSPARK_GATEWAY_TLS_CERT, _KEY | gateway | server certificate and key of the client port (no client certs) |
-
-The three DSPARK_TLS_* files come together or not at all: a backend with them requires a
+This module reads and checks the files (`load_tls`) and turns them into gRPC credentials
+(`TlsFiles`); which variables name the files, and which must come together, is decided by
+`services.settings`, the only reader of the environment. A backend with mTLS files requires a
 client certificate on every call (health checks too, except on the plaintext health port of
-`start_health_server`), and a gateway with them presents
-its certificate and checks the backends'. The two DSPARK_GATEWAY_TLS_* files also come as a pair.
-Files are read once at start; every problem (a missing or unreadable file, not PEM, a key
-that does not match its certificate) stops the service with a message naming the variable
-and the path.
+`start_health_server`), and a gateway with them presents its certificate and checks the
+backends'. The gateway's client port may have its own certificate and key (no client
+certificates there). Files are read once at start; every problem (a missing or unreadable
+file, not PEM, a key that does not match its certificate) stops the service with a message
+naming the setting and the path.
 """
 
 from __future__ import annotations
 
-import os
 import ssl
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import grpc
 
 _PEM = b"-----BEGIN "
+
+
+@dataclass(frozen=True)
+class PemFile:
+    """A PEM file and the setting that named it (`name`, e.g. a variable or a flag), for errors."""
+
+    name: str
+    path: str
 
 
 @dataclass(frozen=True)
@@ -54,10 +54,7 @@ class TlsFiles:
         return [("grpc.ssl_target_name_override", self.server_name)] if self.server_name else []
 
 
-def _read(environ: Mapping[str, str], name: str) -> bytes | None:
-    path = environ.get(name, "")
-    if not path:
-        return None
+def _read(name: str, path: str) -> bytes:
     try:
         with open(path, "rb") as f:
             data = f.read(1 << 20)
@@ -72,57 +69,34 @@ def _no_password() -> str:
     raise ValueError("the key is encrypted: gRPC needs an unencrypted PEM key")
 
 
-def _check_pair(environ: Mapping[str, str], cert_var: str, key_var: str, ca_var: str | None = None) -> None:
+def _check_pair(cert: PemFile, key: PemFile, ca: PemFile | None) -> None:
     """Load the files into an `ssl` context, so a key that does not match its certificate, or a
     CA file without a certificate, is reported here and not as a failed bind or handshake."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
-        ctx.load_cert_chain(environ[cert_var], environ[key_var], password=_no_password)
+        ctx.load_cert_chain(cert.path, key.path, password=_no_password)
     except (ssl.SSLError, ValueError) as exc:
-        raise ValueError(f"{cert_var}={environ[cert_var]!r} and {key_var}={environ[key_var]!r}: "
+        raise ValueError(f"{cert.name}={cert.path!r} and {key.name}={key.path!r}: "
                          f"not a certificate chain with its private key ({exc})") from None
-    if ca_var is not None:
+    if ca is not None:
         try:
-            ctx.load_verify_locations(cafile=environ[ca_var])
+            ctx.load_verify_locations(cafile=ca.path)
         except (ssl.SSLError, ValueError) as exc:
-            raise ValueError(f"{ca_var}={environ[ca_var]!r}: no CA certificate in it ({exc})") from None
+            raise ValueError(f"{ca.name}={ca.path!r}: no CA certificate in it ({exc})") from None
 
 
-def tls_from_env(environ: Mapping[str, str] = os.environ) -> TlsFiles | None:
-    """mTLS files of a backend (server) or of the gateway (client); None when none is set (plaintext).
+def load_tls(cert: PemFile, key: PemFile, ca: PemFile | None = None, server_name: str | None = None) -> TlsFiles:
+    """Read and check a certificate chain, its key and (for mTLS) the trusted CA certificates.
 
+    Each file is read once, at most 1 MiB. `server_name` is the name the peer's certificate
+    must carry when it is not the target's host (client side only).
     Raises:
-        ValueError: only some of DSPARK_TLS_CERT / _KEY / _CA set, or a file that is unreadable,
-            not PEM, or a key that does not match its certificate (variable and path named).
+        ValueError: a file that is unreadable or not PEM, an encrypted key, a key that does not
+            match its certificate, or a CA file without a certificate (setting and path named).
     """
-    names = ("DSPARK_TLS_CERT", "DSPARK_TLS_KEY", "DSPARK_TLS_CA")
-    given = [n for n in names if environ.get(n)]
-    if not given:
-        return None
-    if len(given) != len(names):
-        missing = [n for n in names if n not in given]
-        raise ValueError(f"{', '.join(given)} set without {', '.join(missing)}: mTLS needs all three "
-                         f"(certificate, key, CA), plaintext none")
-    cert, key, ca = (_read(environ, n) for n in names)
-    _check_pair(environ, *names)
-    return TlsFiles(cert, key, ca, environ.get("DSPARK_TLS_SERVER_NAME") or None)
-
-
-def gateway_tls_from_env(environ: Mapping[str, str] = os.environ) -> TlsFiles | None:
-    """Server-side TLS of the gateway's client port; None when not configured (plaintext).
-
-    Raises:
-        ValueError: only one of DSPARK_GATEWAY_TLS_CERT / _KEY set, or a bad file (named).
-    """
-    names = ("DSPARK_GATEWAY_TLS_CERT", "DSPARK_GATEWAY_TLS_KEY")
-    given = [n for n in names if environ.get(n)]
-    if not given:
-        return None
-    if len(given) == 1:
-        raise ValueError(f"{given[0]} set without {[n for n in names if n != given[0]][0]}: TLS needs both")
-    cert, key = (_read(environ, n) for n in names)
-    _check_pair(environ, *names)
-    return TlsFiles(cert, key)
+    data = [_read(f.name, f.path) for f in (cert, key) + ((ca,) if ca is not None else ())]
+    _check_pair(cert, key, ca)
+    return TlsFiles(data[0], data[1], data[2] if ca is not None else None, server_name or None)
 
 
 async def start_health_server(health_servicer, port: int, host: str = "127.0.0.1") -> tuple[grpc.aio.Server, int]:

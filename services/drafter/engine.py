@@ -16,15 +16,13 @@ fans calls out from rank 0 belongs to the service.
 
 from __future__ import annotations
 
-import itertools
-import numbers
-import threading
-from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
-from services.common.sessions import SessionLimitError, UnknownSessionError  # noqa: F401 (re-exported)
+from services.common.sessions import (SessionHost, SessionLimitError, SessionTable,  # noqa: F401 (re-exported)
+                                      UnknownSessionError)
+from services.drafter.interface import Drafter
 
 from dsv4.config import ModelConfig
 from dsv4.dspark import DraftState, DSparkDraft
@@ -53,52 +51,7 @@ def drafter_identity(cfg: ModelConfig, confidence_head: bool, tp: int, kind: str
     }
 
 
-@dataclass
-class _Session:
-    state: DraftState
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-class SessionTable:
-    """Open sessions by id with a limit; shared by the DSpark and the oracle engines.
-
-    Raises ValueError unless max_sessions is an integer >= 1 (not bool, float or str),
-    SessionLimitError on `open` when full, UnknownSessionError on `get` of an id not open.
-    `close` drops the table's reference to the session (its state is freed once no caller
-    holds it).
-    """
-
-    def __init__(self, max_sessions: int):
-        if isinstance(max_sessions, bool) or not isinstance(max_sessions, numbers.Integral) or max_sessions < 1:
-            raise ValueError(f"max_sessions={max_sessions!r}: must be an integer >= 1")
-        self.max_sessions = int(max_sessions)
-        self._sessions: dict[int, object] = {}
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-
-    def open(self, session: object) -> int:
-        with self._lock:
-            if len(self._sessions) >= self.max_sessions:
-                raise SessionLimitError(f"session limit reached: {self.max_sessions} sessions open")
-            sid = next(self._ids)
-            self._sessions[sid] = session
-            return sid
-
-    def close(self, sid: int) -> None:
-        with self._lock:
-            self._sessions.pop(sid, None)
-
-    def get(self, sid: int):
-        try:
-            return self._sessions[sid]
-        except KeyError:
-            raise UnknownSessionError(f"session {sid} is not open") from None
-
-    def __len__(self) -> int:
-        return len(self._sessions)
-
-
-class DrafterEngine:
+class DrafterEngine(SessionHost[DraftState], Drafter):
     """Sessions over one loaded `DSparkDraft` (this rank's shard at TP > 1).
 
     Args:
@@ -112,16 +65,7 @@ class DrafterEngine:
 
     def __init__(self, module: DSparkDraft, max_sessions: int = 16):
         self.module, self.cfg = module, module.cfg
-        self._table = SessionTable(max_sessions)
-
-    @property
-    def max_sessions(self) -> int:
-        return self._table.max_sessions
-
-    @property
-    def num_sessions(self) -> int:
-        """Sessions open now."""
-        return len(self._table)
+        self._table: SessionTable[DraftState] = SessionTable(max_sessions)
 
     def identity(self) -> dict:
         """See `drafter_identity`; `confidence_head` says whether the module has one."""
@@ -130,23 +74,19 @@ class DrafterEngine:
     # ------------------------------------------------------------------ sessions
     def open_session(self) -> int:
         """Open a session with empty rings; returns its id. Raises SessionLimitError when full."""
-        return self._table.open(_Session(self.module.new_state()))
-
-    def close_session(self, sid: int) -> None:
-        """Free a session's rings; closing an unknown or closed session is a no-op."""
-        self._table.close(sid)
+        return self._table.open(self.module.new_state())
 
     def last_position(self, sid: int) -> int:
         """The session's last committed position (-1 before the first commit)."""
-        return self._table.get(sid).state.last_position
+        return self._table.get(sid).last_position
 
     def session_bytes(self, sid: int) -> int:
         """Bytes of ring state held by session `sid`."""
-        return self._table.get(sid).state.nbytes
+        return self._table.get(sid).nbytes
 
     def session_state(self, sid: int) -> DraftState:
         """The session's rings (diagnostics and tests; do not modify)."""
-        return self._table.get(sid).state
+        return self._table.get(sid)
 
     # ------------------------------------------------------------------ commit / draft
     def commit(self, sid: int, rows: torch.Tensor, positions: Sequence[int]) -> None:
@@ -159,9 +99,8 @@ class DrafterEngine:
                 a committed position resent with a different row.
             UnknownSessionError: `sid` not open.
         """
-        s = self._table.get(sid)
-        with s.lock:
-            self.module.write_main_kv(s.state, rows, positions)
+        with self._table.locked(sid) as state:
+            self.module.write_main_kv(state, rows, positions)
 
     def draft(self, sid: int, anchor: int, seed_position: int) -> tuple[list[int], torch.Tensor | None]:
         """Draft after `anchor` (the committed token at seed_position + 1).
@@ -176,8 +115,7 @@ class DrafterEngine:
                 committed position (both named), no room for the anchor.
             UnknownSessionError: `sid` not open.
         """
-        s = self._table.get(sid)
-        with s.lock:
-            out = self.module.draft(s.state, anchor, seed_position)
+        with self._table.locked(sid) as state:
+            out = self.module.draft(state, anchor, seed_position)
         conf = None if out.confidence is None else out.confidence.detach().float().cpu()
         return out.tokens, conf

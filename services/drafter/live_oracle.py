@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-import threading
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -26,7 +25,9 @@ import torch
 
 from dsv4.draft_args import as_int, as_int_list, check_commit, check_draft_args, check_seed, draft_length
 from dsv4.trunk import Trunk, TrunkState
-from services.drafter.engine import SessionTable, drafter_identity
+from services.common.sessions import SessionHost, SessionTable
+from services.drafter.engine import drafter_identity
+from services.drafter.interface import Drafter
 
 
 @dataclass
@@ -34,10 +35,9 @@ class _LiveSession:
     state: TrunkState
     tokens: list[int] = field(default_factory=list)  # committed tokens fed to `state`
     last_position: int = -1  # last position whose row was committed
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class LiveOracleDrafter:
+class LiveOracleDrafter(SessionHost[_LiveSession], Drafter):
     """Drafter-engine interface over a `Trunk` (see the module docstring).
 
     Args:
@@ -57,26 +57,19 @@ class LiveOracleDrafter:
         for name, value in (("confident", confident), ("doubtful", doubtful)):
             if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 raise ValueError(f"{name}={value!r}: must be a finite real number")
-        self._table = SessionTable(max_sessions)
+        self._table: SessionTable[_LiveSession] = SessionTable(max_sessions)
         self.trunk, self.cfg = trunk, trunk.cfg
         self.corrupt_every, self.confident, self.doubtful = int(corrupt_every), float(confident), float(doubtful)
 
-    @property
-    def max_sessions(self) -> int:
-        return self._table.max_sessions
-
-    @property
-    def num_sessions(self) -> int:
-        return len(self._table)
+    observes_tokens = True  # drafts continue the committed tokens, so it must see them
 
     def identity(self) -> dict:
+        """See `drafter_identity` (kind "oracle"; it always reports confidences)."""
         return drafter_identity(self.cfg, True, 1, "oracle")
 
     def open_session(self) -> int:
+        """Open a session with an empty target state. Raises SessionLimitError when full."""
         return self._table.open(_LiveSession(self.trunk.new_state()))
-
-    def close_session(self, sid: int) -> None:
-        self._table.close(sid)
 
     def last_position(self, sid: int) -> int:
         """The session's last committed position (-1 before the first commit)."""
@@ -96,14 +89,13 @@ class LiveOracleDrafter:
                 token_ids empty, not a sequence, or holding an id that is not an integer in
                 [0, vocab_size) (named with its index); positions reaching max_seq_len.
         """
-        s = self._table.get(sid)
         first = as_int("token_first_position", first_position)
         ids = as_int_list("token_ids", token_ids)
         V, L = self.cfg.vocab_size, self.cfg.max_seq_len
         bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < V]
         if bad:
             raise ValueError(f"token id {bad[0][1]} at index {bad[0][0]} outside [0, vocab_size={V})")
-        with s.lock:
+        with self._table.locked(sid) as s:
             if first != len(s.tokens):
                 raise ValueError(f"oracle: token_first_position={first} does not continue the "
                                  f"{len(s.tokens)} committed tokens seen")
@@ -126,8 +118,7 @@ class LiveOracleDrafter:
         Raises:
             ValueError: naming the bad value.
         """
-        s = self._table.get(sid)
-        with s.lock:
+        with self._table.locked(sid) as s:
             pos = check_commit(self.cfg, s.last_position, rows, positions)
             s.last_position = max(s.last_position, pos[-1])
 
@@ -143,8 +134,7 @@ class LiveOracleDrafter:
                 seed_position.
         """
         anchor, p = check_draft_args(self.cfg, anchor, seed_position)
-        s = self._table.get(sid)
-        with s.lock:
+        with self._table.locked(sid) as s:
             check_seed(s.last_position, p)
             n = draft_length(self.cfg, p)
             if len(s.tokens) != p + 1:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import threading
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -28,7 +27,9 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.draft_args import as_int, as_int_list, check_commit, check_draft_args, check_seed, draft_length
-from services.drafter.engine import SessionTable, drafter_identity
+from services.common.sessions import SessionHost, SessionTable
+from services.drafter.engine import drafter_identity
+from services.drafter.interface import Drafter
 
 
 @dataclass(frozen=True)
@@ -80,10 +81,9 @@ def _finite(name: str, value: object) -> float:
 class _OracleSession:
     script: OracleScript
     last_position: int = -1
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-class OracleDrafter:
+class OracleDrafter(SessionHost[_OracleSession], Drafter):
     """Scripted drafter (see the module docstring).
 
     Args:
@@ -97,7 +97,7 @@ class OracleDrafter:
     def __init__(self, cfg: ModelConfig, script: OracleScript, max_sessions: int = 16):
         self.cfg = cfg
         self.script = self._checked(script)
-        self._table = SessionTable(max_sessions)
+        self._table: SessionTable[_OracleSession] = SessionTable(max_sessions)
 
     def _checked(self, script: OracleScript) -> OracleScript:
         if not isinstance(script, OracleScript):
@@ -111,28 +111,16 @@ class OracleDrafter:
         """See `drafter_identity` (kind "oracle"; it always reports confidences)."""
         return drafter_identity(self.cfg, True, 1, "oracle")
 
-    @property
-    def max_sessions(self) -> int:
-        return self._table.max_sessions
-
-    @property
-    def num_sessions(self) -> int:
-        return len(self._table)
-
     def open_session(self, script: OracleScript | None = None) -> int:
         """Open a session following `script` (default: the drafter's). Raises SessionLimitError when full."""
         return self._table.open(_OracleSession(self.script if script is None else self._checked(script)))
-
-    def close_session(self, sid: int) -> None:
-        self._table.close(sid)
 
     def last_position(self, sid: int) -> int:
         return self._table.get(sid).last_position
 
     def commit(self, sid: int, rows: torch.Tensor, positions: Sequence[int]) -> None:
         """Record committed positions (rows are validated, not used). Raises like `DrafterEngine.commit`."""
-        s = self._table.get(sid)
-        with s.lock:
+        with self._table.locked(sid) as s:
             pos = check_commit(self.cfg, s.last_position, rows, positions)
             s.last_position = max(s.last_position, pos[-1])
 
@@ -148,8 +136,7 @@ class OracleDrafter:
                 "greedy continuation" no longer applies).
         """
         anchor, p = check_draft_args(self.cfg, anchor, seed_position)
-        s = self._table.get(sid)
-        with s.lock:
+        with self._table.locked(sid) as s:
             check_seed(s.last_position, p)
             n = draft_length(self.cfg, p)
             script, V = s.script, self.cfg.vocab_size

@@ -1,21 +1,24 @@
-"""Drafter gRPC servicer: a thin layer over a drafter engine (one engine session per stream).
+"""Drafter gRPC servicer: a thin adapter from the wire to a `Drafter` engine.
 
-The engine is a `DrafterEngine` (the DSpark module) or the oracle drafter service; both have
-`open_session`, `close_session`, `commit`, `draft`, `identity`; an engine that also has
-`observe_tokens(sid, first_position, token_ids)` receives the committed token ids.
+It owns the message translation only: a commit's rows tensor and positions, a draft's
+tokens and confidences, the timings; the session's life cycle is
+`services.common.session_stream.serve_session` and every rule about rows, positions and
+anchors is the engine's (`services.drafter.interface.Drafter`: the DSpark module or an oracle).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from opentelemetry.sdk.trace import TracerProvider
 
 from dspark_proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from services.common.errors import message_for, status_for
+from services.common.session_stream import serve_session
 from services.common.telemetry import message_span
 from services.common.tensors import from_proto
+from services.drafter.interface import Drafter, feed_tokens
 
 
 def identity_message(ident: dict, max_sessions: int, open_sessions: int) -> common_pb2.ModelIdentity:
@@ -30,9 +33,14 @@ def identity_message(ident: dict, max_sessions: int, open_sessions: int) -> comm
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    """Session: commit / draft messages in, one response each, in order."""
+    """Session: commit / draft messages in, one response each, in order.
 
-    def __init__(self, engine, provider: TracerProvider | None = None):
+    Args:
+        engine: the drafter engine (thread-safe across sessions).
+        provider: tracer provider for the per-message spans (None = no spans).
+    """
+
+    def __init__(self, engine: Drafter, provider: TracerProvider | None = None):
         self.engine, self.provider = engine, provider
         ident = engine.identity()
         self.row_width = ident["row_width"]
@@ -41,20 +49,11 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         return identity_message(self.engine.identity(), self.engine.max_sessions, self.engine.num_sessions)
 
     async def Session(self, request_iterator, context):
-        try:
-            sid = self.engine.open_session()
-        except Exception as exc:  # the session limit
-            await context.abort(status_for(exc), message_for(exc))
-        try:
-            async for request in request_iterator:
-                received = time.perf_counter()
-                try:
-                    response = await self._handle(sid, request, received)
-                except (ValueError, TypeError) as exc:
-                    await context.abort(status_for(exc), message_for(exc))
+        engine = self.engine
+        stream = serve_session(request_iterator, context, engine.open_session, engine.close_session, self._handle)
+        async with contextlib.aclosing(stream):  # a cancelled stream frees its session now, not at GC
+            async for response in stream:
                 yield response
-        finally:
-            self.engine.close_session(sid)
 
     async def _handle(self, sid: int, request, received: float) -> drafter_pb2.DrafterResponse:
         op = request.WhichOneof("op")
@@ -78,6 +77,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
             return response
 
     def _commit(self, sid: int, commit) -> drafter_pb2.DrafterResponse:
+        # The rows' wire shape is checked before the token ids are fed: an observing drafter
+        # advances its state on them, so a commit rejected afterwards would leave it ahead.
         rows = from_proto(commit.rows, max_elements=1 << 26)
         if rows.ndim != 2 or rows.shape[1] != self.row_width:
             raise ValueError(f"commit rows have shape {list(rows.shape)}, expected [R, row_width={self.row_width}]")
@@ -86,8 +87,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         first = commit.first_position
         if first < 0:
             raise ValueError(f"commit first_position={first}: must be >= 0")
-        observe = getattr(self.engine, "observe_tokens", None)
-        if observe is not None and commit.token_ids:
-            observe(sid, commit.token_first_position, list(commit.token_ids))
+        feed_tokens(self.engine, sid, commit.token_first_position, commit.token_ids)
         self.engine.commit(sid, rows.float(), range(first, first + rows.shape[0]))
         return drafter_pb2.DrafterResponse(committed_through=first + rows.shape[0] - 1)

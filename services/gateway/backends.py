@@ -209,9 +209,8 @@ class LocalDrafterSession:
 
     async def commit(self, rows, first_position, token_ids, token_first_position, trace):
         def run():
-            observe = getattr(self.engine, "observe_tokens", None)
-            if observe is not None and token_ids:
-                observe(self.sid, token_first_position, list(token_ids))
+            if self.engine.observes_tokens and token_ids:  # services.drafter.interface.Drafter
+                self.engine.observe_tokens(self.sid, token_first_position, list(token_ids))
             self.engine.commit(self.sid, wire_rows(rows), range(first_position, first_position + rows.shape[0]))
         await asyncio.to_thread(run)
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.common.settings import COST_MODES
 from services.gateway.gate import CostModel
 
-COST_MODES = ("configured", "measured")
 MIN_SAMPLES = 5
 EWMA_ALPHA = 0.1
 MAX_VERIFY_SAMPLES = 4096  # most recent verify rounds kept for the fit

@@ -10,11 +10,10 @@ from __future__ import annotations
 import bisect
 import math
 import numbers
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from services.gateway.values import MIN_COST_MS, check_setting, finite_float, is_integer, parse_setting, short_repr
+from services.gateway.values import MIN_COST_MS, check_setting, finite_float, is_integer, short_repr
 
 # Seed "Gating", confidence table: < -0.5 | -0.5..0.5 | 0.5..1.5 | 1.5..3.0 | 3.0..6.0 | > 6.0.
 # A logit equal to an edge belongs to the bucket above it (lower edge inclusive).
@@ -201,7 +200,7 @@ def decide_length(
 
 @dataclass(frozen=True)
 class GateConfig:
-    """Gate settings; read once from the seed's env vars (see docs/gate.md for the table).
+    """Gate settings; `services.settings` fills them from the ENV_VARS variables (docs/gate.md).
 
     enabled: length choice on (DEEPSEEK_DSPARK_GATE); off = always submit max_n.
     margin_threshold: pre-draft gate on the anchor's top1 - top2 logit margin; 0 = disabled.
@@ -227,17 +226,6 @@ class GateConfig:
         for f in fields(self):
             object.__setattr__(self, f.name, check_setting(f.name, getattr(self, f.name), f.name))
         self.cost_model()  # the rule across the costs
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ) -> GateConfig:
-        """Read DEEPSEEK_DSPARK_GATE* from `environ`; unset variables keep the seed's defaults.
-
-        Raises ValueError naming the variable and its value when a value does not parse (see
-        parse_setting: ASCII decimal forms only) or is out of range. An empty value is invalid,
-        not "unset".
-        """
-        values = {name: parse_setting(name, environ[var], var) for name, var in ENV_VARS.items() if var in environ}
-        return cls(**values)
 
     def cost_model(self) -> CostModel:
         """The CostModel of this config's *_ms fields."""

@@ -22,8 +22,6 @@ Each `GatewayMetrics` has its own registry, so several gateways in one process d
 from __future__ import annotations
 
 import logging
-import os
-from typing import Mapping
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
@@ -33,7 +31,6 @@ from prometheus_client import CollectorRegistry, start_http_server
 from services.gateway.record import RoundRecord
 
 log = logging.getLogger("dspark.gateway")
-ENV_PORT = "DSPARK_METRICS_PORT"
 # OpenTelemetry GenAI semantic conventions, "Generative AI model server metrics".
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
@@ -41,24 +38,6 @@ DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 
 GENAI_ATTRIBUTES = {"gen_ai.operation.name": "text_completion", "gen_ai.provider.name": "dspark"}
 _DECISION_COUNTERS = {"margin_skipped": "margin_skipped", "truncated": "truncated",
                       "skipped_after_draft": "skipped_after_draft"}
-
-
-def metrics_port(flag: int | None, environ: Mapping[str, str] = os.environ) -> int | None:
-    """The metrics port: the flag, else DSPARK_METRICS_PORT, else None (no endpoint). 0 = any free port.
-
-    Raises ValueError naming the flag or the variable and the value outside [0, 65535].
-    """
-    if flag is not None:
-        if not 0 <= flag <= 65535:
-            raise ValueError(f"--metrics-port={flag}: must be in [0, 65535]")
-        return flag
-    raw = environ.get(ENV_PORT)
-    if raw is None or raw.strip() == "":
-        return None
-    text = raw.strip()
-    if not (text.isascii() and text.isdigit()) or int(text) > 65535:
-        raise ValueError(f"{ENV_PORT}={raw!r}: must be an integer in [0, 65535]")
-    return int(text)
 
 
 class GatewayMetrics:

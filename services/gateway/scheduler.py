@@ -32,6 +32,7 @@ from typing import AsyncIterator, Callable, Sequence
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
+from services.common.settings import VERIFY_MODES
 from services.common.telemetry import TRACER_NAME, trace_context
 from services.gateway.backends import FAILOVER_CODES, BackendError, DrafterSession, VerifierSession
 from services.gateway.costs import CostTracker
@@ -42,7 +43,6 @@ from services.gateway.tokenizer import Detokenizer, Tokenizer
 
 log = logging.getLogger("dspark.gateway")
 SPEC_MODES = ("off", "always", "gated")
-VERIFY_MODES = ("sequential", "batched")
 
 
 @dataclass(frozen=True)

@@ -120,16 +120,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         s = self.backends.settings
-        metadata = _forwarded_metadata(context)
-        verifier = GrpcVerifierSession(self.backends.verifier, s.round_timeout_s, s.generation_timeout_s, metadata)
+        verifier = GrpcVerifierSession(self.backends.verifier, s.round_timeout_s, s.generation_timeout_s)
         drafter = None
         opened: list[GrpcDrafterSession] = []  # every drafter session of this generation (failovers too)
 
         def open_drafter() -> GrpcDrafterSession | None:
             if len(opened) > s.drafter_failovers:  # the first one and DSPARK_DRAFTER_FAILOVERS re-primes
                 return None
-            opened.append(GrpcDrafterSession(self.backends.drafter, s.round_timeout_s, s.generation_timeout_s,
-                                             metadata))
+            opened.append(GrpcDrafterSession(self.backends.drafter, s.round_timeout_s, s.generation_timeout_s))
             return opened[-1]
 
         if params.spec != "off" and self.backends.drafter is not None:
@@ -152,11 +150,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         stats["verify_mode"] = self.scheduler.verify_mode
         stats["cost_mode"] = self.scheduler.cost_mode
         return gateway_pb2.StatsResponse(json=json.dumps(stats, allow_nan=False))
-
-
-def _forwarded_metadata(context) -> tuple:
-    """Nothing from the client is forwarded to the backends (auth is terminated here)."""
-    return ()
 
 
 def _response(event) -> gateway_pb2.GenerateResponse:

@@ -32,26 +32,35 @@ Correctness policy.
   batched and plain greedy chains diverge with the top1 - top2 margin there (GEMM shapes
   change reduction order; the seed measured such drift turning into different tokens).
 
-Inputs: token ids and positions must be integers (Python ints, numpy / torch integer
-scalars), drafts a list / tuple / 1-D integer tensor; anything else (floats, strings, bools,
-sets) raises ValueError naming the value, before the session changes.
+Inputs. This engine is the one boundary that validates what arrives over the wire: token
+ids and positions must be integers (Python ints, numpy / torch integer scalars), drafts a
+list / tuple / 1-D integer tensor; anything else (floats, strings, bools, sets) raises
+ValueError naming the value. Ids must lie in [0, vocab_size), a prompt must fit
+max_seq_len, a decode or verify block must start at the session's next position and end
+before max_seq_len, and a batched block on an exact-numerics trunk holds at most
+`EXACT_ROWS` tokens. Every check runs before the session changes, so the trunk below only
+ever sees valid calls.
+
+Committed rows. Each session keeps the tap rows of its last window_size committed
+positions and its anchor (`services.verifier.committed`), so a replacement drafter can be
+primed after the session's drafter failed (`committed_tail`).
 """
 
 from __future__ import annotations
 
-import itertools
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from services.common.sessions import SessionLimitError, UnknownSessionError  # noqa: F401 (re-exported)
+from services.common.sessions import (SessionHost, SessionLimitError, SessionTable,  # noqa: F401 (re-exported)
+                                      UnknownSessionError)
+from services.common.settings import VERIFY_MODES
+from services.verifier.committed import CommittedRows, CommittedTail
 
-from dsv4.trunk import Trunk, TrunkState, as_int
+from dsv4.trunk import EXACT_ROWS, Trunk, TrunkState, as_int
 
-VERIFY_MODES = ("sequential", "batched")
 
 
 @dataclass(frozen=True)
@@ -100,7 +109,7 @@ class VerifyResult:
 @dataclass
 class _Session:
     state: TrunkState
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    committed: CommittedRows
     prefilled: bool = False
 
 
@@ -126,7 +135,7 @@ def _token_list(ids: object, name: str) -> list[int]:
     return [as_int(v, f"{name}[{i}]") for i, v in enumerate(ids)]
 
 
-class VerifierEngine:
+class VerifierEngine(SessionHost[_Session]):
     """Sessions over one `Trunk` (TP=1 here; `services.verifier.tp` drives TP > 1).
 
     Args:
@@ -150,31 +159,13 @@ class VerifierEngine:
             if prefill_keep_rows < 0:
                 raise ValueError(f"prefill_keep_rows={prefill_keep_rows}: must be >= 0")
         self.model, self.cfg = model, model.cfg
-        self.max_sessions = max_sessions
         self.keep_rows = self.cfg.window_size if prefill_keep_rows is None else prefill_keep_rows
-        self._sessions: dict[int, _Session] = {}
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
+        self._table: SessionTable[_Session] = SessionTable(max_sessions)
 
     # ------------------------------------------------------------------ sessions
     def open_session(self) -> int:
         """Open a session; returns its id. Raises SessionLimitError when max_sessions are open."""
-        with self._lock:
-            if len(self._sessions) >= self.max_sessions:
-                raise SessionLimitError(f"session limit reached: {self.max_sessions} sessions open")
-            sid = next(self._ids)
-            self._sessions[sid] = _Session(self.model.new_state())
-            return sid
-
-    def close_session(self, sid: int) -> None:
-        """Free a session's state; closing an unknown or closed session is a no-op."""
-        with self._lock:
-            self._sessions.pop(sid, None)
-
-    @property
-    def num_sessions(self) -> int:
-        """Sessions open now."""
-        return len(self._sessions)
+        return self._table.open(_Session(self.model.new_state(), CommittedRows(self.cfg.window_size)))
 
     def session_bytes(self, sid: int) -> int:
         """Bytes of target state held by session `sid` (rings, compressor states, caches)."""
@@ -184,28 +175,39 @@ class VerifierEngine:
         """The position the session's next forwarded token takes (= tokens committed so far - 1 + 1)."""
         return self._get(sid).state.next_position
 
+    def committed_tail(self, sid: int, count: int) -> CommittedTail:
+        """The session's last min(count, kept) committed tap rows (count 0: every kept row, at
+        most window_size) as bfloat16 [R, T*D], with their first position and the anchor.
+
+        Raises:
+            ValueError: count not an integer >= 0, or nothing committed yet (both named).
+            UnknownSessionError: `sid` not open.
+        """
+        count = as_int(count, "rows count")
+        with self._table.locked(sid) as s:
+            return s.committed.tail(count)
+
     def _get(self, sid: int) -> _Session:
-        try:
-            return self._sessions[sid]
-        except KeyError:
-            raise UnknownSessionError(f"session {sid} is not open") from None
+        """The session record (its lock not taken: diagnostics and tests)."""
+        return self._table.get(sid)
 
     # ------------------------------------------------------------------ prefill / decode
     def prefill(self, sid: int, token_ids: list[int] | torch.Tensor) -> StepResult:
         """Forward the prompt x[0..n-1] at positions 0..n-1; returns the first anchor x[n].
 
         Raises:
-            ValueError: empty prompt, non-integer ids, ids out of range, prompt too long,
-                session already prefilled; the session is unchanged then.
+            ValueError: empty prompt, non-integer ids, ids out of range, prompt longer than
+                max_seq_len, session already prefilled; the session is unchanged then.
             UnknownSessionError: `sid` not open.
         """
-        s = self._get(sid)
-        with s.lock:
+        with self._table.locked(sid) as s:
             if s.prefilled:
                 raise ValueError(f"session {sid} is already prefilled (next position {s.state.next_position})")
             ids = _token_list(token_ids, "prompt")
             if not ids:
                 raise ValueError(f"empty prompt: session {sid} needs at least one token")
+            if len(ids) > self.cfg.max_seq_len:
+                raise ValueError(f"prompt length {len(ids)} exceeds max_seq_len={self.cfg.max_seq_len}")
             self._check_range(ids)
             t0 = time.perf_counter()
             out = self.model.prefill(s.state, torch.tensor(ids, dtype=torch.int64), keep_rows=self.keep_rows,
@@ -214,6 +216,7 @@ class VerifierEngine:
             n = s.state.next_position
             token, margin = top2_margin(out.logits)
             result = StepResult(token, margin, out.taps, range(n - out.taps.shape[0], n), ms)
+            s.committed.add(result.rows, result.positions, token, margin)
             s.prefilled = True  # only once everything succeeded
             return result
 
@@ -224,18 +227,23 @@ class VerifierEngine:
         Raises:
             ValueError: position or token_id not an integer, position is not the session's
                 next position (both named), session not prefilled, id out of range, position
-                beyond max_seq_len; the session is unchanged then.
+                at or beyond max_seq_len; the session is unchanged then.
+            UnknownSessionError: `sid` not open.
         """
         token_id = as_int(token_id, "token_id")
         position = as_int(position, "position")
-        s = self._get(sid)
-        with s.lock:
+        with self._table.locked(sid) as s:
             self._check_position(sid, s, position)
+            if position >= self.cfg.max_seq_len:
+                raise ValueError(f"decode position={position}: must be < max_seq_len={self.cfg.max_seq_len}")
+            self._check_range([token_id])
             t0 = time.perf_counter()
             out = self.model.decode(s.state, token_id, position, taps=True)
             token, margin = top2_margin(out.logits)
-            return StepResult(token, margin, out.taps, range(position, position + 1),
-                              (time.perf_counter() - t0) * 1e3)
+            result = StepResult(token, margin, out.taps, range(position, position + 1),
+                                (time.perf_counter() - t0) * 1e3)
+            s.committed.add(result.rows, result.positions, token, margin)
+            return result
 
     def _check_range(self, ids: list[int]) -> None:
         for i, t in enumerate(ids):
@@ -260,26 +268,39 @@ class VerifierEngine:
         Raises:
             ValueError: unknown mode; anchor / position not an integer, drafts not a list /
                 tuple / 1-D integer tensor of integers (each named); wrong position (named),
-                ids out of range, a block that would run past max_seq_len. The session is
+                ids out of range, a block that would run past max_seq_len, a batched block
+                of more than EXACT_ROWS tokens on an exact-numerics trunk. The session is
                 unchanged then.
+            UnknownSessionError: `sid` not open.
         """
         if mode not in VERIFY_MODES:
             raise ValueError(f"verify mode={mode!r}: must be one of {VERIFY_MODES}")
         anchor = as_int(anchor, "anchor")
         position = as_int(position, "position")
         draft_ids = _token_list(drafts, "drafts")
-        s = self._get(sid)
-        with s.lock:
+        with self._table.locked(sid) as s:
             self._check_position(sid, s, position)
-            k = len(draft_ids)
-            if position + k >= self.cfg.max_seq_len:
-                raise ValueError(f"verify block at position {position} with {k} drafts runs past "
-                                 f"max_seq_len={self.cfg.max_seq_len}")
             ids = [anchor, *draft_ids]
-            self._check_range(ids)
-            if mode == "sequential" or k == 0:
-                return self._verify_sequential(s, ids, position)
-            return self._verify_batched(s, ids, position)
+            self._check_block(position, ids, mode)
+            if mode == "sequential" or len(draft_ids) == 0:
+                result = self._verify_sequential(s, ids, position)
+            else:
+                result = self._verify_batched(s, ids, position)
+            s.committed.add(result.rows, result.positions, result.bonus_token, result.margin)
+            return result
+
+    def _check_block(self, position: int, ids: list[int], mode: str) -> None:
+        """The block [anchor, drafts] at `position` fits max_seq_len, holds valid ids and, batched
+        on an exact-numerics trunk, at most EXACT_ROWS tokens (its fixed tile)."""
+        k = len(ids) - 1
+        if position + k >= self.cfg.max_seq_len:
+            raise ValueError(f"verify block at position {position} with {k} drafts runs past "
+                             f"max_seq_len={self.cfg.max_seq_len}")
+        self._check_range(ids)
+        if mode == "batched" and k > 0 and self.model.verify_numerics == "exact" and len(ids) > EXACT_ROWS:
+            raise ValueError(f"verify block of {len(ids)} tokens: exact mode verifies at most {EXACT_ROWS} "
+                             f"(k <= {EXACT_ROWS - 1} drafts) in one batched forward; use sequential mode "
+                             f"or fewer drafts")
 
     def _verify_sequential(self, s: _Session, ids: list[int], n: int) -> VerifyResult:
         rows, t0 = [], time.perf_counter()

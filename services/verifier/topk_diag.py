@@ -1,7 +1,8 @@
 """`DSV4_TOPK_DIAG=K`: the verifier's trunk writes the top-K ids and logits of every forward (for `dspark parity`).
 
-`maybe_wrap(model, rank)` returns `model` unchanged unless `DSV4_TOPK_DIAG` is set to an
-integer K >= 1; then a `TopKDiagTrunk` that forwards every call to the model and, after each
+`maybe_wrap(model, setting, rank)` returns `model` unchanged when `setting` is None (what
+`services.settings` makes of `DSV4_TOPK_DIAG` unset or 0); for K >= 1 it returns a
+`TopKDiagTrunk` that forwards every call to the model and, after each
 prefill, decode and verify block, appends one JSON line to
 `$DSV4_TOPK_DIAG_DIR/topk-rank{rank}-pid{pid}.jsonl` (default directory: the working one;
 a second wrapped trunk in the same process writes `...-pid{pid}-1.jsonl`, and so on).
@@ -29,50 +30,52 @@ import json
 import os
 import threading
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 ENV_K = "DSV4_TOPK_DIAG"
-ENV_DIR = "DSV4_TOPK_DIAG_DIR"
+ENV_DIR = "DSV4_TOPK_DIAG_DIR"  # named in errors about the dump folder
 FORMAT = "dspark-topk"
 MAX_K = 4096
 _WRAPPED = itertools.count()
 
 
-def topk_setting(environ: Mapping[str, str] = os.environ) -> tuple[int, Path] | None:
-    """(K, directory) from the environment, or None when DSV4_TOPK_DIAG is unset, empty or 0.
+@dataclass(frozen=True)
+class TopKDiagSettings:
+    """Dump the top `k` ids and logits of every forward into files in `folder`.
 
-    Raises ValueError naming the variable and value: K not an integer in [0, 4096], or a
-    directory that does not exist.
+    Raises:
+        ValueError: k not an integer in [1, MAX_K], or folder not an existing directory (named).
     """
-    raw = environ.get(ENV_K, "").strip()
-    if raw in ("", "0"):
-        return None
-    if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_K:
-        raise ValueError(f"{ENV_K}={environ[ENV_K]!r}: must be an integer in [0, {MAX_K}] (0 = off)")
-    folder = Path(environ.get(ENV_DIR) or ".")
-    if not folder.is_dir():
-        raise ValueError(f"{ENV_DIR}={str(folder)!r}: not an existing directory")
-    return int(raw), folder
+
+    k: int
+    folder: Path = Path(".")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or not 1 <= self.k <= MAX_K:
+            raise ValueError(f"top-k k={self.k!r}: must be an integer in [1, {MAX_K}]")
+        if not Path(self.folder).is_dir():
+            raise ValueError(f"top-k folder={str(self.folder)!r}: not an existing directory")
 
 
-def maybe_wrap(model, rank: int = 0, environ: Mapping[str, str] = os.environ):
-    """`model`, wrapped in a `TopKDiagTrunk` when DSV4_TOPK_DIAG asks for dumps (module docstring).
+def maybe_wrap(model, setting: TopKDiagSettings | None, rank: int = 0):
+    """`model`, wrapped in a `TopKDiagTrunk` when `setting` asks for dumps (module docstring);
+    `model` itself when `setting` is None.
 
-    Raises ValueError naming the variable and value: a bad setting (`topk_setting`), or a dump
-    file that cannot be created in DSV4_TOPK_DIAG_DIR (read-only, no permission).
+    Raises ValueError naming the folder's variable and value when a dump file cannot be created
+    there (read-only, no permission).
     """
-    setting = topk_setting(environ)
     if setting is None:
         return model
-    k, folder = setting
+    folder = Path(setting.folder)
     n = next(_WRAPPED)  # a second wrapped trunk in one process (tests) gets its own file
     suffix = "" if n == 0 else f"-{n}"
     path = folder / f"topk-rank{rank}-pid{os.getpid()}{suffix}.jsonl"
     try:
-        return TopKDiagTrunk(model, k, path, rank)
+        return TopKDiagTrunk(model, setting.k, path, rank)
     except OSError as exc:
         raise ValueError(f"{ENV_DIR}={str(folder)!r}: cannot create the dump {path.name}: "
                          f"{exc.strerror or exc}") from None

@@ -5,8 +5,9 @@ torch.distributed, no processes) and otherwise a `TPTrunk`: a proxy with the Tru
 interface that `VerifierEngine` uses unchanged. Rank 0 (the calling process) owns the
 sessions; every call is sent as an explicit command (op, state handle, args) to each
 worker over a pipe, then run locally, so all ranks forward exactly the positions rank 0
-forwards and issue the same collectives in the same order. Workers keep their own
-states keyed by handle and loop on commands until `close()`.
+forwards and issue the same collectives in the same order. Workers
+(`services.verifier.tp_worker`) keep their own states keyed by handle and loop on commands
+until `close()`.
 
 Start-up order (the seed lost ranks that waited 30 s while rank 0 loaded 167 GB): rank 0
 opens a TCP store, spawns the workers, every rank announces itself in the store and waits
@@ -25,10 +26,8 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import threading
 import time
-import traceback
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_ready
@@ -42,8 +41,11 @@ from dsv4 import tp as dtp
 from dsv4.checkpoint import load_trunk_weights, read_config
 from dsv4.config import ModelConfig
 from dsv4.trunk import BlockOutput, ForwardOutput, Trunk, TrunkState
+from services.verifier.tp_worker import RankSpec, build_rank, rendezvous, send, worker_main
+from kernels.select import KernelConfig
+from services.verifier.topk_diag import TopKDiagSettings
 
-ENV_INIT_TIMEOUT = "DSV4_TP_INIT_TIMEOUT_S"
+ENV_INIT_TIMEOUT = "DSV4_TP_INIT_TIMEOUT_S"  # the variables of TPSettings, named in its errors
 ENV_CALL_TIMEOUT = "DSV4_TP_CALL_TIMEOUT_S"
 ACK_GRACE_S = 1.0  # extra wait for acks after rank 0's own part failed at the deadline
 POLL_S = 0.05  # liveness poll while waiting for the store rendezvous
@@ -56,7 +58,7 @@ class TPWorkerError(RuntimeError):
 
 @dataclass(frozen=True)
 class TPSettings:
-    """TP timeouts in seconds (env: `DSV4_TP_INIT_TIMEOUT_S`, `DSV4_TP_CALL_TIMEOUT_S`).
+    """TP timeouts in seconds (`services.settings`: `DSV4_TP_INIT_TIMEOUT_S`, `DSV4_TP_CALL_TIMEOUT_S`).
 
     init_timeout_s: rendezvous plus weight loading of every rank.
     call_timeout_s: one proxied call (the process group's per-collective timeout).
@@ -72,140 +74,6 @@ class TPSettings:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name}={value!r}: must be a finite number of seconds > 0")
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "TPSettings":
-        """Read the variables from `env` (default `os.environ`); unset or empty means default.
-
-        Raises:
-            ValueError: naming the variable and its value when it is not a finite number > 0.
-        """
-        env = os.environ if env is None else env
-        return cls(init_timeout_s=_seconds(env, ENV_INIT_TIMEOUT, cls.init_timeout_s),
-                   call_timeout_s=_seconds(env, ENV_CALL_TIMEOUT, cls.call_timeout_s))
-
-
-def _seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name, "")
-    if raw.strip() == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={raw!r}: must be a finite number of seconds > 0")
-    return value
-
-
-@dataclass(frozen=True)
-class _RankSpec:
-    """Everything a rank needs to build its shard (pickled to the workers)."""
-
-    cfg: ModelConfig
-    weights: Mapping[str, torch.Tensor] | str
-    plan: dtp.ShardPlan
-    dtype: torch.dtype
-    quant_sim: bool | None
-    deterministic_reduce: bool | None
-    backend: str
-    port: int
-    settings: TPSettings
-    num_threads: int
-
-    def device(self, rank: int) -> torch.device:
-        return torch.device("cuda", rank) if self.backend == "nccl" else torch.device("cpu")
-
-
-def _build(spec: _RankSpec, comm: dtp.Collectives) -> Trunk:
-    """Load (a checkpoint path is read by every rank itself) and shard this rank's trunk."""
-    weights = spec.weights
-    if isinstance(weights, str):
-        _, weights = load_trunk_weights(weights, spec.cfg, dtype=spec.dtype)
-    from services.verifier.topk_diag import maybe_wrap  # DSV4_TOPK_DIAG: one dump file per rank
-    return maybe_wrap(dtp.build_rank_trunk(spec.cfg, weights, comm, spec.plan, spec.dtype, spec.quant_sim,
-                                           spec.deterministic_reduce, spec.device(comm.rank)), comm.rank)
-
-
-def _rendezvous(store, spec: _RankSpec, rank: int) -> dtp.Collectives:
-    return dtp.connect(store, rank, spec.plan.world_size, spec.backend, spec.settings.call_timeout_s,
-                       spec.device(rank))
-
-
-# ---------------------------------------------------------------------------- worker side
-def _worker_main(rank: int, spec: _RankSpec, conn, start_delay_s: float, stall: tuple[int, float] | None) -> None:
-    """Entry point of worker `rank`: join, build, answer "ready", then serve commands.
-
-    start_delay_s, stall: test-only knobs (a late start; sleep `stall[1]` s on receiving
-    command number `stall[0]`, counted from 0 after start-up).
-    """
-    try:
-        torch.set_num_threads(spec.num_threads)
-        time.sleep(start_delay_s)
-        store = dtp.join_store(spec.port, spec.plan.world_size, spec.settings.init_timeout_s)
-        dtp.mark_joined(store, rank)
-        dtp.wait_joined(store, spec.plan.world_size)
-        model = _build(spec, _rendezvous(store, spec, rank))
-    except BaseException:  # report any start-up failure to rank 0, then exit
-        _send(conn, ("error", traceback.format_exc(limit=4)))
-        return
-    if _send(conn, ("ready", None)):
-        _serve(model, conn, stall)
-
-
-def _send(conn, msg) -> bool:
-    try:
-        conn.send(msg)
-        return True
-    except (OSError, EOFError):  # rank 0 is gone
-        return False
-
-
-def _serve(model: Trunk, conn, stall: tuple[int, float] | None) -> None:
-    states: dict[int, TrunkState] = {}
-    undos: dict[int, Any] = {}
-    for n in itertools.count():
-        try:
-            seq, op, handle, args, kwargs, frees = conn.recv()
-        except (EOFError, OSError):  # rank 0 exited: nothing left to serve
-            return
-        for h in frees:
-            states.pop(h, None)
-            undos.pop(h, None)
-        if op == "shutdown":
-            _send(conn, (seq, "ok", None))
-            return
-        if stall is not None and stall[0] == n:
-            time.sleep(stall[1])
-        try:
-            payload = _run(model, states, undos, op, handle, args, kwargs)
-            reply = (seq, "ok", payload)
-        except Exception as e:  # the same error on rank 0 is expected; rank 0 compares
-            reply = (seq, "error", f"{type(e).__name__}: {e}")
-        if not _send(conn, reply):
-            return
-
-
-def _run(model: Trunk, states: dict, undos: dict, op: str, handle: int, args: tuple, kwargs: dict):
-    """One command on a worker; returns a small payload (only "stats" has one)."""
-    if op == "new_state":
-        states[handle] = model.new_state()
-    elif op == "reset":
-        states[handle].reset()
-    elif op == "prefill":
-        model.prefill(states[handle], *args, **kwargs)
-    elif op == "decode":
-        model.decode(states[handle], *args, **kwargs)
-    elif op == "forward_block":
-        undos[handle] = model.forward_block(states[handle], *args).undo
-    elif op == "rollback":
-        model.rollback(states[handle], undos[handle], *args, **kwargs)
-        del undos[handle]  # only once it succeeded: a rejected keep leaves the block undoable
-    elif op == "stats":
-        return {"states": len(states)}
-    else:
-        raise ValueError(f"unknown TP command {op!r}")
-    return None
 
 
 # ---------------------------------------------------------------------------- rank 0
@@ -313,6 +181,11 @@ class TPTrunk:
         return self.model.state_bytes(state)
 
     @property
+    def verify_numerics(self) -> str:
+        """The ranks' verify numerics ("fast" or "exact"; every rank is built alike)."""
+        return self.model.verify_numerics
+
+    @property
     def worker_pids(self) -> list[int]:
         """Process ids of the workers, rank order (ranks 1..tp-1)."""
         return [w.proc.pid for w in self._workers]
@@ -329,7 +202,7 @@ class TPTrunk:
         self._closed = True
         self._broken = self._broken or "closed"
         for w in self._workers:
-            _send(w.conn, (-1, "shutdown", 0, (), {}, []))
+            send(w.conn, (-1, "shutdown", 0, (), {}, []))
         deadline = time.monotonic() + timeout_s
         for w in self._workers:
             w.proc.join(max(0.0, deadline - time.monotonic()))
@@ -366,7 +239,7 @@ class TPTrunk:
             seq, start = next(self._seq), time.monotonic()
             msg = (seq, op, state.handle if state is not None else 0, args, kwargs, frees)
             for w in self._workers:
-                if not _send(w.conn, msg):
+                if not send(w.conn, msg):
                     self._fail(self._describe(w, op, dead=True))
             try:
                 result, local_error = local(), None
@@ -446,8 +319,7 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
                    dtype: torch.dtype = torch.float32, *, quant_sim: bool | None = None,
                    deterministic_reduce: bool | None = None, device: str = "cpu",
                    settings: TPSettings | None = None, strict: bool = False, num_threads: int | None = None,
-                   start_delays_s: Mapping[int, float] | None = None,
-                   stall: tuple[int, int, float] | None = None) -> Trunk | TPTrunk:
+                   topk: TopKDiagSettings | None = None, kernels: KernelConfig | None = None) -> Trunk | TPTrunk:
     """Start the trunk on `tp` ranks and return what `VerifierEngine(model)` takes.
 
     Args:
@@ -456,19 +328,19 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
             that every rank reads itself.
         tp: ranks; 1 returns a loaded plain `Trunk` (no processes, no torch.distributed).
         device: "cpu" (gloo) or "cuda" (NCCL, rank r on cuda:r).
-        settings: timeouts; default `TPSettings.from_env()`.
+        settings: timeouts; default `TPSettings()`.
         strict: raise instead of replicating a part whose size tp does not divide
             (`dsv4.tp.plan_sharding`).
         num_threads: torch intra-op threads per worker (default: this process's count).
-        start_delays_s, stall: test-only knobs: {rank: seconds} a worker sleeps before
-            joining; (rank, command index, seconds) a worker sleeps on that command.
+        topk: at tp > 1 every rank dumps its top-k logits (`topk_diag.maybe_wrap`); None = off.
+        kernels: the `kernels/` implementations every rank's trunk uses (None = torch).
     Raises:
         ValueError: tp < 1, bad device, cfg None with weights not a path, an invalid
             DSV4_TP_* variable (named), or (strict) a size tp does not divide.
         TPWorkerError: a worker failed to start, died, or did not join and load within
             the init timeout (`DSV4_TP_INIT_TIMEOUT_S`).
     """
-    settings = TPSettings.from_env() if settings is None else settings
+    settings = TPSettings() if settings is None else settings
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tp={tp!r}: must be an integer >= 1")
     if device not in ("cpu", "cuda"):
@@ -480,17 +352,17 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
             raise ValueError("cfg=None needs weights to be a checkpoint folder")
         cfg = read_config(weights)
     if tp == 1:
-        model = Trunk(cfg, dtype, quant_sim, deterministic_reduce, device=device)
+        model = Trunk(cfg, dtype, quant_sim, deterministic_reduce, device=device, kernels=kernels)
         model.load_weights(load_trunk_weights(weights, cfg, dtype)[1] if isinstance(weights, str) else weights)
         return model
     if device == "cuda" and torch.cuda.device_count() < tp:
         raise ValueError(f"tp={tp} needs {tp} CUDA devices, found {torch.cuda.device_count()}")
     plan = dtp.plan_sharding(cfg, tp, quant_sim, strict)
     store, port = dtp.create_store(tp, settings.init_timeout_s)
-    spec = _RankSpec(cfg, weights, plan, dtype, quant_sim, deterministic_reduce,
+    spec = RankSpec(cfg, weights, plan, dtype, quant_sim, deterministic_reduce,
                      "nccl" if device == "cuda" else "gloo", port, settings,
-                     num_threads or torch.get_num_threads())
-    workers = _spawn(spec, start_delays_s or {}, stall)
+                     num_threads or torch.get_num_threads(), topk, kernels)
+    workers = _spawn(spec)
     try:
         model = _start_rank0(spec, store, workers)
     except BaseException:
@@ -499,21 +371,25 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
     return TPTrunk(model, workers, store, settings, plan)
 
 
-def _spawn(spec: _RankSpec, delays: Mapping[int, float], stall: tuple[int, int, float] | None) -> list[_Worker]:
+# What each spawned worker runs: called as _worker_entry(rank, spec, conn). A module-level
+# name (not a parameter) so tests can substitute a picklable wrapper that injects late starts
+# and stalls without production signatures carrying those knobs.
+_worker_entry: Callable[[int, RankSpec, Any], None] = worker_main
+
+
+def _spawn(spec: RankSpec) -> list[_Worker]:
     ctx = mp.get_context("spawn")
     workers = []
     for rank in range(1, spec.plan.world_size):
         ours, theirs = ctx.Pipe()
-        rank_stall = stall[1:] if stall is not None and stall[0] == rank else None
-        proc = ctx.Process(target=_worker_main, args=(rank, spec, theirs, float(delays.get(rank, 0.0)), rank_stall),
-                           daemon=True, name=f"dsv4-tp-rank{rank}")
+        proc = ctx.Process(target=_worker_entry, args=(rank, spec, theirs), daemon=True, name=f"dsv4-tp-rank{rank}")
         proc.start()
         theirs.close()
         workers.append(_Worker(rank, proc, ours))
     return workers
 
 
-def _start_rank0(spec: _RankSpec, store, workers: list[_Worker]) -> Trunk:
+def _start_rank0(spec: RankSpec, store, workers: list[_Worker]) -> Trunk:
     """Rendezvous (watching the workers), group, load rank 0, then wait for every "ready"."""
     deadline = time.monotonic() + spec.settings.init_timeout_s
     dtp.mark_joined(store, 0)
@@ -524,7 +400,7 @@ def _start_rank0(spec: _RankSpec, store, workers: list[_Worker]) -> Trunk:
                                 f"({ENV_INIT_TIMEOUT})")
         time.sleep(POLL_S)
     try:
-        model = _build(spec, _rendezvous(store, spec, 0))
+        model = build_rank(spec, rendezvous(store, spec, 0))
     except Exception:
         _check_starting(workers, "creating the process group")  # name a dead worker if there is one
         raise

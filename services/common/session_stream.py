@@ -1,0 +1,57 @@
+"""The servicer side of a backend `Session` stream, shared by the verifier and the drafter.
+
+This module owns the stream's life cycle: one engine session per stream, opened when the
+stream starts and freed when it ends, whether the client half-closes, cancels or the
+handler fails; each request is answered in order by one handler call. It does not know
+the messages: the servicers turn requests into engine calls and results into responses.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, TypeVar
+
+import grpc
+
+from services.common.errors import message_for, status_for
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+# handler(session id, request, perf_counter time the request was received in s) -> response
+Handler = Callable[[int, Req, float], Awaitable[Resp]]
+
+
+async def serve_session(requests: AsyncIterable[Req], context: grpc.aio.ServicerContext,
+                        open_session: Callable[[], int], close_session: Callable[[int], None],
+                        handle: Handler) -> AsyncIterator[Resp]:
+    """Run one `Session` bidi stream: open a session, answer each request, close it.
+
+    Args:
+        requests: the stream's request iterator.
+        context: the stream's servicer context (used to abort with a status).
+        open_session: opens an engine session and returns its id (may raise
+            SessionLimitError, which aborts the stream with RESOURCE_EXHAUSTED).
+        close_session: frees the session; called exactly once after a successful open.
+        handle: answers one request; ValueError / TypeError (bad input) abort the stream
+            with the status `services.common.errors.status_for` gives and the message.
+    Yields:
+        One response per request, in request order.
+    Raises:
+        grpc.aio.AbortError: via `context.abort` on the errors above; anything else the
+            handler raises propagates (the server reports it as UNKNOWN / INTERNAL).
+    """
+    try:
+        sid = open_session()
+    except Exception as exc:  # the session limit, or an engine that cannot open one
+        await context.abort(status_for(exc), message_for(exc))
+    try:
+        async for request in requests:
+            received = time.perf_counter()
+            try:
+                response = await handle(sid, request, received)
+            except (ValueError, TypeError) as exc:
+                await context.abort(status_for(exc), message_for(exc))
+            yield response
+    finally:
+        close_session(sid)

@@ -1,0 +1,357 @@
+"""The one reader of the process environment: every variable the project reads, parsed once.
+
+Each entry point (`dspark serve|up|generate|replay`, `training/demo.py`) calls `read_settings`
+(or one section reader) with `os.environ` and passes the typed objects down; nothing below
+reads the environment. The objects live next to their users and validate themselves; this
+module maps variables to their fields and names the variable and value in every error.
+Unset means the default; the "empty" column says what an empty value means.
+
+| variable | default | empty | section: field |
+|---|---|---|---|
+| DSPARK_CHECKPOINT | unset (bundled/random model) | unset | checkpoint (`--checkpoint` wins) |
+| DSPARK_VERIFIER_TARGET | 127.0.0.1:50051 | error | gateway: verifier_target |
+| DSPARK_DRAFTER_TARGET | 127.0.0.1:50052 | no drafter | gateway: drafter_target |
+| DSPARK_VERIFY_MODE | batched | error | gateway, backend: verify_mode (sequential, batched) |
+| DSPARK_GATE_COSTS | configured | error | gateway: cost_mode (configured, measured) |
+| DSPARK_ROUND_TIMEOUT_S | 30 | error | gateway: round_timeout_s |
+| DSPARK_GENERATION_TIMEOUT_S | 600 | error | gateway: generation_timeout_s |
+| DSPARK_STARTUP_TIMEOUT_S | 10 | error | gateway: startup_timeout_s |
+| DSPARK_DRAFTER_FAILOVERS | 2 | error | gateway: drafter_failovers |
+| DSPARK_GATEWAY_TOKEN | unset | unset | gateway: token; `dspark generate`'s token |
+| DSPARK_GATEWAY_TLS_CERT, _KEY | unset | unset | gateway_tls (a pair) |
+| DSPARK_METRICS_PORT | unset | unset | metrics_port (gateway; `--metrics-port` wins) |
+| DEEPSEEK_DSPARK_GATE | 0 | error | gate: enabled |
+| DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD | 0.0 | error | gate: margin_threshold |
+| DEEPSEEK_DSPARK_GATE_MARGIN | 1.15 | error | gate: margin |
+| DEEPSEEK_DSPARK_GATE_MIN_DRAFT | 0 | error | gate: min_draft |
+| DEEPSEEK_DSPARK_GATE_DECAY | 0.9 | error | gate: decay |
+| DEEPSEEK_DSPARK_GATE_DRAFT_MS | 196 | error | gate: draft_ms |
+| DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS | 300 | error | gate: verify_base_ms |
+| DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS | 109 | error | gate: verify_slope_ms |
+| DEEPSEEK_DSPARK_GATE_PLAIN_MS | 303 | error | gate: plain_ms |
+| DSPARK_MAX_SESSIONS | 16 | error | backend: max_sessions |
+| DSPARK_VERIFY_NUMERICS | fast | error | backend: verify_numerics (fast, exact) |
+| DSV4_MOE_DETERMINISTIC_REDUCE | 1 | default | model: moe_deterministic_reduce |
+| DSV4_KERNELS | torch | default | model: kernels (torch, triton) |
+| DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4 | 0 | default | model: moe_multi_token_fp4 |
+| DSV4_TP_INIT_TIMEOUT_S | 600 | default | tp: init_timeout_s |
+| DSV4_TP_CALL_TIMEOUT_S | 120 | default | tp: call_timeout_s |
+| DSV4_TOPK_DIAG | 0 (off) | off | topk: k |
+| DSV4_TOPK_DIAG_DIR | . | . | topk: folder |
+| DSPARK_HEALTH_PORT | unset | unset | serve: health_port |
+| DSPARK_DRAIN_TIMEOUT_S | 30 | error | serve: drain_timeout_s |
+| DSPARK_MAX_CONNECTION_AGE_S | 300 | error | serve: max_connection_age_s |
+| DSPARK_TLS_CERT, _KEY, _CA | unset | unset | tls (all three or none) |
+| DSPARK_TLS_SERVER_NAME | unset | unset | tls: server_name (gateway side) |
+| OTEL_TRACES_EXPORTER | none | none | telemetry: exporters (otlp, console, none; comma-separated) |
+| OTEL_SERVICE_NAME | dspark-<service> | default | telemetry: service_name |
+| DSPARK_TRACES_JSONL | unset | unset | telemetry: jsonl_path |
+
+Times are seconds; gateway and serve timeouts are > 0 and at most `MAX_TIMEOUT_S` (the
+connection age at most `MAX_CONNECTION_AGE_S`). The OTLP exporter reads the standard
+`OTEL_EXPORTER_OTLP_*` variables itself. Sections a service does not use stay None.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping
+
+from dsv4.settings import (ENV_KERNELS, ENV_MOE_DETERMINISTIC_REDUCE, ENV_MOE_MULTI_TOKEN_FP4, KERNEL_BACKENDS,
+                           Settings as ModelSettings)
+from services.common.settings import (COST_MODES, EXPORTERS, MAX_CONNECTION_AGE_S, MAX_TIMEOUT_S, VERIFY_MODES,
+                                      VERIFY_NUMERICS, BackendSettings, GatewaySettings, ServeSettings,
+                                      TelemetrySettings, backend_target, valid_token)
+from services.common.tls import PemFile, TlsFiles, load_tls
+from services.gateway.gate import ENV_VARS as GATE_ENV_VARS, GateConfig
+from services.gateway.values import parse_setting
+
+if TYPE_CHECKING:  # both import torch: loaded only by the sections that need them
+    from services.verifier.topk_diag import TopKDiagSettings
+    from services.verifier.tp import TPSettings
+
+Environ = Mapping[str, str]
+SERVICES = ("verifier", "drafter", "gateway")
+TOKEN_VAR = "DSPARK_GATEWAY_TOKEN"
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """Everything one `dspark serve <service>` process reads, parsed before any model loads.
+
+    checkpoint: the model folder (None = the bundled or random tiny model); serve, telemetry
+    and tls (mTLS files, None = plaintext) apply to every service. model, backend: verifier
+    and drafter; tp, topk (None = no dumps): verifier; gateway, gate, gateway_tls (None =
+    plaintext client port), metrics_port (None = no endpoint): gateway. Sections of the other
+    services are None.
+    """
+
+    service: str
+    checkpoint: str | None
+    serve: ServeSettings
+    telemetry: TelemetrySettings
+    tls: TlsFiles | None
+    model: ModelSettings | None = None
+    backend: BackendSettings | None = None
+    tp: TPSettings | None = None
+    topk: TopKDiagSettings | None = None
+    gateway: GatewaySettings | None = None
+    gate: GateConfig | None = None
+    gateway_tls: TlsFiles | None = None
+    metrics_port: int | None = None
+
+
+def read_settings(environ: Environ, service: str, *, tp: int = 1, checkpoint_flag: str | None = None,
+                  metrics_port_flag: int | None = None) -> ProcessSettings:
+    """Parse every variable `service` reads (module table); flags given win over variables.
+
+    tp: the verifier's tensor-parallel ranks (`--tp`), checked against the numerics.
+    Raises:
+        ValueError: naming the variable (or flag) and its value; an unknown service.
+    """
+    if service not in SERVICES:
+        raise ValueError(f"service={service!r}: must be one of {SERVICES}")
+    common = dict(service=service, checkpoint=checkpoint(checkpoint_flag, environ),
+                  serve=serve_settings(environ), telemetry=telemetry_settings(environ), tls=tls_files(environ))
+    if service == "gateway":
+        return ProcessSettings(**common, gateway=gateway_settings(environ), gate=gate_config(environ),
+                               gateway_tls=gateway_tls_files(environ),
+                               metrics_port=metrics_port(metrics_port_flag, environ))
+    backend = backend_settings(environ)
+    if service == "drafter":
+        return ProcessSettings(**common, model=model_settings(environ), backend=backend)
+    if tp > 1 and backend.verify_numerics != "fast":  # what `app.load_trunk` refuses, before it loads
+        raise ValueError(f"DSPARK_VERIFY_NUMERICS={backend.verify_numerics!r} needs --tp 1: exact mode "
+                         "is not implemented under tensor parallelism")
+    return ProcessSettings(**common, model=model_settings(environ), backend=backend, tp=tp_settings(environ),
+                           topk=topk_diag_settings(environ))
+
+
+# ---------------------------------------------------------------------------- value parsers
+def _float(environ: Environ, name: str, default: float, high: float = MAX_TIMEOUT_S) -> float:
+    """Seconds in (0, high] from `name`; `default` when unset. Raises ValueError naming the
+    variable and value otherwise (empty, not a number, NaN, out of range)."""
+    raw = environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: not a number") from None
+    if not 0.0 < value <= high:
+        raise ValueError(f"{name}={raw!r}: must be a number > 0 and <= {high:.10g}")
+    return value
+
+
+def _int(environ: Environ, name: str, default: int, low: int = 1) -> int:
+    """An integer >= low from `name`; `default` when unset. Raises ValueError naming the value."""
+    raw = environ.get(name)
+    if raw is None:
+        return default
+    if not raw.strip().isascii() or not raw.strip().isdigit() or int(raw) < low:
+        raise ValueError(f"{name}={raw!r}: must be an integer >= {low}")
+    return int(raw)
+
+
+def _choice(environ: Environ, name: str, default: str, choices: tuple[str, ...]) -> str:
+    """One of `choices`, spelled exactly; `default` when unset. Raises ValueError naming the value."""
+    raw = environ.get(name, default)
+    if raw not in choices:
+        raise ValueError(f"{name}={raw!r}: must be one of {choices}")
+    return raw
+
+
+def _switch(environ: Environ, name: str, default: bool) -> bool:
+    """ "0" or "1" (spaces ignored); unset or empty is `default`. Raises ValueError naming the value."""
+    raw = environ.get(name, "")
+    value = raw.strip()
+    if value == "":
+        return default
+    if value not in ("0", "1"):
+        raise ValueError(f"{name}={raw!r}: must be 0 or 1")
+    return value == "1"
+
+
+def _port(environ: Environ, name: str, low: int) -> int | None:
+    """A port in [low, 65535]; None when unset or empty. Raises ValueError naming the value."""
+    raw = environ.get(name, "")
+    text = raw.strip()
+    if text == "":
+        return None
+    if not (text.isascii() and text.isdigit()) or not low <= int(text) <= 65535:
+        raise ValueError(f"{name}={raw!r}: must be an integer in [{low}, 65535]")
+    return int(text)
+
+
+# ---------------------------------------------------------------------------- sections
+def checkpoint(flag: str | None, environ: Environ) -> str | None:
+    """The checkpoint folder: the flag, else DSPARK_CHECKPOINT, else None (built-in model)."""
+    return flag or environ.get("DSPARK_CHECKPOINT") or None
+
+
+def gateway_settings(environ: Environ) -> GatewaySettings:
+    """Raises ValueError naming the variable and value when one is invalid (the token's value is never shown)."""
+    drafter = environ.get("DSPARK_DRAFTER_TARGET", GatewaySettings.drafter_target)
+    token = environ.get(TOKEN_VAR, "")
+    if token and not valid_token(token):
+        raise ValueError(f"{TOKEN_VAR}: must be printable ASCII without spaces (value not shown)")
+    return GatewaySettings(
+        verifier_target=backend_target(environ.get("DSPARK_VERIFIER_TARGET", GatewaySettings.verifier_target),
+                                       "DSPARK_VERIFIER_TARGET"),
+        drafter_target=backend_target(drafter, "DSPARK_DRAFTER_TARGET") if drafter.strip() else "",
+        verify_mode=_choice(environ, "DSPARK_VERIFY_MODE", GatewaySettings.verify_mode, VERIFY_MODES),
+        cost_mode=_choice(environ, "DSPARK_GATE_COSTS", GatewaySettings.cost_mode, COST_MODES),
+        round_timeout_s=_float(environ, "DSPARK_ROUND_TIMEOUT_S", GatewaySettings.round_timeout_s),
+        generation_timeout_s=_float(environ, "DSPARK_GENERATION_TIMEOUT_S", GatewaySettings.generation_timeout_s),
+        startup_timeout_s=_float(environ, "DSPARK_STARTUP_TIMEOUT_S", GatewaySettings.startup_timeout_s),
+        drafter_failovers=_int(environ, "DSPARK_DRAFTER_FAILOVERS", GatewaySettings.drafter_failovers, low=0),
+        token=token)
+
+
+def client_token(flag: str | None, environ: Environ) -> tuple[str, str]:
+    """`dspark generate`'s bearer token and where it came from: (token, "--token") when the
+    flag is given, else (DSPARK_GATEWAY_TOKEN or "", "DSPARK_GATEWAY_TOKEN"). Unchecked: the
+    caller reports a bad one naming its source."""
+    return (flag, "--token") if flag is not None else (environ.get(TOKEN_VAR, ""), TOKEN_VAR)
+
+
+def gate_config(environ: Environ) -> GateConfig:
+    """The gate from DEEPSEEK_DSPARK_GATE*; unset variables keep GateConfig's defaults.
+
+    Raises ValueError naming the variable and its value when a value does not parse
+    (`parse_setting`: ASCII decimal forms only) or is out of range. An empty value is invalid.
+    """
+    return GateConfig(**{field: parse_setting(field, environ[var], var)
+                         for field, var in GATE_ENV_VARS.items() if var in environ})
+
+
+def backend_settings(environ: Environ) -> BackendSettings:
+    """Raises ValueError naming the variable and value when one is invalid."""
+    return BackendSettings(max_sessions=_int(environ, "DSPARK_MAX_SESSIONS", BackendSettings.max_sessions),
+                           verify_mode=_choice(environ, "DSPARK_VERIFY_MODE", BackendSettings.verify_mode,
+                                               VERIFY_MODES),
+                           verify_numerics=_choice(environ, "DSPARK_VERIFY_NUMERICS", BackendSettings.verify_numerics,
+                                                   VERIFY_NUMERICS))
+
+
+def serve_settings(environ: Environ) -> ServeSettings:
+    """Raises ValueError naming the variable and value when one is invalid."""
+    return ServeSettings(health_port=_port(environ, "DSPARK_HEALTH_PORT", low=1),
+                         drain_timeout_s=_float(environ, "DSPARK_DRAIN_TIMEOUT_S", ServeSettings.drain_timeout_s),
+                         max_connection_age_s=_float(environ, "DSPARK_MAX_CONNECTION_AGE_S",
+                                                     ServeSettings.max_connection_age_s, high=MAX_CONNECTION_AGE_S))
+
+
+def metrics_port(flag: int | None, environ: Environ) -> int | None:
+    """The gateway's metrics port: the flag, else DSPARK_METRICS_PORT, else None (no
+    endpoint); 0 = any free port. Raises ValueError naming the flag or the variable and the
+    value outside [0, 65535]."""
+    if flag is not None:
+        if not 0 <= flag <= 65535:
+            raise ValueError(f"--metrics-port={flag}: must be in [0, 65535]")
+        return flag
+    return _port(environ, "DSPARK_METRICS_PORT", low=0)
+
+
+def model_settings(environ: Environ) -> ModelSettings:
+    """The model's numerics switches (unset or empty = default; DSV4_KERNELS ignores case and spaces).
+
+    Raises:
+        ValueError: naming the variable and its value when a switch is not "0" or "1", or
+            DSV4_KERNELS is not one of KERNEL_BACKENDS.
+    """
+    raw = environ.get(ENV_KERNELS, "")
+    kernels = raw.strip().lower() or ModelSettings.kernels
+    if kernels not in KERNEL_BACKENDS:
+        raise ValueError(f"{ENV_KERNELS}={raw!r}: must be one of {', '.join(KERNEL_BACKENDS)}")
+    return ModelSettings(moe_deterministic_reduce=_switch(environ, ENV_MOE_DETERMINISTIC_REDUCE, True),
+                         kernels=kernels, moe_multi_token_fp4=_switch(environ, ENV_MOE_MULTI_TOKEN_FP4, False))
+
+
+def tp_settings(environ: Environ) -> TPSettings:
+    """Tensor-parallel deadlines (unset or empty = default). Raises ValueError naming the
+    variable and its value when it is not a finite number of seconds > 0."""
+    from services.verifier.tp import ENV_CALL_TIMEOUT, ENV_INIT_TIMEOUT, TPSettings
+
+    def seconds(name: str, default: float) -> float:
+        raw = environ.get(name, "")
+        if raw.strip() == "":
+            return default
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name}={raw!r}: must be a finite number of seconds > 0")
+        return value
+
+    return TPSettings(init_timeout_s=seconds(ENV_INIT_TIMEOUT, TPSettings.init_timeout_s),
+                      call_timeout_s=seconds(ENV_CALL_TIMEOUT, TPSettings.call_timeout_s))
+
+
+def topk_diag_settings(environ: Environ) -> TopKDiagSettings | None:
+    """The verifier's top-k dumps, or None when DSV4_TOPK_DIAG is unset, empty or 0.
+
+    Raises ValueError naming the variable and value: K not an integer in [0, 4096], or a
+    DSV4_TOPK_DIAG_DIR that is not an existing directory.
+    """
+    raw = environ.get("DSV4_TOPK_DIAG", "").strip()
+    if raw in ("", "0"):
+        return None
+    from services.verifier.topk_diag import MAX_K, TopKDiagSettings
+    if not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_K:
+        raise ValueError(f"DSV4_TOPK_DIAG={environ['DSV4_TOPK_DIAG']!r}: must be an integer in [0, {MAX_K}] (0 = off)")
+    folder = Path(environ.get("DSV4_TOPK_DIAG_DIR") or ".")
+    if not folder.is_dir():
+        raise ValueError(f"DSV4_TOPK_DIAG_DIR={str(folder)!r}: not an existing directory")
+    return TopKDiagSettings(int(raw), folder)
+
+
+def telemetry_settings(environ: Environ) -> TelemetrySettings:
+    """Span exporters. Raises ValueError naming OTEL_TRACES_EXPORTER's value when it lists an
+    exporter not in EXPORTERS."""
+    raw = environ.get("OTEL_TRACES_EXPORTER", "none")
+    names = tuple(n.strip() for n in raw.split(",") if n.strip())
+    if any(n not in EXPORTERS for n in names):
+        raise ValueError(f"OTEL_TRACES_EXPORTER={raw!r}: supported exporters are {EXPORTERS}")
+    return TelemetrySettings(exporters=tuple(n for n in names if n != "none"),
+                             jsonl_path=environ.get("DSPARK_TRACES_JSONL") or None,
+                             service_name=environ.get("OTEL_SERVICE_NAME") or None)
+
+
+def _given(environ: Environ, names: tuple[str, ...], what: str) -> bool:
+    """Whether the group `names` is set (all of them) or not (none). Raises ValueError naming
+    the ones set and the ones missing when only some are."""
+    given = [n for n in names if environ.get(n)]
+    if given and len(given) != len(names):
+        missing = [n for n in names if n not in given]
+        raise ValueError(f"{', '.join(given)} set without {', '.join(missing)}: {what}")
+    return bool(given)
+
+
+def tls_files(environ: Environ) -> TlsFiles | None:
+    """mTLS files of a backend (server) or of the gateway (client); None when none is set.
+
+    Raises:
+        ValueError: only some of DSPARK_TLS_CERT / _KEY / _CA set, or a file that is unreadable,
+            not PEM, or a key that does not match its certificate (variable and path named).
+    """
+    names = ("DSPARK_TLS_CERT", "DSPARK_TLS_KEY", "DSPARK_TLS_CA")
+    if not _given(environ, names, "mTLS needs all three (certificate, key, CA), plaintext none"):
+        return None
+    cert, key, ca = (PemFile(n, environ[n]) for n in names)
+    return load_tls(cert, key, ca, environ.get("DSPARK_TLS_SERVER_NAME") or None)
+
+
+def gateway_tls_files(environ: Environ) -> TlsFiles | None:
+    """Server-side TLS of the gateway's client port; None when not configured (plaintext).
+
+    Raises:
+        ValueError: only one of DSPARK_GATEWAY_TLS_CERT / _KEY set, or a bad file (named).
+    """
+    names = ("DSPARK_GATEWAY_TLS_CERT", "DSPARK_GATEWAY_TLS_KEY")
+    if not _given(environ, names, "TLS needs both"):
+        return None
+    return load_tls(*(PemFile(n, environ[n]) for n in names))

@@ -1,0 +1,74 @@
+"""`services.settings`: one reader of the environment, a typed tree per service, and a
+`common` package that depends on no service package."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.common.settings import BackendSettings, GatewaySettings, ServeSettings
+from services.settings import read_settings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_each_service_reads_only_its_own_sections():
+    # a gateway-only variable with a bad value does not stop a verifier, and the other way round
+    verifier = read_settings({"DSPARK_ROUND_TIMEOUT_S": "-1", "DSV4_KERNELS": "triton"}, "verifier")
+    assert verifier.model.kernels == "triton" and verifier.tp.call_timeout_s == 120.0
+    assert verifier.gateway is None and verifier.gate is None and verifier.metrics_port is None
+    gateway = read_settings({"DSPARK_MAX_SESSIONS": "abc", "DEEPSEEK_DSPARK_GATE": "1"}, "gateway")
+    assert gateway.gate.enabled is True and gateway.gateway.round_timeout_s == 30.0
+    assert gateway.model is None and gateway.backend is None and gateway.tp is None
+    drafter = read_settings({"DSPARK_MAX_SESSIONS": "3"}, "drafter")
+    assert drafter.backend.max_sessions == 3 and drafter.tp is None and drafter.topk is None
+    with pytest.raises(ValueError, match="DSPARK_ROUND_TIMEOUT_S='-1'"):
+        read_settings({"DSPARK_ROUND_TIMEOUT_S": "-1"}, "gateway")
+    with pytest.raises(ValueError, match="service='router'"):
+        read_settings({}, "router")
+
+
+def test_flags_win_over_variables():
+    env = {"DSPARK_CHECKPOINT": "/from/env", "DSPARK_METRICS_PORT": "9000"}
+    assert read_settings(env, "gateway").checkpoint == "/from/env"
+    assert read_settings(env, "gateway").metrics_port == 9000
+    flagged = read_settings(env, "gateway", checkpoint_flag="/from/flag", metrics_port_flag=0)
+    assert flagged.checkpoint == "/from/flag" and flagged.metrics_port == 0
+    assert read_settings({"DSPARK_CHECKPOINT": ""}, "drafter").checkpoint is None
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda: GatewaySettings(round_timeout_s=0.0), "round_timeout_s=0.0: must be a number of seconds > 0"),
+    (lambda: GatewaySettings(verify_mode="fast"), "verify_mode='fast': must be one of ('sequential', 'batched')"),
+    (lambda: GatewaySettings(drafter_failovers=-1), "drafter_failovers=-1: must be an integer >= 0"),
+    (lambda: GatewaySettings(token="two words"), "token: must be printable ASCII without spaces (value not shown)"),
+    (lambda: BackendSettings(max_sessions=0), "max_sessions=0: must be an integer >= 1"),
+    (lambda: BackendSettings(verify_numerics="bitwise"), "verify_numerics='bitwise': must be one of"),
+    (lambda: ServeSettings(health_port=70000), "health_port=70000: must be a port in 1..65535"),
+    (lambda: ServeSettings(max_connection_age_s=1e7), "max_connection_age_s=10000000.0: must be a number"),
+])
+def test_settings_objects_validate_themselves_naming_the_field(build, message):
+    with pytest.raises(ValueError) as err:
+        build()
+    assert str(err.value).startswith(message)
+
+
+def test_common_imports_no_service_package():
+    code = ("import sys, services.common.settings, services.common.server, services.common.tls, "
+            "services.common.telemetry, services.common.sessions, services.common.tensors, services.common.errors; "
+            "print(sorted(m for m in sys.modules if m.split('.')[:2] in "
+            "(['services', 'gateway'], ['services', 'verifier'], ['services', 'drafter'], ['services', 'settings'])))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_only_the_settings_module_and_the_entry_points_read_the_environment():
+    allowed = {"services/settings.py", "services/serve_cli.py", "services/cli.py"}
+    readers = sorted(str(p.relative_to(REPO)) for folder in ("services", "dsv4") for p in (REPO / folder).rglob("*.py")
+                     if re.search(r"os\.environ|os\.getenv", p.read_text(encoding="utf-8")))
+    assert [r for r in readers if r not in allowed] == []
