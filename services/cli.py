@@ -88,7 +88,7 @@ def _fmt_pct(x: float | None, digits: int = 0) -> str:
 
 def _zero_accept(w: WorkloadReport, policy: str) -> str:
     r = w.results.get(policy)
-    return "-" if r is None else f"{r.zero_accept_rounds} / {r.zero_accept_cost_ms / 1000:.1f}s"
+    return "-" if r is None else f"{r.gate.zero_accept_rounds} / {r.gate.zero_accept_cost_ms / 1000:.1f}s"
 
 
 def _threshold_cell(w: WorkloadReport) -> str:
@@ -104,7 +104,7 @@ def _row(w: WorkloadReport, policies: Sequence[str]) -> list[str | Text]:
         cmp = comparisons(w.results, "gated")
         gated = w.results["gated"]
         cells += [_fmt_ratio(cmp["vs_plain"]), _fmt_ratio(cmp["vs_always_k"]), _fmt_pct(cmp["recovered"])]
-        cells.append(f"{gated.truncated}/{gated.skipped_after_draft}")
+        cells.append(f"{gated.truncated_rounds}/{gated.skipped_after_draft}")
     cells += [_zero_accept(w, "always-k"), _zero_accept(w, "gated")]
     return cells
 

@@ -177,12 +177,12 @@ def test_time_split_counts_and_generation_figures_from_synthetic_spans(synthetic
 def test_reliability_is_censored_exactly_like_the_gate(synthetic):
     spans, _ = synthetic
     report = build_report(spans)
-    gate = Gate(GateConfig())
+    gate = Gate(GateConfig(decay=1.0))  # undecayed: the gate's own counts are the raw censored counts
     for r in report.rounds:
         if r.confidence_logits is not None:
             gate.observe(list(r.confidence_logits), r.submitted, r.accepted)
-    assert [b.observed for b in report.reliability] == gate.stats.bucket_observed
-    assert [b.matched for b in report.reliability] == gate.stats.bucket_matched
+    assert [b.observed for b in report.reliability] == list(gate.calibration().observed)
+    assert [b.matched for b in report.reliability] == list(gate.calibration().matched)
 
 
 def test_reliability_counts_a_miss_only_at_the_first_rejected_position():

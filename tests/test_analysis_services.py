@@ -125,7 +125,7 @@ def test_report_counts_equal_each_generations_final_stats(run, report):
 
 
 def test_reliability_counts_equal_the_gateways_gate_statistics(run, report):
-    gate = run.scheduler.stats.gate
+    gate = run.scheduler.stats.totals.gate
     assert [b.observed for b in report.reliability] == gate.bucket_observed
     assert [b.matched for b in report.reliability] == gate.bucket_matched
     assert sum(gate.bucket_observed) > 0

@@ -12,12 +12,13 @@ from services.gateway.gate import (
     CostModel,
     Gate,
     GateConfig,
-    GateStats,
+    LengthChoice,
     bucket_index,
     bucket_label,
     decide_length,
     expected_tokens,
 )
+from services.gateway.record import GateStats, Reason, RoundRecord, RoundStats, drafted_reason
 
 SEED_COST = CostModel()  # draft 196, verify 300 + 109 n, plain 303 (ms)
 # One logit inside each bucket, lowest first.
@@ -140,6 +141,18 @@ def enabled(**kw) -> GateConfig:
     return GateConfig(enabled=True, **kw)
 
 
+def length_record(gate, logits, choice, accepted=0):
+    """The record of a round whose length `gate` chose, as the scheduler makes it."""
+    return RoundRecord(drafted_reason(len(logits), choice), len(logits), choice.k, min(accepted, choice.k),
+                       gate.cost, confidence_logits=tuple(logits))
+
+
+def observe(gate, logits, submitted, accepted, stats):
+    """gate.observe, with the verified round's record folded into `stats`."""
+    gate.observe(logits, submitted, accepted)
+    stats.add(length_record(gate, logits, LengthChoice(submitted, submitted), accepted))
+
+
 def test_cold_gate_drafts_the_full_block():
     gate = Gate(enabled())
     assert gate.estimates() == (1.0,) * NUM_BUCKETS
@@ -159,15 +172,16 @@ def test_unobserved_bucket_keeps_the_prior_after_other_buckets_learn():
 
 
 def test_censoring_records_prefix_and_first_miss_only():
-    gate = Gate(enabled(decay=1.0))
+    gate, stats = Gate(enabled(decay=1.0)), RoundStats()
     # buckets 5, 4, 2, 0, 0: accepted 2 of 5 -> bucket 5, 4 matched, bucket 2 missed, rest unknown
-    gate.observe([8.0, 4.0, 1.0, -2.0, -2.0], 5, 2)
-    assert gate.stats.bucket_observed == [0, 0, 1, 0, 1, 1]
-    assert gate.stats.bucket_matched == [0, 0, 0, 0, 1, 1]
+    observe(gate, [8.0, 4.0, 1.0, -2.0, -2.0], 5, 2, stats)
+    assert stats.gate.bucket_observed == [0, 0, 1, 0, 1, 1]
+    assert stats.gate.bucket_matched == [0, 0, 0, 0, 1, 1]
     # all submitted accepted: no miss recorded; the positions after `submitted` are never recorded
-    gate.observe([0.0, 0.0, -2.0, -2.0, -2.0], 2, 2)
-    assert gate.stats.bucket_observed == [0, 2, 1, 0, 1, 1]
-    assert gate.stats.bucket_matched == [0, 2, 0, 0, 1, 1]
+    observe(gate, [0.0, 0.0, -2.0, -2.0, -2.0], 2, 2, stats)
+    assert stats.gate.bucket_observed == [0, 2, 1, 0, 1, 1]
+    assert stats.gate.bucket_matched == [0, 2, 0, 0, 1, 1]
+    assert list(gate.calibration().observed) == stats.gate.bucket_observed  # decay 1: the gate's own counts
     # (matched + 1) / (observed + 1) with the one prior pseudo-observation
     assert gate.estimates()[2] == pytest.approx(0.5)
     assert gate.estimates()[1] == pytest.approx(1.0)
@@ -231,8 +245,11 @@ def test_disabled_gate_submits_max_n_but_keeps_learning():
     for _ in range(10):
         gate.observe([0.0] * 5, 5, 0)
     assert gate.estimates()[1] < 0.2
-    assert gate.choose_length([0.0] * 5, 4) == 4
-    assert gate.stats.truncated == gate.stats.skipped_after_draft == 0
+    choice = gate.choose([0.0] * 5, 4)
+    assert choice.k == 4
+    stats = RoundStats()
+    stats.add(length_record(gate, [0.0] * 5, choice))
+    assert stats.gate.truncated == stats.gate.skipped_after_draft == 0
 
 
 def test_gate_choose_length_rejects_cap_beyond_drafts():
@@ -259,8 +276,9 @@ def test_gate_min_draft_never_returns_zero_after_draft():
 def test_pre_draft_margin_gate(gate_on, threshold, margin, drafts):
     gate = Gate(GateConfig(enabled=gate_on, margin_threshold=threshold))
     assert gate.should_draft(margin) is drafts
-    assert gate.stats.rounds == 1
-    assert gate.stats.margin_skipped_rounds == (0 if drafts else 1)
+    stats = run_rounds(Gate(gate.config), [(margin, [8.0] * 5, 5, 5)])
+    assert stats.gate.rounds == 1
+    assert stats.gate.margin_skipped_rounds == (0 if drafts else 1)
 
 
 def test_pre_draft_margin_gate_rejects_nan():
@@ -268,27 +286,32 @@ def test_pre_draft_margin_gate_rejects_nan():
         Gate(GateConfig(margin_threshold=4.0)).should_draft(float("nan"))
 
 
-def run_rounds(gate, rounds):
-    """rounds: (margin, logits, max_n, accepted_if_all_submitted) -> drive one gate like the scheduler."""
+def run_rounds(gate, rounds, stats=None):
+    """rounds: (margin, logits, max_n, accepted_if_all_submitted) -> drive one gate like the
+    scheduler, folding each round's record into `stats` (a new RoundStats when None); returns it."""
+    stats = RoundStats() if stats is None else stats
     for margin, logits, max_n, accepted in rounds:
-        if gate.should_draft(margin):
-            n = gate.choose_length(logits, max_n)
-            gate.observe(logits, n, min(accepted, n))
+        if not gate.should_draft(margin):
+            stats.add(RoundRecord(Reason.ANCHOR_MARGIN, 0, 0, 0, gate.cost, anchor_margin=margin))
+            continue
+        choice = gate.choose(logits, max_n)
+        gate.observe(logits, choice.k, min(accepted, choice.k))
+        stats.add(length_record(gate, logits, choice, accepted))
+    return stats
 
 
 def test_stats_count_a_scripted_generation():
     gate = Gate(enabled(margin_threshold=2.0))
     for _ in range(12):
         gate.observe([-2.0] * 5, 5, 0)  # teach: bucket 0 always misses at position 0
-    gate.stats = GateStats()
-    run_rounds(gate, [
+    stats = run_rounds(gate, [
         (1.0, [8.0] * 5, 5, 5),                       # margin-skipped
         (5.0, [8.0] * 5, 5, 5),                       # full block, all accepted
         (5.0, [8.0, 8.0, -2.0, -2.0, -2.0], 5, 2),    # truncated to 2, both accepted
         (5.0, [-2.0] * 5, 5, 0),                      # skipped after draft
         (5.0, [8.0, 8.0, 8.0], 3, 0),                 # capped at 3, zero accepted
     ])
-    s = gate.stats.to_dict()
+    s = stats.gate.to_dict()
     assert (s["rounds"], s["margin_skipped_rounds"], s["drafted_rounds"], s["verified_rounds"]) == (5, 1, 4, 3)
     assert (s["drafted"], s["submitted"], s["accepted"]) == (18, 10, 7)
     assert (s["truncated"], s["skipped_after_draft"]) == (1, 1)
@@ -301,11 +324,11 @@ def test_stats_count_a_scripted_generation():
 
 def test_stats_merge_into_process_totals():
     a, b = Gate(GateConfig()), Gate(GateConfig())  # disabled: every round submits max_n
-    run_rounds(a, [(None, [8.0] * 5, 5, 5)])
-    run_rounds(b, [(None, [0.0] * 5, 5, 1), (None, [0.0] * 5, 5, 0)])
+    a_stats = run_rounds(a, [(None, [8.0] * 5, 5, 5)])
+    b_stats = run_rounds(b, [(None, [0.0] * 5, 5, 1), (None, [0.0] * 5, 5, 0)])
     total = GateStats()
-    total.merge(a.stats)
-    total.merge(b.stats)
+    total.merge(a_stats.gate)
+    total.merge(b_stats.gate)
     assert (total.rounds, total.submitted, total.accepted, total.zero_accept_rounds) == (3, 15, 6, 1)
     assert total.bucket_observed == [0, 3, 0, 0, 0, 5]
     assert total.bucket_matched == [0, 1, 0, 0, 0, 5]
@@ -323,10 +346,10 @@ def test_gates_are_independent_per_generation():
 
 def test_warm_start_from_a_frozen_calibration_snapshot():
     process = GateStats()
-    teacher = Gate(enabled())
+    teacher, taught = Gate(enabled()), RoundStats()
     for _ in range(40):
-        teacher.observe([0.0] * 5, 5, 0)
-    process.merge(teacher.stats)
+        observe(teacher, [0.0] * 5, 5, 0, taught)
+    process.merge(taught.gate)
     snapshot = process.calibration(max_weight=10.0)
     assert snapshot.observed[1] == 10.0 and snapshot.matched[1] == 0.0  # 40 misses scaled to 10
     warm = Gate(enabled(), calibration=snapshot)
@@ -350,9 +373,8 @@ NAN = float("nan")
 
 
 def snapshot(gate):
-    """Everything a failed call must leave unchanged: decayed counts and stats."""
-    return gate.calibration(), dataclasses.replace(gate.stats, bucket_observed=list(gate.stats.bucket_observed),
-                                                   bucket_matched=list(gate.stats.bucket_matched))
+    """Everything a failed call must leave unchanged: the decayed counts (the gate keeps no others)."""
+    return gate.calibration()
 
 
 def taught_gate(gate_on=True):
@@ -383,11 +405,11 @@ def test_observe_validates_everything_before_changing_state(confidences, submitt
 
 
 def test_observe_accepts_numpy_counts_and_stores_plain_ints():
-    gate = Gate(enabled(decay=1.0))
-    gate.observe(np.array([8.0, 8.0]), np.int64(2), np.int32(1))
-    assert (gate.stats.submitted, gate.stats.accepted) == (2, 1)
-    assert type(gate.stats.submitted) is int and type(gate.stats.accepted) is int
-    assert gate.stats.bucket_observed[5] == 2
+    gate, stats = Gate(enabled(decay=1.0)), RoundStats()
+    observe(gate, np.array([8.0, 8.0]), np.int64(2), np.int32(1), stats)
+    assert (stats.gate.submitted, stats.gate.accepted) == (2, 1)
+    assert type(stats.gate.submitted) is int and type(stats.gate.accepted) is int
+    assert stats.gate.bucket_observed[5] == 2
 
 
 @pytest.mark.parametrize("gate_on", [True, False])
@@ -416,21 +438,23 @@ def test_nan_confidence_raises_through_choose_length_and_observe(gate_on):
         gate.choose_length([NAN, 1.0], 2)
     with pytest.raises(ValueError, match="confidence logit \\[0\\] is NaN"):
         gate.observe([NAN, 1.0], 2, 1)
-    assert gate.stats == GateStats()
+    assert gate.calibration() == Gate(GateConfig(enabled=gate_on)).calibration()
 
 
 def test_choose_length_accepts_numpy_cap_and_huge_integer_logits():
-    gate = Gate(enabled())
-    assert gate.choose_length([10**400, -(10**400)], np.int64(2)) == 2  # huge ints bucket as +-inf
-    assert gate.stats.drafted_rounds == 1
+    gate, stats = Gate(enabled()), RoundStats()
+    choice = gate.choose([10**400, -(10**400)], np.int64(2))
+    assert choice.k == 2  # huge ints bucket as +-inf
+    stats.add(length_record(gate, [10**400, -(10**400)], choice))
+    assert stats.gate.drafted_rounds == 1
 
 
 @pytest.mark.parametrize("margin", [NAN, "4", [4.0]])
 def test_should_draft_rejects_bad_margin_without_counting(margin):
-    gate = Gate(GateConfig(margin_threshold=4.0))
+    gate, stats = Gate(GateConfig(margin_threshold=4.0)), RoundStats()
     with pytest.raises(ValueError, match="anchor margin"):
-        gate.should_draft(margin)
-    assert gate.stats.rounds == 0
+        run_rounds(gate, [(margin, [8.0] * 5, 5, 5)], stats)
+    assert stats.gate.rounds == 0
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -505,16 +529,19 @@ def test_a_bucket_cut_to_zero_is_tried_again_once_its_evidence_has_aged():
     # Five verified rounds that all miss at position 0 drive the bucket's estimate low enough
     # that the gate cuts the next round to 0. Cut rounds verify nothing, but each ages the
     # counts by `decay`, so the estimate drifts back to the prior and the gate drafts again.
-    gate = Gate(GateConfig(enabled=True, decay=0.9))
+    gate, stats = Gate(GateConfig(enabled=True, decay=0.9)), RoundStats()
     conf = [2.0] * 5  # one bucket for every position
     for _ in range(5):
-        gate.observe(conf, 5, 0)
+        observe(gate, conf, 5, 0, stats)
     low = gate.estimates()[bucket_index(2.0)]
-    assert gate.choose_length(conf, 5) == 0
+    choice = gate.choose(conf, 5)
+    assert choice.k == 0
     cuts = 1
-    while gate.choose_length(conf, 5) == 0:
+    stats.add(length_record(gate, conf, choice))
+    while (choice := gate.choose(conf, 5)).k == 0:
+        stats.add(length_record(gate, conf, choice))  # a cut round is over: nothing to verify
         cuts += 1
         assert cuts < 100, gate.estimates()
     assert gate.estimates()[bucket_index(2.0)] > low
-    assert gate.stats.skipped_after_draft == cuts
-    assert gate.stats.verified_rounds == 5  # the cuts observed nothing
+    assert stats.gate.skipped_after_draft == cuts
+    assert stats.gate.verified_rounds == 5  # the cuts observed nothing

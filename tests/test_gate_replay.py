@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from services.gateway.gate import CostModel, GateConfig
+from services.gateway.record import RoundStats
 from services.gateway.replay import (
-    PolicyResult,
     _threshold_totals,
     applicable_policies,
     choose_threshold,
@@ -129,11 +129,11 @@ def test_score_round_costs():
     rec = Round("w", (5.0, 5.0, 5.0, 5.0), 4, 3)
     cases = {None: (1, 303.0), 0: (1, 499.0), 2: (3, 196 + 300 + 2 * 109), 4: (4, 196 + 300 + 4 * 109)}
     for n, expected in cases.items():
-        out = PolicyResult()
+        out = RoundStats()
         score_round(rec, n, COST, out)
         assert (out.tokens, out.time_ms) == expected
     with pytest.raises(ValueError, match="n=5"):
-        score_round(rec, 5, COST, PolicyResult())
+        score_round(rec, 5, COST, RoundStats())
 
 
 def test_policies_cannot_submit_more_than_recorded():
@@ -141,10 +141,10 @@ def test_policies_cannot_submit_more_than_recorded():
     always = replay_fixed(rounds, COST, "always-k")
     assert (always.submitted, always.accepted, always.tokens) == (6, 4, 6)
     cut = replay_fixed(rounds, COST, "threshold", threshold=0.0)  # second round cut to 1
-    assert (cut.submitted, cut.accepted, cut.tokens, cut.truncated) == (4, 4, 6, 1)
+    assert (cut.submitted, cut.accepted, cut.tokens, cut.truncated_rounds) == (4, 4, 6, 1)
     gated = replay_gated(rounds, GateConfig(), use_margin=False)
     # A cold gate drafts the whole block, but only the recorded 3 + 3 positions were verified.
-    assert (gated.submitted, gated.accepted, gated.tokens, gated.truncated) == (6, 4, 6, 0)
+    assert (gated.submitted, gated.accepted, gated.tokens, gated.truncated_rounds) == (6, 4, 6, 0)
     # Five drafts of certain matches, only two verified per round: the cap holds every round.
     capped = replay_gated([Round("w", (8.0,) * 5, 2, 2)] * 10, GateConfig(), use_margin=False)
     assert (capped.submitted, capped.accepted, capped.tokens) == (20, 20, 30)

@@ -11,7 +11,7 @@ import bisect
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from services.gateway.values import MIN_COST_MS, check_setting, finite_float, is_integer, short_repr
 
@@ -249,89 +249,35 @@ class Calibration:
                 raise ValueError(f"calibration bucket {i}: need finite 0 <= {shown}")
 
 
-@dataclass
-class GateStats:
-    """Counters of one generation, or process-wide totals after merge().
+@dataclass(frozen=True)
+class LengthChoice:
+    """The gate's post-draft verdict: submit `k` of the drafts (tokens), in [0, max_n], where
+    `max_n` is the caller's cap. `cut`: the cost rule chose fewer than the cap."""
 
-    Round counts: rounds (pre-draft decisions), drafted_rounds, verified_rounds (n > 0),
-    truncated (0 < n < max_n), skipped_after_draft (n = 0 < max_n), margin_skipped_rounds,
-    zero_accept_rounds (verified, nothing accepted) and their zero_accept_cost_ms (cost model
-    ms above a plain step). Token counts: drafted, submitted, accepted. Per bucket: raw
-    (undecayed) observed and matched positions; their ratio is the pooled match-rate estimate.
-    """
+    k: int
+    max_n: int
 
-    rounds: int = 0
-    drafted_rounds: int = 0
-    verified_rounds: int = 0
-    drafted: int = 0
-    submitted: int = 0
-    accepted: int = 0
-    truncated: int = 0
-    skipped_after_draft: int = 0
-    margin_skipped_rounds: int = 0
-    zero_accept_rounds: int = 0
-    zero_accept_cost_ms: float = 0.0
-    bucket_observed: list[int] = field(default_factory=lambda: [0] * NUM_BUCKETS)
-    bucket_matched: list[int] = field(default_factory=lambda: [0] * NUM_BUCKETS)
-
-    def merge(self, other: GateStats) -> None:
-        """Add `other`'s counters into these (process-wide totals). The caller serialises access."""
-        for f in fields(self):
-            mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(mine, list):
-                setattr(self, f.name, [a + b for a, b in zip(mine, theirs)])
-            else:
-                setattr(self, f.name, mine + theirs)
-
-    def bucket_match_rates(self) -> list[float | None]:
-        """Pooled P(match | bucket) from raw counts; None for a bucket never observed."""
-        return [m / o if o else None for m, o in zip(self.bucket_matched, self.bucket_observed)]
-
-    def calibration(self, max_weight: float = 10.0) -> Calibration:
-        """Frozen warm-start snapshot: each bucket's counts scaled down to at most `max_weight`.
-
-        Capping keeps a process-wide history from outweighing a new generation's own rounds
-        for longer than a few decays. Raises ValueError unless max_weight is a finite number > 0.
-        """
-        weight = finite_float(max_weight)
-        if weight is None or weight <= 0:
-            raise ValueError(f"max_weight={short_repr(max_weight)} must be a finite number > 0")
-        scale = [min(1.0, weight / o) if o else 0.0 for o in self.bucket_observed]
-        return Calibration(
-            tuple(m * s for m, s in zip(self.bucket_matched, scale)),
-            tuple(o * s for o, s in zip(self.bucket_observed, scale)),
-        )
-
-    def to_dict(self) -> dict:
-        """Plain-JSON view: counters, acceptance_rate (accepted / submitted), mean_acceptance_length
-        (tokens per verified round, bonus included) and the per-bucket counts and rates."""
-        out = {k: v for k, v in asdict(self).items() if not k.startswith("bucket_")}
-        out["acceptance_rate"] = self.accepted / self.submitted if self.submitted else None
-        out["mean_acceptance_length"] = (
-            (self.accepted + self.verified_rounds) / self.verified_rounds if self.verified_rounds else None
-        )
-        rates = self.bucket_match_rates()
-        out["buckets"] = [
-            {"range": bucket_label(i), "observed": o, "matched": m, "match_rate": r}
-            for i, (o, m, r) in enumerate(zip(self.bucket_observed, self.bucket_matched, rates))
-        ]
-        return out
+    @property
+    def cut(self) -> bool:
+        """k < max_n: the gate truncated the block (to 0 included)."""
+        return self.k < self.max_n
 
 
 class Gate:
-    """The gate of ONE generation: bucket estimates, decisions and stats (seed "Gating").
+    """The gate of ONE generation: bucket estimates and decisions (seed "Gating").
 
     One Gate per generation, never shared, so a generation's draft lengths (and so its output)
     never depend on concurrent generations. `calibration` optionally warm-starts the bucket
     counts from a frozen process-wide snapshot; the snapshot is copied, never written back.
-    A round: should_draft(margin) -> [draft] -> choose_length(confidences, max_n) -> [verify]
-    -> observe(confidences, submitted, accepted).
+    A round: should_draft(margin) -> [draft] -> choose(confidences, max_n) -> [verify]
+    -> observe(confidences, submitted, accepted). The gate keeps only its estimator state (the
+    decayed per-bucket counts) and counts no rounds: the caller records each round
+    (`services.gateway.record`).
     """
 
     def __init__(self, config: GateConfig, calibration: Calibration | None = None) -> None:
         self.config = config
         self.cost = config.cost_model()
-        self.stats = GateStats()
         self._matched = list(calibration.matched) if calibration else [0.0] * NUM_BUCKETS
         self._observed = list(calibration.observed) if calibration else [0.0] * NUM_BUCKETS
 
@@ -353,26 +299,21 @@ class Gate:
         """Pre-draft margin gate (seed "Gating", DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD).
 
         False (plain decode, no draft) when the threshold is > 0 and the anchor's top1 - top2
-        logit margin is below it; counts margin_skipped_rounds. Applies whether or not the
-        length gate is enabled. None (margin unknown) drafts. Raises ValueError on NaN or a
-        non-number, before any counter changes.
+        logit margin is below it. Applies whether or not the length gate is enabled. None
+        (margin unknown) drafts. Raises ValueError on NaN or a non-number.
         """
         margin = None if anchor_margin is None else _logit(anchor_margin, "anchor margin")
-        self.stats.rounds += 1
         threshold = self.config.margin_threshold
-        if threshold > 0 and margin is not None and margin < threshold:
-            self.stats.margin_skipped_rounds += 1
-            return False
-        return True
+        return not (threshold > 0 and margin is not None and margin < threshold)
 
-    def choose_length(self, confidence_logits: Sequence[float], max_n: int) -> int:
-        """Draft tokens to submit, in [0, max_n] (see decide_length).
+    def choose(self, confidence_logits: Sequence[float], max_n: int) -> LengthChoice:
+        """The post-draft verdict: k drafts to submit, in [0, max_n] (see decide_length).
 
         `confidence_logits`: one per drafted position. `max_n` (tokens) is the caller's cap:
-        min(drafted, remaining max_tokens budget, room before max_seq_len). Disabled gate:
-        returns max_n. Raises ValueError, before any counter changes and whether or not the gate
-        is enabled, when a confidence is NaN or not a number, or max_n is not an integer in
-        [0, len(confidence_logits)].
+        min(drafted, remaining max_tokens budget, room before max_seq_len). Disabled gate: k =
+        max_n. A cut to k = 0 ages the bucket counts (see `_age`). Raises ValueError, before any
+        state changes and whether or not the gate is enabled, when a confidence is NaN or not a
+        number, or max_n is not an integer in [0, len(confidence_logits)].
         """
         logits = _logits(confidence_logits)
         max_n = _check_count("max_n", max_n, len(logits))
@@ -381,14 +322,13 @@ class Gate:
             est = self.estimates()
             probs = [est[bisect.bisect_right(BUCKET_EDGES, c)] for c in logits[:max_n]]
             n = decide_length(probs, max_n, self.cost, self.config.margin, self.config.min_draft)
-        self.stats.drafted_rounds += 1
-        self.stats.drafted += len(logits)
         if n == 0 < max_n:
-            self.stats.skipped_after_draft += 1
             self._age()  # nothing is verified, so nothing is learned: let the evidence fade instead
-        elif n < max_n:
-            self.stats.truncated += 1
-        return n
+        return LengthChoice(n, max_n)
+
+    def choose_length(self, confidence_logits: Sequence[float], max_n: int) -> int:
+        """`choose(...).k`: the number of drafts to submit (tokens). Raises as `choose`."""
+        return self.choose(confidence_logits, max_n).k
 
     def observe(self, confidence_logits: Sequence[float], submitted: int, accepted: int) -> None:
         """Feed one verified round: decay all counts, then record the censored observations.
@@ -411,12 +351,8 @@ class Gate:
         buckets = [bisect.bisect_right(BUCKET_EDGES, c) for c in logits[: min(accepted + 1, submitted)]]
         self._age()
         for pos, b in enumerate(buckets):
-            hit = pos < accepted
             self._observed[b] += 1.0
-            self._matched[b] += 1.0 if hit else 0.0
-            self.stats.bucket_observed[b] += 1
-            self.stats.bucket_matched[b] += int(hit)
-        self._count_verified(submitted, accepted)
+            self._matched[b] += 1.0 if pos < accepted else 0.0
 
     def _age(self) -> None:
         """Decay every bucket's counts by `decay` (once per verified round, and once per round
@@ -427,18 +363,7 @@ class Gate:
         self._matched = [m * decay for m in self._matched]
         self._observed = [o * decay for o in self._observed]
 
-    def _count_verified(self, submitted: int, accepted: int) -> None:
-        s = self.stats
-        s.verified_rounds += 1
-        s.submitted += submitted
-        s.accepted += accepted
-        if accepted == 0:
-            s.zero_accept_rounds += 1
-            s.zero_accept_cost_ms += self.cost.round_ms(submitted) - self.cost.plain_ms
-
     def to_dict(self) -> dict:
-        """Stats plus the current decayed estimate and weight per bucket (JSON-ready)."""
-        out = self.stats.to_dict()
-        for b, est, weight in zip(out["buckets"], self.estimates(), self._observed):
-            b["estimate"], b["weight"] = est, weight
-        return out
+        """The estimator as plain JSON: per bucket its range, current decayed estimate and weight."""
+        return {"buckets": [{"range": bucket_label(i), "estimate": est, "weight": weight}
+                            for i, (est, weight) in enumerate(zip(self.estimates(), self._observed))]}

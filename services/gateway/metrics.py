@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from services.gateway.backends import DRAFT_CHECKS
 from services.gateway.drafters import FAILURE_REASONS
+from services.gateway.record import RoundRecord
 
 log = logging.getLogger("dspark.gateway")
 # OpenTelemetry GenAI semantic conventions, "Generative AI model server metrics".
@@ -48,7 +49,7 @@ _DECISION_COUNTERS = {"margin_skipped": "margin_skipped", "truncated": "truncate
 class GatewayMetrics:
     """Instruments of one gateway; `serve(port)` starts the Prometheus HTTP endpoint.
 
-    `record_round` is called once per round, `record_generation` once per finished
+    `record_round` is called with each round's record, `record_generation` once per finished
     generation (both from `Scheduler`); thread-safe (the SDK's instruments are).
     """
 
@@ -96,19 +97,20 @@ class GatewayMetrics:
         self._thread = None
         self.port: int | None = None
 
-    def record_round(self, drafted: int, submitted: int, accepted: int, decision: str) -> None:
+    def record_round(self, r: RoundRecord) -> None:
+        """Count one round from its record (`services.gateway.record`)."""
         self.rounds.add(1)
-        if drafted:
-            self.drafted_tokens.add(drafted)
-        if submitted > 0:
+        if r.drafted:
+            self.drafted_tokens.add(r.drafted)
+        if r.submitted > 0:
             self.num_drafts.add(1)
-            self.num_draft_tokens.add(submitted)
-            self.num_accepted_tokens.add(accepted)
-            for pos in range(accepted):
+            self.num_draft_tokens.add(r.submitted)
+            self.num_accepted_tokens.add(r.accepted)
+            for pos in range(r.accepted):
                 self.accepted_per_pos.add(1, {"position": pos})
         else:
             self.plain_rounds.add(1)
-        counter = self.decisions.get(decision)
+        counter = self.decisions.get(r.decision)
         if counter is not None:
             counter.add(1)
 

@@ -18,72 +18,39 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from services.gateway.gate import CostModel, Gate, GateConfig
+from services.gateway.gate import CostModel, Gate, GateConfig, LengthChoice
+from services.gateway.record import Reason, RoundRecord, RoundStats, drafted_reason
 from services.gateway.rounds import Round, RoundLog
 
 POLICIES = ("plain", "always-k", "threshold", "gated", "gated+margin")
 
 
-@dataclass
-class PolicyResult:
-    """Totals of one policy over some rounds: tokens, time (ms) and round counters."""
+def replayed_round(rec: Round, n: int | None, cost: CostModel, skipped: Reason = Reason.NO_DRAFTER) -> RoundRecord:
+    """The record of a policy's replay of `rec`: n=None drafts nothing (`skipped` says why),
+    else the recorded draft with n of its drafts submitted (accepted = min(recorded, n)).
 
-    rounds: int = 0
-    tokens: int = 0
-    time_ms: float = 0.0
-    submitted: int = 0
-    accepted: int = 0
-    truncated: int = 0
-    skipped_after_draft: int = 0
-    margin_skipped_rounds: int = 0
-    zero_accept_rounds: int = 0
-    zero_accept_cost_ms: float = 0.0
-
-    @property
-    def tok_s(self) -> float:
-        """Tokens per second (round-weighted: total tokens / total time)."""
-        return 1000.0 * self.tokens / self.time_ms if self.time_ms else 0.0
-
-    def add(self, other: PolicyResult) -> None:
-        """Accumulate `other` into these totals."""
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-    def to_dict(self) -> dict:
-        """Counters plus tok_s."""
-        return {**asdict(self), "tok_s": self.tok_s}
+    Raises ValueError when n is outside [0, recorded submitted]: only those were verified.
+    """
+    if n is None:
+        return RoundRecord(skipped, 0, 0, 0, cost, anchor_margin=rec.anchor_margin)
+    if not 0 <= n <= rec.submitted:
+        raise ValueError(f"policy submitted n={n}, outside [0, recorded submitted={rec.submitted}]")
+    drafted = len(rec.confidence_logits)
+    return RoundRecord(drafted_reason(drafted, LengthChoice(n, rec.submitted)), drafted, n, min(rec.accepted, n),
+                       cost, confidence_logits=rec.confidence_logits, anchor_margin=rec.anchor_margin)
 
 
-def score_round(rec: Round, n: int | None, cost: CostModel, out: PolicyResult) -> None:
-    """Add one replayed round to `out`. n=None: no draft (plain step); else n drafts submitted.
+def score_round(rec: Round, n: int | None, cost: CostModel, out: RoundStats) -> None:
+    """Fold one replayed round into `out`: n=None is a plain step (1 token, plain_ms), n = 0 a
+    draft cut to nothing (1 token, draft + plain ms), n > 0 costs cost(n) for accepted + 1 tokens.
 
     Raises ValueError when n exceeds the recorded submitted length.
     """
-    out.rounds += 1
-    if n is None:
-        out.tokens += 1
-        out.time_ms += cost.plain_ms
-        return
-    if not 0 <= n <= rec.submitted:
-        raise ValueError(f"policy submitted n={n}, outside [0, recorded submitted={rec.submitted}]")
-    if n == 0:
-        out.tokens += 1
-        out.time_ms += cost.skipped_after_draft_ms()
-        out.skipped_after_draft += int(rec.submitted > 0)
-        return
-    accepted = min(rec.accepted, n)
-    out.tokens += accepted + 1
-    out.time_ms += cost.round_ms(n)
-    out.submitted += n
-    out.accepted += accepted
-    out.truncated += int(n < rec.submitted)
-    if accepted == 0:
-        out.zero_accept_rounds += 1
-        out.zero_accept_cost_ms += cost.round_ms(n) - cost.plain_ms
+    out.add(replayed_round(rec, n, cost))
 
 
 def threshold_length(rec: Round, threshold: float) -> int:
@@ -96,9 +63,9 @@ def threshold_length(rec: Round, threshold: float) -> int:
     return n
 
 
-def replay_fixed(rounds: Sequence[Round], cost: CostModel, policy: str, threshold: float = -math.inf) -> PolicyResult:
+def replay_fixed(rounds: Sequence[Round], cost: CostModel, policy: str, threshold: float = -math.inf) -> RoundStats:
     """plain, always-k or threshold (at `threshold`) over `rounds`. Raises ValueError on another policy."""
-    out = PolicyResult()
+    out = RoundStats()
     for rec in rounds:
         if policy == "plain" or not rec.confidence_logits:
             n = None
@@ -112,24 +79,22 @@ def replay_fixed(rounds: Sequence[Round], cost: CostModel, policy: str, threshol
     return out
 
 
-def replay_gated(rounds: Sequence[Round], config: GateConfig, use_margin: bool) -> PolicyResult:
+def replay_gated(rounds: Sequence[Round], config: GateConfig, use_margin: bool) -> RoundStats:
     """Causal replay through a cold Gate (enabled regardless of config.enabled).
 
     use_margin=False zeroes the margin threshold; True keeps config.margin_threshold.
     """
     gate_config = replace(config, enabled=True, margin_threshold=config.margin_threshold if use_margin else 0.0)
-    gate, cost, out = Gate(gate_config), gate_config.cost_model(), PolicyResult()
+    gate, cost, out = Gate(gate_config), gate_config.cost_model(), RoundStats()
     for rec in rounds:
         if not rec.confidence_logits:
-            score_round(rec, None, cost, out)
-            continue
-        if not gate.should_draft(rec.anchor_margin):
-            out.margin_skipped_rounds += 1
-            score_round(rec, None, cost, out)
-            continue
-        n = gate.choose_length(rec.confidence_logits, rec.submitted)
-        gate.observe(rec.confidence_logits, n, min(rec.accepted, n))
-        score_round(rec, n, cost, out)
+            out.add(replayed_round(rec, None, cost))
+        elif not gate.should_draft(rec.anchor_margin):
+            out.add(replayed_round(rec, None, cost, Reason.ANCHOR_MARGIN))
+        else:
+            n = gate.choose(rec.confidence_logits, rec.submitted).k
+            gate.observe(rec.confidence_logits, n, min(rec.accepted, n))
+            out.add(replayed_round(rec, n, cost))
     return out
 
 
@@ -218,7 +183,7 @@ class WorkloadReport:
     name: str
     rounds: int
     accept_rate: float | None
-    results: dict[str, PolicyResult] = field(default_factory=dict)
+    results: dict[str, RoundStats] = field(default_factory=dict)
     threshold: float | None = None
 
 
@@ -287,7 +252,7 @@ def replay_log(
     chosen, skipped = _chosen_policies(log, config, policies)
     cost, groups = config.cost_model(), log.workloads()
     thresholds = lowo_thresholds(groups, cost) if "threshold" in chosen else {}
-    overall = WorkloadReport("overall", len(log.rounds), _accept_rate(log.rounds), {p: PolicyResult() for p in chosen})
+    overall = WorkloadReport("overall", len(log.rounds), _accept_rate(log.rounds), {p: RoundStats() for p in chosen})
     reports = []
     for name, rounds in groups.items():
         report = WorkloadReport(name, len(rounds), _accept_rate(rounds), threshold=thresholds.get(name))
@@ -296,12 +261,12 @@ def replay_log(
                 report.results[policy] = replay_gated(rounds, config, use_margin=policy == "gated+margin")
             else:
                 report.results[policy] = replay_fixed(rounds, cost, policy, thresholds.get(name, -math.inf))
-            overall.results[policy].add(report.results[policy])
+            overall.results[policy].merge(report.results[policy])
         reports.append(report)
     return ReplayReport(reports, overall, config, source, skipped)
 
 
-def comparisons(results: dict[str, PolicyResult], policy: str) -> dict[str, float | None]:
+def comparisons(results: dict[str, RoundStats], policy: str) -> dict[str, float | None]:
     """vs_plain, vs_always_k (tok/s ratios) and recovered = (x - always) / (plain - always), the
     fraction of the always-k -> plain gap recovered (seed "Gating"); None where always >= plain."""
     x, plain, always = results[policy].tok_s, results["plain"].tok_s, results["always-k"].tok_s
@@ -322,7 +287,7 @@ def _workload_dict(w: WorkloadReport) -> dict:
         "rounds": w.rounds,
         "accept_rate": w.accept_rate,
         "threshold": _json_threshold(w.threshold),
-        "policies": {p: {**r.to_dict(), **comparisons(w.results, p)} for p, r in w.results.items()},
+        "policies": {p: {**r.policy_dict(), **comparisons(w.results, p)} for p, r in w.results.items()},
     }
 
 

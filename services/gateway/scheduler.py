@@ -40,7 +40,8 @@ from services.common.telemetry import TRACER_NAME, trace_context
 from services.gateway.backends import BackendError, DrafterSession, VerifierSession, failure_reason, may_fail_over
 from services.gateway.costs import CostTracker
 from services.gateway.drafters import DraftCheck, DrafterFaults, DrafterSupply
-from services.gateway.gate import Gate, GateConfig, GateStats
+from services.gateway.gate import Gate, GateConfig, LengthChoice
+from services.gateway.record import Reason, RoundRecord, RoundStats, drafted_reason
 from services.gateway.rounds import Round, check_workload
 from services.gateway.tokenizer import Detokenizer, Tokenizer
 
@@ -74,38 +75,6 @@ class GenerationParams:
     label: str = "live"
 
 
-@dataclass
-class SpecCounters:
-    """Per-generation speculation counters (tokens and rounds)."""
-
-    rounds: int = 0
-    drafted: int = 0
-    submitted: int = 0
-    accepted: int = 0
-    verify_rounds: int = 0
-    margin_skipped_rounds: int = 0
-    truncated_rounds: int = 0
-    skipped_after_draft: int = 0
-    plain_rounds: int = 0
-    drafter_failovers: int = 0   # new drafter sessions re-primed after a drafter failed
-    drafter_failed: bool = False
-
-    @property
-    def acceptance_rate(self) -> float:
-        """accepted / submitted (0 when nothing was submitted)."""
-        return self.accepted / self.submitted if self.submitted else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens per verify round, the bonus token included (0 without verify rounds)."""
-        return (self.accepted + self.verify_rounds) / self.verify_rounds if self.verify_rounds else 0.0
-
-    def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        out.update(acceptance_rate=self.acceptance_rate, mean_acceptance_length=self.mean_acceptance_length)
-        return out
-
-
 @dataclass(frozen=True)
 class TokenEvent:
     """Tokens committed and streamed in one round (after stop checks) and their text delta."""
@@ -123,36 +92,39 @@ class FinalEvent:
     completion_tokens: int
     text: str
     text_delta: str
-    counters: SpecCounters
+    counters: RoundStats  # folded from the generation's round records
     gate: dict
     time_to_first_token_ms: float
 
 
 @dataclass
 class ProcessStats:
-    """Process-wide counters over finished generations (the `Gateway.Stats` RPC). Thread-safe."""
+    """Process-wide totals over finished generations (the `Gateway.Stats` RPC). Thread-safe.
+
+    `totals` merges each finished generation's `RoundStats`; a generation still running or one
+    that failed adds nothing.
+    """
 
     generations: int = 0
     completion_tokens: int = 0
-    counters: SpecCounters = field(default_factory=SpecCounters)
-    gate: GateStats = field(default_factory=GateStats)
+    totals: RoundStats = field(default_factory=RoundStats)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, final: FinalEvent, gate_stats: GateStats) -> None:
+    def add(self, final: FinalEvent) -> None:
+        """Count one finished generation and merge its round counters."""
         with self._lock:
             self.generations += 1
             self.completion_tokens += final.completion_tokens
-            for f in dataclasses.fields(SpecCounters):
-                if f.name != "drafter_failed":
-                    setattr(self.counters, f.name, getattr(self.counters, f.name) + getattr(final.counters, f.name))
-            self.gate.merge(gate_stats)
+            self.totals.merge(final.counters)
 
     def to_dict(self) -> dict:
+        """JSON-ready: generations, completion_tokens, `speculation` (the summed counters) and
+        `gate` (the gate's view, per-bucket counts included)."""
         with self._lock:
-            counters = self.counters.to_dict()
-            counters.pop("drafter_failed")
+            speculation = self.totals.speculation_dict()
+            speculation.pop("drafter_failed")  # a per-generation flag; drafter failures are counted apart
             return {"generations": self.generations, "completion_tokens": self.completion_tokens,
-                    "speculation": counters, "gate": self.gate.to_dict()}
+                    "speculation": speculation, "gate": self.totals.gate.to_dict()}
 
 
 class Scheduler:
@@ -165,8 +137,10 @@ class Scheduler:
         verify_mode: "sequential" or "batched".
         cost_mode: "configured" or "measured" (see `services.gateway.costs`).
         provider: tracer provider for generation and round spans (None: no spans).
-        recorder: a list that receives one `Round` per speculative round (`--record-rounds`).
-        metrics: `services.gateway.metrics.GatewayMetrics` fed per round and per generation (None: none).
+        recorder: a list that receives one `Round` per round whose confidences the gate saw
+            (`--record-rounds`).
+        metrics: `services.gateway.metrics.GatewayMetrics` fed each round's record and each
+            finished generation (None: none).
     """
 
     def __init__(self, limits: ModelLimits, tokenizer: Tokenizer, gate_config: GateConfig,
@@ -246,9 +220,9 @@ class Scheduler:
                     span.set_attribute("gen_ai.usage.output_tokens", event.completion_tokens)
                     span.set_attribute("gen_ai.response.finish_reasons", [event.finish_reason])
                     span.set_attribute("gen_ai.server.time_to_first_token", event.time_to_first_token_ms / 1e3)
-                    for k, v in event.counters.to_dict().items():
+                    for k, v in event.counters.speculation_dict().items():
                         span.set_attribute(f"spec_decode.{k}", v)
-                    self.stats.add(event, gen.gate.stats)
+                    self.stats.add(event)
                     if self.metrics is not None:
                         self.metrics.record_generation(event.time_to_first_token_ms / 1e3, time.perf_counter() - gen.t0,
                                                        event.completion_tokens, event.counters.drafter_failed)
@@ -272,9 +246,10 @@ class _Generation:
             gate_cfg = dataclasses.replace(gate_cfg, enabled=sched.limits.confidence_head)
         elif p.spec == "always":
             gate_cfg = dataclasses.replace(gate_cfg, enabled=False)
+        self.cost = sched.costs.model(sched.cost_mode)  # snapshot: decisions and records of this generation
         self.gate = Gate(gate_cfg)
-        self.gate.cost = sched.costs.model(sched.cost_mode)  # snapshot for this generation
-        self.counters = SpecCounters()
+        self.gate.cost = self.cost
+        self.counters = RoundStats()  # folded from this generation's round records
         self.detok = Detokenizer(sched.tokenizer, p.stop)
         self.out: list[int] = []
         self.finish: str | None = None
@@ -294,7 +269,14 @@ class _Generation:
             pos, anchor = pos + a + 1, new[-1]
             yield self._emit(new)
         yield FinalEvent(self.finish, len(p.prompt_ids), len(self.out), self.detok.text,
-                         self.detok.finish(), self.counters, self.gate.to_dict(), self.ttft_ms)
+                         self.detok.finish(), self.counters, self._gate_report(), self.ttft_ms)
+
+    def _gate_report(self) -> dict:
+        """The gate's counters of this generation with the gate's current estimate and weight per bucket."""
+        out = self.counters.gate.to_dict()
+        for bucket, state in zip(out["buckets"], self.gate.to_dict()["buckets"]):
+            bucket["estimate"], bucket["weight"] = state["estimate"], state["weight"]
+        return out
 
     def _emit(self, tokens: list[int]) -> TokenEvent:
         """Stream tokens one by one until a stop condition; sets `finish`."""
@@ -316,45 +298,47 @@ class _Generation:
 
     async def _round(self, anchor: int, pos: int, margin: float) -> tuple[int, list[int], float]:
         """One round at anchor position `pos`; returns (accepted, new tokens, new anchor margin)."""
-        c, s = self.counters, self.s
-        c.rounds += 1
+        s = self.s
         with s.tracer.start_as_current_span("spec_decode.round") as span:
             tc = trace_context(span)
-            span.set_attribute("spec_decode.round", c.rounds)
+            span.set_attribute("spec_decode.round", self.counters.rounds + 1)
             span.set_attribute("spec_decode.anchor_margin", margin)
-            drafts, conf, draft_ms, decision = [], None, None, "plain"
-            if self.drafter is not None and self._max_drafts(s.limits.block_size, pos) == 0:
-                decision = "capped"  # one token left (or no room): a draft could not be submitted
-            elif self.drafter is not None:
-                if self.gate.should_draft(margin):
-                    drafts, conf, draft_ms = await self._draft(anchor, pos, tc)
-                    decision = "full" if drafts else "plain"
-                else:
-                    c.margin_skipped_rounds += 1
-                    decision = "margin_skipped"
-            k, max_n = self._length(drafts, conf, pos)
-            if drafts and k < len(drafts):
-                # the gate's choice (counted in the stats) vs the max_tokens / max_seq_len cap
-                decision = "skipped_after_draft" if k == 0 < max_n else "truncated" if k < max_n else "capped"
+            plan = await self._plan(anchor, pos, margin, tc)
+            drafts, k = plan.drafts, plan.k
             t0 = time.perf_counter()
             if k > 0:
                 res = await self.verifier.verify(anchor, drafts[:k], pos, s.verify_mode, tc)
                 verify_ms = (time.perf_counter() - t0) * 1e3
                 s.costs.add_verify(k, verify_ms)
-                c.verify_rounds += 1
-                c.submitted += k
-                c.accepted += res.accepted
-                if conf is not None:
-                    self.gate.observe(conf, k, res.accepted)
+                if plan.conf is not None:
+                    self.gate.observe(plan.conf, k, res.accepted)
             else:
                 res = await self.verifier.decode(anchor, pos, tc)
                 verify_ms = (time.perf_counter() - t0) * 1e3
                 s.costs.add_plain(verify_ms)
-                c.plain_rounds += 1
             a = res.accepted
             await self._commit(res.rows, pos, [anchor, *drafts[:a]], pos)
-            self._record(span, conf, k, a, margin, decision, draft_ms, verify_ms, len(drafts))
+            self._record(span, RoundRecord(
+                plan.reason, len(drafts), k, a, self.cost,
+                confidence_logits=None if plan.conf is None else tuple(plan.conf), anchor_margin=margin,
+                draft_ms=plan.draft_ms, verify_ms=verify_ms if k > 0 else None, plain_ms=verify_ms if k == 0 else None))
             return a, [*drafts[:a], res.next_token], res.margin
+
+    async def _plan(self, anchor: int, pos: int, margin: float, tc) -> _Plan:
+        """What this round submits and why: the pre-draft checks, the draft, then the length
+        (`always` submits the cap, `gated` asks the gate; without confidences, the cap)."""
+        if self.drafter is None:
+            return _Plan(Reason.NO_DRAFTER)
+        if self._max_drafts(self.s.limits.block_size, pos) == 0:
+            return _Plan(Reason.NO_ROOM)  # one token left (or no room): a draft could not be submitted
+        if not self.gate.should_draft(margin):
+            return _Plan(Reason.ANCHOR_MARGIN)
+        drafts, conf, draft_ms = await self._draft(anchor, pos, tc)
+        if not drafts:
+            return _Plan(Reason.DRAFTER_FAILED, conf=conf, draft_ms=draft_ms)
+        max_n = self._max_drafts(len(drafts), pos)
+        choice = LengthChoice(max_n, max_n) if conf is None else self.gate.choose(conf, max_n)
+        return _Plan(drafted_reason(len(drafts), choice), drafts, conf, draft_ms, choice.k)
 
     async def _draft(self, anchor: int, pos: int, tc) -> tuple[list[int], list[float] | None, float | None]:
         """Drafts, confidence logits and the draft call's wall time (ms) from the drafter, or
@@ -371,7 +355,6 @@ class _Generation:
                     return [], None, None
         ms = (time.perf_counter() - t0) * 1e3
         self.s.costs.add_draft(ms)
-        self.counters.drafted += len(reply.tokens)
         return reply.tokens, reply.confidence_logits, ms
 
     def _max_drafts(self, drafted: int, pos: int) -> int:
@@ -381,21 +364,6 @@ class _Generation:
         remaining = self.p.max_tokens - len(self.out)
         room = self.s.limits.max_seq_len - 2 - pos
         return max(0, min(drafted, remaining - 1, room))
-
-    def _length(self, drafts: list[int], conf: list[float] | None, pos: int) -> tuple[int, int]:
-        """(k, max_n): drafts to submit, and the cap `_max_drafts` puts on them."""
-        if not drafts:
-            return 0, 0
-        max_n = self._max_drafts(len(drafts), pos)
-        if conf is None:
-            return max_n, max_n
-        k = self.gate.choose_length(conf, max_n)
-        if k < max_n:
-            if k == 0:
-                self.counters.skipped_after_draft += 1
-            else:
-                self.counters.truncated_rounds += 1
-        return k, max_n
 
     async def _commit(self, rows, first_position: int, token_ids: Sequence[int], token_first: int) -> None:
         self.committed[token_first:] = token_ids
@@ -466,21 +434,33 @@ class _Generation:
             self.s.metrics.record_drafter_failure(reason, check)
         log.warning("drafter failure (%s%s): %s; %s", reason, f": {check}" if check else "", exc, outcome)
 
-    def _record(self, span, conf, k, a, margin, decision, draft_ms, verify_ms, drafted) -> None:
-        for key, value in (("drafted", drafted), ("submitted", k), ("accepted", a), ("gate_decision", decision),
-                           ("verify_ms", verify_ms)):
+    def _record(self, span, r: RoundRecord) -> None:
+        """Publish one round's record: the generation's stats, the round span, the metrics and
+        the round recorder all read it."""
+        self.counters.add(r)
+        for key, value in (("drafted", r.drafted), ("submitted", r.submitted), ("accepted", r.accepted),
+                           ("gate_decision", r.decision), ("verify_ms", r.verify_ms if r.submitted else r.plain_ms)):
             span.set_attribute(f"spec_decode.{key}", value)
-        if draft_ms is not None:
-            span.set_attribute("spec_decode.draft_ms", draft_ms)
-        if conf is not None:  # for the reliability diagram of `dspark trace-report`
-            span.set_attribute("spec_decode.confidence_logits", [float(c) for c in conf])
+        if r.draft_ms is not None:
+            span.set_attribute("spec_decode.draft_ms", r.draft_ms)
+        if r.confidence_logits is not None:  # for the reliability diagram of `dspark trace-report`
+            span.set_attribute("spec_decode.confidence_logits", [float(c) for c in r.confidence_logits])
         if self.s.metrics is not None:
-            self.s.metrics.record_round(drafted, k, a, decision)
-        if self.s.recorder is not None and conf is not None:  # replay needs the confidences
-            self.s.recorder.append(Round(
-                workload=self.p.label, confidence_logits=tuple(conf),
-                submitted=k, accepted=a, anchor_margin=margin, draft_ms=draft_ms,
-                verify_ms=verify_ms if k > 0 else None, plain_ms=verify_ms if k == 0 else None))
+            self.s.metrics.record_round(r)
+        if self.s.recorder is not None and r.confidence_logits is not None:  # replay needs the confidences
+            self.s.recorder.append(r.to_round(self.p.label))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A round's plan before verify: why (`reason`), the drafts, their confidences (None
+    without), the draft call's wall time (ms) and k, the drafts to submit."""
+
+    reason: Reason
+    drafts: list[int] = field(default_factory=list)
+    conf: list[float] | None = None
+    draft_ms: float | None = None
+    k: int = 0
 
 
 async def _close_quietly(session) -> None:

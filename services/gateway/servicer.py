@@ -24,7 +24,8 @@ from services.common.settings import GatewaySettings, backend_target
 from services.common.telemetry import client_interceptors
 from services.gateway.backends import BackendError, GrpcDrafterSession, GrpcVerifierSession
 from services.gateway.drafters import DrafterSupply
-from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler, SpecCounters
+from services.gateway.record import RoundStats
+from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler
 
 log = logging.getLogger("dspark.gateway")
 
@@ -172,8 +173,8 @@ def _response(event) -> gateway_pb2.GenerateResponse:
         time_to_first_token_ms=event.time_to_first_token_ms)
 
 
-def spec_stats(c: SpecCounters) -> gateway_pb2.SpecStats:
-    """SpecCounters as the wire message."""
+def spec_stats(c: RoundStats) -> gateway_pb2.SpecStats:
+    """A generation's round counters (folded from its round records) as the wire message."""
     return gateway_pb2.SpecStats(
         rounds=c.rounds, drafted=c.drafted, submitted=c.submitted, accepted=c.accepted,
         acceptance_rate=c.acceptance_rate, mean_acceptance_length=c.mean_acceptance_length,
