@@ -52,7 +52,7 @@ def check_commit(cfg: ModelConfig, last_position: int, rows: torch.Tensor, posit
 
 
 def check_seed(last_position: int, seed_position: int) -> None:
-    """A draft's seed position must be the last committed position (spec §9.2).
+    """A draft's seed position must be the last committed position (docs/model.md §9.2).
 
     Raises:
         ValueError: nothing committed yet, or seed_position != last_position (both named).

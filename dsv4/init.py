@@ -1,6 +1,6 @@
 """Random initialisation of logical (dequantised) weights, for tests and training.
 
-Follows the spec's §13 suggestions: linear weights N(0, 1/sqrt(in)), norms 1, `hc_*_fn`
+Follows docs/model.md §13: linear weights N(0, 1/sqrt(in)), norms 1, `hc_*_fn`
 N(0, 0.02), `hc_*_base` 0, `hc_*_scale` 1 (Sinkhorn starts near uniform), `ape` N(0, 0.1),
 `attn_sink` 0, gate bias N(0, 0.1), `tid2eid` rows = distinct random experts.
 """

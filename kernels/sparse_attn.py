@@ -1,4 +1,4 @@
-"""Sparse attention with a sink over per-query index lists (spec §5.4; dsv4.attention.sparse_attn).
+"""Sparse attention with a sink over per-query index lists (docs/model.md §5.4; dsv4.attention.sparse_attn).
 
 Dimension legend: S = queries, H = heads, Dh = head_dim, N = rows of the key/value tensor,
 K = index columns per query (-1 = masked).
