@@ -1,4 +1,8 @@
-"""Attention of one trunk layer: sliding window + optional compressed entries, with a sink (docs/model.md §5).
+"""Attention of one trunk layer: sliding window + optional compressed entries, with a sink
+(docs/model.md §5). This module owns the layer's attention math, its per-sequence state
+(`AttentionState`: the ring and the compressor and indexer states) and the journal that undoes
+a verify block (`AttentionUndo`, docs/architecture.md §4). It does not choose the numerics
+recipe (`dsv4.numerics` picks the forward a call runs) and never validates request values.
 
 Dimension legend: S = query tokens, D = dim, Lq = q_lora_rank, H = n_heads, Dh = head_dim,
 R = rope_head_dim, Dn = Dh - R, W = window_size, r = compress ratio, G = o_groups,

@@ -1,4 +1,8 @@
-"""Read and write checkpoints in the real DeepSeek-V4-Flash-0731 layout (docs/model.md §7, docs/architecture.md §9).
+"""Read and write checkpoints in the real DeepSeek-V4-Flash-0731 layout (docs/model.md §7,
+docs/architecture.md §9). This module owns the folder format: files, index, headers, the
+fp8/fp4 encode and decode at the boundary, and every error a broken folder can raise. It
+never builds a model or keeps tensors beyond the call: the expected names come from
+`dsv4.inventory`, and the loaded weights go to whoever asked.
 
 A checkpoint folder holds `config.json` (HF long names), `model.safetensors.index.json`
 (`weight_map`: stored name -> shard file, `metadata.total_size`) and the shards

@@ -1,4 +1,7 @@
-"""fp8 / fp4 weight codecs and activation fake-quantisation, in pure torch (docs/model.md §2.4, §6.3).
+"""fp8 / fp4 weight codecs and activation fake-quantisation, in pure torch (docs/model.md §2.4,
+§6.3). This module owns the storage formats' arithmetic (encode, decode, activation round
+trips, the Hadamard rotation); it knows no tensor names, files or layers, and never imports
+triton (the GEMM kernels in `kernels/` decode the same bytes themselves).
 
 Dimension legend: N = output rows of a weight, K = input columns (the reduction dim),
 Nb = ceil(N/128), Kb = ceil(K/128) (fp8 128x128 blocks), Kq = K/32 (fp4 1x32 blocks),

@@ -1,4 +1,8 @@
 """KV compressor: pools every r consecutive tokens into one compressed entry (docs/model.md §5.6).
+This module owns the pooling math, the per-sequence `CompressorState` of one compressor and
+its verify-block journal (`CompressorJournal`); it never attends or selects entries
+(`dsv4.attention`, `dsv4.indexer` consume the entries) and keeps no state outside the
+`CompressorState` it is handed.
 
 Dimension legend: S = tokens in a call, D = model dim, r = compress ratio, k = 2 if the
 compressor is overlapped (r == 4) else 1, d = entry width (head_dim for the attention

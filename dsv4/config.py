@@ -1,4 +1,7 @@
-"""Model configuration for the DeepSeek-V4-Flash trunk and its DSpark draft module.
+"""Model configuration for the DeepSeek-V4-Flash trunk and its DSpark draft module. This
+module owns `ModelConfig`, its loading from JSON and the validation of every field; it never
+touches tensors or checkpoint shards (the expert count read from them is applied by
+`dsv4.checkpoint`) and never reads the process environment.
 
 `ModelConfig` uses the reference implementation's short field names (docs/model.md §1.2). It loads
 either the HF `config.json` (long names, docs/model.md §1.1) or a reference-style JSON (short names),

@@ -1,6 +1,7 @@
 """Argument checks shared by the DSpark draft module (`dsv4.dspark`) and the drafter
 engines/oracles (`services.drafter`): commits, seeds, draft arguments, draft length, integer
-coercion and weight problems. Errors are ValueErrors naming the bad value."""
+coercion and weight problems. This module owns those checks and their ValueErrors, which
+name the bad value; it runs no model math and holds no state."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""DSpark draft module: three mHC blocks that draft a block of tokens from one committed token (docs/model.md §9).
+"""DSpark draft module: three mHC blocks that draft a block of tokens from one committed token
+(docs/model.md §9). This module owns the draft math, the per-sequence rings (`DraftState`,
+written by `write_main_kv`) and the checks that keep them in step with the trunk. It holds no
+sessions (`services.drafter`), never decides which rows are committed (the caller sends only
+accepted ones) and does not shard itself (`dsv4.dspark_tp`).
 
 Dimension legend: B = dspark_block_size (block slots), R = committed rows in one write,
 T = len(dspark_target_layer_ids), D = dim, C = hc_mult, H = heads (this TP rank's),

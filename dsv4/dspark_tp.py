@@ -1,4 +1,8 @@
-"""Tensor parallelism of the DSpark draft module, sharded differently from the trunk (docs/architecture.md §10).
+"""Tensor parallelism of the DSpark draft module, sharded differently from the trunk
+(docs/architecture.md §10). This module owns the draft's sharding plan, the per-rank weights
+and its two all-reduces per stage (`DraftTP`); it never changes a stage's math, never
+spawns processes or builds a process group (the caller passes one in), and at TP=1 never
+touches `torch.distributed`.
 
 Dimension legend: H = n_heads, G = o_groups, Dh = head_dim, Lo = o_lora_rank, D = dim,
 E = n_routed_experts, ws = world size, r = rank.

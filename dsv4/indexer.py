@@ -1,4 +1,6 @@
-"""Lightning indexer of ratio-4 layers: picks the top-k compressed entries per query (docs/model.md §5.7).
+"""Lightning indexer of ratio-4 layers: picks the top-k compressed entries per query (docs/model.md
+§5.7). This module owns the index scores and the top-k selection; it never attends, and its
+compressor's state lives in the layer's `AttentionState`, not here.
 
 Dimension legend: S = query tokens, D = dim, Lq = q_lora_rank, Hi = index_n_heads,
 Di = index_head_dim, E = compressed entries available, K = min(index_topk, E).

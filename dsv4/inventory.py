@@ -1,4 +1,6 @@
-"""Expected tensor inventories of a DeepSeek-V4 + DSpark checkpoint (docs/model.md §7).
+"""Expected tensor inventories of a DeepSeek-V4 + DSpark checkpoint (docs/model.md §7). This
+module owns the names, dtypes and shapes a checkpoint must hold, for the trunk and the
+drafter; it reads no files and holds no tensors (`dsv4.checkpoint` compares folders against it).
 
 Two views of the same weights:
 

@@ -1,4 +1,6 @@
 """Shared building blocks: RMSNorm, bias-free linear with optional fp8 activation sim, embedding.
+This module owns those three modules and their numerics; they hold no per-sequence state,
+and a `Linear` never decides by itself to run the fp8 GEMM kernel (`dsv4.quantised` wires it).
 
 Dimension legend: ... = any leading dims, D = input features, O = output features, V = vocab.
 

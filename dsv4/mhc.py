@@ -1,4 +1,6 @@
 """Manifold-constrained hyper-connections (mHC): C residual lanes per token (docs/model.md §4).
+This module owns the lane mixing as pure functions of their arguments (the lane mean of the
+taps included); it holds no parameters and no state: the calling block or stage owns the `hc_*` weights.
 
 Dimension legend: S = tokens, C = hc_mult lanes, D = dim, M = (2 + C) * C mixing logits.
 

@@ -1,4 +1,8 @@
-"""Mixture of experts: gate (hash or scored), clamped SwiGLU experts, one shared expert (docs/model.md §6).
+"""Mixture of experts: gate (hash or scored), clamped SwiGLU experts, one shared expert
+(docs/model.md §6). This module owns routing, the experts and the fixed-order combine; it
+holds no per-sequence state, does not choose the numerics recipe (`dsv4.numerics` calls
+`combine_per_token` in exact mode) and does not shard itself (`dsv4.tp` sets its local
+experts; the draft module's `DraftMoE` is in `dsv4.dspark`).
 
 Dimension legend: N = tokens, D = dim, I = moe_inter_dim, E = n_routed_experts,
 k = n_activated_experts (routes per token), V = vocab.

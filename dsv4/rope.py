@@ -1,4 +1,6 @@
-"""Rotary position embedding, interleaved pairs on the last R dims, with optional YaRN (docs/model.md §2.2–§2.3).
+"""Rotary position embedding, interleaved pairs on the last R dims, with optional YaRN
+(docs/model.md §2.2–§2.3). This module owns the frequencies and their application; it keeps
+no position table and no state.
 
 Dimension legend: S = positions (dim 0 of every roped tensor), ... = middle dims (heads),
 Dh = vector width, R = rope_head_dim (the roped tail, x[..., Dh-R:]), F = R/2 frequencies.

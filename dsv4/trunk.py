@@ -1,12 +1,16 @@
-"""DeepSeek-V4-Flash trunk: embedding, mHC blocks (attention + MoE), hc_head, norm, head (docs/model.md §3).
+"""DeepSeek-V4-Flash trunk: embedding, mHC blocks (attention + MoE), hc_head, norm, head
+(docs/model.md §3). This module owns the forward loop (`Trunk._run`) and the per-sequence
+state protocol: prefill, decode, and verify blocks as transactions with exact rollback
+(docs/architecture.md §4). It holds no sessions and does not validate request values (the
+serving engine, `services.verifier.engine`, does so once at the boundary; here they are
+asserted); the numerics recipe lives in `dsv4.numerics`, the state records in
+`dsv4.trunk_state`.
 
 Dimension legend: S = tokens in a call, R = rows the dense ops run on (S, or an exact-mode
 tile), C = hc_mult lanes, D = dim, V = vocab, M = (2 + C) * C mHC logits,
 T = len(dspark_target_layer_ids), L = n_layers.
 
-This module owns the forward loop and the per-sequence state protocol. It is math: the
-serving engine (`services.verifier.engine`) validates request values (token ids, lengths)
-once at the boundary, and here they are asserted. What the trunk itself checks, with a
+What the trunk itself checks, with a
 ValueError naming the value, is what any caller can get wrong cheaply: the state machine
 (positions, empty state for prefill, open verify blocks, undo records), the capacity of a
 state (max_seq_len) and of the numerics (exact blocks), the weights and the constructor.

@@ -1,4 +1,8 @@
-"""fp4 e2m1 dequant-GEMM for routed experts (docs/model.md §6.3), with a small-batch and a grouped path.
+"""fp4 e2m1 dequant-GEMM for routed experts (docs/model.md §6.3), with a small-batch and a grouped
+path, beside its torch reference `fp4_moe_gemm_ref`. This module owns how routed-expert
+GEMMs and their combine are computed; it never routes tokens (`dsv4.moe`), never packs or
+owns weights (`MoE.pack`) and takes the small-batch choice as an argument, never from the
+environment.
 
 Dimension legend: M = tokens, k = routes per token, E = experts, N = output features,
 K = input features (reduction, a multiple of 32), T = row tiles of the grouped path.

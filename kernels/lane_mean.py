@@ -1,4 +1,6 @@
-"""Lane-mean tap pooling: the mean of a block output's C mHC lanes (docs/model.md §3, §9.2).
+"""Lane-mean tap pooling: the mean of a block output's C mHC lanes (docs/model.md §3, §9.2),
+beside its torch reference `lane_mean_ref`. This module owns that reduction's kernel and its
+summation order; it does not choose which layers are tapped (`dsv4.trunk`).
 
 Dimension legend: S = token rows, C = hc_mult lanes, D = dim.
 
