@@ -1,4 +1,8 @@
-"""Attention of one trunk layer: sliding window + optional compressed entries, with a sink (spec §5).
+"""Attention of one trunk layer: sliding window + optional compressed entries, with a sink
+(docs/model.md §5). This module owns the layer's attention math, its per-sequence state
+(`AttentionState`: the ring and the compressor and indexer states) and the journal that undoes
+a verify block (`AttentionUndo`, docs/architecture.md §4). It does not choose the numerics
+recipe (`dsv4.numerics` picks the forward a call runs) and never validates request values.
 
 Dimension legend: S = query tokens, D = dim, Lq = q_lora_rank, H = n_heads, Dh = head_dim,
 R = rope_head_dim, Dn = Dh - R, W = window_size, r = compress ratio, G = o_groups,
@@ -60,7 +64,7 @@ class AttentionState:
 
 @dataclass
 class AttentionUndo:
-    """What one verify block changed in one layer's `AttentionState` (issue #4 rollback).
+    """What one verify block changed in one layer's `AttentionState` (rollback, docs/architecture.md §4).
 
     start_pos, n_tokens: the block's positions; slots: the ring slots it wrote (the last
     min(n_tokens, W) positions' p % W); ring_rows [len(slots), Dh]: those slots before the
@@ -78,7 +82,7 @@ class AttentionUndo:
 
 
 class Attention(nn.Module):
-    """One layer's attention, parameterised by (cfg, layer_id) (spec §5.1).
+    """One layer's attention, parameterised by (cfg, layer_id) (docs/model.md §5.1).
 
     Parameters: wq_a [Lq, D], q_norm [Lq], wq_b [H*Dh, Lq], wkv [Dh, D], kv_norm [Dh],
     attn_sink [H] fp32, wo_a [G*Lo, Dg], wo_b [D, G*Lo]; `compressor` when r > 0,
@@ -149,7 +153,7 @@ class Attention(nn.Module):
 
     # ------------------------------------------------------------------ projections (reusable by DSpark)
     def project_q(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [S, D], pos [S] -> (q [S, H, Dh] roped, per-head unweighted RMS-scaled; qr [S, Lq]) (spec §5.2)."""
+        """x [S, D], pos [S] -> (q [S, H, Dh] roped, per-head unweighted RMS-scaled; qr [S, Lq]) (docs/model.md §5.2)."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).unflatten(-1, (self.n_heads, self.head_dim)).float()  # (S, H, Dh)
         q = (q * torch.rsqrt(q.square().mean(-1, keepdim=True) + self.eps)).to(qr.dtype)
@@ -164,7 +168,7 @@ class Attention(nn.Module):
         return kv
 
     def project_out(self, o: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """o [S, H, Dh] -> [S, D]: inverse rope at pos, block-diagonal wo_a per group, wo_b (spec §5.5)."""
+        """o [S, H, Dh] -> [S, D]: inverse rope at pos, block-diagonal wo_a per group, wo_b (docs/model.md §5.5)."""
         o = self.rope(o, pos, inverse=True).flatten(1).unflatten(1, (self.groups, -1))  # (S, G, Dg)
         wa = self.wo_a.weight.unflatten(0, (self.groups, -1))  # (G, Lo, Dg)
         z = torch.einsum("sgd,grd->sgr", o.to(wa.dtype), wa)  # (S, G, Lo)
@@ -234,7 +238,7 @@ class Attention(nn.Module):
     def _block_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, n: int,
                     st: AttentionState, undo: list[AttentionUndo]) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [W + S + E, Dh] = [ring before the block | block kv | entries] and per-query
-        index lists [S, W + Kc] for a verify block at positions n..n+S-1 (issue #4).
+        index lists [S, W + Kc] for a verify block at positions n..n+S-1 (docs/architecture.md §4).
 
         The three rules: (1) query n+i reads window positions < n from the ring as it was
         before the block (the block's writes evict positions still in earlier queries'
@@ -318,7 +322,7 @@ class Attention(nn.Module):
 
     def _prefill_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor,
                       st: AttentionState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys [S + n, Dh] = [kv | entries] and index lists [S, Kw + Kc] for a prompt (spec §5.4)."""
+        """Keys [S + n, Dh] = [kv | entries] and index lists [S, Kw + Kc] for a prompt (docs/model.md §5.4)."""
         S, W, r = x.shape[0], self.window, self.ratio
         t = torch.arange(S, device=x.device)
         win = t[:, None] - torch.arange(min(S, W), device=x.device)[None, :]  # [S, Kw]: t, t-1, ...
@@ -338,7 +342,7 @@ class Attention(nn.Module):
 
     def _decode_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, p: int,
                      st: AttentionState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys [W + n, Dh] = [ring | entries] and the index list [1, Kw + Kc] for position p (spec §5.4)."""
+        """Keys [W + n, Dh] = [ring | entries] and the index list [1, Kw + Kc] for position p (docs/model.md §5.4)."""
         W, r = self.window, self.ratio
         lists = [torch.arange(min(p + 1, W), device=x.device)]  # ring slots holding positions p-W+1..p
         if r == 4:
@@ -356,7 +360,7 @@ class Attention(nn.Module):
 
 def sparse_attn(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
                 scale: float) -> torch.Tensor:
-    """Gather-then-softmax attention with a per-head sink in the denominator (spec §5.4).
+    """Gather-then-softmax attention with a per-head sink in the denominator (docs/model.md §5.4).
 
     q [S, H, Dh], kv [N, Dh] (key = value), sink [H] fp32, idx [S, K] int64 rows of kv
     (-1 = masked), scale = Dh^-0.5. Returns [S, H, Dh] in q.dtype. Stable form: the running

@@ -1,13 +1,17 @@
-"""Read and write checkpoints in the real DeepSeek-V4-Flash-0731 layout (spec §7, DESIGN.md §9).
+"""Read and write checkpoints in the real DeepSeek-V4-Flash-0731 layout (docs/model.md §7,
+docs/architecture.md §9). This module owns the folder format: files, index, headers, the
+fp8/fp4 encode and decode at the boundary, and every error a broken folder can raise. It
+never builds a model or keeps tensors beyond the call: the expected names come from
+`dsv4.inventory`, and the loaded weights go to whoever asked.
 
 A checkpoint folder holds `config.json` (HF long names), `model.safetensors.index.json`
 (`weight_map`: stored name -> shard file, `metadata.total_size`) and the shards
 `model-0000k-of-0000N.safetensors`; a single `model.safetensors` without index is also read.
-Stored names, dtypes and shapes are those of `dsv4.inventory` (spec §7.1–§7.4).
+Stored names, dtypes and shapes are those of `dsv4.inventory` (docs/model.md §7.1–§7.4).
 
 Dimension legend: N, K = out and in features of a linear; E = routed experts.
 
-Loading dequantises (spec §6.3): an fp8 or fp4 `X.weight` + `X.scale` pair becomes one float
+Loading dequantises (docs/model.md §6.3): an fp8 or fp4 `X.weight` + `X.scale` pair becomes one float
 `X.weight` [N, K]; BF16/F32 tensors become the requested float dtype; `tid2eid` stays int64.
 Two consumer sets read the same folder: the trunk consumes every non-`mtp.` tensor, the
 drafter `mtp.*` plus `embed.weight` and `head.weight`; each loader validates its own set
@@ -44,7 +48,7 @@ CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 4 * 2**30
-# The routed-expert count is read from these tensors' shape[0] (spec §14: REAP copies).
+# The routed-expert count is read from these tensors' shape[0] (docs/model.md §14: REAP copies).
 EXPERT_COUNT_TENSORS = ("layers.0.ffn.gate.weight", "mtp.0.ffn.gate.weight")
 _MAX_HEADER_BYTES = 100 * 2**20
 LOAD_DTYPES = (torch.float32, torch.bfloat16)  # what `Trunk` / `DSparkDraft` hold
@@ -160,7 +164,7 @@ def _by_shard(names: Iterable[str], wm: Mapping[str, str]) -> dict[str, list[str
 def experts_from_tensors(cfg: ModelConfig, specs: Mapping[str, TensorSpec]) -> ModelConfig:
     """`cfg` with `n_routed_experts` = shape[0] of the first gate in EXPERT_COUNT_TENSORS.
 
-    The tensors win over `config.json` (spec §1.4 (3)), so pruned checkpoints (e.g. REAP,
+    The tensors win over `config.json` (docs/model.md §1.4 (3)), so pruned checkpoints (e.g. REAP,
     160 experts) load. Raises CheckpointError if no gate is found or the count is invalid.
     """
     for name in EXPERT_COUNT_TENSORS:
@@ -205,7 +209,7 @@ def owns(part: str, name: str) -> bool:
 
 
 def confidence_head_name(cfg: ModelConfig) -> str:
-    """Stored name of the optional DSpark confidence head (last stage, spec §7.4)."""
+    """Stored name of the optional DSpark confidence head (last stage, docs/model.md §7.4)."""
     return f"mtp.{cfg.n_mtp_layers - 1}.confidence_head.proj.weight"
 
 
@@ -237,7 +241,7 @@ def load_drafter_weights(
 
     Same arguments as `load_trunk_weights`. Returns (cfg, logical weights, confidence_head):
     the last flag says whether `mtp.{last}.confidence_head.proj.weight` was present (it is
-    optional, spec §7.4). Raises CheckpointError like the trunk loader, for drafter tensors
+    optional, docs/model.md §7.4). Raises CheckpointError like the trunk loader, for drafter tensors
     only; other non-`mtp.` names are ignored.
     """
     return _load(Path(path), cfg, dtype, "drafter")
@@ -322,7 +326,7 @@ def _open_shard(folder: Path, shard: str) -> Iterator[Any]:
 
 
 def decode_param(p: Param, stored: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Stored tensor(s) of parameter `p` -> its logical tensor (spec §6.3).
+    """Stored tensor(s) of parameter `p` -> its logical tensor (docs/model.md §6.3).
 
     fp8/fp4 pairs are dequantised to `dtype` [N, K]; bf16/f32 tensors cast to `dtype`;
     i64 stays int64.
@@ -395,7 +399,7 @@ def params_for(cfg: ModelConfig, names: Iterable[str]) -> list[Param]:
 
 
 def encode_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Logical weights -> stored tensors, quantised per `Param.storage` (spec §6.3, §7).
+    """Logical weights -> stored tensors, quantised per `Param.storage` (docs/model.md §6.3, §7).
 
     Raises:
         ValueError: naming a missing, unknown, mis-shaped or mis-typed logical tensor.

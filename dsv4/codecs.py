@@ -1,10 +1,13 @@
-"""fp8 / fp4 weight codecs and activation fake-quantisation, in pure torch (spec §2.4, §6.3).
+"""fp8 / fp4 weight codecs and activation fake-quantisation, in pure torch (docs/model.md §2.4,
+§6.3). This module owns the storage formats' arithmetic (encode, decode, activation round
+trips, the Hadamard rotation); it knows no tensor names, files or layers, and never imports
+triton (the GEMM kernels in `kernels/` decode the same bytes themselves).
 
 Dimension legend: N = output rows of a weight, K = input columns (the reduction dim),
 Nb = ceil(N/128), Kb = ceil(K/128) (fp8 128x128 blocks), Kq = K/32 (fp4 1x32 blocks),
 ... = any leading dims of an activation, d = its last dim.
 
-Storage formats (spec §6.3):
+Storage formats (docs/model.md §6.3):
 
 * **fp8**: weight `float8_e4m3fn` [N, K] and a ue8m0 block scale [Nb, Kb];
   `W[n, k] = e4m3[n, k] * 2^(scale[n // 128, k // 128] - 127)`.
@@ -39,8 +42,8 @@ import torch
 
 FP8_MAX = 448.0  # largest finite e4m3fn value
 FP4_MAX = 6.0  # largest e2m1 value
-FP8_BLOCK = 128  # weight block (rows and columns), spec §6.3
-FP4_BLOCK = 32  # weight / activation block along K, spec §2.4, §6.3
+FP8_BLOCK = 128  # weight block (rows and columns), docs/model.md §6.3
+FP4_BLOCK = 32  # weight / activation block along K, docs/model.md §2.4, §6.3
 E8M0_BIAS = 127
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)  # torch >= 2.7; raw uint8 bytes otherwise
 
@@ -116,7 +119,7 @@ def _check_finite(name: str, w: torch.Tensor, x: torch.Tensor) -> None:
 
 # ----------------------------------------------------------------------------- fp8 weights
 def fp8_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise a weight to e4m3 with ue8m0 128x128 block scales (spec §6.3).
+    """Quantise a weight to e4m3 with ue8m0 128x128 block scales (docs/model.md §6.3).
 
     Args:
         w: float [N, K], any N, K >= 1 (edge blocks are partial).
@@ -193,7 +196,7 @@ def _fp4_values(code: torch.Tensor) -> torch.Tensor:
 
 
 def fp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise a weight to packed e2m1 with ue8m0 1x32 scales (spec §6.3).
+    """Quantise a weight to packed e2m1 with ue8m0 1x32 scales (docs/model.md §6.3).
 
     Args:
         w: float [N, K], K a multiple of 32.
@@ -257,7 +260,7 @@ def _nan_if_non_finite(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 
 
 def act_quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
-    """fp8 activation round trip (spec §2.4 `act_quant`, ue8m0 scales): same shape and dtype as x.
+    """fp8 activation round trip (docs/model.md §2.4 `act_quant`, ue8m0 scales): same shape and dtype as x.
 
     Per block of `block` along the last dim: amax = max(|x|, 1e-4),
     s = 2^ceil(log2(amax / 448)), result = e4m3(clamp(x / s, +-448)) * s, cast to x.dtype.
@@ -273,7 +276,7 @@ def act_quant_fp8(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def act_quant_fp4(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
-    """fp4 activation round trip (spec §2.4 `fp4_act_quant`): same shape and dtype as x.
+    """fp4 activation round trip (docs/model.md §2.4 `fp4_act_quant`): same shape and dtype as x.
 
     Per block of `block` along the last dim: amax = max(|x|, 6 * 2^-126),
     s = 2^ceil(log2(amax / 6)), result = RNE_e2m1(clamp(x / s, +-6)) * s (sign kept),
@@ -289,7 +292,7 @@ def act_quant_fp4(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
 
 
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal Walsh–Hadamard transform over the last dim (spec §2.4 `rotate`).
+    """Orthonormal Walsh–Hadamard transform over the last dim (docs/model.md §2.4 `rotate`).
 
     Sylvester natural order, H[i, j] = (-1)^popcount(i & j), scaled by d^-0.5; computed by
     butterflies in float32 (float64 for float64 input) and returned in x.dtype, same shape.

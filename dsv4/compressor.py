@@ -1,4 +1,8 @@
-"""KV compressor: pools every r consecutive tokens into one compressed entry (spec §5.6).
+"""KV compressor: pools every r consecutive tokens into one compressed entry (docs/model.md §5.6).
+This module owns the pooling math, the per-sequence `CompressorState` of one compressor and
+its verify-block journal (`CompressorJournal`); it never attends or selects entries
+(`dsv4.attention`, `dsv4.indexer` consume the entries) and keeps no state outside the
+`CompressorState` it is handed.
 
 Dimension legend: S = tokens in a call, D = model dim, r = compress ratio, k = 2 if the
 compressor is overlapped (r == 4) else 1, d = entry width (head_dim for the attention
@@ -23,11 +27,11 @@ import torch
 from torch import nn
 
 from dsv4.codecs import act_quant_fp4, act_quant_fp8, hadamard_rotate
-from dsv4.config import KV_QUANT_BLOCK  # fp8 sim block of the no-rope part of K/V (spec §5.2)
+from dsv4.config import KV_QUANT_BLOCK  # fp8 sim block of the no-rope part of K/V (docs/model.md §5.2)
 from dsv4.layers import Linear, RMSNorm, frozen_param
 from dsv4.rope import Rope
 
-FP4_QUANT_BLOCK = 32  # fp4 sim block of indexer vectors (spec §5.7)
+FP4_QUANT_BLOCK = 32  # fp4 sim block of indexer vectors (docs/model.md §5.7)
 
 
 @dataclass
@@ -46,7 +50,7 @@ class CompressorState:
     journal: "CompressorJournal | None" = None  # open while a verify block steps this state
 
     def reset(self) -> None:
-        """Back to empty: kv 0, score -inf, cache zeroed, no entries (spec §5.6 implementation note)."""
+        """Back to empty: kv 0, score -inf, cache zeroed, no entries (docs/model.md §5.6 implementation note)."""
         self.kv.zero_()
         self.score.fill_(float("-inf"))
         self.cache.zero_()
@@ -83,7 +87,7 @@ class CompressorJournal:
 
 
 class Compressor(nn.Module):
-    """Attention or indexer compressor of one layer (spec §5.6).
+    """Attention or indexer compressor of one layer (docs/model.md §5.6).
 
     Parameters: wkv.weight, wgate.weight [k*d, D] fp32 (computed in fp32 as the reference),
     ape [r, k*d] fp32, norm.weight [d] fp32. `rotate=True` marks the indexer's compressor

@@ -1,8 +1,11 @@
-"""Model configuration for the DeepSeek-V4-Flash trunk and its DSpark draft module.
+"""Model configuration for the DeepSeek-V4-Flash trunk and its DSpark draft module. This
+module owns `ModelConfig`, its loading from JSON and the validation of every field; it never
+touches tensors or checkpoint shards (the expert count read from them is applied by
+`dsv4.checkpoint`) and never reads the process environment.
 
-`ModelConfig` uses the reference implementation's short field names (spec §1.2). It loads
-either the HF `config.json` (long names, spec §1.1) or a reference-style JSON (short names),
-applying the spec's §1.4 corrections:
+`ModelConfig` uses the reference implementation's short field names (docs/model.md §1.2). It loads
+either the HF `config.json` (long names, docs/model.md §1.1) or a reference-style JSON (short names),
+applying the corrections of docs/model.md §1.4:
 
 1. the DSpark stage count is `n_mtp_layers` = 3 whatever `num_nextn_predict_layers` says;
 2. `compress_ratios` has one entry per trunk layer *and* per DSpark stage
@@ -35,20 +38,20 @@ from typing import Any, Mapping
 SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 WEIGHT_DTYPES = ("fp8", "bf16")  # storage of the dense linears
 EXPERT_DTYPES = ("fp4", "fp8", "bf16")  # storage of the routed experts
-DEFAULT_N_MTP_LAYERS = 3  # spec §1.4 (1): the 0731 checkpoint ships 3 DSpark stages
+DEFAULT_N_MTP_LAYERS = 3  # docs/model.md §1.4 (1): the 0731 checkpoint ships 3 DSpark stages
 MAX_INT = 2**31 - 1  # bound of every integer field: sizes index int32 kernels and torch storages
 MAX_SEQ_LEN = 2**24  # 16.7M tokens (Flash: 1M): every position is exact in fp32 (rope angles)
 MAX_EPS = 0.1  # norm_eps / hc_eps beyond this no longer act as a stabiliser
 MAX_THETA = 1e12  # rope bases; base**(2j/R) stays finite in fp32
 MAX_ROUTE_SCALE = 100.0
 MAX_ROPE_FACTOR = 1e4
-KV_QUANT_BLOCK = 64  # fp8 sim block of kv[:head_dim - rope_head_dim] (spec §5.2)
-ACT_QUANT_BLOCK = 128  # fp8 activation block before fp8/fp4-stored linears (spec §2.4)
+KV_QUANT_BLOCK = 64  # fp8 sim block of kv[:head_dim - rope_head_dim] (docs/model.md §5.2)
+ACT_QUANT_BLOCK = 128  # fp8 activation block before fp8/fp4-stored linears (docs/model.md §2.4)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """DeepSeek-V4 trunk + DSpark hyper-parameters (spec §1, reference short names).
+    """DeepSeek-V4 trunk + DSpark hyper-parameters (docs/model.md §1, reference short names).
 
     Sizes are counts of elements; positions and lengths are in tokens. `compress_ratios[i]`
     is layer i's compression ratio r (0 = sliding window only, 4 = overlapped compressor
@@ -56,7 +59,7 @@ class ModelConfig:
     n_layers .. n_layers + n_mtp_layers - 1 belong to the DSpark stages and must be 0.
 
     `quant_sim` switches on the reference's fp8/fp4 activation fake-quantisation
-    (spec §2.4): on for the real 0731 checkpoint (it was trained that way), as trained for
+    (docs/model.md §2.4): on for the real 0731 checkpoint (it was trained that way), as trained for
     the bundled model, off in unit tests.
 
     Raises:
@@ -150,7 +153,7 @@ class ModelConfig:
         _require(1 <= self.rope_factor <= MAX_ROPE_FACTOR, "rope_factor",
                  f"must lie in [1, {MAX_ROPE_FACTOR:g}]", self.rope_factor)
         # YaRN's correction range divides by beta and takes log(original_seq_len / beta): both
-        # betas must be positive, and the fast one above the slow one (spec §2.2). Checked
+        # betas must be positive, and the fast one above the slow one (docs/model.md §2.2). Checked
         # even when YaRN is off (original_seq_len == 0) so a config never holds garbage.
         _require(self.beta_slow > 0, "beta_slow", "must be > 0", self.beta_slow)
         _require(self.beta_fast > self.beta_slow, "beta_fast", f"must be > beta_slow={self.beta_slow}", self.beta_fast)
@@ -193,7 +196,7 @@ class ModelConfig:
             _require(0 <= getattr(self, name) < self.vocab_size, name, f"must lie in [0, vocab_size={self.vocab_size})")
 
     def check_quant_sim_blocks(self) -> None:
-        """Raise ValueError unless the sizes fit the quantisation simulation's blocks (spec §2.4).
+        """Raise ValueError unless the sizes fit the quantisation simulation's blocks (docs/model.md §2.4).
 
         kv[:head_dim - rope_head_dim] and compressor entries go through fp8 blocks of 64;
         with fp8 dense weights the inputs of wq_a, wkv, shared experts (dim), wq_b,
@@ -222,7 +225,7 @@ class ModelConfig:
         return self.compress_ratios[layer_id]
 
     def is_hash_layer(self, layer_id: int) -> bool:
-        """True for the first `n_hash_layers` trunk layers, which route by `tid2eid` (spec §6.1)."""
+        """True for the first `n_hash_layers` trunk layers, which route by `tid2eid` (docs/model.md §6.1)."""
         return layer_id < self.n_hash_layers
 
     @property
@@ -279,7 +282,7 @@ class ModelConfig:
         """Build from an HF (long names) or reference-style (short names) dict.
 
         HF detection: presence of `hidden_size`. `num_nextn_predict_layers` is ignored
-        (spec §1.4): stages = `n_mtp_layers` if given, else 3. `quant_sim` defaults to on when
+        (docs/model.md §1.4): stages = `n_mtp_layers` if given, else 3. `quant_sim` defaults to on when
         the dict describes fp8 quantisation without an explicit `quant_sim` key (the real
         0731 checkpoint), off otherwise.
 
@@ -355,7 +358,7 @@ class ModelConfig:
             raise ValueError(f"{p}: {e}") from None
 
 
-# HF key -> reference short name (spec §1.2). rope_scaling and max_position_embeddings are
+# HF key -> reference short name (docs/model.md §1.2). rope_scaling and max_position_embeddings are
 # handled separately.
 _HF_TO_SHORT = {
     "vocab_size": "vocab_size", "hidden_size": "dim", "num_hidden_layers": "n_layers",
@@ -433,7 +436,7 @@ def _require(ok: bool, name: str, why: str, value: Any = _NO_VALUE) -> None:
         raise ValueError(f"config field {name!r}{shown}: {why}")
 
 
-# The spec's §13 tiny test configuration: exercises every path (SWA + hash routing in layer
+# The tiny test configuration of docs/model.md §13: exercises every path (SWA + hash routing in layer
 # 0, ratio-4 overlap + indexer with hash routing in layer 1, ratio-8 plain compressor in
 # layer 2, ratio-4 with scored routing in layer 3, three DSpark stages).
 TINY = dict(
@@ -450,7 +453,7 @@ TINY = dict(
 
 
 def tiny_config(**overrides: Any) -> ModelConfig:
-    """The spec §13 tiny config (quantisation simulation off), with `overrides` applied.
+    """The tiny config of docs/model.md §13 (quantisation simulation off), with `overrides` applied.
 
     Raises:
         ValueError: an override names no `ModelConfig` field (a typo such as `windowsize`

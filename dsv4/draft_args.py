@@ -1,6 +1,7 @@
 """Argument checks shared by the DSpark draft module (`dsv4.dspark`) and the drafter
 engines/oracles (`services.drafter`): commits, seeds, draft arguments, draft length, integer
-coercion and weight problems. Errors are ValueErrors naming the bad value."""
+coercion and weight problems. This module owns those checks and their ValueErrors, which
+name the bad value; it runs no model math and holds no state."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def check_commit(cfg: ModelConfig, last_position: int, rows: torch.Tensor, posit
 
 
 def check_seed(last_position: int, seed_position: int) -> None:
-    """A draft's seed position must be the last committed position (spec §9.2).
+    """A draft's seed position must be the last committed position (docs/model.md §9.2).
 
     Raises:
         ValueError: nothing committed yet, or seed_position != last_position (both named).

@@ -1,16 +1,20 @@
-"""DSpark draft module: three mHC blocks that draft a block of tokens from one committed token (spec §9).
+"""DSpark draft module: three mHC blocks that draft a block of tokens from one committed token
+(docs/model.md §9). This module owns the draft math, the per-sequence rings (`DraftState`,
+written by `write_main_kv`) and the checks that keep them in step with the trunk. It holds no
+sessions (`services.drafter`), never decides which rows are committed (the caller sends only
+accepted ones) and does not shard itself (`dsv4.dspark_tp`).
 
 Dimension legend: B = dspark_block_size (block slots), R = committed rows in one write,
 T = len(dspark_target_layer_ids), D = dim, C = hc_mult, H = heads (this TP rank's),
 Dh = head_dim, W = window_size, V = vocab, Rm = dspark_markov_rank, k = n_activated_experts.
 
-Positions (spec §9.2; the seed's "start_pos was off by one"). The seed position p is the
+Positions (docs/model.md §9.2, which warns of the off-by-one). The seed position p is the
 last committed position whose target row (tap row) is known. The anchor, the committed
 token at p+1 that the target has not consumed yet, takes block slot 0 and is roped at p+1;
 the block [anchor, noise x (B-1)] occupies positions p+1..p+B, and slot j predicts the
 token at p+2+j. Drafted tokens: B ids for positions p+2..p+B+1.
 
-Rings (spec §9.4, §9.6). Every stage keeps, per sequence, a ring [W, Dh] of context keys
+Rings (docs/model.md §9.4, §9.6). Every stage keeps, per sequence, a ring [W, Dh] of context keys
 (= values) computed from the target's rows with its own wkv/kv_norm and rope at the row's
 position: position q lives in slot q % W. `write_main_kv` writes every newly committed
 position into every stage's ring in one call; rows are processed one at a time so a batch
@@ -26,7 +30,7 @@ min(B, max_seq_len - p - 2) of them (0 when the anchor is the last position), an
 when the anchor itself lies at or past max_seq_len (`draft_length`). The block is computed
 in full either way, so the drafts it does return equal those of an unbounded sequence.
 
-Head (spec §9.5). y = hc_head(h) of the last stage (pre-norm), base logits = head(norm(y))
+Head (docs/model.md §9.5). y = hc_head(h) of the last stage (pre-norm), base logits = head(norm(y))
 for every slot, then strictly sequentially: logits[j] += markov_w2(markov_w1[prev]) with
 prev the previous token (the anchor for slot 0), draft j = argmax. Confidence logits
 (raw; sigmoid = acceptance probability) = proj([y_j ; markov_w1[prev_j]]).
@@ -58,7 +62,7 @@ Reduce = Callable[[torch.Tensor], torch.Tensor]
 
 
 class DraftMoE(nn.Module):
-    """A stage's MoE with this rank's routed experts (spec §6, DESIGN.md §10).
+    """A stage's MoE with this rank's routed experts (docs/model.md §6, docs/architecture.md §10).
 
     gate (replicated, routes over all E experts), `experts` = ModuleDict of the local experts
     keyed by global id, `shared_experts` (replicated). forward(x [N, D], ids [N]) -> [N, D]:
@@ -95,7 +99,7 @@ class DraftMoE(nn.Module):
 
 class MarkovHead(nn.Module):
     """markov_w1 [V, Rm] (embedding of the previous token), markov_w2 [V, Rm] (rank-Rm bigram
-    bias head), fp32 (spec §9.1, §9.5)."""
+    bias head), fp32 (docs/model.md §9.1, §9.5)."""
 
     def __init__(self, vocab_size: int, rank: int, device: torch.device | str):
         super().__init__()
@@ -104,7 +108,7 @@ class MarkovHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
-    """proj [1, D + Rm] fp32, no bias: confidence logit of [hidden ; markov embedding] (spec §9.5)."""
+    """proj [1, D + Rm] fp32, no bias: confidence logit of [hidden ; markov embedding] (docs/model.md §9.5)."""
 
     def __init__(self, dim: int, rank: int, device: torch.device | str):
         super().__init__()
@@ -115,7 +119,7 @@ class DSparkStage(Block):
     """Stage s = a full `Block` with layer id n_layers + s (ratio 0, rope theta without YaRN,
     scored gate) whose MoE is a `DraftMoE`; stage 0 adds main_proj [D, T*D] + main_norm [D];
     the last stage adds norm [D], hc_head_fn [C, C*D] / _base [C] / _scale [1], markov_head
-    and (optionally) confidence_head (spec §9.1). Built on the meta device, then materialised
+    and (optionally) confidence_head (docs/model.md §9.1). Built on the meta device, then materialised
     on `device` so non-local experts never allocate memory.
     """
 
@@ -145,7 +149,7 @@ class DSparkStage(Block):
         assert not stray, f"buffers {stray} would be uninitialised after to_empty"
 
     def draft_attention(self, x: torch.Tensor, ring: torch.Tensor, n_ctx: int, pos: torch.Tensor) -> torch.Tensor:
-        """DSparkAttention (spec §9.4): x [B, D] (normed sublayer input) at block positions pos [B].
+        """DSparkAttention (docs/model.md §9.4): x [B, D] (normed sublayer input) at block positions pos [B].
 
         Keys = [ring [W, Dh] | the block's own kv [B, Dh]]; every slot attends the first
         `n_ctx` ring slots (positions max(0, p-W+1)..p) and the whole block (non-causal).
@@ -190,12 +194,12 @@ class DraftOutput:
 
 
 class DSparkDraft(nn.Module):
-    """The DSpark draft module (spec §9); see the module docstring for positions and rings.
+    """The DSpark draft module (docs/model.md §9); see the module docstring for positions and rings.
 
     Args:
         dtype: linears, embedding and rings (torch.float32 or torch.bfloat16); norms, mHC
             parameters, attn_sink, gate, head, Markov and confidence heads stay fp32.
-        quant_sim: fp8 activation simulation (spec §2.4); None -> cfg.quant_sim.
+        quant_sim: fp8 activation simulation (docs/model.md §2.4); None -> cfg.quant_sim.
         deterministic_reduce: MoE combine order; None -> `Settings()`'s (ascending expert id).
         confidence_head: whether the module has (and its weights include) the confidence head.
         tp: this rank's `DraftTP` (default: TP=1).
@@ -281,13 +285,13 @@ class DSparkDraft(nn.Module):
                            for _ in self.mtp])
 
     def main_features(self, rows: torch.Tensor) -> torch.Tensor:
-        """main_norm(main_proj(rows)): rows [R, T*D] -> [R, D] in the model dtype (spec §9.3)."""
+        """main_norm(main_proj(rows)): rows [R, T*D] -> [R, D] in the model dtype (docs/model.md §9.3)."""
         stage0 = self.mtp[0]
         return stage0.main_norm(stage0.main_proj(rows))
 
     @torch.no_grad()
     def write_main_kv(self, state: DraftState, rows: torch.Tensor, positions: Sequence[int]) -> None:
-        """Write committed rows [R, T*D] (fp32/bf16) of `positions` into every stage's ring (spec §9.6).
+        """Write committed rows [R, T*D] (fp32/bf16) of `positions` into every stage's ring (docs/model.md §9.6).
 
         positions: R consecutive ascending integer positions (a range, a list of ints or a 1-D
         integer tensor). The first write of a sequence must start at 0 or hold >= W rows
@@ -382,7 +386,7 @@ class DSparkDraft(nn.Module):
 
     @torch.no_grad()
     def draft_from_rings(self, rings: list[torch.Tensor], anchor: int, seed_position: int) -> DraftOutput:
-        """The draft forward over given rings (spec §9.3), all B slots: rings[s] [W, Dh] must hold
+        """The draft forward over given rings (docs/model.md §9.3), all B slots: rings[s] [W, Dh] must hold
         positions max(0, p-W+1)..p at slots q % W (not checked against any state). For probes
         that perturb one input at a time. Raises ValueError like `draft` (anchor, seed range,
         ring count/shape)."""
@@ -404,7 +408,7 @@ class DSparkDraft(nn.Module):
         return self.head_forward(h, ids[:1])
 
     def head_forward(self, h: torch.Tensor, anchor: torch.Tensor) -> DraftOutput:
-        """Last-stage head (spec §9.5): h [B, C, D], anchor [1] int64 -> DraftOutput.
+        """Last-stage head (docs/model.md §9.5): h [B, C, D], anchor [1] int64 -> DraftOutput.
 
         Sequential Markov loop on device (no host sync until the end): the bias of slot j is
         markov_w2(markov_w1[prev]) with prev the previous slot's draft (the anchor for slot 0).

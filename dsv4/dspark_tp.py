@@ -1,4 +1,8 @@
-"""Tensor parallelism of the DSpark draft module, as the seed did it (DESIGN.md §10), not as the trunk.
+"""Tensor parallelism of the DSpark draft module, sharded differently from the trunk
+(docs/architecture.md §10). This module owns the draft's sharding plan, the per-rank weights
+and its two all-reduces per stage (`DraftTP`); it never changes a stage's math, never
+spawns processes or builds a process group (the caller passes one in), and at TP=1 never
+touches `torch.distributed`.
 
 Dimension legend: H = n_heads, G = o_groups, Dh = head_dim, Lo = o_lora_rank, D = dim,
 E = n_routed_experts, ws = world size, r = rank.
@@ -38,7 +42,7 @@ class DraftTP:
     Args:
         rank, world_size: this rank and the group size (world_size 1 = no parallelism).
         group: a `torch.distributed` process group of `world_size` ranks (None only at TP=1).
-        reduce_dtype: dtype the partial sums travel in (bf16, as the seed and the trunk).
+        reduce_dtype: dtype the partial sums travel in (bf16, as the trunk's; docs/architecture.md §10).
     Raises:
         ValueError: rank or world_size not an integer, world_size < 1, rank outside
             [0, world_size), world_size > 1 without a process group (a partial sum would

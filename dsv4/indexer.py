@@ -1,4 +1,6 @@
-"""Lightning indexer of ratio-4 layers: picks the top-k compressed entries per query (spec §5.7).
+"""Lightning indexer of ratio-4 layers: picks the top-k compressed entries per query (docs/model.md
+§5.7). This module owns the index scores and the top-k selection; it never attends, and its
+compressor's state lives in the layer's `AttentionState`, not here.
 
 Dimension legend: S = query tokens, D = dim, Lq = q_lora_rank, Hi = index_n_heads,
 Di = index_head_dim, E = compressed entries available, K = min(index_topk, E).
@@ -112,7 +114,7 @@ def index_scores_chunked(qi: torch.Tensor, w: torch.Tensor, kc: torch.Tensor, ch
 
 
 def index_scores(qi: torch.Tensor, w: torch.Tensor, kc: torch.Tensor) -> torch.Tensor:
-    """qi [S, Hi, Di], w [S, Hi] fp32, kc [E, Di] -> scores [S, E] fp32 (spec §5.7)."""
+    """qi [S, Hi, Di], w [S, Hi] fp32, kc [E, Di] -> scores [S, E] fp32 (docs/model.md §5.7)."""
     dots = torch.einsum("shd,ed->she", qi.float(), kc.float())  # [S, Hi, E]
     return (torch.relu(dots) * w.unsqueeze(-1)).sum(1)
 

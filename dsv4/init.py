@@ -1,6 +1,8 @@
-"""Random initialisation of logical (dequantised) weights, for tests and training.
+"""Random initialisation of logical (dequantised) weights, for tests, training and the
+weight-less smoke-test server. This module owns `random_weights`, deterministic in
+(config, part, seed); it writes no files and knows no storage format (`dsv4.checkpoint`).
 
-Follows the spec's §13 suggestions: linear weights N(0, 1/sqrt(in)), norms 1, `hc_*_fn`
+Follows docs/model.md §13: linear weights N(0, 1/sqrt(in)), norms 1, `hc_*_fn`
 N(0, 0.02), `hc_*_base` 0, `hc_*_scale` 1 (Sinkhorn starts near uniform), `ape` N(0, 0.1),
 `attn_sink` 0, gate bias N(0, 0.1), `tid2eid` rows = distinct random experts.
 """

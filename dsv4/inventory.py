@@ -1,4 +1,6 @@
-"""Expected tensor inventories of a DeepSeek-V4 + DSpark checkpoint (spec §7).
+"""Expected tensor inventories of a DeepSeek-V4 + DSpark checkpoint (docs/model.md §7). This
+module owns the names, dtypes and shapes a checkpoint must hold, for the trunk and the
+drafter; it reads no files and holds no tensors (`dsv4.checkpoint` compares folders against it).
 
 Two views of the same weights:
 
@@ -8,7 +10,7 @@ Two views of the same weights:
 * **logical**: what the model consumes after dequantisation at load: every `X.weight` +
   `X.scale` pair becomes one float `X.weight` of shape [out, in]; `tid2eid` stays integer.
 
-Two consumer sets (DESIGN.md §9, issue #3): the trunk consumes every non-`mtp.` tensor; the
+Two consumer sets (docs/model.md §7.4): the trunk consumes every non-`mtp.` tensor; the
 drafter consumes `mtp.*` plus `embed.weight` and `head.weight`.
 """
 
@@ -69,7 +71,7 @@ def _expert(cfg: ModelConfig) -> str:
 
 
 def block_params(cfg: ModelConfig, prefix: str, layer_id: int) -> Iterator[Param]:
-    """Parameters of one block (trunk layer or DSpark stage), spec §7.2–§7.3.
+    """Parameters of one block (trunk layer or DSpark stage), docs/model.md §7.2–§7.3.
 
     `prefix` is "layers.{i}." or "mtp.{s}."; `layer_id` selects the compression ratio and
     hash vs scored routing (stages use n_layers + s).
@@ -142,10 +144,10 @@ def trunk_params(cfg: ModelConfig) -> list[Param]:
 
 
 def drafter_params(cfg: ModelConfig, confidence_head: bool = True) -> list[Param]:
-    """Every logical parameter the DSpark drafter consumes: `mtp.*` + embed + head (spec §7.4).
+    """Every logical parameter the DSpark drafter consumes: `mtp.*` + embed + head (docs/model.md §7.4).
 
     `confidence_head=False` leaves out `mtp.{last}.confidence_head.proj.weight` (optional at
-    load, spec §7.4 [UNCERTAIN]).
+    load, docs/model.md §7.4 [UNCERTAIN]).
     """
     D, C, R = cfg.dim, cfg.hc_mult, cfg.dspark_markov_rank
     out = [Param("embed.weight", (cfg.vocab_size, D), "bf16")]
@@ -180,10 +182,10 @@ def stored_inventory(params: list[Param]) -> dict[str, TensorSpec]:
 
 
 def trunk_inventory(cfg: ModelConfig) -> dict[str, TensorSpec]:
-    """Stored tensors the trunk consumes (spec §7.1–§7.3)."""
+    """Stored tensors the trunk consumes (docs/model.md §7.1–§7.3)."""
     return stored_inventory(trunk_params(cfg))
 
 
 def drafter_inventory(cfg: ModelConfig, confidence_head: bool = True) -> dict[str, TensorSpec]:
-    """Stored tensors the drafter consumes (spec §7.4 + embed/head)."""
+    """Stored tensors the drafter consumes (docs/model.md §7.4 + embed/head)."""
     return stored_inventory(drafter_params(cfg, confidence_head))

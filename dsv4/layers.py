@@ -1,8 +1,10 @@
 """Shared building blocks: RMSNorm, bias-free linear with optional fp8 activation sim, embedding.
+This module owns those three modules and their numerics; they hold no per-sequence state,
+and a `Linear` never decides by itself to run the fp8 GEMM kernel (`dsv4.quantised` wires it).
 
 Dimension legend: ... = any leading dims, D = input features, O = output features, V = vocab.
 
-Numerics (spec §2.1, §2.4): norms hold fp32 weights and compute in fp32, returning the
+Numerics (docs/model.md §2.1, §2.4): norms hold fp32 weights and compute in fp32, returning the
 input dtype. A `Linear` holds its weight in the model dtype (fp32 or bf16); with
 `act_quant=True` (quantisation simulation of an fp8/fp4-stored linear) its input goes
 through the fp8 round trip `act_quant_fp8(x, 128)` first, as the reference's w8a8 / w4a8
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.codecs import act_quant_fp8, fp8_decode, fp8_encode
-from dsv4.config import ACT_QUANT_BLOCK  # fp8 activation block of the reference's fp8/fp4 GEMMs (spec §2.4)
+from dsv4.config import ACT_QUANT_BLOCK  # fp8 activation block of the reference's fp8/fp4 GEMMs (docs/model.md §2.4)
 
 
 def frozen_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -32,7 +34,7 @@ def frozen_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 
 
 class RMSNorm(nn.Module):
-    """y = weight * x * rsqrt(mean(x^2) + eps) over the last dim (spec §2.1).
+    """y = weight * x * rsqrt(mean(x^2) + eps) over the last dim (docs/model.md §2.1).
 
     `weight` [D] fp32. Input [..., D] any float dtype; computed in fp32, returned in the
     input's dtype.

@@ -1,4 +1,6 @@
-"""Manifold-constrained hyper-connections (mHC): C residual lanes per token (spec §4).
+"""Manifold-constrained hyper-connections (mHC): C residual lanes per token (docs/model.md §4).
+This module owns the lane mixing as pure functions of their arguments (the lane mean of the
+taps included); it holds no parameters and no state: the calling block or stage owns the `hc_*` weights.
 
 Dimension legend: S = tokens, C = hc_mult lanes, D = dim, M = (2 + C) * C mixing logits.
 
@@ -22,7 +24,7 @@ def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
 
 def split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc_mult: int,
                    hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Split mixing logits into pre [..., C], post [..., C], comb [..., C, C] (spec §4.2).
+    """Split mixing logits into pre [..., C], post [..., C], comb [..., C, C] (docs/model.md §4.2).
 
     mixes [..., M] fp32, scale [3], base [M]. pre = sigmoid(.) + hc_eps; post = 2 sigmoid(.);
     comb = row softmax + hc_eps, then a column normalisation, then `iters - 1` (row, column)
@@ -42,7 +44,7 @@ def split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
            hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Lanes -> one sublayer input (spec §4.1).
+    """Lanes -> one sublayer input (docs/model.md §4.1).
 
     x [S, C, D] (residual dtype), fn [M, C*D], scale [3], base [M] (fp32).
     Returns y [S, D] in x.dtype (not normalised), post [S, C] and comb [S, C, C] fp32.
@@ -53,7 +55,7 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
 
 
 def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """One -> lanes (spec §4.3): out[s, k] = post[s, k] y[s] + sum_j comb[s, j, k] res[s, j].
+    """One -> lanes (docs/model.md §4.3): out[s, k] = post[s, k] y[s] + sum_j comb[s, j, k] res[s, j].
 
     y [S, D], res [S, C, D], post [S, C], comb [S, C(j source), C(k dest)]; returns [S, C, D] in y.dtype.
     """
@@ -63,7 +65,7 @@ def hc_post(y: torch.Tensor, res: torch.Tensor, post: torch.Tensor, comb: torch.
 
 def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
             hc_eps: float) -> torch.Tensor:
-    """Final lane reduction (spec §4.4): x [S, C, D], fn [C, C*D], scale [1], base [C] -> [S, D] in x.dtype.
+    """Final lane reduction (docs/model.md §4.4): x [S, C, D], fn [C, C*D], scale [1], base [C] -> [S, D] in x.dtype.
 
     w = sigmoid(mixes * scale + base) + hc_eps; out = sum_c w[c] x[c].
     """
@@ -72,5 +74,5 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
 
 
 def lane_mean(x: torch.Tensor) -> torch.Tensor:
-    """Plain mean over lanes (the DSpark target tap, spec §3 / §9.2): x [S, C, D] -> [S, D] fp32."""
+    """Plain mean over lanes (the DSpark target tap, docs/model.md §3 / §9.2): x [S, C, D] -> [S, D] fp32."""
     return x.float().mean(-2)

@@ -1,4 +1,8 @@
-"""Mixture of experts: gate (hash or scored), clamped SwiGLU experts, one shared expert (spec §6).
+"""Mixture of experts: gate (hash or scored), clamped SwiGLU experts, one shared expert
+(docs/model.md §6). This module owns routing, the experts and the fixed-order combine; it
+holds no per-sequence state, does not choose the numerics recipe (`dsv4.numerics` calls
+`combine_per_token` in exact mode) and does not shard itself (`dsv4.tp` sets its local
+experts; the draft module's `DraftMoE` is in `dsv4.dspark`).
 
 Dimension legend: N = tokens, D = dim, I = moe_inter_dim, E = n_routed_experts,
 k = n_activated_experts (routes per token), V = vocab.
@@ -39,7 +43,7 @@ from dsv4.layers import Linear, frozen_param
 
 
 class Gate(nn.Module):
-    """Router of one layer (spec §6.1).
+    """Router of one layer (docs/model.md §6.1).
 
     weight [E, D] fp32. Scored layers (layer_id >= n_hash_layers) hold `bias` [E] fp32, used
     only to select experts; hash layers hold the buffer `tid2eid` [V, k] int64 (experts by
@@ -82,7 +86,7 @@ class Gate(nn.Module):
 
 
 class Expert(nn.Module):
-    """Clamped SwiGLU (spec §6.2): w1, w3 [I, D], w2 [D, I] in the model dtype.
+    """Clamped SwiGLU (docs/model.md §6.2): w1, w3 [I, D], w2 [D, I] in the model dtype.
 
     h = silu(min(w1 x, L)) * clamp(w3 x, -L, L) in fp32 (L = swiglu_limit, 0 = no clamp);
     the routing weight multiplies h before w2. x [N, D] -> [N, D] in the model dtype.
@@ -116,7 +120,7 @@ Route = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class MoE(nn.Module):
-    """Routed experts + one shared expert of one layer (spec §6.2): x [N, D], ids [N] -> [N, D].
+    """Routed experts + one shared expert of one layer (docs/model.md §6.2): x [N, D], ids [N] -> [N, D].
 
     `deterministic_reduce` selects the combine order (see the module docstring).
     """

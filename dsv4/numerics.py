@@ -1,9 +1,9 @@
 """Verify numerics of the trunk's forward loop: what one pass is (`Call`) and how its rows are
-computed (`FastNumerics`, `ExactNumerics`).
+computed (`FastNumerics`, `ExactNumerics`; docs/architecture.md §4). This module owns the
+choice between the two recipes and nothing else: it holds no weights and no per-sequence
+state, and it never validates arguments (`dsv4.trunk.Trunk` and the serving engine do).
 
-This module owns the choice between the two recipes and nothing else: it holds no weights and
-no per-sequence state, and it never validates arguments (`dsv4.trunk.Trunk` and the serving
-engine do). `Trunk` runs one loop, embed -> blocks -> taps -> head, for prefill, decode and
+`Trunk._run` is the one loop, embed -> blocks -> taps -> head, for prefill, decode and
 verify alike; every place where the recipes differ is one method of the strategy:
 
 - `tile(ids)`: the rows the dense ops see (exact pads every decode and verify to EXACT_ROWS);

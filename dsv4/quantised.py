@@ -1,11 +1,11 @@
-"""Which of a model's linears run the quantised GEMM kernels of `kernels/`.
+"""Which of a model's linears run the quantised GEMM kernels of `kernels/`. This module owns
+the mapping "stored as X -> kernel Y" and nothing else: the kernels live in `kernels/`, the
+packing in `Linear.pack` / `MoE.pack`, and the torch backend never imports triton.
 
 With the triton backend (`kernels.select.KernelConfig`), every linear the checkpoint stores
 as fp8 runs `kernels.fp8_gemm.fp8_gemm` on its e4m3 bytes, and every MoE whose routed
 experts are stored as fp4 runs `kernels.fp4_gemm.fp4_moe_gemm` on their packed e2m1 bytes.
-Storage formats come from the checkpoint inventory (`dsv4.inventory`), so this module owns
-the mapping "stored as X -> kernel Y" and nothing else: the kernels live in `kernels/`, the
-packing in `Linear.pack` / `MoE.pack`, and the torch backend never imports triton.
+Storage formats come from the checkpoint inventory (`dsv4.inventory`).
 
 A layer runs its kernel only when its float weights are exactly representable in the stored
 format (checked by `pack` after every load): a real checkpoint's dequantised weights are,

@@ -1,4 +1,6 @@
-"""Rotary position embedding, interleaved pairs on the last R dims, with optional YaRN (spec §2.2–§2.3).
+"""Rotary position embedding, interleaved pairs on the last R dims, with optional YaRN
+(docs/model.md §2.2–§2.3). This module owns the frequencies and their application; it keeps
+no position table and no state.
 
 Dimension legend: S = positions (dim 0 of every roped tensor), ... = middle dims (heads),
 Dh = vector width, R = rope_head_dim (the roped tail, x[..., Dh-R:]), F = R/2 frequencies.
@@ -21,7 +23,7 @@ from dsv4.config import ModelConfig
 
 def rope_inv_freq(rope_dim: int, base: float, original_seq_len: int = 0, factor: float = 1.0,
                   beta_fast: float = 32.0, beta_slow: float = 1.0) -> torch.Tensor:
-    """Inverse frequencies [F] fp32 (spec §2.2); YaRN-interpolated when `original_seq_len` > 0.
+    """Inverse frequencies [F] fp32 (docs/model.md §2.2); YaRN-interpolated when `original_seq_len` > 0.
 
     YaRN: corr(n) = R ln(orig / (2 pi n)) / (2 ln base); lo = max(floor(corr(beta_fast)), 0),
     hi = min(ceil(corr(beta_slow)), R - 1); ramp[j] = clamp((j - lo) / (hi - lo), 0, 1);
@@ -44,7 +46,7 @@ def rope_inv_freq(rope_dim: int, base: float, original_seq_len: int = 0, factor:
 
 def yarn_ramp_bounds(rope_dim: int, base: float, original_seq_len: int,
                      beta_fast: float, beta_slow: float) -> tuple[int, int]:
-    """The YaRN ramp's (lo, hi) frequency indices (spec §2.2)."""
+    """The YaRN ramp's (lo, hi) frequency indices (docs/model.md §2.2)."""
     def corr(n_rot: float) -> float:
         return rope_dim * math.log(original_seq_len / (n_rot * 2 * math.pi)) / (2 * math.log(base))
 
@@ -76,7 +78,7 @@ class Rope(nn.Module):
 
     `Rope.for_layer(cfg, layer_id)`: compressed layers (ratio > 0) use
     (compress_rope_theta, YaRN with original_seq_len / rope_factor / beta_*); ratio-0 layers
-    and DSpark stages use (rope_theta, no YaRN) (spec §2.2). A layer's compressor and indexer
+    and DSpark stages use (rope_theta, no YaRN) (docs/model.md §2.2). A layer's compressor and indexer
     share its table.
     """
 

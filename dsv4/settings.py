@@ -1,4 +1,7 @@
 """Numerics switches of the model math (`Settings`), passed to the models by their builders.
+This module owns the switches, their defaults and their validation; it never reads the
+process environment: `services.settings` parses the variables named here once at each entry
+point and builds a `Settings`.
 
 `dsv4` never reads the process environment: `services.settings` parses the variables named
 here once at each entry point and builds a `Settings`.

@@ -1,4 +1,7 @@
-"""Tensor parallelism of the trunk (spec §2.5): shard an unmodified `Trunk` for one rank.
+"""Tensor parallelism of the trunk (docs/model.md §2.5): shard an unmodified `Trunk` for one rank.
+This module owns the sharding plan, the per-rank weights, the parallel embedding/linear/head,
+the rendezvous (`create_store`, `connect`) and the trunk's collectives; it never edits the
+trunk's forward, and never starts worker processes or drives them (`services.verifier.tp`).
 
 Dimension legend: S = tokens, D = dim, V = vocab, H = n_heads, Dh = head_dim, G = o_groups,
 Lo = o_lora_rank, Lq = q_lora_rank, Hi = index_n_heads, Di = index_head_dim,

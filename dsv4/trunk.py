@@ -1,12 +1,16 @@
-"""DeepSeek-V4-Flash trunk: embedding, mHC blocks (attention + MoE), hc_head, norm, head (spec §3).
+"""DeepSeek-V4-Flash trunk: embedding, mHC blocks (attention + MoE), hc_head, norm, head
+(docs/model.md §3). This module owns the forward loop (`Trunk._run`) and the per-sequence
+state protocol: prefill, decode, and verify blocks as transactions with exact rollback
+(docs/architecture.md §4). It holds no sessions and does not validate request values (the
+serving engine, `services.verifier.engine`, does so once at the boundary; here they are
+asserted); the numerics recipe lives in `dsv4.numerics`, the state records in
+`dsv4.trunk_state`.
 
 Dimension legend: S = tokens in a call, R = rows the dense ops run on (S, or an exact-mode
 tile), C = hc_mult lanes, D = dim, V = vocab, M = (2 + C) * C mHC logits,
 T = len(dspark_target_layer_ids), L = n_layers.
 
-This module owns the forward loop and the per-sequence state protocol. It is math: the
-serving engine (`services.verifier.engine`) validates request values (token ids, lengths)
-once at the boundary, and here they are asserted. What the trunk itself checks, with a
+What the trunk itself checks, with a
 ValueError naming the value, is what any caller can get wrong cheaply: the state machine
 (positions, empty state for prefill, open verify blocks, undo records), the capacity of a
 state (max_seq_len) and of the numerics (exact blocks), the weights and the constructor.
@@ -15,14 +19,14 @@ One sequence per `TrunkState`; positions are absolute (0-based). `prefill` runs 
 positions 0..S-1 into an empty state; `decode` runs one token at `state.next_position`;
 `forward_block` + `rollback` verify a draft block as one transaction (see `Trunk`). All
 three go through one loop, `Trunk._run`, parameterised by a numerics strategy
-(`dsv4.numerics`: fast, or exact for decode and verify). Logits are fp32. Taps (spec §3,
+(`dsv4.numerics`: fast, or exact for decode and verify). Logits are fp32. Taps (docs/model.md §3,
 §9.2) are the lane mean of the block output of every `dspark_target_layer_ids` layer,
 concatenated in ascending layer order: rows [S', T*D] fp32, computed only when asked (they
 never change the logits).
 
 Module and parameter names equal the logical weight names of `dsv4.inventory.trunk_params`.
 
-Quantisation simulation (`quant_sim`, spec §2.4), where it is applied: the fp8 round trip
+Quantisation simulation (`quant_sim`, docs/model.md §2.4), where it is applied: the fp8 round trip
 (per 64) of kv[:Dn] and of attention-compressor entries[:Dn]; Hadamard rotation + fp4 round
 trip (per 32) of the indexer's queries and compressor entries; and, as the reference's fp8 /
 fp4 GEMMs do, the fp8 round trip (per 128 along K) of the input of every fp8/fp4-stored
@@ -58,7 +62,7 @@ _FAST = FastNumerics()  # prefill's numerics in either mode: plain and speculati
 
 
 class Block(nn.Module):
-    """One transformer block (spec §3.1) of trunk layer or DSpark stage `layer_id`.
+    """One transformer block (docs/model.md §3.1) of trunk layer or DSpark stage `layer_id`.
 
     Parameters: attn_norm, ffn_norm [D]; hc_{attn,ffn}_fn [M, C*D], _base [M], _scale [3]
     (fp32); `attn` (Attention), `ffn` (MoE). The residual stream h [S, C, D] is in the
@@ -137,7 +141,7 @@ def _short_repr(value: Any, limit: int = 60) -> str:
 
 
 class Trunk(nn.Module):
-    """The trunk model (spec §3). See the module docstring for what is checked where.
+    """The trunk model (docs/model.md §3). See the module docstring for what is checked where.
 
     Argument checks raise ValueError naming the bad value BEFORE any state changes;
     `next_position` advances only once a forward has fully succeeded. Integer scalars
@@ -162,7 +166,7 @@ class Trunk(nn.Module):
         dtype: storage/compute dtype of the linears and the residual stream (torch.float32
             or torch.bfloat16); norms, mHC parameters, attn_sink, ape, compressor linears,
             gate and head stay fp32.
-        quant_sim: fp8/fp4 activation simulation (spec §2.4); None -> cfg.quant_sim.
+        quant_sim: fp8/fp4 activation simulation (docs/model.md §2.4); None -> cfg.quant_sim.
         deterministic_reduce: MoE combine order (`dsv4.moe`); None -> `Settings()`'s (ascending
             expert id). The process value (`Settings.moe_deterministic_reduce`) is passed by
             the model's builder; the trunk never reads the environment.

@@ -1,7 +1,5 @@
 """Per-sequence trunk state and the records of one forward: `TrunkState`, `BlockUndo`,
-`BlockOutput`, `ForwardOutput`.
-
-This module owns the data a forward leaves behind (rings, compressor states, the open
+`BlockOutput`, `ForwardOutput`. This module owns the data a forward leaves behind (rings, compressor states, the open
 verify block) and nothing that computes: `dsv4.trunk.Trunk` runs the forwards, checks the
 protocol and fills these records.
 """

@@ -1,4 +1,5 @@
-"""Helpers shared by the kernel wrappers: where the kernels run, and their destinations."""
+"""Helpers shared by the kernel wrappers: where the kernels run (`interpreting`), and their
+destinations (`out_tensor`). This module owns those two checks and computes nothing."""
 
 from __future__ import annotations
 

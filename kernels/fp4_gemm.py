@@ -1,4 +1,8 @@
-"""fp4 e2m1 dequant-GEMM for routed experts (spec §6.3), with a small-batch and a grouped path.
+"""fp4 e2m1 dequant-GEMM for routed experts (docs/model.md §6.3), with a small-batch and a grouped
+path, beside its torch reference `fp4_moe_gemm_ref`. This module owns how routed-expert
+GEMMs and their combine are computed; it never routes tokens (`dsv4.moe`), never packs or
+owns weights (`MoE.pack`) and takes the small-batch choice as an argument, never from the
+environment.
 
 Dimension legend: M = tokens, k = routes per token, E = experts, N = output features,
 K = input features (reduction, a multiple of 32), T = row tiles of the grouped path.
@@ -19,8 +23,8 @@ needs is read once for it, the right shape for decode and a few-token verify, an
 result does not depend on the other tokens in the call. grouped (`_fp4_moe_grouped_kernel`):
 routes sorted by expert, tiles of BLOCK_M routes of one expert through tl.dot (prefill);
 per-route rows, then the same fold. A single token always takes the small path; several
-take it when `small_batch` (`DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4=1`; the seed's verify went
-850 -> 3273 ms on the grouped path).
+take it when `small_batch` (`DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4=1`): a multi-token verify on the
+grouped path pays the prefill tiling for a handful of rows (docs/architecture.md §12).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""fp8 e4m3 block-scaled GEMM: y = x @ W^T with W stored as e4m3 and ue8m0 128x128 scales (spec §6.3).
+"""fp8 e4m3 block-scaled GEMM: y = x @ W^T with W stored as e4m3 and ue8m0 128x128 scales
+(docs/model.md §6.3), beside its torch reference `fp8_gemm_ref`. This module owns that GEMM
+only; it never packs or owns weights (`Linear.pack`) and does not decide when it runs
+(`dsv4.quantised`).
 
 Dimension legend: M = activation rows, K = input features (reduction), N = output features,
 Nb = ceil(N/128), Kb = ceil(K/128).

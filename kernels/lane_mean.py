@@ -1,11 +1,13 @@
-"""Lane-mean tap pooling: the mean of a block output's C mHC lanes (spec §3, §9.2).
+"""Lane-mean tap pooling: the mean of a block output's C mHC lanes (docs/model.md §3, §9.2),
+beside its torch reference `lane_mean_ref`. This module owns that reduction's kernel and its
+summation order; it does not choose which layers are tapped (`dsv4.trunk`).
 
 Dimension legend: S = token rows, C = hc_mult lanes, D = dim.
 
 taps[s, d] = (x[s, 0, d] + x[s, 1, d] + ... + x[s, C-1, d]) / C in fp32: a left fold over
 the lanes, then one division. That is the order of torch's CPU mean for C <= 4 (hc_mult is 4),
-so there the kernel equals `lane_mean_ref` bitwise (the seed checked its pooling kernel the
-same way: a sum would read C times the mean). For C > 4 torch itself sums the columns of a
+so there the kernel equals `lane_mean_ref` bitwise, and the tests compare it exactly (a sum
+would read C times the mean; docs/architecture.md §12). For C > 4 torch itself sums the columns of a
 vector tail with 4 interleaved accumulators, so the two agree to fp32 rounding only.
 """
 

@@ -1,4 +1,7 @@
 """Which implementation of each `kernels/` op the model runs: `KernelConfig(backend=...)`.
+This module owns the mapping from backend to implementation; it computes nothing and never
+reads a project setting from the environment (the entry point builds the config from its
+`Settings`; only Triton's own `TRITON_INTERPRET` is read, by `kernels.checks`).
 
 `backend="torch"` picks the plain-torch `<op>_ref` (CPU or GPU, the default); `"triton"`
 picks the Triton kernel wrapper (CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1`).

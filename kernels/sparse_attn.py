@@ -1,4 +1,6 @@
-"""Sparse attention with a sink over per-query index lists (spec §5.4; dsv4.attention.sparse_attn).
+"""Sparse attention with a sink over per-query index lists (docs/model.md §5.4;
+dsv4.attention.sparse_attn), beside its torch reference `sparse_attn_ref`. This module owns
+that reduction; it never builds the index lists or touches a ring (`dsv4.attention`).
 
 Dimension legend: S = queries, H = heads, Dh = head_dim, N = rows of the key/value tensor,
 K = index columns per query (-1 = masked).

@@ -1,6 +1,6 @@
-"""Dense float64 reference of one DSpark draft round, for conformance tests (spec §9).
+"""Dense float64 reference of one DSpark draft round, for conformance tests (docs/model.md §9).
 
-Written from the spec, sharing no code with `dsv4/` except `ModelConfig`; the §2–§6
+Written from docs/model.md, sharing no code with `dsv4/` except `ModelConfig`; the §2–§6
 primitives (RMSNorm, rope, mHC, clamped SwiGLU expert) come from the trunk's float64
 reference `reference_dsv4`. Deliberately non-incremental: no ring. The context keys of
 stage s are computed straight from the committed rows of positions max(0, p-W+1)..p
@@ -33,12 +33,12 @@ from reference_dsv4 import expert, hc_head, hc_post, hc_pre, rms_norm, rope, rop
 
 F64 = torch.float64
 BREAKS = frozenset({
-    "no_markov_bias",      # seed mistake 1: logits without the Markov bias (§9.5)
-    "markov_from_anchor",  # seed mistake 2: every slot's bias from the anchor, not the previous token
-    "lane_mean_head",      # seed mistake 3: lanes reduced by their mean instead of hc_head
+    "no_markov_bias",      # logits without the Markov bias (§9.5)
+    "markov_from_anchor",  # every slot's bias from the anchor, not the previous token (§12 (15))
+    "lane_mean_head",      # lanes reduced by their mean instead of hc_head (§12 (13))
     "swap_expert",         # slot 0 of stage 0: the K-th selected routed expert replaced by the next-ranked
     "causal_block",        # slot j sees only block slots <= j (the block is non-causal, §9.4)
-    "block_at_seed",       # the seed's off-by-one: block roped at p..p+B-1 instead of p+1..p+B
+    "block_at_seed",       # off by one (§9.2): block roped at p..p+B-1 instead of p+1..p+B
 })
 
 

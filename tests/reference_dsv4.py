@@ -1,6 +1,6 @@
 """Dense float64 reference of the DeepSeek-V4-Flash trunk forward, for conformance tests.
 
-Written directly from the spec (../shared/research/v4_dspark_spec.md §2–§6), sharing no
+Written directly from docs/model.md §2–§6 (section numbers below are that file's), sharing no
 code with `dsv4/` except `ModelConfig`. It is deliberately slow and NON-incremental: no ring
 buffer, no compressor state machine, no caches. For every layer and every query position t
 it builds the set of keys t may attend to straight from the definitions:
@@ -208,7 +208,7 @@ def indexer_selection(x, qr, w, a: str, cfg: ModelConfig, inv_freq):
     score[t, j] = Σ_h relu(qi[t, h]·kc[j])·wts[t, h] over visible j < (t+1)//4.
     Equivalent to both §5.7 paths: prefill scores all S//4 entries, sets j >= (t+1)//4 to
     -inf and drops them from the top-k (so at most #visible survive); decode scores
-    E = (p+1)//4 entries, all visible. Ties are left open by the spec; `margins` reports
+    E = (p+1)//4 entries, all visible. Ties are left open by docs/model.md; `margins` reports
     how far the choice is from one.
     Returns (selections: list of sorted entry ids, margins: list of float).
     """
@@ -353,7 +353,7 @@ def reference_forward(cfg: ModelConfig, weights: dict[str, torch.Tensor], tokens
         weights: logical weights, names as `dsv4.inventory.trunk_params(cfg)` (any float
             dtype; converted to float64; `tid2eid` integer).
         tokens: S token ids (sequence of int or 1-D integer tensor), 1 <= S <= max_seq_len.
-        tap_reduce: "mean" (the spec's taps) or "sum" over the C lanes.
+        tap_reduce: "mean" (the taps of docs/model.md §3) or "sum" over the C lanes.
         breaks: names from `BREAKS` to falsify on purpose (tests only).
     Returns:
         ReferenceOutput (logits [S, V] and taps [S, T·D] float64, plus diagnostics).

@@ -1,7 +1,7 @@
 """The draft's training forward (training/draft_forward.py) computes what `DSparkDraft.draft` computes.
 
 Error measure: `rel` = max |a - b| / max |b| over one block's logits (fp32, bound 1e-5).
-The docs/model.md §13 tiny config (window 8, so early seeds see a partial window and late ones a
+The tiny config of docs/model.md §13 (window 8, so early seeds see a partial window and late ones a
 full one), random weights with non-trivial norms, sinks and mHC biases, random tap rows.
 """
 

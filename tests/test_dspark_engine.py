@@ -104,7 +104,7 @@ def test_draft_without_confidence_head_returns_none():
 def test_draft_rejects_a_seed_other_than_the_last_committed_position():
     engine, sid = primed_engine(12)
     with pytest.raises(ValueError, match="seed_position=12 is not the last committed position 11"):
-        engine.draft(sid, 3, 12)  # the seed's off-by-one: the anchor's own position
+        engine.draft(sid, 3, 12)  # off by one (docs/model.md §9.2): the anchor's own position
     engine.commit(sid, ROWS[12:14], range(12, 14))
     assert engine.last_position(sid) == 13
     assert len(engine.draft(sid, 3, 13)[0]) == B

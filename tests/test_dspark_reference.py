@@ -1,8 +1,8 @@
 """Conformance of `dsv4.dspark.DSparkDraft` (fp32, quant_sim off) with the float64 reference.
 
-The reference (`tests/reference_dspark.py`) is written from spec §9 and shares no code with
+The reference (`tests/reference_dspark.py`) is written from docs/model.md §9 and shares no code with
 `dsv4/`. Error measure: per-row relative L2 error, maximum over rows (`rel_err`). Inputs:
-the spec §13 tiny config, `conformance_weights` (random weights with nonzero sinks, random
+the tiny config of docs/model.md §13, `conformance_weights` (random weights with nonzero sinks, random
 mHC biases, norm weights and gate biases) and synthetic tap rows for positions 0..23.
 Rounds at seed positions 0 (a one-token prompt), 3 (ring partly filled), 15 and 23 (ring
 wrapped once and twice). Tolerances are checked against plausible mistakes: each of

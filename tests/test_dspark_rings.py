@@ -1,4 +1,4 @@
-"""`DSparkDraft.write_main_kv` and the seed-position contract of `draft` (spec §9.2, §9.6).
+"""`DSparkDraft.write_main_kv` and the seed-position contract of `draft` (docs/model.md §9.2, §9.6).
 
 Batch writes equal successive single writes bitwise (rows are processed one at a time), a
 double write with identical rows is idempotent while a different row at a committed position

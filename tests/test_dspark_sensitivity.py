@@ -1,17 +1,17 @@
-"""Draft sensitivity (the seed's test): does every input reach the drafted tokens?
+"""Draft sensitivity: does every input reach the drafted tokens?
 
 One input is perturbed at a time and the changed drafted tokens are counted (k/5 per round):
-the anchor (+1), the ring priming (every context key but the seed's zeroed: an unprimed
-ring), the seed position (the same rings, the block roped one position later), and a zeroed
-seed row, once with the ring zeroed (the seed's key is then the only live context key) and
-once with a primed ring. Rounds: seed positions 8, 15, 23 (full, wrapped ring) x anchors
+the anchor (+1), the ring priming (every context key but the seed position's zeroed: an
+unprimed ring), the seed position (the same rings, the block roped one position later), and
+a zeroed seed row, once with the ring zeroed (the seed position's key is then the only live
+context key) and once with a primed ring. Rounds: seed positions 8, 15, 23 (full, wrapped ring) x anchors
 7, 100, 300, tiny config, conformance weights, synthetic rows.
 
 Asserted: the anchor and the ring priming change >= 1 token in every round; the seed
 position and the zeroed seed (ring zeroed) change >= 1 token over the rounds (a one-position
 rope shift moves only the fast frequencies, so a round can legitimately keep all five).
-Reported, not asserted: the zeroed seed with a primed ring (the seed's row is one key of W
-and priming already carries the continuation; the seed measured 0/5 there).
+Reported, not asserted: the zeroed seed with a primed ring (the seed row is one key of W
+and priming already carries the continuation, so 0/5 changed is a legitimate outcome).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tensor parallelism of the draft module (DESIGN.md §10): TP=2 drafts equal TP=1 drafts.
+"""Tensor parallelism of the draft module (docs/architecture.md §10): TP=2 drafts equal TP=1 drafts.
 
 Two processes (torch.multiprocessing.spawn, gloo on CPU, a file store in the test's tmp
 folder) each build their shard from the same full weights and draft the same rounds from a
@@ -26,7 +26,7 @@ from dsv4.dspark_tp import DraftTP, check_shardable, shard_drafter_weights
 from reference_dspark import conformance_weights, rel_err, synthetic_rows
 
 CFG = tiny_config()
-ROUNDS = [(7, 15), (100, 17), (300, 23)]  # (anchor, seed position); rows committed up to the seed
+ROUNDS = [(7, 15), (100, 17), (300, 23)]  # (anchor, seed position); rows committed up to the seed position
 
 
 class SharedInsideAllReduce(DraftMoE):
@@ -91,11 +91,11 @@ def run_tp(world_size: int, variant: str) -> list[dict]:
 
 @functools.lru_cache(maxsize=None)
 def tp1() -> dict:
-    return run_drafts(DraftTP(), "seed")
+    return run_drafts(DraftTP(), "documented")
 
 
 # ------------------------------------------------------------------ TP=2 vs TP=1
-@pytest.mark.parametrize("variant, should_match", [("seed", True), ("shared_inside_all_reduce", False)])
+@pytest.mark.parametrize("variant, should_match", [("documented", True), ("shared_inside_all_reduce", False)])
 def test_tp2_drafts_equal_tp1_drafts(variant, should_match):
     ranks = run_tp(2, variant)
     ref = tp1()
@@ -116,7 +116,7 @@ def test_tp2_drafts_equal_tp1_drafts(variant, should_match):
 
 
 def test_tp2_module_rejects_a_config_the_world_size_does_not_divide():
-    for r in run_tp(2, "seed"):
+    for r in run_tp(2, "documented"):
         assert r["indivisible_config_error"] == "n_routed_experts=5 is not divisible by TP world_size=2"
     assert tp1()["indivisible_config_error"] == ""  # 1 divides everything
 

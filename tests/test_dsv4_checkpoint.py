@@ -1,4 +1,4 @@
-"""Checkpoint read/write in the real layout, both consumer sets, errors (spec §7, DESIGN.md §9)."""
+"""Checkpoint read/write in the real layout, both consumer sets, errors (docs/model.md §7, docs/architecture.md §9)."""
 
 from __future__ import annotations
 

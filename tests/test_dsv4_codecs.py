@@ -1,4 +1,4 @@
-"""fp8 / fp4 weight codecs and activation fake-quantisation (spec §2.4, §6.3)."""
+"""fp8 / fp4 weight codecs and activation fake-quantisation (docs/model.md §2.4, §6.3)."""
 
 from __future__ import annotations
 

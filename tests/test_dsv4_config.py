@@ -1,4 +1,4 @@
-"""ModelConfig validation (spec §1): types on every construction path, finite and sane
+"""ModelConfig validation (docs/model.md §1): types on every construction path, finite and sane
 ranges, YaRN betas, quant-sim block sizes, size bounds, unknown keys, JSON documents."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The expected inventories for the real 0731 config equal the real shard headers (spec §7, §1.4).
+"""The expected inventories for the real 0731 config equal the real shard headers (docs/model.md §7, §1.4).
 
 Reads the public REAP-160 checkpoint metadata in ../shared/reference (config.json, the index
 and all 48 shard headers as JSON; no tensor data) and skips when that folder is absent.

@@ -1,13 +1,13 @@
 """Conformance of `dsv4.trunk.Trunk` (fp32, quant_sim off) with the float64 reference.
 
-The reference (`tests/reference_dsv4.py`) is written straight from the spec and shares no
+The reference (`tests/reference_dsv4.py`) is written straight from docs/model.md and shares no
 code with `dsv4/`. Error measure everywhere: per-row relative L2 error
 ||model - ref|| / ||ref||, maximum over the rows compared (`rel_err`).
 
-Test inputs: the spec §13 tiny config and `random_weights`, made less symmetric so that
+Test inputs: the tiny config of docs/model.md §13 and `random_weights`, made less symmetric so that
 every parameter matters (nonzero sinks, random mHC biases and norm weights, larger ape and
 gate bias) and so that the indexer's top-k has no exact ties (the indexer heads come in
-sign-opposite pairs, so no score is exactly relu(.) = 0 for every head; spec §5.7 leaves
+sign-opposite pairs, so no score is exactly relu(.) = 0 for every head; docs/model.md §5.7 leaves
 tie-breaking open). Prompts wrap the W = 8 window and cross several ratio-4 and ratio-8
 block boundaries; with index_topk = 2 every query from position 11 on prunes.
 """

@@ -1,4 +1,4 @@
-"""Trunk-level tests (spec §3, §5.4, §13 test plan): prefill/decode equivalence, state reset
+"""Trunk-level tests (docs/model.md §3, §5.4, §13 test plan): prefill/decode equivalence, state reset
 and independence, taps, input validation, strict loading, meta construction, bf16.
 
 Error measure: `rel` = max |a - b| / max |b| over the compared tensor.
@@ -250,7 +250,7 @@ def test_load_weights_casts_to_model_dtype():
     m = make(dtype=torch.bfloat16)
     assert m.layers[0].attn.wq_a.weight.dtype == torch.bfloat16
     assert m.layers[0].attn_norm.weight.dtype == torch.float32  # norms stay fp32
-    assert m.layers[1].attn.compressor.wkv.weight.dtype == torch.float32  # spec §5.6: fp32
+    assert m.layers[1].attn.compressor.wkv.weight.dtype == torch.float32  # docs/model.md §5.6: fp32
     assert m.head.weight.dtype == torch.float32 and m.layers[3].ffn.gate.bias.dtype == torch.float32
     assert torch.equal(m.layers[0].ffn.gate.tid2eid, WEIGHTS["layers.0.ffn.gate.tid2eid"])
 

@@ -1,7 +1,7 @@
 """Unit tests of the trunk's parts: settings, rope/YaRN, mHC, compressor, indexer, sparse
-attention, MoE (spec §2, §4, §5, §6). fp32, quantisation simulation off.
+attention, MoE (docs/model.md §2, §4, §5, §6). fp32, quantisation simulation off.
 
-Brute-force references are written here from the spec's formulas with Python loops; they
+Brute-force references are written here from the formulas of docs/model.md with Python loops; they
 share only parameter tensors with the code under test.
 """
 
@@ -89,7 +89,7 @@ def test_yarn_interpolates_only_above_the_ramp():
     R, base, orig, factor = 32, 160000.0, 32, 4.0
     plain, yarn = rope_inv_freq(R, base), rope_inv_freq(R, base, orig, factor)
     lo, hi = yarn_ramp_bounds(R, base, orig, 32.0, 1.0)
-    assert (lo, hi) == (0, 3)  # spec §13: "lo=0, hi=3 of 16 freqs"
+    assert (lo, hi) == (0, 3)  # docs/model.md §13: "lo=0, hi=3 of 16 freqs"
     assert torch.equal(yarn[: lo + 1], plain[: lo + 1])  # ramp 0: unchanged
     torch.testing.assert_close(yarn[hi:], plain[hi:] / factor)  # ramp 1: fully interpolated
     ramp = (torch.arange(lo + 1, hi).float() - lo) / (hi - lo)
@@ -157,7 +157,7 @@ def test_hc_head_weights_lanes_by_sigmoid():
 
 # ----------------------------------------------------------------------------- compressor
 def brute_force_entries(comp, x):
-    """Spec §5.6 pooled formula with explicit loops, then norm / rope at the block start."""
+    """docs/model.md §5.6 pooled formula with explicit loops, then norm / rope at the block start."""
     r, d = comp.ratio, comp.head_dim
     wkv, wgate, ape = comp.wkv.weight, comp.wgate.weight, comp.ape
     v = [wkv @ x[t] for t in range(x.shape[0])]

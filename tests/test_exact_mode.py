@@ -1,6 +1,6 @@
-"""Exact verify numerics (`Trunk(verify_numerics="exact")`, issue #8), asserted bitwise on CPU.
+"""Exact verify numerics (`Trunk(verify_numerics="exact")`, docs/architecture.md §4), asserted bitwise on CPU.
 
-Tiny config (spec §13): W = 8, layer 1 ratio 4 with indexer (index_topk 2), layer 2 ratio 8,
+Tiny config (docs/model.md §13): W = 8, layer 1 ratio 4 with indexer (index_topk 2), layer 2 ratio 8,
 layer 3 ratio 4. Start positions 13, 14, 15, 22, 23 wrap the ring; 15 and 23 are ratio-4
 and ratio-8 block boundaries ((p + 1) % r == 0), so blocks from there straddle them.
 
@@ -162,7 +162,7 @@ def oracle_draft(chain, done, pos, vocab, block):
 
 def speculate(engine, prompt_ids, chain, n_tokens, gated):
     """Greedy speculative generation with batched verify; returns (tokens, verify rounds,
-    accepted drafts, plain decodes). Gated: the seed's gate (services.gateway.gate) picks
+    accepted drafts, plain decodes). Gated: the gate (services.gateway.gate, docs/architecture.md §5) picks
     each length, and a pre-draft margin threshold sends uncertain anchors to plain decode."""
     cfg, gate = engine.cfg, Gate(GateConfig(enabled=True, margin_threshold=GATE_MARGIN))
     sid = engine.open_session()

@@ -1,4 +1,4 @@
-"""Triton kernels against their torch references, under the interpreter on CPU (issue #8).
+"""Triton kernels against their torch references, under the interpreter on CPU.
 
 `TRITON_INTERPRET=1` is set in conftest.py before anything imports triton. Every kernel
 writes into a NaN-poisoned destination that is a strided window of a larger NaN buffer, so

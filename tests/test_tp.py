@@ -1,6 +1,6 @@
-"""Tensor parallelism of the trunk (docs/model.md §2.5, docs/architecture.md §10): sharding plan and weights, TP=2/4
-vs TP=1 (in-process threads and spawned gloo workers), the verifier engine over the TP
-proxy, start-up rendezvous, dead / stalled workers, settings.
+"""Tensor parallelism of the trunk (docs/model.md §2.5, docs/architecture.md §10): sharding
+plan and weights, TP=2/4 vs TP=1 (in-process threads and spawned gloo workers), the verifier
+engine over the TP proxy, start-up rendezvous, dead / stalled workers, settings.
 
 Error measure: `rel` = max |a - b| / max |b| over the compared logits. Tolerance: fp32, quant
 sim off, TP regroups sums only (per-rank partials, then the ranks' fp32 sum): measured
@@ -73,7 +73,7 @@ def ref_chain(ref):
 @pytest.fixture(scope="module")
 def tp2():
     # rank 1 joins 3 s late, longer than the 2 s call timeout: the rendezvous must wait on the
-    # init timeout (a short id wait loses ranks while rank 0 loads, docs/architecture.md §12)
+    # init timeout (a short id wait kills ranks while rank 0 loads; docs/architecture.md §12)
     with worker_faults(start_delays_s={1: 3.0}):
         px = start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=60, call_timeout_s=2.0))
     yield px

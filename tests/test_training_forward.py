@@ -1,7 +1,7 @@
 """The training forward (training/forward.py) computes what `Trunk.prefill` computes.
 
 Error measure: `rel` = max |a - b| / max |b| over the compared logits (fp32, bound 1e-5).
-Configs: the docs/model.md §13 tiny config and the bundled model's layout shrunk to test size (same
+Configs: the tiny config of docs/model.md §13 and the bundled model's layout shrunk to test size (same
 layer kinds, ratios 4 and 16, hash and scored gates), random weights with non-trivial norms,
 sinks, mHC biases and ape. Every check is on real values; nothing is trained.
 """
