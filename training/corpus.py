@@ -42,6 +42,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from training.manpages import man_to_text  # noqa: F401 (re-exported for the corpus tests)
+
 DOMAINS = ("code", "prose", "math", "repeat")
 HELDOUT_PERCENT = 2
 MAX_DOC_BYTES = 256 * 1024
@@ -109,113 +111,6 @@ def code_documents(root: Path, limit: int | None = None) -> tuple[list[Document]
 
 
 # ----------------------------------------------------------------------------- prose
-_ESCAPES = [
-    (re.compile(r"\\f(\[[^\]]*\]|\(..|.)"), ""),  # font changes
-    (re.compile(r"\\s[+-]?\d"), ""),  # size changes
-    (re.compile(r"\\\*(\[[^\]]*\]|\(..|.)"), ""),  # strings (mostly quotes and dashes)
-    (re.compile(r"\\\((em|en|hy)"), "-"),
-    (re.compile(r"\\\((aq|cq|oq)"), "'"),
-    (re.compile(r"\\\((dq|lq|rq)"), '"'),
-    (re.compile(r"\\\(bu"), "*"),
-    (re.compile(r"\\\(co"), "(c)"),
-    (re.compile(r"\\\(.."), ""),
-    (re.compile(r"\\\[[^\]]*\]"), ""),
-    (re.compile(r"\\[hvwNoZXkbDlLx]'[^']*'"), ""),  # motions, widths, glyph numbers
-    (re.compile(r"\\n(\[[^\]]*\]|\(..|.)"), ""),  # number registers
-    (re.compile(r"\\-"), "-"),
-    (re.compile(r"\\e"), "\\\\"),
-    (re.compile(r"\\ "), " "),
-    (re.compile(r"\\[&|^c%:!)dutrpa{}]"), ""),
-    (re.compile(r'\\".*$'), ""),  # trailing comments
-]
-_TEXT_MACROS = {".B", ".I", ".BR", ".IR", ".RB", ".BI", ".IB", ".RI", ".SM", ".SB", ".Nm", ".Ar", ".Fl"}
-_BREAK_MACROS = {".PP", ".LP", ".P", ".TP", ".sp", ".br", ".Pp", ".HP", ".TQ"}
-_ALTERNATING = {".BR", ".IR", ".RB", ".BI", ".IB", ".RI"}  # alternate fonts, no spaces between words
-
-
-def _unescape(line: str) -> str:
-    for pat, rep in _ESCAPES:
-        line = pat.sub(rep, line)
-    return line
-
-
-def man_to_text(src: str) -> str:
-    """Plain text of a troff man page (man/mdoc macros), deterministic and groff-free.
-
-    Comments, requests and macro definitions are dropped; headings (.SH/.SS) become their own
-    paragraphs; filled text is joined into one line per paragraph (no-fill blocks, .nf/.EX,
-    keep their lines); font macros (.B, .IR, ...) keep their words; .TP/.IP tags get their
-    own line; escapes are replaced (dashes, quotes) or removed. Returns "" for a `.so` redirect.
-    """
-    out: list[str] = []
-    para: list[str] = []
-    in_def, fill = False, True
-
-    def flush() -> None:
-        if para:
-            out.append(" ".join(" ".join(para).split()))
-            para.clear()
-
-    def text(t: str) -> None:
-        if fill:
-            para.append(t)
-        else:
-            out.append(t.rstrip())
-
-    tag_next = False
-    for raw in src.splitlines():
-        line = raw.rstrip()
-        if in_def:
-            in_def = line != ".."
-            continue
-        if line.startswith((".de", "'de")):
-            in_def = True
-            continue
-        if line.startswith(('.\\"', "'\\\"")) or line in (".", "'"):
-            continue
-        if line.startswith(".so "):
-            return ""
-        if line.startswith((".", "'")):
-            parts = line.split(None, 1)
-            macro, arg = parts[0], (parts[1] if len(parts) > 1 else "")
-            if macro in (".SH", ".SS", ".Sh", ".Ss"):
-                flush()
-                out += ["", _unescape(arg.replace('"', "")).strip(), ""]
-            elif macro in _TEXT_MACROS:
-                words = [w.strip('"') for w in re.findall(r'"[^"]*"|\S+', arg)]
-                t = _unescape("".join(words) if macro in _ALTERNATING else " ".join(words))
-                if tag_next:
-                    flush()
-                    out.append(t)
-                    tag_next = False
-                else:
-                    text(t)
-            elif macro in (".nf", ".EX"):
-                flush()
-                fill = False
-            elif macro in (".fi", ".EE"):
-                fill = True
-            elif macro in _BREAK_MACROS:
-                flush()
-                out.append("")
-                tag_next = macro in (".TP", ".TQ")
-            elif macro == ".IP":
-                flush()
-                out.append("")
-                if arg:
-                    out.append(_unescape(arg.split('"')[1] if arg.startswith('"') else arg.split()[0]))
-            continue
-        if tag_next:
-            flush()
-            out.append(_unescape(line))
-            tag_next = False
-            continue
-        text(_unescape(line))
-    flush()
-    body = re.sub(r"[ \t]+\n", "\n", "\n".join(out))
-    return re.sub(r"\n{3,}", "\n\n", body).strip() + "\n"
-
-
 def _prose_score(text: str) -> float:
     """Fraction of letters and whitespace: a cheap 'is this prose' filter."""
     return sum(c.isalpha() or c.isspace() for c in text) / max(1, len(text))

@@ -393,16 +393,24 @@ def _ms(x: float | None, digits: int = 2) -> str:
 
 
 def render_report(report: Report, console) -> None:
-    """Rich tables: the round split, per-k percentiles, the gate mix, generations, the fit."""
-    from rich.table import Table
+    """Rich tables on `console`: the round split, per-k percentiles, the gate mix,
+    generations, the reliability table and the fitted costs (all times in ms)."""
     from rich.text import Text
 
-    rounds = report.rounds
     console.print(Text(f"{report.spans} spans from {len(report.sources)} file(s): {len(report.generations)} "
-                       f"generations, {len(rounds)} rounds"))
+                       f"generations, {len(report.rounds)} rounds"))
     if not report.backend_spans:
         console.print(Text("no verifier spans in the input: the compute split needs the verifier's and the "
                            "drafter's span files too (each service writes its own DSPARK_TRACES_JSONL)"))
+    _render_rounds(report.rounds, console)
+    _render_generations(report.generations, console)
+    _render_calibration(report, console)
+
+
+def _render_rounds(rounds, console) -> None:
+    """The round time split, the per-k percentiles and the gate's decision mix."""
+    from rich.table import Table
+
     parts = parts_summary(rounds)
     wall = parts["wall_ms"]["sum"] or 0.0
     t = Table(title="Round time split (ms; residual = network + serialisation + overheads)", title_justify="left")
@@ -433,7 +441,12 @@ def render_report(report: Report, console) -> None:
         t.add_row(d, str(v["rounds"]), f"{100 * v['share']:.1f}%")
     console.print(t)
 
-    gens = report.generations
+
+def _render_generations(gens, console) -> None:
+    """One row per generation (at most MAX_GENERATION_ROWS), then TTFT / TPOT percentiles."""
+    from rich.table import Table
+    from rich.text import Text
+
     shown = gens if len(gens) <= MAX_GENERATION_ROWS else gens[:MAX_GENERATION_ROWS]
     t = Table(title="Generations (TTFT and time per output token after the first, ms)", title_justify="left",
               caption=None if shown is gens else f"first {len(shown)} of {len(gens)} generations (all in --json)",
@@ -452,13 +465,18 @@ def render_report(report: Report, console) -> None:
                        f"{_ms(lat['tpot_ms']['p99'], 1)} ms; stats match in "
                        f"{sum(g.consistent is True for g in gens)}"))
 
+
+def _render_calibration(report: Report, console) -> None:
+    """The confidence reliability table and the fitted costs as gate settings."""
+    from rich.table import Table
+    from rich.text import Text
+
     t = Table(title="Draft confidence vs match rate (censored; the gate's buckets)", title_justify="left")
     for col in ("bucket", "observed", "matched", "match rate"):
         t.add_column(col, justify="right")
     for b in report.reliability:
         t.add_row(b.label, str(b.observed), str(b.matched), "-" if b.rate is None else f"{100 * b.rate:.0f}%")
     console.print(t)
-
     f = report.fit
     console.print(Text(
         f"Fitted costs: verify(k) = {_ms(f.verify_base_ms)} + {_ms(f.verify_slope_ms)}·k ms over {f.verify_samples} "
