@@ -26,7 +26,8 @@ LOGIT_IN_BUCKET = (-2.0, 0.0, 1.0, 2.0, 4.0, 8.0)
 
 
 def always_k_tok_s(accept_rate: float, k: int = 5) -> float:
-    """Seed always-k: every round submits k drafts and yields accept_rate * k + 1 tokens."""
+    """Reference always-k (docs/architecture.md §12): every round submits k drafts and yields
+    accept_rate * k + 1 tokens."""
     return 1000.0 * (accept_rate * k + 1) / SEED_COST.round_ms(k)
 
 
@@ -40,8 +41,8 @@ def test_cost_model_reproduces_seed_always_k_table(accept_rate, seed_tok_s):
 
 def test_cost_model_plain_rate_and_full_round_match_seed():
     assert round(1000.0 / SEED_COST.round_ms(0), 2) == 3.30
-    assert SEED_COST.round_ms(5) == 1041.0  # seed: "At n=5 that is 1041ms"
-    # Seed: "7 rounds accepted zero tokens and together burned 5.2s more than plain decoding".
+    assert SEED_COST.round_ms(5) == 1041.0  # 196 + 300 + 5 * 109 (docs/architecture.md §12)
+    # docs/architecture.md §12: 7 zero-accept rounds cost 5.2 s more than plain decoding would.
     assert round(7 * (SEED_COST.round_ms(5) - SEED_COST.plain_ms) / 1000, 1) == 5.2
 
 
@@ -200,7 +201,7 @@ def simulate_stream(true_rates, rounds, seed):
 
 
 def test_censored_estimates_converge_and_counting_unknowns_as_misses_is_biased():
-    true_rates = (0.2, 0.65, 0.79, 0.89, 1.0, 1.0)  # seed "Gating" bucket table
+    true_rates = (0.2, 0.65, 0.79, 0.89, 1.0, 1.0)  # reference bucket table (docs/architecture.md §12)
     stream = simulate_stream(true_rates, rounds=6000, seed=7)
     gate = Gate(enabled(decay=1.0))
     naive_matched, naive_observed = np.zeros(NUM_BUCKETS), np.zeros(NUM_BUCKETS)

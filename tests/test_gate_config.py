@@ -1,4 +1,5 @@
-"""GateConfig: the seed's env vars, defaults, overrides and errors naming variable and value."""
+"""GateConfig: the DEEPSEEK_DSPARK_GATE* env vars (docs/gate.md §8), defaults, overrides and errors
+naming variable and value."""
 
 import dataclasses
 import math

@@ -26,7 +26,7 @@ from services.gateway.synthetic import TARGET_ACCEPT_RATES, generate, realised_a
 
 SYNTHETIC = Path(__file__).parent / "data" / "synthetic_rounds.json"
 COST = CostModel()
-# Computed once from tests/data/synthetic_rounds.json under the seed's costs (tok/s, 2 decimals).
+# Computed once from tests/data/synthetic_rounds.json under the default costs (tok/s, 2 decimals).
 PINNED_TOK_S = {
     "repeat": {"plain": 3.30, "always-k": 5.76, "threshold": 5.76, "gated": 5.76},
     "code": {"plain": 3.30, "always-k": 5.01, "threshold": 5.02, "gated": 5.01},

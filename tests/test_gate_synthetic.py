@@ -1,4 +1,5 @@
-"""Synthetic rounds: the tilting hits the seed's accept rates, logits stay in their buckets, output is deterministic."""
+"""Synthetic rounds: the tilting hits the reference accept rates (docs/architecture.md §12), logits
+stay in their buckets, output is deterministic."""
 
 import pytest
 

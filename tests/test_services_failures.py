@@ -1,4 +1,4 @@
-"""Failure behaviour of the services (issue #6, DESIGN.md §6): backends dying, missing or mismatched.
+"""Failure behaviour of the services (docs/services.md §3): backends dying, missing or mismatched.
 
 Processes that must die run as real subprocesses (`dspark serve SERVICE --port 0`; the bound
 port is read from its log line); the rest runs in process on port 0 with real channels.

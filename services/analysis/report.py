@@ -222,7 +222,7 @@ def _round_record(span: Span, children: list[Span]) -> RoundRecord:
 
 
 def round_counts(rounds: Sequence[RoundRecord], events: Sequence[dict] = ()) -> dict:
-    """SpecCounters-style counts of `rounds` (the gateway's definitions, docs/services.md §2);
+    """The gateway's `SpecStats` counts (its `RoundStats` fold, docs/gate.md §7) from traced `rounds`;
     `events`: the generation span's own (a drafter failure while committing the prompt)."""
     d = Counter(r.decision for r in rounds)
     failures = sum(r.drafter_failures for r in rounds) + sum(e.get("name") == "drafter_failed" for e in events)

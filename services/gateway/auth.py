@@ -1,5 +1,9 @@
 """Bearer-token check of the gateway's client calls (`DSPARK_GATEWAY_TOKEN`).
 
+This module owns one gRPC server interceptor and its constant-time token comparison. It must
+not read the environment (the entry point hands it the token), echo what a client sent, or
+protect the backends (mTLS does).
+
 With a token configured, every call except the `grpc.health.v1.Health` service (probes carry
 no token) must send the metadata `authorization: Bearer <token>`; any other call ends with
 UNAUTHENTICATED before the servicer runs. The comparison is constant-time (SHA-256 of both

@@ -1,5 +1,10 @@
 """Backend sessions as the scheduler sees them: over gRPC streams, or in process.
 
+This module owns every call the gateway makes to a verifier or a drafter during a generation:
+the session protocols, the per-request deadlines, the mapping of a failed call to
+`BackendError` and the session/position echo checks of a reply. It must not decide what to ask
+or when (the scheduler does) or judge a draft's content (`drafters.DraftCheck` does).
+
 A `VerifierSession` / `DrafterSession` is one generation's session on one backend. The gRPC
 versions hold one bidirectional `Session` stream each (so the backend's state lives exactly as
 long as the generation and a load balancer keeps it on one replica); every request carries the

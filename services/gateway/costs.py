@@ -1,5 +1,9 @@
 """Gate costs: `configured` (the DEEPSEEK_DSPARK_GATE_*_MS values) or `measured` from round timings.
 
+This module owns the process-wide fit of the four round costs and the choice between it and
+the configured costs. It must not time anything itself (the scheduler reports each call's wall
+time) or make decisions with the costs (the gate does).
+
 `CostTracker` keeps, process-wide, the least-squares fit verify(k) = base + slope·k over
 (k = drafts submitted, verify wall ms) of every verify round, and exponentially weighted
 moving averages of draft and plain-decode wall times (alpha 0.1). A generation in `measured`

@@ -1,5 +1,10 @@
 """The gateway's side of an untrusted drafter: reply checks, failure counts, failover budget.
 
+This module owns the content checks of a draft reply, the fault counts by reason and a
+generation's budget of drafter sessions. It must not call a drafter (the sessions of
+`backends.py` do; it only closes the ones it handed out) or decide when to fail over (the
+scheduler does, from `backends.may_fail_over`).
+
 The drafter may be another team's build, version or hardware, so the gateway checks every
 draft before the gate or the verifier sees it (`DraftCheck`; the session and position echoes
 are checked by `GrpcDrafterSession` itself). A reply that fails a check is discarded whole

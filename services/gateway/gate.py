@@ -1,7 +1,13 @@
-"""Confidence gate: per-generation choice of how many drafted tokens to verify (seed: "Gating").
+"""Confidence gate: one generation's choice of how many drafted tokens to verify.
 
-Every formula here comes from the seed notes' "Gating" section; docs/gate.md states them with
-their sources, the bucket edges, the prior and the decisions taken where the seed is silent.
+This module owns the gate's estimator (decayed per-bucket match counts with an optimistic
+prior), the cost model and the length decision, and the typed `GateConfig`. It must not count
+rounds (the `services.gateway.record` fold does), read the environment (`services.settings`
+does, at the entry point), time anything or talk to a backend: it is pure arithmetic on the
+confidences and counts it is handed.
+
+docs/architecture.md §5 summarises the gate; docs/gate.md states every formula, the bucket
+edges, the prior and the decisions taken where the reference measurements are silent.
 Units: costs in ms, expected tokens in tokens, rates in tokens per ms.
 """
 
@@ -15,7 +21,8 @@ from dataclasses import dataclass, fields
 
 from services.gateway.values import MIN_COST_MS, check_setting, finite_float, is_integer, short_repr
 
-# Seed "Gating", confidence table: < -0.5 | -0.5..0.5 | 0.5..1.5 | 1.5..3.0 | 3.0..6.0 | > 6.0.
+# The reference calibration table's buckets (docs/architecture.md §12):
+# < -0.5 | -0.5..0.5 | 0.5..1.5 | 1.5..3.0 | 3.0..6.0 | > 6.0.
 # A logit equal to an edge belongs to the bucket above it (lower edge inclusive).
 BUCKET_EDGES = (-0.5, 0.5, 1.5, 3.0, 6.0)
 NUM_BUCKETS = len(BUCKET_EDGES) + 1
@@ -25,7 +32,7 @@ PRIOR_MEAN = 1.0
 DEFAULT_PRIOR_WEIGHT = 1.0
 
 ENV_PREFIX = "DEEPSEEK_DSPARK_GATE"
-# GateConfig field -> env var; names and defaults are the seed's env-var table.
+# GateConfig field -> env var (docs/gate.md §8 lists names, defaults and valid values).
 ENV_VARS = {
     "enabled": ENV_PREFIX,
     "margin_threshold": f"{ENV_PREFIX}_MARGIN_THRESHOLD",
@@ -96,11 +103,12 @@ def bucket_label(index: int) -> str:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Round cost under the seed's linear fit (seed "Gating": verify(n) ~= 300ms + 109ms * n).
+    """Round cost under a linear verify fit: verify(n) = base + slope * n (default 300 + 109n ms).
 
-    `n` counts DRAFT tokens submitted to verify. The seed's fit counts n in drafts too, although
-    its measured points (n=1: 296, 2: 432, 3: 494, 6: 850 ms) were indexed by forwarded tokens
-    (drafts + 1, the anchor included). All fields are ms; only their ratios affect decisions.
+    `n` counts DRAFT tokens submitted to verify. The default fit (docs/architecture.md §12) counts
+    n in drafts too, although its measured points were indexed by forwarded tokens (drafts + 1,
+    the anchor included); docs/gate.md §2 says why it is kept as stated. All fields are ms; only
+    their ratios affect decisions.
     Raises ValueError naming the field unless each cost is in [0, 1e7] ms, plain_ms >= 1e-3 ms
     and draft_ms + verify_base_ms + verify_slope_ms >= 1e-3 ms.
     """
@@ -122,7 +130,7 @@ class CostModel:
         return self.verify_base_ms + self.verify_slope_ms * n
 
     def round_ms(self, n: int) -> float:
-        """cost(n) in ms (seed "Gating"): draft_ms + verify(n) for n > 0, plain_ms for n = 0.
+        """cost(n) in ms (docs/gate.md §2): draft_ms + verify(n) for n > 0, plain_ms for n = 0.
 
         This is the cost the decision rule compares; for n = 0 it is the plain step alone.
         Raises ValueError unless n is an integer >= 0.
@@ -134,7 +142,7 @@ class CostModel:
     def skipped_after_draft_ms(self) -> float:
         """A round cut to n = 0 after drafting (ms): the draft was paid, then a plain step.
 
-        Seed "Gating": "Gating avoids verify cost, never the 196ms draft cost."
+        A post-draft cut saves the verify, never the draft (docs/architecture.md §5).
         """
         return self.draft_ms + self.plain_ms
 
@@ -153,7 +161,7 @@ def _expected_totals(match_probs: Sequence[float], n: int) -> list[float]:
 
 
 def expected_tokens(match_probs: Sequence[float], n: int) -> float:
-    """E[tokens(n)] = 1 + sum_{i<n} prod_{j<=i} p_j (seed "Gating"), in tokens.
+    """E[tokens(n)] = 1 + sum_{i<n} prod_{j<=i} p_j (docs/gate.md §2), in tokens.
 
     `match_probs[j]` is P(draft position j matches); the leading 1 is the bonus (or plain) token.
     Raises ValueError unless n is an integer in [0, len(match_probs)] and match_probs[:n] are
@@ -171,11 +179,12 @@ def decide_length(
     margin: float = 1.15,
     min_draft: int = 0,
 ) -> int:
-    """Draft tokens to submit: n* = argmax_n E[tokens(n)] / cost(n) (seed "Gating").
+    """Draft tokens to submit: n* = argmax_n E[tokens(n)] / cost(n) (docs/gate.md §2).
 
     n ranges over [min(min_draft, max_n), max_n]. A truncation (n < max_n, n = 0 included) is
-    taken only if its rate exceeds margin * rate(max_n) (seed: "Truncation must beat the full
-    draft by 1.15x"); ties between truncations go to the longer one. With min_draft > 0 the
+    taken only if its rate exceeds margin * rate(max_n): cost is linear in n but expected tokens
+    compound, so an underestimated p costs more than an overestimated one (docs/architecture.md
+    §5); ties between truncations go to the longer one. With min_draft > 0 the
     result is never 0 unless max_n is 0. Raises ValueError naming the value on a max_n that is
     not an integer in [0, len(match_probs)], a margin or min_draft GateConfig would reject, or a
     probability outside [0, 1] (NaN included).
@@ -264,7 +273,7 @@ class LengthChoice:
 
 
 class Gate:
-    """The gate of ONE generation: bucket estimates and decisions (seed "Gating").
+    """The gate of ONE generation: bucket estimates and decisions (docs/architecture.md §5).
 
     One Gate per generation, never shared, so a generation's draft lengths (and so its output)
     never depend on concurrent generations. `calibration` optionally warm-starts the bucket
@@ -291,12 +300,16 @@ class Gate:
         return Calibration(tuple(self._matched), tuple(self._observed))
 
     def match_probs(self, confidence_logits: Sequence[float]) -> list[float]:
-        """P(match) per draft position from its confidence bucket (position adds nothing, seed)."""
+        """P(match) per draft position from its confidence bucket alone.
+
+        Position adds nothing once confidence is known (docs/architecture.md §12). Raises
+        ValueError naming the position on a NaN or non-number confidence.
+        """
         est = self.estimates()
         return [est[bucket_index(c)] for c in _logits(confidence_logits)]
 
     def should_draft(self, anchor_margin: float | None) -> bool:
-        """Pre-draft margin gate (seed "Gating", DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD).
+        """Pre-draft margin gate (docs/architecture.md §5, DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD).
 
         False (plain decode, no draft) when the threshold is > 0 and the anchor's top1 - top2
         logit margin is below it. Applies whether or not the length gate is enabled. None
@@ -334,7 +347,7 @@ class Gate:
         """Feed one verified round: decay all counts, then record the censored observations.
 
         Positions 0..accepted-1 matched; position `accepted` missed if accepted < submitted;
-        later positions are unknown and never recorded (seed "Gating", censored observations).
+        later positions are unknown and never recorded (censoring, docs/architecture.md §5).
         submitted == 0 records nothing and does not decay. Raises ValueError, leaving the gate
         untouched, when a confidence is NaN or not a number, or unless submitted and accepted
         are integers with 0 <= accepted <= submitted <= len(confidence_logits).

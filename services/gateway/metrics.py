@@ -1,5 +1,10 @@
 """The gateway's OpenTelemetry metrics, served on a Prometheus endpoint (`--metrics-port`, `DSPARK_METRICS_PORT`).
 
+This module owns the instruments, their names and the endpoint. Every speculation counter is
+read from one `RoundRecord` (`record_round`) and every histogram from values the scheduler
+hands over; it must not keep counts of its own, decide anything, or read the environment (the
+port comes from the entry point).
+
 Speculative decoding, with vLLM's names (counters; Prometheus adds `_total`):
   spec_decode_num_drafts                    verify rounds (a draft block of k >= 1 sent to verify)
   spec_decode_num_draft_tokens              drafts submitted to verify (sum of k)

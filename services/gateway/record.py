@@ -1,5 +1,9 @@
 """One speculative round as an immutable record, and the one fold every round counter comes from.
 
+This module owns `RoundRecord`, the `Reason` of a round and the `RoundStats` / `GateStats`
+fold. It must not decide anything: it records and adds up what the scheduler, the gate and the
+replay decided. Counts are in tokens, times in ms.
+
 A round is described once, by a `RoundRecord`: what was decided and why, how many tokens were
 drafted, submitted, accepted and committed, and its timings. The scheduler makes one per live
 round and the replay one per replayed round. Every count of rounds — the per-generation
@@ -8,9 +12,6 @@ round and the replay one per replayed round. Every count of rounds — the per-g
 Prometheus counters (`GatewayMetrics.record_round`) and the recorded-rounds file
 (`RoundRecord.to_round`) read the same record. The gate decides and keeps only its estimator:
 it counts nothing.
-
-This module must not decide anything: it records and adds up what the scheduler, the gate and
-the replay decided. Counts are in tokens, times in ms.
 """
 
 from __future__ import annotations

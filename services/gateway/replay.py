@@ -1,4 +1,9 @@
-"""Replay recorded rounds through draft-length policies under the cost model (seed "Gating", causal replay).
+"""Replay recorded rounds through draft-length policies under the cost model (docs/gate.md §10).
+
+This module owns the policies' causal replay and their comparison (tok/s, ratios, recovered
+gap). It must not read or write files (`rounds.py` does), print (`services/cli.py` does) or
+count rounds outside the record fold: every replayed round is one `RoundRecord` folded into
+its policy's `RoundStats`.
 
 Policies: plain (no draft), always-k (submit what was recorded), threshold (cut at the first
 confidence below t, t chosen leave-one-workload-out), gated (the Gate, cold at the start of each
@@ -268,7 +273,8 @@ def replay_log(
 
 def comparisons(results: dict[str, RoundStats], policy: str) -> dict[str, float | None]:
     """vs_plain, vs_always_k (tok/s ratios) and recovered = (x - always) / (plain - always), the
-    fraction of the always-k -> plain gap recovered (seed "Gating"); None where always >= plain."""
+    fraction of the always-k -> plain gap recovered (docs/architecture.md §12); None where
+    always >= plain."""
     x, plain, always = results[policy].tok_s, results["plain"].tok_s, results["always-k"].tok_s
     return {
         "vs_plain": x / plain if plain else None,

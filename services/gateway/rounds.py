@@ -1,4 +1,7 @@
-"""Recorded speculative rounds: the documented JSON format (docs/gate.md) with load/save and validation.
+"""Recorded speculative rounds: the documented JSON format (docs/gate.md §9) with load/save and validation.
+
+This module owns the file format, its strict reader and its deterministic writer. It must not
+interpret rounds (the replay does) or let through anything the format does not define.
 
 A file is one JSON object:
 

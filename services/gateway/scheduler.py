@@ -1,6 +1,12 @@
 """The speculative scheduler: one greedy generation as rounds over a verifier and a drafter.
 
-Round protocol (DESIGN.md §3). After prefill of x[0..n-1] the verifier returns the first
+This module owns one generation's round loop (prefill, draft, verify, commit, stream, drafter
+failover) and the process totals of finished generations. It never chooses a draft length
+itself (the gate does; the scheduler only caps it by the token budget and max_seq_len), never
+counts rounds outside the record fold (each round is one `RoundRecord` folded into
+`RoundStats`), and never talks gRPC (the backend sessions do).
+
+Round protocol (docs/architecture.md §3). After prefill of x[0..n-1] the verifier returns the first
 anchor x[n] (streamed as the first completion token) and the prompt's last min(n, W) rows,
 which prime the drafter. Each round, with the anchor x[p] at position p:
   1. pre-draft margin gate (`Gate.should_draft`): skip drafting when the anchor's margin is

@@ -1,5 +1,9 @@
 """Gateway gRPC servicer: validates requests, opens backend streams, runs the scheduler.
 
+This module owns the client-facing RPCs, request validation, the backend channels and the
+start-up identity check. It must not run a round (the scheduler does) or read the environment
+(its settings arrive as a `GatewaySettings`).
+
 Client-facing: `Generate` (server streaming) and `Stats`. Each generation opens one verifier
 `Session` stream and, when it speculates at all, one drafter `Session` stream (more after a
 drafter failure, within `DSPARK_DRAFTER_FAILOVERS`); all are closed when the generation ends,

@@ -1,17 +1,23 @@
-"""Synthetic rounds drawn from the seed's "Gating" tables by a fixed, documented procedure.
+"""Synthetic rounds drawn from the reference calibration tables by a fixed, documented procedure.
+
+This module owns the procedure that turns the reference pooled bucket table and always-k accept
+rates (docs/architecture.md §12) into a byte-stable recorded-rounds file, and its command line.
+It must not replay or score rounds (`replay.py` does), define the file format (`rounds.py`
+does) or draw from any random source but one seeded PCG64 stream: the committed
+tests/data/synthetic_rounds.json must regenerate from it byte for byte.
 
 Procedure (one round = one drafted block of BLOCK_SIZE = 5 positions, submitted = 5):
-1. Bucket weights: the seed's pooled bucket counts n = 5/17/19/19/14/36 (confidence table),
+1. Bucket weights: the reference pooled bucket counts n = 5/17/19/19/14/36 (confidence table),
    exponentially tilted per workload, w_b ∝ n_b · exp(θ · r_b) with r_b the bucket's match rate
    (20/65/79/89/100/100 %). Under w a position matches with probability q(θ) = Σ w_b r_b, and a
    round's accepted count (first miss, censored at 5) has E[accepted] = Σ_{i=1..5} q^i.
-   θ is solved by bisection so that E[accepted] / 5 equals the seed's always-k accept rate of
+   θ is solved by bisection so that E[accepted] / 5 equals the reference always-k accept rate of
    the workload (repeat 100%, code 82.5%, prose 40%, math 17.5%). A target of 100% cannot be
    reached by tilting (q < 1 while any r_b < 1 has weight); it restricts to the rate-1 buckets
    (3.0..6.0 and >= 6.0) with their pooled counts 14:36.
 2. Per position: a bucket by inverse CDF of w on one uniform draw; a logit uniform inside the
    bucket, rounded to 4 decimals and kept inside it. Open-ended buckets are closed at
-   [-3.0, -0.5) and [6.0, 10.0) (the seed saw confidences up to ~4.7 on its easiest prompt).
+   [-3.0, -0.5) and [6.0, 10.0) (the reference drafter's confidences reached about 4.7).
 3. Per position: match when a uniform draw < r_b. accepted = index of the first miss (5 if none).
 Only numpy's PCG64 `Generator.random()` is used (one stream, seed DEFAULT_SEED, workloads in the
 order above, per round: 5 bucket draws, 5 logit draws, 5 match draws), so the output is
@@ -32,10 +38,10 @@ from services.gateway.rounds import Round, RoundLog, save_rounds
 from services.gateway.values import finite_float, is_integer, short_repr
 
 BLOCK_SIZE = 5
-BUCKET_COUNTS = (5, 17, 19, 19, 14, 36)  # seed "Gating": n per confidence bucket, pooled
-BUCKET_MATCH_RATES = (0.20, 0.65, 0.79, 0.89, 1.00, 1.00)  # seed "Gating": match rate per bucket
+BUCKET_COUNTS = (5, 17, 19, 19, 14, 36)  # docs/architecture.md §12: n per bucket, pooled
+BUCKET_MATCH_RATES = (0.20, 0.65, 0.79, 0.89, 1.00, 1.00)  # docs/architecture.md §12: match rate per bucket
 BUCKET_BOUNDS = ((-3.0, -0.5), (-0.5, 0.5), (0.5, 1.5), (1.5, 3.0), (3.0, 6.0), (6.0, 10.0))
-# Seed "Gating", always-k table: accept rate per prompt.
+# docs/architecture.md §12, always-k table: accept rate per workload.
 TARGET_ACCEPT_RATES = {"repeat": 1.0, "code": 0.825, "prose": 0.40, "math": 0.175}
 DEFAULT_SEED = 20260805
 DEFAULT_ROUNDS = 200
@@ -127,7 +133,8 @@ def generate(seed: int = DEFAULT_SEED, rounds_per_workload: int = DEFAULT_ROUNDS
         "rounds_per_workload": rounds_per_workload,
         "block_size": BLOCK_SIZE,
         "target_accept_rates": dict(TARGET_ACCEPT_RATES),
-        "note": "synthetic, from the seed's pooled bucket table; timings unknown (null)",
+        "note": ("synthetic, from the reference pooled bucket table (docs/architecture.md, Reference"
+                 " measurements); timings unknown (null)"),
     }
     return RoundLog(tuple(rounds), metadata)
 

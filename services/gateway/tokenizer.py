@@ -1,5 +1,8 @@
 """Tokenizers for the gateway and incremental detokenization with stop strings.
 
+This module owns text <-> token ids and the stop-string cut of the streamed text. It must not
+end a generation on token ids or budgets (the scheduler checks stop token ids and max_tokens).
+
 `load_tokenizer(path)` reads a Hugging Face `tokenizer.json` with the `tokenizers` library; a
 checkpoint without one (random test models) gets `ByteTokenizer`, which maps UTF-8 bytes to
 ids 2..257 and shows any other id as `<id>`. `Detokenizer` turns a growing list of ids into

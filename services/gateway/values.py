@@ -1,6 +1,9 @@
-"""Validation of gate/round values and settings: short reprs for error messages, integer and
-finite-float checks, and the range rules and text parsers of the GateConfig/CostModel settings
-(see docs/gate.md). Errors are ValueErrors naming the setting and its value."""
+"""Validation of gate/round values and settings.
+
+This module owns the value checks shared by the gate, the round records and the settings
+parser: short reprs for error messages, integer and finite-float checks, and the range rules
+and text parsers of the GateConfig/CostModel settings (docs/gate.md §8). It must not read the
+environment or hold state. Errors are ValueErrors naming the setting and its value."""
 
 from __future__ import annotations
 
