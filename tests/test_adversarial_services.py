@@ -19,6 +19,7 @@ from dspark_proto.v1 import gateway_pb2
 from services.gateway.backends import GrpcDrafterSession, GrpcVerifierSession
 from services.gateway.drafters import DrafterSupply
 from services.gateway.servicer import close_generation
+from services.settings import read_settings
 from services_fixtures import collect, gen_request, service_loop, start_stack
 
 CONCURRENT = 16        # generations in flight at once (the backends' session limit)
@@ -114,3 +115,16 @@ def test_a_cancel_while_the_verifier_closes_still_closes_the_drafter_sessions(st
     opened, idle = service_loop().run(run(), 60)
     assert (opened["verifier_engine"], opened["drafter_engine"]) == (1, 2)
     assert idle == {"verifier_info": 0, "verifier_engine": 0, "drafter_info": 0, "drafter_engine": 0}
+
+
+@pytest.mark.parametrize("name, service", [("DSPARK_MAX_SESSIONS", "verifier"), ("DSPARK_MAX_SESSIONS", "drafter"),
+                                           ("DSPARK_DRAFTER_FAILOVERS", "gateway")])
+def test_a_count_beyond_int32_is_refused_at_start_naming_the_variable(name, service):
+    """max_sessions travels as int32 in ModelIdentity: 2**31 used to be accepted here and then
+    failed every Info call of the verifier (the gateway could not start against it)."""
+    environ = {name: str(2**31), "DSPARK_VERIFIER_TARGET": "127.0.0.1:1"}
+    with pytest.raises(ValueError) as err:
+        read_settings(environ, service)
+    assert str(err.value) == f"{name}='{2**31}': must be an integer >= {0 if 'FAILOVERS' in name else 1} and <= {2**31 - 1}"
+    environ[name] = str(2**31 - 1)
+    read_settings(environ, service)  # the largest count still accepted

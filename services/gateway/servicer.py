@@ -11,7 +11,6 @@ restarts is used again within about that long (see docs/services.md §4).
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from typing import Sequence
@@ -124,7 +123,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def __init__(self, scheduler: Scheduler, backends: Backends):
         self.scheduler, self.backends = scheduler, backends
-        self._closing: set[asyncio.Task] = set()  # cleanups that outlive their cancelled call
 
     async def Generate(self, request, context):
         if request.spec not in _SPEC:
@@ -152,17 +150,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                              grpc.StatusCode.INVALID_ARGUMENT) else grpc.StatusCode.UNAVAILABLE
             await context.abort(code, str(exc))
         finally:
-            await self._close_sessions(verifier, drafters)
-
-    async def _close_sessions(self, verifier: GrpcVerifierSession, drafters: DrafterSupply | None) -> None:
-        """Close a generation's backend streams, all of them, even when the client's cancel
-        arrives again while they close: an unclosed stream would hold its backend session
-        until the generation deadline. The closing runs shielded in its own task (each close
-        is bounded by the round timeout); a cancel ends only the wait for it."""
-        task = asyncio.ensure_future(close_generation(verifier, drafters))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-        await asyncio.shield(task)
+            # A client's cancel may arrive again while these close: every stream must still be
+            # closed or cancelled, or its backend session stays open until the generation deadline.
+            await close_generation(verifier, drafters)
 
     async def Stats(self, request, context):
         stats = self.scheduler.stats.to_dict()
