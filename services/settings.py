@@ -145,13 +145,18 @@ def _float(environ: Environ, name: str, default: float, high: float = MAX_TIMEOU
     return value
 
 
-def _int(environ: Environ, name: str, default: int, low: int = 1) -> int:
-    """An integer >= low from `name`; `default` when unset. Raises ValueError naming the value."""
+# Counts travel as int32 in the wire messages (ModelIdentity.max_sessions): a larger value
+# would pass here and then fail every Info call of the service that was given it.
+INT32_MAX = 2**31 - 1
+
+
+def _int(environ: Environ, name: str, default: int, low: int = 1, high: int = INT32_MAX) -> int:
+    """An integer in [low, high] from `name`; `default` when unset. Raises ValueError naming the value."""
     raw = environ.get(name)
     if raw is None:
         return default
-    if not raw.strip().isascii() or not raw.strip().isdigit() or int(raw) < low:
-        raise ValueError(f"{name}={raw!r}: must be an integer >= {low}")
+    if not raw.strip().isascii() or not raw.strip().isdigit() or not low <= int(raw) <= high:
+        raise ValueError(f"{name}={raw!r}: must be an integer >= {low} and <= {high}")
     return int(raw)
 
 

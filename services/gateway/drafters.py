@@ -16,6 +16,7 @@ drafter sessions (the first one and `DSPARK_DRAFTER_FAILOVERS` replacements).
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 from typing import Callable, Collection
@@ -146,12 +147,18 @@ class DrafterSupply:
     async def close(self) -> None:
         """Close the sessions handed out (unless they belong to the caller). A failed session's
         stream may already be broken: errors while closing are ignored, there is nothing left
-        to free then."""
+        to free then. A cancel while one closes (that stream is then cancelled) does not stop
+        the others from closing; it is re-raised once all are done."""
         opened, self.opened = self.opened, []
         if not self._close_sessions:
             return
+        cancelled: asyncio.CancelledError | None = None
         for session in opened:
             try:
                 await session.close()
+            except asyncio.CancelledError as exc:  # that stream is cancelled; the others must go too
+                cancelled = exc
             except Exception:
                 pass
+        if cancelled is not None:
+            raise cancelled

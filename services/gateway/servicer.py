@@ -154,9 +154,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                              grpc.StatusCode.INVALID_ARGUMENT) else grpc.StatusCode.UNAVAILABLE
             await context.abort(code, str(exc))
         finally:
-            await verifier.close()
-            if drafters is not None:
-                await drafters.close()
+            # A client's cancel may arrive again while these close: every stream must still be
+            # closed or cancelled, or its backend session stays open until the generation deadline.
+            await close_generation(verifier, drafters)
 
     async def Stats(self, request, context):
         stats = self.scheduler.stats.to_dict()
@@ -165,6 +165,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         stats["cost_mode"] = self.scheduler.cost_mode
         stats["drafter_failures"] = self.scheduler.drafter_faults.to_dict()
         return gateway_pb2.StatsResponse(json=json.dumps(stats, allow_nan=False))
+
+
+async def close_generation(verifier, drafters: DrafterSupply | None) -> None:
+    """Close `verifier` (a `VerifierSession`), then every session of `drafters`, the drafters
+    even when closing the verifier raised (a cancel included, which is re-raised after)."""
+    try:
+        await verifier.close()
+    finally:
+        if drafters is not None:
+            await drafters.close()
 
 
 def _response(event) -> gateway_pb2.GenerateResponse:
