@@ -216,23 +216,39 @@ class Scheduler:
         """
         supply = drafter if drafter is None or isinstance(drafter, DrafterSupply) else DrafterSupply.of(drafter)
         gen = _Generation(self, p, verifier, supply if p.spec != "off" else None)
-        with self.tracer.start_as_current_span("gateway.generate") as span:
+        # The span is made current only around each step of the generation, never across a
+        # `yield`: the caller may close this generator from another task (a client cancel),
+        # and a context attached in one task cannot be detached in another.
+        span = self.tracer.start_span("gateway.generate")
+        try:
             span.set_attribute("gen_ai.operation.name", "text_completion")
             span.set_attribute("gen_ai.request.max_tokens", p.max_tokens)
             span.set_attribute("gen_ai.usage.input_tokens", len(p.prompt_ids))
             span.set_attribute("spec_decode.mode", p.spec)
-            async for event in gen.run():
-                if isinstance(event, FinalEvent):
-                    span.set_attribute("gen_ai.usage.output_tokens", event.completion_tokens)
-                    span.set_attribute("gen_ai.response.finish_reasons", [event.finish_reason])
-                    span.set_attribute("gen_ai.server.time_to_first_token", event.time_to_first_token_ms / 1e3)
-                    for k, v in event.counters.speculation_dict().items():
-                        span.set_attribute(f"spec_decode.{k}", v)
-                    self.stats.add(event)
-                    if self.metrics is not None:
-                        self.metrics.record_generation(event.time_to_first_token_ms / 1e3, time.perf_counter() - gen.t0,
-                                                       event.completion_tokens, event.counters.drafter_failed)
+            events = gen.run()
+            while True:
+                with trace.use_span(span, end_on_exit=False):
+                    try:
+                        event = await events.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    if isinstance(event, FinalEvent):
+                        self._finished(span, event, gen.t0)
                 yield event
+        finally:
+            span.end()
+
+    def _finished(self, span, event: FinalEvent, t0: float) -> None:
+        """A generation ended: its span attributes, the process stats and the metrics."""
+        span.set_attribute("gen_ai.usage.output_tokens", event.completion_tokens)
+        span.set_attribute("gen_ai.response.finish_reasons", [event.finish_reason])
+        span.set_attribute("gen_ai.server.time_to_first_token", event.time_to_first_token_ms / 1e3)
+        for k, v in event.counters.speculation_dict().items():
+            span.set_attribute(f"spec_decode.{k}", v)
+        self.stats.add(event)
+        if self.metrics is not None:
+            self.metrics.record_generation(event.time_to_first_token_ms / 1e3, time.perf_counter() - t0,
+                                           event.completion_tokens, event.counters.drafter_failed)
 
 
 class _Generation:
