@@ -8,6 +8,7 @@ the messages: the servicers turn requests into engine calls and results into res
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -55,3 +56,19 @@ async def serve_session(requests: AsyncIterable[Req], context: grpc.aio.Servicer
             yield response
     finally:
         close_session(sid)
+
+
+class SessionStreamServicer:
+    """Mixin giving a backend servicer its `Session` bidi stream over `serve_session`.
+
+    The servicer provides `engine` (with `open_session() -> int` and `close_session(sid)`)
+    and `_handle(sid, request, received_s) -> response`; list this class before the
+    generated servicer base so its `Session` replaces the UNIMPLEMENTED one.
+    """
+
+    async def Session(self, request_iterator, context):
+        engine = self.engine
+        stream = serve_session(request_iterator, context, engine.open_session, engine.close_session, self._handle)
+        async with contextlib.aclosing(stream):  # a cancelled stream frees its session now, not at GC
+            async for response in stream:
+                yield response

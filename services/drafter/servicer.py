@@ -9,13 +9,12 @@ anchors is the engine's (`services.drafter.interface.Drafter`: the DSpark module
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 from opentelemetry.sdk.trace import TracerProvider
 
 from dspark_proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
-from services.common.session_stream import serve_session
+from services.common.session_stream import SessionStreamServicer
 from services.common.telemetry import message_span
 from services.common.tensors import from_proto
 from services.drafter.interface import Drafter, feed_tokens
@@ -32,7 +31,7 @@ def identity_message(ident: dict, max_sessions: int, open_sessions: int) -> comm
         drafter_kind=ident["kind"])
 
 
-class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
     """Session: commit / draft messages in, one response each, in order.
 
     Args:
@@ -47,13 +46,6 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
 
     async def Info(self, request, context):
         return identity_message(self.engine.identity(), self.engine.max_sessions, self.engine.num_sessions)
-
-    async def Session(self, request_iterator, context):
-        engine = self.engine
-        stream = serve_session(request_iterator, context, engine.open_session, engine.close_session, self._handle)
-        async with contextlib.aclosing(stream):  # a cancelled stream frees its session now, not at GC
-            async for response in stream:
-                yield response
 
     async def _handle(self, sid: int, request, received: float) -> drafter_pb2.DrafterResponse:
         op = request.WhichOneof("op")

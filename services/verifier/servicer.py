@@ -9,13 +9,12 @@ block sizes and committed rows is the engine's.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 from opentelemetry.sdk.trace import TracerProvider
 
 from dspark_proto.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from services.common.session_stream import serve_session
+from services.common.session_stream import SessionStreamServicer
 from services.common.telemetry import message_span
 from services.common.tensors import to_proto
 from services.verifier.engine import StepResult, VerifierEngine, VerifyResult
@@ -34,7 +33,7 @@ def verifier_identity(engine: VerifierEngine, tp: int = 1) -> common_pb2.ModelId
         eos_token_id=cfg.eos_token_id, max_sessions=engine.max_sessions, open_sessions=engine.num_sessions)
 
 
-class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer):
     """Session: prefill / decode / verify messages in, one response each, in order.
 
     Args:
@@ -50,13 +49,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def Info(self, request, context):
         return verifier_identity(self.engine, self.tp)
-
-    async def Session(self, request_iterator, context):
-        engine = self.engine
-        stream = serve_session(request_iterator, context, engine.open_session, engine.close_session, self._handle)
-        async with contextlib.aclosing(stream):  # a cancelled stream frees its session now, not at GC
-            async for response in stream:
-                yield response
 
     async def _handle(self, sid: int, request, received: float) -> verifier_pb2.VerifierResponse:
         op = request.WhichOneof("op")
