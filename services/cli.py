@@ -51,6 +51,7 @@ _OVERRIDES = (
 # DeepSeek-V4-Flash shape: an extra draft costs ~16 ms against a ~73 ms decode).
 COST_SHAPES = {"seed": CostModel(196.0, 300.0, 109.0, 303.0), "cheap": CostModel(24.0, 71.0, 16.0, 73.0)}
 _BASE_COSTS = ("draft_ms", "verify_base_ms", "verify_slope_ms", "plain_ms")
+_MAX_COST_FILE_BYTES = 1 << 20
 
 
 def _flag(field_name: str) -> str:
@@ -211,10 +212,13 @@ def render_report(report: ReplayReport, console: Console) -> None:
 def _cost_file(path: str) -> CostModel:
     """The CostModel of a JSON cost file: an object of CostModel fields, the four base costs required.
 
-    Raises ValueError naming the file and the key or value; OSError naming the file."""
+    Raises ValueError naming the file and the key or value (a file over _MAX_COST_FILE_BYTES
+    included); OSError naming the file."""
+    if os.path.getsize(path) > _MAX_COST_FILE_BYTES:
+        raise ValueError(f"--costs {path!r}: larger than {_MAX_COST_FILE_BYTES} bytes; a cost file is one small object")
     try:
         with open(path, encoding="utf-8") as f:
-            doc = decode_rounds_json(f.read(1 << 20))
+            doc = decode_rounds_json(f.read())
     except (ValueError, RecursionError) as exc:
         raise ValueError(f"--costs {path!r}: not a JSON cost file ({exc})") from None
     if not isinstance(doc, dict):
