@@ -39,12 +39,12 @@ def dspark(capsys, monkeypatch):
 
 
 def table_rows(stdout):
-    """workload -> cells of the rich table's body rows."""
+    """workload -> its cells across the printed tables, in order (the workload cell once)."""
     rows = {}
     for line in stdout.splitlines():
         cells = [c.strip() for c in line.strip("│ ").split("│")]
-        if len(cells) > 6 and cells[0] in {"repeat", "code", "prose", "math", "overall"}:
-            rows[cells[0]] = cells
+        if len(cells) > 1 and cells[0] in {"repeat", "code", "prose", "math", "overall"}:
+            rows.setdefault(cells[0], [cells[0]]).extend(cells[1:])
     return rows
 
 
@@ -264,3 +264,66 @@ def test_usage_errors_are_one_line_exit_2(capsys, args, fragment):
     err = capsys.readouterr().err
     assert info.value.code == 2
     assert err.count("\n") == 1 and fragment in err
+
+
+@pytest.mark.parametrize(("shape", "costs"), [("seed", (196.0, 300.0, 109.0, 303.0)), ("cheap", (24.0, 71.0, 16.0, 73.0))])
+def test_costs_names_a_shape(dspark, shape, costs):
+    doc = json.loads(dspark("replay", "--synthetic", "--json", "--costs", shape,
+                            env={"DEEPSEEK_DSPARK_GATE_DRAFT_MS": "1"}).stdout)
+    assert doc["costs"] == shape
+    assert tuple(doc["config"][k] for k in ("draft_ms", "verify_base_ms", "verify_slope_ms", "plain_ms")) == costs
+    assert doc["overall"]["policies"]["plain"]["tok_s"] == pytest.approx(1000 / costs[3])
+
+
+def test_costs_file_and_flags_over_it(dspark, tmp_path):
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps({"draft_ms": 12.5, "verify_base_ms": 44.0, "verify_slope_ms": 3.5, "plain_ms": 40.0}))
+    doc = json.loads(dspark("replay", "--synthetic", "--json", "--costs", str(path), "--plain-ms", "50").stdout)
+    assert doc["costs"] == str(path)
+    assert (doc["config"]["draft_ms"], doc["config"]["verify_slope_ms"], doc["config"]["plain_ms"]) == (12.5, 3.5, 50.0)
+
+
+def test_several_costs_give_one_report_each(dspark):
+    result = dspark("replay", "--synthetic", "--json", "--costs", "seed", "--costs", "cheap", "--policy", "gated")
+    reports = json.loads(result.stdout)["reports"]
+    assert [r["costs"] for r in reports] == ["seed", "cheap"]
+    assert reports[0]["overall"]["policies"]["gated"]["tok_s"] == pytest.approx(4.29, abs=0.005)
+    text = dspark("replay", "--synthetic", "--costs", "seed", "--costs", "cheap").stdout
+    assert "costs seed: draft 196 ms" in text and "costs cheap: draft 24 ms" in text
+
+
+@pytest.mark.parametrize(("content", "fragments"), [
+    (None, ["--costs 'bogus'", "not one of seed, cheap nor a JSON cost file"]),
+    ('{"draft_ms": 1, "verify_base_ms": 2, "verify_slope_ms": 3, "plain_ms": 4, "oops": 5}', ["unknown keys ['oops']"]),
+    ('{"draft_ms": 1, "verify_base_ms": 2}', ["missing keys ['verify_slope_ms', 'plain_ms']"]),
+    ('{"draft_ms": -1, "verify_base_ms": 2, "verify_slope_ms": 3, "plain_ms": 4}', ["draft_ms", "-1"]),
+    ('[1, 2]', ["must be a JSON object of CostModel fields"]),
+    ('{"draft_ms": NaN}', ["not a JSON cost file"]),
+])
+def test_bad_costs_exit_2_naming_the_value(dspark, tmp_path, content, fragments):
+    value = "bogus"
+    if content is not None:
+        value = str(tmp_path / "costs.json")
+        Path(value).write_text(content)
+    result = dspark("replay", "--synthetic", "--costs", value)
+    assert_one_line_error(result, *fragments, *([] if content is None else [f"--costs {value!r}"]))
+
+
+def test_tables_fit_80_columns_without_cutting_a_figure():
+    from rich.console import Console
+
+    from services.cli import render_report
+    from services.gateway.gate import GateConfig
+    from services.gateway.replay import replay_log
+    from services.gateway.rounds import load_rounds
+
+    console = Console(width=80, emoji=False)
+    with console.capture() as capture:
+        render_report(replay_log(load_rounds(SYNTHETIC), GateConfig(), source="s.json"), console)
+    text = capture.get()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "…" not in text
+    rows = table_rows(text)
+    # tok/s, the gated comparisons, then best fixed k, calibrated, oracle, calib. gain, the headline, of oracle, ECE
+    assert rows["prose"][1:7] == ["200", "39.1%", "3.30", "2.84", "3.56 (t=-0.0187)", "3.18"]
+    assert rows["prose"][13:20] == ["3.30 k=0", "3.39", "4.66", "+19.4%", "62%", "19%", "0.074"]

@@ -18,20 +18,22 @@ import sys
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register trace-report, calibrate and parity on the `dspark` parser's subcommands."""
-    rep = sub.add_parser("trace-report", help="latency split, gate mix and fitted gate costs from span files",
+    rep = sub.add_parser("trace-report", help="latency split, gate mix and fitted gate costs from span files or recorded rounds",
                          description="Read the services' span files (DSPARK_TRACES_JSONL of each service, or "
                          "OTLP-JSON) and report per round: gateway wall, drafter compute, verifier compute, "
                          "residual (network + serialisation); p50/p99 per k; gate decisions; TTFT and time per "
                          "output token per generation; fitted gate costs as DEEPSEEK_DSPARK_GATE_* lines.")
-    rep.add_argument("traces", nargs="+", metavar="TRACES", help="span files (JSON lines or OTLP-JSON)")
+    rep.add_argument("traces", nargs="+", metavar="TRACES",
+                     help="span files (JSON lines or OTLP-JSON) or recorded-rounds files (told apart by content)")
     rep.add_argument("--png", metavar="DIR", default=None, help="also write the four plots as PNG files into DIR")
     rep.add_argument("--json", action="store_true", help="print the report as JSON")
     rep.set_defaults(func=_run_report)
 
     cal = sub.add_parser("calibrate", help="print fitted DEEPSEEK_DSPARK_GATE_*_MS lines from span files",
                          description="Fit verify(k) = base + slope·k, draft ms and plain ms from the gateway's "
-                         "round spans and print them as ready-to-use DEEPSEEK_DSPARK_GATE_*=value lines.")
-    cal.add_argument("traces", nargs="+", metavar="TRACES", help="span files (JSON lines or OTLP-JSON)")
+                         "round spans or a recorded-rounds file's timings and print them as ready-to-use DEEPSEEK_DSPARK_GATE_*=value lines.")
+    cal.add_argument("traces", nargs="+", metavar="TRACES",
+                     help="span files (JSON lines or OTLP-JSON) or recorded-rounds files (told apart by content)")
     cal.set_defaults(func=_run_calibrate)
 
     par = sub.add_parser("parity", help="compare two DSV4_TOPK_DIAG top-k dumps (argmax_agree / near_tie / mismatch)",
@@ -58,9 +60,14 @@ def _console():
 
 
 def _load(args):
+    """The report of the inputs: recorded-rounds files (told apart by content) and span files."""
     from services.analysis.report import build_report
-    from services.analysis.traces import load_spans
-    return build_report(load_spans(args.traces), args.traces)
+    from services.analysis.traces import load_spans, looks_like_rounds
+    from services.gateway.rounds import load_rounds
+    rounds_files = [p for p in args.traces if looks_like_rounds(p)]
+    span_files = [p for p in args.traces if p not in rounds_files]
+    recorded = [r for p in rounds_files for r in load_rounds(p).rounds]
+    return build_report(load_spans(span_files) if span_files else [], args.traces, recorded)
 
 
 def _run_report(args: argparse.Namespace) -> int:

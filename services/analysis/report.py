@@ -32,6 +32,7 @@ from services.analysis.calibration import (GATE_ENV, PLAIN_MS_FLOOR, BucketStat,
                                            fit_costs, gate_env_lines, reliability)
 from services.analysis.traces import Span
 from services.gateway.gate import BUCKET_EDGES
+from services.gateway.rounds import Round
 
 ROUND = "spec_decode.round"
 GENERATE = "gateway.generate"
@@ -43,14 +44,18 @@ DECISIONS = ("full", "truncated", "skipped_after_draft", "capped", "margin_skipp
 
 @dataclass
 class RoundRecord:
-    """One round: the gateway's attributes and the time split (ms; None where a span is missing)."""
+    """One round: the gateway's attributes and the time split (ms; None where a span is missing).
+
+    A round read from a recorded-rounds file (`recorded_round`) has no span: no ids, no start
+    or end (start_ns = end_ns = None, so no wall time), and its `workload` label.
+    """
 
     trace_id: str
     span_id: str
     generation_id: str | None
     index: int
-    start_ns: int
-    end_ns: int
+    start_ns: int | None
+    end_ns: int | None
     decision: str
     drafted: int
     submitted: int
@@ -65,15 +70,19 @@ class RoundRecord:
     verifier_ms: float | None
     verifier_overhead_ms: float | None
     children: list[Span] = field(default_factory=list, repr=False)
+    workload: str | None = None  # recorded rounds only
 
     @property
-    def wall_ms(self) -> float:
+    def wall_ms(self) -> float | None:
+        """The gateway's wall time of the round (ms); None for a recorded round (no span)."""
+        if self.start_ns is None or self.end_ns is None:
+            return None
         return (self.end_ns - self.start_ns) / 1e6
 
     @property
     def residual_ms(self) -> float | None:
         """wall - drafter compute - verifier compute (network + serialisation + overheads)."""
-        if self.drafter_ms is None or self.verifier_ms is None:
+        if self.drafter_ms is None or self.verifier_ms is None or self.wall_ms is None:
             return None
         return self.wall_ms - self.drafter_ms - self.verifier_ms
 
@@ -128,6 +137,7 @@ class Report:
     rounds: list[RoundRecord]
     fit: CostFit
     reliability: list[BucketStat]
+    recorded_rounds: int = 0  # of `rounds`, those read from recorded-rounds files
 
 
 # ---------------------------------------------------------------------------- building
@@ -221,6 +231,28 @@ def _round_record(span: Span, children: list[Span]) -> RoundRecord:
         children=sorted(children, key=lambda c: c.start_ns))
 
 
+def recorded_round(rec: Round, index: int) -> RoundRecord:
+    """A recorded round (docs/gate.md §9) as a report round, `index` its place in the file.
+
+    The file keeps no decision, so it is inferred: no draft -> plain, every draft submitted ->
+    full, none -> skipped_after_draft, some -> truncated (a cut by max_tokens, "capped", looks
+    the same). verify_ms is the recorded verify time, or for k = 0 the recorded plain decode.
+    """
+    drafted = len(rec.confidence_logits)
+    if not drafted:
+        decision = "plain"
+    elif rec.submitted == drafted:
+        decision = "full"
+    else:
+        decision = "truncated" if rec.submitted else "skipped_after_draft"
+    return RoundRecord(
+        trace_id="", span_id="", generation_id=None, index=index, start_ns=None, end_ns=None, decision=decision,
+        drafted=drafted, submitted=rec.submitted, accepted=rec.accepted, anchor_margin=rec.anchor_margin,
+        verify_ms=rec.verify_ms if rec.submitted else rec.plain_ms, draft_ms=rec.draft_ms,
+        confidence_logits=rec.confidence_logits or None, drafter_failures=0, drafter_failovers=0, drafter_ms=None,
+        verifier_ms=None, verifier_overhead_ms=None, workload=rec.workload)
+
+
 def round_counts(rounds: Sequence[RoundRecord], events: Sequence[dict] = ()) -> dict:
     """The gateway's `SpecStats` counts (its `RoundStats` fold, docs/gate.md §7) from traced `rounds`;
     `events`: the generation span's own (a drafter failure while committing the prompt)."""
@@ -251,8 +283,9 @@ def _final(span: Span) -> dict:
     return out
 
 
-def build_report(spans: Sequence[Span], sources: Sequence[str] = ()) -> Report:
-    """Rounds and generations of `spans` (any mix of the three services' spans, any order).
+def build_report(spans: Sequence[Span], sources: Sequence[str] = (), recorded: Sequence[Round] = ()) -> Report:
+    """Rounds and generations of `spans` (any mix of the three services' spans, any order), and
+    the `recorded` rounds of recorded-rounds files (after the spans' rounds, in file order).
 
     Raises:
         ValueError: naming the span (and the file and line it was read from) and the
@@ -281,8 +314,10 @@ def build_report(spans: Sequence[Span], sources: Sequence[str] = ()) -> Report:
             final=_final(s), rounds=rs, span=s, prefill=sorted(prefill, key=lambda c: c.start_ns)))
     generations.sort(key=lambda g: g.start_ns)
     rounds.sort(key=lambda r: (r.start_ns, r.index))
+    rounds += [recorded_round(r, i) for i, r in enumerate(recorded)]
     backend = any(s.name.startswith("verifier.") for s in spans)
-    return Report(list(sources), len(spans), backend, generations, rounds, fit_costs(rounds), reliability(rounds))
+    return Report(list(sources), len(spans), backend, generations, rounds, fit_costs(rounds), reliability(rounds),
+                  len(recorded))
 
 
 # ---------------------------------------------------------------------------- summaries
@@ -372,7 +407,8 @@ def report_to_dict(report: Report) -> dict:
     """The report as JSON-ready data (no NaN or inf: such a value would be None)."""
     lines, notes = gate_env_lines(report.fit)
     return _finite({
-        "sources": report.sources, "spans": report.spans, "backend_spans": report.backend_spans,
+        "sources": report.sources, "spans": report.spans, "recorded_rounds": report.recorded_rounds,
+        "backend_spans": report.backend_spans,
         "generations": [_generation_dict(g) for g in report.generations],
         "latency": latency_summary(report.generations),
         "parts": parts_summary(report.rounds), "per_k": per_k(report.rounds),
@@ -397,18 +433,22 @@ def render_report(report: Report, console) -> None:
     generations, the reliability table and the fitted costs (all times in ms)."""
     from rich.text import Text
 
-    console.print(Text(f"{report.spans} spans from {len(report.sources)} file(s): {len(report.generations)} "
-                       f"generations, {len(report.rounds)} rounds"))
-    if not report.backend_spans:
+    console.print(Text(f"{report.spans} spans and {report.recorded_rounds} recorded rounds from "
+                       f"{len(report.sources)} file(s): {len(report.generations)} generations, "
+                       f"{len(report.rounds)} rounds"))
+    if report.recorded_rounds:
+        console.print(Text("recorded rounds carry no spans: they add to the per-k times, the gate mix, the "
+                           "reliability table and the fitted costs, not to the time split or the generations"))
+    if not report.backend_spans and report.spans:
         console.print(Text("no verifier spans in the input: the compute split needs the verifier's and the "
                            "drafter's span files too (each service writes its own DSPARK_TRACES_JSONL)"))
-    _render_rounds(report.rounds, console)
+    _render_rounds(report.rounds, console, split=report.recorded_rounds < len(report.rounds))
     _render_generations(report.generations, console)
     _render_calibration(report, console)
 
 
-def _render_rounds(rounds, console) -> None:
-    """The round time split, the per-k percentiles and the gate's decision mix."""
+def _render_split(rounds, console) -> None:
+    """Where the rounds' wall time went: drafter, verifier, residual (ms)."""
     from rich.table import Table
 
     parts = parts_summary(rounds)
@@ -424,6 +464,14 @@ def _render_rounds(rounds, console) -> None:
         t.add_row(label, _ms(s["sum"], 1), share, _ms(s["mean"]), _ms(s["p50"]), _ms(s["p99"]), _ms(s["min"]))
     console.print(t)
 
+
+def _render_rounds(rounds, console, split: bool = True) -> None:
+    """The round time split (split=False: left out, no round has a span), the per-k
+    percentiles and the gate's decision mix."""
+    from rich.table import Table
+
+    if split:
+        _render_split(rounds, console)
     t = Table(title="Per submitted length k (ms)", title_justify="left")
     for col in ("k", "rounds", "wall p50", "wall p99", "verify p50", "verify p99", "verifier p50", "residual p50"):
         t.add_column(col, justify="right")

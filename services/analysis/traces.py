@@ -11,6 +11,8 @@ Accepted per file (the format is detected per JSON value, so files may mix them)
   * OTLP-JSON: `ExportTraceServiceRequest` documents (`resourceSpans` → `scopeSpans` →
     `spans`, ids in hex, times in `*UnixNano`, attributes as `AnyValue` lists), one per line
     (the collector's file exporter) or one per file; a JSON array of either kind of object.
+A recorded-rounds file (`dspark replay`'s input, docs/gate.md §9) is not a span file:
+`looks_like_rounds` tells one apart by its content, and `services.gateway.rounds` reads it.
 Files over `PROGRESS_MIN_BYTES` show a progress bar (rich) on stderr when it is a terminal.
 """
 
@@ -22,6 +24,7 @@ import calendar
 import datetime
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +34,8 @@ from services.gateway.values import short_repr
 
 PROGRESS_MIN_BYTES = 16 << 20  # inputs at least this large get a progress bar (when stderr is a terminal)
 _DECODER = json.JSONDecoder()
+_SNIFF_BYTES = 4096  # a rounds file names its format in its opening bytes
+_ROUNDS_MARK = re.compile(r'"format"\s*:\s*"dspark-rounds"')
 
 
 @dataclass(frozen=True)
@@ -288,6 +293,21 @@ def _file_values(path: str, advance) -> Iterator[tuple[int, Any]]:
                 raise ValueError(f"{path}:{lineno}: not UTF-8 text ({e.reason})") from None
             yield from _values_of_text(text, path, lineno)
             return
+
+
+def looks_like_rounds(path: str | os.PathLike) -> bool:
+    """Whether `path` is a recorded-rounds file: a regular file whose text opens a JSON object
+    and names `"format": "dspark-rounds"` within its first _SNIFF_BYTES bytes (the writer puts
+    the format first; span files are objects with `name` and `context`, or OTLP documents).
+    Anything unreadable answers False, so that the span reader reports it with its own error."""
+    if not os.path.isfile(path):
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_SNIFF_BYTES).decode("utf-8", errors="replace").lstrip()
+    except OSError:
+        return False
+    return head.startswith("{") and _ROUNDS_MARK.search(head) is not None
 
 
 def _check_file(path: str) -> int:

@@ -5,6 +5,10 @@ gap). It must not read or write files (`rounds.py` does), print (`services/cli.p
 count rounds outside the record fold: every replayed round is one `RoundRecord` folded into
 its policy's `RoundStats`.
 
+Reference policies (`references.py`): best fixed k in hindsight, the calibrated gate in
+hindsight and the per-round oracle, per workload; the headline figure is the gated policy's
+gain over always-k as a fraction of the calibrated-in-hindsight gain.
+
 Policies: plain (no draft), always-k (submit what was recorded), threshold (cut at the first
 confidence below t, t chosen leave-one-workload-out), gated (the Gate, cold at the start of each
 workload) and gated+margin (the Gate with the pre-draft margin gate; only when the rounds carry
@@ -27,26 +31,20 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from services.gateway.gate import CostModel, Gate, GateConfig, LengthChoice
-from services.gateway.record import Reason, RoundRecord, RoundStats, drafted_reason
+from services.analysis.calibration import expected_calibration_error
+from services.gateway.gate import CostModel, Gate, GateConfig
+from services.gateway.record import RoundStats
+from services.gateway.references import (  # noqa: F401 - replayed_round is re-exported
+    EstimateTally,
+    References,
+    headline,
+    reference_results,
+    replay_through_gate,
+    replayed_round,
+)
 from services.gateway.rounds import Round, RoundLog
 
 POLICIES = ("plain", "always-k", "threshold", "gated", "gated+margin")
-
-
-def replayed_round(rec: Round, n: int | None, cost: CostModel, skipped: Reason = Reason.NO_DRAFTER) -> RoundRecord:
-    """The record of a policy's replay of `rec`: n=None drafts nothing (`skipped` says why),
-    else the recorded draft with n of its drafts submitted (accepted = min(recorded, n)).
-
-    Raises ValueError when n is outside [0, recorded submitted]: only those were verified.
-    """
-    if n is None:
-        return RoundRecord(skipped, 0, 0, 0, cost, anchor_margin=rec.anchor_margin)
-    if not 0 <= n <= rec.submitted:
-        raise ValueError(f"policy submitted n={n}, outside [0, recorded submitted={rec.submitted}]")
-    drafted = len(rec.confidence_logits)
-    return RoundRecord(drafted_reason(drafted, LengthChoice(n, rec.submitted)), drafted, n, min(rec.accepted, n),
-                       cost, confidence_logits=rec.confidence_logits, anchor_margin=rec.anchor_margin)
 
 
 def score_round(rec: Round, n: int | None, cost: CostModel, out: RoundStats) -> None:
@@ -84,23 +82,16 @@ def replay_fixed(rounds: Sequence[Round], cost: CostModel, policy: str, threshol
     return out
 
 
-def replay_gated(rounds: Sequence[Round], config: GateConfig, use_margin: bool) -> RoundStats:
+def replay_gated(
+    rounds: Sequence[Round], config: GateConfig, use_margin: bool, tally: EstimateTally | None = None
+) -> RoundStats:
     """Causal replay through a cold Gate (enabled regardless of config.enabled).
 
-    use_margin=False zeroes the margin threshold; True keeps config.margin_threshold.
+    use_margin=False zeroes the margin threshold; True keeps config.margin_threshold. `tally`
+    (optional) collects the gate's estimates against the recorded matches (for the ECE).
     """
     gate_config = replace(config, enabled=True, margin_threshold=config.margin_threshold if use_margin else 0.0)
-    gate, cost, out = Gate(gate_config), gate_config.cost_model(), RoundStats()
-    for rec in rounds:
-        if not rec.confidence_logits:
-            out.add(replayed_round(rec, None, cost))
-        elif not gate.should_draft(rec.anchor_margin):
-            out.add(replayed_round(rec, None, cost, Reason.ANCHOR_MARGIN))
-        else:
-            n = gate.choose(rec.confidence_logits, rec.submitted).k
-            gate.observe(rec.confidence_logits, n, min(rec.accepted, n))
-            out.add(replayed_round(rec, n, cost))
-    return out
+    return replay_through_gate(rounds, Gate(gate_config), tally)
 
 
 def _cut_points(rounds: Sequence[Round]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
@@ -183,13 +174,16 @@ def lowo_thresholds(groups: dict[str, list[Round]], cost: CostModel) -> dict[str
 
 @dataclass
 class WorkloadReport:
-    """One workload's replay: recorded accept rate, results per policy, its LOWO threshold."""
+    """One workload's replay: recorded accept rate, results per policy, its LOWO threshold, the
+    reference policies (docs/gate.md §10) and the gated policy's estimate tally (for the ECE)."""
 
     name: str
     rounds: int
     accept_rate: float | None
     results: dict[str, RoundStats] = field(default_factory=dict)
     threshold: float | None = None
+    references: References | None = None  # best fixed k, calibrated gate in hindsight, oracle
+    tally: EstimateTally | None = None  # the gated policy's estimates against the recorded matches
 
 
 @dataclass
@@ -202,6 +196,7 @@ class ReplayReport:
     config: GateConfig
     source: str
     skipped: dict[str, str] = field(default_factory=dict)
+    costs: str = "configured"  # which cost shape the config's *_ms fields are (seed, cheap, a file ...)
 
 
 def skipped_policies(log: RoundLog, config: GateConfig) -> dict[str, str]:
@@ -244,9 +239,15 @@ def _accept_rate(rounds: Sequence[Round]) -> float | None:
 
 
 def replay_log(
-    log: RoundLog, config: GateConfig, policies: Sequence[str] | None = None, source: str = ""
+    log: RoundLog,
+    config: GateConfig,
+    policies: Sequence[str] | None = None,
+    source: str = "",
+    references: bool = True,
+    costs: str = "configured",
 ) -> ReplayReport:
-    """Replay every workload of `log` through plain, always-k and `policies`.
+    """Replay every workload of `log` through plain, always-k and `policies`, and (references=True)
+    the reference policies. `costs` names the cost shape of config's *_ms fields for the report.
 
     policies=None: every policy that applies to `log` (the rest are listed in report.skipped).
     An explicit list is replayed as given, a repeated name once. Raises ValueError on a log
@@ -258,17 +259,38 @@ def replay_log(
     cost, groups = config.cost_model(), log.workloads()
     thresholds = lowo_thresholds(groups, cost) if "threshold" in chosen else {}
     overall = WorkloadReport("overall", len(log.rounds), _accept_rate(log.rounds), {p: RoundStats() for p in chosen})
-    reports = []
-    for name, rounds in groups.items():
-        report = WorkloadReport(name, len(rounds), _accept_rate(rounds), threshold=thresholds.get(name))
+    reports = [_replay_workload(name, rounds, config, chosen, thresholds.get(name), references)
+               for name, rounds in groups.items()]
+    for report in reports:
         for policy in chosen:
-            if policy.startswith("gated"):
-                report.results[policy] = replay_gated(rounds, config, use_margin=policy == "gated+margin")
-            else:
-                report.results[policy] = replay_fixed(rounds, cost, policy, thresholds.get(name, -math.inf))
             overall.results[policy].merge(report.results[policy])
-        reports.append(report)
-    return ReplayReport(reports, overall, config, source, skipped)
+        if report.tally is not None:
+            overall.tally = overall.tally or EstimateTally()
+            overall.tally.merge(report.tally)
+        if report.references is not None:
+            overall.references = overall.references or References(report.references.best_k, {}, None)
+            overall.references.merge(report.references)
+    if overall.references is not None and len({r.references.best_k for r in reports}) > 1:
+        overall.references.best_k = None  # each workload has its own k
+    return ReplayReport(reports, overall, config, source, skipped, costs)
+
+
+def _replay_workload(name: str, rounds: list[Round], config: GateConfig, chosen: Sequence[str],
+                     threshold: float | None, references: bool) -> WorkloadReport:
+    """One workload's report: every chosen policy, and the reference policies when asked."""
+    report = WorkloadReport(name, len(rounds), _accept_rate(rounds), threshold=threshold)
+    cost = config.cost_model()
+    for policy in chosen:
+        if policy.startswith("gated"):
+            tally = EstimateTally() if policy == "gated" else None
+            report.results[policy] = replay_gated(rounds, config, use_margin=policy == "gated+margin", tally=tally)
+            if tally is not None:
+                report.tally = tally
+        else:
+            report.results[policy] = replay_fixed(rounds, cost, policy, -math.inf if threshold is None else threshold)
+    if references:
+        report.references = reference_results(rounds, config)
+    return report
 
 
 def comparisons(results: dict[str, RoundStats], policy: str) -> dict[str, float | None]:
@@ -287,6 +309,38 @@ def _json_threshold(t: float | None) -> float | str | None:
     return t if t is None or math.isfinite(t) else ("inf" if t > 0 else "-inf")
 
 
+def headline_of(w: WorkloadReport) -> dict[str, float | None] | None:
+    """The gate's headline figures for `w` (see references.headline); None without the gated
+    policy or the references."""
+    if w.references is None or "gated" not in w.results:
+        return None
+    tok = {p: r.tok_s for p, r in {**w.results, **w.references.results}.items()}
+    return headline(tok["gated"], tok["always-k"], tok["calibrated-hindsight"], tok["oracle"])
+
+
+def calibration_of(w: WorkloadReport) -> dict | None:
+    """The gated policy's calibration: ECE of the estimates it decided with against the recorded
+    matches, and per bucket the mean estimate, realised rate and counts; None without a tally."""
+    t = w.tally
+    if t is None:
+        return None
+    means = t.mean_estimates()
+    ece = expected_calibration_error(means, t.matched, t.observed) if sum(t.observed) else None
+    buckets = [{"observed": o, "matched": m, "realised": m / o if o else None, "mean_estimate": e}
+               for o, m, e in zip(t.observed, t.matched, means)]
+    return {"ece": ece, "buckets": buckets}
+
+
+def _references_dict(refs: References | None) -> dict | None:
+    if refs is None:
+        return None
+    out = {name: stats.policy_dict() for name, stats in refs.results.items()}
+    out["best-fixed-k"]["k"] = refs.best_k
+    if refs.rates is not None:
+        out["calibrated-hindsight"]["bucket_rates"] = list(refs.rates.rates)
+    return out
+
+
 def _workload_dict(w: WorkloadReport) -> dict:
     return {
         "workload": w.name,
@@ -294,6 +348,9 @@ def _workload_dict(w: WorkloadReport) -> dict:
         "accept_rate": w.accept_rate,
         "threshold": _json_threshold(w.threshold),
         "policies": {p: {**r.policy_dict(), **comparisons(w.results, p)} for p, r in w.results.items()},
+        "references": _references_dict(w.references),
+        "headline": headline_of(w),
+        "calibration": calibration_of(w),
     }
 
 
@@ -305,6 +362,7 @@ def report_to_dict(report: ReplayReport) -> dict:
     config["gate_env_enabled"] = config.pop("enabled")
     return {
         "source": report.source,
+        "costs": report.costs,
         "config": config,
         "gated_policies_gate_enabled": True,
         "note": "the gated policies always run the gate enabled; config.gate_env_enabled is "
