@@ -14,7 +14,7 @@ verify), waits for the gateway's gRPC health check, then generates greedily for 
 always-k (every round verifies the whole drafted block) and gated (the confidence gate picks k
 each round), all through the gateway as any client would (`dspark generate` does the same).
 The gate is the one `dspark up` runs: the demo sets no gate variable, so the gateway prices
-rounds with the costs it profiled at start-up and refines online (docs/gate.md §3). Each
+rounds with the costs it profiled at start-up and refines online (docs/gate.md §12). Each
 prompt runs `--repeats` repetitions; within one repetition the three modes run back to back,
 in an order rotated by the repetition (`interleaved_order`), so drift on the machine falls on
 every mode alike. The first gated generation of each prompt is streamed to the terminal.

@@ -10,7 +10,7 @@ Every figure is the wall time of one call as the gateway sees it, so each includ
 round trip; `rpc_overhead_ms` reports how much of that the backends did not spend computing
 (wall minus the backend's own `forward_ms`). The drafter commit is a call of its own that every
 round of a speculating generation pays; it is timed and kept as `commit_ms`.
-docs/gate.md §3 describes the costs in force and how the profile and the live rounds combine.
+docs/gate.md §12 describes the costs in force and how the profile and the live rounds combine.
 """
 
 from __future__ import annotations

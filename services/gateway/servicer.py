@@ -12,7 +12,7 @@ fails or the client cancels. `connect_backends` checks at start that the drafter
 verifier serve the same model and refuses to pair them otherwise, naming the differing fields.
 The backend channels reconnect at most `MAX_RECONNECT_BACKOFF_MS` apart, so a backend that
 restarts is used again within about that long (see docs/services.md §4). `measure_costs` runs
-the start-up cost profile of `DSPARK_GATE_COSTS=measured` (docs/gate.md §3) after
+the start-up cost profile of `DSPARK_GATE_COSTS=measured` (docs/gate.md §12) after
 `connect_backends`, before the gateway serves.
 """
 
@@ -32,7 +32,7 @@ from services.common.telemetry import client_interceptors
 from services.gateway.backends import BackendError, GrpcDrafterSession, GrpcVerifierSession
 from services.gateway.costs import CostTracker
 from services.gateway.drafters import DrafterSupply
-from services.gateway.profile import PROFILE_PROMPT, ProfileError, ProfileSettings, profile_backends
+from services.gateway.profile import ProfileError, ProfileSettings, profile_backends
 from services.gateway.record import RoundStats
 from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler
 
