@@ -35,9 +35,11 @@ from services.drafter.engine import DrafterEngine
 from services.drafter.live_oracle import LiveOracleDrafter
 from services.drafter.servicer import DrafterServicer
 from services.gateway.auth import BearerTokenInterceptor
-from services.gateway.gate import GateConfig
+from services.gateway.costs import CostTracker
+from services.gateway.gate import ENV_VARS as GATE_ENV_VARS, GateConfig
+from services.gateway.profile import PROFILE_PROMPT
 from services.gateway.scheduler import Scheduler
-from services.gateway.servicer import Backends, GatewayServicer, connect_backends
+from services.gateway.servicer import Backends, GatewayServicer, connect_backends, measure_costs
 from services.gateway.tokenizer import load_tokenizer
 from services.verifier.engine import VerifierEngine
 from services.verifier.servicer import VerifierServicer
@@ -143,7 +145,8 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
                         backend_tls: TlsFiles | None = None, credentials: grpc.ServerCredentials | None = None,
                         metrics=None, max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S,
                         ) -> tuple[RunningServer, Scheduler, Backends]:
-    """Connect to the backends (identity check), then serve the Gateway.
+    """Connect to the backends (identity check), profile the round costs when
+    `settings.cost_mode` is "measured" (`servicer.measure_costs`), then serve the Gateway.
 
     gate_config: the gate (None = `GateConfig()`'s defaults).
     backend_tls: the gateway's client certificate and the backends' CA (mTLS; None = plaintext).
@@ -167,8 +170,15 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
         raise
     gate_config = GateConfig() if gate_config is None else gate_config
     tokenizer = load_tokenizer(checkpoint, limits.vocab_size, limits.eos_token_id)
+    costs = CostTracker(gate_config.cost_model(), {f: GATE_ENV_VARS[f] for f in settings.pinned_costs})
+    if settings.cost_mode == "measured":
+        try:
+            await measure_costs(backends, limits, tokenizer.encode(PROFILE_PROMPT), costs)
+        except BaseException:
+            await backends.close()
+            raise
     scheduler = Scheduler(limits, tokenizer, gate_config, settings.verify_mode, settings.cost_mode,
-                          provider, recorder, metrics)
+                          provider, recorder, metrics, costs)
     servicer = GatewayServicer(scheduler, backends)
     auth = [BearerTokenInterceptor(settings.token)] if settings.token else []
     running = await start_server("dspark.v1.Gateway",

@@ -12,7 +12,7 @@ Unset means the default; the "empty" column says what an empty value means.
 | DSPARK_VERIFIER_TARGET | 127.0.0.1:50051 | error | gateway: verifier_target |
 | DSPARK_DRAFTER_TARGET | 127.0.0.1:50052 | no drafter | gateway: drafter_target |
 | DSPARK_VERIFY_MODE | batched | error | gateway, backend: verify_mode (sequential, batched) |
-| DSPARK_GATE_COSTS | configured | error | gateway: cost_mode (configured, measured) |
+| DSPARK_GATE_COSTS | measured | error | gateway: cost_mode (configured, measured) |
 | DSPARK_ROUND_TIMEOUT_S | 30 | error | gateway: round_timeout_s |
 | DSPARK_GENERATION_TIMEOUT_S | 600 | error | gateway: generation_timeout_s |
 | DSPARK_STARTUP_TIMEOUT_S | 10 | error | gateway: startup_timeout_s |
@@ -50,6 +50,8 @@ Unset means the default; the "empty" column says what an empty value means.
 Times are seconds; gateway and serve timeouts are > 0 and at most `MAX_TIMEOUT_S` (the
 connection age at most `MAX_CONNECTION_AGE_S`). The OTLP exporter reads the standard
 `OTEL_EXPORTER_OTLP_*` variables itself. Sections a service does not use stay None.
+A `DEEPSEEK_DSPARK_GATE_*_MS` variable that is set also pins its field (gateway:
+pinned_costs): the measured costs of DSPARK_GATE_COSTS=measured never replace it.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ from typing import TYPE_CHECKING, Mapping
 
 from dsv4.settings import (ENV_KERNELS, ENV_MOE_DETERMINISTIC_REDUCE, ENV_MOE_MULTI_TOKEN_FP4, KERNEL_BACKENDS,
                            Settings as ModelSettings)
-from services.common.settings import (COST_MODES, EXPORTERS, MAX_CONNECTION_AGE_S, MAX_TIMEOUT_S, VERIFY_MODES,
-                                      VERIFY_NUMERICS, BackendSettings, GatewaySettings, ServeSettings,
+from services.common.settings import (COST_MODES, EXPORTERS, MAX_CONNECTION_AGE_S, MAX_TIMEOUT_S, PINNABLE_COSTS,
+                                      VERIFY_MODES, VERIFY_NUMERICS, BackendSettings, GatewaySettings, ServeSettings,
                                       TelemetrySettings, backend_target, valid_token)
 from services.common.tls import PemFile, TlsFiles, load_tls
 from services.gateway.gate import ENV_VARS as GATE_ENV_VARS, GateConfig
@@ -75,6 +77,9 @@ if TYPE_CHECKING:  # both import torch: loaded only by the sections that need th
 Environ = Mapping[str, str]
 SERVICES = ("verifier", "drafter", "gateway")
 TOKEN_VAR = "DSPARK_GATEWAY_TOKEN"
+# A served gateway prices rounds with costs measured on its own backends unless told otherwise
+# (`GatewaySettings` itself defaults to "configured" for embeddings and tests).
+DEFAULT_COST_MODE = "measured"
 
 
 @dataclass(frozen=True)
@@ -207,12 +212,12 @@ def gateway_settings(environ: Environ) -> GatewaySettings:
                                        "DSPARK_VERIFIER_TARGET"),
         drafter_target=backend_target(drafter, "DSPARK_DRAFTER_TARGET") if drafter.strip() else "",
         verify_mode=_choice(environ, "DSPARK_VERIFY_MODE", GatewaySettings.verify_mode, VERIFY_MODES),
-        cost_mode=_choice(environ, "DSPARK_GATE_COSTS", GatewaySettings.cost_mode, COST_MODES),
+        cost_mode=_choice(environ, "DSPARK_GATE_COSTS", DEFAULT_COST_MODE, COST_MODES),
         round_timeout_s=_float(environ, "DSPARK_ROUND_TIMEOUT_S", GatewaySettings.round_timeout_s),
         generation_timeout_s=_float(environ, "DSPARK_GENERATION_TIMEOUT_S", GatewaySettings.generation_timeout_s),
         startup_timeout_s=_float(environ, "DSPARK_STARTUP_TIMEOUT_S", GatewaySettings.startup_timeout_s),
         drafter_failovers=_int(environ, "DSPARK_DRAFTER_FAILOVERS", GatewaySettings.drafter_failovers, low=0),
-        token=token)
+        token=token, pinned_costs=tuple(f for f in PINNABLE_COSTS if GATE_ENV_VARS[f] in environ))
 
 
 def client_token(flag: str | None, environ: Environ) -> tuple[str, str]:

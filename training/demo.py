@@ -4,21 +4,26 @@ Owns the end-to-end measurement a user runs first: it drives the services only a
 would (through the gateway, or `dspark up` as a subprocess) and never reaches into their
 engines, except to load a trunk of its own for the divergence margins.
 
-    python -m training.demo [--checkpoint assets/dspark-small] [--max-tokens 64] [--record-rounds FILE]
+    python -m training.demo [--checkpoint assets/dspark-small] [--max-tokens 64] [--repeats 3] [--record-rounds FILE]
     python -m training.demo --calibration 320 --record-rounds tests/data/bundled_rounds.json   # + ~1,000 rounds
 
 Starts `dspark up --checkpoint assets/dspark-small` (the verifier, drafter and gateway as three
 processes on localhost, `--port-base`, default 50150: gateway, verifier +1, drafter +2; batched
-verify, `DSPARK_GATE_COSTS=measured`), waits for the gateway's gRPC health check, then
-generates greedily for four prompts — repeat (counting upward), code, prose,
-math — three ways each: plain decode (spec off), always-k (every round verifies the whole
-drafted block) and gated (the confidence gate picks k each round), all through the gateway
-as any client would (`dspark generate` does the same). The gated generation of each
-prompt is streamed to the terminal as it arrives.
+verify), waits for the gateway's gRPC health check, then generates greedily for four prompts
+— repeat (counting upward), code, prose, math — three ways each: plain decode (spec off),
+always-k (every round verifies the whole drafted block) and gated (the confidence gate picks k
+each round), all through the gateway as any client would (`dspark generate` does the same).
+The gate is the one `dspark up` runs: the demo sets no gate variable, so the gateway prices
+rounds with the costs it profiled at start-up and refines online (docs/gate.md §12). Each
+prompt runs `--repeats` repetitions; within one repetition the three modes run back to back,
+in an order rotated by the repetition (`interleaved_order`), so drift on the machine falls on
+every mode alike. The first gated generation of each prompt is streamed to the terminal.
 
-Table per prompt and mode: completion tokens, accept rate (accepted / submitted drafts), mean
-acceptance length (tokens per verify round, bonus included, as the gateway reports it),
-tok/s, the ratio to plain, and where the output first diverges from plain: the token index
+Table per prompt and mode: completion tokens, accept rate (accepted / submitted drafts, over
+the repetitions), mean acceptance length (tokens per verify round, bonus included, as the
+gateway reports it), the median tok/s, the median of the per-repetition ratios to plain with
+their range (min–max, `ratio_summary`), and where the first repetition's output first diverges
+from plain: the token index
 and the trunk's top-1 minus top-2 logit margin there on the plain path (batched speculative
 verify is not guaranteed bitwise identical to plain decode unless exact mode is on; a
 divergence at a near-tie margin is that rounding, not a bug). Then the per-position
@@ -29,28 +34,31 @@ counts them; buckets with fewer than `--min-bucket` drafts merged into a neighbo
 `--calibration TOKENS` adds always-k generations on four more prompts per workload
 (`CALIBRATION_PROMPTS`) whose rounds only feed h(j), the calibration table, the live-vs-replay
 table and the recorded file. The rounds come from the gateway's own recorder (`dspark up
---record-rounds`, written when the services stop): always-k generations carry the workload
-name as their label, the others a label the tables drop. `--record-rounds FILE` keeps the
+--record-rounds`, written when the services stop): the first repetition's always-k generations
+carry the workload name as their label, the others a label the tables drop. `--record-rounds FILE` keeps the
 always-k rounds (replay format, `dspark replay FILE`); the draft/decode line compares the
 drafter call's median wall with plain decode's median ms per token. The divergence margins
 come from the trunk loaded in this process (the verifier's loader).
 
-Timings are CPU figures of one run on this machine (docs/architecture.md §8): compare the ratios.
+Timings are CPU figures of this machine (docs/architecture.md §8): compare the ratios and their spread.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping, Sequence
 
 import grpc
 import torch
@@ -113,6 +121,43 @@ async def generate(stub, prompt: str, mode: str, max_tokens: int, label: str, st
     wall = time.perf_counter() - t0
     s = final.spec_stats
     return Generation(tokens, final.text, wall, s.rounds, s.submitted, s.accepted, s.mean_acceptance_length)
+
+
+@dataclass(frozen=True)
+class RatioSummary:
+    """A mode's speed against plain over repetitions: the median of the per-repetition ratios
+    tok/s(mode) / tok/s(plain) and their range (min, max); `repeats` ratios behind them."""
+
+    median: float
+    low: float
+    high: float
+    repeats: int
+
+
+def interleaved_order(modes: Sequence[str], repetition: int) -> list[str]:
+    """The modes of repetition `repetition` (0-based), rotated left by it: every mode runs
+    first, second and third equally often over len(modes) repetitions."""
+    shift = repetition % len(modes)
+    return list(modes[shift:]) + list(modes[:shift])
+
+
+def ratio_summary(tok_s: Mapping[str, Sequence[float]], baseline: str = "off") -> dict[str, RatioSummary]:
+    """Per mode, the ratios to `baseline` paired by repetition (tok_s[mode][r] / tok_s[baseline][r]).
+
+    tok_s: mode -> tok/s per repetition (same length for every mode, > 0 for the baseline).
+    Raises ValueError naming the mode whose repetition count differs from the baseline's, or
+    when the baseline has no repetition or a tok/s <= 0.
+    """
+    base = list(tok_s[baseline])
+    if not base or min(base) <= 0:
+        raise ValueError(f"baseline {baseline!r} tok/s={base}: needs at least one repetition, each > 0")
+    out = {}
+    for mode, values in tok_s.items():
+        if len(values) != len(base):
+            raise ValueError(f"mode {mode!r} has {len(values)} repetitions, {baseline!r} has {len(base)}")
+        ratios = [v / b for v, b in zip(values, base)]
+        out[mode] = RatioSummary(statistics.median(ratios), min(ratios), max(ratios), len(ratios))
+    return out
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -192,7 +237,7 @@ class Services:
                 except OSError as exc:
                     raise RuntimeError(f"--port-base={port_base}: the {name} port {port} is in use ({exc.strerror}); "
                                        "choose another --port-base") from None
-        env = dict(os.environ, DSPARK_VERIFY_MODE="batched", DSPARK_GATE_COSTS="measured")
+        env = dict(os.environ, DSPARK_VERIFY_MODE="batched")
         cmd = [sys.executable, "-m", "services.cli", "up", "--checkpoint", str(checkpoint),
                "--port-base", str(port_base), "--record-rounds", str(record)]
         self.target, self.timeout_s = f"127.0.0.1:{port_base}", timeout_s
@@ -259,7 +304,7 @@ async def run(args) -> int:
             print(f"bundled model {ckpt} (config {cfg.config_hash()}, {cfg.n_layers} layers + {cfg.n_mtp_layers} "
                   f"DSpark stages, block {cfg.dspark_block_size}) behind `dspark up` (gateway {services.target}, "
                   f"three processes); serving after {time.perf_counter() - t0:.1f} s; torch {torch.__version__}")
-            results = await generate_all(services.target, args)
+            results, costs = await generate_all(services.target, args)
         except (RuntimeError, grpc.aio.AioRpcError) as exc:
             failure = exc
         finally:
@@ -278,28 +323,36 @@ async def run(args) -> int:
                                              "max_tokens": args.max_tokens}), args.record_rounds)
     tok = load_tokenizer(str(ckpt), cfg.vocab_size, cfg.eos_token_id)
     print_tables(args, cfg, trunk, tok, results, always, recorded)
+    print_costs(costs)
     return 0
 
 
-async def generate_all(target: str, args) -> dict[str, dict[str, Generation]]:
-    """The table's generations (and the calibration ones) through the gateway at `target`.
+async def generate_all(target: str, args) -> tuple[dict[str, dict[str, list[Generation]]], dict]:
+    """The table's generations (and the calibration ones) through the gateway at `target`:
+    (workload -> mode -> one Generation per repetition (`args.repeats`, modes interleaved),
+    the gateway's Stats `costs` and `cost_mode` afterwards).
 
-    Labels: always-k generations carry the workload name (their rounds feed the tables);
-    gated and warm-up ones a label the tables drop.
+    Labels: the first repetition's always-k generations carry the workload name (their rounds
+    feed the tables); the others a label the tables drop.
     """
     from services.common.server import channel_options
-    from dspark_proto.v1 import gateway_pb2_grpc
+    from dspark_proto.v1 import gateway_pb2, gateway_pb2_grpc
     async with grpc.aio.insecure_channel(target, options=channel_options()) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         for mode in MODES:  # warm-up: first-call costs, and the measured cost model gets samples
             await generate(stub, "0 1 2 3", mode, 16, "warmup", stream=False)
-        results: dict[str, dict[str, Generation]] = {}
+        results: dict[str, dict[str, list[Generation]]] = {}
         for name, prompt in WORKLOADS.items():
-            results[name] = {}
+            results[name] = {mode: [] for mode in MODES}
             print(f"\n--- {name}: {prompt!r} (gated, streamed)\n{prompt}", end="", flush=True)
-            for mode in ("gated", "off", "always"):
-                label = name if mode == "always" else f"{mode}-{name}"
-                results[name][mode] = await generate(stub, prompt, mode, args.max_tokens, label, stream=mode == "gated")
+            for rep in range(args.repeats):
+                for mode in interleaved_order(("gated", "off", "always"), rep):
+                    label = name if mode == "always" and rep == 0 else f"{mode}-{name}-{rep}"
+                    results[name][mode].append(await generate(stub, prompt, mode, args.max_tokens, label,
+                                                              stream=mode == "gated" and rep == 0))
+                    if mode == "gated" and rep == 0:
+                        print(f"\n  (repetitions: {args.repeats}, modes interleaved) ", end="", flush=True)
+                print(".", end="", flush=True)
             print()
         if args.calibration:
             print(f"\ncalibration rounds: {sum(map(len, CALIBRATION_PROMPTS.values()))} more always-k generations "
@@ -307,27 +360,53 @@ async def generate_all(target: str, args) -> dict[str, dict[str, Generation]]:
             for name, prompts in CALIBRATION_PROMPTS.items():
                 for prompt in prompts:
                     await generate(stub, prompt, "always", args.calibration, name, stream=False)
-    return results
+        stats = json.loads((await stub.Stats(gateway_pb2.StatsRequest(), timeout=CALL_TIMEOUT_S)).json)
+    return results, dict(stats["costs"], mode=stats["cost_mode"])
+
+
+def print_costs(costs: dict) -> None:
+    """The gate costs the gateway had in force at the end (ms) and where each came from."""
+    values, sources = costs["in_force"], costs["sources"]
+    table = values["verify_table"]
+    verify = (" ".join(f"{ms:.1f}" for ms in table) + f" (k = 1..{len(table)})" if table is not None
+              else f"{values['verify_base_ms']:.1f} + {values['verify_slope_ms']:.1f}·k")
+    print(f"\ngate costs in force (DSPARK_GATE_COSTS={costs['mode']}): draft {values['draft_ms']:.1f} ms "
+          f"[{sources['draft_ms']}], verify {verify} ms [{sources['verify_base_ms']}], plain "
+          f"{values['plain_ms']:.1f} ms [{sources['plain_ms']}], commit {values['commit_ms']:.1f} ms "
+          f"[{sources['commit_ms']}]")
+    if costs.get("profile"):
+        p = costs["profile"]
+        print(f"start-up profile ({p['elapsed_s']:.1f} s, {p['repeats']} samples per cost): gRPC overhead per call "
+              + ", ".join(f"{kind} {ms:.2f} ms" for kind, ms in p["rpc_overhead_ms"].items()))
+    elif costs.get("profile_error"):
+        print(f"start-up profile failed: {costs['profile_error']}")
 
 
 def print_tables(args, cfg, trunk, tok, results, always, recorded) -> None:
     """The demo table, h(j), the calibration table, live vs replay, and the draft/decode line."""
-    print(f"\n{'workload':8} {'mode':9} {'tokens':>6} {'accept':>7} {'mean len':>8} {'tok/s':>7} {'x plain':>7}  first divergence from plain")
+    summaries = {name: ratio_summary({m: [g.tok_s for g in gens] for m, gens in by.items()})
+                 for name, by in results.items()}
+    print(f"\nmedian of {args.repeats} interleaved repetitions per cell; x plain: median of the per-repetition "
+          f"ratios, range min-max")
+    print(f"{'workload':8} {'mode':9} {'tokens':>6} {'accept':>7} {'mean len':>8} {'tok/s':>7} {'x plain':>7} "
+          f"{'range':>11}  first divergence from plain")
     for name, by in results.items():
-        plain = by["off"]
+        plain = by["off"][0]
         prompt_ids = tok.encode(WORKLOADS[name])
         for mode in MODES:
-            g = by[mode]
+            gens, r = by[mode], summaries[name][mode]
             div = "-" if mode == "off" else "none"
             if mode != "off":
-                i = first_divergence(plain.tokens, g.tokens)
+                i = first_divergence(plain.tokens, gens[0].tokens)
                 if i is not None:
                     margin = margin_at(trunk, prompt_ids, plain.tokens, i)
                     div = f"token {i} (margin {fmt(margin, '.3f')})"
-            acc = None if mode == "off" else g.accept_rate
-            mlen = None if mode == "off" else g.mean_len
-            print(f"{name:8} {MODE_NAMES[mode]:9} {len(g.tokens):6d} {fmt(acc, '7.1%')} {fmt(mlen, '8.2f')} "
-                  f"{g.tok_s:7.1f} {g.tok_s / plain.tok_s:7.2f}  {div}")
+            submitted = sum(g.submitted for g in gens)
+            acc = None if mode == "off" or not submitted else sum(g.accepted for g in gens) / submitted
+            mlen = None if mode == "off" else statistics.median(g.mean_len for g in gens)
+            tok_s = statistics.median(g.tok_s for g in gens)
+            print(f"{name:8} {MODE_NAMES[mode]:9} {len(gens[0].tokens):6d} {fmt(acc, '7.1%')} {fmt(mlen, '8.2f')} "
+                  f"{tok_s:7.1f} {r.median:7.2f} {f'{r.low:.2f}-{r.high:.2f}':>11}  {div}")
     verified = [r for r in always if r.submitted > 0]
     print(f"\nper-position acceptance h(j) = P(match at j | all before matched), {len(verified)} always-k rounds:")
     print("  " + "  ".join(f"h({j})={fmt(h, '.2f')} (n={n})" for j, n, h in position_acceptance(verified, cfg.dspark_block_size)))
@@ -338,18 +417,18 @@ def print_tables(args, cfg, trunk, tok, results, always, recorded) -> None:
         from services.gateway.replay import replay_log
         from services.gateway.rounds import RoundLog
         rep = replay_log(RoundLog(tuple(always), {}), args.gate)
-        print("\nlive vs replay of the same always-k rounds (`dspark replay`, its configured costs): x plain")
+        print("\nlive (median x plain) vs replay of the first repetition's always-k rounds (`dspark replay`, "
+              "its configured costs): x plain")
         print(f"{'workload':8} {'live always-k':>13} {'replay always-k':>15} {'live gated':>10} {'replay gated':>12}")
         for w in rep.workloads:
-            live = results.get(w.name)
+            live = summaries.get(w.name)
             if live is None:
                 continue
-            lp = live["off"].tok_s
             rp = w.results["plain"].tok_s
-            print(f"{w.name:8} {live['always'].tok_s / lp:13.2f} {w.results['always-k'].tok_s / rp:15.2f} "
-                  f"{live['gated'].tok_s / lp:10.2f} {w.results['gated'].tok_s / rp:12.2f}")
+            print(f"{w.name:8} {live['always'].median:13.2f} {w.results['always-k'].tok_s / rp:15.2f} "
+                  f"{live['gated'].median:10.2f} {w.results['gated'].tok_s / rp:12.2f}")
     draft_ms = sorted(r.draft_ms for r in recorded if r.draft_ms is not None)
-    plain_ms = sorted(1e3 * by["off"].wall_s / max(1, len(by["off"].tokens)) for by in results.values())
+    plain_ms = sorted(1e3 * g.wall_s / max(1, len(g.tokens)) for by in results.values() for g in by["off"])
     if draft_ms and plain_ms:
         d, p = draft_ms[len(draft_ms) // 2], plain_ms[len(plain_ms) // 2]
         print(f"\ndraft round {d:.1f} ms (median of {len(draft_ms)}, drafter call as the gateway sees it) vs plain "
@@ -362,6 +441,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="The main job: the bundled model served by the three services.")
     ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="interleaved repetitions of plain, always-k and gated per prompt (default 3)")
     ap.add_argument("--record-rounds", default=None, help="write the recorded rounds to FILE (replay format)")
     ap.add_argument("--calibration", type=int, default=0, metavar="TOKENS",
                     help="also run always-k generations of TOKENS tokens on more prompts per workload, for "
@@ -371,6 +452,8 @@ def main() -> None:
                     help="gateway port of `dspark up`; verifier +1, drafter +2 (default 50150)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of this process (the divergence margins)")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats={args.repeats}: must be >= 1")
     from services.settings import gate_config, model_settings
     try:  # this process's own model (the margins) and the replay's gate, as the services read them
         args.gate, args.model = gate_config(os.environ), model_settings(os.environ)

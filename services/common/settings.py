@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 
 # verify paths of the verifier: one forward per draft token, or one forward of the block + rollback
 VERIFY_MODES = ("sequential", "batched")
-# where the gate's costs come from: the configured *_MS values, or fitted from round timings
+# where the gate's costs come from: the configured *_MS values, or measured (start-up profile + live rounds)
 COST_MODES = ("configured", "measured")
+# the gate's cost fields a DEEPSEEK_DSPARK_GATE_*_MS variable sets; measured costs never replace them
+PINNABLE_COSTS = ("draft_ms", "verify_base_ms", "verify_slope_ms", "plain_ms")
 # "exact": batched verify uses fixed shapes so it is bitwise equal to plain decode (TP=1 only)
 VERIFY_NUMERICS = ("fast", "exact")
 # Longest accepted timeout (s), ~3 years: a gRPC deadline past ~7e9 s overflows and every
@@ -96,7 +98,10 @@ class GatewaySettings:
     """What the gateway process connects to and how long it waits (all times in seconds).
 
     verifier_target, drafter_target: gRPC targets of the backends ("" drafter = plain decode).
-    verify_mode: one of VERIFY_MODES. cost_mode: one of COST_MODES.
+    verify_mode: one of VERIFY_MODES. cost_mode: one of COST_MODES; "configured" here (no
+    start-up profile, costs fixed, so an embedding or a test gets repeatable gated decisions),
+    while `services.settings` reads DSPARK_GATE_COSTS with "measured" as its default.
+    pinned_costs: the PINNABLE_COSTS fields a variable set; measured costs never replace them.
     round_timeout_s: deadline of one backend reply. generation_timeout_s: deadline of one
     generation's backend streams. startup_timeout_s: deadline of the backends' Info at start.
     drafter_failovers: drafter re-primes a generation may make after a drafter failure.
@@ -114,10 +119,16 @@ class GatewaySettings:
     startup_timeout_s: float = 10.0
     drafter_failovers: int = 2
     token: str = field(default="", repr=False)
+    pinned_costs: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
         check_choice("cost_mode", self.cost_mode, COST_MODES)
+        if isinstance(self.pinned_costs, str):
+            raise ValueError(f"pinned_costs={self.pinned_costs!r}: must be a tuple of field names")
+        object.__setattr__(self, "pinned_costs", tuple(self.pinned_costs))
+        for name in self.pinned_costs:
+            check_choice("pinned_costs entry", name, PINNABLE_COSTS)
         for name in ("round_timeout_s", "generation_timeout_s", "startup_timeout_s"):
             check_seconds(name, getattr(self, name))
         check_count("drafter_failovers", self.drafter_failovers, 0)

@@ -17,7 +17,7 @@ import bisect
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from services.gateway.values import MIN_COST_MS, check_setting, finite_float, is_integer, short_repr
 
@@ -103,48 +103,77 @@ def bucket_label(index: int) -> str:
 
 @dataclass(frozen=True)
 class CostModel:
-    """Round cost under a linear verify fit: verify(n) = base + slope * n (default 300 + 109n ms).
+    """Round costs in ms: draft, verify(n), plain decode and the drafter commit of a round.
 
-    `n` counts DRAFT tokens submitted to verify. The default fit (docs/architecture.md §12) counts
-    n in drafts too, although its measured points were indexed by forwarded tokens (drafts + 1,
-    the anchor included); docs/gate.md §2 says why it is kept as stated. All fields are ms; only
-    their ratios affect decisions.
-    Raises ValueError naming the field unless each cost is in [0, 1e7] ms, plain_ms >= 1e-3 ms
-    and draft_ms + verify_base_ms + verify_slope_ms >= 1e-3 ms.
+    `n` counts DRAFT tokens submitted to verify. verify(n) reads `verify_table[n - 1]` for
+    1 <= n <= len(verify_table) when a table is given (a measured cost per n, docs/gate.md
+    §2), else the linear fit verify_base_ms + verify_slope_ms * n (default 300 + 109n ms; the
+    default fit counts n in drafts although its measured points were indexed by forwarded
+    tokens, docs/gate.md §2 says why it is kept as stated). commit_ms is the drafter commit
+    every round of a speculating generation pays after its verify or decode (0 = not
+    modelled). `source` describes where the costs came from (for reports; ignored by ==).
+    Only ratios affect decisions. The first four fields stay positional:
+    CostModel(draft_ms, verify_base_ms, verify_slope_ms, plain_ms).
+    Raises ValueError naming the field unless each cost (and each table entry) is in
+    [0, 1e7] ms, plain_ms >= 1e-3 ms, draft_ms + verify_base_ms + verify_slope_ms >= 1e-3 ms
+    and the table, when given, is a non-empty sequence with draft_ms + entry >= 1e-3 ms.
     """
 
     draft_ms: float = 196.0
     verify_base_ms: float = 300.0
     verify_slope_ms: float = 109.0
     plain_ms: float = 303.0
+    commit_ms: float = 0.0
+    verify_table: tuple[float, ...] | None = None
+    source: str = field(default="configured", compare=False)
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            object.__setattr__(self, f.name, check_setting(f.name, getattr(self, f.name), f.name))
+        for name in ("draft_ms", "verify_base_ms", "verify_slope_ms", "plain_ms"):
+            object.__setattr__(self, name, check_setting(name, getattr(self, name), name))
+        object.__setattr__(self, "commit_ms", check_setting("draft_ms", self.commit_ms, "commit_ms"))
         fixed = self.draft_ms + self.verify_base_ms + self.verify_slope_ms
         if fixed < MIN_COST_MS:
             raise ValueError(f"draft_ms + verify_base_ms + verify_slope_ms = {fixed:g} must be >= {MIN_COST_MS:g} ms")
+        if self.verify_table is not None:
+            object.__setattr__(self, "verify_table", self._checked_table(self.verify_table))
+        if not isinstance(self.source, str):
+            raise ValueError(f"source={short_repr(self.source)} must be a string")
+
+    def _checked_table(self, table: object) -> tuple[float, ...]:
+        """`table` as a tuple of validated ms values (check_setting's cost rule per entry)."""
+        if isinstance(table, (str, bytes)) or not isinstance(table, Sequence) or len(table) == 0:
+            raise ValueError(f"verify_table={short_repr(table)} must be a non-empty sequence of ms (index n - 1)")
+        values = tuple(check_setting("verify_base_ms", v, f"verify_table[{i}]") for i, v in enumerate(table))
+        if self.draft_ms + min(values) < MIN_COST_MS:
+            raise ValueError(f"draft_ms + min(verify_table) = {self.draft_ms + min(values):g} must be >= "
+                             f"{MIN_COST_MS:g} ms")
+        return values
 
     def verify_ms(self, n: int) -> float:
-        """Verify of `n` drafts (ms): verify_base_ms + verify_slope_ms * n."""
+        """Verify of `n` drafts (ms): verify_table[n - 1] when the table covers n, else
+        verify_base_ms + verify_slope_ms * n."""
+        table = self.verify_table
+        if table is not None and 1 <= n <= len(table):
+            return table[n - 1]
         return self.verify_base_ms + self.verify_slope_ms * n
 
     def round_ms(self, n: int) -> float:
-        """cost(n) in ms (docs/gate.md §2): draft_ms + verify(n) for n > 0, plain_ms for n = 0.
+        """cost(n) in ms (docs/gate.md §2): draft_ms + verify(n) + commit_ms for n > 0, plain_ms for n = 0.
 
         This is the cost the decision rule compares; for n = 0 it is the plain step alone.
         Raises ValueError unless n is an integer >= 0.
         """
         if not is_integer(n) or n < 0:
             raise ValueError(f"n={short_repr(n)} must be an integer >= 0")
-        return self.draft_ms + self.verify_ms(n) if n > 0 else self.plain_ms
+        return self.draft_ms + self.verify_ms(n) + self.commit_ms if n > 0 else self.plain_ms
 
     def skipped_after_draft_ms(self) -> float:
-        """A round cut to n = 0 after drafting (ms): the draft was paid, then a plain step.
+        """A round cut to n = 0 after drafting (ms): the draft was paid, then a plain step and
+        the drafter commit of its row.
 
         A post-draft cut saves the verify, never the draft (docs/architecture.md §5).
         """
-        return self.draft_ms + self.plain_ms
+        return self.draft_ms + self.plain_ms + self.commit_ms
 
     def rate(self, match_probs: Sequence[float], n: int) -> float:
         """E[tokens(n)] / cost(n), in tokens per ms."""

@@ -142,6 +142,7 @@ class Scheduler:
         gate_config: DEEPSEEK_DSPARK_GATE_* settings; `enabled` picks the default spec mode.
         verify_mode: "sequential" or "batched".
         cost_mode: "configured" or "measured" (see `services.gateway.costs`).
+        costs: the process's `CostTracker` (None: a new one over `gate_config`'s costs, nothing pinned).
         provider: tracer provider for generation and round spans (None: no spans).
         recorder: a list that receives one `Round` per round whose confidences the gate saw
             (`--record-rounds`).
@@ -151,12 +152,13 @@ class Scheduler:
 
     def __init__(self, limits: ModelLimits, tokenizer: Tokenizer, gate_config: GateConfig,
                  verify_mode: str = "batched", cost_mode: str = "configured",
-                 provider: TracerProvider | None = None, recorder: list[Round] | None = None, metrics=None):
+                 provider: TracerProvider | None = None, recorder: list[Round] | None = None, metrics=None,
+                 costs: CostTracker | None = None):
         if verify_mode not in VERIFY_MODES:
             raise ValueError(f"verify mode={verify_mode!r}: must be one of {VERIFY_MODES}")
         self.limits, self.tokenizer, self.gate_config = limits, tokenizer, gate_config
         self.verify_mode, self.cost_mode = verify_mode, cost_mode
-        self.costs = CostTracker(gate_config.cost_model())
+        self.costs = CostTracker(gate_config.cost_model()) if costs is None else costs
         self.costs.model(cost_mode)  # validates the mode
         self.tracer = (provider or trace.NoOpTracerProvider()).get_tracer(TRACER_NAME)
         self.recorder = recorder
@@ -338,8 +340,10 @@ class _Generation:
                 res = await self.verifier.decode(anchor, pos, tc)
                 verify_ms = (time.perf_counter() - t0) * 1e3
                 s.costs.add_plain(verify_ms)
-            a = res.accepted
+            a, drafter, t0 = res.accepted, self.drafter, time.perf_counter()
             await self._commit(res.rows, pos, [anchor, *drafts[:a]], pos)
+            if drafter is not None and self.drafter is drafter:  # a failover's re-prime is no commit cost
+                s.costs.add_commit((time.perf_counter() - t0) * 1e3)
             self._record(span, RoundRecord(
                 plan.reason, len(drafts), k, a, self.cost,
                 confidence_logits=None if plan.conf is None else tuple(plan.conf), anchor_margin=margin,

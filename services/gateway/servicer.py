@@ -1,8 +1,9 @@
 """Gateway gRPC servicer: validates requests, opens backend streams, runs the scheduler.
 
-This module owns the client-facing RPCs, request validation, the backend channels and the
-start-up identity check. It must not run a round (the scheduler does) or read the environment
-(its settings arrive as a `GatewaySettings`).
+This module owns the client-facing RPCs, request validation, the backend channels, the
+start-up identity check and the start-up cost profile's wiring. It must not run a round (the
+scheduler does), time one (`services.gateway.profile` does) or read the environment (its
+settings arrive as a `GatewaySettings`).
 
 Client-facing: `Generate` (server streaming) and `Stats`. Each generation opens one verifier
 `Session` stream and, when it speculates at all, one drafter `Session` stream (more after a
@@ -10,7 +11,9 @@ drafter failure, within `DSPARK_DRAFTER_FAILOVERS`); all are closed when the gen
 fails or the client cancels. `connect_backends` checks at start that the drafter and the
 verifier serve the same model and refuses to pair them otherwise, naming the differing fields.
 The backend channels reconnect at most `MAX_RECONNECT_BACKOFF_MS` apart, so a backend that
-restarts is used again within about that long (see docs/services.md §4).
+restarts is used again within about that long (see docs/services.md §4). `measure_costs` runs
+the start-up cost profile of `DSPARK_GATE_COSTS=measured` (docs/gate.md §12) after
+`connect_backends`, before the gateway serves.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from services.common.server import channel_options
 from services.common.settings import GatewaySettings, backend_target
 from services.common.telemetry import client_interceptors
 from services.gateway.backends import BackendError, GrpcDrafterSession, GrpcVerifierSession
+from services.gateway.costs import CostTracker
 from services.gateway.drafters import DrafterSupply
+from services.gateway.profile import ProfileError, ProfileSettings, profile_backends
 from services.gateway.record import RoundStats
 from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler
 
@@ -122,6 +127,32 @@ async def connect_backends(backends: Backends) -> tuple[ModelLimits, common_pb2.
     return limits, v
 
 
+async def measure_costs(backends: Backends, limits: ModelLimits, prompt_ids: list[int], costs: CostTracker,
+                        settings: ProfileSettings | None = None) -> bool:
+    """Profile the backends' round costs into `costs` (`services.gateway.profile`); True when seeded.
+
+    prompt_ids: the profile's prompt (token ids, cut to `settings.prompt_tokens`). settings:
+    None = `ProfileSettings` with the gateway's verify mode and round timeout per call. A
+    profile that fails (no drafter, a backend error or deadline, too little room) changes no
+    cost: it logs a warning, `costs` records why, and the configured costs stay in force until
+    live rounds measure them. Raises nothing of its own.
+    """
+    s = backends.settings
+    settings = settings or ProfileSettings(call_timeout_s=s.round_timeout_s, verify_mode=s.verify_mode)
+    try:
+        profile = await profile_backends(backends, prompt_ids[:settings.prompt_tokens] or [0], limits.block_size,
+                                         limits.max_seq_len, settings)
+    except (BackendError, ProfileError) as exc:
+        costs.profile_failed(str(exc))
+        log.warning("gate cost profile failed (%s); configured costs until live rounds measure them", exc)
+        return False
+    costs.seed(profile)
+    log.info("gate cost profile in %.1f s: draft %.1f ms, plain %.1f ms, commit %.1f ms, verify(k=1..%d) %s ms",
+             profile.elapsed_s, profile.draft_ms, profile.plain_ms, profile.commit_ms, len(profile.verify_ms),
+             " ".join(f"{ms:.1f}" for ms in profile.verify_ms))
+    return True
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     """Generate and Stats over a `Scheduler` and the backend stubs."""
 
@@ -160,7 +191,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def Stats(self, request, context):
         stats = self.scheduler.stats.to_dict()
-        stats["costs"] = self.scheduler.costs.to_dict()
+        stats["costs"] = self.scheduler.costs.to_dict(self.scheduler.cost_mode)
         stats["verify_mode"] = self.scheduler.verify_mode
         stats["cost_mode"] = self.scheduler.cost_mode
         stats["drafter_failures"] = self.scheduler.drafter_faults.to_dict()
