@@ -15,7 +15,7 @@ from services.gateway.gate import (
     LengthChoice,
     bucket_index,
     bucket_label,
-    PROBE_PERIOD,
+    PROBE_FIRST,
     decide_length,
     expected_tokens,
 )
@@ -538,11 +538,11 @@ def test_calibration_snapshot_rejects_nan_counts():
         Calibration((0.0,) * 6, (0.0, 0.0, NAN, 0.0, 0.0, 0.0))
 
 
-def test_a_bucket_cut_to_zero_is_probed_every_probe_period_rounds():
+def test_a_bucket_cut_to_zero_is_probed_after_probe_first_rounds():
     # Five verified rounds that all miss at position 0 drive the bucket's estimate low enough
     # that the gate cuts the next rounds to 0. Cut rounds verify nothing, so nothing changes the
-    # estimate; the PROBE_PERIOD-th round without a verified draft submits one, so a workload
-    # that turned good is found again within PROBE_PERIOD rounds.
+    # estimate; the PROBE_FIRST-th round without a verified draft submits one, so a workload
+    # that turned good is found again (later probes come at doubling gaps, at most PROBE_PERIOD).
     gate, stats = Gate(GateConfig(enabled=True, decay=0.9)), RoundStats()
     conf = [2.0] * 5  # one bucket for every position
     for _ in range(5):
@@ -552,6 +552,6 @@ def test_a_bucket_cut_to_zero_is_probed_every_probe_period_rounds():
         stats.add(length_record(gate, conf, choice))  # a cut round is over: nothing to verify
         cuts += 1
         assert cuts < 100, gate.estimates()
-    assert cuts == PROBE_PERIOD - 1 and choice.k >= 1
+    assert cuts == PROBE_FIRST - 1 and choice.k >= 1
     assert stats.gate.skipped_after_draft == cuts
     assert stats.gate.verified_rounds == 5  # the cuts observed nothing

@@ -31,14 +31,17 @@ NUM_BUCKETS = len(BUCKET_EDGES) + 1
 # so a bucket's own evidence decides as soon as it has a few observations.
 DEFAULT_PRIOR_WEIGHT = 1.0
 DEFAULT_MARGIN = 1.15
-# The gate never goes more than PROBE_PERIOD consecutive rounds without verifying a draft: the
-# PROBE_PERIOD-th round of a losing streak (drafting suspended, or every draft cut to 0) drafts
-# and verifies at least one token, so the estimates can learn that the workload changed.
+# Probing while speculation loses (drafting suspended, or every draft cut to 0): the first probe
+# comes PROBE_FIRST rounds into a losing streak and each further one after twice the previous
+# gap, at most PROBE_PERIOD rounds apart. A probe drafts and verifies at least one token, so the
+# estimates can learn that the workload changed; a short bad burst is left quickly, and a
+# drafter that keeps losing costs one probe per PROBE_PERIOD rounds.
+PROBE_FIRST = 16
 PROBE_PERIOD = 32
 # Per-round forgetting of the long-run rate estimate lambda (tokens / ms): about 20 rounds.
 RATE_DECAY = 0.95
 # Drafted rounds whose confidences the pre-draft decision re-prices with the current estimates.
-RECENT_ROUNDS = 4
+RECENT_ROUNDS = 16
 
 ENV_PREFIX = "DEEPSEEK_DSPARK_GATE"
 # GateConfig field -> env var (docs/gate.md §8 lists names, defaults and valid values).
@@ -338,7 +341,8 @@ class Gate:
         self.margin_gain = MarginGain(config.decay)
         self._tokens = self._ms = 0.0  # decayed sums behind rate()
         self._recent: list[list[float]] = []  # confidences of the last RECENT_ROUNDS drafted rounds
-        self._streak = 0  # consecutive rounds asked without a verified draft
+        self._since = 0  # rounds asked since the last verified draft
+        self._gap = PROBE_FIRST  # rounds from one probe of a losing streak to the next
         self._probe = False  # this round must verify at least one draft
         self._margin_bin: int | None = None  # the drafted round's anchor-margin bin (auto threshold)
 
@@ -374,8 +378,8 @@ class Gate:
         below it, (2) with margin_auto, drafting at this margin's bin has lost on average, or
         (3) with the length gate enabled, the recent drafted rounds, re-priced with the current
         estimates, say drafting is worth less than its cost (`draft_advantage` < 0). (2) and (3)
-        draft anyway on the PROBE_PERIOD-th round of a losing streak, and that round verifies at
-        least one draft. (1) and (2) apply whether or not the gate is enabled. None (margin
+        draft anyway on the losing streak's probe rounds (PROBE_FIRST rounds in, then gaps
+        doubling up to PROBE_PERIOD), and a probe verifies the whole block. (1) and (2) apply whether or not the gate is enabled. None (margin
         unknown) passes (1) and (2). Raises ValueError on NaN or a non-number.
         """
         margin = None if anchor_margin is None else _logit(anchor_margin, "anchor margin")
@@ -385,14 +389,18 @@ class Gate:
         self._margin_bin = None if margin is None or not self.config.margin_auto else margin_bin(margin)
         losing = self._margin_bin is not None and self.margin_gain.losing(self._margin_bin)
         losing = losing or (self.config.enabled and self._recent_advantage() < 0.0)
-        if losing and (self._streak + 1) % PROBE_PERIOD:
+        if losing and not self._probe_due():
             return self._skip()
         self._probe = losing
         return True
 
+    def _probe_due(self) -> bool:
+        """This round is the losing streak's next probe."""
+        return self._since + 1 >= self._gap
+
     def _skip(self) -> bool:
         """A round the gate kept from drafting: one plain step (1 token, plain_ms)."""
-        self._streak += 1
+        self._since += 1
         self._account(1, self.cost.plain_ms)
         return False
 
@@ -410,25 +418,31 @@ class Gate:
 
         `confidence_logits`: one per drafted position. `max_n` (tokens) is the caller's cap:
         min(drafted, remaining max_tokens budget, room before max_seq_len). Disabled gate: k =
-        max_n. A probe round (see should_draft) or the PROBE_PERIOD-th consecutive round without
-        a verified draft submits at least one. Raises ValueError, before any state changes and
+        max_n. A probe round (see should_draft; also due when every draft of a losing streak
+        was cut to 0) submits the whole block. Raises ValueError, before any state changes and
         whether or not the gate is enabled, when a confidence is NaN or not a number, or max_n
         is not an integer in [0, len(confidence_logits)].
         """
         logits = _logits(confidence_logits)
         max_n = _check_count("max_n", max_n, len(logits))
-        n = max_n
+        n, probe = max_n, False
         if self.config.enabled:
             est = self.estimates()
             probs = [est[bisect.bisect_right(BUCKET_EDGES, c)] for c in logits[:max_n]]
-            probe = self._probe or (self._streak + 1) % PROBE_PERIOD == 0
-            floor = max(self.config.min_draft, 1) if probe else self.config.min_draft
+            probe = self._probe or self._probe_due()
+            # A probe verifies the whole block: a miss at position 0 costs little more than one
+            # draft would, and a hit teaches every position, so the gate recovers in fewer probes.
+            floor = max_n if probe else self.config.min_draft
             n = decide_length(probs, max_n, self.cost, self.config.margin, floor, self.rate())
+        if probe or self._probe:
+            self._gap = min(PROBE_PERIOD, 2 * self._gap)  # still losing: the next probe comes later
+        elif n > 0:
+            self._gap = PROBE_FIRST  # a round drafted on its merits: the losing streak is over
         self._probe = False
         if max_n > 0:
             self._recent = [*self._recent[-(RECENT_ROUNDS - 1):], logits[:max_n]]
+        self._since = 0 if n > 0 else self._since + 1
         if n == 0:  # the draft was paid and a plain step follows: draft + plain for one token
-            self._streak += 1
             self._settle(1, self.cost.skipped_after_draft_ms())
         return LengthChoice(n, max_n)
 
@@ -454,7 +468,6 @@ class Gate:
         if submitted == 0:
             return
         self.learn(logits, submitted, accepted)
-        self._streak = 0
         self._settle(accepted + 1, self.cost.drafted_round_ms(submitted))
 
     def learn(self, confidence_logits: Sequence[float], submitted: int, accepted: int) -> None:
@@ -479,11 +492,11 @@ class Gate:
 
     def to_dict(self) -> dict:
         """The gate's state as plain JSON: per bucket its range, current estimate and decayed
-        weight; `rate_tok_per_ms` (lambda); `losing_streak` (rounds); with margin_auto, the
+        weight; `rate_tok_per_ms` (lambda); `rounds_since_verified`; with margin_auto, the
         margin bins' mean gain (tokens)."""
         out = {"buckets": [{"range": bucket_label(i), "estimate": est, "weight": weight}
                            for i, (est, weight) in enumerate(zip(self.estimates(), self.estimator.observed))],
-               "rate_tok_per_ms": self.rate(), "losing_streak": self._streak}
+               "rate_tok_per_ms": self.rate(), "rounds_since_verified": self._since}
         if self.config.margin_auto:
             out["margin_bins"] = self.margin_gain.to_dict()
         return out
