@@ -177,3 +177,47 @@ def test_suspended_gate_drafts_only_on_probe_rounds():
     assert drafted[:3] == [0, PROBE_FIRST, 3 * PROBE_FIRST]
     assert all(b - a == 2 * PROBE_FIRST for a, b in zip(drafted[2:], drafted[3:]))
     assert stats.accepted == 0 and stats.margin_skipped_rounds == 200 - len(drafted)
+
+
+# ---------------------------------------------------------------------------- through the services
+WRONG_PROMPT_IDS = tuple(range(7, 19))
+WRONG_MAX_TOKENS = 64
+
+
+def test_a_drafter_that_is_always_wrong_stops_drafting_through_the_services():
+    """A scripted drafter answers every draft with the target's own next tokens shifted by one
+    id (plausible, confident (logit 8.0), always wrong): acceptance is exactly 0. The gated
+    generation must keep the spec-off output, draft in the cold first round, and afterwards
+    only on probe rounds: at most one drafted round per PROBE_FIRST rounds. (The wall-clock
+    ratio against plain decode is measured by bench/bench_gate.py.)"""
+    from services_fixtures import collect, gen_request, service_loop
+    from test_drafter_faults import CFG, _start_rig
+
+    loop = service_loop()
+    rig = loop.run(_start_rig())
+    try:
+        off = loop.run(collect(rig.stub, gen_request(ids=WRONG_PROMPT_IDS, max_tokens=WRONG_MAX_TOKENS, spec="off")))
+        target = [*WRONG_PROMPT_IDS, *off.token_ids]
+
+        def shifted(op, req, reply):
+            if op == "draft":  # the anchor sits at seed_position + 1; draft i predicts the next positions
+                first = req.draft.seed_position + 2
+                tokens = [(target[q] + 1) % CFG.vocab_size if q < len(target) else 0
+                          for q in range(first, first + len(reply.tokens))]
+                reply.ClearField("tokens")
+                reply.tokens.extend(tokens)
+                reply.ClearField("confidence_logits")
+                reply.confidence_logits.extend([8.0] * len(tokens))
+
+        rig.scripted.script = shifted
+        gated = loop.run(collect(rig.stub, gen_request(ids=WRONG_PROMPT_IDS, max_tokens=WRONG_MAX_TOKENS,
+                                                       spec="gated")))
+    finally:
+        rig.scripted.script = None
+        loop.run(rig.close())
+    s = gated.stats
+    assert gated.token_ids == off.token_ids
+    assert s.accepted == 0 and s.submitted > 0
+    drafted_rounds = s.rounds - s.margin_skipped_rounds
+    assert drafted_rounds >= 1  # the cold gate explores
+    assert drafted_rounds - 1 <= math.ceil((s.rounds - 1) / PROBE_FIRST)
