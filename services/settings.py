@@ -230,11 +230,17 @@ def client_token(flag: str | None, environ: Environ) -> tuple[str, str]:
 def gate_config(environ: Environ) -> GateConfig:
     """The gate from DEEPSEEK_DSPARK_GATE*; unset variables keep GateConfig's defaults.
 
-    Raises ValueError naming the variable and its value when a value does not parse
-    (`parse_setting`: ASCII decimal forms only) or is out of range. An empty value is invalid.
+    DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD may also be `auto` (any case): the pre-draft
+    threshold is learned (GateConfig.margin_auto). Raises ValueError naming the variable and its
+    value when a value does not parse (`parse_setting`: ASCII decimal forms only) or is out of
+    range. An empty value is invalid.
     """
-    return GateConfig(**{field: parse_setting(field, environ[var], var)
-                         for field, var in GATE_ENV_VARS.items() if var in environ})
+    values = {field: environ[var] for field, var in GATE_ENV_VARS.items() if var in environ}
+    auto = values.get("margin_threshold", "").strip(" \t\r\n").lower() == "auto"
+    if auto:  # the learned pre-draft threshold (docs/gate.md §6); the fixed one stays off
+        del values["margin_threshold"]
+    return GateConfig(**{field: parse_setting(field, raw, GATE_ENV_VARS[field]) for field, raw in values.items()},
+                      margin_auto=auto)
 
 
 def backend_settings(environ: Environ) -> BackendSettings:

@@ -171,3 +171,32 @@ def expected_calibration_error(estimates: Sequence[float | None], matched: Seque
             raise ValueError(f"bucket {b}: estimate={e!r} must be a number in [0, 1]")
         error += o / total * abs(e - m / o)
     return error
+
+
+def causal_ece(rounds: Iterable, gate) -> tuple[float | None, list[dict]]:
+    """Expected calibration error of a gate's bucket estimates on recorded rounds, replayed causally.
+
+    `rounds`: `services.gateway.rounds.Round`s (confidence_logits, submitted, accepted) in
+    order; `gate`: anything with `estimates() -> sequence of NUM_BUCKETS floats` and
+    `observe(confidence_logits, submitted, accepted)`, e.g. a fresh `Gate`. Each verified
+    round's observed positions (0..accepted, censored at the first miss) are scored with the
+    estimates the gate held BEFORE it observed that round, then the round is observed. Returns
+    (ECE, per-bucket rows): ECE = sum_b n_b |mean estimate_b - realised match rate_b| / sum_b n_b
+    (None without observations); each row has range, observed (n_b), mean_estimate and
+    match_rate (None when n_b = 0). Raises ValueError as `gate.observe` does.
+    """
+    est_sum, hits, count = [0.0] * NUM_BUCKETS, [0] * NUM_BUCKETS, [0] * NUM_BUCKETS
+    for r in rounds:
+        if r.submitted > 0:
+            est = gate.estimates()
+            for pos, c in enumerate(r.confidence_logits[: min(r.accepted + 1, r.submitted)]):
+                b = bucket_index(c)
+                est_sum[b] += est[b]
+                hits[b] += pos < r.accepted
+                count[b] += 1
+        gate.observe(r.confidence_logits, r.submitted, r.accepted)
+    rows = [{"range": bucket_label(b), "observed": n, "mean_estimate": s / n if n else None,
+             "match_rate": h / n if n else None} for b, (s, h, n) in enumerate(zip(est_sum, hits, count))]
+    means = [s / n if n else None for s, n in zip(est_sum, count)]
+    ece = expected_calibration_error(means, hits, count) if sum(count) else None
+    return ece, rows

@@ -19,6 +19,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
+from services.gateway.estimator import BucketEstimator, MarginGain, margin_bin
 from services.gateway.values import MIN_COST_MS, check_setting, finite_float, is_integer, short_repr
 
 # The reference calibration table's buckets (docs/architecture.md §12):
@@ -26,10 +27,21 @@ from services.gateway.values import MIN_COST_MS, check_setting, finite_float, is
 # A logit equal to an edge belongs to the bucket above it (lower edge inclusive).
 BUCKET_EDGES = (-0.5, 0.5, 1.5, 3.0, 6.0)
 NUM_BUCKETS = len(BUCKET_EDGES) + 1
-# Cold-start prior: one optimistic pseudo-observation (mean 1.0) per bucket, never decayed, so a
-# bucket the gate has not observed estimates 1.0 and a cold gate drafts the full block.
-PRIOR_MEAN = 1.0
+# Weight (pseudo-observations) of each bucket's pooled prior (services.gateway.estimator): weak,
+# so a bucket's own evidence decides as soon as it has a few observations.
 DEFAULT_PRIOR_WEIGHT = 1.0
+DEFAULT_MARGIN = 1.15
+# Probing while speculation loses (drafting suspended, or every draft cut to 0): the first probe
+# comes PROBE_FIRST rounds into a losing streak and each further one after twice the previous
+# gap, at most PROBE_PERIOD rounds apart. A probe drafts and verifies at least one token, so the
+# estimates can learn that the workload changed; a short bad burst is left quickly, and a
+# drafter that keeps losing costs one probe per PROBE_PERIOD rounds.
+PROBE_FIRST = 16
+PROBE_PERIOD = 32
+# Per-round forgetting of the long-run rate estimate lambda (tokens / ms): about 20 rounds.
+RATE_DECAY = 0.95
+# Drafted rounds whose confidences the pre-draft decision re-prices with the current estimates.
+RECENT_ROUNDS = 16
 
 ENV_PREFIX = "DEEPSEEK_DSPARK_GATE"
 # GateConfig field -> env var (docs/gate.md §8 lists names, defaults and valid values).
@@ -158,14 +170,21 @@ class CostModel:
         return self.verify_base_ms + self.verify_slope_ms * n
 
     def round_ms(self, n: int) -> float:
-        """cost(n) in ms (docs/gate.md §2): draft_ms + verify(n) + commit_ms for n > 0, plain_ms for n = 0.
-
-        This is the cost the decision rule compares; for n = 0 it is the plain step alone.
+        """cost(n) in ms (docs/gate.md §2): draft_ms + verify(n) + commit_ms for n > 0, plain_ms
+        for n = 0 (a round that drafted nothing; a round cut to 0 after drafting costs
+        `skipped_after_draft_ms`, and `drafted_round_ms` is what the decision rule charges).
         Raises ValueError unless n is an integer >= 0.
         """
         if not is_integer(n) or n < 0:
             raise ValueError(f"n={short_repr(n)} must be an integer >= 0")
         return self.draft_ms + self.verify_ms(n) + self.commit_ms if n > 0 else self.plain_ms
+
+    def drafted_round_ms(self, n: int) -> float:
+        """A round that drafted, from before the draft (ms): draft_ms + verify(n) for n > 0, and
+        draft_ms + plain_ms for n = 0 (a cut after the draft saves the verify, never the draft),
+        plus the drafter commit every such round pays (a constant across n, so it never moves
+        the choice of n; it keeps the modelled time honest). `n` is trusted (an integer >= 0)."""
+        return self.draft_ms + (self.verify_ms(n) if n > 0 else self.plain_ms) + self.commit_ms
 
     def skipped_after_draft_ms(self) -> float:
         """A round cut to n = 0 after drafting (ms): the draft was paid, then a plain step and
@@ -201,39 +220,60 @@ def expected_tokens(match_probs: Sequence[float], n: int) -> float:
     return _expected_totals(match_probs, n)[n]
 
 
+def _values(match_probs: Sequence[float], max_n: int, cost: CostModel, rate: float) -> list[float]:
+    """value(k) = E[tokens(k)] - rate * drafted_round_ms(k) for k = 0..max_n (tokens)."""
+    totals = _expected_totals(match_probs, max_n)
+    return [totals[k] - rate * cost.drafted_round_ms(k) for k in range(max_n + 1)]
+
+
 def decide_length(
     match_probs: Sequence[float],
     max_n: int,
     cost: CostModel,
-    margin: float = 1.15,
+    margin: float = DEFAULT_MARGIN,
     min_draft: int = 0,
+    rate: float | None = None,
 ) -> int:
-    """Draft tokens to submit: n* = argmax_n E[tokens(n)] / cost(n) (docs/gate.md §2).
+    """Draft tokens to submit after drafting: n* = argmax_n E[tokens(n)] - rate * cost(n).
 
-    n ranges over [min(min_draft, max_n), max_n]. A truncation (n < max_n, n = 0 included) is
-    taken only if its rate exceeds margin * rate(max_n): cost is linear in n but expected tokens
-    compound, so an underestimated p costs more than an overestimated one (docs/architecture.md
-    §5); ties between truncations go to the longer one. With min_draft > 0 the
-    result is never 0 unless max_n is 0. Raises ValueError naming the value on a max_n that is
-    not an integer in [0, len(match_probs)], a margin or min_draft GateConfig would reject, or a
-    probability outside [0, 1] (NaN included).
+    cost(n) = drafted_round_ms(n): draft + verify(n), or draft + plain for n = 0 (the draft is
+    paid either way, so only verify(n) against a plain step tells the choices apart). `rate`
+    (tokens per ms) is the long-run rate the generation earns; maximising this difference per
+    round maximises tokens per ms over the generation (docs/gate.md §2); None uses the plain
+    rate 1 / plain_ms, the least any policy can earn. n ranges over [min(min_draft, max_n),
+    max_n]. A truncation (n < max_n, 0 included) is taken only when its value beats the full
+    block's by more than (margin - 1) * E[tokens(max_n)]; ties between truncations go to the
+    longer one. Raises ValueError naming the value on a max_n that is not an integer in [0,
+    len(match_probs)], a margin or min_draft GateConfig would reject, a probability outside
+    [0, 1] (NaN included), or a rate that is not a finite number > 0.
     """
     max_n = _check_count("max_n", max_n, len(match_probs))
     margin_value = check_setting("margin", margin, "margin")
     floor = min(check_setting("min_draft", min_draft, "min_draft"), max_n)
+    lam = 1.0 / cost.plain_ms if rate is None else finite_float(rate)
+    if lam is None or lam <= 0:
+        raise ValueError(f"rate={short_repr(rate)} must be a finite number > 0 (tokens per ms)")
     _check_probs(match_probs, max_n)
     if max_n == 0:
         return 0
-    totals = _expected_totals(match_probs, max_n)
-    rates = [totals[n] / cost.round_ms(n) for n in range(floor, max_n + 1)]
-    full_rate = rates[-1]
-    best_n, best_rate = max_n, -1.0
+    values = _values(match_probs, max_n, cost, lam)
+    best_n, best_value = max_n, -math.inf
     for n in range(floor, max_n):
-        if rates[n - floor] >= best_rate:
-            best_n, best_rate = n, rates[n - floor]
-    if best_n < max_n and best_rate > margin_value * full_rate:
+        if values[n] >= best_value:
+            best_n, best_value = n, values[n]
+    need = (margin_value - 1.0) * _expected_totals(match_probs, max_n)[max_n]
+    if best_n < max_n and best_value - values[max_n] > need:
         return best_n
     return max_n
+
+
+def draft_advantage(match_probs: Sequence[float], cost: CostModel, rate: float) -> float:
+    """What drafting is worth before the draft, in tokens: max_k value(k) - value_plain, where
+    value_plain = 1 - rate * plain_ms is a round that does not draft. The draft's cost is in
+    every value(k), so a negative result says skipping the draft (saving draft + verify) wins.
+    Inputs are trusted (the gate's own estimates, rate > 0)."""
+    values = _values(match_probs, len(match_probs), cost, rate)
+    return max(values) - (1.0 - rate * cost.plain_ms)
 
 
 @dataclass(frozen=True)
@@ -242,16 +282,18 @@ class GateConfig:
 
     enabled: length choice on (DEEPSEEK_DSPARK_GATE); off = always submit max_n.
     margin_threshold: pre-draft gate on the anchor's top1 - top2 logit margin; 0 = disabled.
+    margin_auto: learn the pre-draft margin gate instead (MARGIN_THRESHOLD=auto; bool).
     margin: factor a truncation must win by. min_draft: floor on submitted drafts (tokens).
-    decay: per-observed-round forgetting. *_ms: cost model (ms). prior_weight: weight of the
-    optimistic cold-start pseudo-observation per bucket (not an env var).
+    decay: forgetting per observation in a bucket (and per drafted round of a margin bin).
+    *_ms: cost model (ms). prior_weight: pseudo-observations of each bucket's pooled prior
+    (not an env var).
     Values are normalised (numpy numbers to int/float, -0.0 to 0.0). Raises ValueError naming
     the field and value on an invalid setting.
     """
 
     enabled: bool = False
     margin_threshold: float = 0.0
-    margin: float = 1.15
+    margin: float = DEFAULT_MARGIN
     min_draft: int = 0
     decay: float = 0.9
     draft_ms: float = 196.0
@@ -259,9 +301,14 @@ class GateConfig:
     verify_slope_ms: float = 109.0
     plain_ms: float = 303.0
     prior_weight: float = DEFAULT_PRIOR_WEIGHT
+    margin_auto: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
+            if f.name == "margin_auto":
+                if not isinstance(self.margin_auto, bool):
+                    raise ValueError(f"margin_auto={short_repr(self.margin_auto)} must be a bool")
+                continue
             object.__setattr__(self, f.name, check_setting(f.name, getattr(self, f.name), f.name))
         self.cost_model()  # the rule across the costs
 
@@ -306,27 +353,44 @@ class Gate:
 
     One Gate per generation, never shared, so a generation's draft lengths (and so its output)
     never depend on concurrent generations. `calibration` optionally warm-starts the bucket
-    counts from a frozen process-wide snapshot; the snapshot is copied, never written back.
+    counts from a frozen snapshot; the snapshot is copied, never written back.
     A round: should_draft(margin) -> [draft] -> choose(confidences, max_n) -> [verify]
-    -> observe(confidences, submitted, accepted). The gate keeps only its estimator state (the
-    decayed per-bucket counts) and counts no rounds: the caller records each round
-    (`services.gateway.record`).
+    -> observe(confidences, submitted, accepted). Every decision reads `estimates()`. Besides
+    the estimator (`learn`), the gate keeps the long-run rate estimate `rate()` (decayed tokens
+    over decayed modelled ms of the rounds it decided), its recent drafted confidences for the
+    pre-draft decision, and the round count of its current losing streak (for probing). It
+    counts no rounds for reporting: the caller records each round (`services.gateway.record`).
     """
 
     def __init__(self, config: GateConfig, calibration: Calibration | None = None) -> None:
         self.config = config
         self.cost = config.cost_model()
-        self._matched = list(calibration.matched) if calibration else [0.0] * NUM_BUCKETS
-        self._observed = list(calibration.observed) if calibration else [0.0] * NUM_BUCKETS
+        self.estimator = BucketEstimator(NUM_BUCKETS, config.decay, config.prior_weight,
+                                         calibration.matched if calibration else None,
+                                         calibration.observed if calibration else None)
+        self.margin_gain = MarginGain(config.decay)
+        self._tokens = self._ms = 0.0  # decayed sums behind rate()
+        self._recent: list[list[float]] = []  # confidences of the last RECENT_ROUNDS drafted rounds
+        self._since = 0  # rounds asked since the last verified draft
+        self._gap = PROBE_FIRST  # rounds from one probe of a losing streak to the next
+        self._probe = False  # this round must verify at least one draft
+        self._margin_bin: int | None = None  # the drafted round's anchor-margin bin (auto threshold)
 
     def estimates(self) -> tuple[float, ...]:
-        """Current P(match | bucket): (matched + w0 * 1.0) / (observed + w0), w0 = prior_weight."""
-        w0 = self.config.prior_weight
-        return tuple((m + w0 * PRIOR_MEAN) / (o + w0) for m, o in zip(self._matched, self._observed))
+        """Current P(match | bucket), one float in [0, 1] per bucket, non-decreasing in the bucket
+        (`services.gateway.estimator.BucketEstimator`; 1.0 everywhere when cold)."""
+        return self.estimator.estimates()
+
+    def rate(self) -> float:
+        """lambda, the long-run rate estimate (tokens per ms): decayed tokens / decayed modelled
+        ms of this gate's rounds, never below the plain rate 1 / plain_ms (plain decode is always
+        available, so the best long-run rate is at least that)."""
+        floor = 1.0 / self.cost.plain_ms
+        return max(floor, self._tokens / self._ms) if self._ms > 0 else floor
 
     def calibration(self) -> Calibration:
         """Frozen copy of the current (decayed) bucket counts."""
-        return Calibration(tuple(self._matched), tuple(self._observed))
+        return Calibration(tuple(self.estimator.matched), tuple(self.estimator.observed))
 
     def match_probs(self, confidence_logits: Sequence[float]) -> list[float]:
         """P(match) per draft position from its confidence bucket alone.
@@ -338,34 +402,78 @@ class Gate:
         return [est[bucket_index(c)] for c in _logits(confidence_logits)]
 
     def should_draft(self, anchor_margin: float | None) -> bool:
-        """Pre-draft margin gate (docs/architecture.md §5, DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD).
+        """The pre-draft decision (docs/gate.md §6): False means plain decode, no draft.
 
-        False (plain decode, no draft) when the threshold is > 0 and the anchor's top1 - top2
-        logit margin is below it. Applies whether or not the length gate is enabled. None
-        (margin unknown) drafts. Raises ValueError on NaN or a non-number.
+        Skips when (1) the margin threshold is > 0 and the anchor's top1 - top2 logit margin is
+        below it, (2) with margin_auto, drafting at this margin's bin has lost on average, or
+        (3) with the length gate enabled, the recent drafted rounds, re-priced with the current
+        estimates, say drafting is worth less than its cost (`draft_advantage` < 0). (2) and (3)
+        draft anyway on the losing streak's probe rounds (PROBE_FIRST rounds in, then gaps
+        doubling up to PROBE_PERIOD), and a probe verifies the whole block. (1) and (2) apply whether or not the gate is enabled. None (margin
+        unknown) passes (1) and (2). Raises ValueError on NaN or a non-number.
         """
         margin = None if anchor_margin is None else _logit(anchor_margin, "anchor margin")
         threshold = self.config.margin_threshold
-        return not (threshold > 0 and margin is not None and margin < threshold)
+        if threshold > 0 and margin is not None and margin < threshold:
+            return self._skip()
+        self._margin_bin = None if margin is None or not self.config.margin_auto else margin_bin(margin)
+        losing = self._margin_bin is not None and self.margin_gain.losing(self._margin_bin)
+        losing = losing or (self.config.enabled and self._recent_advantage() < 0.0)
+        if losing and not self._probe_due():
+            return self._skip()
+        self._probe = losing
+        return True
+
+    def _probe_due(self) -> bool:
+        """This round is the losing streak's next probe."""
+        return self._since + 1 >= self._gap
+
+    def _skip(self) -> bool:
+        """A round the gate kept from drafting: one plain step (1 token, plain_ms)."""
+        self._since += 1
+        self._account(1, self.cost.plain_ms)
+        return False
+
+    def _recent_advantage(self) -> float:
+        """Mean draft_advantage of the recent drafted rounds under the current estimates (tokens);
+        +inf before any round drafted (a cold gate drafts)."""
+        if not self._recent:
+            return math.inf
+        est, lam = self.estimates(), self.rate()
+        probs = [[est[bisect.bisect_right(BUCKET_EDGES, c)] for c in conf] for conf in self._recent]
+        return sum(draft_advantage(p, self.cost, lam) for p in probs) / len(probs)
 
     def choose(self, confidence_logits: Sequence[float], max_n: int) -> LengthChoice:
         """The post-draft verdict: k drafts to submit, in [0, max_n] (see decide_length).
 
         `confidence_logits`: one per drafted position. `max_n` (tokens) is the caller's cap:
         min(drafted, remaining max_tokens budget, room before max_seq_len). Disabled gate: k =
-        max_n. A cut to k = 0 ages the bucket counts (see `_age`). Raises ValueError, before any
-        state changes and whether or not the gate is enabled, when a confidence is NaN or not a
-        number, or max_n is not an integer in [0, len(confidence_logits)].
+        max_n. A probe round (see should_draft; also due when every draft of a losing streak
+        was cut to 0) submits the whole block. Raises ValueError, before any state changes and
+        whether or not the gate is enabled, when a confidence is NaN or not a number, or max_n
+        is not an integer in [0, len(confidence_logits)].
         """
         logits = _logits(confidence_logits)
         max_n = _check_count("max_n", max_n, len(logits))
-        n = max_n
+        n, probe = max_n, False
         if self.config.enabled:
             est = self.estimates()
             probs = [est[bisect.bisect_right(BUCKET_EDGES, c)] for c in logits[:max_n]]
-            n = decide_length(probs, max_n, self.cost, self.config.margin, self.config.min_draft)
-        if n == 0 < max_n:
-            self._age()  # nothing is verified, so nothing is learned: let the evidence fade instead
+            probe = self._probe or self._probe_due()
+            # A probe verifies the whole block: a miss at position 0 costs little more than one
+            # draft would, and a hit teaches every position, so the gate recovers in fewer probes.
+            floor = max_n if probe else self.config.min_draft
+            n = decide_length(probs, max_n, self.cost, self.config.margin, floor, self.rate())
+        if probe or self._probe:
+            self._gap = min(PROBE_PERIOD, 2 * self._gap)  # still losing: the next probe comes later
+        elif n > 0:
+            self._gap = PROBE_FIRST  # a round drafted on its merits: the losing streak is over
+        self._probe = False
+        if max_n > 0:
+            self._recent = [*self._recent[-(RECENT_ROUNDS - 1):], logits[:max_n]]
+        self._since = 0 if n > 0 else self._since + 1
+        if n == 0:  # the draft was paid and a plain step follows: draft + plain for one token
+            self._settle(1, self.cost.skipped_after_draft_ms())
         return LengthChoice(n, max_n)
 
     def choose_length(self, confidence_logits: Sequence[float], max_n: int) -> int:
@@ -373,13 +481,12 @@ class Gate:
         return self.choose(confidence_logits, max_n).k
 
     def observe(self, confidence_logits: Sequence[float], submitted: int, accepted: int) -> None:
-        """Feed one verified round: decay all counts, then record the censored observations.
+        """Feed one verified round: `learn` from it and count its tokens and modelled cost
+        (draft + verify(submitted)) into `rate()` and the margin bins.
 
-        Positions 0..accepted-1 matched; position `accepted` missed if accepted < submitted;
-        later positions are unknown and never recorded (censoring, docs/architecture.md §5).
-        submitted == 0 records nothing and does not decay. Raises ValueError, leaving the gate
-        untouched, when a confidence is NaN or not a number, or unless submitted and accepted
-        are integers with 0 <= accepted <= submitted <= len(confidence_logits).
+        submitted == 0 changes nothing. Raises ValueError, leaving the gate untouched, when a
+        confidence is NaN or not a number, or unless submitted and accepted are integers with
+        0 <= accepted <= submitted <= len(confidence_logits).
         """
         logits = _logits(confidence_logits)
         if not (is_integer(submitted) and is_integer(accepted) and 0 <= accepted <= submitted <= len(logits)):
@@ -390,22 +497,36 @@ class Gate:
         submitted, accepted = int(submitted), int(accepted)
         if submitted == 0:
             return
-        buckets = [bisect.bisect_right(BUCKET_EDGES, c) for c in logits[: min(accepted + 1, submitted)]]
-        self._age()
-        for pos, b in enumerate(buckets):
-            self._observed[b] += 1.0
-            self._matched[b] += 1.0 if pos < accepted else 0.0
+        self.learn(logits, submitted, accepted)
+        self._settle(accepted + 1, self.cost.drafted_round_ms(submitted))
 
-    def _age(self) -> None:
-        """Decay every bucket's counts by `decay` (once per verified round, and once per round
-        cut to 0 after drafting). Without the second, a bucket whose estimate fell low enough
-        to cut every round to 0 would never be verified again and stay low for good; aged, its
-        estimate drifts back toward the optimistic prior until the gate tries it again."""
-        decay = self.config.decay
-        self._matched = [m * decay for m in self._matched]
-        self._observed = [o * decay for o in self._observed]
+    def learn(self, confidence_logits: Sequence[float], submitted: int, accepted: int) -> None:
+        """Record a verified round's censored observations in the estimator (inputs validated
+        by `observe`): positions 0..accepted-1 matched; position `accepted` missed if accepted <
+        submitted; later positions are unknown and never recorded (docs/architecture.md §5)."""
+        observed = confidence_logits[: min(accepted + 1, submitted)]
+        self.estimator.observe([bisect.bisect_right(BUCKET_EDGES, c) for c in observed], accepted)
+
+    def _settle(self, tokens: int, ms: float) -> None:
+        """A drafted round's outcome: into rate() and, with margin_auto, its margin bin's gain
+        against the plain step it replaced (tokens - lambda * ms - (1 - lambda * plain_ms))."""
+        if self._margin_bin is not None:
+            lam = self.rate()
+            self.margin_gain.add(self._margin_bin, tokens - lam * ms - (1.0 - lam * self.cost.plain_ms))
+            self._margin_bin = None
+        self._account(tokens, ms)
+
+    def _account(self, tokens: int, ms: float) -> None:
+        self._tokens = self._tokens * RATE_DECAY + tokens
+        self._ms = self._ms * RATE_DECAY + ms
 
     def to_dict(self) -> dict:
-        """The estimator as plain JSON: per bucket its range, current decayed estimate and weight."""
-        return {"buckets": [{"range": bucket_label(i), "estimate": est, "weight": weight}
-                            for i, (est, weight) in enumerate(zip(self.estimates(), self._observed))]}
+        """The gate's state as plain JSON: per bucket its range, current estimate and decayed
+        weight; `rate_tok_per_ms` (lambda); `rounds_since_verified`; with margin_auto, the
+        margin bins' mean gain (tokens)."""
+        out = {"buckets": [{"range": bucket_label(i), "estimate": est, "weight": weight}
+                           for i, (est, weight) in enumerate(zip(self.estimates(), self.estimator.observed))],
+               "rate_tok_per_ms": self.rate(), "rounds_since_verified": self._since}
+        if self.config.margin_auto:
+            out["margin_bins"] = self.margin_gain.to_dict()
+        return out
