@@ -89,17 +89,18 @@ class EstimateTally:
 def replay_through_gate(rounds: Sequence[Round], gate: Gate, tally: EstimateTally | None = None) -> RoundStats:
     """Causal replay of `rounds` through `gate`: should_draft, choose (capped at the recorded
     submitted), observe what that choice would have verified. `tally` (optional) collects the
-    estimates the gate held at each decision against every recorded observed position.
+    estimates the gate held at each round against every recorded observed position, whether
+    or not the gate drafted that round (a suspended gate still holds estimates).
     """
     cost, out = gate.cost, RoundStats()
     for rec in rounds:
+        if tally is not None and rec.confidence_logits:
+            tally.add(rec, gate.estimates())
         if not rec.confidence_logits:
             out.add(replayed_round(rec, None, cost))
         elif not gate.should_draft(rec.anchor_margin):
             out.add(replayed_round(rec, None, cost, Reason.ANCHOR_MARGIN))
         else:
-            if tally is not None:
-                tally.add(rec, gate.estimates())
             n = gate.choose(rec.confidence_logits, rec.submitted).k
             gate.observe(rec.confidence_logits, n, min(rec.accepted, n))
             out.add(replayed_round(rec, n, cost))
@@ -161,7 +162,8 @@ class HindsightGate(Gate):
     """A `Gate` that knows the true per-bucket match rates and learns nothing.
 
     `estimates()` returns the fixed `rates` [NUM_BUCKETS] (P(match), each in [0, 1]) and
-    `observe` does nothing, so every decision runs through the live gate's own rule. Raises
+    `learn` (the estimator update) does nothing; `observe` still keeps the gate's long-run
+    rate and pre-draft statistics, so every decision runs through the live gate's own rule. Raises
     ValueError naming the value when `rates` has the wrong length or a rate outside [0, 1].
     """
 
@@ -179,7 +181,7 @@ class HindsightGate(Gate):
         """The fixed per-bucket rates given at construction."""
         return self._rates
 
-    def observe(self, confidence_logits: Sequence[float], submitted: int, accepted: int) -> None:
+    def learn(self, confidence_logits: Sequence[float], submitted: int, accepted: int) -> None:
         """Nothing: the rates are already the truth."""
 
 
