@@ -40,7 +40,9 @@ TOOL_TIMEOUT_S = 120
 EXTERNAL_SECRETS = {"dspark-verifier-tls", "dspark-drafter-tls", "dspark-gateway-tls",
                     "dspark-gateway-public-tls", "dspark-gateway-token"}
 GATE_KEYS = {"DEEPSEEK_DSPARK_GATE"} | {f"DEEPSEEK_DSPARK_GATE_{k}" for k in (
-    "MARGIN_THRESHOLD", "MARGIN", "MIN_DRAFT", "DECAY", "DRAFT_MS", "VERIFY_BASE_MS", "VERIFY_SLOPE_MS", "PLAIN_MS")}
+    "MARGIN_THRESHOLD", "MARGIN", "MIN_DRAFT", "DECAY")}
+# The manifests leave the gate's costs to measurement (docs/gate.md §12): a pinned cost would win.
+COST_PINS = {f"DEEPSEEK_DSPARK_GATE_{k}" for k in ("DRAFT_MS", "VERIFY_BASE_MS", "VERIFY_SLOPE_MS", "PLAIN_MS")}
 DSPARK_DEPLOYMENTS = ("dspark-verifier", "dspark-drafter", "dspark-gateway")
 
 
@@ -228,6 +230,7 @@ def test_backend_targets_name_headless_services_so_round_robin_sees_every_pod(ov
 def test_settings_configmap_parses_with_the_services_own_readers(overlay):
     data = settings_of(objects(overlay))
     assert GATE_KEYS <= data.keys()
+    assert not COST_PINS & data.keys() and data["DSPARK_GATE_COSTS"] == "measured"
     assert {"OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_SAMPLER"} <= data.keys()
     gate = gate_config(data)
     assert gate.enabled and gate.margin == 1.15
