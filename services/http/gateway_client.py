@@ -56,15 +56,18 @@ class GatewayClient:
             call.cancel()  # a no-op once the call has ended
 
     async def collect(self, request: gateway_pb2.GenerateRequest,
-                      authorization: str | None) -> gateway_pb2.GenerateResponse:
-        """The final message of `request`'s Generate stream (text, usage, stats).
+                      authorization: str | None) -> tuple[gateway_pb2.GenerateResponse, list[int]]:
+        """The final message of `request`'s Generate stream (text, usage, stats) and every
+        completion token id the stream carried, in order.
 
         Raises:
             ApiError: the call failed, or the stream ended without a final message (502).
         """
+        token_ids: list[int] = []
         async for message in self.generate(request, authorization):
+            token_ids.extend(message.token_ids)
             if message.finished:
-                return message
+                return message, token_ids
         raise ApiError(502, "the gateway's stream ended without a final message", code="bad_gateway")
 
     async def serving(self) -> bool:

@@ -66,34 +66,42 @@ class Shape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, final: gateway_pb2.GenerateResponse) -> dict:
-        """The non-streaming response of a finished generation (`final`: its last message)."""
+    def whole(self, final: gateway_pb2.GenerateResponse, token_ids: list[int] | None = None) -> dict:
+        """The non-streaming response of a finished generation (`final`: its last message);
+        token_ids: the completion's ids, added to the choice as `token_ids` (None: not added)."""
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": final.text},
                       "logprobs": None, "finish_reason": final.finish_reason}
         else:
             choice = {"index": 0, "text": final.text, "logprobs": None, "finish_reason": final.finish_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
                 "usage": usage(final), "dspark": dspark_stats(final)}
 
     def chunk(self, text: str, finish_reason: str | None = None, *, first: bool = False,
-              with_usage_field: bool = False) -> dict:
+              with_usage_field: bool = False, token_ids: list[int] | None = None) -> dict:
         """One streamed chunk with `text` (chat: the delta; `first` adds the assistant role).
-        with_usage_field: add `"usage": null`, as OpenAI does when the stream's usage comes last."""
+        with_usage_field: add `"usage": null`, as OpenAI does when the stream's usage comes last;
+        token_ids: the ids new in this chunk, added to the choice (None: not added)."""
         if self.chat:
             delta = ({"role": "assistant", "content": text} if first else {"content": text}) \
                 if (text or first) else {}
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if with_usage_field:
             body["usage"] = None
         return body
 
-    def final_chunk(self, final: gateway_pb2.GenerateResponse, with_usage_field: bool) -> dict:
-        """The chunk with the finish reason, the last text delta and the `dspark` stats."""
-        body = self.chunk(final.text_delta, final.finish_reason, with_usage_field=with_usage_field)
+    def final_chunk(self, final: gateway_pb2.GenerateResponse, with_usage_field: bool,
+                    with_token_ids: bool = False) -> dict:
+        """The chunk with the finish reason, the last text delta (and ids) and the `dspark` stats."""
+        body = self.chunk(final.text_delta, final.finish_reason, with_usage_field=with_usage_field,
+                          token_ids=list(final.token_ids) if with_token_ids else None)
         body["dspark"] = dspark_stats(final)
         return body
 

@@ -132,7 +132,8 @@ async def _respond(client: GatewayClient, req: gateway_pb2.GenerateRequest, body
     """The whole response, or the SSE stream once the gateway's first message arrived.
     Raises ApiError: the call failed before any message (its mapped status)."""
     if not body.stream:
-        return JSONResponse(shape.whole(await client.collect(req, authorization)))
+        final, token_ids = await client.collect(req, authorization)
+        return JSONResponse(shape.whole(final, token_ids if body.return_token_ids else None))
     stream = client.generate(req, authorization)
     try:
         first = await anext(stream)
@@ -141,25 +142,27 @@ async def _respond(client: GatewayClient, req: gateway_pb2.GenerateRequest, body
     except BaseException:
         await stream.aclose()
         raise
-    return StreamingResponse(_events(stream, first, shape, body.include_usage), media_type="text/event-stream",
-                             headers=SSE_HEADERS)
+    return StreamingResponse(_events(stream, first, shape, body.include_usage, body.return_token_ids),
+                             media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 async def _events(stream: AsyncIterator[gateway_pb2.GenerateResponse], first: gateway_pb2.GenerateResponse,
-                  shape: Shape, include_usage: bool) -> AsyncIterator[bytes]:
-    """The SSE events of one generation: (chat: a role chunk), a chunk per non-empty text
-    delta, the finish chunk, (include_usage: the usage chunk), then [DONE]."""
+                  shape: Shape, include_usage: bool, token_ids: bool) -> AsyncIterator[bytes]:
+    """The SSE events of one generation: (chat: a role chunk), a chunk per gateway message
+    with new text (or, with `token_ids`, new ids), the finish chunk, (include_usage: the usage
+    chunk), then [DONE]."""
     try:
         if shape.chat:
             yield sse(shape.chunk("", first=True, with_usage_field=include_usage))
         message: gateway_pb2.GenerateResponse | None = first
         while message is not None and not message.finished:
-            if message.text_delta:
-                yield sse(shape.chunk(message.text_delta, with_usage_field=include_usage))
+            if message.text_delta or (token_ids and message.token_ids):
+                yield sse(shape.chunk(message.text_delta, with_usage_field=include_usage,
+                                      token_ids=list(message.token_ids) if token_ids else None))
             message = await anext(stream, None)
         if message is None:
             raise ApiError(502, "the gateway's stream ended without a final message", code="bad_gateway")
-        yield sse(shape.final_chunk(message, include_usage))
+        yield sse(shape.final_chunk(message, include_usage, token_ids))
         if include_usage:
             yield sse(shape.usage_chunk(message))
     except ApiError as exc:

@@ -11,8 +11,9 @@ value must be 0, `top_p` 1, `logprobs` null, or the request is refused with a 40
 the field and says only greedy decoding is supported. `seed` is accepted and changes nothing
 (greedy output does not depend on it).
 
-Extensions beyond OpenAI (vLLM spells the last two the same way): `spec` ("off", "always",
-"gated"; default: the gateway's), `ignore_eos`, `stop_token_ids`.
+Extensions beyond OpenAI (vLLM spells the last three the same way): `spec` ("off", "always",
+"gated"; default: the gateway's), `ignore_eos`, `stop_token_ids`, and `return_token_ids`
+(each choice and chunk then carries the completion's token ids as `token_ids`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ class GenerationFields(BaseModel):
     spec: Literal["off", "always", "gated"] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list, max_length=1024)
+    return_token_ids: bool = False
 
     def check_common(self) -> None:
         """Refuse what the service cannot do yet.

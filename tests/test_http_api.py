@@ -1,0 +1,286 @@
+"""The OpenAI-compatible HTTP front, driven by the official `openai` client and by raw HTTP.
+
+Real servers on port 0: a verifier, a live oracle drafter that corrupts some draft slots (so
+both accepted and rejected prediction tokens occur), a gateway (sequential verify: exact, so
+repeated runs agree) and its HTTP front, which reaches the gateway over a real gRPC channel.
+The gRPC side of each comparison goes through the same gateway's stub.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import openai
+import pytest
+from google.protobuf.json_format import MessageToDict
+
+from services.http.server import GatewayWithHttp, RANDOM_MODEL_ID, start_http_front
+from tests.services_fixtures import GatewayHandle, ServiceStack, collect, gen_request, start_stack
+
+TOKEN = "http-Token_0123"
+PROMPT = "The quick brown fox"
+TIMEOUT_S = 60.0
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@dataclass
+class Front:
+    stack: ServiceStack
+    gateway: GatewayHandle
+    http: GatewayWithHttp
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http.http.port}/v1"
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base_url, api_key=api_key, max_retries=0, timeout=TIMEOUT_S)
+
+    def grpc(self, prompt: str = PROMPT, **kwargs):
+        """The same generation through the gateway's gRPC API (a `Generation`)."""
+        return self.stack.loop.run(collect(self.gateway.stub, gen_request(prompt, **kwargs)))
+
+
+def _start_front(stack: ServiceStack, checkpoint: str | None = None, token: str = "") -> Front:
+    gw = stack.loop.run(stack.start_gateway("sequential", token=token))
+    http = stack.loop.run(start_http_front(gw.server, gw.scheduler, checkpoint, 0, token=token,
+                                           generate_timeout_s=TIMEOUT_S))
+    return Front(stack, gw, http)
+
+
+def _stop_front(front: Front) -> None:
+    front.stack.loop.run(front.http.http.stop(1.0))
+    front.stack.loop.run(front.gateway.close())
+
+
+@pytest.fixture(scope="module")
+def stack():
+    s = start_stack("oracle", corrupt_every=3)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def front(stack):
+    f = _start_front(stack)
+    yield f
+    _stop_front(f)
+
+
+def _post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict, str]:
+    """(status, headers, body text) of a raw POST (no client library in between)."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json",
+                                                                  **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
+            return resp.status, dict(resp.headers), resp.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read().decode()
+
+
+# ---------------------------------------------------------------------------- completions
+def test_completion_matches_grpc_tokens_usage_and_stats(front):
+    r = front.client().completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=20, temperature=0,
+                                          extra_body={"ignore_eos": True, "spec": "always",
+                                                      "return_token_ids": True})
+    g = front.grpc(max_tokens=20, spec="always")
+    choice = r.choices[0]
+    assert choice.model_extra["token_ids"] == g.token_ids and len(g.token_ids) == 20
+    assert choice.text == g.final.text and choice.finish_reason == "length" == g.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(PROMPT.encode()), 20)
+    assert r.usage.total_tokens == len(PROMPT.encode()) + 20
+    stats = g.final.spec_stats
+    details = r.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens == stats.accepted > 0
+    assert details.rejected_prediction_tokens == stats.submitted - stats.accepted > 0
+    dspark = r.model_extra["dspark"]
+    assert {k: dspark[k] for k in ("rounds", "drafted", "submitted", "accepted", "plain_rounds")} == \
+        {"rounds": stats.rounds, "drafted": stats.drafted, "submitted": stats.submitted,
+         "accepted": stats.accepted, "plain_rounds": stats.plain_rounds}
+    assert r.object == "text_completion" and r.model == RANDOM_MODEL_ID and r.id.startswith("cmpl-")
+
+
+def test_token_id_prompt_and_one_element_batch_give_the_same_completion(front):
+    ids = list(PROMPT.encode())
+    ids = [b + 2 for b in ids]  # the random model's byte tokenizer: byte + 2
+    client = front.client()
+    by_text = client.completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=6,
+                                        extra_body={"ignore_eos": True})
+    by_ids = client.completions.create(model=RANDOM_MODEL_ID, prompt=ids, max_tokens=6,
+                                       extra_body={"ignore_eos": True})
+    batch_of_one = client.completions.create(model=RANDOM_MODEL_ID, prompt=[PROMPT], max_tokens=6,
+                                             extra_body={"ignore_eos": True})
+    assert by_ids.choices[0].text == by_text.choices[0].text == batch_of_one.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_streaming_matches_the_whole_response_and_ends_with_usage(front):
+    client = front.client()
+    whole = client.completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=16,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    chunks = list(client.completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=16, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True, "return_token_ids": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert [t for c in text_chunks for t in c.choices[0].model_extra["token_ids"]] == \
+        whole.choices[0].model_extra["token_ids"]
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    assert text_chunks[-1].model_extra["dspark"] == whole.model_extra["dspark"] | {
+        "time_to_first_token_ms": text_chunks[-1].model_extra["dspark"]["time_to_first_token_ms"]}
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.model_dump() == whole.usage.model_dump()
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_raw_sse_framing(front):
+    status, headers, body = _post(front.base_url + "/completions",
+                                  {"prompt": PROMPT, "max_tokens": 4, "stream": True, "ignore_eos": True})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = body.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    payloads = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+    assert len({p["id"] for p in payloads}) == 1 and "usage" not in payloads[0]
+
+
+def test_stop_string_and_max_tokens(front):
+    client = front.client()
+    full = client.completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=24,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[10:13]
+    cut = client.completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=24, stop=[stop, "\x00zz"],
+                                    extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == full[:full.find(stop)] and cut.choices[0].finish_reason == "stop"
+    g = front.grpc(max_tokens=24, stop=[stop, "\x00zz"], spec="default")
+    assert cut.usage.completion_tokens == g.final.usage.completion_tokens < 24
+    short = client.completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=3,
+                                      extra_body={"ignore_eos": True})
+    assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
+
+
+# ---------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("kwargs, param, words", [
+    ({"temperature": 0.7}, "temperature", "temperature=0.7: only greedy decoding is supported"),
+    ({"top_p": 0.5}, "top_p", "top_p=0.5: only greedy decoding is supported"),
+    ({"logprobs": 2}, "logprobs", "logprobs=2: only greedy decoding is supported"),
+    ({"n": 2}, "n", "n=2"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens: Input should be greater than or equal to 1"),
+])
+def test_unsupported_fields_are_400_naming_the_field(front, kwargs, param, words):
+    args = {"model": RANDOM_MODEL_ID, "prompt": PROMPT, "max_tokens": 4} | kwargs
+    with pytest.raises(openai.BadRequestError) as err:
+        front.client().completions.create(**args)
+    assert err.value.status_code == 400 and err.value.param == param
+    assert words in err.value.message and err.value.type == "invalid_request_error"
+
+
+def test_gateway_refusals_map_to_http_statuses(front):
+    client = front.client()
+    with pytest.raises(openai.BadRequestError) as err:  # the gateway's INVALID_ARGUMENT
+        client.completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=1000)
+    assert "exceeds max_seq_len=256" in err.value.message and err.value.code == "invalid_argument"
+    with pytest.raises(openai.BadRequestError) as err:  # a token id outside the vocabulary
+        client.completions.create(model=RANDOM_MODEL_ID, prompt=[5, 10**6], max_tokens=2, stream=True)
+    assert "prompt token id 1000000 outside" in err.value.message
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+    assert "model='gpt-4'" in err.value.message and err.value.param == "model"
+    status, _, body = _post(front.base_url + "/nowhere", {})
+    assert status == 404 and json.loads(body)["error"]["type"] == "not_found_error"
+    status, _, body = _post(front.base_url + "/completions", {"prompt": ["a", "b"]})
+    assert status == 400 and "batch of 2 prompts" in json.loads(body)["error"]["message"]
+    assert "Traceback" not in body
+
+
+def test_client_that_disconnects_closes_the_backend_sessions(front, stack):
+    finished_before = front.gateway.scheduler.stats.generations
+    stream = front.client().completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=200,
+                                               stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+    assert set(stack.wait_idle().values()) == {0}
+    assert front.gateway.scheduler.stats.generations == finished_before  # cancelled, not run to its end
+
+
+# ---------------------------------------------------------------------------- other endpoints
+def test_models_and_health(front):
+    models = front.client().models.list()
+    assert [m.id for m in models.data] == [RANDOM_MODEL_ID]
+    assert models.data[0].model_extra["max_model_len"] == 256
+    with urllib.request.urlopen(f"http://127.0.0.1:{front.http.http.port}/health", timeout=TIMEOUT_S) as resp:
+        assert resp.status == 200 and json.loads(resp.read()) == {"status": "ok"}
+
+
+def test_chat_without_a_template_is_a_clear_400(front):
+    with pytest.raises(openai.BadRequestError) as err:
+        front.client().chat.completions.create(model=RANDOM_MODEL_ID, messages=[{"role": "user", "content": "hi"}])
+    assert "no chat template" in err.value.message and err.value.code == "chat_template_missing"
+
+
+def test_chat_with_a_template_renders_it_and_streams(stack, tmp_path):
+    folder = tmp_path / "templated-model"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|eos|>"}))
+    f = _start_front(stack, str(folder))
+    try:
+        client = f.client()
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count: 1 2 3"}]
+        rendered = "<system>Be brief.</system>\n<user>Count: 1 2 3</user>\n<assistant>"
+        chat = client.chat.completions.create(model="templated-model", messages=messages, max_tokens=8,
+                                              extra_body={"ignore_eos": True})
+        plain = client.completions.create(model="templated-model", prompt=rendered, max_tokens=8,
+                                          extra_body={"ignore_eos": True})
+        assert chat.choices[0].message.content == plain.choices[0].text
+        assert chat.choices[0].message.role == "assistant" and chat.object == "chat.completion"
+        assert chat.usage.prompt_tokens == len(rendered.encode()) == plain.usage.prompt_tokens
+        chunks = list(client.chat.completions.create(model="templated-model", messages=messages, max_tokens=8,
+                                                     stream=True, extra_body={"ignore_eos": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.choices[0].text
+        assert chunks[-1].choices[0].finish_reason == "length"
+    finally:
+        _stop_front(f)
+
+
+# ---------------------------------------------------------------------------- auth
+def test_bearer_token_is_required_and_forwarded(stack):
+    f = _start_front(stack, token=TOKEN)
+    try:
+        with pytest.raises(openai.AuthenticationError) as err:
+            f.client("wrong").completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=2)
+        assert err.value.status_code == 401 and "wrong" not in err.value.message
+        status, _, body = _post(f.base_url + "/completions", {"prompt": PROMPT, "max_tokens": 2})
+        assert status == 401 and "missing bearer token" in json.loads(body)["error"]["message"]
+        ok = f.client(TOKEN).completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=2)
+        assert ok.usage.completion_tokens >= 1
+        assert [m.id for m in f.client(TOKEN).models.list().data] == [RANDOM_MODEL_ID]
+    finally:
+        _stop_front(f)
+
+
+def test_same_tokens_usage_and_stats_over_http_stream_and_grpc(front):
+    """One prompt and parameter set, three ways: gRPC, HTTP whole, HTTP streamed."""
+    g = front.grpc("def f(x):", max_tokens=12, spec="always", stop=["zz"])
+    body = {"model": RANDOM_MODEL_ID, "prompt": "def f(x):", "max_tokens": 12, "spec": "always", "stop": "zz",
+            "ignore_eos": True, "return_token_ids": True}
+    _, _, whole = _post(front.base_url + "/completions", body)
+    whole = json.loads(whole)
+    _, _, streamed = _post(front.base_url + "/completions",
+                           body | {"stream": True, "stream_options": {"include_usage": True}})
+    events = [json.loads(e[len("data: "):]) for e in streamed.split("\n\n")[:-2]]
+    stats = MessageToDict(g.final.spec_stats, preserving_proto_field_name=True,
+                          always_print_fields_with_no_presence=True)
+    assert whole["choices"][0]["token_ids"] == g.token_ids
+    assert [t for e in events if e["choices"] for t in e["choices"][0]["token_ids"]] == g.token_ids
+    assert whole["usage"] == events[-1]["usage"]
+    assert (whole["usage"]["prompt_tokens"], whole["usage"]["completion_tokens"]) == \
+        (g.final.usage.prompt_tokens, g.final.usage.completion_tokens)
+    for got in (whole["dspark"], events[-2]["dspark"]):
+        assert {k: v for k, v in got.items() if k != "time_to_first_token_ms"} == stats
