@@ -9,17 +9,24 @@ The gRPC side of each comparison goes through the same gateway's stub.
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 
 import openai
 import pytest
 from google.protobuf.json_format import MessageToDict
 
 from services.http.server import GatewayWithHttp, RANDOM_MODEL_ID, start_http_front
+from services.settings import http_port, read_settings
 from tests.services_fixtures import GatewayHandle, ServiceStack, collect, gen_request, start_stack
 
+REPO = Path(__file__).resolve().parents[1]
 TOKEN = "http-Token_0123"
 PROMPT = "The quick brown fox"
 TIMEOUT_S = 60.0
@@ -284,3 +291,41 @@ def test_same_tokens_usage_and_stats_over_http_stream_and_grpc(front):
         (g.final.usage.prompt_tokens, g.final.usage.completion_tokens)
     for got in (whole["dspark"], events[-2]["dspark"]):
         assert {k: v for k, v in got.items() if k != "time_to_first_token_ms"} == stats
+
+
+# ---------------------------------------------------------------------------- settings and start-up
+def test_http_port_setting():
+    assert read_settings({"DSPARK_HTTP_PORT": "8000"}, "gateway").http_port == 8000
+    assert read_settings({}, "gateway").http_port is None
+    assert read_settings({"DSPARK_HTTP_PORT": "8000"}, "gateway", http_port_flag=0).http_port == 0
+    assert read_settings({"DSPARK_HTTP_PORT": "8000"}, "verifier").http_port is None
+    with pytest.raises(ValueError, match=r"DSPARK_HTTP_PORT='80a': must be an integer in \[0, 65535\]"):
+        read_settings({"DSPARK_HTTP_PORT": "80a"}, "gateway")
+    with pytest.raises(ValueError, match=r"--http-port=70000: must be in \[0, 65535\]"):
+        read_settings({}, "gateway", http_port_flag=70000)
+    with pytest.raises(ValueError, match="DSPARK_HTTP_PORT=8000 with DSPARK_GATEWAY_TLS_CERT"):
+        http_port(None, {"DSPARK_HTTP_PORT": "8000"}, gateway_tls=True)
+
+
+def test_cli_refuses_a_bad_http_port_in_one_line():
+    for args, words in ((["serve", "gateway", "--http-port", "70000"], "--http-port=70000: must be in [0, 65535]"),
+                        (["up", "--http-port", "-1"], "--http-port=-1: must be in [0, 65535]")):
+        out = subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO, capture_output=True,
+                             text=True, timeout=TIMEOUT_S, stdin=subprocess.DEVNULL,
+                             env={k: v for k, v in os.environ.items() if not k.startswith("DSPARK_")})
+        assert out.returncode == 2 and "Traceback" not in out.stderr
+        assert words in out.stderr.strip().splitlines()[-1]
+
+
+def test_a_taken_http_port_is_a_named_error(stack):
+    gw = stack.loop.run(stack.start_gateway("sequential"))
+    taken = socket.socket()
+    try:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"HTTP front: could not bind 127.0.0.1:{port}"):
+            stack.loop.run(start_http_front(gw.server, gw.scheduler, None, port))
+    finally:
+        taken.close()
+        stack.loop.run(gw.close())
