@@ -90,6 +90,10 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
     errors = exc.errors()
     if not errors:
         return ApiError(400, "invalid request body", code="invalid_value").response()
+    if errors[0].get("type") == "json_invalid":  # its loc is a character offset, not a field
+        reason = errors[0].get("ctx", {}).get("error", "")
+        return ApiError(400, f"request body: not valid JSON ({reason}, at character {errors[0]['loc'][-1]})",
+                        code="invalid_json").response()
     path = _field_path(errors[0].get("loc", ()))
     param = path.split(".")[0] or None
     reasons = list(dict.fromkeys(e.get("msg", "") for e in errors if _field_path(e.get("loc", ())) == path))
