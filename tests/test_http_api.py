@@ -22,6 +22,7 @@ import openai
 import pytest
 from google.protobuf.json_format import MessageToDict
 
+from services.http.routes import MISSING_HEADER
 from services.http.server import GatewayWithHttp, RANDOM_MODEL_ID, start_http_front
 from services.settings import http_port, read_settings
 from tests.services_fixtures import GatewayHandle, ServiceStack, collect, gen_request, start_stack
@@ -264,7 +265,7 @@ def test_bearer_token_is_required_and_forwarded(stack):
             f.client("wrong").completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=2)
         assert err.value.status_code == 401 and "wrong" not in err.value.message
         status, _, body = _post(f.base_url + "/completions", {"prompt": PROMPT, "max_tokens": 2})
-        assert status == 401 and "missing bearer token" in json.loads(body)["error"]["message"]
+        assert status == 401 and json.loads(body)["error"]["message"] == MISSING_HEADER
         ok = f.client(TOKEN).completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=2)
         assert ok.usage.completion_tokens >= 1
         assert [m.id for m in f.client(TOKEN).models.list().data] == [RANDOM_MODEL_ID]
@@ -329,3 +330,26 @@ def test_a_taken_http_port_is_a_named_error(stack):
     finally:
         taken.close()
         stack.loop.run(gw.close())
+
+
+def test_unreachable_gateway_is_503_and_an_expired_deadline_504(stack):
+    f = _start_front(stack)
+    late = None
+    try:
+        late = stack.loop.run(start_http_front(f.gateway.server, f.gateway.scheduler, None, 0,
+                                               generate_timeout_s=0.001))
+        with pytest.raises(openai.APIStatusError) as err:  # the front's deadline on its Generate call expires
+            openai.OpenAI(base_url=f"http://127.0.0.1:{late.http.port}/v1", api_key="unused", max_retries=0,
+                          timeout=TIMEOUT_S).completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=50)
+        assert err.value.status_code == 504 and err.value.code == "deadline_exceeded"
+        stack.loop.run(f.gateway.server.stop(0))
+        with pytest.raises(openai.APIStatusError) as err:
+            f.client().completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=2)
+        assert err.value.status_code == 503 and err.value.type == "service_unavailable"
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(f"http://127.0.0.1:{f.http.http.port}/health", timeout=TIMEOUT_S)
+        assert health.value.code == 503
+    finally:
+        if late is not None:
+            stack.loop.run(late.http.stop(1.0))
+        _stop_front(f)

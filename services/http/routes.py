@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark_proto.v1 import gateway_pb2
-from services.gateway.auth import BearerTokenInterceptor
+from services.gateway.auth import MISSING, BearerTokenInterceptor
 from services.gateway.tokenizer import Tokenizer
 from services.http.chat import ChatTemplate
 from services.http.errors import (ApiError, api_error_handler, internal_error_handler,
@@ -31,6 +31,7 @@ from services.http.gateway_client import GatewayClient
 from services.http.responses import DONE, Shape, sse
 from services.http.schemas import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 
+MISSING_HEADER = "missing bearer token: send the header 'Authorization: Bearer <token>'"
 # SSE through proxies: no caching, no buffering (nginx honours X-Accel-Buffering).
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 NO_TEMPLATE = ("this model has no chat template (its checkpoint has no chat_template in tokenizer_config.json "
@@ -65,7 +66,7 @@ class Front:
         if self.auth is not None:
             reason = self.auth.check([("authorization", header)] if header is not None else [])
             if reason is not None:
-                raise ApiError(401, reason.replace("the metadata", "the header"), code="invalid_api_key")
+                raise ApiError(401, MISSING_HEADER if reason == MISSING else reason, code="invalid_api_key")
         return header
 
     def check_model(self, name: str | None) -> None:
