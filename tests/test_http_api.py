@@ -205,6 +205,12 @@ def test_gateway_refusals_map_to_http_statuses(front):
     status, _, body = _post(front.base_url + "/completions", {"prompt": ["a", "b"]})
     assert status == 400 and "batch of 2 prompts" in json.loads(body)["error"]["message"]
     assert "Traceback" not in body
+    raw = urllib.request.Request(front.base_url + "/completions", b"{bad json", {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(raw, timeout=TIMEOUT_S)
+    error = json.loads(err.value.read())["error"]
+    assert err.value.code == 400 and error["code"] == "invalid_json" and error["param"] is None
+    assert error["message"].startswith("request body: not valid JSON")
 
 
 def test_client_that_disconnects_closes_the_backend_sessions(front, stack):
