@@ -51,6 +51,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--record-rounds", default=None, help="gateway: write every round to FILE (replay format)")
     serve.add_argument("--metrics-port", type=int, default=None,
                        help="gateway: serve Prometheus metrics on this port (default: $DSPARK_METRICS_PORT, else none)")
+    serve.add_argument("--http-port", type=int, default=None,
+                       help="gateway: serve the OpenAI-compatible HTTP API on this port "
+                            "(default: $DSPARK_HTTP_PORT, else none; 0 = any free port)")
     serve.set_defaults(func=_serve)
 
     up = sub.add_parser("up", help="start verifier, drafter and gateway on localhost")
@@ -59,6 +62,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--port-base", type=int, default=DEFAULT_PORTS["gateway"],
                     help="gateway port; the verifier listens on port-base + 1, the drafter on + 2 (default 50050)")
     up.add_argument("--record-rounds", default=None, help="gateway: write every round to FILE at shutdown")
+    up.add_argument("--http-port", type=int, default=None,
+                    help="the gateway's OpenAI-compatible HTTP API (default: port-base + 3)")
     up.set_defaults(func=_up)
 
     gen = sub.add_parser("generate", help="stream a generation from a gateway")
@@ -110,7 +115,8 @@ def _serve(args) -> int:
             raise ValueError(f"--tp={args.tp}: must be >= 1")
         settings = read_settings(os.environ, args.service, tp=args.tp,
                                  checkpoint_flag=getattr(args, "checkpoint", None),
-                                 metrics_port_flag=getattr(args, "metrics_port", None))
+                                 metrics_port_flag=getattr(args, "metrics_port", None),
+                                 http_port_flag=getattr(args, "http_port", None))
         if getattr(args, "record_rounds", None) is not None:
             _check_writable("--record-rounds", args.record_rounds)
     except ValueError as exc:
@@ -182,11 +188,19 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
                                                                                                   model=s.model)
         engine = app.drafter_engine(model, args.oracle, s.backend, args.oracle_corrupt_every)
         return await app.start_drafter(engine, port, provider, args.host, credentials=tls, max_connection_age_s=age)
-    running, _, _ = await app.start_gateway(
+    running, scheduler, _ = await app.start_gateway(
         s.gateway, s.gate, port=port, provider=provider, checkpoint=s.checkpoint, recorder=recorder,
         host=args.host, backend_tls=s.tls, credentials=s.gateway_tls and s.gateway_tls.server_credentials(),
         metrics=metrics, max_connection_age_s=age)
-    return running
+    if s.http_port is None:
+        return running
+    from services.http.server import start_http_front
+    try:
+        return await start_http_front(running, scheduler, s.checkpoint, s.http_port, args.host, s.gateway.token,
+                                      s.gateway.generation_timeout_s, metrics and metrics.registry)
+    except BaseException:
+        await running.stop(0)
+        raise
 
 
 def up_ports(port_base: int) -> dict[str, int]:
@@ -205,6 +219,9 @@ def _up(args) -> int:
     ckpt = ["--checkpoint", args.checkpoint] if args.checkpoint else []
     try:
         ports = up_ports(args.port_base)
+        http_port = args.port_base + 3 if args.http_port is None else args.http_port
+        if not 0 <= http_port <= 65535:
+            raise ValueError(f"--http-port={http_port}: must be in [0, 65535] (default port-base + 3)")
         if args.record_rounds is not None:
             _check_writable("--record-rounds", args.record_rounds)
     except ValueError as exc:
@@ -216,7 +233,7 @@ def _up(args) -> int:
     env.setdefault("DSPARK_STARTUP_TIMEOUT_S", "120")
     try:  # the three children's settings, checked once here before anything starts
         for service in ("verifier", "drafter", "gateway"):
-            read_settings(env, service)
+            read_settings(env, service, http_port_flag=http_port if service == "gateway" else None)
     except ValueError as exc:
         print(f"dspark up: {exc}", file=sys.stderr)
         return 2
@@ -225,9 +242,11 @@ def _up(args) -> int:
     procs = [subprocess.Popen(exe + ["verifier"] + port["verifier"] + ckpt, env=env),
              subprocess.Popen(exe + ["drafter"] + port["drafter"] + ckpt + (["--oracle"] if args.oracle else []),
                               env=env)]
-    procs.append(subprocess.Popen(exe + ["gateway"] + port["gateway"] + ckpt + record, env=env))
+    http = ["--http-port", str(http_port)]
+    procs.append(subprocess.Popen(exe + ["gateway"] + port["gateway"] + ckpt + record + http, env=env))
     print(f"dspark up: gateway on 127.0.0.1:{ports['gateway']} "
-          f"(verifier :{ports['verifier']}, drafter :{ports['drafter']}); Ctrl-C stops", flush=True)
+          f"(verifier :{ports['verifier']}, drafter :{ports['drafter']}), "
+          f"OpenAI-compatible HTTP API on http://127.0.0.1:{http_port}/v1; Ctrl-C stops", flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     try:

@@ -20,6 +20,7 @@ Unset means the default; the "empty" column says what an empty value means.
 | DSPARK_GATEWAY_TOKEN | unset | unset | gateway: token; `dspark generate`'s token |
 | DSPARK_GATEWAY_TLS_CERT, _KEY | unset | unset | gateway_tls (a pair) |
 | DSPARK_METRICS_PORT | unset | unset | metrics_port (gateway; `--metrics-port` wins) |
+| DSPARK_HTTP_PORT | unset (off) | unset | http_port (gateway: the OpenAI-compatible HTTP front; `--http-port` wins) |
 | DEEPSEEK_DSPARK_GATE | 0 | error | gate: enabled |
 | DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD | 0.0 | error | gate: margin_threshold |
 | DEEPSEEK_DSPARK_GATE_MARGIN | 1.15 | error | gate: margin |
@@ -89,8 +90,8 @@ class ProcessSettings:
     checkpoint: the model folder (None = the bundled or random tiny model); serve, telemetry
     and tls (mTLS files, None = plaintext) apply to every service. model, backend: verifier
     and drafter; tp, topk (None = no dumps): verifier; gateway, gate, gateway_tls (None =
-    plaintext client port), metrics_port (None = no endpoint): gateway. Sections of the other
-    services are None.
+    plaintext client port), metrics_port (None = no endpoint), http_port (None = no HTTP
+    front): gateway. Sections of the other services are None.
     """
 
     service: str
@@ -106,10 +107,11 @@ class ProcessSettings:
     gate: GateConfig | None = None
     gateway_tls: TlsFiles | None = None
     metrics_port: int | None = None
+    http_port: int | None = None
 
 
 def read_settings(environ: Environ, service: str, *, tp: int = 1, checkpoint_flag: str | None = None,
-                  metrics_port_flag: int | None = None) -> ProcessSettings:
+                  metrics_port_flag: int | None = None, http_port_flag: int | None = None) -> ProcessSettings:
     """Parse every variable `service` reads (module table); flags given win over variables.
 
     tp: the verifier's tensor-parallel ranks (`--tp`), checked against the numerics.
@@ -121,9 +123,10 @@ def read_settings(environ: Environ, service: str, *, tp: int = 1, checkpoint_fla
     common = dict(service=service, checkpoint=checkpoint(checkpoint_flag, environ),
                   serve=serve_settings(environ), telemetry=telemetry_settings(environ), tls=tls_files(environ))
     if service == "gateway":
+        gateway_tls = gateway_tls_files(environ)
         return ProcessSettings(**common, gateway=gateway_settings(environ), gate=gate_config(environ),
-                               gateway_tls=gateway_tls_files(environ),
-                               metrics_port=metrics_port(metrics_port_flag, environ))
+                               gateway_tls=gateway_tls, metrics_port=metrics_port(metrics_port_flag, environ),
+                               http_port=http_port(http_port_flag, environ, gateway_tls is not None))
     backend = backend_settings(environ)
     if service == "drafter":
         return ProcessSettings(**common, model=model_settings(environ), backend=backend)
@@ -269,6 +272,27 @@ def metrics_port(flag: int | None, environ: Environ) -> int | None:
             raise ValueError(f"--metrics-port={flag}: must be in [0, 65535]")
         return flag
     return _port(environ, "DSPARK_METRICS_PORT", low=0)
+
+
+def http_port(flag: int | None, environ: Environ, gateway_tls: bool = False) -> int | None:
+    """The port of the gateway's OpenAI-compatible HTTP front: the flag, else DSPARK_HTTP_PORT,
+    else None (no HTTP front); 0 = any free port, logged.
+
+    Raises:
+        ValueError: naming the flag or the variable and the value outside [0, 65535]; an HTTP
+            port together with gateway TLS (the front reaches the gateway over a plaintext
+            loopback channel and serves plain HTTP: terminate TLS in front of it instead).
+    """
+    if flag is not None:
+        if not 0 <= flag <= 65535:
+            raise ValueError(f"--http-port={flag}: must be in [0, 65535]")
+        port, name = flag, "--http-port"
+    else:
+        port, name = _port(environ, "DSPARK_HTTP_PORT", low=0), "DSPARK_HTTP_PORT"
+    if port is not None and gateway_tls:
+        raise ValueError(f"{name}={port} with DSPARK_GATEWAY_TLS_CERT: the HTTP front serves plain HTTP; "
+                         "terminate TLS in a proxy in front of it, or leave the HTTP port unset")
+    return port
 
 
 def model_settings(environ: Environ) -> ModelSettings:

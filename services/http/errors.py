@@ -1,0 +1,110 @@
+"""OpenAI's error JSON and the HTTP status of every failure of the HTTP front.
+
+Owns the mapping from a gRPC status (what the gateway answered) to an HTTP status and an
+OpenAI error `type`, and the one error body every endpoint returns:
+`{"error": {"message", "type", "param", "code"}}`. It never decides whether a request is
+valid (the request models and the gateway do) and never puts a traceback in a body.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+
+import grpc
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+log = logging.getLogger("dspark.http")
+
+# gRPC status -> HTTP status. 499 is the de-facto "client closed request" status (nginx).
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+# HTTP status -> OpenAI error type (the names OpenAI's API and its clients use).
+ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+              404: "not_found_error", 429: "rate_limit_error", 499: "cancelled", 501: "not_implemented",
+              503: "service_unavailable", 504: "timeout"}
+
+
+class ApiError(Exception):
+    """A failure answered with OpenAI's error JSON.
+
+    status: the HTTP status; message: says what was wrong, naming the value; param: the
+    request field at fault (None when none is); code: a short machine-readable name.
+    """
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        """The error JSON: {"error": {"message", "type", "param", "code"}}."""
+        return {"error": {"message": self.message, "type": ERROR_TYPE.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def invalid(param: str, message: str) -> ApiError:
+    """A 400 naming the request field `param`."""
+    return ApiError(400, message, param=param, code="invalid_value")
+
+
+def from_rpc_error(exc: grpc.aio.AioRpcError) -> ApiError:
+    """The ApiError of a failed Generate call: the status mapped by HTTP_STATUS (500 for any
+    other code), the gateway's message (which names the value at fault), code = the gRPC
+    status name in lower case."""
+    status = HTTP_STATUS.get(exc.code(), 500)
+    return ApiError(status, exc.details() or exc.code().name, code=exc.code().name.lower())
+
+
+async def api_error_handler(request: Request, exc: ApiError) -> JSONResponse:
+    return exc.response()
+
+
+# Pydantic names the member of a union it tried in `loc` ("str", "list[int]", a model's class
+# name): not a field of the request.
+_UNION_TAGS = ("body", "str", "int", "float", "bool", "none", "TextPart", "StreamOptions")
+
+
+def _field_path(loc) -> str:
+    """The dotted path of a validation error's `loc` without "body" and union member tags."""
+    return ".".join(str(p) for p in loc if p not in _UNION_TAGS and not (isinstance(p, str) and "[" in p))
+
+
+async def validation_error_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """A request body that does not match its model: 400 naming the top-level field at fault;
+    the message joins what each accepted form of the field objected to."""
+    errors = exc.errors()
+    if not errors:
+        return ApiError(400, "invalid request body", code="invalid_value").response()
+    if errors[0].get("type") == "json_invalid":  # its loc is a character offset, not a field
+        reason = errors[0].get("ctx", {}).get("error", "")
+        return ApiError(400, f"request body: not valid JSON ({reason}, at character {errors[0]['loc'][-1]})",
+                        code="invalid_json").response()
+    path = _field_path(errors[0].get("loc", ()))
+    param = path.split(".")[0] or None
+    reasons = list(dict.fromkeys(e.get("msg", "") for e in errors if _field_path(e.get("loc", ())) == path))
+    text = "; ".join(reasons)
+    return ApiError(400, f"{path}: {text}" if path else text, param=param, code="invalid_value").response()
+
+
+async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    """Anything unexpected: logged with its traceback under a reference; the client gets only
+    the exception's class and that reference."""
+    ref = secrets.token_hex(4)
+    log.error("internal error in %s %s (ref %s)", request.method, request.url.path, ref, exc_info=exc)
+    return ApiError(500, f"internal error ({type(exc).__name__}); see the server log, ref {ref}",
+                    code="internal").response()
