@@ -22,7 +22,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from dspark_proto.v1 import gateway_pb2
-from services.gateway.requests import CURRENT_REQUEST_ID, RequestIdLogFilter
+from services.gateway.requests import (CURRENT_REQUEST_ID, DuplicateRequestId, GenerationAborted, Registry,
+                                      RequestIdLogFilter)
 from services_fixtures import RPC_TIMEOUT_S, Generation, gen_request, start_stack, tiny_tokenizer
 
 PROMPT = "conventions"
@@ -255,3 +256,65 @@ def test_abort_of_an_unknown_id_answers_not_found(traced_stack):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         traced_stack.loop.run(abort(""))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id" in err.value.details()
+
+
+# ---------------------------------------------------------------------------- the registry
+async def _counting(started: asyncio.Event, hold: asyncio.Event, closed: list):
+    """Yields 0, then waits on `hold` before yielding 1 (as a generation awaits a backend)."""
+    try:
+        yield 0
+        started.set()
+        await hold.wait()
+        yield 1
+    finally:
+        closed.append(True)
+
+
+def test_registry_abort_between_and_during_steps(traced_stack):
+    async def scenario():
+        registry, closed = Registry(), []
+        started, hold = asyncio.Event(), asyncio.Event()
+        # during a step: the awaited step is cancelled and the generator ends through its finally
+        running = registry.register("a")
+        events = _counting(started, hold, closed)
+        assert await running.next(events) == 0
+        step = asyncio.ensure_future(running.next(events))
+        await started.wait()
+        assert registry.abort("a") and not registry.abort("b")
+        with pytest.raises(GenerationAborted):
+            await step
+        during = list(closed)
+        # between steps: the next call raises without touching the generator
+        again = Registry().register("c")
+        other = _counting(asyncio.Event(), asyncio.Event(), closed)
+        assert await again.next(other) == 0
+        again.abort()
+        with pytest.raises(GenerationAborted):
+            await again.next(other)
+        await other.aclose()
+        registry.remove(running)
+        registry.register("x")
+        with pytest.raises(DuplicateRequestId, match="'x'"):
+            registry.register("x")
+        registry.remove(registry.register("y"))
+        return during, closed, len(registry), registry.abort("a")
+
+    during, closed, left, found = traced_stack.loop.run(scenario())
+    assert during == [True] and closed == [True, True] and left == 1 and found is False  # "x" remains
+
+
+def test_a_cancel_of_the_caller_is_not_an_abort(traced_stack):
+    async def scenario():
+        started, hold, closed = asyncio.Event(), asyncio.Event(), []
+        running = Registry().register("z")
+        events = _counting(started, hold, closed)
+        await running.next(events)
+        task = asyncio.ensure_future(running.next(events))
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return closed, running.aborted
+
+    closed, aborted = traced_stack.loop.run(scenario())
+    assert closed == [True] and aborted is False
