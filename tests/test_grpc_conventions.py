@@ -318,3 +318,21 @@ def test_a_cancel_of_the_caller_is_not_an_abort(traced_stack):
 
     closed, aborted = traced_stack.loop.run(scenario())
     assert closed == [True] and aborted is False
+
+
+def test_abort_after_the_final_message_finds_nothing_and_adds_no_message(traced_stack):
+    gw = traced_stack.gateway()
+    req = gen_request(PROMPT, max_tokens=8)
+    req.request_id = "late"
+
+    async def scenario():
+        call = gw.stub.Generate(req, timeout=RPC_TIMEOUT_S)
+        messages = [await call.read()]
+        while not messages[-1].finished:
+            messages.append(await call.read())
+        reply = await gw.stub.Abort(gateway_pb2.AbortRequest(request_id="late"), timeout=RPC_TIMEOUT_S)
+        return messages, reply, await call.read(), await call.code()
+
+    messages, reply, after, code = traced_stack.loop.run(scenario())
+    assert messages[-1].finish_reason == "length" and reply.found is False
+    assert after is grpc.aio.EOF and code == grpc.StatusCode.OK

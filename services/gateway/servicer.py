@@ -170,6 +170,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         events = self.scheduler.generate(dataclasses.replace(params, request_id=rid), verifier, drafters)
         try:
             while (event := await running.next(events)) is not None:
+                if isinstance(event, FinalEvent):  # finished: from here on an abort finds nothing to stop
+                    self.running.remove(running)
                 yield out.response(event)
         except GenerationAborted:
             log.info("aborted after %d tokens", out.completion_tokens)
