@@ -24,7 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from dspark_proto.v1 import gateway_pb2
 from services.gateway.requests import (CURRENT_REQUEST_ID, DuplicateRequestId, GenerationAborted, Registry,
                                       RequestIdLogFilter)
-from services_fixtures import RPC_TIMEOUT_S, Generation, gen_request, start_stack, tiny_tokenizer
+from services_fixtures import RPC_TIMEOUT_S, gen_request, start_stack, tiny_tokenizer
 
 PROMPT = "conventions"
 REF_TOKENS = 24
@@ -56,13 +56,6 @@ def _messages(stack, req) -> list[gateway_pb2.GenerateResponse]:
         gw = await stack.agateway()
         return [m async for m in gw.stub.Generate(req, timeout=RPC_TIMEOUT_S)]
     return stack.loop.run(run())
-
-
-def _generation(messages) -> Generation:
-    gen = Generation()
-    for m in messages:
-        gen.add(m)
-    return gen
 
 
 # ---------------------------------------------------------------------------- reflection
