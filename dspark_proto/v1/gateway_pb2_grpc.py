@@ -44,6 +44,11 @@ class GatewayStub:
                 request_serializer=dspark__proto_dot_v1_dot_gateway__pb2.StatsRequest.SerializeToString,
                 response_deserializer=dspark__proto_dot_v1_dot_gateway__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/dspark.v1.Gateway/Abort',
+                request_serializer=dspark__proto_dot_v1_dot_gateway__pb2.AbortRequest.SerializeToString,
+                response_deserializer=dspark__proto_dot_v1_dot_gateway__pb2.AbortResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServicer:
@@ -61,6 +66,14 @@ class GatewayServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Stop a running generation by its request_id: its Generate stream ends with a final
+        message whose finish_reason is "abort". Unknown or already finished ids answer found=false.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +86,11 @@ def add_GatewayServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=dspark__proto_dot_v1_dot_gateway__pb2.StatsRequest.FromString,
                     response_serializer=dspark__proto_dot_v1_dot_gateway__pb2.StatsResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=dspark__proto_dot_v1_dot_gateway__pb2.AbortRequest.FromString,
+                    response_serializer=dspark__proto_dot_v1_dot_gateway__pb2.AbortResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +147,33 @@ class Gateway:
             '/dspark.v1.Gateway/Stats',
             dspark__proto_dot_v1_dot_gateway__pb2.StatsRequest.SerializeToString,
             dspark__proto_dot_v1_dot_gateway__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dspark.v1.Gateway/Abort',
+            dspark__proto_dot_v1_dot_gateway__pb2.AbortRequest.SerializeToString,
+            dspark__proto_dot_v1_dot_gateway__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -5,9 +5,11 @@ own besides health, reads no settings (every limit and deadline arrives as an ar
 knows nothing of the messages its servicers handle.
 
 `start_server` builds a `grpc.aio.Server` with explicit message-size limits, the OTel server
-interceptor, the status mapping of `services.common.errors` (no call ends UNKNOWN), and the
+interceptor, the status mapping of `services.common.errors` (no call ends UNKNOWN), the
 stock `grpc.health.v1` Health service (the overall status and the service's own name set to
-SERVING); `run_until_signal` serves until SIGTERM/SIGINT, then marks the service
+SERVING) and gRPC server reflection (`grpc.reflection.v1alpha.ServerReflection`, listing the
+service, Health and reflection itself, so `grpcurl list` / `describe` work without the
+.proto files); `run_until_signal` serves until SIGTERM/SIGINT, then marks the service
 NOT_SERVING and stops with a grace period so open generations can finish.
 """
 
@@ -21,6 +23,7 @@ from typing import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.errors import StatusInterceptor
@@ -73,6 +76,9 @@ async def start_server(service_name: str, register: Callable[[grpc.aio.Server], 
     """Start an aio server on host:port (0 = any free port) with `register(server)` servicers.
     `credentials`: TLS (None = plaintext); `interceptors` run after the OTel one (e.g. auth).
     `max_connection_age_s`: clients are asked to reconnect after this (s; `ServeSettings`).
+    `service_name`: the full name of the service `register` adds (e.g. "dspark.v1.Gateway"):
+    health reports it and reflection lists it. Its descriptors must be in the default pool,
+    which importing its generated `*_pb2` module (as `register` does) ensures.
 
     Raises:
         RuntimeError: the port could not be bound (named).
@@ -85,6 +91,7 @@ async def start_server(service_name: str, register: Callable[[grpc.aio.Server], 
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     addr = f"{host}:{port}"
     try:
         bound = server.add_secure_port(addr, credentials) if credentials else server.add_insecure_port(addr)

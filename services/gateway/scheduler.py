@@ -79,6 +79,7 @@ class GenerationParams:
     stop_token_ids: frozenset[int] = frozenset()
     stop: tuple[str, ...] = ()
     label: str = "live"
+    request_id: str = ""  # the client's or generated id (span attribute `gen_ai.response.id`)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ class FinalEvent:
     counters: RoundStats  # folded from the generation's round records
     gate: dict
     time_to_first_token_ms: float
+    # finish "stop": the stop token id (eos included) or stop string that ended it; else None
+    matched_stop: int | str | None = None
 
 
 @dataclass
@@ -227,6 +230,8 @@ class Scheduler:
             span.set_attribute("gen_ai.request.max_tokens", p.max_tokens)
             span.set_attribute("gen_ai.usage.input_tokens", len(p.prompt_ids))
             span.set_attribute("spec_decode.mode", p.spec)
+            if p.request_id:
+                span.set_attribute("gen_ai.response.id", p.request_id)
             events = gen.run()
             while True:
                 with trace.use_span(span, end_on_exit=False):
@@ -277,6 +282,7 @@ class _Generation:
         self.detok = Detokenizer(sched.tokenizer, p.stop)
         self.out: list[int] = []
         self.finish: str | None = None
+        self.matched_stop: int | str | None = None
         self.t0 = time.perf_counter()
         self.ttft_ms = 0.0
 
@@ -293,7 +299,7 @@ class _Generation:
             pos, anchor = pos + a + 1, new[-1]
             yield self._emit(new)
         yield FinalEvent(self.finish, len(p.prompt_ids), len(self.out), self.detok.text,
-                         self.detok.finish(), self.counters, self._gate_report(), self.ttft_ms)
+                         self.detok.finish(), self.counters, self._gate_report(), self.ttft_ms, self.matched_stop)
 
     def _gate_report(self) -> dict:
         """The gate's counters of this generation with the gate's current estimate and weight per bucket."""
@@ -309,11 +315,11 @@ class _Generation:
             taken.append(t)
             self.out.append(t)
             if t in self.p.stop_token_ids:
-                self.finish = "stop"
+                self.finish, self.matched_stop = "stop", t
                 break
             delta += self.detok.add(t)
             if self.detok.stopped:
-                self.finish = "stop"
+                self.finish, self.matched_stop = "stop", _matched_stop_string(self.detok)
                 break
             if len(self.out) >= self.p.max_tokens:
                 self.finish = "length"
@@ -487,6 +493,14 @@ class _Plan:
     conf: list[float] | None = None
     draft_ms: float | None = None
     k: int = 0
+
+
+def _matched_stop_string(detok: Detokenizer) -> str:
+    """The stop string a stopped `detok` cut at: the one found first in the decoded
+    completion (the first listed among those found at the same place), as the cut itself."""
+    full = detok.tokenizer.decode(detok.ids)
+    found = [(full.find(s), i) for i, s in enumerate(detok.stop) if s in full]
+    return detok.stop[min(found)[1]]
 
 
 async def _close_quietly(session) -> None:

@@ -5,7 +5,15 @@ start-up identity check and the start-up cost profile's wiring. It must not run 
 scheduler does), time one (`services.gateway.profile` does) or read the environment (its
 settings arrive as a `GatewaySettings`).
 
-Client-facing: `Generate` (server streaming) and `Stats`. Each generation opens one verifier
+Client-facing: `Generate` (server streaming), `Abort` and `Stats`. Every Generate has a
+`request_id` (the client's, validated, or a generated uuid4 hex) echoed in every message, set
+on the generation span and prefixed to the gateway's log lines about it; `Abort(request_id)`
+stops that generation (see `services.gateway.requests`): its stream ends with a final message
+of finish_reason "abort" carrying the usage so far, and an unknown or finished id answers
+found=false. Every message carries the cumulative prompt and completion token counts; the
+final one also `matched_stop` and the speculation counts under their shared names
+(`spec_draft_tokens` = `spec_stats.submitted`, `spec_accepted_tokens` = `spec_stats.accepted`).
+Each generation opens one verifier
 `Session` stream and, when it speculates at all, one drafter `Session` stream (more after a
 drafter failure, within `DSPARK_DRAFTER_FAILOVERS`); all are closed when the generation ends,
 fails or the client cancels. `connect_backends` checks at start that the drafter and the
@@ -18,6 +26,7 @@ the start-up cost profile of `DSPARK_GATE_COSTS=measured` (docs/gate.md §12) af
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from typing import Sequence
@@ -34,9 +43,12 @@ from services.gateway.costs import CostTracker
 from services.gateway.drafters import DrafterSupply
 from services.gateway.profile import ProfileError, ProfileSettings, profile_backends
 from services.gateway.record import RoundStats
-from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler
+from services.gateway.requests import (CURRENT_REQUEST_ID, DuplicateRequestId, GenerationAborted, Registry,
+                                       RequestIdLogFilter, request_id)
+from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler, TokenEvent
 
 log = logging.getLogger("dspark.gateway")
+log.addFilter(RequestIdLogFilter())  # the scheduler logs on this logger too
 
 _SPEC = {gateway_pb2.SPEC_MODE_DEFAULT: "", gateway_pb2.SPEC_MODE_OFF: "off",
          gateway_pb2.SPEC_MODE_ALWAYS: "always", gateway_pb2.SPEC_MODE_GATED: "gated"}
@@ -154,22 +166,30 @@ async def measure_costs(backends: Backends, limits: ModelLimits, prompt_ids: lis
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    """Generate and Stats over a `Scheduler` and the backend stubs."""
+    """Generate, Abort and Stats over a `Scheduler`, the backend stubs and the registry of
+    running generations (`running`, by request id)."""
 
     def __init__(self, scheduler: Scheduler, backends: Backends):
         self.scheduler, self.backends = scheduler, backends
+        self.running = Registry()
 
     async def Generate(self, request, context):
         if request.spec not in _SPEC:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"spec={request.spec}: not a SpecMode (0 default, 1 off, 2 always, 3 gated)")
         try:
+            rid = request_id(request.request_id)
             params = self.scheduler.params(
                 request.prompt, list(request.prompt_token_ids), request.max_tokens, _SPEC.get(request.spec, ""),
                 request.temperature, list(request.stop_token_ids), list(request.stop), request.ignore_eos,
                 request.label)
+            running = self.running.register(rid)
+        except DuplicateRequestId as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # Not reset at the end: the call's task, and so this context, ends with the call.
+        CURRENT_REQUEST_ID.set(rid)
         s = self.backends.settings
         verifier = GrpcVerifierSession(self.backends.verifier, s.round_timeout_s, s.generation_timeout_s)
         drafters = None
@@ -177,17 +197,36 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             drafters = DrafterSupply(lambda: GrpcDrafterSession(self.backends.drafter, s.round_timeout_s,
                                                                 s.generation_timeout_s),
                                      s.drafter_failovers)
+        out = ResponseStream(rid, len(params.prompt_ids))
+        events = self.scheduler.generate(dataclasses.replace(params, request_id=rid), verifier, drafters)
         try:
-            async for event in self.scheduler.generate(params, verifier, drafters):
-                yield _response(event)
+            while (event := await running.next(events)) is not None:
+                if isinstance(event, FinalEvent):  # finished: from here on an abort finds nothing to stop
+                    self.running.remove(running)
+                yield out.response(event)
+        except GenerationAborted:
+            log.info("aborted after %d tokens", out.completion_tokens)
+            await close_generation(verifier, drafters)  # freed before the client sees the end
+            yield out.aborted()
         except BackendError as exc:
             code = exc.code if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
                                              grpc.StatusCode.INVALID_ARGUMENT) else grpc.StatusCode.UNAVAILABLE
             await context.abort(code, str(exc))
         finally:
+            self.running.remove(running)
             # A client's cancel may arrive again while these close: every stream must still be
             # closed or cancelled, or its backend session stays open until the generation deadline.
-            await close_generation(verifier, drafters)
+            try:
+                await close_generation(verifier, drafters)
+            finally:
+                await events.aclose()  # a no-op unless this stream was closed at a yield
+
+    async def Abort(self, request, context):
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty: give the id to abort")
+        found = self.running.abort(request.request_id)
+        log.info("abort of request_id=%r: %s", request.request_id, "stopping it" if found else "none running")
+        return gateway_pb2.AbortResponse(found=found)
 
     async def Stats(self, request, context):
         stats = self.scheduler.stats.to_dict()
@@ -208,14 +247,47 @@ async def close_generation(verifier, drafters: DrafterSupply | None) -> None:
             await drafters.close()
 
 
-def _response(event) -> gateway_pb2.GenerateResponse:
-    if not isinstance(event, FinalEvent):
-        return gateway_pb2.GenerateResponse(token_ids=event.token_ids, text_delta=event.text_delta)
-    return gateway_pb2.GenerateResponse(
-        text_delta=event.text_delta, finished=True, finish_reason=event.finish_reason,
-        usage=gateway_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
-        spec_stats=spec_stats(event.counters), text=event.text + event.text_delta,
-        time_to_first_token_ms=event.time_to_first_token_ms)
+class ResponseStream:
+    """The wire messages of one generation: every one carries the request id and the
+    cumulative token counts (`prompt_tokens` = prompt length, `completion_tokens` = tokens
+    streamed so far, this message's included)."""
+
+    def __init__(self, request_id: str, prompt_tokens: int):
+        self.request_id, self.prompt_tokens = request_id, prompt_tokens
+        self.completion_tokens = 0
+        self.text = ""  # the text streamed so far (the final message of an aborted generation)
+
+    def _message(self, token_ids: Sequence[int], text_delta: str, **final) -> gateway_pb2.GenerateResponse:
+        self.completion_tokens += len(token_ids)
+        self.text += text_delta
+        return gateway_pb2.GenerateResponse(
+            token_ids=token_ids, text_delta=text_delta, request_id=self.request_id,
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, **final)
+
+    def response(self, event: TokenEvent | FinalEvent) -> gateway_pb2.GenerateResponse:
+        """A streamed message for a `TokenEvent`, the final one for the `FinalEvent`."""
+        if not isinstance(event, FinalEvent):
+            return self._message(event.token_ids, event.text_delta)
+        matched = {}
+        if isinstance(event.matched_stop, str):
+            matched["matched_stop_str"] = event.matched_stop
+        elif event.matched_stop is not None:
+            matched["matched_token_id"] = event.matched_stop
+        c = event.counters
+        return self._message(
+            [], event.text_delta, finished=True, finish_reason=event.finish_reason,
+            usage=gateway_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+            spec_stats=spec_stats(c), text=event.text + event.text_delta,
+            time_to_first_token_ms=event.time_to_first_token_ms,
+            spec_draft_tokens=c.submitted, spec_accepted_tokens=c.accepted, **matched)
+
+    def aborted(self) -> gateway_pb2.GenerateResponse:
+        """The final message of an aborted generation: finish_reason "abort", the usage and
+        text streamed so far; no spec_stats, matched_stop or speculation counts (its rounds
+        are not folded, as for any generation that did not finish)."""
+        return self._message([], "", finished=True, finish_reason="abort", text=self.text,
+                             usage=gateway_pb2.Usage(prompt_tokens=self.prompt_tokens,
+                                                     completion_tokens=self.completion_tokens))
 
 
 def spec_stats(c: RoundStats) -> gateway_pb2.SpecStats:
