@@ -359,3 +359,34 @@ def test_unreachable_gateway_is_503_and_an_expired_deadline_504(stack):
         if late is not None:
             stack.loop.run(late.http.stop(1.0))
         _stop_front(f)
+
+
+def test_request_id_and_matched_stop_reach_the_http_response(front):
+    client = front.client()
+    full = client.completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=24,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    cut = client.completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=24, stop=full[10:13],
+                                    extra_body={"ignore_eos": True})
+    assert cut.choices[0].model_extra["stop_reason"] == full[10:13]
+    assert cut.choices[0].finish_reason == "stop"
+    _, _, raw = _post(front.base_url + "/completions", {"prompt": PROMPT, "max_tokens": 3, "stream": True,
+                                                        "ignore_eos": True})
+    finish = json.loads(raw.split("\n\n")[-3][len("data: "):])
+    assert finish["choices"][0]["stop_reason"] is None and finish["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_http_id_is_the_gateway_request_id(front):
+    """Gateway.Abort with the id of an HTTP stream ends that stream (finish_reason "abort")."""
+    from dspark_proto.v1 import gateway_pb2
+    stream = front.client().completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=200,
+                                               stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    first = next(chunks)
+
+    async def abort():
+        return await front.gateway.stub.Abort(gateway_pb2.AbortRequest(request_id=first.id), timeout=10)
+
+    reply = front.stack.loop.run(abort())
+    rest = list(chunks)
+    assert reply.found and rest[-1].choices[0].finish_reason == "abort"
+    assert rest[-1].model_extra["dspark"]["rounds"] < 200

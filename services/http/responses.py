@@ -5,9 +5,10 @@ streamed chunks), `usage` with the prediction-token details and the `dspark` ext
 object, and the SSE framing. It holds no connection and decides nothing about a request.
 
 usage.completion_tokens_details: accepted_prediction_tokens = draft tokens the verifier
-accepted; rejected_prediction_tokens = draft tokens submitted to verify and rejected
-(submitted - accepted); drafts the gate dropped before verify are in neither (they are in
-`dspark.drafted`). The `dspark` object carries the generation's `SpecStats` fields and
+accepted (`spec_accepted_tokens`); rejected_prediction_tokens = draft tokens submitted to
+verify and rejected (`spec_draft_tokens - spec_accepted_tokens`); drafts the gate dropped
+before verify are in neither (they are in `dspark.drafted`). A choice that ended on a stop
+carries what matched as `stop_reason` (a token id or a stop string; vLLM's field), else null. The `dspark` object carries the generation's `SpecStats` fields and
 `time_to_first_token_ms`, on the whole response and on the chunk that carries finish_reason.
 """
 
@@ -32,11 +33,18 @@ def sse(payload: dict) -> bytes:
 
 def usage(final: gateway_pb2.GenerateResponse) -> dict:
     """OpenAI `usage` of a finished generation (token counts) with the prediction-token details."""
-    u, s = final.usage, final.spec_stats
+    u = final.usage
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "completion_tokens_details": {"accepted_prediction_tokens": s.accepted,
-                                          "rejected_prediction_tokens": s.submitted - s.accepted}}
+            "completion_tokens_details": {
+                "accepted_prediction_tokens": final.spec_accepted_tokens,
+                "rejected_prediction_tokens": final.spec_draft_tokens - final.spec_accepted_tokens}}
+
+
+def stop_reason(final: gateway_pb2.GenerateResponse) -> int | str | None:
+    """What ended a generation on a stop: a stop token id or a stop string; None otherwise."""
+    which = final.WhichOneof("matched_stop")
+    return None if which is None else getattr(final, which)
 
 
 def dspark_stats(final: gateway_pb2.GenerateResponse) -> dict:
@@ -74,6 +82,7 @@ class Shape:
                       "logprobs": None, "finish_reason": final.finish_reason}
         else:
             choice = {"index": 0, "text": final.text, "logprobs": None, "finish_reason": final.finish_reason}
+        choice["stop_reason"] = stop_reason(final)
         if token_ids is not None:
             choice["token_ids"] = token_ids
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
@@ -102,6 +111,7 @@ class Shape:
         """The chunk with the finish reason, the last text delta (and ids) and the `dspark` stats."""
         body = self.chunk(final.text_delta, final.finish_reason, with_usage_field=with_usage_field,
                           token_ids=list(final.token_ids) if with_token_ids else None)
+        body["choices"][0]["stop_reason"] = stop_reason(final)
         body["dspark"] = dspark_stats(final)
         return body
 

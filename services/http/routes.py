@@ -90,8 +90,9 @@ def build_app(front: Front, metrics_registry=None) -> FastAPI:
         authorization = front.authorize(request)
         front.check_model(body.model)
         prompt, ids = body.checked()
-        req = body.generate_request(body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, prompt, ids)
-        return await _respond(front.client, req, body, Shape(front.model.id, chat=False), authorization)
+        shape = Shape(front.model.id, chat=False)
+        req = body.generate_request(shape.id, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, prompt, ids)
+        return await _respond(front.client, req, body, shape, authorization)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -101,8 +102,9 @@ def build_app(front: Front, metrics_registry=None) -> FastAPI:
             raise ApiError(400, NO_TEMPLATE, param="messages", code="chat_template_missing")
         ids = front.tokenizer.encode(front.chat_template.render(body.checked()))
         max_tokens = body.requested_max_tokens or max(1, front.model.max_seq_len - len(ids))
-        req = body.generate_request(max_tokens, prompt_ids=ids)
-        return await _respond(front.client, req, body, Shape(front.model.id, chat=True), authorization)
+        shape = Shape(front.model.id, chat=True)
+        req = body.generate_request(shape.id, max_tokens, prompt_ids=ids)
+        return await _respond(front.client, req, body, shape, authorization)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -88,13 +88,14 @@ class GenerationFields(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def generate_request(self, max_tokens: int, prompt: str = "",
+    def generate_request(self, request_id: str, max_tokens: int, prompt: str = "",
                          prompt_ids: list[int] | None = None) -> gateway_pb2.GenerateRequest:
-        """The gRPC request of this body: `prompt` text or `prompt_ids` (int32 token ids), greedy."""
+        """The gRPC request of this body: `prompt` text or `prompt_ids` (int32 token ids), greedy;
+        request_id: the response's id, which the gateway carries on its spans and log lines."""
         return gateway_pb2.GenerateRequest(
             prompt=prompt, prompt_token_ids=prompt_ids or [], max_tokens=max_tokens, temperature=0.0,
             spec=SPEC_MODES[self.spec], stop=self.stops, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos)
+            ignore_eos=self.ignore_eos, request_id=request_id)
 
 
 class CompletionRequest(GenerationFields):
