@@ -29,6 +29,7 @@ from services.common.telemetry import client_interceptors
 from services.gateway.backends import BackendError, GrpcDrafterSession, GrpcVerifierSession
 from services.gateway.drafters import DrafterSupply
 from services.gateway.record import RoundStats
+from services.gateway.request_log import RequestLine, request_id_of
 from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler
 
 log = logging.getLogger("dspark.gateway")
@@ -104,9 +105,12 @@ async def connect_backends(backends: Backends) -> tuple[ModelLimits, common_pb2.
     try:
         v = await backends.verifier.Info(common_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
     except grpc.aio.AioRpcError as e:
+        target = f"DSPARK_VERIFIER_TARGET={backends.settings.verifier_target!r}"
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # something answered at once, but not a verifier
+            raise BackendError("verifier", f"{target} does not serve dspark.v1.Verifier (UNIMPLEMENTED: "
+                               f"{e.details()}): another service listens on that port", e.code()) from None
         raise BackendError("verifier", f"Info failed within DSPARK_STARTUP_TIMEOUT_S={timeout:g} s at "
-                           f"DSPARK_VERIFIER_TARGET={backends.settings.verifier_target!r}: "
-                           f"{e.code().name}: {e.details()}", e.code()) from None
+                           f"{target}: {e.code().name}: {e.details()}", e.code()) from None
     confidence = False
     if backends.drafter is not None:
         try:
@@ -146,9 +150,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             drafters = DrafterSupply(lambda: GrpcDrafterSession(self.backends.drafter, s.round_timeout_s,
                                                                 s.generation_timeout_s),
                                      s.drafter_failovers)
+        line = RequestLine(request_id_of(request), params)
         try:
-            async for event in self.scheduler.generate(params, verifier, drafters):
-                yield _response(event)
+            with line:
+                async for event in self.scheduler.generate(params, verifier, drafters):
+                    if isinstance(event, FinalEvent):
+                        line.finished(event)
+                    yield _response(event)
         except BackendError as exc:
             code = exc.code if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
                                              grpc.StatusCode.INVALID_ARGUMENT) else grpc.StatusCode.UNAVAILABLE
