@@ -23,7 +23,7 @@ def check_ports_free(host: str, ports: Mapping[str, int | None]) -> None:
     The probe binds with SO_REUSEADDR like gRPC's servers, so a port in TIME_WAIT is free;
     it cannot reserve the port (a process may still take it before the service binds).
     Raises:
-        ValueError: "<what> port <port> ... is in use" or "... also the <other> port"; a host
+        ValueError: "the <what> port <host>:<port> is in use" or "... also the <other> port"; a host
             that does not resolve (named).
     """
     seen: dict[int, str] = {}
@@ -31,7 +31,7 @@ def check_ports_free(host: str, ports: Mapping[str, int | None]) -> None:
         if not port:
             continue
         if port in seen:
-            raise ValueError(f"{what} port {port} is also the {seen[port]} port: give each its own")
+            raise ValueError(f"the {what} port {port} is also the {seen[port]} port: give each its own")
         seen[port] = what
         try:
             family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
@@ -43,7 +43,7 @@ def check_ports_free(host: str, ports: Mapping[str, int | None]) -> None:
             try:
                 probe.bind(addr)
             except OSError as exc:
-                raise ValueError(f"{what} port {port} on {host} is in use ({exc.strerror or exc}): "
+                raise ValueError(f"the {what} port {host}:{port} is in use ({exc.strerror or exc}): "
                                  "another process holds it") from None
 
 
