@@ -118,11 +118,12 @@ def load_drafter(checkpoint: str | Path | None, dtype: torch.dtype = torch.float
 async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: str = "batched",
                          provider: TracerProvider | None = None, host: str = "127.0.0.1",
                          credentials: grpc.ServerCredentials | None = None, tp: int = 1,
-                         max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S) -> RunningServer:
+                         max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S, metrics=None) -> RunningServer:
     """Serve the Verifier over `engine` on host:port (0 = any free port); `default_mode` is the
     verify path of requests that name none; credentials: TLS (None = plaintext);
-    max_connection_age_s: clients reconnect after it (s). Raises RuntimeError: port not bound."""
-    servicer = VerifierServicer(engine, default_mode, provider, tp)
+    max_connection_age_s: clients reconnect after it (s); metrics: a
+    `services.common.metrics.VerifierMetrics` (None: none). Raises RuntimeError: port not bound."""
+    servicer = VerifierServicer(engine, default_mode, provider, tp, metrics)
     return await start_server("dspark.v1.Verifier",
                               lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
                               port, host, provider, credentials=credentials, max_connection_age_s=max_connection_age_s)
@@ -130,10 +131,11 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
 
 async def start_drafter(engine, port: int = 0, provider: TracerProvider | None = None,
                         host: str = "127.0.0.1", credentials: grpc.ServerCredentials | None = None,
-                        max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S) -> RunningServer:
+                        max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S, metrics=None) -> RunningServer:
     """Serve the Drafter over `engine` (a `DrafterEngine` or an oracle drafter), as
-    `start_verifier`. Raises RuntimeError: port not bound."""
-    servicer = DrafterServicer(engine, provider)
+    `start_verifier`; metrics: a `services.common.metrics.DrafterMetrics` (None: none).
+    Raises RuntimeError: port not bound."""
+    servicer = DrafterServicer(engine, provider, metrics)
     return await start_server("dspark.v1.Drafter",
                               lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
                               port, host, provider, credentials=credentials, max_connection_age_s=max_connection_age_s)

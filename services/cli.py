@@ -1,4 +1,4 @@
-"""The `dspark` command line: replay here; serve, up and generate in `services.serve_cli`;
+"""The `dspark` command line: replay here; serve, up, generate and stats in `services.serve_cli`;
 trace-report, calibrate and parity in `services.analysis.cli`.
 
 Owns the top-level parser and the `replay` command's output; it is an entry point, so it may
@@ -289,8 +289,25 @@ def _run_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`--help` shows each option's default, except where there is none to show (None, a
+    store_true flag's False, an empty list) or the help text already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False, [], "") or action.default is argparse.SUPPRESS:
+            return action.help or ""
+        if "default:" in (action.help or "") or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class _OneLineErrors(argparse.ArgumentParser):
-    """argparse whose usage errors are one line (`prog: error: message`, exit 2), like ours."""
+    """argparse whose usage errors are one line (`prog: error: message`, exit 2), like ours;
+    every (sub)command's `--help` lists the defaults (`DefaultsHelpFormatter`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> None:
         self.exit(2, f"{self.prog}: error: {printable(message)}\n")
@@ -301,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineErrors(prog="dspark", description="DSpark speculative-decoding serving tools")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_replay(subparsers)
-    from services.serve_cli import add_commands  # serve, up, generate
+    from services.serve_cli import add_commands  # serve, up, generate, stats
     add_commands(subparsers)
     from services.analysis.cli import add_commands as add_analysis  # trace-report, calibrate, parity
     add_analysis(subparsers)

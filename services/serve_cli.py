@@ -6,9 +6,11 @@ typed settings to `services.app`, which builds the engines and servers; it serve
 itself.
 
 serve: one service in this process until SIGTERM (graceful: NOT_SERVING, then drain).
-up: the three services on localhost as three child processes (the embedded default model
-when no checkpoint is given); Ctrl-C / SIGTERM stops them.
+up: the three services on localhost as three child processes (the random tiny model when
+no checkpoint is given); it says "Ctrl-C stops" once the gateway serves; Ctrl-C / SIGTERM
+stops them.
 generate: streams one generation from a gateway to the terminal (or as JSON lines).
+stats: the gateway's process totals (`Gateway.Stats`) as tables, or the raw JSON.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ _SPEC = {"off": gateway_pb2.SPEC_MODE_OFF, "always": gateway_pb2.SPEC_MODE_ALWAY
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Register serve, up and generate on the `dspark` parser's subcommands."""
+    """Register serve, up, generate and stats on the `dspark` parser's subcommands."""
     serve = sub.add_parser("serve", help="run one service until SIGTERM")
     serve.add_argument("service", choices=("verifier", "drafter", "gateway"))
     serve.add_argument("--port", type=int, default=None, help="listen port (default: 50051/50052/50050)")
@@ -50,37 +52,57 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                        help="oracle drafter: corrupt one draft slot in N positions (0 = never)")
     serve.add_argument("--record-rounds", default=None, help="gateway: write every round to FILE (replay format)")
     serve.add_argument("--metrics-port", type=int, default=None,
-                       help="gateway: serve Prometheus metrics on this port (default: $DSPARK_METRICS_PORT, else none)")
+                       help="serve Prometheus metrics on this port (0 = any free port; default: "
+                            "$DSPARK_METRICS_PORT, else none)")
     serve.add_argument("--http-port", type=int, default=None,
                        help="gateway: serve the OpenAI-compatible HTTP API on this port "
                             "(default: $DSPARK_HTTP_PORT, else none; 0 = any free port)")
     serve.set_defaults(func=_serve)
 
     up = sub.add_parser("up", help="start verifier, drafter and gateway on localhost")
-    up.add_argument("--checkpoint", default=None)
+    up.add_argument("--checkpoint", default=None,
+                    help="checkpoint folder all three load (default: $DSPARK_CHECKPOINT, else the random tiny model)")
     up.add_argument("--oracle", action="store_true", help="use the oracle drafter")
     up.add_argument("--port-base", type=int, default=DEFAULT_PORTS["gateway"],
-                    help="gateway port; the verifier listens on port-base + 1, the drafter on + 2 (default 50050)")
+                    help="gateway port; the verifier listens on port-base + 1, the drafter on + 2")
+    up.add_argument("--metrics-port", type=int, default=None,
+                    help="Prometheus metrics: gateway on this port, verifier on + 1, drafter on + 2 "
+                         "(default: none; $DSPARK_METRICS_PORT is not used by up)")
     up.add_argument("--record-rounds", default=None, help="gateway: write every round to FILE at shutdown")
     up.add_argument("--http-port", type=int, default=None,
                     help="the gateway's OpenAI-compatible HTTP API (default: port-base + 3)")
+    up.add_argument("--spans-dir", default=".",
+                    help="with OTEL_TRACES_EXPORTER=console: the folder of each service's span file "
+                         "(dspark-<service>.spans.json), so three processes never share one stdout")
     up.set_defaults(func=_up)
 
     gen = sub.add_parser("generate", help="stream a generation from a gateway")
     gen.add_argument("prompt")
-    gen.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORTS['gateway']}", help="gateway address")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--spec", choices=tuple(_SPEC), default="default")
+    _client_args(gen, timeout=300.0)
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument("--spec", choices=tuple(_SPEC), default="default",
+                     help="speculation: off, always (fixed k), gated, or default (gated when the gateway's "
+                          "DEEPSEEK_DSPARK_GATE=1, else always)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     gen.add_argument("--label", default="", help="workload label for the gateway's recorded rounds")
-    gen.add_argument("--timeout", type=float, default=300.0, help="deadline of the whole call (s; > 0, <= 1e8)")
     gen.add_argument("--json", action="store_true", help="print each streamed message as one JSON line")
-    gen.add_argument("--token", default=None,
-                     help="bearer token for a gateway that requires one (default: $DSPARK_GATEWAY_TOKEN)")
-    gen.add_argument("--tls-ca", default=None, metavar="FILE",
-                     help="connect with TLS, trusting the CA certificates in FILE (PEM); default plaintext")
     gen.set_defaults(func=_generate)
+
+    stats = sub.add_parser("stats", help="print a gateway's process totals (Gateway.Stats)")
+    _client_args(stats, timeout=10.0)
+    stats.add_argument("--json", action="store_true", help="print the raw Stats JSON")
+    stats.set_defaults(func=_stats)
+
+
+def _client_args(p: argparse.ArgumentParser, timeout: float) -> None:
+    """The flags of a command that calls a gateway: where, how long, and its credentials."""
+    p.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORTS['gateway']}", help="gateway address")
+    p.add_argument("--timeout", type=float, default=timeout, help="deadline of the whole call (s; > 0, <= 1e8)")
+    p.add_argument("--token", default=None,
+                   help="bearer token for a gateway that requires one (default: $DSPARK_GATEWAY_TOKEN)")
+    p.add_argument("--tls-ca", default=None, metavar="FILE",
+                   help="connect with TLS, trusting the CA certificates in FILE (PEM); default plaintext")
 
 
 def _check_writable(flag: str, path: str) -> None:
@@ -106,9 +128,8 @@ _STARTUP_ERRORS = (ValueError, RuntimeError)
 
 
 def _serve(args) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     port = DEFAULT_PORTS[args.service] if args.port is None else args.port
-    try:  # every setting is checked before any model loads
+    try:  # every setting is checked, and every port probed, before any model loads
         if not 0 <= port <= 65535:
             raise ValueError(f"--port={port}: must be in [0, 65535]")
         if args.tp < 1:
@@ -119,9 +140,15 @@ def _serve(args) -> int:
                                  http_port_flag=getattr(args, "http_port", None))
         if getattr(args, "record_rounds", None) is not None:
             _check_writable("--record-rounds", args.record_rounds)
+        from services.common.ports import check_ports_free
+        check_ports_free(getattr(args, "host", "127.0.0.1"),
+                         {"--port": port, "metrics": settings.metrics_port, "health": settings.serve.health_port,
+                          "HTTP API": settings.http_port or None})
     except ValueError as exc:
         print(f"dspark serve {args.service}: {exc}", file=sys.stderr)
         return 2
+    from services.common.logs import configure
+    configure(settings.log_format)
     try:
         asyncio.run(_serve_async(args, port, settings))
     except _STARTUP_ERRORS as exc:
@@ -144,14 +171,11 @@ async def _serve_async(args, port: int, settings: ProcessSettings) -> None:
 
     provider = tracer_provider(f"dspark-{settings.service}", settings.telemetry)
     recorder = [] if settings.service == "gateway" and args.record_rounds else None
-    metrics = health = running = None
+    endpoints: list = []  # the metrics endpoint, once `_start` made it
+    health = running = None
     stopped = False
     try:
-        if settings.metrics_port is not None:
-            from services.gateway.metrics import GatewayMetrics
-            metrics = GatewayMetrics()
-            metrics.serve(settings.metrics_port, args.host)
-        running = await _start(args, port, settings, provider, recorder, metrics)
+        running = await _start(args, port, settings, provider, recorder, endpoints)
         if settings.serve.health_port is not None:
             health, _ = await start_health_server(running.health, settings.serve.health_port, args.host)
         await run_until_signal(running, settings.serve.drain_timeout_s)
@@ -165,29 +189,46 @@ async def _serve_async(args, port: int, settings: ProcessSettings) -> None:
             from services.gateway.rounds import RoundLog, save_rounds
             save_rounds(RoundLog(tuple(recorder), {"source": "dspark serve gateway --record-rounds"}),
                         args.record_rounds)
-        if metrics is not None:
-            metrics.close()
+        for endpoint in endpoints:
+            endpoint.close()
         provider.shutdown()
 
 
-async def _start(args, port: int, s: ProcessSettings, provider, recorder: list | None, metrics):
-    """Load the model `s.service` needs and start its server (a `RunningServer`)."""
+def _serve_metrics(endpoint, s: ProcessSettings, host: str, endpoints: list):
+    """Serve `endpoint` on the settings' metrics port and remember it for the shutdown."""
+    endpoints.append(endpoint)
+    endpoint.serve(s.metrics_port, host)
+    return endpoint
+
+
+async def _start(args, port: int, s: ProcessSettings, provider, recorder: list | None, endpoints: list):
+    """Load the model `s.service` needs, serve its metrics when `s.metrics_port` is set (the
+    endpoint appended to `endpoints`) and start its server (a `RunningServer`)."""
     from services import app
+    from services.common import metrics as m
 
     tls = s.tls.server_credentials() if s.tls is not None else None
     age = s.serve.max_connection_age_s
+    want = s.metrics_port is not None
     if s.service == "verifier":
         tp = getattr(args, "tp", 1)
         trunk = app.load_trunk(s.checkpoint, tp=tp, device=getattr(args, "device", "cpu"),
                                verify_numerics=s.backend.verify_numerics, model=s.model, tp_settings=s.tp,
                                topk=s.topk)
-        return await app.start_verifier(app.verifier_engine(trunk, s.backend), port, s.backend.verify_mode,
-                                        provider, args.host, credentials=tls, tp=tp, max_connection_age_s=age)
+        engine = app.verifier_engine(trunk, s.backend)
+        metrics = _serve_metrics(m.VerifierMetrics(engine), s, args.host, endpoints) if want else None
+        return await app.start_verifier(engine, port, s.backend.verify_mode, provider, args.host, credentials=tls,
+                                        tp=tp, max_connection_age_s=age, metrics=metrics)
     if s.service == "drafter":
         model = app.load_trunk(s.checkpoint, model=s.model) if args.oracle else app.load_drafter(s.checkpoint,
                                                                                                   model=s.model)
         engine = app.drafter_engine(model, args.oracle, s.backend, args.oracle_corrupt_every)
-        return await app.start_drafter(engine, port, provider, args.host, credentials=tls, max_connection_age_s=age)
+        metrics = _serve_metrics(m.DrafterMetrics(engine), s, args.host, endpoints) if want else None
+        return await app.start_drafter(engine, port, provider, args.host, credentials=tls, max_connection_age_s=age,
+                                       metrics=metrics)
+    from services.gateway.metrics import GatewayMetrics
+    metrics = (_serve_metrics(GatewayMetrics(model=m.served_model_name(s.checkpoint)), s, args.host, endpoints)
+               if want else None)
     running, scheduler, _ = await app.start_gateway(
         s.gateway, s.gate, port=port, provider=provider, checkpoint=s.checkpoint, recorder=recorder,
         host=args.host, backend_tls=s.tls, credentials=s.gateway_tls and s.gateway_tls.server_credentials(),
@@ -214,46 +255,113 @@ def up_ports(port_base: int) -> dict[str, int]:
     return {"gateway": port_base, "verifier": port_base + 1, "drafter": port_base + 2}
 
 
-def _up(args) -> int:
-    exe = [sys.executable, "-m", "services.cli", "serve"]
-    ckpt = ["--checkpoint", args.checkpoint] if args.checkpoint else []
-    try:
-        ports = up_ports(args.port_base)
-        http_port = args.port_base + 3 if args.http_port is None else args.http_port
-        if not 0 <= http_port <= 65535:
-            raise ValueError(f"--http-port={http_port}: must be in [0, 65535] (default port-base + 3)")
-        if args.record_rounds is not None:
-            _check_writable("--record-rounds", args.record_rounds)
-    except ValueError as exc:
-        print(f"dspark up: {exc}", file=sys.stderr)
-        return 2
+def up_metrics_ports(metrics_base: int | None) -> dict[str, int | None]:
+    """The metrics ports of `dspark up --metrics-port M`: gateway M, verifier M + 1, drafter
+    M + 2; all None without the flag.
+
+    Raises:
+        ValueError: naming the value, when M + 2 is not a port (M outside 1..65533).
+    """
+    if metrics_base is None:
+        return {"gateway": None, "verifier": None, "drafter": None}
+    if not 1 <= metrics_base <= 65533:
+        raise ValueError(f"--metrics-port={metrics_base}: must be in [1, 65533] (the drafter's is metrics-port + 2)")
+    return {"gateway": metrics_base, "verifier": metrics_base + 1, "drafter": metrics_base + 2}
+
+
+def _up_plan(args) -> tuple[dict[str, list[str]], dict[str, str], dict[str, str | None]]:
+    """Each child's `dspark serve` arguments, their environment and, with the console span
+    exporter, each child's span file (else None). Every setting and port is checked here,
+    before anything starts.
+
+    Raises:
+        ValueError: a bad flag or setting, or a port another process holds (each named).
+    """
+    from services.common.ports import check_ports_free
+
+    ports, metrics = up_ports(args.port_base), up_metrics_ports(args.metrics_port)
+    args.http = args.port_base + 3 if args.http_port is None else args.http_port
+    if not 0 <= args.http <= 65535:
+        raise ValueError(f"--http-port={args.http}: must be in [0, 65535] (default port-base + 3)")
+    if args.record_rounds is not None:
+        _check_writable("--record-rounds", args.record_rounds)
+    check_ports_free("127.0.0.1", {**{f"{n} (--port-base)": p for n, p in ports.items()},
+                                   **{f"{n} metrics (--metrics-port)": p for n, p in metrics.items()},
+                                   "gateway HTTP API (--http-port)": args.http or None})
     env = dict(os.environ, DSPARK_VERIFIER_TARGET=f"127.0.0.1:{ports['verifier']}",
                DSPARK_DRAFTER_TARGET=f"127.0.0.1:{ports['drafter']}")
+    env.pop("DSPARK_METRICS_PORT", None)  # one port cannot serve three processes: --metrics-port
     # the gateway starts beside backends that are still loading their weights: wait for them
     env.setdefault("DSPARK_STARTUP_TIMEOUT_S", "120")
-    try:  # the three children's settings, checked once here before anything starts
-        for service in ("verifier", "drafter", "gateway"):
-            read_settings(env, service, http_port_flag=http_port if service == "gateway" else None)
+    children = [read_settings(env, n, http_port_flag=args.http if n == "gateway" else None)
+                for n in ("verifier", "drafter", "gateway")]  # checked once, here
+    console = any("console" in c.telemetry.exporters for c in children)
+    args.gateway_tls = children[2].gateway_tls is not None
+    spans = {n: None for n in ports}
+    if console:
+        if not Path(args.spans_dir).is_dir():
+            raise ValueError(f"--spans-dir={args.spans_dir!r}: not an existing folder")
+        spans = {n: str(Path(args.spans_dir) / f"dspark-{n}.spans.json") for n in ports}
+    ckpt = ["--checkpoint", args.checkpoint] if args.checkpoint else []
+    argv = {n: ["--port", str(p)] + ckpt + ([] if metrics[n] is None else ["--metrics-port", str(metrics[n])])
+            for n, p in ports.items()}
+    argv["drafter"] += ["--oracle"] if args.oracle else []
+    argv["gateway"] += ["--record-rounds", args.record_rounds] if args.record_rounds else []
+    argv["gateway"] += ["--http-port", str(args.http)]
+    return argv, env, spans
+
+
+def _up(args) -> int:
+    try:
+        argv, env, spans = _up_plan(args)
     except ValueError as exc:
         print(f"dspark up: {exc}", file=sys.stderr)
         return 2
-    port = {name: ["--port", str(p)] for name, p in ports.items()}
-    record = ["--record-rounds", args.record_rounds] if args.record_rounds else []
-    procs = [subprocess.Popen(exe + ["verifier"] + port["verifier"] + ckpt, env=env),
-             subprocess.Popen(exe + ["drafter"] + port["drafter"] + ckpt + (["--oracle"] if args.oracle else []),
-                              env=env)]
-    http = ["--http-port", str(http_port)]
-    procs.append(subprocess.Popen(exe + ["gateway"] + port["gateway"] + ckpt + record + http, env=env))
-    print(f"dspark up: gateway on 127.0.0.1:{ports['gateway']} "
-          f"(verifier :{ports['verifier']}, drafter :{ports['drafter']}), "
-          f"OpenAI-compatible HTTP API on http://127.0.0.1:{http_port}/v1; Ctrl-C stops", flush=True)
+    exe = [sys.executable, "-m", "services.cli", "serve"]
+    procs, files = [], []
+    for name in ("verifier", "drafter", "gateway"):
+        out = open(spans[name], "w", encoding="utf-8") if spans[name] else None
+        files += [out] if out else []
+        procs.append(subprocess.Popen(exe + [name] + argv[name], env=env, stdout=out))
+    ports = up_ports(args.port_base)
+    where = (f"gateway on 127.0.0.1:{ports['gateway']} (verifier :{ports['verifier']}, drafter :{ports['drafter']}), "
+             f"OpenAI-compatible HTTP API on http://127.0.0.1:{args.http}/v1")
+    print(f"dspark up: starting {where}; loading the model", flush=True)
+    if any(spans.values()):
+        print("dspark up: console spans go to " + ", ".join(v for v in spans.values() if v), flush=True)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     try:
-        while not stop["now"] and all(p.poll() is None for p in procs):
-            time.sleep(0.5)
+        _supervise(procs, f"127.0.0.1:{ports['gateway']}", where, args.metrics_port, stop, args.gateway_tls)
     except KeyboardInterrupt:
         pass
+    code = _stop_children(procs)
+    for f in files:
+        f.close()
+    return code
+
+
+def _supervise(procs: list, target: str, where: str, metrics_base: int | None, stop: dict, tls: bool) -> None:
+    """Wait while every child runs and no stop was asked; say "Ctrl-C stops" once the gateway
+    reports SERVING (it serves only after both backends answered its identity check). Under
+    gateway TLS the plaintext probe cannot ask, so that line comes at once, saying so."""
+    from services.common.ports import is_serving
+
+    ready = False
+    if tls:
+        where += " (gateway TLS: readiness not checked)"
+    with grpc.insecure_channel(target) as channel:
+        while not stop["now"] and all(p.poll() is None for p in procs):
+            if not ready and (tls or is_serving(channel, "dspark.v1.Gateway")):
+                ready = True
+                extra = "" if metrics_base is None else f"; metrics on :{metrics_base}, :{metrics_base + 1}, " \
+                                                         f":{metrics_base + 2} /metrics"
+                print(f"dspark up: ready: {where}{extra}; Ctrl-C stops", flush=True)
+            time.sleep(0.5)
+
+
+def _stop_children(procs: list) -> int:
+    """SIGTERM every child still running, wait (30 s each, then kill); the exit code of `up`."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -270,18 +378,17 @@ def _up(args) -> int:
     return 0
 
 
-def _generate(args) -> int:
-    if args.max_tokens <= 0:
-        print(f"dspark generate: --max-tokens={args.max_tokens} must be > 0", file=sys.stderr)
-        return 2
+def _client_checks(args, command: str) -> int | None:
+    """Check the gateway-client flags of `command` (timeout, token, CA file) and load the CA
+    into `args.tls_ca_pem`; returns 2 after printing the reason, None when all are good."""
     if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN fails too
-        print(f"dspark generate: --timeout={args.timeout:g} must be > 0 and <= {MAX_TIMEOUT_S:.10g} s",
+        print(f"dspark {command}: --timeout={args.timeout:g} must be > 0 and <= {MAX_TIMEOUT_S:.10g} s",
               file=sys.stderr)
         return 2
     args.token, source = client_token(args.token, os.environ)
     if args.token and not valid_token(args.token):
         # as the gateway checks its own DSPARK_GATEWAY_TOKEN; gRPC metadata would refuse it anyway
-        print(f"dspark generate: {source}: the token must be printable ASCII without spaces (value not shown)",
+        print(f"dspark {command}: {source}: the token must be printable ASCII without spaces (value not shown)",
               file=sys.stderr)
         return 2
     if args.tls_ca is not None:
@@ -289,37 +396,97 @@ def _generate(args) -> int:
             with open(args.tls_ca, "rb") as f:
                 args.tls_ca_pem = f.read(1 << 20)
         except OSError as e:
-            print(f"dspark generate: --tls-ca={args.tls_ca!r}: cannot read: {e.strerror or e}", file=sys.stderr)
+            print(f"dspark {command}: --tls-ca={args.tls_ca!r}: cannot read: {e.strerror or e}", file=sys.stderr)
             return 2
+    return None
+
+
+def _channel(args) -> grpc.aio.Channel:
+    if args.tls_ca is not None:
+        return grpc.aio.secure_channel(args.target, grpc.ssl_channel_credentials(args.tls_ca_pem))
+    return grpc.aio.insecure_channel(args.target)
+
+
+def _metadata(args):
+    return (("authorization", f"Bearer {args.token}"),) if args.token else None
+
+
+def _generate(args) -> int:
+    if args.max_tokens <= 0:
+        print(f"dspark generate: --max-tokens={args.max_tokens} must be > 0", file=sys.stderr)
+        return 2
+    bad = _client_checks(args, "generate")
+    if bad is not None:
+        return bad
     try:
         return asyncio.run(_generate_async(args))
     except grpc.aio.AioRpcError as e:
         print(f"dspark generate: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the stream is cancelled; a line, not a traceback
+        print("\ndspark generate: interrupted", file=sys.stderr)
+        return 130
+
+
+def final_line(msg: gateway_pb2.GenerateResponse) -> str:
+    """The summary `dspark generate` prints after the text: finish reason, tokens, rounds,
+    acceptance (only when drafts were verified: spec off or all-plain rounds say so) and TTFT."""
+    s = msg.spec_stats
+    if s.submitted > 0:
+        spec = (f"acceptance {s.acceptance_rate:.0%}, mean acceptance length {s.mean_acceptance_length:.2f}")
+    else:
+        spec = "no drafts verified (plain decode)"
+    return (f"[{msg.finish_reason}] {msg.usage.completion_tokens} tokens, {s.rounds} rounds, {spec}, "
+            f"TTFT {msg.time_to_first_token_ms:.0f} ms")
 
 
 async def _generate_async(args) -> int:
     req = gateway_pb2.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens, spec=_SPEC[args.spec],
                                       stop=args.stop, ignore_eos=args.ignore_eos, label=args.label)
-    metadata = (("authorization", f"Bearer {args.token}"),) if args.token else None
-    if args.tls_ca is not None:
-        channel = grpc.aio.secure_channel(args.target, grpc.ssl_channel_credentials(args.tls_ca_pem))
-    else:
-        channel = grpc.aio.insecure_channel(args.target)
-    async with channel:
+    async with _channel(args) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
-        async for msg in stub.Generate(req, timeout=args.timeout, metadata=metadata):
+        async for msg in stub.Generate(req, timeout=args.timeout, metadata=_metadata(args)):
             if args.json:
                 print(json.dumps(_as_dict(msg)), flush=True)
             elif msg.finished:
-                s = msg.spec_stats
                 print(msg.text_delta, flush=True)
-                print(f"\n[{msg.finish_reason}] {msg.usage.completion_tokens} tokens, {s.rounds} rounds, "
-                      f"acceptance {s.acceptance_rate:.0%}, mean acceptance length {s.mean_acceptance_length:.2f}, "
-                      f"TTFT {msg.time_to_first_token_ms:.0f} ms", file=sys.stderr)
+                print("\n" + final_line(msg), file=sys.stderr)
             else:
                 print(msg.text_delta, end="", flush=True)
     return 0
+
+
+def _stats(args) -> int:
+    bad = _client_checks(args, "stats")
+    if bad is not None:
+        return bad
+    try:
+        raw = asyncio.run(_stats_async(args))
+        stats = json.loads(raw)
+    except grpc.aio.AioRpcError as e:
+        print(f"dspark stats: {args.target}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    except json.JSONDecodeError as e:
+        print(f"dspark stats: {args.target}: the Stats reply is not JSON: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ndspark stats: interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    from rich.console import Console
+
+    from services.stats_view import render_stats
+    render_stats(stats, Console(emoji=False, highlight=False), title=f"gateway {args.target}")
+    return 0
+
+
+async def _stats_async(args) -> str:
+    async with _channel(args) as channel:
+        reply = await gateway_pb2_grpc.GatewayStub(channel).Stats(gateway_pb2.StatsRequest(), timeout=args.timeout,
+                                                                   metadata=_metadata(args))
+    return reply.json
 
 
 def _as_dict(msg) -> dict:

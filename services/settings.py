@@ -19,7 +19,8 @@ Unset means the default; the "empty" column says what an empty value means.
 | DSPARK_DRAFTER_FAILOVERS | 2 | error | gateway: drafter_failovers |
 | DSPARK_GATEWAY_TOKEN | unset | unset | gateway: token; `dspark generate`'s token |
 | DSPARK_GATEWAY_TLS_CERT, _KEY | unset | unset | gateway_tls (a pair) |
-| DSPARK_METRICS_PORT | unset | unset | metrics_port (gateway; `--metrics-port` wins) |
+| DSPARK_METRICS_PORT | unset | unset | metrics_port (every service; `--metrics-port` wins) |
+| DSPARK_LOG_FORMAT | text | text | log_format (text, json: one JSON object per log line) |
 | DSPARK_HTTP_PORT | unset (off) | unset | http_port (gateway: the OpenAI-compatible HTTP front; `--http-port` wins) |
 | DEEPSEEK_DSPARK_GATE | 0 | error | gate: enabled |
 | DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD | 0.0 | error | gate: margin_threshold |
@@ -64,8 +65,9 @@ from typing import TYPE_CHECKING, Mapping
 
 from dsv4.settings import (ENV_KERNELS, ENV_MOE_DETERMINISTIC_REDUCE, ENV_MOE_MULTI_TOKEN_FP4, KERNEL_BACKENDS,
                            Settings as ModelSettings)
-from services.common.settings import (COST_MODES, EXPORTERS, MAX_CONNECTION_AGE_S, MAX_TIMEOUT_S, PINNABLE_COSTS,
-                                      VERIFY_MODES, VERIFY_NUMERICS, BackendSettings, GatewaySettings, ServeSettings,
+from services.common.settings import (COST_MODES, EXPORTERS, LOG_FORMATS, MAX_CONNECTION_AGE_S, MAX_TIMEOUT_S,
+                                      PINNABLE_COSTS, VERIFY_MODES, VERIFY_NUMERICS, BackendSettings, GatewaySettings,
+                                      ServeSettings,
                                       TelemetrySettings, backend_target, valid_token)
 from services.common.tls import PemFile, TlsFiles, load_tls
 from services.gateway.gate import ENV_VARS as GATE_ENV_VARS, GateConfig
@@ -90,8 +92,9 @@ class ProcessSettings:
     checkpoint: the model folder (None = the bundled or random tiny model); serve, telemetry
     and tls (mTLS files, None = plaintext) apply to every service. model, backend: verifier
     and drafter; tp, topk (None = no dumps): verifier; gateway, gate, gateway_tls (None =
-    plaintext client port), metrics_port (None = no endpoint), http_port (None = no HTTP
-    front): gateway. Sections of the other services are None.
+    plaintext client port), http_port (None = no HTTP front): gateway. metrics_port (None = no
+    Prometheus endpoint) and log_format (LOG_FORMATS) apply to every service. Sections of the
+    other services are None.
     """
 
     service: str
@@ -108,6 +111,7 @@ class ProcessSettings:
     gateway_tls: TlsFiles | None = None
     metrics_port: int | None = None
     http_port: int | None = None
+    log_format: str = "text"
 
 
 def read_settings(environ: Environ, service: str, *, tp: int = 1, checkpoint_flag: str | None = None,
@@ -121,11 +125,12 @@ def read_settings(environ: Environ, service: str, *, tp: int = 1, checkpoint_fla
     if service not in SERVICES:
         raise ValueError(f"service={service!r}: must be one of {SERVICES}")
     common = dict(service=service, checkpoint=checkpoint(checkpoint_flag, environ),
-                  serve=serve_settings(environ), telemetry=telemetry_settings(environ), tls=tls_files(environ))
+                  serve=serve_settings(environ), telemetry=telemetry_settings(environ), tls=tls_files(environ),
+                  metrics_port=metrics_port(metrics_port_flag, environ), log_format=log_format(environ))
     if service == "gateway":
         gateway_tls = gateway_tls_files(environ)
         return ProcessSettings(**common, gateway=gateway_settings(environ), gate=gate_config(environ),
-                               gateway_tls=gateway_tls, metrics_port=metrics_port(metrics_port_flag, environ),
+                               gateway_tls=gateway_tls,
                                http_port=http_port(http_port_flag, environ, gateway_tls is not None))
     backend = backend_settings(environ)
     if service == "drafter":
@@ -264,7 +269,7 @@ def serve_settings(environ: Environ) -> ServeSettings:
 
 
 def metrics_port(flag: int | None, environ: Environ) -> int | None:
-    """The gateway's metrics port: the flag, else DSPARK_METRICS_PORT, else None (no
+    """A service's Prometheus port: the flag, else DSPARK_METRICS_PORT, else None (no
     endpoint); 0 = any free port. Raises ValueError naming the flag or the variable and the
     value outside [0, 65535]."""
     if flag is not None:
@@ -293,6 +298,16 @@ def http_port(flag: int | None, environ: Environ, gateway_tls: bool = False) -> 
         raise ValueError(f"{name}={port} with DSPARK_GATEWAY_TLS_CERT: the HTTP front serves plain HTTP; "
                          "terminate TLS in a proxy in front of it, or leave the HTTP port unset")
     return port
+
+
+def log_format(environ: Environ) -> str:
+    """DSPARK_LOG_FORMAT: "text" (unset or empty) or "json" (ignoring case and spaces).
+    Raises ValueError naming the value otherwise."""
+    raw = environ.get("DSPARK_LOG_FORMAT", "")
+    value = raw.strip().lower() or "text"
+    if value not in LOG_FORMATS:
+        raise ValueError(f"DSPARK_LOG_FORMAT={raw!r}: must be one of {LOG_FORMATS}")
+    return value
 
 
 def model_settings(environ: Environ) -> ModelSettings:

@@ -184,8 +184,10 @@ def test_prometheus_endpoint_serves_the_named_metrics_equal_to_the_final_stats(r
     for r in run.recorded:
         for pos in range(r.accepted):
             per_pos[str(pos)] = per_pos.get(str(pos), 0) + 1
-    got = {s.labels["position"]: s.value for s in families["spec_decode_num_accepted_tokens_per_pos"].samples
-           if s.name.endswith("_total")}
+    got = {}  # summed over the spec_mode series
+    for s in families["spec_decode_num_accepted_tokens_per_pos"].samples:
+        if s.name.endswith("_total"):
+            got[s.labels["position"]] = got.get(s.labels["position"], 0) + s.value
     assert got == per_pos and sum(got.values()) == total["accepted"]
 
     n = len(run.generations)
@@ -202,7 +204,8 @@ def test_prometheus_endpoint_serves_the_named_metrics_equal_to_the_final_stats(r
     for name, buckets in (("gen_ai_server_time_to_first_token_seconds", TTFT_BUCKETS),
                           ("gen_ai_server_time_per_output_token_seconds", TPOT_BUCKETS),
                           ("gen_ai_server_request_duration_seconds", DURATION_BUCKETS)):
-        edges = [s.labels["le"] for s in families[name].samples if s.name == name + "_bucket"]
+        edges = [s.labels["le"] for s in families[name].samples  # one series: the gated generation's
+                 if s.name == name + "_bucket" and s.labels.get("spec_mode") == "gated"]
         assert [float(e) for e in edges] == [*buckets, float("inf")]
     sample = next(s for s in ttft.samples if s.name.endswith("_count"))
     assert sample.labels["gen_ai_operation_name"] == "text_completion"

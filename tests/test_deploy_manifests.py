@@ -28,6 +28,7 @@ import yaml
 
 from services.common.settings import EXPORTERS
 from services.settings import backend_settings, gate_config, gateway_settings, serve_settings
+from services.settings import metrics_port as metrics_port_setting
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -300,6 +301,32 @@ def test_cpu_small_runs_without_gpus_checkpoint_or_tls():
     assert not by_kind(objs, "PersistentVolumeClaim")
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_service_serves_metrics_on_the_settings_port_and_its_pods_ask_to_be_scraped(overlay):
+    objs = objects(overlay)
+    deployments, data = by_kind(objs, "Deployment"), settings_of(objs)
+    metrics_port = int(data["DSPARK_METRICS_PORT"])
+    assert metrics_port_setting(None, data) == metrics_port  # the services' own reader takes it
+    for name in DSPARK_DEPLOYMENTS:
+        c = container(deployments[name])
+        assert {"name": "metrics", "containerPort": metrics_port} in c["ports"], name
+        notes = deployments[name]["spec"]["template"]["metadata"]["annotations"]
+        assert notes == {"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics_port),
+                         "prometheus.io/path": "/metrics"}, name
+
+
+def test_a_scrape_annotation_written_as_a_number_fails_validation(tmp_path):
+    # `prometheus.io/port: 9464` unquoted in YAML is an int, and annotations must be strings
+    objs = objects("cpu-small")
+    gateway = by_kind(objs, "Deployment")["dspark-gateway"]
+    gateway["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] = 9464
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump_all(objs))
+    out = validate(path)
+    assert out.returncode != 0
+    assert "dspark-gateway" in out.stdout + out.stderr
+
+
 # ---------------------------------------------------------------------------- compose
 def test_compose_file_passes_compose_config_and_wires_the_services():
     out = compose("-f", "deploy/compose.yaml", "config", "--format", "json")
@@ -317,6 +344,10 @@ def test_compose_file_passes_compose_config_and_wires_the_services():
         assert service["command"][0] == name
         health_port = service["environment"]["DSPARK_HEALTH_PORT"]
         assert service["healthcheck"]["test"][3] == f"127.0.0.1:{health_port}"
+    for name, service in svc.items():  # every service serves /metrics on the compose network
+        port = service["environment"]["DSPARK_METRICS_PORT"]
+        assert port in service["expose"] and service["labels"]["prometheus.io/port"] == port, name
+        assert service["labels"]["prometheus.io/scrape"] == "true"
     assert gateway_settings(svc["gateway"]["environment"]).drafter_failovers == 2
     gate_config(svc["gateway"]["environment"])
     with_collector = compose("-f", "deploy/compose.yaml", "--profile", "telemetry", "config", "--services")

@@ -87,6 +87,11 @@ class SessionTable(Generic[S]):
         with self._lock:
             return len(self._entries)
 
+    def sessions(self) -> list[S]:
+        """The open sessions now (a snapshot; their locks not taken: diagnostics and metrics)."""
+        with self._lock:
+            return [e.session for e in self._entries.values()]
+
     def _entry(self, sid: int) -> _Entry[S]:
         with self._lock:
             entry = self._entries.get(sid)

@@ -34,6 +34,8 @@ MAX_CONNECTION_AGE_S = (2**31 - 1) / 1000
 DEFAULT_MAX_CONNECTION_AGE_S = 300.0
 # span exporters a service can have ("none": no exporter)
 EXPORTERS = ("otlp", "console", "none")
+# how a service writes its log lines: plain text, or one JSON object per line (log shippers)
+LOG_FORMATS = ("text", "json")
 
 _SCHEMES = ("ipv4:", "ipv6:", "dns:", "unix:", "unix-abstract:", "vsock:", "xds:")
 

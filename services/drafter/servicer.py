@@ -37,10 +37,11 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
     Args:
         engine: the drafter engine (thread-safe across sessions).
         provider: tracer provider for the per-message spans (None = no spans).
+        metrics: a `services.common.metrics.DrafterMetrics` fed each answered call (None: none).
     """
 
-    def __init__(self, engine: Drafter, provider: TracerProvider | None = None):
-        self.engine, self.provider = engine, provider
+    def __init__(self, engine: Drafter, provider: TracerProvider | None = None, metrics=None):
+        self.engine, self.provider, self.metrics = engine, provider, metrics
         ident = engine.identity()
         self.row_width = ident["row_width"]
 
@@ -67,6 +68,11 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
             response.timing.queue_ms = max(0.0, (t0 - received) * 1e3)
             response.session_tag = request.session_tag  # the gateway checks the echo
             span.set_attribute("drafter.forward_ms", forward_ms)
+            if self.metrics is not None:
+                if op == "commit":
+                    self.metrics.record_commit(forward_ms)
+                else:
+                    self.metrics.record_draft(len(response.tokens), forward_ms)
             return response
 
     def _commit(self, sid: int, commit) -> drafter_pb2.DrafterResponse:

@@ -47,6 +47,7 @@ from services.gateway.backends import BackendError, DrafterSession, VerifierSess
 from services.gateway.costs import CostTracker
 from services.gateway.drafters import DraftCheck, DrafterFaults, DrafterSupply
 from services.gateway.gate import Gate, GateConfig, LengthChoice
+from services.gateway.metrics import GenerationMetrics, NoGenerationMetrics
 from services.gateway.record import Reason, RoundRecord, RoundStats, drafted_reason
 from services.gateway.rounds import Round, check_workload
 from services.gateway.tokenizer import Detokenizer, Tokenizer
@@ -220,7 +221,8 @@ class Scheduler:
         invalid draft replies included, are absorbed (failover, else plain decode).
         """
         supply = drafter if drafter is None or isinstance(drafter, DrafterSupply) else DrafterSupply.of(drafter)
-        gen = _Generation(self, p, verifier, supply if p.spec != "off" else None)
+        track = self.metrics.generation(p.spec) if self.metrics is not None else NoGenerationMetrics()
+        gen = _Generation(self, p, verifier, supply if p.spec != "off" else None, track)
         # The span is made current only around each step of the generation, never across a
         # `yield`: the caller may close this generator from another task (a client cancel),
         # and a context attached in one task cannot be detached in another.
@@ -240,12 +242,17 @@ class Scheduler:
                     except StopAsyncIteration:
                         break
                     if isinstance(event, FinalEvent):
-                        self._finished(span, event, gen.t0)
+                        self._finished(span, event, gen.t0, track)
+                track.first_token()
                 yield event
+        except Exception:
+            track.close("error")
+            raise
         finally:
+            track.close("abort")  # no-op after the final message or an error
             span.end()
 
-    def _finished(self, span, event: FinalEvent, t0: float) -> None:
+    def _finished(self, span, event: FinalEvent, t0: float, track) -> None:
         """A generation ended: its span attributes, the process stats and the metrics."""
         span.set_attribute("gen_ai.usage.output_tokens", event.completion_tokens)
         span.set_attribute("gen_ai.response.finish_reasons", [event.finish_reason])
@@ -253,17 +260,16 @@ class Scheduler:
         for k, v in event.counters.speculation_dict().items():
             span.set_attribute(f"spec_decode.{k}", v)
         self.stats.add(event)
-        if self.metrics is not None:
-            self.metrics.record_generation(event.time_to_first_token_ms / 1e3, time.perf_counter() - t0,
-                                           event.completion_tokens, event.counters.drafter_failed)
+        track.finished(event.finish_reason, event.prompt_tokens, event.completion_tokens,
+                       event.time_to_first_token_ms / 1e3, time.perf_counter() - t0, event.counters.drafter_failed)
 
 
 class _Generation:
     """State of one generation (see the module docstring for the round protocol)."""
 
     def __init__(self, sched: Scheduler, p: GenerationParams, verifier: VerifierSession,
-                 drafters: DrafterSupply | None):
-        self.s, self.p, self.verifier = sched, p, verifier
+                 drafters: DrafterSupply | None, metrics: GenerationMetrics | NoGenerationMetrics):
+        self.s, self.p, self.verifier, self.metrics = sched, p, verifier, metrics
         # The first round is the most permissive (one token out, anchor at the prompt's end):
         # when it cannot submit a draft (see `_max_drafts`), no round can, so no drafter session.
         can_draft = p.max_tokens - 2 > 0 and sched.limits.max_seq_len - 2 - len(p.prompt_ids) > 0
@@ -433,8 +439,7 @@ class _Generation:
             self.drafter = new
             self.counters.drafter_failovers += 1
             self.s.drafter_faults.failover()
-            if self.s.metrics is not None:
-                self.s.metrics.record_drafter_failover()
+            self.metrics.record_drafter_failover()
             return True
         self.counters.drafter_failed = True
         self.s.drafter_faults.fell_back()
@@ -462,8 +467,7 @@ class _Generation:
         reason = failure_reason(exc)
         check = getattr(exc, "check", None)
         self.s.drafter_faults.failure(reason, check)
-        if self.s.metrics is not None:
-            self.s.metrics.record_drafter_failure(reason, check)
+        self.metrics.record_drafter_failure(reason, check)
         log.warning("drafter failure (%s%s): %s; %s", reason, f": {check}" if check else "", exc, outcome)
 
     def _record(self, span, r: RoundRecord) -> None:
@@ -477,8 +481,7 @@ class _Generation:
             span.set_attribute("spec_decode.draft_ms", r.draft_ms)
         if r.confidence_logits is not None:  # for the reliability diagram of `dspark trace-report`
             span.set_attribute("spec_decode.confidence_logits", [float(c) for c in r.confidence_logits])
-        if self.s.metrics is not None:
-            self.s.metrics.record_round(r)
+        self.metrics.record_round(r)
         if self.s.recorder is not None and r.confidence_logits is not None:  # replay needs the confidences
             self.s.recorder.append(r.to_round(self.p.label))
 

@@ -43,6 +43,7 @@ from services.gateway.costs import CostTracker
 from services.gateway.drafters import DrafterSupply
 from services.gateway.profile import ProfileError, ProfileSettings, profile_backends
 from services.gateway.record import RoundStats
+from services.gateway.request_log import RequestLine
 from services.gateway.requests import (CURRENT_REQUEST_ID, DuplicateRequestId, GenerationAborted, Registry,
                                        RequestIdLogFilter, request_id)
 from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler, TokenEvent
@@ -121,9 +122,12 @@ async def connect_backends(backends: Backends) -> tuple[ModelLimits, common_pb2.
     try:
         v = await backends.verifier.Info(common_pb2.InfoRequest(), timeout=timeout, wait_for_ready=True)
     except grpc.aio.AioRpcError as e:
+        target = f"DSPARK_VERIFIER_TARGET={backends.settings.verifier_target!r}"
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # something answered at once, but not a verifier
+            raise BackendError("verifier", f"{target} does not serve dspark.v1.Verifier (UNIMPLEMENTED: "
+                               f"{e.details()}): another service listens on that port", e.code()) from None
         raise BackendError("verifier", f"Info failed within DSPARK_STARTUP_TIMEOUT_S={timeout:g} s at "
-                           f"DSPARK_VERIFIER_TARGET={backends.settings.verifier_target!r}: "
-                           f"{e.code().name}: {e.details()}", e.code()) from None
+                           f"{target}: {e.code().name}: {e.details()}", e.code()) from None
     confidence = False
     if backends.drafter is not None:
         try:
@@ -174,6 +178,44 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.running = Registry()
 
     async def Generate(self, request, context):
+        rid, params, running = await self._admit(request, context)
+        s = self.backends.settings
+        verifier = GrpcVerifierSession(self.backends.verifier, s.round_timeout_s, s.generation_timeout_s)
+        drafters = None
+        if self.backends.drafter is not None:
+            drafters = DrafterSupply(lambda: GrpcDrafterSession(self.backends.drafter, s.round_timeout_s,
+                                                                s.generation_timeout_s),
+                                     s.drafter_failovers)
+        out = ResponseStream(rid, len(params.prompt_ids))
+        events = self.scheduler.generate(dataclasses.replace(params, request_id=rid), verifier, drafters)
+        with RequestLine(rid, params) as line:  # one log line per request, however it ends
+            try:
+                while (event := await running.next(events)) is not None:
+                    if isinstance(event, FinalEvent):  # finished: from here on an abort finds nothing to stop
+                        self.running.remove(running)
+                        line.finished(event)
+                    yield out.response(event)
+            except GenerationAborted:
+                log.info("aborted after %d tokens", out.completion_tokens)
+                await close_generation(verifier, drafters)  # freed before the client sees the end
+                yield out.aborted()
+            except BackendError as exc:
+                code = exc.code if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                 grpc.StatusCode.INVALID_ARGUMENT) else grpc.StatusCode.UNAVAILABLE
+                await context.abort(code, str(exc))
+            finally:
+                self.running.remove(running)
+                # A client's cancel may arrive again while these close: every stream must still be
+                # closed or cancelled, or its backend session stays open until the generation deadline.
+                try:
+                    await close_generation(verifier, drafters)
+                finally:
+                    await events.aclose()  # a no-op unless this stream was closed at a yield
+
+    async def _admit(self, request, context):
+        """(request id, validated `GenerationParams`, registry entry) of a Generate call; the
+        call is aborted with INVALID_ARGUMENT (a bad field, named) or ALREADY_EXISTS (an id
+        that is running)."""
         if request.spec not in _SPEC:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"spec={request.spec}: not a SpecMode (0 default, 1 off, 2 always, 3 gated)")
@@ -190,36 +232,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         # Not reset at the end: the call's task, and so this context, ends with the call.
         CURRENT_REQUEST_ID.set(rid)
-        s = self.backends.settings
-        verifier = GrpcVerifierSession(self.backends.verifier, s.round_timeout_s, s.generation_timeout_s)
-        drafters = None
-        if self.backends.drafter is not None:
-            drafters = DrafterSupply(lambda: GrpcDrafterSession(self.backends.drafter, s.round_timeout_s,
-                                                                s.generation_timeout_s),
-                                     s.drafter_failovers)
-        out = ResponseStream(rid, len(params.prompt_ids))
-        events = self.scheduler.generate(dataclasses.replace(params, request_id=rid), verifier, drafters)
-        try:
-            while (event := await running.next(events)) is not None:
-                if isinstance(event, FinalEvent):  # finished: from here on an abort finds nothing to stop
-                    self.running.remove(running)
-                yield out.response(event)
-        except GenerationAborted:
-            log.info("aborted after %d tokens", out.completion_tokens)
-            await close_generation(verifier, drafters)  # freed before the client sees the end
-            yield out.aborted()
-        except BackendError as exc:
-            code = exc.code if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                             grpc.StatusCode.INVALID_ARGUMENT) else grpc.StatusCode.UNAVAILABLE
-            await context.abort(code, str(exc))
-        finally:
-            self.running.remove(running)
-            # A client's cancel may arrive again while these close: every stream must still be
-            # closed or cancelled, or its backend session stays open until the generation deadline.
-            try:
-                await close_generation(verifier, drafters)
-            finally:
-                await events.aclose()  # a no-op unless this stream was closed at a yield
+        return rid, params, running
 
     async def Abort(self, request, context):
         if not request.request_id:

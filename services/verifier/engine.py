@@ -176,6 +176,10 @@ class VerifierEngine(SessionHost[_Session]):
         """Bytes of target state held by session `sid` (rings, compressor states, caches)."""
         return self.model.state_bytes(self._get(sid).state)
 
+    def state_bytes(self) -> int:
+        """Bytes of target state held by every open session (per TP rank under tensor parallelism)."""
+        return sum(self.model.state_bytes(s.state) for s in self._table.sessions())
+
     def next_position(self, sid: int) -> int:
         """The position the session's next forwarded token takes (= tokens committed so far - 1 + 1)."""
         return self._get(sid).state.next_position

@@ -41,11 +41,13 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
         default_mode: verify mode used when a request leaves it unspecified.
         provider: tracer provider for the per-message spans (None = no spans).
         tp: tensor-parallel world size reported in Info.
+        metrics: a `services.common.metrics.VerifierMetrics` fed each answered forward (None: none).
     """
 
     def __init__(self, engine: VerifierEngine, default_mode: str = "batched",
-                 provider: TracerProvider | None = None, tp: int = 1):
+                 provider: TracerProvider | None = None, tp: int = 1, metrics=None):
         self.engine, self.default_mode, self.provider, self.tp = engine, default_mode, provider, tp
+        self.metrics = metrics
 
     async def Info(self, request, context):
         return verifier_identity(self.engine, self.tp)
@@ -58,20 +60,24 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
             if op == "rows":
                 return self._rows(sid, request.rows.count, span)
             if op == "prefill":
-                res = await asyncio.to_thread(self.engine.prefill, sid, list(request.prefill.token_ids))
-                response = self._step_response(res)
+                ids = list(request.prefill.token_ids)
+                res = await asyncio.to_thread(self.engine.prefill, sid, ids)
+                response, rows = self._step_response(res), len(ids)
             elif op == "decode":
                 d = request.decode
                 res = await asyncio.to_thread(self.engine.decode, sid, d.token_id, d.position)
-                response = self._step_response(res)
+                response, rows = self._step_response(res), 1
             else:
                 res, response = await self._verify(sid, request.verify, span)
+                rows = res.forwarded
             total_ms = (time.perf_counter() - received) * 1e3
             response.timing.forward_ms = res.forward_ms
             response.timing.queue_ms = max(0.0, total_ms - res.forward_ms)
             span.set_attribute("verifier.forward_ms", res.forward_ms)
             span.set_attribute("verifier.rollback_bytes", response.timing.rollback_bytes)
             span.set_attribute("verifier.queue_ms", response.timing.queue_ms)
+            if self.metrics is not None:
+                self.metrics.record_forward(op, rows, res.forward_ms, response.timing.queue_ms)
             return response
 
     def _rows(self, sid: int, count: int, span) -> verifier_pb2.VerifierResponse:
