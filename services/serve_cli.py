@@ -280,7 +280,8 @@ def _up_plan(args) -> tuple[dict[str, list[str]], dict[str, str], dict[str, str 
     from services.common.ports import check_ports_free
 
     ports, metrics = up_ports(args.port_base), up_metrics_ports(args.metrics_port)
-    args.http = args.port_base + 3 if args.http_port is None else args.http_port
+    http_flag = getattr(args, "http_port", None)
+    args.http = args.port_base + 3 if http_flag is None else http_flag
     if not 0 <= args.http <= 65535:
         raise ValueError(f"--http-port={args.http}: must be in [0, 65535] (default port-base + 3)")
     if args.record_rounds is not None:
