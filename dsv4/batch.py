@@ -25,7 +25,7 @@ import torch
 
 from dsv4.mhc import hc_post, hc_pre
 from dsv4.numerics import Call, FastNumerics
-from dsv4.trunk_state import TrunkState
+from dsv4.trunk_state import BlockOutput, BlockUndo, ForwardOutput, TrunkState
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,7 @@ def run_pass(model: Any, num: FastNumerics, jobs: list[Job]) -> list[tuple[torch
     with num.scope():
         h = num.dense(lambda i: model.embed(i).unsqueeze(1).repeat(1, cfg.hc_mult, 1), ids)  # [N, C, D]
         for i, block in enumerate(model.layers):
-            h = _layer(block, num, h, ids, pos, [(j.call, j.state.layers[i], s) for j, s in zip(jobs, spans)],
-                       small_m)
+            h = block(h, ids, pos, [(j.call, j.state.layers[i], s) for j, s in zip(jobs, spans)], num, small_m)
             if want_taps and i in cfg.dspark_target_layer_ids:
                 taps.append(num.dense(model._lane_mean, h[tap_rows]))  # [sum n_taps, D]
         logits = num.dense(model._head, h[logit_rows])  # [sum n_logits, V]
@@ -103,13 +102,24 @@ def run_pass(model: Any, num: FastNumerics, jobs: list[Job]) -> list[tuple[torch
     return out
 
 
+def finish(job: Job, logits: torch.Tensor, taps: torch.Tensor | None) -> ForwardOutput | BlockOutput:
+    """A job's pass result as its API record: a decode's ForwardOutput (logits [V] fp32), or a
+    verify block's BlockOutput, whose undo record this opens on the job's state."""
+    call = job.call
+    if call.undo is None:
+        return ForwardOutput(logits=logits[0], taps=taps)
+    record = BlockUndo(call.start_pos, call.n_tokens, call.undo, job.state._token)
+    job.state.open_block = record
+    return BlockOutput(logits, taps, record)
+
+
 def _last_rows(spans: list[tuple[int, int]], counts: list[int], device: torch.device) -> torch.Tensor:
     """Row indices [sum counts] of the last counts[j] rows of every span (lo, hi)."""
     rows = [torch.arange(hi - c, hi, device=device) for (_, hi), c in zip(spans, counts)]
     return torch.cat(rows)
 
 
-def _layer(block: Any, num: FastNumerics, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor,
+def layer(block: Any, num: FastNumerics, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor,
            calls: list[tuple[Call, Any, tuple[int, int]]], small_m: bool) -> torch.Tensor:
     """One trunk block (`dsv4.trunk.Block`) over the pass: h [N, C, D], ids / pos [N] -> [N, C, D].
 

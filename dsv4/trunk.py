@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from dsv4.attention import Attention
-from dsv4.batch import BatchItem, Job, run_pass
+from dsv4.batch import BatchItem, Job, finish, layer, run_pass
 from dsv4.config import ModelConfig
 from dsv4.inventory import trunk_params
 from dsv4.layers import Embedding, Linear, RMSNorm, frozen_param
@@ -67,10 +67,8 @@ class Block(nn.Module):
 
     Parameters: attn_norm, ffn_norm [D]; hc_{attn,ffn}_fn [M, C*D], _base [M], _scale [3]
     (fp32); `attn` (Attention), `ffn` (MoE). The residual stream h [S, C, D] is in the
-    model dtype. The block is pure math: how attention reads and writes a state, and how
-    routed experts are evaluated, come in as functions (`forward`), so one block serves
-    prefill, decode, verify and both numerics, and DSpark stages reuse `attn_residual` with
-    their own attention function.
+    model dtype. The trunk's forward loop calls the block over a whole pass (`forward`);
+    DSpark stages run `attn_residual` with their own attention function, then `ffn_residual`.
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype = torch.float32,
@@ -108,11 +106,10 @@ class Block(nn.Module):
             return self._residual(h, "ffn", self.ffn_norm, lambda x: self.ffn(x, ids))
         return self._residual(h, "ffn", self.ffn_norm, lambda x: self.ffn(x, ids, route))
 
-    def forward(self, h: torch.Tensor, ids: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
-                route: Route | None = None) -> torch.Tensor:
-        """Trunk block: h [R, C, D], ids [R] -> [R, C, D]. `attend` runs this layer's attention
-        on the normed rows (and updates the sequence state); `route` evaluates routed experts."""
-        return self.ffn_residual(self.attn_residual(h, attend), ids, route)
+    def forward(self, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, calls: list, num: FastNumerics,
+                small_m: bool) -> torch.Tensor:
+        """The trunk block over one pass of the forward loop: see `dsv4.batch.layer`."""
+        return layer(self, num, h, ids, pos, calls, small_m)
 
 
 def as_int(value: Any, name: str) -> int:
@@ -360,12 +357,10 @@ class Trunk(nn.Module):
         """Run the pending work of several sessions in one pass (`dsv4.batch`): decodes and
         verify blocks, each on its own state, at any positions.
 
-        Dense ops run once over the rows of every item; attention, compressors and indexers
-        per item on its state. Returns per item, in order, exactly what `decode` (a
-        ForwardOutput: logits [V] fp32, taps [1, T*D] or None) or `forward_block` (a
-        BlockOutput with logits / taps [S, ...] and the undo record; the item's state is left
-        with that block open) returns for it: equal to rounding in fast mode, bitwise in exact
-        mode whatever the other items are.
+        Dense ops run once over the rows of every item; attention per item on its state.
+        Returns per item, in order, what `decode` (ForwardOutput: logits [V] fp32, taps [1, T*D]
+        or None) or `forward_block` (BlockOutput, the item's block left open) returns for it:
+        equal to rounding in fast mode, bitwise in exact mode whatever the other items are.
         Raises (every item checked before any state changes):
             ValueError: an empty batch, an item that is not a BatchItem, one state in two
                 items, or any item that `decode` / `forward_block` would reject (its index named).
@@ -384,15 +379,7 @@ class Trunk(nn.Module):
                 jobs.append(self._block_job(item) if item.verify else self._decode_job(item))
             except ValueError as e:
                 raise ValueError(f"forward_batch item {n}: {e}" if len(items) > 1 else str(e)) from None
-        outs = []
-        for job, (logits, taps) in zip(jobs, run_pass(self, self.numerics, jobs)):
-            if job.call.undo is None:
-                outs.append(ForwardOutput(logits=logits[0], taps=taps))
-                continue
-            record = BlockUndo(job.call.start_pos, job.call.n_tokens, job.call.undo, job.state._token)
-            job.state.open_block = record
-            outs.append(BlockOutput(logits, taps, record))
-        return outs
+        return [finish(job, logits, taps) for job, (logits, taps) in zip(jobs, run_pass(self, self.numerics, jobs))]
 
     def _decode_job(self, item: BatchItem) -> Job:
         """A decode item's checks (see `decode`) -> its Job."""
