@@ -120,7 +120,7 @@ def _last_rows(spans: list[tuple[int, int]], counts: list[int], device: torch.de
 
 
 def layer(block: Any, num: FastNumerics, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor,
-           calls: list[tuple[Call, Any, tuple[int, int]]], small_m: bool) -> torch.Tensor:
+          calls: list[tuple[Call, Any, tuple[int, int]]], small_m: bool) -> torch.Tensor:
     """One trunk block (`dsv4.trunk.Block`) over the pass: h [N, C, D], ids / pos [N] -> [N, C, D].
 
     `calls`: per call, (call, its `AttentionState` of this layer, its rows (lo, hi)). The
