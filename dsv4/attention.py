@@ -17,7 +17,7 @@ Prefill (start_pos == 0) attends over [fresh kv (S rows) | the prompt's entries]
 fills the ring with the last min(S, W) rows; decode (start_pos > 0, one token) writes ring
 slot p % W first and attends over [ring (W rows) | cached entries].
 
-Exact mode (`forward_exact`; `Trunk(verify_numerics="exact")`): x is a fixed tile of R rows
+Exact mode (`core_exact`; `Trunk(verify_numerics="exact")`): the call is a fixed tile of R rows
 (`dsv4.numerics.EXACT_ROWS`) whose first `n_real` are the tokens, for a decode (n_real == 1)
 and a verify block alike. Every query gets the same key list in both: window positions
 p, p-1, .., p-W+1 (ring before the call, then the call's own rows), then its compressed
@@ -183,10 +183,19 @@ class Attention(nn.Module):
         without `undo` is one decode token (S == 1); with `undo` (a list to append this
         layer's `AttentionUndo` to) it is a verify block of S >= 1 tokens (`_block_keys`).
         """
-        S = x.shape[0]
-        pos = torch.arange(start_pos, start_pos + S, device=x.device)
+        pos = torch.arange(start_pos, start_pos + x.shape[0], device=x.device)
         q, qr = self.project_q(x, pos)
-        kv = self.project_kv(x, pos)
+        o = self.core(x, qr, q, self.project_kv(x, pos), start_pos, st, undo)
+        return self.project_out(o, pos)
+
+    def core(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, start_pos: int,
+             st: AttentionState, undo: list[AttentionUndo] | None) -> torch.Tensor:
+        """The per-sequence part of `forward`, between the projections: x [S, D] normed input,
+        qr [S, Lq], q [S, H, Dh], kv [S, Dh] of tokens at start_pos.. -> o [S, H, Dh] before
+        `project_out`; reads and updates `st` (and journals into `undo` for a verify block).
+        The batched forward (`dsv4.batch`) runs the projections over every session's rows at
+        once and this per session."""
+        S = x.shape[0]
         if start_pos == 0:
             keys, idx = self._prefill_keys(x, qr, kv, st)
         elif undo is not None:
@@ -194,20 +203,16 @@ class Attention(nn.Module):
         else:
             assert S == 1, f"decode at start_pos={start_pos} takes 1 token, got S={S}"
             keys, idx = self._decode_keys(x, qr, kv, start_pos, st)
-        o = self.attend(q, keys, self.attn_sink, idx, self.softmax_scale)
-        return self.project_out(o, pos)
+        return self.attend(q, keys, self.attn_sink, idx, self.softmax_scale)
 
-    def forward_exact(self, x: torch.Tensor, start_pos: int, st: AttentionState,
-                      undo: list[AttentionUndo] | None, n_real: int) -> torch.Tensor:
-        """Exact mode (module docstring): x [R, D] tile whose rows < n_real are tokens at
-        start_pos.. (a decode when `undo` is None, else a verify block) -> [R, D]; padding
-        rows get 0 attention and never reach the state."""
-        pos = torch.arange(start_pos, start_pos + x.shape[0], device=x.device)
-        q, qr = self.project_q(x, pos)
-        kv = self.project_kv(x, pos)
+    def core_exact(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, start_pos: int,
+                   n_real: int, st: AttentionState, undo: list[AttentionUndo] | None) -> torch.Tensor:
+        """Exact mode (module docstring): `core` on a tile of R rows (x [R, D], qr [R, Lq],
+        q [R, H, Dh], kv [R, Dh]) whose rows < n_real are tokens at start_pos.. (a decode when
+        `undo` is None, else a verify block) -> o [R, H, Dh]; padding rows (any values) get 0
+        and never reach the state."""
         keys, idx = self._exact_keys(x, qr, kv, start_pos, n_real, st, undo)
-        o = sparse_attn_chunked(q, keys, self.attn_sink, idx, self.softmax_scale, EXACT_KEY_CHUNK)
-        return self.project_out(o, pos)
+        return sparse_attn_chunked(q, keys, self.attn_sink, idx, self.softmax_scale, EXACT_KEY_CHUNK)
 
     def rollback(self, st: AttentionState, record: AttentionUndo, keep: int, ring: bool = True,
                  compressor: bool = True) -> int:

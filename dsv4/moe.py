@@ -1,7 +1,7 @@
 """Mixture of experts: gate (hash or scored), clamped SwiGLU experts, one shared expert
 (docs/model.md §6). This module owns routing, the experts and the fixed-order combine; it
 holds no per-sequence state, does not choose the numerics recipe (`dsv4.numerics` calls
-`combine_per_token` in exact mode) and does not shard itself (`dsv4.tp` sets its local
+`combine_tiled` in exact mode) and does not shard itself (`dsv4.tp` sets its local
 experts; the draft module's `DraftMoE` is in `dsv4.dspark`).
 
 Dimension legend: N = tokens, D = dim, I = moe_inter_dim, E = n_routed_experts,
@@ -14,10 +14,10 @@ depend on the order in which the gate lists a token's experts; without it they a
 with `index_add_` in routing (slot) order. Experts are evaluated in ascending id order on
 their tokens in ascending token order either way.
 
-Exact mode (`combine_per_token`, `dsv4.numerics.ExactNumerics`): every route of the first
-n_real rows is evaluated on its own token (one 1-row call per route, never a group of the
-tokens that share an expert), so a token's expert outputs do not depend on which other
-tokens are in the call; the combine is the same fold.
+Exact mode (`combine_tiled`, `dsv4.numerics.ExactNumerics`): each expert runs on fixed tiles
+of the rows routed to it (never one GEMM over however many rows the batch routes there), so
+a token's expert outputs do not depend on which other tokens, of its own session or of
+others, are in the call; the combine is the same fold.
 
 fp4 expert GEMM (`MoE.use_fp4_gemm`, wired by `dsv4.quantised`): routed experts stored as
 fp4 can run the routed fp4 kernel (`kernels.fp4_gemm.fp4_moe_gemm`) on their packed e2m1
@@ -173,20 +173,29 @@ class MoE(nn.Module):
             partial[tok, slot] = self.experts[e - lo](x[tok], weights[tok, slot]).float()
         return self._reduce(partial, experts)
 
-    def combine_per_token(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-                          n_real: int) -> torch.Tensor:
-        """Exact-mode routed sum: like `combine`, but each route of rows < n_real is its own
-        1-row expert call; rows >= n_real (padding) get 0."""
-        N, k = experts.shape
-        partial = x.new_zeros(N, k, x.shape[1], dtype=torch.float32)  # [N, k, D] one row per route
+    def combine_tiled(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                      tile: int) -> torch.Tensor:
+        """Exact-mode routed sum: like `combine`, but each expert runs on fixed tiles of `tile`
+        rows (the tokens routed to it in ascending order, the last tile zero-padded), so a
+        token's expert output is computed by the same-shaped GEMM whichever other tokens share
+        the expert. x [N, D], weights [N, k] fp32, experts [N, k] -> [N, D] fp32."""
         if self.fp4_weights is not None:  # the small-batch path: one program per token
-            partial[:n_real] = self._routed_fp4(x[:n_real], weights[:n_real], experts[:n_real], True)
-            return self._reduce(partial, experts)
+            return self._reduce(self._routed_fp4(x, weights, experts, True), experts)
+        N, k = experts.shape
         lo, hi = self.expert_offset, self.expert_offset + len(self.experts)
-        for t, row in enumerate(experts[:n_real].tolist()):
-            for slot, e in enumerate(row):
-                if lo <= e < hi:
-                    partial[t, slot] = self.experts[e - lo](x[t:t + 1], weights[t, slot:slot + 1])[0].float()
+        partial = x.new_zeros(N, k, x.shape[1], dtype=torch.float32)  # [N, k, D] one row per route
+        for e in torch.unique(experts).tolist():  # ascending expert id
+            if not lo <= e < hi:
+                continue  # another TP rank's expert
+            tok, slot = torch.nonzero(experts == e, as_tuple=True)  # ascending token
+            for c in range(0, tok.numel(), tile):
+                t, s = tok[c:c + tile], slot[c:c + tile]
+                n = t.numel()
+                xt = x.new_zeros(tile, x.shape[1])
+                xt[:n] = x[t]
+                wt = weights.new_zeros(tile)  # padding rows: weight 0, output discarded
+                wt[:n] = weights[t, s]
+                partial[t, s] = self.experts[e - lo](xt, wt)[:n].float()
         return self._reduce(partial, experts)
 
     # ------------------------------------------------------------------ fp4 expert kernel

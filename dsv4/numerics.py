@@ -3,19 +3,18 @@ computed (`FastNumerics`, `ExactNumerics`; docs/architecture.md §4). This modul
 choice between the two recipes and nothing else: it holds no weights and no per-sequence
 state, and it never validates arguments (`dsv4.trunk.Trunk` and the serving engine do).
 
-`Trunk._run` is the one loop, embed -> blocks -> taps -> head, for prefill, decode and
-verify alike; every place where the recipes differ is one method of the strategy:
+`dsv4.batch.run_pass` is the one loop, embed -> blocks -> taps -> head, for prefill, decode
+and verify alike, and for one session or many: a pass holds several `Call`s whose rows are
+concatenated for the dense ops while attention runs per call on its slice of rows and its
+own state. Every place where the recipes differ is one method of the strategy:
 
-- `tile(ids)`: the rows the dense ops see (exact pads every decode and verify to EXACT_ROWS);
-- `attend(attn, x, call, st)`: which key lists and which attention reduction a layer uses;
-- `route(moe, x, weights, experts, call)`: grouped expert calls, or one call per route;
-- `on_rows(fn, t, lo, hi)`: run a row-wise op (taps, head) on rows lo..hi-1 only, or on the
-  whole fixed tile and slice after (so its shape never depends on the call);
+- `dense(fn, *rows)`: a row-wise op (projections, mHC, norms, gate, shared expert, taps,
+  head) over the concatenated rows of every call: fast runs it once on all rows, exact on
+  fixed tiles of EXACT_ROWS rows, so a row's result never depends on how many rows, or
+  which, share the pass;
+- `attend(attn, x, qr, q, kv, call, st)`: one call's key lists and attention reduction;
+- `route(moe, x, weights, experts, small_m)`: grouped expert calls, or fixed expert tiles;
 - `scope()`: the intra-op thread count a forward runs under.
-
-A `Call` describes the rows of one sequence. Cross-session batching extends the same shape:
-a pass then holds several calls whose rows are concatenated for the dense ops (linears, mHC,
-norms, MoE, head) while `attend` runs per call on its slice of rows and state.
 """
 
 from __future__ import annotations
@@ -25,18 +24,17 @@ from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from dsv4.attention import Attention, AttentionState, AttentionUndo
 from dsv4.moe import MoE
 
-EXACT_ROWS = 8  # exact mode: rows of every dense forward (a decode, or a verify block of <= 8 tokens)
+EXACT_ROWS = 8  # exact mode: rows of every dense tile, and the most tokens a verify block holds
 VERIFY_NUMERICS = ("fast", "exact")
 
 
 @dataclass(frozen=True)
 class Call:
-    """One forward pass over `n_tokens` tokens of one sequence at positions start_pos...
+    """One sequence's part of a forward pass: `n_tokens` tokens at positions start_pos...
 
     start_pos == 0 is a prefill; `undo` (the list each layer appends its `AttentionUndo` to)
     marks a verify block; otherwise it is a decode of one token.
@@ -52,46 +50,51 @@ class Call:
         return self.start_pos > 0
 
 
+Rows = Callable[..., "torch.Tensor | tuple[torch.Tensor, ...]"]
+
+
 class FastNumerics:
-    """Rows computed in the call's own shape: decode runs one row, a verify block k + 1 rows,
-    and their logits agree to rounding (~1e-6 relative in fp32, ~5e-3 in bf16), not bitwise."""
+    """Rows computed in the pass's own shape: a decode alone runs one row, a verify block
+    k + 1 rows, a batch all its rows at once; results agree to rounding (~1e-6 relative in
+    fp32, ~5e-3 in bf16), not bitwise, across those shapes."""
 
     name = "fast"
     max_tokens: int | None = None  # no limit on a verify block's size
     threads: int | None = None
 
-    def tile(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [S] int64 -> the rows the dense ops run on (here: ids itself)."""
-        return ids
-
     def scope(self) -> ContextManager[None]:
         return nullcontext()
 
-    def attend(self, attn: Attention, x: torch.Tensor, call: Call, st: AttentionState) -> torch.Tensor:
-        """x [S, D] -> [S, D]: the layer's prefill, decode or verify-block attention."""
-        return attn(x, call.start_pos, st, call.undo)
+    def dense(self, fn: Rows, *rows: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """fn(*rows): every tensor in `rows` has the same leading dim N (one entry per row);
+        fn returns one tensor or a tuple of tensors, each with leading dim N."""
+        return fn(*rows)
+
+    def attend(self, attn: Attention, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+               call: Call, st: AttentionState) -> torch.Tensor:
+        """One call's projected rows (x [S, D], qr [S, Lq], q [S, H, Dh], kv [S, Dh]) ->
+        o [S, H, Dh]: its prefill, decode or verify-block attention (`Attention.core`)."""
+        return attn.core(x, qr, q, kv, call.start_pos, st, call.undo)
 
     def route(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-              call: Call) -> torch.Tensor:
-        """Routed experts grouped by expert: x [S, D], weights / experts [S, k] -> [S, D] fp32."""
-        return moe.combine(x, weights, experts, small_m=call.small_m)
-
-    def on_rows(self, fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """fn(t[lo:hi]): a row-wise op on the rows that are asked for only."""
-        return fn(t[lo:hi])
+              small_m: bool) -> torch.Tensor:
+        """Routed experts grouped by expert: x [N, D], weights / experts [N, k] -> [N, D] fp32."""
+        return moe.combine(x, weights, experts, small_m=small_m)
 
 
 class ExactNumerics(FastNumerics):
-    """Decode and verify compute a position's logits and taps bitwise alike, so a batched
-    speculative chain equals the plain greedy chain token for token.
+    """A row's logits and taps are bitwise the same whatever else is in the pass: decode or
+    verify block, alone or among other sessions' rows, so a batched speculative chain equals
+    the plain greedy chain token for token at any concurrency.
 
-    Every decode and verify block runs as a tile of EXACT_ROWS rows (the tokens, then
-    padding), so every dense op has one fixed shape and a row's result does not depend on
-    the other rows; attention keys per query are the same list in decode and verify, reduced
-    in fixed chunks (`Attention.forward_exact`); routed experts run one 1-row call per route
-    (`MoE.combine_per_token`); intra-op threads are pinned to `threads` (a GEMM may split its
-    work, and so its sums, differently with another thread count). Prefill is the fast one:
-    plain and speculative runs share it. Blocks hold at most EXACT_ROWS tokens.
+    Dense ops run on fixed tiles of EXACT_ROWS rows filled with the pass's rows in order
+    (the last tile zero-padded): every GEMM has one shape, and within it a row's result
+    depends on that row only. Attention runs per call on its own EXACT_ROWS-row tile, with
+    the same key list for a position in a decode and in a verify block, reduced in fixed
+    chunks (`Attention.core_exact`); routed experts run on fixed tiles of the rows routed to
+    them (`MoE.combine_tiled`); intra-op threads are pinned to `threads` (a GEMM may split
+    its work, and so its sums, differently with another thread count). Prefill is the fast
+    one: plain and speculative runs share it. Blocks hold at most EXACT_ROWS tokens.
     """
 
     name = "exact"
@@ -100,25 +103,36 @@ class ExactNumerics(FastNumerics):
     def __init__(self, threads: int):
         self.threads = threads
 
-    def tile(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [S] (S <= EXACT_ROWS) -> [EXACT_ROWS], padded with token 0 (never written to a state)."""
-        return F.pad(ids, (0, EXACT_ROWS - ids.shape[0]))
-
     def scope(self) -> ContextManager[None]:
         return pinned_threads(self.threads)
 
-    def attend(self, attn: Attention, x: torch.Tensor, call: Call, st: AttentionState) -> torch.Tensor:
-        """x [R, D] tile -> [R, D]; padding rows attend to nothing."""
-        return attn.forward_exact(x, call.start_pos, st, call.undo, call.n_tokens)
+    def dense(self, fn: Rows, *rows: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """fn over tiles of EXACT_ROWS rows of `rows` (zero-padded), concatenated and cut back to N."""
+        n = rows[0].shape[0]
+        padded = [pad_rows(t, -(-n // EXACT_ROWS) * EXACT_ROWS) for t in rows]
+        outs = [fn(*(t[i:i + EXACT_ROWS] for t in padded)) for i in range(0, padded[0].shape[0], EXACT_ROWS)]
+        if isinstance(outs[0], tuple):
+            return tuple(torch.cat(parts)[:n] for parts in zip(*outs))
+        return torch.cat(outs)[:n]
+
+    def attend(self, attn: Attention, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+               call: Call, st: AttentionState) -> torch.Tensor:
+        """As `FastNumerics.attend`, on the call's rows zero-padded to one EXACT_ROWS tile."""
+        S = call.n_tokens
+        tile = [pad_rows(t, EXACT_ROWS) for t in (x, qr, q, kv)]
+        return attn.core_exact(*tile, call.start_pos, S, st, call.undo)[:S]
 
     def route(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-              call: Call) -> torch.Tensor:
-        """One expert call per route of the real rows; padding rows get 0."""
-        return moe.combine_per_token(x, weights, experts, call.n_tokens)
+              small_m: bool) -> torch.Tensor:
+        """Each expert on fixed EXACT_ROWS-row tiles of the rows routed to it."""
+        return moe.combine_tiled(x, weights, experts, EXACT_ROWS)
 
-    def on_rows(self, fn: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """fn(t)[lo:hi]: the op always sees the whole tile."""
-        return fn(t)[lo:hi]
+
+def pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t [N, ...] -> [n, ...] (n >= N), the extra rows zero."""
+    if t.shape[0] == n:
+        return t
+    return torch.cat((t, t.new_zeros(n - t.shape[0], *t.shape[1:])))
 
 
 def numerics_for(verify_numerics: str) -> FastNumerics:

@@ -1,26 +1,26 @@
 """DeepSeek-V4-Flash trunk: embedding, mHC blocks (attention + MoE), hc_head, norm, head
-(docs/model.md §3). This module owns the forward loop (`Trunk._run`) and the per-sequence
-state protocol: prefill, decode, and verify blocks as transactions with exact rollback
-(docs/architecture.md §4). It holds no sessions and does not validate request values (the
-serving engine, `services.verifier.engine`, does so once at the boundary; here they are
-asserted); the numerics recipe lives in `dsv4.numerics`, the state records in
-`dsv4.trunk_state`.
+(docs/model.md §3). This module owns the modules and the per-sequence state protocol:
+prefill, decode, and verify blocks as transactions with exact rollback (docs/architecture.md
+§4), for one session or a batch of sessions (`forward_batch`). It holds no sessions and does
+not validate request values (the serving engine, `services.verifier.engine`, does so once at
+the boundary; here they are asserted); the forward loop lives in `dsv4.batch`, the numerics
+recipe in `dsv4.numerics`, the state records in `dsv4.trunk_state`.
 
-Dimension legend: S = tokens in a call, R = rows the dense ops run on (S, or an exact-mode
-tile), C = hc_mult lanes, D = dim, V = vocab, M = (2 + C) * C mHC logits,
-T = len(dspark_target_layer_ids), L = n_layers.
+Dimension legend: S = tokens in a call, C = hc_mult lanes, D = dim, V = vocab,
+M = (2 + C) * C mHC logits, T = len(dspark_target_layer_ids), L = n_layers.
 
-What the trunk itself checks, with a
-ValueError naming the value, is what any caller can get wrong cheaply: the state machine
-(positions, empty state for prefill, open verify blocks, undo records), the capacity of a
-state (max_seq_len) and of the numerics (exact blocks), the weights and the constructor.
+What the trunk itself checks, with a ValueError naming the value, is what any caller can get
+wrong cheaply: the state machine (positions, empty state for prefill, open verify blocks,
+undo records), the capacity of a state (max_seq_len) and of the numerics (exact blocks), the
+weights and the constructor.
 
 One sequence per `TrunkState`; positions are absolute (0-based). `prefill` runs a prompt at
 positions 0..S-1 into an empty state; `decode` runs one token at `state.next_position`;
-`forward_block` + `rollback` verify a draft block as one transaction (see `Trunk`). All
-three go through one loop, `Trunk._run`, parameterised by a numerics strategy
-(`dsv4.numerics`: fast, or exact for decode and verify). Logits are fp32. Taps (docs/model.md §3,
-§9.2) are the lane mean of the block output of every `dspark_target_layer_ids` layer,
+`forward_block` + `rollback` verify a draft block as one transaction (see `Trunk`);
+`forward_batch` runs the decodes and verify blocks of several states in one pass. All go
+through one loop, `dsv4.batch.run_pass`, parameterised by a numerics strategy
+(`dsv4.numerics`: fast, or exact for decode and verify). Logits are fp32. Taps (docs/model.md
+§3, §9.2) are the lane mean of the block output of every `dspark_target_layer_ids` layer,
 concatenated in ascending layer order: rows [S', T*D] fp32, computed only when asked (they
 never change the logits).
 
@@ -38,13 +38,14 @@ from __future__ import annotations
 
 import numbers
 import weakref
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from dsv4.attention import Attention, AttentionUndo
+from dsv4.attention import Attention
+from dsv4.batch import BatchItem, Job, finish, layer, run_pass
 from dsv4.config import ModelConfig
 from dsv4.inventory import trunk_params
 from dsv4.layers import Embedding, Linear, RMSNorm, frozen_param
@@ -66,10 +67,8 @@ class Block(nn.Module):
 
     Parameters: attn_norm, ffn_norm [D]; hc_{attn,ffn}_fn [M, C*D], _base [M], _scale [3]
     (fp32); `attn` (Attention), `ffn` (MoE). The residual stream h [S, C, D] is in the
-    model dtype. The block is pure math: how attention reads and writes a state, and how
-    routed experts are evaluated, come in as functions (`forward`), so one block serves
-    prefill, decode, verify and both numerics, and DSpark stages reuse `attn_residual` with
-    their own attention function.
+    model dtype. The trunk's forward loop calls the block over a whole pass (`forward`);
+    DSpark stages run `attn_residual` with their own attention function, then `ffn_residual`.
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype = torch.float32,
@@ -107,11 +106,10 @@ class Block(nn.Module):
             return self._residual(h, "ffn", self.ffn_norm, lambda x: self.ffn(x, ids))
         return self._residual(h, "ffn", self.ffn_norm, lambda x: self.ffn(x, ids, route))
 
-    def forward(self, h: torch.Tensor, ids: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor],
-                route: Route | None = None) -> torch.Tensor:
-        """Trunk block: h [R, C, D], ids [R] -> [R, C, D]. `attend` runs this layer's attention
-        on the normed rows (and updates the sequence state); `route` evaluates routed experts."""
-        return self.ffn_residual(self.attn_residual(h, attend), ids, route)
+    def forward(self, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor, calls: list, num: FastNumerics,
+                small_m: bool) -> torch.Tensor:
+        """The trunk block over one pass of the forward loop: see `dsv4.batch.layer`."""
+        return layer(self, num, h, ids, pos, calls, small_m)
 
 
 def as_int(value: Any, name: str) -> int:
@@ -156,10 +154,10 @@ class Trunk(nn.Module):
     unverified drafts silently, and later decodes would keep appending to the block's
     journals. `state.reset()` also discards an open block.
 
-    Verify numerics (`dsv4.numerics`): "fast" (default) computes decode and verify rows in
-    the call's own shape, equal to rounding; "exact" makes decode and verify rows bitwise
-    equal (fixed 8-row tiles, fixed key lists and reductions, per-route experts, pinned
-    threads), at most EXACT_ROWS tokens per block. bench/bench_exact.py measures its cost.
+    Verify numerics (`dsv4.numerics`): "fast" (default) computes rows in the pass's own
+    shape, equal to rounding; "exact" makes a decode or verify row bitwise the same alone,
+    in a block or in any batch (fixed 8-row tiles, fixed key lists and reductions, fixed
+    expert tiles, pinned threads), at most EXACT_ROWS tokens per block.
 
     Args:
         cfg: the model config.
@@ -321,7 +319,7 @@ class Trunk(nn.Module):
             raise ValueError(f"prompt length {S} exceeds max_seq_len={self.cfg.max_seq_len}")
         keep = self.cfg.window_size if keep_rows is None else as_int(keep_rows, "keep_rows")
         assert keep >= 0, f"keep_rows={keep}"
-        logits, rows = self._run(state, Call(0, S), ids, 1, min(keep, S) if taps else None)
+        [(logits, rows)] = run_pass(self, _FAST, [Job(state, Call(0, S), ids, 1, min(keep, S) if taps else None)])
         return ForwardOutput(logits=logits[0], taps=rows)
 
     def decode(self, state: TrunkState, token_id: int, position: int, taps: bool = True) -> ForwardOutput:
@@ -334,16 +332,7 @@ class Trunk(nn.Module):
                 block, or a state from another model.
             RuntimeError: weights not loaded.
         """
-        self._check_state(state)
-        position = as_int(position, "decode position")
-        ids = self._ids([as_int(token_id, "token_id")])
-        if position != state.next_position:
-            raise ValueError(f"decode position={position} does not match state.next_position="
-                             f"{state.next_position}")
-        if position >= self.cfg.max_seq_len:
-            raise ValueError(f"decode position={position}: must be < max_seq_len={self.cfg.max_seq_len}")
-        logits, rows = self._run(state, Call(position, 1), ids, 1, 1 if taps else None)
-        return ForwardOutput(logits=logits[0], taps=rows)
+        return self.forward_batch([BatchItem.decode(state, token_id, position, taps)])[0]
 
     def forward_block(self, state: TrunkState, token_ids: Any, start_pos: int) -> BlockOutput:
         """Verify forward: ids [S] (the anchor and k = S-1 drafts; in [0, vocab_size):
@@ -362,23 +351,65 @@ class Trunk(nn.Module):
                 another model.
             RuntimeError: weights not loaded.
         """
+        return self.forward_batch([BatchItem.block(state, token_ids, start_pos)])[0]
+
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[ForwardOutput | BlockOutput]:
+        """Run the pending work of several sessions in one pass (`dsv4.batch`): decodes and
+        verify blocks, each on its own state, at any positions.
+
+        Dense ops run once over the rows of every item; attention per item on its state.
+        Returns per item, in order, what `decode` (ForwardOutput: logits [V] fp32, taps [1, T*D]
+        or None) or `forward_block` (BlockOutput, the item's block left open) returns for it:
+        equal to rounding in fast mode, bitwise in exact mode whatever the other items are.
+        Raises (every item checked before any state changes):
+            ValueError: an empty batch, an item that is not a BatchItem, one state in two
+                items, or any item that `decode` / `forward_block` would reject (its index named).
+            RuntimeError: weights not loaded.
+        """
+        if not items:
+            raise ValueError("forward_batch needs at least one BatchItem, got none")
+        jobs, seen = [], set()
+        for n, item in enumerate(items):
+            if not isinstance(item, BatchItem):
+                raise ValueError(f"forward_batch item {n}: {_short_repr(item)} is not a BatchItem")
+            if id(item.state) in seen:
+                raise ValueError(f"forward_batch item {n}: its state is already in the batch (one item per session)")
+            seen.add(id(item.state))
+            try:
+                jobs.append(self._block_job(item) if item.verify else self._decode_job(item))
+            except ValueError as e:
+                raise ValueError(f"forward_batch item {n}: {e}" if len(items) > 1 else str(e)) from None
+        return [finish(job, logits, taps) for job, (logits, taps) in zip(jobs, run_pass(self, self.numerics, jobs))]
+
+    def _decode_job(self, item: BatchItem) -> Job:
+        """A decode item's checks (see `decode`) -> its Job."""
+        state = item.state
         self._check_state(state)
-        start_pos = as_int(start_pos, "start_pos")
+        position = as_int(item.start_pos, "decode position")
+        ids = self._ids([as_int(item.tokens, "token_id")])
+        if position != state.next_position:
+            raise ValueError(f"decode position={position} does not match state.next_position="
+                             f"{state.next_position}")
+        if position >= self.cfg.max_seq_len:
+            raise ValueError(f"decode position={position}: must be < max_seq_len={self.cfg.max_seq_len}")
+        return Job(state, Call(position, 1), ids, 1, 1 if item.taps else None)
+
+    def _block_job(self, item: BatchItem) -> Job:
+        """A verify block's checks (see `forward_block`) -> its Job."""
+        state = item.state
+        self._check_state(state)
+        start_pos = as_int(item.start_pos, "start_pos")
         if start_pos != state.next_position or start_pos == 0:
             raise ValueError(f"verify block at start_pos={start_pos} needs a prefilled state at that "
                              f"position, got next_position={state.next_position}")
-        ids = self._ids(token_ids)
+        ids = self._ids(item.tokens)
         S, cap = ids.shape[0], self.numerics.max_tokens
         if start_pos + S > self.cfg.max_seq_len:
             raise ValueError(f"verify block of {S} tokens at {start_pos} runs past max_seq_len={self.cfg.max_seq_len}")
         if cap is not None and S > cap:
             raise ValueError(f"verify block of {S} tokens: {self.verify_numerics} mode verifies at most {cap} "
                              f"(k <= {cap - 1} drafts)")
-        undo: list[AttentionUndo] = []
-        logits, taps = self._run(state, Call(start_pos, S, undo), ids, S, S)
-        record = BlockUndo(start_pos, S, undo, state._token)
-        state.open_block = record
-        return BlockOutput(logits, taps, record)
+        return Job(state, Call(start_pos, S, []), ids, S, S)
 
     def rollback(self, state: TrunkState, undo: BlockUndo, keep: int, ring: bool = True,
                  compressor: bool = True) -> int:
@@ -420,35 +451,7 @@ class Trunk(nn.Module):
         state.open_block = None
         return copied
 
-    # ------------------------------------------------------------------ the forward loop
-    @torch.no_grad()
-    def _run(self, state: TrunkState, call: Call, ids: torch.Tensor, n_logits: int,
-             n_taps: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """embed -> blocks -> taps -> head for `call` (ids [S] int64 at call.start_pos..) ->
-        (logits [n_logits, V] fp32, taps [n_taps, T*D] fp32 or None) of the last n_logits /
-        n_taps positions; advances `state` to start_pos + S once everything succeeded.
-
-        The numerics strategy decides the rows (`tile`), each layer's attention and expert
-        evaluation, and on which rows taps and head run; prefill always takes the fast one.
-        """
-        cfg, S = self.cfg, call.n_tokens
-        num = self.numerics if call.start_pos else _FAST
-        rows = num.tile(ids)  # [R]
-        taps = []
-        with num.scope():
-            h = self.embed(rows).unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [R, C, D]
-            for i, block in enumerate(self.layers):
-                st = state.layers[i]
-                h = block(h, rows, lambda x, a=block.attn, st=st: num.attend(a, x, call, st),
-                          lambda x, w, e, m=block.ffn: num.route(m, x, w, e, call))
-                if n_taps is not None and i in cfg.dspark_target_layer_ids:
-                    taps.append(num.on_rows(self._lane_mean, h, S - n_taps, S))  # [n_taps, D]
-            logits = num.on_rows(self._head, h, S - n_logits, S)  # [n_logits, V]
-        if n_taps is not None:
-            taps = torch.cat(taps, dim=-1) if taps else logits.new_zeros(n_taps, 0)  # [n_taps, T*D]
-        state.next_position = call.start_pos + S
-        return logits, taps if n_taps is not None else None
-
+    # ------------------------------------------------------------------ row-wise ops of the loop
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """h [R, C, D] -> logits [R, V] fp32: hc_head, norm, head."""
         cfg = self.cfg

@@ -1,0 +1,163 @@
+"""The trunk's forward loop over one or several sequences at once (docs/architecture.md §4).
+This module owns `run_pass`, the one loop embed -> blocks -> taps -> head that prefill,
+decode, verify blocks and batches of decodes and verify blocks of different sessions all
+run, and `BatchItem`, one session's pending work in a batch. It checks nothing (the trunk
+validates every item before a pass starts) and keeps no state: each sequence's state is the
+`TrunkState` its item carries.
+
+Dimension legend: N = rows of the pass (the tokens of every call, concatenated in item
+order), S = tokens of one call, C = hc_mult lanes, D = dim, Lq = q_lora_rank, H = n_heads,
+Dh = head_dim, V = vocab, T = len(dspark_target_layer_ids).
+
+Per layer, the dense ops (mHC, norms, q / kv / output projections, gate, shared expert) run
+once over all N rows through the numerics strategy's `dense`, the routed experts through its
+`route`, and only attention (ring, compressors, indexer, key lists) runs per call on its own
+slice of rows and its own state. A row's computation is the one it would get alone: fast
+mode to rounding, exact mode bitwise (`dsv4.numerics.ExactNumerics`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dsv4.mhc import hc_post, hc_pre
+from dsv4.numerics import Call, FastNumerics
+from dsv4.trunk_state import BlockOutput, BlockUndo, ForwardOutput, TrunkState
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One session's pending work for `Trunk.forward_batch`: a decode of one token at
+    `start_pos` (`verify` False; `tokens` one integer), or a verify block of the anchor and
+    k drafts at start_pos.. (`verify` True; `tokens` a 1-D integer sequence / tensor of
+    1..k+1 ids). `taps`: whether a decode returns its tap row (a verify block always does).
+    Values are checked by `Trunk.forward_batch`, exactly as `decode` / `forward_block` check
+    theirs. Build with `BatchItem.decode` / `BatchItem.block`."""
+
+    state: TrunkState
+    tokens: Any
+    start_pos: Any
+    verify: bool = False
+    taps: bool = True
+
+    @classmethod
+    def decode(cls, state: TrunkState, token_id: Any, position: Any, taps: bool = True) -> "BatchItem":
+        """The work of `Trunk.decode(state, token_id, position, taps)`."""
+        return cls(state, token_id, position, False, taps)
+
+    @classmethod
+    def block(cls, state: TrunkState, token_ids: Any, start_pos: Any) -> "BatchItem":
+        """The work of `Trunk.forward_block(state, token_ids, start_pos)`."""
+        return cls(state, token_ids, start_pos, True, True)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A validated item: `call` on `state` with ids [S] int64; the pass returns logits of the
+    call's last `n_logits` positions and taps of its last `n_taps` (None: no taps)."""
+
+    state: TrunkState
+    call: Call
+    ids: torch.Tensor
+    n_logits: int
+    n_taps: int | None
+
+
+@torch.no_grad()
+def run_pass(model: Any, num: FastNumerics, jobs: list[Job]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Run every job's call in one pass of `model` (a `dsv4.trunk.Trunk`) under numerics `num`.
+
+    Returns, per job in order, (logits [n_logits, V] fp32, taps [n_taps, T*D] fp32 or None).
+    Each job's state advances to start_pos + S once the whole pass has succeeded; the
+    caller opens verify blocks (the undo lists are filled by the pass).
+    """
+    cfg, dev = model.cfg, model.embed.weight.device
+    ids = torch.cat([j.ids for j in jobs])  # [N]
+    pos = torch.cat([torch.arange(j.call.start_pos, j.call.start_pos + j.call.n_tokens, device=dev)
+                     for j in jobs])  # [N]
+    ends = torch.tensor([j.call.n_tokens for j in jobs]).cumsum(0).tolist()
+    spans = list(zip([0] + ends[:-1], ends))
+    logit_rows = _last_rows(spans, [j.n_logits for j in jobs], dev)
+    tap_rows = _last_rows(spans, [j.n_taps or 0 for j in jobs], dev)
+    want_taps = any(j.n_taps is not None for j in jobs)
+    small_m = all(j.call.small_m for j in jobs)
+    taps = []
+    with num.scope():
+        h = num.dense(lambda i: model.embed(i).unsqueeze(1).repeat(1, cfg.hc_mult, 1), ids)  # [N, C, D]
+        for i, block in enumerate(model.layers):
+            h = block(h, ids, pos, [(j.call, j.state.layers[i], s) for j, s in zip(jobs, spans)], num, small_m)
+            if want_taps and i in cfg.dspark_target_layer_ids:
+                taps.append(num.dense(model._lane_mean, h[tap_rows]))  # [sum n_taps, D]
+        logits = num.dense(model._head, h[logit_rows])  # [sum n_logits, V]
+    taps = torch.cat(taps, dim=-1) if taps else logits.new_zeros(tap_rows.numel(), 0)
+    out, lo, tlo = [], 0, 0
+    for j in jobs:
+        nt = j.n_taps or 0
+        out.append((logits[lo:lo + j.n_logits], taps[tlo:tlo + nt] if j.n_taps is not None else None))
+        lo, tlo = lo + j.n_logits, tlo + nt
+        j.state.next_position = j.call.start_pos + j.call.n_tokens
+    return out
+
+
+def finish(job: Job, logits: torch.Tensor, taps: torch.Tensor | None) -> ForwardOutput | BlockOutput:
+    """A job's pass result as its API record: a decode's ForwardOutput (logits [V] fp32), or a
+    verify block's BlockOutput, whose undo record this opens on the job's state."""
+    call = job.call
+    if call.undo is None:
+        return ForwardOutput(logits=logits[0], taps=taps)
+    record = BlockUndo(call.start_pos, call.n_tokens, call.undo, job.state._token)
+    job.state.open_block = record
+    return BlockOutput(logits, taps, record)
+
+
+def _last_rows(spans: list[tuple[int, int]], counts: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices [sum counts] of the last counts[j] rows of every span (lo, hi)."""
+    rows = [torch.arange(hi - c, hi, device=device) for (_, hi), c in zip(spans, counts)]
+    return torch.cat(rows)
+
+
+def layer(block: Any, num: FastNumerics, h: torch.Tensor, ids: torch.Tensor, pos: torch.Tensor,
+          calls: list[tuple[Call, Any, tuple[int, int]]], small_m: bool) -> torch.Tensor:
+    """One trunk block (`dsv4.trunk.Block`) over the pass: h [N, C, D], ids / pos [N] -> [N, C, D].
+
+    `calls`: per call, (call, its `AttentionState` of this layer, its rows (lo, hi)). The
+    math is `Block.forward`'s, cut where attention needs the per-call state.
+    """
+    cfg, attn, moe = block.cfg, block.attn, block.ffn
+    eps = (cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+
+    def pre_attn(h, pos):
+        x, post, comb = hc_pre(h, block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base, *eps)
+        x = block.attn_norm(x)
+        q, qr = attn.project_q(x, pos)
+        return x, qr, q, attn.project_kv(x, pos), post, comb
+
+    x, qr, q, kv, post, comb = num.dense(pre_attn, h, pos)
+    o = torch.cat([num.attend(attn, x[lo:hi], qr[lo:hi], q[lo:hi], kv[lo:hi], call, st)
+                   for call, st, (lo, hi) in calls])  # [N, H, Dh]
+
+    h, y, post, comb, weights, experts = num.dense(
+        lambda *rows: _post_attn(block, *rows, eps), o, pos, h, post, comb, ids)
+    routed = num.route(moe, y, weights, experts, small_m)  # [N, D] fp32
+    if moe.reduce_routed is not None:
+        routed = moe.reduce_routed(routed)
+
+    def ffn_out(y, routed, h, post, comb):
+        out = (routed + moe.shared_experts(y).float()).to(y.dtype)
+        return hc_post(out, h, post, comb)
+
+    return num.dense(ffn_out, y, routed, h, post, comb)
+
+
+def _post_attn(block: Any, o: torch.Tensor, pos: torch.Tensor, h: torch.Tensor, post: torch.Tensor,
+               comb: torch.Tensor, ids: torch.Tensor, eps: tuple) -> tuple[torch.Tensor, ...]:
+    """Rows after attention up to the routed experts: o [n, H, Dh] -> h [n, C, D] after the
+    attention residual, y [n, D] the normed MoE input, post / comb of the ffn sublayer, and
+    the gate's weights [n, k] fp32 / experts [n, k]."""
+    h = hc_post(block.attn.project_out(o, pos), h, post, comb)
+    y, post, comb = hc_pre(h, block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base, *eps)
+    y = block.ffn_norm(y)
+    return (h, y, post, comb, *block.ffn.gate(y, ids))
