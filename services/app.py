@@ -49,12 +49,6 @@ if TYPE_CHECKING:  # imports torch.distributed: loaded only when tp > 1
     from services.verifier.tp import TPSettings
 
 TINY_SEED = 0
-BUNDLED_CHECKPOINT = Path(__file__).resolve().parents[1] / "assets" / "dspark-small"
-
-
-def default_checkpoint() -> str | None:
-    """The bundled model's folder (assets/dspark-small) when it exists, else None (the random tiny model)."""
-    return str(BUNDLED_CHECKPOINT) if (BUNDLED_CHECKPOINT / "config.json").is_file() else None
 
 
 def random_tiny_config() -> ModelConfig:

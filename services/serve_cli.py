@@ -170,6 +170,10 @@ async def _serve_async(args, port: int, settings: ProcessSettings) -> None:
     from services.common.tls import start_health_server
 
     provider = tracer_provider(f"dspark-{settings.service}", settings.telemetry)
+    if settings.service != "gateway":  # which weights: a user must be able to tell random ones apart
+        logging.getLogger("dspark.serve").info(
+            "%s: model %s", settings.service,
+            settings.checkpoint or "random tiny (no --checkpoint / DSPARK_CHECKPOINT; docs/model.md §13)")
     recorder = [] if settings.service == "gateway" and args.record_rounds else None
     endpoints: list = []  # the metrics endpoint, once `_start` made it
     health = running = None
@@ -320,6 +324,8 @@ def _up(args) -> int:
         return 2
     exe = [sys.executable, "-m", "services.cli", "serve"]
     procs, files = [], []
+    stop = {"now": False}  # set before any child starts: a SIGTERM from then on stops them all
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     for name in ("verifier", "drafter", "gateway"):
         out = open(spans[name], "w", encoding="utf-8") if spans[name] else None
         files += [out] if out else []
@@ -330,8 +336,6 @@ def _up(args) -> int:
     print(f"dspark up: starting {where}; loading the model", flush=True)
     if any(spans.values()):
         print("dspark up: console spans go to " + ", ".join(v for v in spans.values() if v), flush=True)
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     try:
         _supervise(procs, f"127.0.0.1:{ports['gateway']}", where, args.metrics_port, stop, args.gateway_tls)
     except KeyboardInterrupt:

@@ -8,7 +8,7 @@ Unset means the default; the "empty" column says what an empty value means.
 
 | variable | default | empty | section: field |
 |---|---|---|---|
-| DSPARK_CHECKPOINT | unset (bundled/random model) | unset | checkpoint (`--checkpoint` wins) |
+| DSPARK_CHECKPOINT | unset (the random tiny model) | unset | checkpoint (`--checkpoint` wins) |
 | DSPARK_VERIFIER_TARGET | 127.0.0.1:50051 | error | gateway: verifier_target |
 | DSPARK_DRAFTER_TARGET | 127.0.0.1:50052 | no drafter | gateway: drafter_target |
 | DSPARK_VERIFY_MODE | batched | error | gateway, backend: verify_mode (sequential, batched) |
