@@ -41,6 +41,11 @@ def request(max_tokens: int, spec: str, prompt: str = PROMPT) -> gateway_pb2.Gen
                                        spec=getattr(gateway_pb2, f"SPEC_MODE_{spec.upper()}"))
 
 
+# A verify that costs 200 ms per draft makes every draft the oracle corrupts (confidence -2.0)
+# worth cutting once the gate has seen a few: the gated runs below then make choices to record.
+GATE = GateConfig(verify_slope_ms=200.0)
+
+
 class Stack:
     """Verifier, oracle drafter and one gateway per verify mode, with the given providers."""
 
@@ -58,7 +63,7 @@ class Stack:
             settings = GatewaySettings(verifier_target=f"127.0.0.1:{self.verifier.port}",
                                        drafter_target=f"127.0.0.1:{self.drafter.port}", verify_mode=mode,
                                        cost_mode=self.cost_mode)
-            server, scheduler, backends = await start_gateway(settings, GateConfig(),
+            server, scheduler, backends = await start_gateway(settings, GATE,
                                                               provider=self.providers["gateway"])
             channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
             self.gateways[mode] = (server, scheduler, backends, channel, gateway_pb2_grpc.GatewayStub(channel))
@@ -300,7 +305,7 @@ def test_stats_report_measured_gate_costs_beside_the_configured_ones():
             await stack.stop()
 
     stats, model = service_loop().run(scenario())
-    cfg = GateConfig()
+    cfg = GATE
     assert stats["cost_mode"] == "measured"
     assert stats["costs"]["configured"] == {"draft_ms": cfg.draft_ms, "verify_base_ms": cfg.verify_base_ms,
                                             "verify_slope_ms": cfg.verify_slope_ms, "plain_ms": cfg.plain_ms}
