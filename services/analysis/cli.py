@@ -71,7 +71,8 @@ def _load(args):
 
 
 def _run_report(args: argparse.Namespace) -> int:
-    from services.analysis.report import render_report, report_to_dict
+    from services.analysis.report import report_to_dict
+    from services.analysis.report_view import render_report
     try:
         report = _load(args)
         paths = []
