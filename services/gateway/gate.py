@@ -17,10 +17,12 @@ import bisect
 import math
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
+from services.gateway.decision import (DEFAULT_MARGIN, CostModel, _check_count,  # noqa: F401 (re-exported)
+                                      decide_length, draft_advantage, expected_tokens)  # noqa: F401
 from services.gateway.estimator import BucketEstimator, MarginGain, margin_bin
-from services.gateway.values import MIN_COST_MS, check_setting, finite_float, is_integer, short_repr
+from services.gateway.values import check_setting, finite_float, is_integer, short_repr
 
 # The reference calibration table's buckets (docs/architecture.md §12):
 # < -0.5 | -0.5..0.5 | 0.5..1.5 | 1.5..3.0 | 3.0..6.0 | > 6.0.
@@ -30,7 +32,6 @@ NUM_BUCKETS = len(BUCKET_EDGES) + 1
 # Weight (pseudo-observations) of each bucket's pooled prior (services.gateway.estimator): weak,
 # so a bucket's own evidence decides as soon as it has a few observations.
 DEFAULT_PRIOR_WEIGHT = 1.0
-DEFAULT_MARGIN = 1.15
 # Probing while speculation loses (drafting suspended, or every draft cut to 0): the first probe
 # comes PROBE_FIRST rounds into a losing streak and each further one after twice the previous
 # gap, at most PROBE_PERIOD rounds apart. A probe drafts and verifies at least one token, so the
@@ -84,18 +85,6 @@ def _logits(confidence_logits: Sequence[float]) -> list[float]:
     return [_logit(c, f"confidence logit [{pos}]") for pos, c in enumerate(values)]
 
 
-def _check_count(name: str, value: object, upper: int) -> int:
-    if not is_integer(value) or not 0 <= value <= upper:
-        raise ValueError(f"{name}={short_repr(value)} must be an integer in [0, {upper}]")
-    return int(value)
-
-
-def _check_probs(match_probs: Sequence[float], n: int) -> None:
-    for pos, p in enumerate(match_probs[:n]):
-        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p <= 1.0:
-            raise ValueError(f"match probability [{pos}]={short_repr(p)} outside [0, 1]")
-
-
 def bucket_index(confidence_logit: float) -> int:
     """Bucket (0..5) of a confidence logit; lower edge inclusive: -0.5 -> 1, 6.0 -> 5.
 
@@ -111,169 +100,6 @@ def bucket_label(index: int) -> str:
     if index == NUM_BUCKETS - 1:
         return f">= {BUCKET_EDGES[-1]}"
     return f"[{BUCKET_EDGES[index - 1]}, {BUCKET_EDGES[index]})"
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """Round costs in ms: draft, verify(n), plain decode and the drafter commit of a round.
-
-    `n` counts DRAFT tokens submitted to verify. verify(n) reads `verify_table[n - 1]` for
-    1 <= n <= len(verify_table) when a table is given (a measured cost per n, docs/gate.md
-    §2), else the linear fit verify_base_ms + verify_slope_ms * n (default 300 + 109n ms; the
-    default fit counts n in drafts although its measured points were indexed by forwarded
-    tokens, docs/gate.md §2 says why it is kept as stated). commit_ms is the drafter commit
-    every round of a speculating generation pays after its verify or decode (0 = not
-    modelled). `source` describes where the costs came from (for reports; ignored by ==).
-    Only ratios affect decisions. The first four fields stay positional:
-    CostModel(draft_ms, verify_base_ms, verify_slope_ms, plain_ms).
-    Raises ValueError naming the field unless each cost (and each table entry) is in
-    [0, 1e7] ms, plain_ms >= 1e-3 ms, draft_ms + verify_base_ms + verify_slope_ms >= 1e-3 ms
-    and the table, when given, is a non-empty sequence with draft_ms + entry >= 1e-3 ms.
-    """
-
-    draft_ms: float = 196.0
-    verify_base_ms: float = 300.0
-    verify_slope_ms: float = 109.0
-    plain_ms: float = 303.0
-    commit_ms: float = 0.0
-    verify_table: tuple[float, ...] | None = None
-    source: str = field(default="configured", compare=False)
-
-    def __post_init__(self) -> None:
-        for name in ("draft_ms", "verify_base_ms", "verify_slope_ms", "plain_ms"):
-            object.__setattr__(self, name, check_setting(name, getattr(self, name), name))
-        object.__setattr__(self, "commit_ms", check_setting("draft_ms", self.commit_ms, "commit_ms"))
-        fixed = self.draft_ms + self.verify_base_ms + self.verify_slope_ms
-        if fixed < MIN_COST_MS:
-            raise ValueError(f"draft_ms + verify_base_ms + verify_slope_ms = {fixed:g} must be >= {MIN_COST_MS:g} ms")
-        if self.verify_table is not None:
-            object.__setattr__(self, "verify_table", self._checked_table(self.verify_table))
-        if not isinstance(self.source, str):
-            raise ValueError(f"source={short_repr(self.source)} must be a string")
-
-    def _checked_table(self, table: object) -> tuple[float, ...]:
-        """`table` as a tuple of validated ms values (check_setting's cost rule per entry)."""
-        if isinstance(table, (str, bytes)) or not isinstance(table, Sequence) or len(table) == 0:
-            raise ValueError(f"verify_table={short_repr(table)} must be a non-empty sequence of ms (index n - 1)")
-        values = tuple(check_setting("verify_base_ms", v, f"verify_table[{i}]") for i, v in enumerate(table))
-        if self.draft_ms + min(values) < MIN_COST_MS:
-            raise ValueError(f"draft_ms + min(verify_table) = {self.draft_ms + min(values):g} must be >= "
-                             f"{MIN_COST_MS:g} ms")
-        return values
-
-    def verify_ms(self, n: int) -> float:
-        """Verify of `n` drafts (ms): verify_table[n - 1] when the table covers n, else
-        verify_base_ms + verify_slope_ms * n."""
-        table = self.verify_table
-        if table is not None and 1 <= n <= len(table):
-            return table[n - 1]
-        return self.verify_base_ms + self.verify_slope_ms * n
-
-    def round_ms(self, n: int) -> float:
-        """cost(n) in ms (docs/gate.md §2): draft_ms + verify(n) + commit_ms for n > 0, plain_ms
-        for n = 0 (a round that drafted nothing; a round cut to 0 after drafting costs
-        `skipped_after_draft_ms`, and `drafted_round_ms` is what the decision rule charges).
-        Raises ValueError unless n is an integer >= 0.
-        """
-        if not is_integer(n) or n < 0:
-            raise ValueError(f"n={short_repr(n)} must be an integer >= 0")
-        return self.draft_ms + self.verify_ms(n) + self.commit_ms if n > 0 else self.plain_ms
-
-    def drafted_round_ms(self, n: int) -> float:
-        """A round that drafted, from before the draft (ms): draft_ms + verify(n) for n > 0, and
-        draft_ms + plain_ms for n = 0 (a cut after the draft saves the verify, never the draft),
-        plus the drafter commit every such round pays (a constant across n, so it never moves
-        the choice of n; it keeps the modelled time honest). `n` is trusted (an integer >= 0)."""
-        return self.draft_ms + (self.verify_ms(n) if n > 0 else self.plain_ms) + self.commit_ms
-
-    def skipped_after_draft_ms(self) -> float:
-        """A round cut to n = 0 after drafting (ms): the draft was paid, then a plain step and
-        the drafter commit of its row.
-
-        A post-draft cut saves the verify, never the draft (docs/architecture.md §5).
-        """
-        return self.draft_ms + self.plain_ms + self.commit_ms
-
-    def rate(self, match_probs: Sequence[float], n: int) -> float:
-        """E[tokens(n)] / cost(n), in tokens per ms."""
-        return expected_tokens(match_probs, n) / self.round_ms(n)
-
-
-def _expected_totals(match_probs: Sequence[float], n: int) -> list[float]:
-    """E[tokens(k)] for k = 0..n (inputs already validated)."""
-    totals, prefix = [1.0], 1.0
-    for p in match_probs[:n]:
-        prefix *= p
-        totals.append(totals[-1] + prefix)
-    return totals
-
-
-def expected_tokens(match_probs: Sequence[float], n: int) -> float:
-    """E[tokens(n)] = 1 + sum_{i<n} prod_{j<=i} p_j (docs/gate.md §2), in tokens.
-
-    `match_probs[j]` is P(draft position j matches); the leading 1 is the bonus (or plain) token.
-    Raises ValueError unless n is an integer in [0, len(match_probs)] and match_probs[:n] are
-    numbers in [0, 1].
-    """
-    n = _check_count("n", n, len(match_probs))
-    _check_probs(match_probs, n)
-    return _expected_totals(match_probs, n)[n]
-
-
-def _values(match_probs: Sequence[float], max_n: int, cost: CostModel, rate: float) -> list[float]:
-    """value(k) = E[tokens(k)] - rate * drafted_round_ms(k) for k = 0..max_n (tokens)."""
-    totals = _expected_totals(match_probs, max_n)
-    return [totals[k] - rate * cost.drafted_round_ms(k) for k in range(max_n + 1)]
-
-
-def decide_length(
-    match_probs: Sequence[float],
-    max_n: int,
-    cost: CostModel,
-    margin: float = DEFAULT_MARGIN,
-    min_draft: int = 0,
-    rate: float | None = None,
-) -> int:
-    """Draft tokens to submit after drafting: n* = argmax_n E[tokens(n)] - rate * cost(n).
-
-    cost(n) = drafted_round_ms(n): draft + verify(n), or draft + plain for n = 0 (the draft is
-    paid either way, so only verify(n) against a plain step tells the choices apart). `rate`
-    (tokens per ms) is the long-run rate the generation earns; maximising this difference per
-    round maximises tokens per ms over the generation (docs/gate.md §2); None uses the plain
-    rate 1 / plain_ms, the least any policy can earn. n ranges over [min(min_draft, max_n),
-    max_n]. A truncation (n < max_n, 0 included) is taken only when its value beats the full
-    block's by more than (margin - 1) * E[tokens(max_n)]; ties between truncations go to the
-    longer one. Raises ValueError naming the value on a max_n that is not an integer in [0,
-    len(match_probs)], a margin or min_draft GateConfig would reject, a probability outside
-    [0, 1] (NaN included), or a rate that is not a finite number > 0.
-    """
-    max_n = _check_count("max_n", max_n, len(match_probs))
-    margin_value = check_setting("margin", margin, "margin")
-    floor = min(check_setting("min_draft", min_draft, "min_draft"), max_n)
-    lam = 1.0 / cost.plain_ms if rate is None else finite_float(rate)
-    if lam is None or lam <= 0:
-        raise ValueError(f"rate={short_repr(rate)} must be a finite number > 0 (tokens per ms)")
-    _check_probs(match_probs, max_n)
-    if max_n == 0:
-        return 0
-    values = _values(match_probs, max_n, cost, lam)
-    best_n, best_value = max_n, -math.inf
-    for n in range(floor, max_n):
-        if values[n] >= best_value:
-            best_n, best_value = n, values[n]
-    need = (margin_value - 1.0) * _expected_totals(match_probs, max_n)[max_n]
-    if best_n < max_n and best_value - values[max_n] > need:
-        return best_n
-    return max_n
-
-
-def draft_advantage(match_probs: Sequence[float], cost: CostModel, rate: float) -> float:
-    """What drafting is worth before the draft, in tokens: max_k value(k) - value_plain, where
-    value_plain = 1 - rate * plain_ms is a round that does not draft. The draft's cost is in
-    every value(k), so a negative result says skipping the draft (saving draft + verify) wins.
-    Inputs are trusted (the gate's own estimates, rate > 0)."""
-    values = _values(match_probs, len(match_probs), cost, rate)
-    return max(values) - (1.0 - rate * cost.plain_ms)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
@@ -46,6 +45,8 @@ from services.common.telemetry import TRACER_NAME, trace_context
 from services.gateway.backends import BackendError, DrafterSession, VerifierSession, failure_reason, may_fail_over
 from services.gateway.costs import CostTracker
 from services.gateway.drafters import DraftCheck, DrafterFaults, DrafterSupply
+from services.gateway.events import (FinalEvent, GenerationParams, ModelLimits, ProcessStats,  # noqa: F401 (re-exported)
+                                     TokenEvent)
 from services.gateway.gate import Gate, GateConfig, LengthChoice
 from services.gateway.metrics import GenerationMetrics, NoGenerationMetrics
 from services.gateway.record import Reason, RoundRecord, RoundStats, drafted_reason
@@ -54,87 +55,6 @@ from services.gateway.tokenizer import Detokenizer, Tokenizer
 
 log = logging.getLogger("dspark.gateway")
 SPEC_MODES = ("off", "always", "gated")
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What the scheduler must know about the served model (from the verifier's identity)."""
-
-    vocab_size: int
-    max_seq_len: int
-    eos_token_id: int
-    block_size: int
-    confidence_head: bool = True
-    # Ids the verifier guarantees it never emits: a draft holding one is invalid. None today
-    # (the target's argmax spans the whole vocabulary); a verifier that masked ids would list them.
-    reserved_token_ids: frozenset[int] = frozenset()
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """A validated request. Counts in tokens."""
-
-    prompt_ids: tuple[int, ...]
-    max_tokens: int
-    spec: str
-    stop_token_ids: frozenset[int] = frozenset()
-    stop: tuple[str, ...] = ()
-    label: str = "live"
-    request_id: str = ""  # the client's or generated id (span attribute `gen_ai.response.id`)
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """Tokens committed and streamed in one round (after stop checks) and their text delta."""
-
-    token_ids: list[int]
-    text_delta: str
-
-
-@dataclass(frozen=True)
-class FinalEvent:
-    """End of a generation: finish reason ("stop" | "length"), counts, stats and timings (ms)."""
-
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    text: str
-    text_delta: str
-    counters: RoundStats  # folded from the generation's round records
-    gate: dict
-    time_to_first_token_ms: float
-    # finish "stop": the stop token id (eos included) or stop string that ended it; else None
-    matched_stop: int | str | None = None
-
-
-@dataclass
-class ProcessStats:
-    """Process-wide totals over finished generations (the `Gateway.Stats` RPC). Thread-safe.
-
-    `totals` merges each finished generation's `RoundStats`; a generation still running or one
-    that failed adds nothing.
-    """
-
-    generations: int = 0
-    completion_tokens: int = 0
-    totals: RoundStats = field(default_factory=RoundStats)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, final: FinalEvent) -> None:
-        """Count one finished generation and merge its round counters."""
-        with self._lock:
-            self.generations += 1
-            self.completion_tokens += final.completion_tokens
-            self.totals.merge(final.counters)
-
-    def to_dict(self) -> dict:
-        """JSON-ready: generations, completion_tokens, `speculation` (the summed counters) and
-        `gate` (the gate's view, per-bucket counts included)."""
-        with self._lock:
-            speculation = self.totals.speculation_dict()
-            speculation.pop("drafter_failed")  # a per-generation flag; drafter failures are counted apart
-            return {"generations": self.generations, "completion_tokens": self.completion_tokens,
-                    "speculation": speculation, "gate": self.totals.gate.to_dict()}
 
 
 class Scheduler:

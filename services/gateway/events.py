@@ -1,0 +1,94 @@
+"""What a generation is given and what it yields: the request, the model's limits, the events
+streamed to the client, and the process totals folded from finished generations.
+
+Owns these value types only; it runs nothing (the round loop is `services.gateway.scheduler`)
+and talks to no backend. Counts in tokens, times in ms.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from services.gateway.record import RoundStats
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the scheduler must know about the served model (from the verifier's identity)."""
+
+    vocab_size: int
+    max_seq_len: int
+    eos_token_id: int
+    block_size: int
+    confidence_head: bool = True
+    # Ids the verifier guarantees it never emits: a draft holding one is invalid. None today
+    # (the target's argmax spans the whole vocabulary); a verifier that masked ids would list them.
+    reserved_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """A validated request. Counts in tokens."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    spec: str
+    stop_token_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()
+    label: str = "live"
+    request_id: str = ""  # the client's or generated id (span attribute `gen_ai.response.id`)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """Tokens committed and streamed in one round (after stop checks) and their text delta."""
+
+    token_ids: list[int]
+    text_delta: str
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    """End of a generation: finish reason ("stop" | "length"), counts, stats and timings (ms)."""
+
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    text: str
+    text_delta: str
+    counters: RoundStats  # folded from the generation's round records
+    gate: dict
+    time_to_first_token_ms: float
+    # finish "stop": the stop token id (eos included) or stop string that ended it; else None
+    matched_stop: int | str | None = None
+
+
+@dataclass
+class ProcessStats:
+    """Process-wide totals over finished generations (the `Gateway.Stats` RPC). Thread-safe.
+
+    `totals` merges each finished generation's `RoundStats`; a generation still running or one
+    that failed adds nothing.
+    """
+
+    generations: int = 0
+    completion_tokens: int = 0
+    totals: RoundStats = field(default_factory=RoundStats)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, final: FinalEvent) -> None:
+        """Count one finished generation and merge its round counters."""
+        with self._lock:
+            self.generations += 1
+            self.completion_tokens += final.completion_tokens
+            self.totals.merge(final.counters)
+
+    def to_dict(self) -> dict:
+        """JSON-ready: generations, completion_tokens, `speculation` (the summed counters) and
+        `gate` (the gate's view, per-bucket counts included)."""
+        with self._lock:
+            speculation = self.totals.speculation_dict()
+            speculation.pop("drafter_failed")  # a per-generation flag; drafter failures are counted apart
+            return {"generations": self.generations, "completion_tokens": self.completion_tokens,
+                    "speculation": speculation, "gate": self.totals.gate.to_dict()}
