@@ -194,6 +194,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     if isinstance(event, FinalEvent):  # finished: from here on an abort finds nothing to stop
                         self.running.remove(running)
                         line.finished(event)
+                    else:
+                        line.streamed(len(event.token_ids))
                     yield out.response(event)
             except GenerationAborted:
                 log.info("aborted after %d tokens", out.completion_tokens)
