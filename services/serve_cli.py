@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 
 from dspark_proto.v1 import gateway_pb2, gateway_pb2_grpc
-from services.common.settings import MAX_TIMEOUT_S, valid_token
+from services.common.settings import MAX_TIMEOUT_S, backend_target, valid_token
 from services.settings import ProcessSettings, client_token, read_settings
 
 DEFAULT_PORTS = {"verifier": 50051, "drafter": 50052, "gateway": 50050}
@@ -390,6 +390,11 @@ def _client_checks(args, command: str) -> int | None:
         print(f"dspark {command}: --timeout={args.timeout:g} must be > 0 and <= {MAX_TIMEOUT_S:.10g} s",
               file=sys.stderr)
         return 2
+    try:  # an empty target would reach gRPC core, which logs its own multi-line complaint
+        args.target = backend_target(args.target, "--target")
+    except ValueError as e:
+        print(f"dspark {command}: {e}", file=sys.stderr)
+        return 2
     args.token, source = client_token(args.token, os.environ)
     if args.token and not valid_token(args.token):
         # as the gateway checks its own DSPARK_GATEWAY_TOKEN; gRPC metadata would refuse it anyway
@@ -404,6 +409,17 @@ def _client_checks(args, command: str) -> int | None:
             print(f"dspark {command}: --tls-ca={args.tls_ca!r}: cannot read: {e.strerror or e}", file=sys.stderr)
             return 2
     return None
+
+
+def rpc_failure(exc: grpc.aio.AioRpcError, timeout_s: float) -> str:
+    """One line on a failed gateway call: "<STATUS>: <details>", and for the two statuses
+    whose gRPC text does not say what to check, what it means (timeout_s: --timeout, s)."""
+    line = f"{exc.code().name}: {exc.details()}"
+    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+        return f"{line} (this port does not serve dspark.v1.Gateway: a verifier's or drafter's port?)"
+    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"{line} (no answer within --timeout={timeout_s:g} s)"
+    return line
 
 
 def _channel(args) -> grpc.aio.Channel:
@@ -426,7 +442,7 @@ def _generate(args) -> int:
     try:
         return asyncio.run(_generate_async(args))
     except grpc.aio.AioRpcError as e:
-        print(f"dspark generate: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"dspark generate: {args.target}: {rpc_failure(e, args.timeout)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: the stream is cancelled; a line, not a traceback
         print("\ndspark generate: interrupted", file=sys.stderr)
@@ -469,7 +485,7 @@ def _stats(args) -> int:
         raw = asyncio.run(_stats_async(args))
         stats = json.loads(raw)
     except grpc.aio.AioRpcError as e:
-        print(f"dspark stats: {args.target}: {e.code().name}: {e.details()}", file=sys.stderr)
+        print(f"dspark stats: {args.target}: {rpc_failure(e, args.timeout)}", file=sys.stderr)
         return 1
     except json.JSONDecodeError as e:
         print(f"dspark stats: {args.target}: the Stats reply is not JSON: {e}", file=sys.stderr)

@@ -35,6 +35,7 @@ Drafter:
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Callable, Iterable
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
@@ -59,6 +60,8 @@ def served_model_name(checkpoint: str | None) -> str:
     if not checkpoint:
         return RANDOM_TINY_MODEL
     name = checkpoint.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
+    if name in ("", ".", ".."):  # "--checkpoint ." names the folder it resolves to
+        name = Path(checkpoint).resolve().name
     return name or RANDOM_TINY_MODEL
 
 

@@ -7,7 +7,10 @@ decides nothing and counts nothing: the servicer hands over the generation's fin
 Fields: request_id, spec_mode, finish_reason (stop | length | abort: the client went away |
 error: a backend failed), prompt_tokens, completion_tokens, ttft_ms (None before a first
 token), duration_ms (admission to the end), rounds, submitted and accepted drafts, and
-acceptance = accepted / submitted (None when no draft was verified, e.g. spec off).
+acceptance = accepted / submitted (None when no draft was verified, e.g. spec off). A
+generation that ended without its final event (aborted, cancelled, failed) still reports the
+completion tokens it streamed and its TTFT; its round counts are None (they are folded only
+at the end).
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ def request_id_of(request) -> str:
 class RequestLine:
     """Times one generation and logs its line once, when it ends.
 
-    Use as a context manager around the streaming of the generation: call `finished(event)`
-    with the final event; leaving the block without it logs finish_reason "error" for an
-    exception and "abort" for a cancel or a closed stream.
+    Use as a context manager around the streaming of the generation: call `streamed(n)` for
+    each message of n tokens sent and `finished(event)` with the final event; leaving the
+    block without it logs finish_reason "error" for an exception and "abort" for a cancel or a
+    closed stream, with the tokens streamed so far.
     Args:
         request_id: the id the line carries.
         params: the validated request (spec mode, prompt length).
@@ -45,6 +49,14 @@ class RequestLine:
         self.request_id, self.params = request_id, params
         self.t0 = time.perf_counter()
         self.done = False
+        self.completion_tokens = 0
+        self.ttft_ms: float | None = None
+
+    def streamed(self, tokens: int) -> None:
+        """A message carrying `tokens` completion tokens went out (the first one sets TTFT, ms)."""
+        if tokens and self.ttft_ms is None:
+            self.ttft_ms = (time.perf_counter() - self.t0) * 1e3
+        self.completion_tokens += tokens
 
     def finished(self, event: FinalEvent) -> None:
         """Log the line of a generation that sent its final message."""
@@ -58,7 +70,7 @@ class RequestLine:
     def __exit__(self, exc_type, exc, tb) -> None:
         if not self.done:
             reason = "error" if exc_type is not None and issubclass(exc_type, Exception) else "abort"
-            self._emit(reason, len(self.params.prompt_ids), None, None, None, None, None)
+            self._emit(reason, len(self.params.prompt_ids), self.completion_tokens, self.ttft_ms, None, None, None)
 
     def _emit(self, reason: str, prompt: int, completion: int | None, ttft_ms: float | None,
               rounds: int | None, submitted: int | None, accepted: int | None) -> None:

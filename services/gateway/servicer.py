@@ -194,6 +194,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     if isinstance(event, FinalEvent):  # finished: from here on an abort finds nothing to stop
                         self.running.remove(running)
                         line.finished(event)
+                    else:
+                        line.streamed(len(event.token_ids))
                     yield out.response(event)
             except GenerationAborted:
                 log.info("aborted after %d tokens", out.completion_tokens)
@@ -237,6 +239,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Abort(self, request, context):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is empty: give the id to abort")
+        try:  # an id Generate would refuse can name no generation; refused before it reaches the log
+            request_id(request.request_id)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         found = self.running.abort(request.request_id)
         log.info("abort of request_id=%r: %s", request.request_id, "stopping it" if found else "none running")
         return gateway_pb2.AbortResponse(found=found)

@@ -38,6 +38,14 @@ ERROR_TYPE = {400: "invalid_request_error", 401: "authentication_error", 403: "p
               503: "service_unavailable", 504: "timeout"}
 
 
+def error_type(status: int) -> str:
+    """The OpenAI error `type` of an HTTP status: ERROR_TYPE's name, else by class (a 4xx is
+    the client's fault, "invalid_request_error"; anything else "server_error")."""
+    if status in ERROR_TYPE:
+        return ERROR_TYPE[status]
+    return "invalid_request_error" if 400 <= status < 500 else "server_error"
+
+
 class ApiError(Exception):
     """A failure answered with OpenAI's error JSON.
 
@@ -51,7 +59,7 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         """The error JSON: {"error": {"message", "type", "param", "code"}}."""
-        return {"error": {"message": self.message, "type": ERROR_TYPE.get(self.status, "server_error"),
+        return {"error": {"message": self.message, "type": error_type(self.status),
                           "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
@@ -99,7 +107,8 @@ async def validation_error_handler(request: Request, exc: RequestValidationError
     param = path.split(".")[0] or None
     reasons = list(dict.fromkeys(e.get("msg", "") for e in errors if _field_path(e.get("loc", ())) == path))
     text = "; ".join(reasons)
-    return ApiError(400, f"{path}: {text}" if path else text, param=param, code="invalid_value").response()
+    # an empty path: the body as a whole is at fault (absent, or JSON that is not an object)
+    return ApiError(400, f"{path or 'request body'}: {text}", param=param, code="invalid_value").response()
 
 
 async def internal_error_handler(request: Request, exc: Exception) -> JSONResponse:

@@ -8,13 +8,17 @@ of the streamed events. Every generation is one `Gateway.Generate` call through 
 Streaming: the first gateway message is awaited before the response starts, so a request the
 gateway refuses gets its HTTP status and error JSON, never a 200 stream. A failure after the
 stream started is sent as one `data: {"error": ...}` event, then `data: [DONE]`. A client that
-disconnects cancels the gRPC call, which closes the generation's backend sessions.
+disconnects cancels the gRPC call, which closes the generation's backend sessions: while a
+whole (non-streamed) response is being generated or a stream awaits its first message, a
+watcher of the connection notices the disconnect; once a stream has started, its failed
+write does.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +38,8 @@ from services.http.schemas import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionR
 MISSING_HEADER = "missing bearer token: send the header 'Authorization: Bearer <token>'"
 # SSE through proxies: no caching, no buffering (nginx honours X-Accel-Buffering).
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+CLIENT_GONE = "the client closed the connection before the response"
+T = TypeVar("T")
 NO_TEMPLATE = ("this model has no chat template (its checkpoint has no chat_template in tokenizer_config.json "
                "and no chat_template.jinja); use /v1/completions with the prompt text")
 
@@ -92,7 +98,7 @@ def build_app(front: Front, metrics_registry=None) -> FastAPI:
         prompt, ids = body.checked()
         shape = Shape(front.model.id, chat=False)
         req = body.generate_request(shape.id, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, prompt, ids)
-        return await _respond(front.client, req, body, shape, authorization)
+        return await _respond(front.client, req, body, shape, authorization, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -104,7 +110,7 @@ def build_app(front: Front, metrics_registry=None) -> FastAPI:
         max_tokens = body.requested_max_tokens or max(1, front.model.max_seq_len - len(ids))
         shape = Shape(front.model.id, chat=True)
         req = body.generate_request(shape.id, max_tokens, prompt_ids=ids)
-        return await _respond(front.client, req, body, shape, authorization)
+        return await _respond(front.client, req, body, shape, authorization, request)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -131,22 +137,53 @@ async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> 
 
 
 async def _respond(client: GatewayClient, req: gateway_pb2.GenerateRequest, body, shape: Shape,
-                   authorization: str | None):
+                   authorization: str | None, request: Request):
     """The whole response, or the SSE stream once the gateway's first message arrived.
-    Raises ApiError: the call failed before any message (its mapped status)."""
+    Raises ApiError: the call failed before any message (its mapped status), or the client
+    disconnected before the response started (499)."""
     if not body.stream:
-        final, token_ids = await client.collect(req, authorization)
+        final, token_ids = await _unless_disconnected(request, client.collect(req, authorization))
         return JSONResponse(shape.whole(final, token_ids if body.return_token_ids else None))
     stream = client.generate(req, authorization)
     try:
-        first = await anext(stream)
-    except StopAsyncIteration:
-        raise ApiError(502, "the gateway's stream ended without a message", code="bad_gateway") from None
+        first = await _unless_disconnected(request, anext(stream, None))
+        if first is None:
+            raise ApiError(502, "the gateway's stream ended without a message", code="bad_gateway")
     except BaseException:
         await stream.aclose()
         raise
     return StreamingResponse(_events(stream, first, shape, body.include_usage, body.return_token_ids),
                              media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed the connection. Only called after the body was
+    read, so the next ASGI message the server delivers is the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """The result of `work`, raced against the client's disconnect: without the race a
+    client that gives up on a whole response would leave its generation running (and its
+    backend sessions open) to the last token.
+
+    Raises:
+        ApiError: 499 when the client disconnected first (`work` is cancelled, which cancels
+            the gRPC call); whatever `work` raised.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler itself is cancelled (server shutdown)
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)  # the call's cancel has run
+    if task.cancelled():
+        raise ApiError(499, CLIENT_GONE, code="cancelled")
+    return task.result()
 
 
 async def _events(stream: AsyncIterator[gateway_pb2.GenerateResponse], first: gateway_pb2.GenerateResponse,

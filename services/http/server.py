@@ -14,10 +14,10 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import uvicorn
 
+from services.common.metrics import RANDOM_TINY_MODEL, served_model_name
 from services.common.server import RunningServer
 from services.http.gateway_client import GatewayClient
 
@@ -123,13 +123,14 @@ class GatewayWithHttp:
         await asyncio.gather(self.http.stop(grace_s), self.grpc.stop(grace_s))
 
 
-RANDOM_MODEL_ID = "dspark-tiny-random"
+# One name per served model everywhere: the id clients send is the `model` label of the metrics.
+RANDOM_MODEL_ID = RANDOM_TINY_MODEL
 
 
 def model_id(checkpoint: str | None) -> str:
-    """The id /v1/models lists and requests name: the checkpoint folder's name, or
-    RANDOM_MODEL_ID for the built-in random model."""
-    return Path(checkpoint).resolve().name if checkpoint else RANDOM_MODEL_ID
+    """The id /v1/models lists and requests name: `served_model_name` (the checkpoint
+    folder's name, or RANDOM_MODEL_ID for the built-in random model)."""
+    return served_model_name(checkpoint)
 
 
 def loopback_target(host: str, port: int) -> str:
