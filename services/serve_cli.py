@@ -1,4 +1,4 @@
-"""`dspark serve verifier|drafter|gateway`, `dspark up` and `dspark generate`.
+"""`dspark serve verifier|drafter|gateway` and `dspark up`; the parsers of every service command.
 
 Owns these entry points: it parses the environment once (`services.settings.read_settings`),
 with the flags taking precedence, checks every setting before any model loads, and hands the
@@ -9,15 +9,13 @@ serve: one service in this process until SIGTERM (graceful: NOT_SERVING, then dr
 up: the three services on localhost as three child processes (the random tiny model when
 no checkpoint is given); it says "Ctrl-C stops" once the gateway serves; Ctrl-C / SIGTERM
 stops them.
-generate: streams one generation from a gateway to the terminal (or as JSON lines).
-stats: the gateway's process totals (`Gateway.Stats`) as tables, or the raw JSON.
+generate, stats: the gateway's client commands, parsed here and run by `services.client_cli`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -28,13 +26,10 @@ from pathlib import Path
 
 import grpc
 
-from dspark_proto.v1 import gateway_pb2, gateway_pb2_grpc
-from services.common.settings import MAX_TIMEOUT_S, backend_target, valid_token
-from services.settings import ProcessSettings, client_token, read_settings
+from services.client_cli import _SPEC, _generate, _stats
+from services.settings import ProcessSettings, read_settings
 
 DEFAULT_PORTS = {"verifier": 50051, "drafter": 50052, "gateway": 50050}
-_SPEC = {"off": gateway_pb2.SPEC_MODE_OFF, "always": gateway_pb2.SPEC_MODE_ALWAYS,
-         "gated": gateway_pb2.SPEC_MODE_GATED, "default": gateway_pb2.SPEC_MODE_DEFAULT}
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -381,135 +376,3 @@ def _stop_children(procs: list) -> int:
               + "; stopped the others", file=sys.stderr)
         return 2 if any(rc == 2 for _, rc in failed) else 1
     return 0
-
-
-def _client_checks(args, command: str) -> int | None:
-    """Check the gateway-client flags of `command` (timeout, token, CA file) and load the CA
-    into `args.tls_ca_pem`; returns 2 after printing the reason, None when all are good."""
-    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN fails too
-        print(f"dspark {command}: --timeout={args.timeout:g} must be > 0 and <= {MAX_TIMEOUT_S:.10g} s",
-              file=sys.stderr)
-        return 2
-    try:  # an empty target would reach gRPC core, which logs its own multi-line complaint
-        args.target = backend_target(args.target, "--target")
-    except ValueError as e:
-        print(f"dspark {command}: {e}", file=sys.stderr)
-        return 2
-    args.token, source = client_token(args.token, os.environ)
-    if args.token and not valid_token(args.token):
-        # as the gateway checks its own DSPARK_GATEWAY_TOKEN; gRPC metadata would refuse it anyway
-        print(f"dspark {command}: {source}: the token must be printable ASCII without spaces (value not shown)",
-              file=sys.stderr)
-        return 2
-    if args.tls_ca is not None:
-        try:
-            with open(args.tls_ca, "rb") as f:
-                args.tls_ca_pem = f.read(1 << 20)
-        except OSError as e:
-            print(f"dspark {command}: --tls-ca={args.tls_ca!r}: cannot read: {e.strerror or e}", file=sys.stderr)
-            return 2
-    return None
-
-
-def rpc_failure(exc: grpc.aio.AioRpcError, timeout_s: float) -> str:
-    """One line on a failed gateway call: "<STATUS>: <details>", and for the two statuses
-    whose gRPC text does not say what to check, what it means (timeout_s: --timeout, s)."""
-    line = f"{exc.code().name}: {exc.details()}"
-    if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-        return f"{line} (this port does not serve dspark.v1.Gateway: a verifier's or drafter's port?)"
-    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return f"{line} (no answer within --timeout={timeout_s:g} s)"
-    return line
-
-
-def _channel(args) -> grpc.aio.Channel:
-    if args.tls_ca is not None:
-        return grpc.aio.secure_channel(args.target, grpc.ssl_channel_credentials(args.tls_ca_pem))
-    return grpc.aio.insecure_channel(args.target)
-
-
-def _metadata(args):
-    return (("authorization", f"Bearer {args.token}"),) if args.token else None
-
-
-def _generate(args) -> int:
-    if args.max_tokens <= 0:
-        print(f"dspark generate: --max-tokens={args.max_tokens} must be > 0", file=sys.stderr)
-        return 2
-    bad = _client_checks(args, "generate")
-    if bad is not None:
-        return bad
-    try:
-        return asyncio.run(_generate_async(args))
-    except grpc.aio.AioRpcError as e:
-        print(f"dspark generate: {args.target}: {rpc_failure(e, args.timeout)}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:  # Ctrl-C: the stream is cancelled; a line, not a traceback
-        print("\ndspark generate: interrupted", file=sys.stderr)
-        return 130
-
-
-def final_line(msg: gateway_pb2.GenerateResponse) -> str:
-    """The summary `dspark generate` prints after the text: finish reason, tokens, rounds,
-    acceptance (only when drafts were verified: spec off or all-plain rounds say so) and TTFT."""
-    s = msg.spec_stats
-    if s.submitted > 0:
-        spec = (f"acceptance {s.acceptance_rate:.0%}, mean acceptance length {s.mean_acceptance_length:.2f}")
-    else:
-        spec = "no drafts verified (plain decode)"
-    return (f"[{msg.finish_reason}] {msg.usage.completion_tokens} tokens, {s.rounds} rounds, {spec}, "
-            f"TTFT {msg.time_to_first_token_ms:.0f} ms")
-
-
-async def _generate_async(args) -> int:
-    req = gateway_pb2.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens, spec=_SPEC[args.spec],
-                                      stop=args.stop, ignore_eos=args.ignore_eos, label=args.label)
-    async with _channel(args) as channel:
-        stub = gateway_pb2_grpc.GatewayStub(channel)
-        async for msg in stub.Generate(req, timeout=args.timeout, metadata=_metadata(args)):
-            if args.json:
-                print(json.dumps(_as_dict(msg)), flush=True)
-            elif msg.finished:
-                print(msg.text_delta, flush=True)
-                print("\n" + final_line(msg), file=sys.stderr)
-            else:
-                print(msg.text_delta, end="", flush=True)
-    return 0
-
-
-def _stats(args) -> int:
-    bad = _client_checks(args, "stats")
-    if bad is not None:
-        return bad
-    try:
-        raw = asyncio.run(_stats_async(args))
-        stats = json.loads(raw)
-    except grpc.aio.AioRpcError as e:
-        print(f"dspark stats: {args.target}: {rpc_failure(e, args.timeout)}", file=sys.stderr)
-        return 1
-    except json.JSONDecodeError as e:
-        print(f"dspark stats: {args.target}: the Stats reply is not JSON: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("\ndspark stats: interrupted", file=sys.stderr)
-        return 130
-    if args.json:
-        print(json.dumps(stats, indent=2))
-        return 0
-    from rich.console import Console
-
-    from services.stats_view import render_stats
-    render_stats(stats, Console(emoji=False, highlight=False), title=f"gateway {args.target}")
-    return 0
-
-
-async def _stats_async(args) -> str:
-    async with _channel(args) as channel:
-        reply = await gateway_pb2_grpc.GatewayStub(channel).Stats(gateway_pb2.StatsRequest(), timeout=args.timeout,
-                                                                   metadata=_metadata(args))
-    return reply.json
-
-
-def _as_dict(msg) -> dict:
-    from google.protobuf.json_format import MessageToDict
-    return MessageToDict(msg, preserving_proto_field_name=True)

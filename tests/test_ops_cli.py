@@ -19,7 +19,7 @@ import grpc
 import pytest
 
 from dspark_proto.v1 import gateway_pb2
-from services import serve_cli
+from services import client_cli, serve_cli
 from services.cli import main
 from services.common.server import start_server
 from services.common.settings import GatewaySettings
@@ -90,10 +90,10 @@ def _final(submitted: int, accepted: int, rounds: int) -> gateway_pb2.GenerateRe
 
 
 def test_summary_line_without_verified_drafts_reports_no_acceptance():
-    line = serve_cli.final_line(_final(0, 0, 7))
+    line = client_cli.final_line(_final(0, 0, 7))
     assert "acceptance" not in line and "no drafts verified" in line
     assert line.startswith("[length] 8 tokens, 7 rounds")
-    assert "acceptance 50%, mean acceptance length 1.50" in serve_cli.final_line(_final(4, 2, 3))
+    assert "acceptance 50%, mean acceptance length 1.50" in client_cli.final_line(_final(4, 2, 3))
 
 
 # ---------------------------------------------------------------------------- ports

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services import serve_cli
+from services import client_cli, serve_cli
 from services.common.settings import MAX_TIMEOUT_S
 
 REPO = Path(__file__).resolve().parents[1]
@@ -144,7 +144,7 @@ def test_up_with_a_bad_setting_exits_2_before_starting_anything():
 
 # ---------------------------------------------------------------------------- dspark generate
 def test_generate_timeout_limit_is_the_settings_one():
-    assert serve_cli.MAX_TIMEOUT_S == MAX_TIMEOUT_S
+    assert client_cli.MAX_TIMEOUT_S == MAX_TIMEOUT_S
 
 
 @pytest.mark.parametrize("value, shown", [("-1", "-1"), ("0", "0"), ("1e300", "1e+300"), ("nan", "nan"),
