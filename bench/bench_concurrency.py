@@ -147,7 +147,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48, help="completion tokens per stream")
     ap.add_argument("--repeats", type=int, default=3, help="runs per (path, concurrency); the median is printed")
     ap.add_argument("--check-fast-batched", action="store_true", help="also run the fast batched-verify check")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (bench/README.md)")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     asyncio.run(throughput(args))
     if args.check_fast_batched:
         asyncio.run(check_fast_batched(args))
