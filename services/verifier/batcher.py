@@ -171,8 +171,7 @@ class StepLoop:
         [r] = requests
         t0 = time.perf_counter()
         try:
-            with self.engine.hold(r.work.sid) as s:
-                result = self.engine.run_prefill(s, r.work)
+            result = self.engine.prefill(r.work.sid, r.work.ids)  # alone: the per-session call itself
         except Exception as exc:  # the session closed, or the forward failed: the caller's error
             self._finish(r, error=exc)
             return

@@ -295,9 +295,9 @@ class VerifierEngine(SessionHost[_Session]):
             UnknownSessionError: `sid` not open.
         """
         with self._table.locked(sid) as s:
-            return self.run_prefill(s, self._admit_prefill(sid, s, token_ids))
+            return self._run_prefill(s, self._admit_prefill(sid, s, token_ids))
 
-    def run_prefill(self, s: _Session, work: Work) -> StepResult:
+    def _run_prefill(self, s: _Session, work: Work) -> StepResult:
         """Run an admitted prefill on its session record `s` (held by the caller) and commit it."""
         t0 = time.perf_counter()
         out = self.model.prefill(s.state, torch.tensor(work.ids, dtype=torch.int64), keep_rows=self.keep_rows,
