@@ -25,6 +25,7 @@ each session's call on its own thread as before (`services.verifier.servicer`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -39,6 +40,7 @@ from services.common.sessions import UnknownSessionError
 from services.verifier.engine import VerifierEngine, Work, absorb
 
 STEP_KINDS = ("batch", "prefill")
+log = logging.getLogger("dspark.verifier.steps")
 
 
 def batchable(model: object) -> bool:
@@ -81,7 +83,7 @@ class StepLoop:
     Args:
         engine: the verifier engine whose model (a `Trunk`) the loop drives.
         on_step: called on the loop thread with a `StepRecord` after every step (metrics;
-            None: nothing). It must not raise.
+            None: nothing); what it raises is logged.
     Raises:
         ValueError: the engine's model is not batchable (TP driver, top-k wrapper).
     Thread safety: `submit`, `stats` and `close` may be called from any thread.
@@ -208,7 +210,7 @@ class StepLoop:
                     self._carried.append(r)
                 else:
                     self._finish(r, result)
-        rows = sum(1 if it.verify is False else len(it.tokens) for it in items)
+        rows = sum(len(it.tokens) if it.verify else 1 for it in items)
         self._record(StepRecord("batch", len(live), rows, ms))
 
     def _finish(self, r: _Request, result: object = None, error: BaseException | None = None) -> None:
@@ -230,7 +232,10 @@ class StepLoop:
                 self._stats = StepStats(n, step.sessions, st.batch_mean + (step.sessions - st.batch_mean) / n,
                                         step.ms, st.ms_mean + (step.ms - st.ms_mean) / n)
         if self.on_step is not None:
-            self.on_step(step)
+            try:
+                self.on_step(step)
+            except Exception:  # a metrics fault must not stop the loop that answers every session
+                log.exception("verifier step hook failed on %s", step)
 
 
 def _item(state, work: Work) -> BatchItem:

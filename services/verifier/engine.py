@@ -45,6 +45,10 @@ max_seq_len, a decode or verify block must start at the session's next position 
 before max_seq_len, and a batched block on an exact-numerics trunk holds at most
 `EXACT_ROWS` tokens. Every check runs before the session changes, so the trunk below only
 ever sees valid calls.
+`admit_prefill` / `admit_decode` / `admit_verify` run the same checks without running the
+request and return its `Work`: the step loop (`services.verifier.batcher`) admits a request
+before queuing it, runs it inside a batched forward, and takes its output back through
+`absorb`, the same code the per-session calls use, so both paths return the same results.
 
 Committed rows. Each session keeps the tap rows of its last window_size committed
 positions and its anchor (`services.verifier.committed`), so a replacement drafter can be
