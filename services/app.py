@@ -41,6 +41,7 @@ from services.gateway.profile import PROFILE_PROMPT
 from services.gateway.scheduler import Scheduler
 from services.gateway.servicer import Backends, GatewayServicer, connect_backends, measure_costs
 from services.gateway.tokenizer import load_tokenizer
+from services.verifier.batcher import StepLoop, batchable
 from services.verifier.engine import VerifierEngine
 from services.verifier.servicer import VerifierServicer
 from services.verifier.topk_diag import TopKDiagSettings, maybe_wrap
@@ -112,15 +113,31 @@ def load_drafter(checkpoint: str | Path | None, dtype: torch.dtype = torch.float
 async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: str = "batched",
                          provider: TracerProvider | None = None, host: str = "127.0.0.1",
                          credentials: grpc.ServerCredentials | None = None, tp: int = 1,
-                         max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S, metrics=None) -> RunningServer:
+                         max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S, metrics=None,
+                         step_loop: bool = True) -> RunningServer:
     """Serve the Verifier over `engine` on host:port (0 = any free port); `default_mode` is the
     verify path of requests that name none; credentials: TLS (None = plaintext);
     max_connection_age_s: clients reconnect after it (s); metrics: a
-    `services.common.metrics.VerifierMetrics` (None: none). Raises RuntimeError: port not bound."""
-    servicer = VerifierServicer(engine, default_mode, provider, tp, metrics)
-    return await start_server("dspark.v1.Verifier",
-                              lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
-                              port, host, provider, credentials=credentials, max_connection_age_s=max_connection_age_s)
+    `services.common.metrics.VerifierMetrics` (None: none). step_loop: run every session's
+    forwards in one batched step loop (`services.verifier.batcher`) when the engine's model
+    is a plain Trunk; False, or a TP / top-k model: one thread per call. The loop stops with
+    the server. Raises RuntimeError: port not bound."""
+    steps = None
+    if step_loop and batchable(engine.model):
+        steps = StepLoop(engine, None if metrics is None else metrics.record_step)
+    servicer = VerifierServicer(engine, default_mode, provider, tp, metrics, steps)
+    try:
+        running = await start_server("dspark.v1.Verifier",
+                                     lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
+                                     port, host, provider, credentials=credentials,
+                                     max_connection_age_s=max_connection_age_s)
+    except BaseException:
+        if steps is not None:
+            steps.close()
+        raise
+    if steps is not None:
+        running.on_stop.append(steps.close)
+    return running
 
 
 async def start_drafter(engine, port: int = 0, provider: TracerProvider | None = None,

@@ -183,21 +183,22 @@ def test_matched_stop_names_the_stop_string(traced_stack, reference):
 
 # ---------------------------------------------------------------------------- abort
 class HeldVerify:
-    """Holds every `verify` of a verifier engine until `release()`; `entered` is set when one waits."""
+    """Holds the verifier's batched forwards (the step loop runs every decode and verify through
+    `forward_batch`; a prefill runs alone) until `release()`; `entered` is set when one waits."""
 
     def __init__(self, engine):
-        self.engine, self.original = engine, engine.verify
+        self.model, self.original = engine.model, engine.model.forward_batch
         self.entered, self.go = threading.Event(), threading.Event()
-        engine.verify = self._verify
+        self.model.forward_batch = self._forward_batch
 
-    def _verify(self, *args, **kwargs):
+    def _forward_batch(self, *args, **kwargs):
         self.entered.set()
         self.go.wait(RPC_TIMEOUT_S)
         return self.original(*args, **kwargs)
 
     def release(self) -> None:
         self.go.set()
-        self.engine.verify = self.original
+        del self.model.forward_batch  # the instance attribute: the class's method again
 
 
 def test_abort_mid_generation_ends_the_stream_and_frees_the_sessions(traced_stack, caplog):

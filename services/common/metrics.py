@@ -24,6 +24,11 @@ Verifier (Prometheus names; counters end in `_total`, seconds histograms in `_se
                                             of its reply minus the forward (the wait for a worker
                                             thread and the session's lock)
   op = prefill | decode | verify.
+  dspark_verifier_step_sessions             histogram {kind}: sessions in one step of the step loop
+  dspark_verifier_step_rows                 histogram {kind}: rows (tokens) one step forwarded, all
+                                            sessions together
+  dspark_verifier_step_duration_seconds     histogram {kind}: wall time of one step's forward
+  kind = batch (every pending decode / verify) | prefill (one prompt); none without a step loop.
 Drafter:
   dspark_drafter_open_sessions, dspark_drafter_max_sessions   gauges, as the verifier's
   dspark_drafter_drafts_total               counter: draft calls answered
@@ -52,6 +57,8 @@ QUEUE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 # Rows of one forward: 1 (decode), k + 1 <= 17 (verify), a prompt up to max_seq_len.
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384, 65536)
 VERIFIER_OPS = ("prefill", "decode", "verify")
+STEP_KINDS = ("batch", "prefill")
+SESSION_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 RANDOM_TINY_MODEL = "dspark-random-tiny"
 
 
@@ -132,6 +139,12 @@ class VerifierMetrics(MetricsEndpoint):
         self.queue = h("dspark_verifier_queue_wait", unit="s",
                        description="Time a request waited besides its forward (worker thread, session lock)",
                        explicit_bucket_boundaries_advisory=QUEUE_BUCKETS)
+        self.step_sessions = h("dspark_verifier_step_sessions", description="Sessions in one step of the step loop",
+                               explicit_bucket_boundaries_advisory=SESSION_BUCKETS)
+        self.step_rows = h("dspark_verifier_step_rows", description="Rows one step forwarded, all sessions together",
+                           explicit_bucket_boundaries_advisory=ROW_BUCKETS)
+        self.step_time = h("dspark_verifier_step_duration", unit="s", description="Wall time of one step's forward",
+                           explicit_bucket_boundaries_advisory=FORWARD_BUCKETS)
 
     def record_forward(self, op: str, rows: int, forward_ms: float, queue_ms: float) -> None:
         """One answered request: `op` in VERIFIER_OPS, `rows` positions forwarded, times in ms.
@@ -145,6 +158,18 @@ class VerifierMetrics(MetricsEndpoint):
         self.rows.record(rows, labels)
         self.forward.record(forward_ms / 1e3, labels)
         self.queue.record(queue_ms / 1e3, labels)
+
+    def record_step(self, step) -> None:
+        """One step of the step loop: a `services.verifier.batcher.StepRecord` (kind in
+        STEP_KINDS, sessions, rows in tokens, ms). An unknown kind is logged, never raised:
+        this runs on the loop's thread."""
+        if step.kind not in STEP_KINDS:
+            log.error("verifier step of unknown kind %r not recorded", step.kind)
+            return
+        labels = {"kind": step.kind}
+        self.step_sessions.record(step.sessions, labels)
+        self.step_rows.record(step.rows, labels)
+        self.step_time.record(step.ms / 1e3, labels)
 
 
 class DrafterMetrics(MetricsEndpoint):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import grpc
@@ -49,17 +49,22 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
 
 @dataclass
 class RunningServer:
-    """A started server: `port` is the bound port (useful with port 0)."""
+    """A started server: `port` is the bound port (useful with port 0). `on_stop`: callables
+    run (in order, on a worker thread) once the server has stopped, e.g. a verifier's step loop."""
 
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
     service_name: str
+    on_stop: list[Callable[[], None]] = field(default_factory=list)
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        """Mark NOT_SERVING, then stop accepting and wait up to `grace_s` for open calls."""
+        """Mark NOT_SERVING, then stop accepting and wait up to `grace_s` for open calls; then
+        run `on_stop`."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        while self.on_stop:
+            await asyncio.to_thread(self.on_stop.pop(0))
 
 
 # gRPC sets SO_REUSEPORT by default on Linux: a second server on a taken port would then bind

@@ -45,6 +45,10 @@ max_seq_len, a decode or verify block must start at the session's next position 
 before max_seq_len, and a batched block on an exact-numerics trunk holds at most
 `EXACT_ROWS` tokens. Every check runs before the session changes, so the trunk below only
 ever sees valid calls.
+`admit_prefill` / `admit_decode` / `admit_verify` run the same checks without running the
+request and return its `Work`: the step loop (`services.verifier.batcher`) admits a request
+before queuing it, runs it inside a batched forward, and takes its output back through
+`absorb`, the same code the per-session calls use, so both paths return the same results.
 
 Committed rows. Each session keeps the tap rows of its last window_size committed
 positions and its anchor (`services.verifier.committed`), so a replacement drafter can be
@@ -54,7 +58,7 @@ primed after the session's drafter failed (`committed_tail`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -116,6 +120,32 @@ class _Session:
     state: TrunkState
     committed: CommittedRows
     prefilled: bool = False
+
+
+@dataclass
+class Work:
+    """One admitted request (`VerifierEngine.admit_*`): its values are valid for the session.
+
+    op: "prefill" | "decode" | "verify". ids: the prompt [n], the decoded token [1] or the
+    block [anchor, d1..dk]. position: where ids[0] goes (0 for a prefill). mode: the verify
+    path. A stepwise verify (sequential, or no drafts) forwards one position per forward:
+    `done` counts the positions forwarded so far, `rows` their [1, T*D] fp32 tap rows.
+    forward_ms: wall time of the forwards it took part in so far (ms).
+    """
+
+    sid: int
+    op: str
+    ids: list[int]
+    position: int
+    mode: str = "batched"
+    done: int = 0
+    rows: list[torch.Tensor] = field(default_factory=list)
+    forward_ms: float = 0.0
+
+    @property
+    def stepwise(self) -> bool:
+        """A verify forwarded one position at a time (sequential mode, or a block of no drafts)."""
+        return self.op == "verify" and (self.mode == "sequential" or len(self.ids) == 1)
 
 
 def top2_margin(logits: torch.Tensor) -> tuple[int, float]:
@@ -200,6 +230,65 @@ class VerifierEngine(SessionHost[_Session]):
         """The session record (its lock not taken: diagnostics and tests)."""
         return self._table.get(sid)
 
+    def hold(self, sid: int):
+        """Context manager: hold session `sid`'s lock and yield its record (the step loop).
+
+        Raises:
+            UnknownSessionError: `sid` not open.
+        """
+        return self._table.locked(sid)
+
+    # ------------------------------------------------------------------ admission
+    def admit_prefill(self, sid: int, token_ids: list[int] | torch.Tensor) -> Work:
+        """Validate a prefill of `sid` (see `prefill` for the rules) without running it.
+
+        Reads the session without its lock: the caller has no other request of `sid` in
+        flight (one request per session at a time, as a stream sends them).
+        Raises: what `prefill` raises for bad values; UnknownSessionError: `sid` not open.
+        """
+        return self._admit_prefill(sid, self._get(sid), token_ids)
+
+    def admit_decode(self, sid: int, token_id: int, position: int) -> Work:
+        """Validate a decode of `sid` (see `decode`) without running it; as `admit_prefill`."""
+        return self._admit_decode(sid, self._get(sid), token_id, position)
+
+    def admit_verify(self, sid: int, anchor: int, drafts: list[int], position: int,
+                     mode: str = "sequential") -> Work:
+        """Validate a verify of `sid` (see `verify`) without running it; as `admit_prefill`."""
+        return self._admit_verify(sid, self._get(sid), anchor, drafts, position, mode)
+
+    def _admit_prefill(self, sid: int, s: _Session, token_ids: object) -> Work:
+        if s.prefilled:
+            raise ValueError(f"session {sid} is already prefilled (next position {s.state.next_position})")
+        ids = _token_list(token_ids, "prompt")
+        if not ids:
+            raise ValueError(f"empty prompt: session {sid} needs at least one token")
+        if len(ids) > self.cfg.max_seq_len:
+            raise ValueError(f"prompt length {len(ids)} exceeds max_seq_len={self.cfg.max_seq_len}")
+        self._check_range(ids)
+        return Work(sid, "prefill", ids, 0)
+
+    def _admit_decode(self, sid: int, s: _Session, token_id: object, position: object) -> Work:
+        token_id = as_int(token_id, "token_id")
+        position = as_int(position, "position")
+        self._check_position(sid, s, position)
+        if position >= self.cfg.max_seq_len:
+            raise ValueError(f"decode position={position}: must be < max_seq_len={self.cfg.max_seq_len}")
+        self._check_range([token_id])
+        return Work(sid, "decode", [token_id], position)
+
+    def _admit_verify(self, sid: int, s: _Session, anchor: object, drafts: object, position: object,
+                      mode: str) -> Work:
+        if mode not in VERIFY_MODES:
+            raise ValueError(f"verify mode={mode!r}: must be one of {VERIFY_MODES}")
+        anchor = as_int(anchor, "anchor")
+        position = as_int(position, "position")
+        draft_ids = _token_list(drafts, "drafts")
+        self._check_position(sid, s, position)
+        ids = [anchor, *draft_ids]
+        self._check_block(position, ids, mode)
+        return Work(sid, "verify", ids, position, mode)
+
     # ------------------------------------------------------------------ prefill / decode
     def prefill(self, sid: int, token_ids: list[int] | torch.Tensor) -> StepResult:
         """Forward the prompt x[0..n-1] at positions 0..n-1; returns the first anchor x[n].
@@ -210,24 +299,20 @@ class VerifierEngine(SessionHost[_Session]):
             UnknownSessionError: `sid` not open.
         """
         with self._table.locked(sid) as s:
-            if s.prefilled:
-                raise ValueError(f"session {sid} is already prefilled (next position {s.state.next_position})")
-            ids = _token_list(token_ids, "prompt")
-            if not ids:
-                raise ValueError(f"empty prompt: session {sid} needs at least one token")
-            if len(ids) > self.cfg.max_seq_len:
-                raise ValueError(f"prompt length {len(ids)} exceeds max_seq_len={self.cfg.max_seq_len}")
-            self._check_range(ids)
-            t0 = time.perf_counter()
-            out = self.model.prefill(s.state, torch.tensor(ids, dtype=torch.int64), keep_rows=self.keep_rows,
-                                     taps=True)
-            ms = (time.perf_counter() - t0) * 1e3
-            n = s.state.next_position
-            token, margin = top2_margin(out.logits)
-            result = StepResult(token, margin, out.taps, range(n - out.taps.shape[0], n), ms)
-            s.committed.add(result.rows, result.positions, token, margin)
-            s.prefilled = True  # only once everything succeeded
-            return result
+            return self._run_prefill(s, self._admit_prefill(sid, s, token_ids))
+
+    def _run_prefill(self, s: _Session, work: Work) -> StepResult:
+        """Run an admitted prefill on its session record `s` (held by the caller) and commit it."""
+        t0 = time.perf_counter()
+        out = self.model.prefill(s.state, torch.tensor(work.ids, dtype=torch.int64), keep_rows=self.keep_rows,
+                                 taps=True)
+        ms = (time.perf_counter() - t0) * 1e3
+        n = s.state.next_position
+        token, margin = top2_margin(out.logits)
+        result = StepResult(token, margin, out.taps, range(n - out.taps.shape[0], n), ms)
+        s.committed.add(result.rows, result.positions, token, margin)
+        s.prefilled = True  # only once everything succeeded
+        return result
 
     def decode(self, sid: int, token_id: int, position: int) -> StepResult:
         """Forward one committed token at `position` (must be the session's next position).
@@ -239,20 +324,11 @@ class VerifierEngine(SessionHost[_Session]):
                 at or beyond max_seq_len; the session is unchanged then.
             UnknownSessionError: `sid` not open.
         """
-        token_id = as_int(token_id, "token_id")
-        position = as_int(position, "position")
         with self._table.locked(sid) as s:
-            self._check_position(sid, s, position)
-            if position >= self.cfg.max_seq_len:
-                raise ValueError(f"decode position={position}: must be < max_seq_len={self.cfg.max_seq_len}")
-            self._check_range([token_id])
+            work = self._admit_decode(sid, s, token_id, position)
             t0 = time.perf_counter()
-            out = self.model.decode(s.state, token_id, position, taps=True)
-            token, margin = top2_margin(out.logits)
-            result = StepResult(token, margin, out.taps, range(position, position + 1),
-                                (time.perf_counter() - t0) * 1e3)
-            s.committed.add(result.rows, result.positions, token, margin)
-            return result
+            out = self.model.decode(s.state, work.ids[0], work.position, taps=True)
+            return absorb(s, work, out, (time.perf_counter() - t0) * 1e3)
 
     def _check_range(self, ids: list[int]) -> None:
         for i, t in enumerate(ids):
@@ -282,21 +358,17 @@ class VerifierEngine(SessionHost[_Session]):
                 unchanged then.
             UnknownSessionError: `sid` not open.
         """
-        if mode not in VERIFY_MODES:
-            raise ValueError(f"verify mode={mode!r}: must be one of {VERIFY_MODES}")
-        anchor = as_int(anchor, "anchor")
-        position = as_int(position, "position")
-        draft_ids = _token_list(drafts, "drafts")
         with self._table.locked(sid) as s:
-            self._check_position(sid, s, position)
-            ids = [anchor, *draft_ids]
-            self._check_block(position, ids, mode)
-            if mode == "sequential" or len(draft_ids) == 0:
-                result = self._verify_sequential(s, ids, position)
-            else:
-                result = self._verify_batched(s, ids, position)
-            s.committed.add(result.rows, result.positions, result.bonus_token, result.margin)
-            return result
+            work = self._admit_verify(sid, s, anchor, drafts, position, mode)
+            while True:
+                t0 = time.perf_counter()
+                if work.stepwise:
+                    out = self.model.decode(s.state, work.ids[work.done], work.position + work.done, taps=True)
+                else:
+                    out = self.model.forward_block(s.state, torch.tensor(work.ids), work.position)
+                result = absorb(s, work, out, (time.perf_counter() - t0) * 1e3, self.model)
+                if result is not None:
+                    return result
 
     def _check_block(self, position: int, ids: list[int], mode: str) -> None:
         """The block [anchor, drafts] at `position` fits max_seq_len, holds valid ids and, batched
@@ -311,25 +383,40 @@ class VerifierEngine(SessionHost[_Session]):
                              f"(k <= {EXACT_ROWS - 1} drafts) in one batched forward; use sequential mode "
                              f"or fewer drafts")
 
-    def _verify_sequential(self, s: _Session, ids: list[int], n: int) -> VerifyResult:
-        rows, t0 = [], time.perf_counter()
-        for i, tok in enumerate(ids):
-            out = self.model.decode(s.state, tok, n + i, taps=True)
-            rows.append(out.taps)
-            target, margin = top2_margin(out.logits)
-            if i + 1 == len(ids) or target != ids[i + 1]:
-                ms = (time.perf_counter() - t0) * 1e3
-                return VerifyResult(i, target, margin, torch.cat(rows), range(n, n + i + 1), i + 1, 0, ms)
-        raise AssertionError("unreachable: the loop returns at its last position")
 
-    def _verify_batched(self, s: _Session, ids: list[int], n: int) -> VerifyResult:
-        t0 = time.perf_counter()
-        out = self.model.forward_block(s.state, torch.tensor(ids), n)
+def absorb(s: _Session, work: Work, out, ms: float, model=None) -> StepResult | VerifyResult | None:
+    """Take one forward's output for an admitted decode or verify into its session record `s`.
+
+    `out`: the trunk's ForwardOutput (a decode, or one position of a stepwise verify) or
+    BlockOutput (a batched verify block, still open); `ms`: that forward's wall time (ms),
+    added to `work.forward_ms`; `model`: the trunk, which rolls a block back (verify only).
+    Returns the request's result once it is complete, its rows committed; None when a
+    stepwise verify needs its next position forwarded (position work.position + work.done).
+    """
+    work.forward_ms += ms
+    if work.op == "decode":
+        token, margin = top2_margin(out.logits)
+        result = StepResult(token, margin, out.taps, range(work.position, work.position + 1), work.forward_ms)
+        s.committed.add(result.rows, result.positions, token, margin)
+        return result
+    n, ids = work.position, work.ids
+    if work.stepwise:
+        i = work.done
+        work.rows.append(out.taps)
+        work.done += 1
+        target, margin = top2_margin(out.logits)
+        if i + 1 < len(ids) and target == ids[i + 1]:
+            return None
+        result = VerifyResult(i, target, margin, torch.cat(work.rows), range(n, n + i + 1), i + 1, 0,
+                              work.forward_ms)
+    else:
         targets = out.logits.argmax(-1).tolist()  # [k+1]
         a = 0
         while a + 1 < len(ids) and targets[a] == ids[a + 1]:
             a += 1
-        copied = self.model.rollback(s.state, out.undo, keep=a + 1)
+        copied = model.rollback(s.state, out.undo, keep=a + 1)
         bonus, margin = top2_margin(out.logits[a])
-        ms = (time.perf_counter() - t0) * 1e3
-        return VerifyResult(a, bonus, margin, out.taps[: a + 1], range(n, n + a + 1), len(ids), copied, ms)
+        result = VerifyResult(a, bonus, margin, out.taps[: a + 1], range(n, n + a + 1), len(ids), copied,
+                              work.forward_ms)
+    s.committed.add(result.rows, result.positions, result.bonus_token, result.margin)
+    return result

@@ -4,6 +4,11 @@ It owns the message translation only: which operation a request holds, the verif
 enum, tensors to and from protos, timings and span attributes. The session's life cycle is
 `services.common.session_stream.serve_session`; every rule about token ids, positions,
 block sizes and committed rows is the engine's.
+
+With a step loop (`services.verifier.batcher.StepLoop`), a request is admitted (validated)
+on the event loop and its future awaited: the forward runs in the loop's next step, batched
+with every other session's pending work. Without one (TP, top-k dumps), each call runs on a
+thread of its own.
 """
 
 from __future__ import annotations
@@ -17,15 +22,21 @@ from dspark_proto.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.common.session_stream import SessionStreamServicer
 from services.common.telemetry import message_span
 from services.common.tensors import to_proto
+from services.verifier.batcher import StepLoop, StepStats
 from services.verifier.engine import StepResult, VerifierEngine, VerifyResult
 
 _MODES = {verifier_pb2.VERIFY_MODE_SEQUENTIAL: "sequential", verifier_pb2.VERIFY_MODE_BATCHED: "batched"}
 
 
-def verifier_identity(engine: VerifierEngine, tp: int = 1) -> common_pb2.ModelIdentity:
-    """The model identity the gateway checks against the drafter's (docs/architecture.md §6)."""
+def verifier_identity(engine: VerifierEngine, tp: int = 1,
+                      steps: StepStats | None = None) -> common_pb2.ModelIdentity:
+    """The model identity the gateway checks against the drafter's (docs/architecture.md §6),
+    with the open sessions and, when a step loop runs, its batch steps (`steps`)."""
     cfg = engine.cfg
+    steps = StepStats() if steps is None else steps
     return common_pb2.ModelIdentity(
+        steps=steps.steps, batch_size_last=steps.batch_last, batch_size_mean=steps.batch_mean,
+        step_ms_last=steps.ms_last, step_ms_mean=steps.ms_mean,
         role="verifier", config_hash=cfg.config_hash(), vocab_size=cfg.vocab_size,
         block_size=cfg.dspark_block_size, window_size=cfg.window_size,
         target_layer_ids=list(cfg.dspark_target_layer_ids), row_width=cfg.tap_width, tp=tp,
@@ -42,15 +53,25 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
         provider: tracer provider for the per-message spans (None = no spans).
         tp: tensor-parallel world size reported in Info.
         metrics: a `services.common.metrics.VerifierMetrics` fed each answered forward (None: none).
+        steps: the step loop that runs every forward (None: one thread per call).
     """
 
     def __init__(self, engine: VerifierEngine, default_mode: str = "batched",
-                 provider: TracerProvider | None = None, tp: int = 1, metrics=None):
+                 provider: TracerProvider | None = None, tp: int = 1, metrics=None, steps: StepLoop | None = None):
         self.engine, self.default_mode, self.provider, self.tp = engine, default_mode, provider, tp
-        self.metrics = metrics
+        self.metrics, self.steps = metrics, steps
 
     async def Info(self, request, context):
-        return verifier_identity(self.engine, self.tp)
+        return verifier_identity(self.engine, self.tp, None if self.steps is None else self.steps.stats())
+
+    async def _run(self, op: str, sid: int, *args):
+        """The engine's result of `op` ("prefill" | "decode" | "verify") on `sid` with `args`:
+        admitted here and run in the step loop's next step, or on a thread of its own.
+        Raises what the engine's call raises (ValueError for bad values, UnknownSessionError)."""
+        if self.steps is None:
+            return await asyncio.to_thread(getattr(self.engine, op), sid, *args)
+        work = getattr(self.engine, f"admit_{op}")(sid, *args)
+        return await asyncio.wrap_future(self.steps.submit(work))
 
     async def _handle(self, sid: int, request, received: float) -> verifier_pb2.VerifierResponse:
         op = request.WhichOneof("op")
@@ -61,11 +82,11 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
                 return self._rows(sid, request.rows.count, span)
             if op == "prefill":
                 ids = list(request.prefill.token_ids)
-                res = await asyncio.to_thread(self.engine.prefill, sid, ids)
+                res = await self._run("prefill", sid, ids)
                 response, rows = self._step_response(res), len(ids)
             elif op == "decode":
                 d = request.decode
-                res = await asyncio.to_thread(self.engine.decode, sid, d.token_id, d.position)
+                res = await self._run("decode", sid, d.token_id, d.position)
                 response, rows = self._step_response(res), 1
             else:
                 res, response = await self._verify(sid, request.verify, span)
@@ -91,7 +112,7 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
         if v.mode not in _MODES and v.mode != verifier_pb2.VERIFY_MODE_UNSPECIFIED:
             raise ValueError(f"verify mode={v.mode}: not a VerifyMode (0 default, 1 sequential, 2 batched)")
         mode = _MODES.get(v.mode, self.default_mode)
-        res = await asyncio.to_thread(self.engine.verify, sid, v.anchor, list(v.drafts), v.position, mode)
+        res = await self._run("verify", sid, v.anchor, list(v.drafts), v.position, mode)
         response = verifier_pb2.VerifierResponse(
             next_token=res.bonus_token, margin=res.margin, accepted=res.accepted,
             rows=to_proto(res.rows), first_position=res.positions.start, next_position=res.positions.stop)
