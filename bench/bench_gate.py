@@ -21,22 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from services_fixtures import collect, gen_request, service_loop  # noqa: E402
-from test_drafter_faults import CFG, _start_rig  # noqa: E402
+from test_drafter_faults import _start_rig, shifted_drafts  # noqa: E402
 
 PROMPT_IDS = tuple(range(7, 19))
-
-
-def _shifted(target: list[int]):
-    def script(op, req, reply):
-        if op == "draft":
-            first = req.draft.seed_position + 2
-            tokens = [(target[q] + 1) % CFG.vocab_size if q < len(target) else 0
-                      for q in range(first, first + len(reply.tokens))]
-            reply.ClearField("tokens")
-            reply.tokens.extend(tokens)
-            reply.ClearField("confidence_logits")
-            reply.confidence_logits.extend([8.0] * len(tokens))
-    return script
 
 
 async def _timed(stub, spec: str, max_tokens: int):
@@ -55,7 +42,7 @@ def main(argv=None) -> int:
     rig = loop.run(_start_rig())
     try:
         _, off = loop.run(_timed(rig.stub, "off", args.max_tokens))
-        rig.scripted.script = _shifted([*PROMPT_IDS, *off.token_ids])
+        rig.scripted.script = shifted_drafts([*PROMPT_IDS, *off.token_ids])
         loop.run(_timed(rig.stub, "gated", args.max_tokens))  # warm-up
         walls = {"off": [], "gated": []}
         for _ in range(args.repeats):

@@ -117,6 +117,22 @@ BAD_REPLIES = {  # case: (script, the check it must fail)
 }
 
 
+def shifted_drafts(target: list[int]) -> Script:
+    """A script whose drafts are always wrong but look sure: each drafted position gets the
+    target's own token at that position plus one (mod vocab), with confidence logit 8.0.
+    `target`: the prompt and the spec-off continuation (token ids by position)."""
+    def script(op, req, reply):
+        if op == "draft":  # the anchor sits at seed_position + 1; draft i predicts the next positions
+            first = req.draft.seed_position + 2
+            tokens = [(target[q] + 1) % CFG.vocab_size if q < len(target) else 0
+                      for q in range(first, first + len(reply.tokens))]
+            reply.ClearField("tokens")
+            reply.tokens.extend(tokens)
+            reply.ClearField("confidence_logits")
+            reply.confidence_logits.extend([8.0] * len(tokens))
+    return script
+
+
 def fault_count(metrics: GatewayMetrics, reason: str, check: str = "none") -> float:
     """spec_decode_drafter_faults_total{reason, check} as the Prometheus endpoint would show it."""
     return sum(s.value for fam in metrics.registry.collect() for s in fam.samples

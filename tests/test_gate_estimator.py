@@ -191,7 +191,7 @@ def test_a_drafter_that_is_always_wrong_stops_drafting_through_the_services():
     only on probe rounds: at most one drafted round per PROBE_FIRST rounds. (The wall-clock
     ratio against plain decode is measured by bench/bench_gate.py.)"""
     from services_fixtures import collect, gen_request, service_loop
-    from test_drafter_faults import CFG, _start_rig
+    from test_drafter_faults import _start_rig, shifted_drafts
 
     loop = service_loop()
     rig = loop.run(_start_rig())
@@ -199,17 +199,7 @@ def test_a_drafter_that_is_always_wrong_stops_drafting_through_the_services():
         off = loop.run(collect(rig.stub, gen_request(ids=WRONG_PROMPT_IDS, max_tokens=WRONG_MAX_TOKENS, spec="off")))
         target = [*WRONG_PROMPT_IDS, *off.token_ids]
 
-        def shifted(op, req, reply):
-            if op == "draft":  # the anchor sits at seed_position + 1; draft i predicts the next positions
-                first = req.draft.seed_position + 2
-                tokens = [(target[q] + 1) % CFG.vocab_size if q < len(target) else 0
-                          for q in range(first, first + len(reply.tokens))]
-                reply.ClearField("tokens")
-                reply.tokens.extend(tokens)
-                reply.ClearField("confidence_logits")
-                reply.confidence_logits.extend([8.0] * len(tokens))
-
-        rig.scripted.script = shifted
+        rig.scripted.script = shifted_drafts(target)
         gated = loop.run(collect(rig.stub, gen_request(ids=WRONG_PROMPT_IDS, max_tokens=WRONG_MAX_TOKENS,
                                                        spec="gated")))
     finally:
