@@ -52,7 +52,9 @@ MAX_TOKENS = 20
 
 class HoldingVerifier(VerifierEngine):
     """A real `VerifierEngine` whose first verify of each session blocks until `release` is set
-    (at most HOLD_S): the test then knows every generation is mid-flight, its drafter session open."""
+    (at most HOLD_S): the test then knows every generation is mid-flight, its drafter session open.
+    Holding one session's call needs a thread per call: serve it with `step_loop=False` (the
+    step loop would hold every session's step behind the first)."""
 
     def __init__(self, model, **kwargs):
         super().__init__(model, **kwargs)
@@ -150,7 +152,7 @@ def test_eight_generations_spread_over_both_drafter_replicas_one_stream_each():
     drafters = [drafter_engine(trunk, oracle=True, settings=BackendSettings()) for _ in range(2)]
 
     async def scenario():
-        verifier = await start_verifier(engine)
+        verifier = await start_verifier(engine, step_loop=False)
         servers = [await start_drafter(d) for d in drafters]
         target = ",".join(f"127.0.0.1:{s.port}" for s in servers)  # a plain list becomes ipv4:a,b
         gw, scheduler, backends = await start_gateway(settings(verifier.port, target), GateConfig())
@@ -238,7 +240,7 @@ def test_killed_drafter_replica_generations_resume_speculation_on_the_other_then
             return counts, await asyncio.gather(*tasks)
 
         async def scenario():
-            verifier = await start_verifier(engine)
+            verifier = await start_verifier(engine, step_loop=False)
             target = "ipv4:" + ",".join(f"127.0.0.1:{p}" for p in ports)
             gw, scheduler, backends = await start_gateway(settings(verifier.port, target), GateConfig(),
                                                           provider=provider)
