@@ -19,6 +19,7 @@ from services.gateway.gate import (BUCKET_EDGES, NUM_BUCKETS, PROBE_FIRST, CostM
                                    LengthChoice, decide_length)
 from services.gateway.record import Reason, RoundRecord, RoundStats
 from services.gateway.rounds import Round, load_rounds
+from services.gateway.scheduler import MAX_DEFERRED_ROWS
 from services.settings import gate_config
 
 SEED_COST = CostModel(196.0, 300.0, 109.0, 303.0)
@@ -188,7 +189,9 @@ def test_a_drafter_that_is_always_wrong_stops_drafting_through_the_services():
     """A scripted drafter answers every draft with the target's own next tokens shifted by one
     id (plausible, confident (logit 8.0), always wrong): acceptance is exactly 0. The gated
     generation must keep the spec-off output, draft in the cold first round, and afterwards
-    only on probe rounds: at most one drafted round per PROBE_FIRST rounds. (The wall-clock
+    only on probe rounds: at most one drafted round per PROBE_FIRST rounds. A round kept from
+    drafting holds its rows back from the drafter (they go with the next draft, or once
+    MAX_DEFERRED_ROWS pile up), so it does not pay a drafter round trip either. (The wall-clock
     ratio against plain decode is measured by bench/bench_gate.py.)"""
     from services_fixtures import collect, gen_request, service_loop
     from test_drafter_faults import _start_rig, shifted_drafts
@@ -199,7 +202,13 @@ def test_a_drafter_that_is_always_wrong_stops_drafting_through_the_services():
         off = loop.run(collect(rig.stub, gen_request(ids=WRONG_PROMPT_IDS, max_tokens=WRONG_MAX_TOKENS, spec="off")))
         target = [*WRONG_PROMPT_IDS, *off.token_ids]
 
-        rig.scripted.script = shifted_drafts(target)
+        shifted, commits = shifted_drafts(target), []
+
+        def counted(op, req, reply):
+            commits.extend([req] if op == "commit" else [])
+            shifted(op, req, reply)
+
+        rig.scripted.script = counted
         gated = loop.run(collect(rig.stub, gen_request(ids=WRONG_PROMPT_IDS, max_tokens=WRONG_MAX_TOKENS,
                                                        spec="gated")))
     finally:
@@ -211,3 +220,5 @@ def test_a_drafter_that_is_always_wrong_stops_drafting_through_the_services():
     drafted_rounds = s.rounds - s.margin_skipped_rounds
     assert drafted_rounds >= 1  # the cold gate explores
     assert drafted_rounds - 1 <= math.ceil((s.rounds - 1) / PROBE_FIRST)
+    # the prompt's commit, at most a flush and a commit per drafted round, and the bounded flushes
+    assert len(commits) <= 1 + 2 * drafted_rounds + math.ceil(s.rounds / MAX_DEFERRED_ROWS) < s.rounds

@@ -39,6 +39,7 @@ from typing import AsyncIterator, Sequence
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
+import torch
 
 from services.common.settings import VERIFY_MODES
 from services.common.telemetry import TRACER_NAME, trace_context
@@ -54,6 +55,9 @@ from services.gateway.rounds import Round, check_workload
 from services.gateway.tokenizer import Detokenizer, Tokenizer
 
 log = logging.getLogger("dspark.gateway")
+# Rows a generation may hold back from the drafter while the gate keeps it from drafting; the
+# bound keeps one commit message small (row_width 12288 bf16 rows: 32 rows = 768 KiB).
+MAX_DEFERRED_ROWS = 32
 SPEC_MODES = ("off", "always", "gated")
 
 
@@ -196,6 +200,7 @@ class _Generation:
         self.drafters = drafters if can_draft else None
         self.drafter: DrafterSession | None = self.drafters.open() if self.drafters is not None else None
         self.committed: list[int] = []  # tokens of the positions the verifier has committed
+        self._pending: list[tuple] = []  # deferred commits: (rows, first_position, token_ids, token_first)
         gate_cfg = sched.gate_config
         if p.spec == "gated":
             gate_cfg = dataclasses.replace(gate_cfg, enabled=sched.limits.confidence_head)
@@ -273,8 +278,9 @@ class _Generation:
                 verify_ms = (time.perf_counter() - t0) * 1e3
                 s.costs.add_plain(verify_ms)
             a, drafter, t0 = res.accepted, self.drafter, time.perf_counter()
-            await self._commit(res.rows, pos, [anchor, *drafts[:a]], pos)
-            if drafter is not None and self.drafter is drafter:  # a failover's re-prime is no commit cost
+            defer = plan.reason is Reason.ANCHOR_MARGIN  # the gate kept this round from drafting
+            await self._commit(res.rows, pos, [anchor, *drafts[:a]], pos, defer)
+            if not defer and drafter is not None and self.drafter is drafter:  # a re-prime is no commit cost
                 s.costs.add_commit((time.perf_counter() - t0) * 1e3)
             self._record(span, RoundRecord(
                 plan.reason, len(drafts), k, a, self.cost,
@@ -291,6 +297,7 @@ class _Generation:
             return _Plan(Reason.NO_ROOM)  # one token left (or no room): a draft could not be submitted
         if not self.gate.should_draft(margin):
             return _Plan(Reason.ANCHOR_MARGIN)
+        await self._flush()  # the rows of rounds that did not draft, before the drafter drafts
         drafts, conf, draft_ms = await self._draft(anchor, pos, tc)
         if not drafts:
             return _Plan(Reason.DRAFTER_FAILED, conf=conf, draft_ms=draft_ms)
@@ -323,12 +330,30 @@ class _Generation:
         room = self.s.limits.max_seq_len - 2 - pos
         return max(0, min(drafted, remaining - 1, room))
 
-    async def _commit(self, rows, first_position: int, token_ids: Sequence[int], token_first: int) -> None:
+    async def _commit(self, rows, first_position: int, token_ids: Sequence[int], token_first: int,
+                      defer: bool = False) -> None:
+        """Send committed rows [R, row_width] of positions first_position.. and the tokens from
+        token_first on to the drafter. `defer`: hold them until the next draft (`_flush`), up to
+        MAX_DEFERRED_ROWS rows: a round the gate kept from drafting then costs a plain step alone,
+        not a plain step and a drafter round trip, and the drafter still sees every row before it
+        drafts again."""
         self.committed[token_first:] = token_ids
         if self.drafter is None:
             return
+        self._pending.append((rows, first_position, list(token_ids), token_first))
+        if not defer or sum(r.shape[0] for r, *_ in self._pending) >= MAX_DEFERRED_ROWS:
+            await self._flush()
+
+    async def _flush(self) -> None:
+        """Commit the held rounds as one message; their positions are contiguous, so their rows
+        and tokens concatenate. A drafter failure here fails over as any commit does."""
+        pending, self._pending = self._pending, []
+        if not pending or self.drafter is None:
+            return
+        rows = pending[0][0] if len(pending) == 1 else torch.cat([r for r, *_ in pending])
+        tokens = [t for _, _, ids, _ in pending for t in ids]
         try:
-            await self.drafter.commit(rows, first_position, token_ids, token_first,
+            await self.drafter.commit(rows, pending[0][1], tokens, pending[0][3],
                                       trace_context(trace.get_current_span()))
         except BackendError as exc:
             await self._drafter_failed(exc)  # a new session is primed with these rows too
@@ -344,6 +369,7 @@ class _Generation:
         """
         await _close_quietly(self.drafter)
         self.drafter = None
+        self._pending.clear()  # a new session is primed from the verifier's rows instead
         span = trace.get_current_span()
         span.add_event("drafter_failed", {"error": str(exc), "reason": failure_reason(exc)})
         while True:
