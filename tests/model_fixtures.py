@@ -38,3 +38,12 @@ def quantised_weights(cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> dic
             encode, decode = codecs[p.storage]
             out[p.name] = decode(*encode(weights[p.name].float()))
     return out
+
+
+def state_tensors(state):
+    """Every tensor of a `TrunkState` a forward writes: rings, compressor and indexer state."""
+    for st in state.layers:
+        yield st.ring
+        for c in (st.compressor, st.indexer):
+            if c is not None:
+                yield from (c.kv, c.score, c.cache[: c.n_entries])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from model_fixtures import state_tensors
 
 from dsv4.batch import BatchItem
 from dsv4.config import tiny_config
@@ -68,14 +69,6 @@ def solo(model: Trunk, i: int):
 def rows(out) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits [S, V], taps [S, T*D]) of a decode or block output."""
     return out.logits.reshape(-1, out.logits.shape[-1]), out.taps
-
-
-def state_tensors(state):
-    for st in state.layers:
-        yield st.ring
-        for c in (st.compressor, st.indexer):
-            if c is not None:
-                yield from (c.kv, c.score, c.cache[: c.n_entries])
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

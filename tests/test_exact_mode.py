@@ -15,6 +15,7 @@ at position p replaced by (token + 1) % V when (p + j) % CORRUPT_EVERY == CORRUP
 
 import pytest
 import torch
+from model_fixtures import state_tensors
 
 from dsv4.attention import sparse_attn, sparse_attn_chunked
 from dsv4.config import tiny_config
@@ -84,14 +85,6 @@ def test_verify_rows_equal_decode_rows_bitwise(model, prompt, n):
         assert torch.equal(out.logits[i], seq[i].logits), f"logits row {i} at {n + i}"
         assert torch.equal(out.taps[i], seq[i].taps[0]), f"taps row {i} at {n + i}"
     model.rollback(blk_state, out.undo, k + 1)
-
-
-def state_tensors(state):
-    for st in state.layers:
-        yield st.ring
-        for c in (st.compressor, st.indexer):
-            if c is not None:
-                yield from (c.kv, c.score, c.cache[: c.n_entries])
 
 
 @pytest.mark.parametrize("keep", [1, 3, 6])

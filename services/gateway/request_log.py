@@ -1,7 +1,7 @@
 """One structured log line per generation the gateway ends (logger `dspark.requests`).
 
-This module owns the line's fields and the request id a line carries when the client gave
-none; `services.common.logs` writes the fields as text or JSON (`DSPARK_LOG_FORMAT`). It
+This module owns the line's fields (the request id comes from `services.gateway.requests`);
+`services.common.logs` writes the fields as text or JSON (`DSPARK_LOG_FORMAT`). It
 decides nothing and counts nothing: the servicer hands over the generation's final event.
 
 Fields: request_id, spec_mode, finish_reason (stop | length | abort: the client went away |
@@ -17,20 +17,11 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 
 from services.common.logs import FIELDS
 from services.gateway.scheduler import FinalEvent, GenerationParams
 
 log = logging.getLogger("dspark.requests")
-
-
-def request_id_of(request) -> str:
-    """The client's `GenerateRequest.request_id` when the message has that field and it is
-    set, else a new id (32 hex digits)."""
-    if "request_id" in request.DESCRIPTOR.fields_by_name and request.request_id:
-        return request.request_id
-    return uuid.uuid4().hex
 
 
 class RequestLine:
