@@ -1,0 +1,270 @@
+"""Token selection from logits: greedy, seeded sampling, and the two lossless acceptance rules.
+
+Owns the sampling parameters of a request, the filters (temperature, top-k, top-p, min-p),
+the keyed random streams and the two acceptance rules of speculative sampling
+(docs/sampling.md). It is pure tensor math on CPU or device tensors: it never holds a
+session, never forwards a model and knows nothing of gRPC.
+
+Dimension legend: S = rows (positions) in one call, V = vocab, k = drafts in a block.
+
+Positions. Every random draw is keyed by (seed, position, stream): `position` is the absolute
+index, in the whole sequence (prompt included), of the token being chosen. The logits that
+choose the token at position t are the target's (or the draft's) logits of position t - 1.
+Keying by position rather than by a running counter is what makes a token a function of
+(logits, seed, position) alone: it does not matter how many rounds, drafts, retries or other
+requests came before it.
+
+Streams. Each use of randomness has its own stream, so no two uses ever share a draw:
+  TOKEN    the Gumbel noise of the coupled choice (plain decode, coupled verify, bonus token);
+  DRAFT    the drafter's own samples under the rejection rule;
+  ACCEPT   the uniform that accepts or rejects a draft under the rejection rule;
+  RESIDUAL the Gumbel noise that resamples from the residual after a rejection.
+Under the coupled rule the drafter proposes with the TOKEN stream itself: that shared draw is
+the coupling, and it is why an accepted draft is exactly the token plain decode would pick.
+
+Random numbers come from NumPy's PCG64 seeded by a SeedSequence of (seed, position, stream):
+a documented, platform-independent generator, so the drafter and the verifier (separate
+processes, possibly separate machines) draw the same noise for the same key. Reproducibility
+therefore holds for one NumPy version; the version is part of the deployment.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+TOKEN, DRAFT, ACCEPT, RESIDUAL = 0, 1, 2, 3  # random streams (see the module docstring)
+STREAMS = (TOKEN, DRAFT, ACCEPT, RESIDUAL)
+RULES = ("coupled", "rejection")
+MAX_LOGPROBS = 20  # top alternatives a request may ask for per token
+SEED_LIMIT = 2 ** 63  # seeds are non-negative int64 (they travel as uint64 / int64 on the wire)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request chooses its tokens.
+
+    temperature: 0 is greedy (argmax, no randomness, every other field but logprobs ignored);
+        > 0 divides the logits before the filters. Finite.
+    top_p: keep the smallest set of most likely tokens whose probability reaches top_p, in (0, 1].
+    top_k: keep the k most likely tokens; 0 keeps all.
+    min_p: drop tokens whose probability is below min_p x the top token's, in [0, 1].
+    seed: the key of every random draw, in [0, 2**63).
+    rule: "coupled" (a token is a function of logits, seed and position) or "rejection"
+        (standard speculative rejection sampling); see docs/sampling.md.
+    logprobs: top alternatives returned per token, 0..MAX_LOGPROBS (the chosen token's own
+        logprob is always returned).
+    Raises:
+        ValueError: naming the field and value: NaN or infinite floats, a negative
+            temperature, top_p outside (0, 1], top_k < 0, min_p outside [0, 1], a seed outside
+            [0, 2**63), an unknown rule, logprobs outside 0..MAX_LOGPROBS, non-integer ints.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    rule: str = "coupled"
+    logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"{name}={v!r}: must be a finite number")
+        for name in ("top_k", "seed", "logprobs"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise ValueError(f"{name}={v!r}: must be an integer")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature:g}: must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p={self.top_p:g}: must lie in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k}: must be >= 0 (0 keeps every token)")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p={self.min_p:g}: must lie in [0, 1]")
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed={self.seed}: must lie in [0, 2**63)")
+        if self.rule not in RULES:
+            raise ValueError(f"rule={self.rule!r}: must be one of {', '.join(RULES)}")
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs={self.logprobs}: must lie in 0..{MAX_LOGPROBS}")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: the argmax, with no randomness."""
+        return self.temperature == 0
+
+
+GREEDY = SamplingParams()
+
+
+# ---------------------------------------------------------------------- filters
+def filtered_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Temperature and filters: logits [S, V] (any float dtype) -> [S, V] fp32, the
+    temperature-scaled logits with -inf outside each row's kept set.
+
+    The filters apply in a fixed order (top-k, then top-p, then min-p), each to the
+    distribution left by the previous one, and always keep each row's most likely token,
+    so a row never ends empty. Greedy params return the logits unchanged (as fp32).
+    Raises:
+        ValueError: logits not 2-D.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [S, V], got shape {tuple(logits.shape)}")
+    x = logits.float()
+    if params.greedy:
+        return x
+    x = x / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = x.topk(params.top_k, dim=-1).values[:, -1:]  # [S, 1]
+        x = x.masked_fill(x < kth, -math.inf)
+    if params.top_p < 1:
+        x = _top_p(x, params.top_p)
+    if params.min_p > 0:
+        p = x.softmax(-1)
+        x = x.masked_fill(p < params.min_p * p.max(-1, keepdim=True).values, -math.inf)
+    return x
+
+
+def _top_p(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest prefix of tokens sorted by probability whose mass reaches top_p:
+    x [S, V] fp32 -> [S, V] with -inf elsewhere. Ties at the cut are broken by token id (the
+    stable sort), so the kept set is a function of the logits alone."""
+    p_sorted, order = x.softmax(-1).sort(dim=-1, descending=True, stable=True)  # [S, V]
+    before = p_sorted.cumsum(-1) - p_sorted  # mass strictly before each token
+    drop_sorted = before >= top_p  # the first token (before = 0) is always kept
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return x.masked_fill(drop, -math.inf)
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution tokens are drawn from: logits [S, V] -> probs [S, V] fp32 (rows sum
+    to 1). Greedy: one-hot on the argmax (lowest id among ties)."""
+    x = filtered_logits(logits, params)
+    if params.greedy:
+        return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).float()
+    return x.softmax(-1)
+
+
+def logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of the target's raw distribution (log-softmax of the model's logits, before
+    temperature and filters; docs/sampling.md says why): logits [S, V], tokens [S] int64 ->
+    (chosen [S] fp32, top_values [S, top] fp32, top_ids [S, top] int64), the top
+    alternatives in descending order (lowest id first among ties)."""
+    lp = logits.float().log_softmax(-1)  # [S, V]
+    chosen = lp.gather(-1, tokens.reshape(-1, 1).long())[:, 0]
+    order = lp.argsort(dim=-1, descending=True, stable=True)[:, :top]  # [S, top]
+    return chosen, lp.gather(-1, order), order
+
+
+# ---------------------------------------------------------------------- keyed noise
+def uniforms(seed: int, positions, stream: int, n: int) -> torch.Tensor:
+    """n uniforms in (0, 1) per position keyed by (seed, position, stream): [S, n] fp64 on CPU.
+
+    positions: S absolute token positions (ints). The same key always gives the same numbers,
+    in any process. Raises ValueError for a stream not in STREAMS or a negative position.
+    """
+    if stream not in STREAMS:
+        raise ValueError(f"stream={stream!r}: must be one of {STREAMS}")
+    rows = []
+    for p in positions:
+        if int(p) < 0:
+            raise ValueError(f"position={p}: must be >= 0")
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(p), stream])))
+        rows.append(rng.random(n))
+    u = np.stack(rows) if rows else np.zeros((0, n))
+    # random() is in [0, 1): nudge an exact 0 up, so -log(-log(u)) stays finite
+    return torch.from_numpy(np.maximum(u, np.finfo(np.float64).tiny))
+
+
+def gumbel(seed: int, positions, stream: int, vocab: int) -> torch.Tensor:
+    """Standard Gumbel noise keyed by (seed, position, stream): [S, vocab] fp64 on CPU."""
+    return -torch.log(-torch.log(uniforms(seed, positions, stream, vocab)))
+
+
+def keyed_choice(logits: torch.Tensor, params: SamplingParams, positions, stream: int = TOKEN) -> torch.Tensor:
+    """The Gumbel-max draw: argmax(filtered logits + Gumbel noise keyed by (seed, position,
+    stream)) per row, a sample from `probabilities(logits, params)` that is a deterministic
+    function of (logits, params, position). logits [S, V], positions S ints -> tokens [S]
+    int64 on the logits' device. Greedy params: the argmax, with no noise."""
+    x = filtered_logits(logits, params)
+    if params.greedy:
+        return x.argmax(-1)
+    noise = gumbel(params.seed, positions, stream, x.shape[-1]).to(x.device)
+    return (x.double() + noise).argmax(-1)  # -inf + noise stays -inf: filtered tokens never win
+
+
+# ---------------------------------------------------------------------- acceptance rules
+@dataclass(frozen=True)
+class Acceptance:
+    """The outcome of verifying k drafts: `accepted` drafts a (0..k) and `token`, the token at
+    the first position not covered by an accepted draft (the correction or the bonus token)."""
+
+    accepted: int
+    token: int
+
+
+def accept_coupled(target_logits: torch.Tensor, drafts, params: SamplingParams, first_position: int) -> Acceptance:
+    """The coupled rule: each position's token is `keyed_choice` of the target's logits; a
+    draft is accepted when it equals that token.
+
+    target_logits [k+1, V]: row i chooses the token at first_position + i; drafts: k ids.
+    The result equals plain decode's tokens for the same seed whatever the drafts were.
+    """
+    chosen = keyed_choice(target_logits, params, range(first_position, first_position + len(target_logits)))
+    a = 0
+    while a < len(drafts) and int(drafts[a]) == int(chosen[a]):
+        a += 1
+    return Acceptance(a, int(chosen[a]))
+
+
+def accept_rejection(target_logits: torch.Tensor, draft_probs: torch.Tensor, drafts, params: SamplingParams,
+                     first_position: int) -> Acceptance:
+    """Speculative rejection sampling, lossless in distribution.
+
+    target_logits [k+1, V] (row i: the token at first_position + i), draft_probs [k, V] fp32:
+    the distribution q each draft was drawn from (`probabilities` of the draft's logits with
+    the same params), drafts: k ids. Draft i is accepted with probability min(1, p(d)/q(d))
+    (ACCEPT stream); at the first rejection the token is drawn from the normalised residual
+    max(0, p - q) (RESIDUAL stream); after k acceptances the bonus token is drawn from p
+    (TOKEN stream). Greedy params reduce to the coupled rule.
+    Raises:
+        ValueError: shapes that do not match k drafts.
+    """
+    k = len(drafts)
+    if target_logits.shape[0] != k + 1 or tuple(draft_probs.shape) != (k, target_logits.shape[-1]):
+        raise ValueError(f"rejection verify of {k} drafts needs target logits [{k + 1}, V] and draft "
+                         f"probs [{k}, V], got {tuple(target_logits.shape)} and {tuple(draft_probs.shape)}")
+    if params.greedy:
+        return accept_coupled(target_logits, drafts, params, first_position)
+    p = probabilities(target_logits, params).double()  # [k+1, V]
+    q = draft_probs.double().to(p.device)
+    u = uniforms(params.seed, range(first_position, first_position + k), ACCEPT, 1)[:, 0]  # [k]
+    for i, d in enumerate(int(t) for t in drafts):
+        if q[i, d] > 0 and u[i] * q[i, d] < p[i, d]:  # u < p/q without dividing by a tiny q
+            continue
+        residual = (p[i] - q[i]).clamp_min(0)
+        if residual.sum() <= 0:  # p == q: a rejection cannot happen; guard against rounding
+            residual = p[i]
+        noise = gumbel(params.seed, [first_position + i], RESIDUAL, p.shape[-1])[0].to(p.device)
+        return Acceptance(i, int((residual.log() + noise).argmax()))
+    return Acceptance(k, int(keyed_choice(target_logits[k:], params, [first_position + k])[0]))
+
+
+def draft_choice(draft_logits: torch.Tensor, params: SamplingParams, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """How the drafter proposes under `params`: draft_logits [S, V] (after the Markov bias),
+    positions S ints -> (tokens [S] int64, q [S, V] fp32 the distribution they were drawn from).
+
+    Coupled: the TOKEN stream's Gumbel-max over the draft's own filtered distribution, the
+    same noise the target will use at that position. Rejection: the DRAFT stream, a sample
+    independent of every draw the verifier makes. Greedy: the argmax (q one-hot).
+    """
+    q = probabilities(draft_logits, params)
+    stream = TOKEN if params.rule == "coupled" else DRAFT
+    return keyed_choice(draft_logits, params, positions, stream), q
