@@ -308,7 +308,7 @@ class TPTrunk:
                 raise
             acks = self._collect(op, seq, start, local_error)
             errors = [(w.rank, text) for w, (kind, text) in zip(self._workers, acks) if kind == "error"]
-            if local_error is not None and len(errors) == len(self._workers):
+            if _agreed(local_error, errors, len(self._workers)):
                 raise local_error  # the same validation error everywhere: the ranks still agree
             if local_error is not None or errors:
                 where = f"rank 0: {type(local_error).__name__}: {local_error}" if local_error else "rank 0 ok"
@@ -367,6 +367,16 @@ class TPTrunk:
     def _fail(self, why: str, cause: BaseException | None = None):
         self._broken = why
         raise TPWorkerError(why + "; the TP trunk is unusable now: close() it and start a new one") from cause
+
+
+def _agreed(local_error: Exception | None, errors: list[tuple[int, str]], workers: int) -> bool:
+    """Whether every rank rejected a command with the same validation error (a ValueError raised
+    before any state or collective changed). A failed collective also fails every rank, but
+    with different texts, and leaves the ranks out of step: that is a disagreement."""
+    if not isinstance(local_error, ValueError) or len(errors) != workers:
+        return False
+    text = f"{type(local_error).__name__}: {local_error}"
+    return all(t == text for _, t in errors)
 
 
 def _on_cpu(value: Any) -> Any:
