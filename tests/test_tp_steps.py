@@ -12,6 +12,10 @@ services/verifier/tp.py's `TPTrunk.forward_batch`): TP=2 with real gloo worker p
     within 1e-4 and the bf16 committed tails within one bf16 ulp (1e-2). Fast numerics (exact
     mode is TP=1 only): TP regroups sums (rel 1e-5) and the batch changes GEMM shapes (fast
     mode's batch rounding, tests/test_verifier_steps.py), both far below the chain's margins;
+  * service level (in-process servers on port 0, real channels, an oracle drafter over a TP=1
+    trunk): four concurrent generations through a TP=2 verifier, whose `start_verifier` runs
+    the step loop, give the tokens of the same requests run one by one against a TP=1
+    verifier, and Info reports steps of more than one session;
   * a worker killed while it is inside a step of three or more sessions fails every request
     of that step with TPWorkerError naming the dead rank, within the call timeout; later
     requests get "unusable", and closing the loop and the trunk reaps the workers.
@@ -19,21 +23,29 @@ services/verifier/tp.py's `TPTrunk.forward_batch`): TP=2 with real gloo worker p
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import signal
 import threading
 import time
 
+import grpc
 import pytest
 import torch
+
+from dspark_proto.v1 import common_pb2, gateway_pb2_grpc, verifier_pb2_grpc
 
 from dsv4.batch import BatchItem
 from dsv4.config import tiny_config
 from model_fixtures import varied_weights
+from services import app
+from services.common.settings import GatewaySettings
+from services.gateway.gate import GateConfig
 from services.verifier.batcher import StepLoop, batchable
 from services.verifier.engine import VerifierEngine
 from services.verifier.tp import TPSettings, TPWorkerError, start_tp_trunk
+from services_fixtures import collect, gen_request
 from tp_faults import worker_faults
 
 CFG = tiny_config(max_seq_len=128)
@@ -171,8 +183,10 @@ def test_concurrent_sessions_through_the_loop_at_tp2_equal_tp1_solo(tp2, ref):
     sids = [engine.open_session() for _ in prompts]
     together: list = [None] * N_SESSIONS
 
+    def call(op, *args):
+        return steps.submit(getattr(engine, f"admit_{op}")(*args)).result(TIMEOUT_S)
+
     def one(i):
-        call = lambda op, *args: steps.submit(getattr(engine, f"admit_{op}")(*args)).result(TIMEOUT_S)  # noqa: E731
         together[i] = run_script(engine, sids[i], prompts[i], chains[i], i, call)
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(N_SESSIONS)]
@@ -195,6 +209,46 @@ def test_concurrent_sessions_through_the_loop_at_tp2_equal_tp1_solo(tp2, ref):
         engine.close_session(sid)
     gc.collect()
     assert tp2.worker_stats()[0]["states"] == states_before  # the workers freed every session's copy
+
+
+# ---------------------------------------------------------------------------- services
+async def generations(verifier_trunk, reqs, together: bool):
+    """The token ids of `reqs` through a verifier over `verifier_trunk` (step loop on), an
+    oracle drafter over its own TP=1 trunk (corrupting every 3rd slot) and a gateway: run one
+    by one, or all at once. Returns (token id lists, Info before, Info after)."""
+    verifier = await app.start_verifier(app.verifier_engine(verifier_trunk), tp=getattr(verifier_trunk, "tp", 1))
+    drafter = await app.start_drafter(app.drafter_engine(start_tp_trunk(CFG, W, 1), oracle=True, corrupt_every=3))
+    gw, _, backends = await app.start_gateway(
+        GatewaySettings(verifier_target=f"127.0.0.1:{verifier.port}", drafter_target=f"127.0.0.1:{drafter.port}"),
+        GateConfig())
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch, \
+                grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as vch:
+            stub, info = gateway_pb2_grpc.GatewayStub(ch), verifier_pb2_grpc.VerifierStub(vch).Info
+            before = await info(common_pb2.InfoRequest(), timeout=5)
+            if together:
+                gens = await asyncio.gather(*(collect(stub, r) for r in reqs))
+            else:
+                gens = [await collect(stub, r) for r in reqs]
+            after = await info(common_pb2.InfoRequest(), timeout=5)
+            return [list(g.token_ids) for g in gens], before, after
+    finally:
+        for server in (gw, drafter, verifier):
+            await server.stop(0)
+        await backends.close()
+
+
+def test_concurrent_generations_at_tp2_equal_tp1_one_by_one(tp2, ref):
+    prompts = session_prompts()
+    reqs = [gen_request(ids=p, max_tokens=10 + 2 * i, spec=("off", "always", "gated")[i % 3])
+            for i, p in enumerate(prompts)]
+    expected, _, _ = asyncio.run(generations(ref, reqs, together=False))
+    got, before, after = asyncio.run(generations(tp2, reqs, together=True))
+    assert got == expected
+    assert [len(t) for t in got] == [r.max_tokens for r in reqs]
+    assert after.tp == 2 and after.steps > before.steps
+    sessions = after.batch_size_mean * after.steps - before.batch_size_mean * before.steps
+    assert sessions / (after.steps - before.steps) > 1.0  # the TP verifier's step loop batched the concurrent streams
 
 
 def test_worker_killed_mid_step_fails_every_request_of_the_step():
