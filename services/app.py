@@ -120,8 +120,9 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
     max_connection_age_s: clients reconnect after it (s); metrics: a
     `services.common.metrics.VerifierMetrics` (None: none). step_loop: run every session's
     forwards in one batched step loop (`services.verifier.batcher`) when the engine's model
-    is a plain Trunk; False, or a TP / top-k model: one thread per call. The loop stops with
-    the server. Raises RuntimeError: port not bound."""
+    is a plain Trunk or a TP trunk (every rank runs the same batched step); False, or a
+    top-k dump model: one thread per call. The loop stops with the server. Raises
+    RuntimeError: port not bound."""
     steps = None
     if step_loop and batchable(engine.model):
         steps = StepLoop(engine, None if metrics is None else metrics.record_step)
