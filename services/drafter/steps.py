@@ -190,9 +190,9 @@ class DraftStepLoop:
             drafts = [(r, s) for r, s in live if r.op == "draft"]
             done = self._commits(commits) + self._drafts(drafts)
             ms = (time.perf_counter() - t0) * 1e3
+        self._record(DraftStepRecord(len(live), len(commits), len(drafts), ms))  # before any caller sees its reply
         for r, value, error in done:
             self._finish(r, StepReply(value, ms), error)
-        self._record(DraftStepRecord(len(live), len(commits), len(drafts), ms))
 
     def _commits(self, commits: list) -> list[tuple[_Request, object, BaseException | None]]:
         """One batched ring write; each commit gets its own error or None."""
