@@ -129,7 +129,9 @@ class Work:
     op: "prefill" | "decode" | "verify". ids: the prompt [n], the decoded token [1] or the
     block [anchor, d1..dk]. position: where ids[0] goes (0 for a prefill). mode: the verify
     path. A stepwise verify (sequential, or no drafts) forwards one position per forward:
-    `done` counts the positions forwarded so far, `rows` their [1, T*D] fp32 tap rows.
+    `done` counts the positions forwarded so far, `rows` their [1, T*D] fp32 tap rows. A
+    prefill fed in chunks (the step loop) counts its prompt positions forwarded in `done`
+    and keeps the tap rows [<= keep, T*D] fp32 of the last `keep` of them in `rows`.
     forward_ms: wall time of the forwards it took part in so far (ms).
     """
 
@@ -141,11 +143,22 @@ class Work:
     done: int = 0
     rows: list[torch.Tensor] = field(default_factory=list)
     forward_ms: float = 0.0
+    keep: int = 0
 
     @property
     def stepwise(self) -> bool:
         """A verify forwarded one position at a time (sequential mode, or a block of no drafts)."""
         return self.op == "verify" and (self.mode == "sequential" or len(self.ids) == 1)
+
+
+def per_session_bytes(model) -> int:
+    """See `VerifierEngine.per_session_bytes`; `model`: a `Trunk` or a wrapper / TP driver
+    holding one as `.model` (measured on that rank-local trunk, so no remote state is made)."""
+    base = model
+    while not isinstance(base, Trunk) and getattr(base, "model", None) is not None:
+        base = base.model
+    cfg = base.cfg
+    return base.state_bytes(base.new_state()) + cfg.window_size * cfg.tap_width * torch.bfloat16.itemsize
 
 
 def top2_margin(logits: torch.Tensor) -> tuple[int, float]:
@@ -178,6 +191,8 @@ class VerifierEngine(SessionHost[_Session]):
         max_sessions: open sessions allowed at once (>= 1).
         prefill_keep_rows: tap rows a prefill returns (default: window_size, what the
             drafter's rings can hold).
+        limit_rule: how max_sessions was chosen, one line for Info
+            (`services.common.limits.SessionLimit.rule`; "" when not said).
     Raises:
         ValueError: max_sessions not an integer >= 1, prefill_keep_rows not None or an
             integer >= 0.
@@ -185,7 +200,8 @@ class VerifierEngine(SessionHost[_Session]):
     are serialised by its lock.
     """
 
-    def __init__(self, model: Trunk, max_sessions: int = 16, prefill_keep_rows: int | None = None):
+    def __init__(self, model: Trunk, max_sessions: int = 16, prefill_keep_rows: int | None = None,
+                 limit_rule: str = ""):
         max_sessions = as_int(max_sessions, "max_sessions")
         if max_sessions < 1:
             raise ValueError(f"max_sessions={max_sessions}: must be >= 1")
@@ -196,6 +212,8 @@ class VerifierEngine(SessionHost[_Session]):
         self.model, self.cfg = model, model.cfg
         self.keep_rows = self.cfg.window_size if prefill_keep_rows is None else prefill_keep_rows
         self._table: SessionTable[_Session] = SessionTable(max_sessions)
+        self.limit_rule = limit_rule
+        self._session_bytes: int | None = None
 
     # ------------------------------------------------------------------ sessions
     def open_session(self) -> int:
@@ -205,6 +223,14 @@ class VerifierEngine(SessionHost[_Session]):
     def session_bytes(self, sid: int) -> int:
         """Bytes of target state held by session `sid` (rings, compressor states, caches)."""
         return self.model.state_bytes(self._get(sid).state)
+
+    def per_session_bytes(self) -> int:
+        """Bytes one session holds at most, whatever its length (per TP rank): its target
+        state (rings, compressor rows, compressed and indexer caches, all sized for
+        max_seq_len when the session opens) and its committed tail (window_size bf16 rows)."""
+        if self._session_bytes is None:  # a fresh state's size never changes: measured once
+            self._session_bytes = per_session_bytes(self.model)
+        return self._session_bytes
 
     def state_bytes(self) -> int:
         """Bytes of target state held by every open session (per TP rank under tensor parallelism)."""
@@ -266,7 +292,7 @@ class VerifierEngine(SessionHost[_Session]):
         if len(ids) > self.cfg.max_seq_len:
             raise ValueError(f"prompt length {len(ids)} exceeds max_seq_len={self.cfg.max_seq_len}")
         self._check_range(ids)
-        return Work(sid, "prefill", ids, 0)
+        return Work(sid, "prefill", ids, 0, keep=self.keep_rows)
 
     def _admit_decode(self, sid: int, s: _Session, token_id: object, position: object) -> Work:
         token_id = as_int(token_id, "token_id")
@@ -387,13 +413,17 @@ class VerifierEngine(SessionHost[_Session]):
 def absorb(s: _Session, work: Work, out, ms: float, model=None) -> StepResult | VerifyResult | None:
     """Take one forward's output for an admitted decode or verify into its session record `s`.
 
-    `out`: the trunk's ForwardOutput (a decode, or one position of a stepwise verify) or
-    BlockOutput (a batched verify block, still open); `ms`: that forward's wall time (ms),
-    added to `work.forward_ms`; `model`: the trunk, which rolls a block back (verify only).
+    `out`: the trunk's ForwardOutput (a decode, one position of a stepwise verify, or one
+    chunk of a prefill) or BlockOutput (a batched verify block, still open); `ms`: that
+    forward's wall time (ms), added to `work.forward_ms`; `model`: the trunk, which rolls a
+    block back (verify only).
     Returns the request's result once it is complete, its rows committed; None when a
-    stepwise verify needs its next position forwarded (position work.position + work.done).
+    stepwise verify needs its next position forwarded (position work.position + work.done)
+    or a prefill its next chunk (from position work.done).
     """
     work.forward_ms += ms
+    if work.op == "prefill":
+        return _absorb_chunk(s, work, out)
     if work.op == "decode":
         token, margin = top2_margin(out.logits)
         result = StepResult(token, margin, out.taps, range(work.position, work.position + 1), work.forward_ms)
@@ -420,3 +450,28 @@ def absorb(s: _Session, work: Work, out, ms: float, model=None) -> StepResult | 
                               work.forward_ms)
     s.committed.add(result.rows, result.positions, result.bonus_token, result.margin)
     return result
+
+
+def _absorb_chunk(s: _Session, work: Work, out) -> StepResult | None:
+    """Take one prefill chunk's ForwardOutput (logits [V] fp32 of its last position, taps
+    [<= keep, T*D] fp32 of its last positions) into `work`; once the chunk that ends the
+    prompt is in, commit the prefill as `VerifierEngine.prefill` does and return its result:
+    the next token and margin of position n-1 and the tap rows of the last min(n, keep)."""
+    work.done = s.state.next_position  # a prompt starts at 0: positions forwarded so far
+    tail = torch.cat([*work.rows, out.taps])[-work.keep:] if work.keep else out.taps[:0]
+    work.rows = [tail]  # only the rows the result can still return are held
+    if work.done < len(work.ids):
+        return None
+    n = work.done
+    token, margin = top2_margin(out.logits)
+    result = StepResult(token, margin, tail, range(n - tail.shape[0], n), work.forward_ms)
+    s.committed.add(result.rows, result.positions, token, margin)
+    s.prefilled = True
+    return result
+
+
+def abandon(s: _Session, work: Work) -> None:
+    """A request failed part way (its session record `s` held by the caller): a prefill that
+    forwarded some chunks leaves its session empty again, so the prompt can be sent again."""
+    if work.op == "prefill" and s.state.next_position > 0 and not s.prefilled:
+        s.state.reset()
