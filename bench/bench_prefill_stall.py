@@ -11,9 +11,12 @@ streams keep decoding until it is prefilled and AFTER more tokens came. Reported
 median over `--repeats` with the range [min, max]:
 
 * normal gap: the streams' median inter-token gap (ms) before the prompt arrived;
-* stall: the longest inter-token gap of any stream while the prompt was being prefilled;
+* gap during, p90 during, stall (max): the median, 90th percentile and longest inter-token
+  gap of the streams' gaps that overlap the prompt's prefill (ms);
 * chunk step: the median wall time of a step that carried a full chunk (ms), and of a
-  step without one (the decode step), from the loop's `StepRecord`s;
+  step without one with every stream in it (the decode step), from the loop's
+  `StepRecord`s, and the mean sessions in a step that carried a chunk (streams + 1 when
+  every stream decoded in it);
 * TTFT: submit to the prompt's result (ms).
 
 Nothing is asserted; the figures go to bench/README.md. On a shared CPU, absolute times move
@@ -83,8 +86,13 @@ def run_once(engine: VerifierEngine, chunk: int, streams: int, prompt_len: int, 
     full = [r.ms for r in records[mark:] if r.prefill_rows == (chunk or prompt_len)]
     plain = [r.ms for r in records if r.prefill_rows == 0 and r.sessions == streams]
     med = lambda v: statistics.median(v) if v else float("nan")  # noqa: E731 (no such step: nan)
-    return {"normal gap": med(before) * 1e3, "stall": max(during, default=float("nan")) * 1e3,
+    during.sort()
+    chunk_steps = [r for r in records[mark:] if r.prefill_rows]
+    return {"normal gap": med(before) * 1e3, "gap during": med(during) * 1e3,
+            "p90 during": during[int(0.9 * (len(during) - 1))] * 1e3 if during else float("nan"),
+            "stall (max)": max(during, default=float("nan")) * 1e3,
             "chunk step": med(full), "decode step": med(plain),
+            "sessions / chunk step": statistics.mean(r.sessions for r in chunk_steps),
             "TTFT": (t1 - t0) * 1e3}
 
 
@@ -119,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
         cells = []
         for k in keys:
             v = [r[k] for r in runs[c]]
-            cells.append(f"{statistics.median(v):.0f} [{min(v):.0f}, {max(v):.0f}]")
+            fmt = ".1f" if k.startswith("sessions") else ".0f"
+            cells.append(f"{statistics.median(v):{fmt}} [{min(v):{fmt}}, {max(v):{fmt}}]")
         print(f"| {c or f'{prompt_len} (unchunked)'} | " + " | ".join(cells) + " |")
 
 

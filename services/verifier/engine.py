@@ -49,6 +49,9 @@ ever sees valid calls.
 request and return its `Work`: the step loop (`services.verifier.batcher`) admits a request
 before queuing it, runs it inside a batched forward, and takes its output back through
 `absorb`, the same code the per-session calls use, so both paths return the same results.
+The loop feeds a prompt in chunks (`BatchItem.prefill_chunk`); `absorb` gathers them and the
+last one returns what `prefill` returns (bitwise in exact numerics, where `Trunk.prefill`
+runs the same exact tiles; to rounding in fast numerics).
 
 Committed rows. Each session keeps the tap rows of its last window_size committed
 positions and its anchor (`services.verifier.committed`), so a replacement drafter can be
