@@ -1,6 +1,9 @@
 """How long a long prompt stalls running generations, through the verifier's step loop:
 `python -m bench.bench_prefill_stall [--checkpoint assets/dspark-small] [--chunks 16,32,64,128,0]
-[--streams 8] [--prompt 900] [--repeats 3] [--numerics fast]`.
+[--streams 8] [--prompt 900] [--repeats 3] [--numerics fast] [--step-chunks 0,16,..,512]`.
+
+First, the step-time table: one `forward_batch` of the streams' decodes plus one prompt
+chunk of C tokens, per C (`step_times`), the cost a chunk adds to a step.
 
 Owns the stall figure of chunked prefill (services/verifier/batcher.py). Per chunk size C
 (0 = the whole prompt in one step, the unchunked baseline) and repetition: `--streams`
@@ -26,12 +29,14 @@ with the machine's load; compare within one run.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import threading
 import time
 
 import torch
 
+from dsv4.batch import BatchItem
 from services.app import load_trunk
 from services.verifier.batcher import StepLoop
 from services.verifier.engine import VerifierEngine
@@ -96,6 +101,30 @@ def run_once(engine: VerifierEngine, chunk: int, streams: int, prompt_len: int, 
             "TTFT": (t1 - t0) * 1e3}
 
 
+def step_times(trunk, chunks: list[int], streams: int, prompt_len: int, repeats: int) -> dict[int, list[float]]:
+    """Wall time (ms) of one `forward_batch` of `streams` decodes (at position SHORT) plus one
+    prompt chunk of C tokens at position 256 (C = 0: the decodes alone), `repeats` times per
+    C, interleaved: the step the loop runs, without threads or queues around it."""
+    vocab, out = trunk.cfg.vocab_size, {c: [] for c in chunks}
+    dec = []
+    for i in range(streams):
+        st = trunk.new_state()
+        trunk.prefill(st, _ids(SHORT, vocab, i), taps=False)
+        dec.append(st)
+    base = trunk.new_state()
+    trunk.prefill(base, _ids(256, vocab, 99), taps=False)
+    for _ in range(repeats):
+        for c in chunks:
+            states = [copy.deepcopy(st) for st in dec]
+            items = [BatchItem.decode(st, 7, SHORT) for st in states]
+            if c:
+                items.append(BatchItem.prefill_chunk(copy.deepcopy(base), _ids(c, vocab, c), 256, 64))
+            t0 = time.perf_counter()
+            trunk.forward_batch(items)
+            out[c].append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default="assets/dspark-small")
@@ -105,6 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--numerics", default="fast", choices=("fast", "exact"))
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--step-chunks", default="0,16,32,64,128,256,512",
+                    help="chunk sizes of the step-time table (0: decodes alone); empty: skip it")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -113,7 +144,17 @@ def main(argv: list[str] | None = None) -> None:
     if prompt_len < args.prompt:
         print(f"prompt cut to {prompt_len} tokens: max_seq_len={trunk.cfg.max_seq_len}")
     engine = VerifierEngine(trunk, max_sessions=args.streams + 1)
-    chunks = [int(c) for c in args.chunks.split(",")]
+    if args.step_chunks:
+        sizes = [int(c) for c in args.step_chunks.split(",")]
+        times = step_times(trunk, sizes, args.streams, prompt_len, max(args.repeats, 5))
+        print(f"step time: {args.streams} decodes + one prompt chunk of C tokens, median [min, max] ms")
+        print("| C | step ms | ms per chunk token over the decode step |\n|---|---|---|")
+        base = statistics.median(times[0]) if 0 in times else float("nan")
+        for c in sizes:
+            m = statistics.median(times[c])
+            per = f"{(m - base) / c:.2f}" if c else "-"
+            print(f"| {c} | {m:.0f} [{min(times[c]):.0f}, {max(times[c]):.0f}] | {per} |")
+    chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
     runs: dict[int, list[dict]] = {c: [] for c in chunks}
     for rep in range(args.repeats):  # interleaved: drift of the shared machine hits every C alike
         for c in chunks:
