@@ -132,6 +132,30 @@ def finish(job: Job, logits: torch.Tensor, taps: torch.Tensor | None) -> Forward
     return BlockOutput(logits, taps, record)
 
 
+def prompt_pieces(state: TrunkState, start: int, ids: torch.Tensor, keep: int | None,
+                  max_tokens: int | None) -> list[Job]:
+    """A validated prompt chunk, ids [S] int64 at start.. on `state`, as its jobs: one, or
+    (exact numerics, `max_tokens` = EXACT_ROWS) consecutive pieces of at most max_tokens
+    tokens, each one exact tile. Logits are asked of the last piece only (position
+    start + S - 1); the tap rows of the chunk's last `keep` positions (None: no taps) are
+    spread over the pieces that hold them, so `join_pieces` returns them in order."""
+    S = ids.shape[0]
+    step = max_tokens or S
+    jobs = []
+    for a in range(0, S, step):
+        b = min(a + step, S)
+        taps = None if keep is None else max(0, min(b - a, b - (S - keep)))
+        jobs.append(Job(state, Call(start + a, b - a, None, prefill=True), ids[a:b], int(b == S), taps))
+    return jobs
+
+
+def join_pieces(parts: list[tuple[torch.Tensor, torch.Tensor | None]]) -> ForwardOutput:
+    """The pass results of a chunk's `prompt_pieces` -> its ForwardOutput: logits [V] fp32
+    of its last position, taps [min(keep, S), T*D] fp32 (or None) of its last positions."""
+    taps = None if parts[-1][1] is None else torch.cat([t for _, t in parts])
+    return ForwardOutput(logits=parts[-1][0][0], taps=taps)
+
+
 def _last_rows(spans: list[tuple[int, int]], counts: list[int], device: torch.device) -> torch.Tensor:
     """Row indices [sum counts] of the last counts[j] rows of every span (lo, hi)."""
     rows = [torch.arange(hi - c, hi, device=device) for (_, hi), c in zip(spans, counts)]

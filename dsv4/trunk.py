@@ -19,9 +19,9 @@ positions 0..S-1 into an empty state; `decode` runs one token at `state.next_pos
 `forward_block` + `rollback` verify a draft block as one transaction (see `Trunk`);
 `forward_batch` runs the decodes and verify blocks of several states in one pass. All go
 through one loop, `dsv4.batch.run_pass`, parameterised by a numerics strategy
-(`dsv4.numerics`: fast, or exact for prefill, decode and verify alike). A prompt may also
-be fed in chunks (`BatchItem.prefill_chunk`) interleaved with other sessions' work. Logits are fp32. Taps (docs/model.md
-§3, §9.2) are the lane mean of the block output of every `dspark_target_layer_ids` layer,
+(`dsv4.numerics`: fast, or exact for prefill, decode and verify alike); a prompt may also
+be fed in chunks (`BatchItem.prefill_chunk`) among other sessions' work. Logits are fp32.
+Taps (docs/model.md §3, §9.2) are the lane mean of the block output of every `dspark_target_layer_ids` layer,
 concatenated in ascending layer order: rows [S', T*D] fp32, computed only when asked (they
 never change the logits).
 
@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from dsv4.attention import Attention
-from dsv4.batch import BatchItem, Job, finish, layer, run_pass
+from dsv4.batch import BatchItem, Job, finish, join_pieces, layer, prompt_pieces, run_pass
 from dsv4.config import ModelConfig
 from dsv4.inventory import trunk_params
 from dsv4.layers import Embedding, Linear, RMSNorm, frozen_param
@@ -391,18 +391,11 @@ class Trunk(nn.Module):
         outs = []
         for group in groups:
             parts = [next(results) for _ in group]
-            if len(group) == 1 and not group[0].call.prefill:
-                outs.append(finish(group[0], *parts[0]))
-                continue
-            taps = None if parts[-1][1] is None else torch.cat([t for _, t in parts])
-            outs.append(ForwardOutput(logits=parts[-1][0][0], taps=taps))  # the chunk's last position
+            outs.append(join_pieces(parts) if group[0].call.prefill else finish(group[0], *parts[0]))
         return outs
 
     def _chunk_jobs(self, item: BatchItem) -> list[Job]:
-        """A prompt chunk's checks (see `BatchItem.prefill_chunk`) -> its jobs: one in fast
-        mode; in exact mode consecutive pieces of at most EXACT_ROWS tokens (each one exact
-        tile), the logits asked of the last piece and the tap rows of the chunk's last
-        keep_rows positions spread over the pieces that hold them."""
+        """A prompt chunk's checks (see `BatchItem.prefill_chunk`) -> its jobs (`prompt_pieces`)."""
         state = item.state
         self._check_state(state)
         start = as_int(item.start_pos, "prefill chunk start_pos")
@@ -416,13 +409,7 @@ class Trunk(nn.Module):
         keep = None if item.keep_rows is None else as_int(item.keep_rows, "keep_rows")
         if keep is not None and keep < 0:
             raise ValueError(f"keep_rows={keep}: must be >= 0")
-        step = self.numerics.max_tokens or S
-        jobs = []
-        for a in range(0, S, step):
-            b = min(a + step, S)
-            taps = None if keep is None else max(0, min(b - a, b - (S - keep)))
-            jobs.append(Job(state, Call(start + a, b - a, None, prefill=True), ids[a:b], int(b == S), taps))
-        return jobs
+        return prompt_pieces(state, start, ids, keep, self.numerics.max_tokens)
 
     def _decode_job(self, item: BatchItem) -> Job:
         """A decode item's checks (see `decode`) -> its Job."""
