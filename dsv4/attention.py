@@ -15,7 +15,9 @@ compressor (HCA), the indexer's top-k for ratio 4 (CSA), none for ratio 0.
 
 Prefill (start_pos == 0) attends over [fresh kv (S rows) | the prompt's entries] and then
 fills the ring with the last min(S, W) rows; decode (start_pos > 0, one token) writes ring
-slot p % W first and attends over [ring (W rows) | cached entries].
+slot p % W first and attends over [ring (W rows) | cached entries]. A later chunk of a
+prompt (start_pos > 0, S > 1 tokens, no undo list) takes the verify block's keys
+(`_block_keys`) without its journal: the chunk is committed as it runs.
 
 Exact mode (`core_exact`; `Trunk(verify_numerics="exact")`): the call is a fixed tile of R rows
 (`dsv4.numerics.EXACT_ROWS`) whose first `n_real` are the tokens, for a decode (n_real == 1)
@@ -179,9 +181,10 @@ class Attention(nn.Module):
                 undo: list[AttentionUndo] | None = None) -> torch.Tensor:
         """x [S, D] (normed sublayer input) at positions start_pos.. -> [S, D]; updates `st`.
 
-        start_pos == 0 is a prefill of the whole prompt into an empty state; start_pos > 0
-        without `undo` is one decode token (S == 1); with `undo` (a list to append this
-        layer's `AttentionUndo` to) it is a verify block of S >= 1 tokens (`_block_keys`).
+        start_pos == 0 is a prefill of the prompt (or of its first chunk) into an empty state;
+        start_pos > 0 without `undo` is one decode token (S == 1) or a later chunk of a prompt
+        (S > 1, committed as it runs); with `undo` (a list to append this layer's
+        `AttentionUndo` to) it is a verify block of S >= 1 tokens (`_block_keys`).
         """
         pos = torch.arange(start_pos, start_pos + x.shape[0], device=x.device)
         q, qr = self.project_q(x, pos)
@@ -198,19 +201,18 @@ class Attention(nn.Module):
         S = x.shape[0]
         if start_pos == 0:
             keys, idx = self._prefill_keys(x, qr, kv, st)
-        elif undo is not None:
+        elif undo is not None or S > 1:  # a verify block, or a prompt chunk (no journal)
             keys, idx = self._block_keys(x, qr, kv, start_pos, st, undo)
         else:
-            assert S == 1, f"decode at start_pos={start_pos} takes 1 token, got S={S}"
             keys, idx = self._decode_keys(x, qr, kv, start_pos, st)
         return self.attend(q, keys, self.attn_sink, idx, self.softmax_scale)
 
     def core_exact(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, start_pos: int,
                    n_real: int, st: AttentionState, undo: list[AttentionUndo] | None) -> torch.Tensor:
         """Exact mode (module docstring): `core` on a tile of R rows (x [R, D], qr [R, Lq],
-        q [R, H, Dh], kv [R, Dh]) whose rows < n_real are tokens at start_pos.. (a decode when
-        `undo` is None, else a verify block) -> o [R, H, Dh]; padding rows (any values) get 0
-        and never reach the state."""
+        q [R, H, Dh], kv [R, Dh]) whose rows < n_real are tokens at start_pos.. (a decode or a
+        piece of a prompt when `undo` is None, else a verify block) -> o [R, H, Dh]; padding
+        rows (any values) get 0 and never reach the state."""
         keys, idx = self._exact_keys(x, qr, kv, start_pos, n_real, st, undo)
         return sparse_attn_chunked(q, keys, self.attn_sink, idx, self.softmax_scale, EXACT_KEY_CHUNK)
 
@@ -241,7 +243,7 @@ class Attention(nn.Module):
         return copied
 
     def _block_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, n: int,
-                    st: AttentionState, undo: list[AttentionUndo]) -> tuple[torch.Tensor, torch.Tensor]:
+                    st: AttentionState, undo: list[AttentionUndo] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [W + S + E, Dh] = [ring before the block | block kv | entries] and per-query
         index lists [S, W + Kc] for a verify block at positions n..n+S-1 (docs/architecture.md §4).
 
@@ -250,23 +252,26 @@ class Attention(nn.Module):
         windows) and positions >= n from the block's own rows; (2) it sees only the
         compressed entries complete at n+i (plain: j < (n+i+1)//r; indexer top-k restricted
         per query); (3) the compressors step token by token and may emit entries mid-block.
-        Every state change is journaled in an `AttentionUndo` appended to `undo`.
+        Every state change is journaled in an `AttentionUndo` appended to `undo`; with `undo`
+        None (a later chunk of a prompt, never rolled back) nothing is journaled.
         """
         S, W, r, dev = x.shape[0], self.window, self.ratio, x.device
         written = torch.arange(n, n + S, device=dev)[-W:]  # only the last W positions stay in the ring
         slots = written % W
-        record = AttentionUndo(n, S, slots, st.ring[slots].clone(), kv)
+        record = AttentionUndo(n, S, slots, st.ring[slots].clone(), kv) if undo is not None else None
         q_pos = torch.arange(n, n + S, device=dev)
         lists = [self._window_list(q_pos, n)]
         if r == 4:
-            record.indexer = self.indexer.compressor.open_journal(st.indexer, n, S)
+            if record is not None:
+                record.indexer = self.indexer.compressor.open_journal(st.indexer, n, S)
             top = self.indexer(x, qr, n, st.indexer)  # [S, K], steps the indexer compressor per token
             lists.append(torch.where(top >= 0, top + W + S, top))
         keys = self._step_compressor(x, n, S, st, record, torch.cat((st.ring, kv)))
         if r and r != 4:
             lists.append(self._plain_entry_list(q_pos, st.compressor.n_entries, W + S))
         st.ring[slots] = kv[-W:]
-        undo.append(record)
+        if record is not None:
+            undo.append(record)
         return keys, torch.cat(lists, dim=1)
 
     def _window_list(self, q_pos: torch.Tensor, n: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The trunk's forward loop over one or several sequences at once (docs/architecture.md §4).
 This module owns `run_pass`, the one loop embed -> blocks -> taps -> head that prefill,
-decode, verify blocks and batches of decodes and verify blocks of different sessions all
-run, and `BatchItem`, one session's pending work in a batch. It checks nothing (the trunk
+decode, verify blocks and batches of decodes, verify blocks and prompt chunks of different
+sessions all run, and `BatchItem`, one session's pending work in a batch. It checks nothing (the trunk
 validates every item before a pass starts) and keeps no state: each sequence's state is the
 `TrunkState` its item carries.
 
@@ -30,18 +30,27 @@ from dsv4.trunk_state import BlockOutput, BlockUndo, ForwardOutput, TrunkState
 
 @dataclass(frozen=True)
 class BatchItem:
-    """One session's pending work for `Trunk.forward_batch`: a decode of one token at
-    `start_pos` (`verify` False; `tokens` one integer), or a verify block of the anchor and
-    k drafts at start_pos.. (`verify` True; `tokens` a 1-D integer sequence / tensor of
-    1..k+1 ids). `taps`: whether a decode returns its tap row (a verify block always does).
-    Values are checked by `Trunk.forward_batch`, exactly as `decode` / `forward_block` check
-    theirs. Build with `BatchItem.decode` / `BatchItem.block`."""
+    """One session's pending work for `Trunk.forward_batch`. Build with one of:
+
+    * `BatchItem.decode`: one token at `start_pos` (`tokens` one integer); `taps`: whether it
+      returns its tap row;
+    * `BatchItem.block`: a verify block of the anchor and k drafts at start_pos.. (`verify`
+      True; `tokens` a 1-D integer sequence / tensor of 1..k+1 ids), always with taps;
+    * `BatchItem.prefill_chunk`: S prompt tokens at start_pos.. (`prefill` True), committed
+      as they run (no undo record): the whole prompt from 0, or one chunk of it continuing a
+      state prefilled up to start_pos; `keep_rows`: how many of its last positions' tap rows
+      it returns (None: no taps).
+
+    Values are checked by `Trunk.forward_batch`, exactly as `decode` / `forward_block` /
+    `prefill` check theirs."""
 
     state: TrunkState
     tokens: Any
     start_pos: Any
     verify: bool = False
     taps: bool = True
+    prefill: bool = False
+    keep_rows: Any = None
 
     @classmethod
     def decode(cls, state: TrunkState, token_id: Any, position: Any, taps: bool = True) -> "BatchItem":
@@ -52,6 +61,14 @@ class BatchItem:
     def block(cls, state: TrunkState, token_ids: Any, start_pos: Any) -> "BatchItem":
         """The work of `Trunk.forward_block(state, token_ids, start_pos)`."""
         return cls(state, token_ids, start_pos, True, True)
+
+    @classmethod
+    def prefill_chunk(cls, state: TrunkState, token_ids: Any, start_pos: Any, keep_rows: Any = None) -> "BatchItem":
+        """Prompt tokens token_ids [S] at start_pos.. (= state.next_position), committed; its
+        output is a ForwardOutput with the logits [V] fp32 of position start_pos + S - 1 and,
+        unless keep_rows is None, the tap rows [min(keep_rows, S), T*D] fp32 of its last
+        positions. `Trunk.prefill(state, ids, keep)` is the item of the whole prompt at 0."""
+        return cls(state, token_ids, start_pos, False, keep_rows is not None, True, keep_rows)
 
 
 @dataclass(frozen=True)
@@ -72,7 +89,9 @@ def run_pass(model: Any, num: FastNumerics, jobs: list[Job]) -> list[tuple[torch
 
     Returns, per job in order, (logits [n_logits, V] fp32, taps [n_taps, T*D] fp32 or None).
     Each job's state advances to start_pos + S once the whole pass has succeeded; the
-    caller opens verify blocks (the undo lists are filled by the pass).
+    caller opens verify blocks (the undo lists are filled by the pass). Several jobs may
+    share one state when they are consecutive pieces of one prompt, in position order:
+    every layer runs their attention in job order, so each piece sees the ones before it.
     """
     cfg, dev = model.cfg, model.embed.weight.device
     ids = torch.cat([j.ids for j in jobs])  # [N]
@@ -111,6 +130,30 @@ def finish(job: Job, logits: torch.Tensor, taps: torch.Tensor | None) -> Forward
     record = BlockUndo(call.start_pos, call.n_tokens, call.undo, job.state._token)
     job.state.open_block = record
     return BlockOutput(logits, taps, record)
+
+
+def prompt_pieces(state: TrunkState, start: int, ids: torch.Tensor, keep: int | None,
+                  max_tokens: int | None) -> list[Job]:
+    """A validated prompt chunk, ids [S] int64 at start.. on `state`, as its jobs: one, or
+    (exact numerics, `max_tokens` = EXACT_ROWS) consecutive pieces of at most max_tokens
+    tokens, each one exact tile. Logits are asked of the last piece only (position
+    start + S - 1); the tap rows of the chunk's last `keep` positions (None: no taps) are
+    spread over the pieces that hold them, so `join_pieces` returns them in order."""
+    S = ids.shape[0]
+    step = max_tokens or S
+    jobs = []
+    for a in range(0, S, step):
+        b = min(a + step, S)
+        taps = None if keep is None else max(0, min(b - a, b - (S - keep)))
+        jobs.append(Job(state, Call(start + a, b - a, None, prefill=True), ids[a:b], int(b == S), taps))
+    return jobs
+
+
+def join_pieces(parts: list[tuple[torch.Tensor, torch.Tensor | None]]) -> ForwardOutput:
+    """The pass results of a chunk's `prompt_pieces` -> its ForwardOutput: logits [V] fp32
+    of its last position, taps [min(keep, S), T*D] fp32 (or None) of its last positions."""
+    taps = None if parts[-1][1] is None else torch.cat([t for _, t in parts])
+    return ForwardOutput(logits=parts[-1][0][0], taps=taps)
 
 
 def _last_rows(spans: list[tuple[int, int]], counts: list[int], device: torch.device) -> torch.Tensor:

@@ -36,18 +36,21 @@ VERIFY_NUMERICS = ("fast", "exact")
 class Call:
     """One sequence's part of a forward pass: `n_tokens` tokens at positions start_pos...
 
-    start_pos == 0 is a prefill; `undo` (the list each layer appends its `AttentionUndo` to)
-    marks a verify block; otherwise it is a decode of one token.
+    `undo` (the list each layer appends its `AttentionUndo` to) marks a verify block;
+    `prefill` marks a piece of a prompt, committed as it runs (start_pos == 0: the prompt's
+    first piece); otherwise it is a decode of one token.
     """
 
     start_pos: int
     n_tokens: int
     undo: list[AttentionUndo] | None = None
+    prefill: bool = False
 
     @property
     def small_m(self) -> bool:
-        """Decode and verify: few rows, the shape the small-batch fp4 expert path is for."""
-        return self.start_pos > 0
+        """Decode and verify: few rows, the shape the small-batch fp4 expert path is for
+        (a prompt's piece is many rows, whatever its start)."""
+        return self.start_pos > 0 and not self.prefill
 
 
 Rows = Callable[..., "torch.Tensor | tuple[torch.Tensor, ...]"]
@@ -73,7 +76,7 @@ class FastNumerics:
     def attend(self, attn: Attention, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
                call: Call, st: AttentionState) -> torch.Tensor:
         """One call's projected rows (x [S, D], qr [S, Lq], q [S, H, Dh], kv [S, Dh]) ->
-        o [S, H, Dh]: its prefill, decode or verify-block attention (`Attention.core`)."""
+        o [S, H, Dh]: its prefill, prompt piece, decode or verify-block attention (`Attention.core`)."""
         return attn.core(x, qr, q, kv, call.start_pos, st, call.undo)
 
     def route(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -93,8 +96,11 @@ class ExactNumerics(FastNumerics):
     the same key list for a position in a decode and in a verify block, reduced in fixed
     chunks (`Attention.core_exact`); routed experts run on fixed tiles of the rows routed to
     them (`MoE.combine_tiled`); intra-op threads are pinned to `threads` (a GEMM may split
-    its work, and so its sums, differently with another thread count). Prefill is the fast
-    one: plain and speculative runs share it. Blocks hold at most EXACT_ROWS tokens.
+    its work, and so its sums, differently with another thread count). Blocks hold at most
+    EXACT_ROWS tokens. A prompt runs as consecutive calls of at most EXACT_ROWS tokens on
+    one state (`dsv4.trunk.Trunk.forward_batch`), each one of these tiles: its rows are then
+    bitwise the rows the prompt would get decoded token by token, so a prefill's result
+    depends neither on how the prompt is cut into chunks nor on what shares its passes.
     """
 
     name = "exact"
@@ -109,6 +115,8 @@ class ExactNumerics(FastNumerics):
     def dense(self, fn: Rows, *rows: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """fn over tiles of EXACT_ROWS rows of `rows` (zero-padded), concatenated and cut back to N."""
         n = rows[0].shape[0]
+        if n == 0:  # nothing asked of this op (no tap rows): no tile to run
+            return fn(*rows)
         padded = [pad_rows(t, -(-n // EXACT_ROWS) * EXACT_ROWS) for t in rows]
         outs = [fn(*(t[i:i + EXACT_ROWS] for t in padded)) for i in range(0, padded[0].shape[0], EXACT_ROWS)]
         if isinstance(outs[0], tuple):

@@ -19,8 +19,9 @@ positions 0..S-1 into an empty state; `decode` runs one token at `state.next_pos
 `forward_block` + `rollback` verify a draft block as one transaction (see `Trunk`);
 `forward_batch` runs the decodes and verify blocks of several states in one pass. All go
 through one loop, `dsv4.batch.run_pass`, parameterised by a numerics strategy
-(`dsv4.numerics`: fast, or exact for decode and verify). Logits are fp32. Taps (docs/model.md
-§3, §9.2) are the lane mean of the block output of every `dspark_target_layer_ids` layer,
+(`dsv4.numerics`: fast, or exact for prefill, decode and verify alike); a prompt may also
+be fed in chunks (`BatchItem.prefill_chunk`) among other sessions' work. Logits are fp32.
+Taps (docs/model.md §3, §9.2) are the lane mean of the block output of every `dspark_target_layer_ids` layer,
 concatenated in ascending layer order: rows [S', T*D] fp32, computed only when asked (they
 never change the logits).
 
@@ -45,7 +46,7 @@ import torch
 from torch import nn
 
 from dsv4.attention import Attention
-from dsv4.batch import BatchItem, Job, finish, layer, run_pass
+from dsv4.batch import BatchItem, Job, finish, join_pieces, layer, prompt_pieces, run_pass
 from dsv4.config import ModelConfig
 from dsv4.inventory import trunk_params
 from dsv4.layers import Embedding, Linear, RMSNorm, frozen_param
@@ -59,7 +60,6 @@ from kernels.select import KernelConfig
 
 DTYPES = (torch.float32, torch.bfloat16)
 FLOAT_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_FAST = FastNumerics()  # prefill's numerics in either mode: plain and speculative runs share it
 
 
 class Block(nn.Module):
@@ -303,7 +303,10 @@ class Trunk(nn.Module):
 
         Returns logits [V] fp32 of position S-1 and, when `taps`, the tap rows
         [min(keep_rows, S), T*D] of positions S-keep..S-1 (keep_rows default: window_size;
-        T = 0 target layers gives [rows, 0]).
+        T = 0 target layers gives [rows, 0]). This is `forward_batch` of one
+        `BatchItem.prefill_chunk` holding the whole prompt: in fast mode one pass over the
+        prompt's rows; in exact mode pieces of EXACT_ROWS tokens, bitwise what any chunking
+        of the prompt inside any batch gives (`dsv4.numerics.ExactNumerics`).
         Raises:
             ValueError: state not empty, from another model or with an open block, a prompt
                 longer than max_seq_len, keep_rows not an integer.
@@ -319,8 +322,7 @@ class Trunk(nn.Module):
             raise ValueError(f"prompt length {S} exceeds max_seq_len={self.cfg.max_seq_len}")
         keep = self.cfg.window_size if keep_rows is None else as_int(keep_rows, "keep_rows")
         assert keep >= 0, f"keep_rows={keep}"
-        [(logits, rows)] = run_pass(self, _FAST, [Job(state, Call(0, S), ids, 1, min(keep, S) if taps else None)])
-        return ForwardOutput(logits=logits[0], taps=rows)
+        return self.forward_batch([BatchItem.prefill_chunk(state, ids, 0, keep if taps else None)])[0]
 
     def decode(self, state: TrunkState, token_id: int, position: int, taps: bool = True) -> ForwardOutput:
         """Run one token (in [0, vocab_size): asserted) at `position` (= state.next_position).
@@ -354,21 +356,26 @@ class Trunk(nn.Module):
         return self.forward_batch([BatchItem.block(state, token_ids, start_pos)])[0]
 
     def forward_batch(self, items: Sequence[BatchItem]) -> list[ForwardOutput | BlockOutput]:
-        """Run the pending work of several sessions in one pass (`dsv4.batch`): decodes and
-        verify blocks, each on its own state, at any positions.
+        """Run the pending work of several sessions in one pass (`dsv4.batch`): decodes,
+        verify blocks and prompt chunks, each on its own state, at any positions.
 
         Dense ops run once over the rows of every item; attention per item on its state.
         Returns per item, in order, what `decode` (ForwardOutput: logits [V] fp32, taps [1, T*D]
-        or None) or `forward_block` (BlockOutput, the item's block left open) returns for it:
-        equal to rounding in fast mode, bitwise in exact mode whatever the other items are.
+        or None) or `forward_block` (BlockOutput, the item's block left open) returns for it,
+        or for a prompt chunk (`BatchItem.prefill_chunk`) a ForwardOutput of its last
+        position (logits [V] fp32, taps [min(keep_rows, S), T*D] or None), its positions
+        committed: equal to rounding in fast mode, bitwise in exact mode whatever the other
+        items are (and, for a prompt, however it was cut into chunks).
         Raises (every item checked before any state changes):
             ValueError: an empty batch, an item that is not a BatchItem, one state in two
-                items, or any item that `decode` / `forward_block` would reject (its index named).
+                items, any item that `decode` / `forward_block` would reject, or a prompt
+                chunk that does not start at its state's next position, runs past
+                max_seq_len or has keep_rows < 0 (its index named).
             RuntimeError: weights not loaded.
         """
         if not items:
             raise ValueError("forward_batch needs at least one BatchItem, got none")
-        jobs, seen = [], set()
+        groups, seen = [], set()  # per item, its jobs (a prompt chunk may be several)
         for n, item in enumerate(items):
             if not isinstance(item, BatchItem):
                 raise ValueError(f"forward_batch item {n}: {_short_repr(item)} is not a BatchItem")
@@ -376,10 +383,33 @@ class Trunk(nn.Module):
                 raise ValueError(f"forward_batch item {n}: its state is already in the batch (one item per session)")
             seen.add(id(item.state))
             try:
-                jobs.append(self._block_job(item) if item.verify else self._decode_job(item))
+                groups.append(self._chunk_jobs(item) if item.prefill else
+                              [self._block_job(item) if item.verify else self._decode_job(item)])
             except ValueError as e:
                 raise ValueError(f"forward_batch item {n}: {e}" if len(items) > 1 else str(e)) from None
-        return [finish(job, logits, taps) for job, (logits, taps) in zip(jobs, run_pass(self, self.numerics, jobs))]
+        results = iter(run_pass(self, self.numerics, [job for group in groups for job in group]))
+        outs = []
+        for group in groups:
+            parts = [next(results) for _ in group]
+            outs.append(join_pieces(parts) if group[0].call.prefill else finish(group[0], *parts[0]))
+        return outs
+
+    def _chunk_jobs(self, item: BatchItem) -> list[Job]:
+        """A prompt chunk's checks (see `BatchItem.prefill_chunk`) -> its jobs (`prompt_pieces`)."""
+        state = item.state
+        self._check_state(state)
+        start = as_int(item.start_pos, "prefill chunk start_pos")
+        ids = self._ids(item.tokens)
+        S = ids.shape[0]
+        if start != state.next_position:
+            raise ValueError(f"prefill chunk at start_pos={start} does not continue the state: "
+                             f"next_position={state.next_position}")
+        if start + S > self.cfg.max_seq_len:
+            raise ValueError(f"prefill chunk of {S} tokens at {start} runs past max_seq_len={self.cfg.max_seq_len}")
+        keep = None if item.keep_rows is None else as_int(item.keep_rows, "keep_rows")
+        if keep is not None and keep < 0:
+            raise ValueError(f"keep_rows={keep}: must be >= 0")
+        return prompt_pieces(state, start, ids, keep, self.numerics.max_tokens)
 
     def _decode_job(self, item: BatchItem) -> Job:
         """A decode item's checks (see `decode`) -> its Job."""

@@ -14,6 +14,7 @@ oracle drafter the trunk).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ from dsv4.init import random_weights
 from dsv4.trunk import Trunk
 from dsv4.settings import Settings as ModelSettings
 from kernels.select import KernelConfig
+from services.common.limits import session_limit
 from services.common.server import RunningServer, start_server
 from services.common.settings import DEFAULT_MAX_CONNECTION_AGE_S, BackendSettings, GatewaySettings
 from services.common.tls import TlsFiles
@@ -42,8 +44,8 @@ from services.gateway.profile import PROFILE_PROMPT
 from services.gateway.scheduler import Scheduler
 from services.gateway.servicer import Backends, GatewayServicer, connect_backends, measure_costs
 from services.gateway.tokenizer import load_tokenizer
-from services.verifier.batcher import StepLoop, batchable
-from services.verifier.engine import VerifierEngine
+from services.verifier.batcher import DEFAULT_PREFILL_CHUNK, StepLoop, batchable
+from services.verifier.engine import VerifierEngine, per_session_bytes
 from services.verifier.servicer import VerifierServicer
 from services.verifier.topk_diag import TopKDiagSettings, maybe_wrap
 
@@ -51,6 +53,7 @@ if TYPE_CHECKING:  # imports torch.distributed: loaded only when tp > 1
     from services.verifier.tp import TPSettings
 
 TINY_SEED = 0
+log = logging.getLogger("dspark.app")
 
 
 def random_tiny_config() -> ModelConfig:
@@ -115,18 +118,21 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
                          provider: TracerProvider | None = None, host: str = "127.0.0.1",
                          credentials: grpc.ServerCredentials | None = None, tp: int = 1,
                          max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S, metrics=None,
-                         step_loop: bool = True) -> RunningServer:
+                         step_loop: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> RunningServer:
     """Serve the Verifier over `engine` on host:port (0 = any free port); `default_mode` is the
     verify path of requests that name none; credentials: TLS (None = plaintext);
     max_connection_age_s: clients reconnect after it (s); metrics: a
     `services.common.metrics.VerifierMetrics` (None: none). step_loop: run every session's
     forwards in one batched step loop (`services.verifier.batcher`) when the engine's model
     is a plain Trunk or a TP trunk (every rank runs the same batched step); False, or a
-    top-k dump model: one thread per call. The loop stops with the server. Raises
-    RuntimeError: port not bound."""
+    top-k dump model: one thread per call; prefill_chunk: the loop's most prompt tokens per
+    step. The loop stops with the server.
+    Raises:
+        RuntimeError: port not bound.
+        ValueError: prefill_chunk not an integer >= 1 (named)."""
     steps = None
     if step_loop and batchable(engine.model):
-        steps = StepLoop(engine, None if metrics is None else metrics.record_step)
+        steps = StepLoop(engine, None if metrics is None else metrics.record_step, prefill_chunk)
     servicer = VerifierServicer(engine, default_mode, provider, tp, metrics, steps)
     try:
         running = await start_server("dspark.v1.Verifier",
@@ -219,19 +225,42 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
     return running, scheduler, backends
 
 
-def verifier_engine(model: Trunk, settings: BackendSettings | None = None) -> VerifierEngine:
-    """A `VerifierEngine` over `model` (a `Trunk`, TP proxy or top-k wrapper) with
-    `settings.max_sessions` sessions (default `BackendSettings()`)."""
+def verifier_engine(model: Trunk, settings: BackendSettings | None = None,
+                    available_bytes: int | None = None) -> VerifierEngine:
+    """A `VerifierEngine` over `model` (a `Trunk`, TP proxy or top-k wrapper) with the
+    session limit `services.common.limits.session_limit` chooses from `settings.max_sessions`
+    (default `BackendSettings()`), the model's per-session bytes and `available_bytes`
+    (memory available at start-up, bytes; None: unknown, the fallback limit).
+
+    Raises:
+        ValueError: not one session fits in the memory rule (`session_limit`).
+    """
     settings = BackendSettings() if settings is None else settings
-    return VerifierEngine(model, max_sessions=settings.max_sessions)
+    limit = session_limit(per_session_bytes(model), settings.max_sessions, available_bytes)
+    log.info("verifier: %d sessions at most (%s)", limit.limit, limit.rule)
+    return VerifierEngine(model, max_sessions=limit.limit, limit_rule=limit.rule)
 
 
 def drafter_engine(module_or_trunk, oracle: bool = False, settings: BackendSettings | None = None,
-                   corrupt_every: int = 0):
+                   corrupt_every: int = 0, available_bytes: int | None = None):
     """The drafter's engine: a `DrafterEngine` over a DSpark module, or with `oracle` a
     `LiveOracleDrafter` over a trunk that corrupts one draft slot in `corrupt_every` positions
-    (0 = never); `settings.max_sessions` sessions (default `BackendSettings()`)."""
+    (0 = never). Its session limit is chosen as `verifier_engine`'s, over the bytes of one
+    session's rings (the oracle: one trunk state).
+
+    Raises:
+        ValueError: not one session fits in the memory rule (`session_limit`).
+    """
     settings = BackendSettings() if settings is None else settings
+    make = ((lambda n: LiveOracleDrafter(module_or_trunk, n, corrupt_every)) if oracle
+            else (lambda n: DrafterEngine(module_or_trunk, max_sessions=n)))
     if oracle:
-        return LiveOracleDrafter(module_or_trunk, settings.max_sessions, corrupt_every)
-    return DrafterEngine(module_or_trunk, max_sessions=settings.max_sessions)
+        size = module_or_trunk.state_bytes(module_or_trunk.new_state())
+    else:
+        probe = make(1)  # one session's rings, measured on the module itself
+        sid = probe.open_session()
+        size = probe.session_bytes(sid)
+        probe.close_session(sid)
+    limit = session_limit(size, settings.max_sessions, available_bytes)
+    log.info("drafter: %d sessions at most (%s)", limit.limit, limit.rule)
+    return make(limit.limit)

@@ -205,6 +205,7 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
     endpoint appended to `endpoints`) and start its server (a `RunningServer`)."""
     from services import app
     from services.common import metrics as m
+    from services.common.limits import available_memory_bytes
 
     tls = s.tls.server_credentials() if s.tls is not None else None
     age = s.serve.max_connection_age_s
@@ -214,14 +215,16 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
         trunk = app.load_trunk(s.checkpoint, tp=tp, device=getattr(args, "device", "cpu"),
                                verify_numerics=s.backend.verify_numerics, model=s.model, tp_settings=s.tp,
                                topk=s.topk)
-        engine = app.verifier_engine(trunk, s.backend)
+        engine = app.verifier_engine(trunk, s.backend, available_memory_bytes())
         metrics = _serve_metrics(m.VerifierMetrics(engine), s, args.host, endpoints) if want else None
         return await app.start_verifier(engine, port, s.backend.verify_mode, provider, args.host, credentials=tls,
-                                        tp=tp, max_connection_age_s=age, metrics=metrics)
+                                        tp=tp, max_connection_age_s=age, metrics=metrics,
+                                        prefill_chunk=s.backend.prefill_chunk)
     if s.service == "drafter":
         model = app.load_trunk(s.checkpoint, model=s.model) if args.oracle else app.load_drafter(s.checkpoint,
                                                                                                   model=s.model)
-        engine = app.drafter_engine(model, args.oracle, s.backend, args.oracle_corrupt_every)
+        engine = app.drafter_engine(model, args.oracle, s.backend, args.oracle_corrupt_every,
+                                    available_memory_bytes())
         metrics = _serve_metrics(m.DrafterMetrics(engine), s, args.host, endpoints) if want else None
         return await app.start_drafter(engine, port, provider, args.host, credentials=tls, max_connection_age_s=age,
                                        metrics=metrics)

@@ -31,7 +31,8 @@ Unset means the default; the "empty" column says what an empty value means.
 | DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS | 300 | error | gate: verify_base_ms |
 | DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS | 109 | error | gate: verify_slope_ms |
 | DEEPSEEK_DSPARK_GATE_PLAIN_MS | 303 | error | gate: plain_ms |
-| DSPARK_MAX_SESSIONS | 16 | error | backend: max_sessions |
+| DSPARK_MAX_SESSIONS | sized from memory (`services.common.limits`) | error | backend: max_sessions |
+| DSPARK_PREFILL_CHUNK | 64 | error | backend: prefill_chunk (prompt tokens per verifier step, 1..1048576) |
 | DSPARK_VERIFY_NUMERICS | fast | error | backend: verify_numerics (fast, exact) |
 | DSV4_MOE_DETERMINISTIC_REDUCE | 1 | default | model: moe_deterministic_reduce |
 | DSV4_KERNELS | torch | default | model: kernels (torch, triton) |
@@ -161,9 +162,11 @@ def _float(environ: Environ, name: str, default: float, high: float = MAX_TIMEOU
 # Counts travel as int32 in the wire messages (ModelIdentity.max_sessions): a larger value
 # would pass here and then fail every Info call of the service that was given it.
 INT32_MAX = 2**31 - 1
+# A chunk longer than any prompt is one-shot prefill; past this it only delays decodes more.
+MAX_PREFILL_CHUNK = 1 << 20
 
 
-def _int(environ: Environ, name: str, default: int, low: int = 1, high: int = INT32_MAX) -> int:
+def _int(environ: Environ, name: str, default: int | None, low: int = 1, high: int = INT32_MAX) -> int | None:
     """An integer in [low, high] from `name`; `default` when unset. Raises ValueError naming the value."""
     raw = environ.get(name)
     if raw is None:
@@ -253,7 +256,9 @@ def gate_config(environ: Environ) -> GateConfig:
 
 def backend_settings(environ: Environ) -> BackendSettings:
     """Raises ValueError naming the variable and value when one is invalid."""
-    return BackendSettings(max_sessions=_int(environ, "DSPARK_MAX_SESSIONS", BackendSettings.max_sessions),
+    return BackendSettings(max_sessions=_int(environ, "DSPARK_MAX_SESSIONS", None),
+                           prefill_chunk=_int(environ, "DSPARK_PREFILL_CHUNK", BackendSettings.prefill_chunk,
+                                              high=MAX_PREFILL_CHUNK),
                            verify_mode=_choice(environ, "DSPARK_VERIFY_MODE", BackendSettings.verify_mode,
                                                VERIFY_MODES),
                            verify_numerics=_choice(environ, "DSPARK_VERIFY_NUMERICS", BackendSettings.verify_numerics,

@@ -38,7 +38,7 @@ def test_status_for_never_answers_unknown():
 
 def test_an_unexpected_verifier_exception_is_internal_with_a_safe_message():
     engine = verifier_engine(tiny_trunk(), BackendSettings())
-    engine.prefill = _raise  # a fault nothing else can provoke
+    engine.prefill = engine.admit_prefill = _raise  # a fault nothing else can provoke (either path)
 
     async def scenario():
         server = await start_verifier(engine)

@@ -28,7 +28,8 @@ Verifier (Prometheus names; counters end in `_total`, seconds histograms in `_se
   dspark_verifier_step_rows                 histogram {kind}: rows (tokens) one step forwarded, all
                                             sessions together
   dspark_verifier_step_duration_seconds     histogram {kind}: wall time of one step's forward
-  kind = batch (every pending decode / verify) | prefill (one prompt); none without a step loop.
+  kind = batch (decodes / verifies only) | prefill (the step also carried a prompt chunk); none
+  without a step loop.
 Drafter:
   dspark_drafter_open_sessions, dspark_drafter_max_sessions   gauges, as the verifier's
   dspark_drafter_drafts_total               counter: draft calls answered

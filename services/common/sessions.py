@@ -57,7 +57,8 @@ class SessionTable(Generic[S]):
         """Store `session`; returns its new id. Raises SessionLimitError when max_sessions are open."""
         with self._lock:
             if len(self._entries) >= self.max_sessions:
-                raise SessionLimitError(f"session limit reached: {self.max_sessions} sessions open")
+                raise SessionLimitError(f"session limit reached: {self.max_sessions} sessions open (max_sessions="
+                                        f"{self.max_sessions}); retry when a generation ends")
             sid = next(self._ids)
             self._entries[sid] = _Entry(session)
             return sid

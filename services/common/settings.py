@@ -171,19 +171,25 @@ class ServeSettings:
 class BackendSettings:
     """Settings of a verifier or drafter process.
 
-    max_sessions: concurrent sessions (one per generation). verify_mode: the verifier's
-    default verify path (VERIFY_MODES). verify_numerics: "exact" makes the verifier's batched
-    verify bitwise equal to decode (VERIFY_NUMERICS).
+    max_sessions: concurrent sessions (one per generation); None: sized from the memory
+    available at start-up when the entry point passes that figure, else 16
+    (`services.common.limits`). verify_mode: the verifier's default verify path
+    (VERIFY_MODES). verify_numerics: "exact" makes the verifier's batched verify bitwise
+    equal to decode (VERIFY_NUMERICS). prefill_chunk: the most prompt tokens the verifier's
+    step loop forwards in one step (`services.verifier.batcher`).
     Raises:
         ValueError: a field outside its range (named with its value).
     """
 
-    max_sessions: int = 16
+    max_sessions: int | None = None
     verify_mode: str = "batched"
     verify_numerics: str = "fast"
+    prefill_chunk: int = 64
 
     def __post_init__(self) -> None:
-        check_count("max_sessions", self.max_sessions, 1)
+        if self.max_sessions is not None:
+            check_count("max_sessions", self.max_sessions, 1)
+        check_count("prefill_chunk", self.prefill_chunk, 1)
         check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
         check_choice("verify_numerics", self.verify_numerics, VERIFY_NUMERICS)
 

@@ -1,22 +1,33 @@
 """Verifier step loop: one thread owns the model and runs the pending work of every session
-in shared forwards (continuous batching across generations).
+in shared forwards (continuous batching across generations, prompts included).
 
 Requests arrive already admitted (`VerifierEngine.admit_*` validated them against their
-session), so a bad request never reaches a step. Each step is one of two kinds:
+session), so a bad request never reaches a step. Every step is one `Trunk.forward_batch`
+(dense ops over every row, attention per session) over:
 
-* a batch step: every pending decode and verify, one `Trunk.forward_batch` over all their
-  rows (dense ops over every row, attention per session). A sequential verify takes one
-  position per step and stays in the loop until its first mismatch, so it is batched too.
-* a prefill step: one queued prompt, alone (prefill is not chunked yet).
+* every pending decode and verify: a batched verify's whole block; a sequential verify one
+  position per step, carried between steps until its first mismatch;
+* at most one chunk of at most `prefill_chunk` (C) tokens of one prompt
+  (`BatchItem.prefill_chunk`, committed as it runs, never rolled back). The prompt being
+  prefilled keeps the chunk slot until its last chunk; then the oldest queued prompt gets it.
 
-When both kinds are pending the loop alternates them, so a request waits for the step in
-flight and at most one prefill step before its own; a prompt waits for at most one batch
-step. Every result is what the per-session engine call returns for the same request:
-`absorb` applies the same accept rule, rollback and committed rows.
+Fairness. A decode or verify waits for the step in flight and then runs in the next one,
+which holds at most C prompt rows besides the generations' own, so a running generation is
+never stalled for more than one chunk's forward, however long a prompt arrives; a prompt
+advances by one chunk in every step, so no number of running generations can starve it.
+Prompts are served oldest first (a queued prompt waits for the prompts before it).
 
-A session closed while its request is queued (its stream ended or was cancelled) is dropped
-from the next step: its future gets UnknownSessionError and nothing of it is forwarded; its
-state is freed by the close, since the loop only keeps session ids between steps.
+Results. Only the chunk that ends a prompt resolves its request, with what
+`VerifierEngine.prefill` returns (next token, margin, the last min(n, keep_rows) tap rows):
+bitwise in exact numerics whatever the chunk size and whatever shares the steps
+(`dsv4.numerics.ExactNumerics`), to rounding in fast numerics. Decodes and verifies return
+what the per-session calls return: `absorb` applies the same accept rule, rollback and
+committed rows.
+
+A session closed while its request is queued or part way through its prompt (its stream
+ended or was cancelled) is dropped from the next step: its future gets UnknownSessionError
+and nothing more of it is forwarded; its state is freed by the close, since the loop only
+keeps session ids between steps. A prefill whose step fails leaves its session empty again.
 
 The loop drives a plain `Trunk` or a `TPTrunk` over plain trunks (`batchable`): under
 tensor parallelism a step is one command that every rank runs as the same batched forward
@@ -28,6 +39,7 @@ each session's call on its own thread as before (`services.verifier.servicer`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -38,12 +50,13 @@ from typing import Callable
 import torch
 
 from dsv4.batch import BatchItem
-from dsv4.trunk import Trunk
+from dsv4.trunk import Trunk, as_int
 from services.common.sessions import UnknownSessionError
-from services.verifier.engine import VerifierEngine, Work, absorb
+from services.verifier.engine import VerifierEngine, Work, abandon, absorb
 from services.verifier.tp import TPTrunk
 
-STEP_KINDS = ("batch", "prefill")
+STEP_KINDS = ("batch", "prefill")  # "prefill": the step carried a prompt chunk
+DEFAULT_PREFILL_CHUNK = 64  # tokens; bench/bench_prefill_stall.py measured the choice
 log = logging.getLogger("dspark.verifier.steps")
 
 
@@ -55,25 +68,31 @@ def batchable(model: object) -> bool:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One step: kind in STEP_KINDS, sessions in it, rows forwarded (tokens), wall time (ms)."""
+    """One step: kind in STEP_KINDS ("prefill" when it carried a prompt chunk), sessions in
+    it, rows forwarded (tokens, the chunk's included), wall time (ms); prefill_rows: the
+    prompt chunk's rows (tokens, 0 without one); prefills_done: prompts it completed (0/1)."""
 
     kind: str
     sessions: int
     rows: int
     ms: float
+    prefill_rows: int = 0
+    prefills_done: int = 0
 
 
 @dataclass(frozen=True)
 class StepStats:
-    """Batch steps so far: count, sessions of the last step and their mean, wall time of the
-    last step and the mean (ms). Zeros before the first batch step. Prefill steps are not
-    counted here (see `StepRecord` for those)."""
+    """Steps without a prompt chunk so far (the cost of decoding and verifying alone): count,
+    sessions of the last step and their mean, wall time of the last step and the mean (ms).
+    Zeros before the first such step. Steps that carried a prompt chunk are counted in
+    `prefill_steps` only (their `StepRecord`s have the rest)."""
 
     steps: int = 0
     batch_last: int = 0
     batch_mean: float = 0.0
     ms_last: float = 0.0
     ms_mean: float = 0.0
+    prefill_steps: int = 0
 
 
 @dataclass(eq=False)  # compared by identity: a request is one call
@@ -89,21 +108,27 @@ class StepLoop:
         engine: the verifier engine whose model (a `Trunk` or `TPTrunk`) the loop drives.
         on_step: called on the loop thread with a `StepRecord` after every step (metrics;
             None: nothing); what it raises is logged.
+        prefill_chunk: C, the most prompt tokens one step forwards (an integer >= 1).
     Raises:
-        ValueError: the engine's model is not batchable (a top-k dump wrapper).
+        ValueError: the engine's model is not batchable (a top-k dump wrapper), or
+            prefill_chunk not an integer >= 1 (named with its value).
     Thread safety: `submit`, `stats` and `close` may be called from any thread.
     """
 
-    def __init__(self, engine: VerifierEngine, on_step: Callable[[StepRecord], None] | None = None):
+    def __init__(self, engine: VerifierEngine, on_step: Callable[[StepRecord], None] | None = None,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if not batchable(engine.model):
             raise ValueError(f"the step loop drives a plain Trunk or a TPTrunk over plain trunks, "
                              f"got {type(engine.model).__name__}")
+        self.prefill_chunk = as_int(prefill_chunk, "prefill_chunk")
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be >= 1 (tokens per step)")
         self.engine, self.on_step = engine, on_step
         self._cv = threading.Condition()
         self._queue: list[_Request] = []
-        self._carried: list[_Request] = []  # stepwise verifies between their positions
+        self._carried: list[_Request] = []  # between steps: stepwise verifies, the prompt being prefilled
         self._inflight: set[int] = set()
-        self._closed, self._last_kind = False, "prefill"
+        self._closed = False
         self._stats = StepStats()
         self._thread = threading.Thread(target=self._run, name="verifier-steps", daemon=True)
         self._thread.start()
@@ -128,7 +153,7 @@ class StepLoop:
         return future
 
     def stats(self) -> StepStats:
-        """The batch steps so far (a snapshot)."""
+        """The steps so far (a snapshot)."""
         with self._cv:
             return self._stats
 
@@ -144,18 +169,19 @@ class StepLoop:
     # ------------------------------------------------------------------ the loop thread
     def _run(self) -> None:
         while True:
-            kind, requests = self._next_step()
-            if kind is None:
+            requests = self._next_step()
+            if requests is None:
                 return
             live = [r for r in requests if r in self._carried or r.future.set_running_or_notify_cancel()]
             self._carried = [r for r in self._carried if r not in requests]
             dropped = [r for r in requests if r not in live]
             self._release(dropped)  # cancelled before their step: nothing to forward
             if live:
-                (self._prefill if kind == "prefill" else self._batch)(live)
+                self._step(live)
 
-    def _next_step(self) -> tuple[str | None, list[_Request]]:
-        """Wait for work and take the next step's requests (kind None: closed)."""
+    def _next_step(self) -> list[_Request] | None:
+        """Wait for work and take the next step's requests (None: closed): every decode and
+        verify, and the one prompt that holds the chunk slot (module docstring)."""
         with self._cv:
             while not (self._queue or self._carried or self._closed):
                 self._cv.wait()
@@ -164,29 +190,17 @@ class StepLoop:
                 for r in failed:
                     if r in self._carried or r.future.set_running_or_notify_cancel():
                         r.future.set_exception(RuntimeError("the verifier step loop closed"))
-                return None, []
-            prefills = [r for r in self._queue if r.work.op == "prefill"]
-            others = [r for r in self._queue if r.work.op != "prefill"]
-            if prefills and (self._last_kind == "batch" or not (others or self._carried)):
-                self._queue.remove(prefills[0])
-                self._last_kind = "prefill"
-                return "prefill", [prefills[0]]
-            self._queue = prefills
-            self._last_kind = "batch"
-            return "batch", self._carried + others
+                return None
+            prompt = [r for r in self._carried if r.work.op == "prefill"]  # part way: keeps the slot
+            waiting = [r for r in self._queue if r.work.op == "prefill"]
+            if not prompt and waiting:
+                prompt = waiting[:1]  # oldest first
+            others = [r for r in self._carried if r.work.op != "prefill"]
+            others += [r for r in self._queue if r.work.op != "prefill"]
+            self._queue = [r for r in waiting if r not in prompt]
+            return others + prompt
 
-    def _prefill(self, requests: list[_Request]) -> None:
-        [r] = requests
-        t0 = time.perf_counter()
-        try:
-            result = self.engine.prefill(r.work.sid, r.work.ids, r.work.sampling)  # alone: the per-session call
-        except Exception as exc:  # the session closed, or the forward failed: the caller's error
-            self._finish(r, error=exc)
-            return
-        self._finish(r, result)
-        self._record(StepRecord("prefill", 1, len(r.work.ids), (time.perf_counter() - t0) * 1e3))
-
-    def _batch(self, requests: list[_Request]) -> None:
+    def _step(self, requests: list[_Request]) -> None:
         """One forward over every request's rows; resolve the complete ones, carry the rest."""
         with contextlib.ExitStack() as held:
             live = []
@@ -197,27 +211,34 @@ class StepLoop:
                     self._finish(r, error=exc)
             if not live:
                 return
-            items = [_item(s.state, r.work) for r, s in live]
+            items = [_item(s.state, r.work, self.prefill_chunk) for r, s in live]
             t0 = time.perf_counter()
             try:
                 outs = self.engine.model.forward_batch(items)
             except Exception as exc:  # checked before any state change: every request gets it
-                for r, _ in live:
+                for r, s in live:
+                    abandon(s, r.work)
                     self._finish(r, error=exc)
                 return
             ms = (time.perf_counter() - t0) * 1e3
-            for (r, s), out in zip(live, outs):
-                try:
-                    result = absorb(s, r.work, out, ms, self.engine.model)
-                except Exception as exc:
-                    self._finish(r, error=exc)
-                    continue
-                if result is None:
-                    self._carried.append(r)
-                else:
-                    self._finish(r, result)
-        rows = sum(len(it.tokens) if it.verify else 1 for it in items)
-        self._record(StepRecord("batch", len(live), rows, ms))
+            done = sum(self._absorb(r, s, out, ms) for (r, s), out in zip(live, outs))
+        chunk = sum(len(it.tokens) for it in items if it.prefill)
+        rows = sum(len(it.tokens) if (it.verify or it.prefill) else 1 for it in items)
+        self._record(StepRecord("prefill" if chunk else "batch", len(live), rows, ms, chunk, done))
+
+    def _absorb(self, r: _Request, s, out, ms: float) -> int:
+        """Take one request's output; returns 1 when it completed a prompt, else 0."""
+        try:
+            result = absorb(s, r.work, out, ms, self.engine.model)
+        except Exception as exc:
+            abandon(s, r.work)
+            self._finish(r, error=exc)
+            return 0
+        if result is None:
+            self._carried.append(r)
+            return 0
+        self._finish(r, result)
+        return int(r.work.op == "prefill")
 
     def _finish(self, r: _Request, result: object = None, error: BaseException | None = None) -> None:
         self._release([r])
@@ -232,11 +253,14 @@ class StepLoop:
                 self._inflight.discard(r.work.sid)
 
     def _record(self, step: StepRecord) -> None:
-        if step.kind == "batch":
-            with self._cv:
-                n, st = self._stats.steps + 1, self._stats
+        with self._cv:
+            st = self._stats
+            if step.kind == "batch":
+                n = st.steps + 1
                 self._stats = StepStats(n, step.sessions, st.batch_mean + (step.sessions - st.batch_mean) / n,
-                                        step.ms, st.ms_mean + (step.ms - st.ms_mean) / n)
+                                        step.ms, st.ms_mean + (step.ms - st.ms_mean) / n, st.prefill_steps)
+            else:
+                self._stats = dataclasses.replace(st, prefill_steps=st.prefill_steps + 1)
         if self.on_step is not None:
             try:
                 self.on_step(step)
@@ -244,9 +268,12 @@ class StepLoop:
                 log.exception("verifier step hook failed on %s", step)
 
 
-def _item(state, work: Work) -> BatchItem:
+def _item(state, work: Work, chunk: int) -> BatchItem:
     """The batch item of `work`'s next forward: its decode, the next position of a stepwise
-    verify, or its whole verify block."""
+    verify, its whole verify block, or the next chunk of at most `chunk` tokens of its prompt
+    (from position work.done, with the tap rows the prefill can still return)."""
+    if work.op == "prefill":
+        return BatchItem.prefill_chunk(state, work.ids[work.done:work.done + chunk], work.done, work.keep)
     if work.op == "decode":
         return BatchItem.decode(state, work.ids[0], work.position)
     if work.stepwise:

@@ -49,6 +49,9 @@ ever sees valid calls.
 request and return its `Work`: the step loop (`services.verifier.batcher`) admits a request
 before queuing it, runs it inside a batched forward, and takes its output back through
 `absorb`, the same code the per-session calls use, so both paths return the same results.
+The loop feeds a prompt in chunks (`BatchItem.prefill_chunk`); `absorb` gathers them and the
+last one returns what `prefill` returns (bitwise in exact numerics, where `Trunk.prefill`
+runs the same exact tiles; to rounding in fast numerics).
 
 Sampling (docs/sampling.md). A session's `SamplingParams` are set by its prefill and fixed
 for its life; greedy (the default) is the argmax rule above, unchanged. At T > 0 the token
@@ -148,7 +151,9 @@ class Work:
     block [anchor, d1..dk]. position: where ids[0] goes (0 for a prefill). mode: the verify
     path. A stepwise verify (sequential, or no drafts) forwards one position per forward:
     `done` counts the positions forwarded so far, `rows` their [1, T*D] fp32 tap rows,
-    `logprobs` the records of the tokens chosen so far.
+    `logprobs` the records of the tokens chosen so far. A prefill fed in chunks (the step
+    loop) counts its prompt positions forwarded in `done` and keeps the tap rows
+    [<= keep, T*D] fp32 of the last `keep` of them in `rows`.
     forward_ms: wall time of the forwards it took part in so far (ms).
     sampling: a prefill's sampling parameters (the session keeps them). draft_probs: a
     verify's [k, V] fp32 draft distributions (rejection rule only; else None).
@@ -165,11 +170,22 @@ class Work:
     sampling: SamplingParams = GREEDY
     draft_probs: torch.Tensor | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    keep: int = 0
 
     @property
     def stepwise(self) -> bool:
         """A verify forwarded one position at a time (sequential mode, or a block of no drafts)."""
         return self.op == "verify" and (self.mode == "sequential" or len(self.ids) == 1)
+
+
+def per_session_bytes(model) -> int:
+    """See `VerifierEngine.per_session_bytes`; `model`: a `Trunk` or a wrapper / TP driver
+    holding one as `.model` (measured on that rank-local trunk, so no remote state is made)."""
+    base = model
+    while not isinstance(base, Trunk) and getattr(base, "model", None) is not None:
+        base = base.model
+    cfg = base.cfg
+    return base.state_bytes(base.new_state()) + cfg.window_size * cfg.tap_width * torch.bfloat16.itemsize
 
 
 def top2_margin(logits: torch.Tensor) -> tuple[int, float]:
@@ -202,6 +218,8 @@ class VerifierEngine(SessionHost[_Session]):
         max_sessions: open sessions allowed at once (>= 1).
         prefill_keep_rows: tap rows a prefill returns (default: window_size, what the
             drafter's rings can hold).
+        limit_rule: how max_sessions was chosen, one line for Info
+            (`services.common.limits.SessionLimit.rule`; "" when not said).
     Raises:
         ValueError: max_sessions not an integer >= 1, prefill_keep_rows not None or an
             integer >= 0.
@@ -209,7 +227,8 @@ class VerifierEngine(SessionHost[_Session]):
     are serialised by its lock.
     """
 
-    def __init__(self, model: Trunk, max_sessions: int = 16, prefill_keep_rows: int | None = None):
+    def __init__(self, model: Trunk, max_sessions: int = 16, prefill_keep_rows: int | None = None,
+                 limit_rule: str = ""):
         max_sessions = as_int(max_sessions, "max_sessions")
         if max_sessions < 1:
             raise ValueError(f"max_sessions={max_sessions}: must be >= 1")
@@ -220,6 +239,8 @@ class VerifierEngine(SessionHost[_Session]):
         self.model, self.cfg = model, model.cfg
         self.keep_rows = self.cfg.window_size if prefill_keep_rows is None else prefill_keep_rows
         self._table: SessionTable[_Session] = SessionTable(max_sessions)
+        self.limit_rule = limit_rule
+        self._session_bytes: int | None = None
 
     # ------------------------------------------------------------------ sessions
     def open_session(self) -> int:
@@ -229,6 +250,14 @@ class VerifierEngine(SessionHost[_Session]):
     def session_bytes(self, sid: int) -> int:
         """Bytes of target state held by session `sid` (rings, compressor states, caches)."""
         return self.model.state_bytes(self._get(sid).state)
+
+    def per_session_bytes(self) -> int:
+        """Bytes one session holds at most, whatever its length (per TP rank): its target
+        state (rings, compressor rows, compressed and indexer caches, all sized for
+        max_seq_len when the session opens) and its committed tail (window_size bf16 rows)."""
+        if self._session_bytes is None:  # a fresh state's size never changes: measured once
+            self._session_bytes = per_session_bytes(self.model)
+        return self._session_bytes
 
     def state_bytes(self) -> int:
         """Bytes of target state held by every open session (per TP rank under tensor parallelism)."""
@@ -293,7 +322,7 @@ class VerifierEngine(SessionHost[_Session]):
         if len(ids) > self.cfg.max_seq_len:
             raise ValueError(f"prompt length {len(ids)} exceeds max_seq_len={self.cfg.max_seq_len}")
         self._check_range(ids)
-        return Work(sid, "prefill", ids, 0, sampling=sampling)
+        return Work(sid, "prefill", ids, 0, sampling=sampling, keep=self.keep_rows)
 
     def _admit_decode(self, sid: int, s: _Session, token_id: object, position: object) -> Work:
         token_id = as_int(token_id, "token_id")
@@ -422,17 +451,20 @@ class VerifierEngine(SessionHost[_Session]):
 def absorb(s: _Session, work: Work, out, ms: float, model=None) -> StepResult | VerifyResult | None:
     """Take one forward's output for an admitted decode or verify into its session record `s`.
 
-    `out`: the trunk's ForwardOutput (a decode, or one position of a stepwise verify) or
-    BlockOutput (a batched verify block, still open); `ms`: that forward's wall time (ms),
-    added to `work.forward_ms`; `model`: the trunk, which rolls a block back (verify only).
-    Tokens are chosen and drafts judged by the session's sampling rule, one logits row at a
-    time (`services.verifier.choice`). Returns the request's result once it is complete, its
-    rows committed; None when a stepwise verify needs its next position forwarded (position
-    work.position + work.done).
+    `out`: the trunk's ForwardOutput (a decode, one position of a stepwise verify, or one
+    chunk of a prefill) or BlockOutput (a batched verify block, still open); `ms`: that
+    forward's wall time (ms), added to `work.forward_ms`; `model`: the trunk, which rolls a
+    block back (verify only). Tokens are chosen and drafts judged by the session's sampling
+    rule (a prefill: the request's), one logits row at a time (`services.verifier.choice`).
+    Returns the request's result once it is complete, its rows committed; None when a
+    stepwise verify needs its next position forwarded (position work.position + work.done)
+    or a prefill its next chunk (from position work.done).
     Raises:
         ValueError: a rejection-rule verify without draft_probs (admission prevents it).
     """
     work.forward_ms += ms
+    if work.op == "prefill":
+        return _absorb_chunk(s, work, out)
     params = s.sampling
     if work.op == "decode":
         token = choose(out.logits, params, work.position + 1)
@@ -470,3 +502,29 @@ def _judge_row(work: Work, row: torch.Tensor, i: int, params: SamplingParams) ->
     taken = work.ids[i + 1] if token is None else token
     work.logprobs += token_logprobs(row.reshape(1, -1), [taken], params.logprobs)
     return token
+
+
+def _absorb_chunk(s: _Session, work: Work, out) -> StepResult | None:
+    """Take one prefill chunk's ForwardOutput (logits [V] fp32 of its last position, taps
+    [<= keep, T*D] fp32 of its last positions) into `work`; once the chunk that ends the
+    prompt is in, commit the prefill as `VerifierEngine.prefill` does and return its result:
+    the next token and margin of position n-1 and the tap rows of the last min(n, keep)."""
+    work.done = s.state.next_position  # a prompt starts at 0: positions forwarded so far
+    tail = torch.cat([*work.rows, out.taps])[-work.keep:] if work.keep else out.taps[:0]
+    work.rows = [tail]  # only the rows the result can still return are held
+    if work.done < len(work.ids):
+        return None
+    n = work.done
+    token = choose(out.logits, work.sampling, n)
+    result = StepResult(token, top2_margin(out.logits)[1], tail, range(n - tail.shape[0], n), work.forward_ms,
+                        tuple(token_logprobs(out.logits.reshape(1, -1), [token], work.sampling.logprobs)))
+    s.committed.add(result.rows, result.positions, token, result.margin)
+    s.sampling, s.prefilled = work.sampling, True  # only once the whole prompt is in
+    return result
+
+
+def abandon(s: _Session, work: Work) -> None:
+    """A request failed part way (its session record `s` held by the caller): a prefill that
+    forwarded some chunks leaves its session empty again, so the prompt can be sent again."""
+    if work.op == "prefill" and s.state.next_position > 0 and not s.prefilled:
+        s.state.reset()

@@ -31,15 +31,19 @@ from dsv4.sampling import GREEDY
 _MODES = {verifier_pb2.VERIFY_MODE_SEQUENTIAL: "sequential", verifier_pb2.VERIFY_MODE_BATCHED: "batched"}
 
 
-def verifier_identity(engine: VerifierEngine, tp: int = 1,
-                      steps: StepStats | None = None) -> common_pb2.ModelIdentity:
+def verifier_identity(engine: VerifierEngine, tp: int = 1, steps: StepStats | None = None,
+                      prefill_chunk: int = 0) -> common_pb2.ModelIdentity:
     """The model identity the gateway checks against the drafter's (docs/architecture.md §6),
-    with the open sessions and, when a step loop runs, its batch steps (`steps`)."""
+    with the open sessions, the session limit, how it was chosen and the bytes one session
+    holds, and, when a step loop runs, its steps (`steps`) and prompt chunk (`prefill_chunk`,
+    tokens; 0 without a loop)."""
     cfg = engine.cfg
     steps = StepStats() if steps is None else steps
     return common_pb2.ModelIdentity(
         steps=steps.steps, batch_size_last=steps.batch_last, batch_size_mean=steps.batch_mean,
-        step_ms_last=steps.ms_last, step_ms_mean=steps.ms_mean,
+        step_ms_last=steps.ms_last, step_ms_mean=steps.ms_mean, prefill_steps=steps.prefill_steps,
+        prefill_chunk=prefill_chunk, session_state_bytes=engine.per_session_bytes(),
+        max_sessions_rule=engine.limit_rule,
         role="verifier", config_hash=cfg.config_hash(), vocab_size=cfg.vocab_size,
         block_size=cfg.dspark_block_size, window_size=cfg.window_size,
         target_layer_ids=list(cfg.dspark_target_layer_ids), row_width=cfg.tap_width, tp=tp,
@@ -65,7 +69,9 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
         self.metrics, self.steps = metrics, steps
 
     async def Info(self, request, context):
-        return verifier_identity(self.engine, self.tp, None if self.steps is None else self.steps.stats())
+        if self.steps is None:
+            return verifier_identity(self.engine, self.tp)
+        return verifier_identity(self.engine, self.tp, self.steps.stats(), self.steps.prefill_chunk)
 
     async def _run(self, op: str, sid: int, *args):
         """The engine's result of `op` ("prefill" | "decode" | "verify") on `sid` with `args`:
