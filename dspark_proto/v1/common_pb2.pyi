@@ -1,10 +1,20 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class SamplingRule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SAMPLING_RULE_DEFAULT: _ClassVar[SamplingRule]
+    SAMPLING_RULE_COUPLED: _ClassVar[SamplingRule]
+    SAMPLING_RULE_REJECTION: _ClassVar[SamplingRule]
+SAMPLING_RULE_DEFAULT: SamplingRule
+SAMPLING_RULE_COUPLED: SamplingRule
+SAMPLING_RULE_REJECTION: SamplingRule
 
 class Tensor(_message.Message):
     __slots__ = ("data", "dtype", "shape")
@@ -81,3 +91,33 @@ class ModelIdentity(_message.Message):
     step_ms_last: float
     step_ms_mean: float
     def __init__(self, role: _Optional[str] = ..., config_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., window_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., row_width: _Optional[int] = ..., tp: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., confidence_head: _Optional[bool] = ..., noise_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., drafter_kind: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size_last: _Optional[int] = ..., batch_size_mean: _Optional[float] = ..., step_ms_last: _Optional[float] = ..., step_ms_mean: _Optional[float] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "rule", "logprobs")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    RULE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    rule: SamplingRule
+    logprobs: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., rule: _Optional[_Union[SamplingRule, str]] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_ids", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
