@@ -59,6 +59,8 @@ from dsv4.settings import Settings
 from dsv4.trunk import DTYPES, Block
 
 Reduce = Callable[[torch.Tensor], torch.Tensor]
+# Picks a draft slot's token inside the Markov loop: (slot j, logits [V] fp32) -> token [1] int64.
+Chooser = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 class DraftMoE(nn.Module):
@@ -362,12 +364,12 @@ class DSparkDraft(nn.Module):
 
     # ------------------------------------------------------------------ draft
     @torch.no_grad()
-    def draft(self, state: DraftState, anchor: int, seed_position: int) -> DraftOutput:
+    def draft(self, state: DraftState, anchor: int, seed_position: int, choose: Chooser | None = None) -> DraftOutput:
         """Draft from `anchor` (the committed token at seed_position + 1): the drafts of positions
         p+2.. that lie before max_seq_len, min(B, max_seq_len - p - 2) of them (`draft_length`).
 
         anchor, seed_position: integers (int, numpy or torch integer; never bool or float,
-        which would otherwise be truncated).
+        which would otherwise be truncated). choose: slot chooser of `head_forward` (None: argmax).
         Raises:
             ValueError: a state not from this module; a non-integer anchor or seed_position;
                 anchor outside [0, vocab_size); nothing committed; seed_position not the last
@@ -380,12 +382,13 @@ class DSparkDraft(nn.Module):
         anchor, p = check_draft_args(self.cfg, anchor, seed_position)
         check_seed(state.last_position, p)
         n = draft_length(self.cfg, p)
-        out = self.draft_from_rings(state.rings, anchor, p)
+        out = self.draft_from_rings(state.rings, anchor, p, choose)
         conf = None if out.confidence is None else out.confidence[:n]
         return DraftOutput(out.tokens[:n], out.logits[:n], conf, out.hidden[:n])
 
     @torch.no_grad()
-    def draft_from_rings(self, rings: list[torch.Tensor], anchor: int, seed_position: int) -> DraftOutput:
+    def draft_from_rings(self, rings: list[torch.Tensor], anchor: int, seed_position: int,
+                         choose: Chooser | None = None) -> DraftOutput:
         """The draft forward over given rings (docs/model.md §9.3), all B slots: rings[s] [W, Dh] must hold
         positions max(0, p-W+1)..p at slots q % W (not checked against any state). For probes
         that perturb one input at a time. Raises ValueError like `draft` (anchor, seed range,
@@ -405,13 +408,15 @@ class DSparkDraft(nn.Module):
         for stage, ring in zip(self.mtp, rings):
             h = stage.attn_residual(h, lambda x, st=stage, r=ring: st.draft_attention(x, r, n_ctx, pos))
             h = stage.ffn_residual(h, ids)
-        return self.head_forward(h, ids[:1])
+        return self.head_forward(h, ids[:1], choose)
 
-    def head_forward(self, h: torch.Tensor, anchor: torch.Tensor) -> DraftOutput:
+    def head_forward(self, h: torch.Tensor, anchor: torch.Tensor, choose: Chooser | None = None) -> DraftOutput:
         """Last-stage head (docs/model.md §9.5): h [B, C, D], anchor [1] int64 -> DraftOutput.
 
         Sequential Markov loop on device (no host sync until the end): the bias of slot j is
         markov_w2(markov_w1[prev]) with prev the previous slot's draft (the anchor for slot 0).
+        choose(j, logits_j [V] fp32 with the bias) -> [1] int64 picks slot j's draft; None is
+        the argmax. It must run inside the loop: slot j's pick is slot j+1's Markov input.
         """
         cfg, last = self.cfg, self.mtp[-1]
         y = hc_head(h, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, cfg.norm_eps, cfg.hc_eps)  # [B, D]
@@ -420,7 +425,7 @@ class DSparkDraft(nn.Module):
         for j in range(h.shape[0]):
             e = last.markov_head.markov_w1(prev)  # [1, Rm] embedding of the previous token
             logits[j] += last.markov_head.markov_w2(e)[0]
-            prev = logits[j].argmax().reshape(1)
+            prev = logits[j].argmax().reshape(1) if choose is None else choose(j, logits[j])
             drafted.append(prev)
             emb.append(e)
         conf = None

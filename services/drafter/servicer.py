@@ -1,7 +1,7 @@
 """Drafter gRPC servicer: a thin adapter from the wire to a `Drafter` engine.
 
 It owns the message translation only: a commit's rows tensor and positions, a draft's
-tokens and confidences, the timings; the session's life cycle is
+sampling parameters, tokens, confidences and (rejection rule) draft probabilities, the timings; the session's life cycle is
 `services.common.session_stream.serve_session` and every rule about rows, positions and
 anchors is the engine's (`services.drafter.interface.Drafter`: the DSpark module or an oracle).
 """
@@ -16,7 +16,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from dspark_proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from services.common.session_stream import SessionStreamServicer
 from services.common.telemetry import message_span
-from services.common.tensors import from_proto
+from services.common.sampling_wire import params_from_proto
+from services.common.tensors import from_proto, to_proto
 from services.drafter.interface import Drafter, feed_tokens
 
 
@@ -57,12 +58,8 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
             if op == "commit":
                 response = await asyncio.to_thread(self._commit, sid, request.commit)
             else:
-                d = request.draft
-                tokens, conf = await asyncio.to_thread(self.engine.draft, sid, d.anchor, d.seed_position)
-                response = drafter_pb2.DrafterResponse(
-                    tokens=tokens, confidence_logits=[] if conf is None else conf.tolist(),
-                    committed_through=d.seed_position)
-                span.set_attribute("spec_decode.drafted", len(tokens))
+                response = await asyncio.to_thread(self._draft, sid, request.draft)
+                span.set_attribute("spec_decode.drafted", len(response.tokens))
             forward_ms = (time.perf_counter() - t0) * 1e3
             response.timing.forward_ms = forward_ms
             response.timing.queue_ms = max(0.0, (t0 - received) * 1e3)
@@ -74,6 +71,22 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
                 else:
                     self.metrics.record_draft(len(response.tokens), forward_ms)
             return response
+
+    def _draft(self, sid: int, d: drafter_pb2.DraftRequest) -> drafter_pb2.DrafterResponse:
+        """A draft, greedy without `sampling`; under the rejection rule the reply carries q
+        (float32 [n, V]). Raises ValueError for bad sampling values (the field named)."""
+        params = params_from_proto(d.sampling if d.HasField("sampling") else None)
+        probs = None
+        if params.greedy:
+            tokens, conf = self.engine.draft(sid, d.anchor, d.seed_position)
+        else:
+            out = self.engine.draft_sampled(sid, d.anchor, d.seed_position, params)
+            tokens, conf, probs = out.tokens, out.confidence, out.probs
+        response = drafter_pb2.DrafterResponse(tokens=tokens, confidence_logits=[] if conf is None else conf.tolist(),
+                                               committed_through=d.seed_position)
+        if probs is not None and params.rule == "rejection":  # the coupled rule never reads q
+            response.draft_probs.CopyFrom(to_proto(probs, "float32"))
+        return response
 
     def _commit(self, sid: int, commit) -> drafter_pb2.DrafterResponse:
         # The rows' wire shape is checked before the token ids are fed: an observing drafter
