@@ -18,10 +18,12 @@ VERIFY_MODE_SEQUENTIAL: VerifyMode
 VERIFY_MODE_BATCHED: VerifyMode
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("token_ids",)
+    __slots__ = ("token_ids", "sampling")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("token_id", "position")
@@ -32,16 +34,18 @@ class DecodeRequest(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("anchor", "drafts", "position", "mode")
+    __slots__ = ("anchor", "drafts", "position", "mode", "draft_probs")
     ANCHOR_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     anchor: int
     drafts: _containers.RepeatedScalarFieldContainer[int]
     position: int
     mode: VerifyMode
-    def __init__(self, anchor: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., mode: _Optional[_Union[VerifyMode, str]] = ...) -> None: ...
+    draft_probs: _common_pb2.Tensor
+    def __init__(self, anchor: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., mode: _Optional[_Union[VerifyMode, str]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class RowsRequest(_message.Message):
     __slots__ = ("count",)
@@ -64,7 +68,7 @@ class VerifierRequest(_message.Message):
     def __init__(self, trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., rows: _Optional[_Union[RowsRequest, _Mapping]] = ...) -> None: ...
 
 class VerifierResponse(_message.Message):
-    __slots__ = ("next_token", "margin", "accepted", "rows", "first_position", "next_position", "timing")
+    __slots__ = ("next_token", "margin", "accepted", "rows", "first_position", "next_position", "timing", "logprobs")
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MARGIN_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +76,7 @@ class VerifierResponse(_message.Message):
     FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
     NEXT_POSITION_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     next_token: int
     margin: float
     accepted: int
@@ -79,4 +84,5 @@ class VerifierResponse(_message.Message):
     first_position: int
     next_position: int
     timing: _common_pb2.ComputeTiming
-    def __init__(self, next_token: _Optional[int] = ..., margin: _Optional[float] = ..., accepted: _Optional[int] = ..., rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_position: _Optional[int] = ..., next_position: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ComputeTiming, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, next_token: _Optional[int] = ..., margin: _Optional[float] = ..., accepted: _Optional[int] = ..., rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_position: _Optional[int] = ..., next_position: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ComputeTiming, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
