@@ -163,6 +163,18 @@ def logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torc
     return chosen, lp.gather(-1, order), order
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One chosen token's logprob under the target's raw distribution (natural log), and its
+    `top` alternatives: top_ids / top_logprobs in descending logprob, lowest id first among
+    ties (empty when none were asked for)."""
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
 # ---------------------------------------------------------------------- keyed noise
 def uniforms(seed: int, positions, stream: int, n: int) -> torch.Tensor:
     """n uniforms in (0, 1) per position keyed by (seed, position, stream): [S, n] fp64 on CPU.

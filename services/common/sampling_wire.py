@@ -1,89 +1,63 @@
-"""Sampling parameters and token logprobs <-> their `dspark.v1` messages.
+"""Sampling parameters and logprob records <-> their `dspark.v1` messages (common.proto).
 
-Owns the wire form of `dsv4.sampling.SamplingParams` (common.proto `SamplingParams`,
-`SamplingRule`) and of one token's logprobs (`TokenLogprob`); every rule about what a value
-may be is `SamplingParams`' own, so a bad value raises the same ValueError, naming the field,
-whichever service decodes it.
-
-Wire conventions: an unset message (all fields zero) is greedy; top_p 0 means 1 (unset),
-because proto3 cannot tell an unset float from 0 and top_p 0 would keep nothing; the rule
-SAMPLING_RULE_DEFAULT takes the receiver's configured default.
+Owns the wire meaning of `SamplingParams` (top_p 0 means unset, i.e. 1; SAMPLING_RULE_DEFAULT
+means the receiving service's default rule) and of `TokenLogprob`; every check of a value
+is `dsv4.sampling.SamplingParams`'s, re-raised with the message's field path so a client
+reads which field was wrong. It never decides how tokens are chosen.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from dspark_proto.v1 import common_pb2
-from dsv4.sampling import GREEDY, RULES, SamplingParams
+from dsv4.sampling import RULES, SEED_LIMIT, SamplingParams, TokenLogprob
 
-RULE_ENUM = {"coupled": common_pb2.SAMPLING_RULE_COUPLED, "rejection": common_pb2.SAMPLING_RULE_REJECTION}
-_RULE_NAME = {v: k for k, v in RULE_ENUM.items()}
+_RULE_NAMES = {common_pb2.SAMPLING_RULE_COUPLED: "coupled", common_pb2.SAMPLING_RULE_REJECTION: "rejection"}
+_RULE_ENUMS = {name: enum for enum, name in _RULE_NAMES.items()}
 
 
-def rule_name(value: int, default: str, field: str = "rule") -> str:
-    """A `SamplingRule` enum value -> "coupled" | "rejection"; DEFAULT (0) -> `default`.
+def params_from_proto(msg: common_pb2.SamplingParams, default_rule: str = "coupled",
+                      field: str = "sampling") -> SamplingParams:
+    """A wire `SamplingParams` -> validated `dsv4.sampling.SamplingParams`.
 
+    The floats keep their float32 wire values (0.7 arrives as 0.699999988...), so every
+    service that reads the same message samples with the same numbers. top_p 0 reads as 1;
+    rule SAMPLING_RULE_DEFAULT reads as `default_rule`.
     Raises:
-        ValueError: `default` not in RULES, or a value that is no SamplingRule (named as `field`).
+        ValueError: an unknown default_rule or rule enum value, a seed >= 2**63, or any value
+            `SamplingParams` refuses (NaN, negative temperature, top_p outside (0, 1],
+            top_k < 0, min_p outside [0, 1], logprobs outside 0..20); the message names
+            `field`.<name> and the value.
     """
-    if default not in RULES:
-        raise ValueError(f"default rule={default!r}: must be one of {', '.join(RULES)}")
-    if value == common_pb2.SAMPLING_RULE_DEFAULT:
-        return default
-    if value not in _RULE_NAME:
-        raise ValueError(f"{field}={value}: not a SamplingRule (0 default, 1 coupled, 2 rejection)")
-    return _RULE_NAME[value]
+    if default_rule not in RULES:
+        raise ValueError(f"default_rule={default_rule!r}: must be one of {', '.join(RULES)}")
+    if msg.rule != common_pb2.SAMPLING_RULE_DEFAULT and msg.rule not in _RULE_NAMES:
+        raise ValueError(f"{field}.rule={msg.rule}: not a SamplingRule (0 default, 1 coupled, 2 rejection)")
+    if msg.seed >= SEED_LIMIT:
+        raise ValueError(f"{field}.seed={msg.seed}: must lie in [0, 2**63)")
+    try:
+        return SamplingParams(temperature=float(msg.temperature), top_p=float(msg.top_p) or 1.0,
+                              top_k=int(msg.top_k), min_p=float(msg.min_p), seed=int(msg.seed),
+                              rule=_RULE_NAMES.get(msg.rule, default_rule), logprobs=int(msg.logprobs))
+    except ValueError as exc:
+        raise ValueError(f"{field}.{exc}") from None
 
 
 def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    """The wire form of `params` (the rule always explicit, never DEFAULT)."""
-    return common_pb2.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
-        seed=params.seed, rule=RULE_ENUM[params.rule], logprobs=params.logprobs)
+    """`dsv4.sampling.SamplingParams` -> its wire message (the rule always explicit)."""
+    return common_pb2.SamplingParams(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                                     min_p=params.min_p, seed=params.seed, rule=_RULE_ENUMS[params.rule],
+                                     logprobs=params.logprobs)
 
 
-def params_from_proto(msg: common_pb2.SamplingParams | None, default_rule: str = "coupled") -> SamplingParams:
-    """Decode a `SamplingParams` message; None or an all-default message is greedy.
-
-    Floats arrive as float32: they are widened as sent, so both ends of a session compute with
-    the same values (the gateway sends what it validated, already float32-exact).
-    Raises:
-        ValueError: from `SamplingParams` (the field named) or `rule_name`.
-    """
-    if msg is None or msg == common_pb2.SamplingParams():
-        return GREEDY
-    return SamplingParams(temperature=float(msg.temperature), top_p=float(msg.top_p) or 1.0, top_k=int(msg.top_k),
-                          min_p=float(msg.min_p), seed=int(msg.seed), rule=rule_name(msg.rule, default_rule),
-                          logprobs=int(msg.logprobs))
+def logprob_to_proto(record: TokenLogprob) -> common_pb2.TokenLogprob:
+    """One logprob record -> `TokenLogprob` (logprobs travel as float32)."""
+    return common_pb2.TokenLogprob(token_id=record.token_id, logprob=record.logprob,
+                                   top_ids=list(record.top_ids), top_logprobs=list(record.top_logprobs))
 
 
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One chosen token's logprob under the target's raw distribution (log-softmax before
-    temperature and filters) and its top alternatives, most likely first (natural log)."""
-
-    token_id: int
-    logprob: float
-    top_ids: tuple[int, ...] = ()
-    top_logprobs: tuple[float, ...] = ()
-
-    def __post_init__(self) -> None:
-        if len(self.top_ids) != len(self.top_logprobs):
-            raise ValueError(f"token logprob of {self.token_id}: {len(self.top_ids)} top ids but "
-                             f"{len(self.top_logprobs)} top logprobs")
-
-    def to_proto(self) -> common_pb2.TokenLogprob:
-        return common_pb2.TokenLogprob(token_id=self.token_id, logprob=self.logprob, top_ids=list(self.top_ids),
-                                       top_logprobs=list(self.top_logprobs))
-
-    @classmethod
-    def from_proto(cls, msg: common_pb2.TokenLogprob) -> TokenLogprob:
-        """Raises ValueError when the top ids and top logprobs differ in count."""
-        return cls(int(msg.token_id), float(msg.logprob), tuple(msg.top_ids), tuple(msg.top_logprobs))
-
-
-def f32(x: float) -> float:
-    """`x` rounded to float32, as it will arrive over the wire (so a validated value and the
-    value every backend computes with are the same number)."""
-    return float(common_pb2.SamplingParams(temperature=x).temperature)
+def logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
+    """`TokenLogprob` message -> record. Raises ValueError when top_ids and top_logprobs differ in length."""
+    if len(msg.top_ids) != len(msg.top_logprobs):
+        raise ValueError(f"TokenLogprob of token {msg.token_id}: {len(msg.top_ids)} top_ids but "
+                         f"{len(msg.top_logprobs)} top_logprobs")
+    return TokenLogprob(msg.token_id, msg.logprob, tuple(msg.top_ids), tuple(msg.top_logprobs))

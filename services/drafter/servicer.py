@@ -75,7 +75,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
     def _draft(self, sid: int, d: drafter_pb2.DraftRequest) -> drafter_pb2.DrafterResponse:
         """A draft, greedy without `sampling`; under the rejection rule the reply carries q
         (float32 [n, V]). Raises ValueError for bad sampling values (the field named)."""
-        params = params_from_proto(d.sampling if d.HasField("sampling") else None)
+        params = params_from_proto(d.sampling, field="draft.sampling")  # unset: all zero, greedy
         probs = None
         if params.greedy:
             tokens, conf = self.engine.draft(sid, d.anchor, d.seed_position)
