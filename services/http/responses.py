@@ -8,8 +8,10 @@ usage.completion_tokens_details: accepted_prediction_tokens = draft tokens the v
 accepted (`spec_accepted_tokens`); rejected_prediction_tokens = draft tokens submitted to
 verify and rejected (`spec_draft_tokens - spec_accepted_tokens`); drafts the gate dropped
 before verify are in neither (they are in `dspark.drafted`). A choice that ended on a stop
-carries what matched as `stop_reason` (a token id or a stop string; vLLM's field), else null. The `dspark` object carries the generation's `SpecStats` fields and
-`time_to_first_token_ms`, on the whole response and on the chunk that carries finish_reason.
+carries what matched as `stop_reason` (a token id or a stop string; vLLM's field), else null. The `dspark` object carries the generation's `SpecStats` fields,
+`time_to_first_token_ms` and `seed` (the one used: the request's, or drawn by the gateway),
+on the whole response and on the chunk that carries finish_reason. `logprobs` is null unless
+asked for; then `services.http.logprobs` builds it.
 """
 
 from __future__ import annotations
@@ -48,10 +50,11 @@ def stop_reason(final: gateway_pb2.GenerateResponse) -> int | str | None:
 
 
 def dspark_stats(final: gateway_pb2.GenerateResponse) -> dict:
-    """The `dspark` extension: every SpecStats field (defaults included) and TTFT (ms)."""
+    """The `dspark` extension: every SpecStats field (defaults included), TTFT (ms) and the seed."""
     stats = MessageToDict(final.spec_stats, preserving_proto_field_name=True,
                           always_print_fields_with_no_presence=True)
     stats["time_to_first_token_ms"] = final.time_to_first_token_ms
+    stats["seed"] = final.seed
     return stats
 
 
@@ -74,14 +77,16 @@ class Shape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, final: gateway_pb2.GenerateResponse, token_ids: list[int] | None = None) -> dict:
+    def whole(self, final: gateway_pb2.GenerateResponse, token_ids: list[int] | None = None,
+              logprobs: dict | None = None) -> dict:
         """The non-streaming response of a finished generation (`final`: its last message);
-        token_ids: the completion's ids, added to the choice as `token_ids` (None: not added)."""
+        token_ids: the completion's ids, added to the choice as `token_ids` (None: not added);
+        logprobs: the choice's `logprobs` object (None: null)."""
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": final.text},
-                      "logprobs": None, "finish_reason": final.finish_reason}
+                      "logprobs": logprobs, "finish_reason": final.finish_reason}
         else:
-            choice = {"index": 0, "text": final.text, "logprobs": None, "finish_reason": final.finish_reason}
+            choice = {"index": 0, "text": final.text, "logprobs": logprobs, "finish_reason": final.finish_reason}
         choice["stop_reason"] = stop_reason(final)
         if token_ids is not None:
             choice["token_ids"] = token_ids
@@ -89,16 +94,18 @@ class Shape:
                 "usage": usage(final), "dspark": dspark_stats(final)}
 
     def chunk(self, text: str, finish_reason: str | None = None, *, first: bool = False,
-              with_usage_field: bool = False, token_ids: list[int] | None = None) -> dict:
+              with_usage_field: bool = False, token_ids: list[int] | None = None,
+              logprobs: dict | None = None) -> dict:
         """One streamed chunk with `text` (chat: the delta; `first` adds the assistant role).
         with_usage_field: add `"usage": null`, as OpenAI does when the stream's usage comes last;
-        token_ids: the ids new in this chunk, added to the choice (None: not added)."""
+        token_ids: the ids new in this chunk, added to the choice (None: not added);
+        logprobs: the `logprobs` object of this chunk's tokens (None: null)."""
         if self.chat:
             delta = ({"role": "assistant", "content": text} if first else {"content": text}) \
                 if (text or first) else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
