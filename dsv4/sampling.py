@@ -158,7 +158,10 @@ def logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torc
     (chosen [S] fp32, top_values [S, top] fp32, top_ids [S, top] int64), the top
     alternatives in descending order (lowest id first among ties)."""
     lp = logits.float().log_softmax(-1)  # [S, V]
-    chosen = lp.gather(-1, tokens.reshape(-1, 1).long())[:, 0]
+    chosen = lp.gather(-1, tokens.reshape(-1, 1).long().to(lp.device))[:, 0]
+    if top == 0:  # the common case: no full-vocab sort
+        empty = torch.zeros(lp.shape[0], 0, dtype=torch.int64, device=lp.device)
+        return chosen, lp.gather(-1, empty), empty
     order = lp.argsort(dim=-1, descending=True, stable=True)[:, :top]  # [S, top]
     return chosen, lp.gather(-1, order), order
 
@@ -173,6 +176,26 @@ class TokenLogprob:
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens, top: int) -> list[TokenLogprob]:
+    """`logprobs` as records: logits [S, V], tokens S ids, top 0..MAX_LOGPROBS -> S records.
+
+    Each row is computed on its own, so a token's logprob does not depend on how many rows
+    the caller's forward held (a block verify and a decode agree whenever their logits do).
+    Raises:
+        ValueError: top outside 0..MAX_LOGPROBS, or a token count that does not match the rows.
+    """
+    if not 0 <= top <= MAX_LOGPROBS:
+        raise ValueError(f"logprobs top={top}: must lie in 0..{MAX_LOGPROBS}")
+    tokens = [int(t) for t in tokens]
+    if len(tokens) != logits.shape[0]:
+        raise ValueError(f"{len(tokens)} tokens for {logits.shape[0]} logits rows")
+    out = []
+    for i, t in enumerate(tokens):
+        chosen, values, ids = logprobs(logits[i:i + 1], torch.tensor([t]), top)
+        out.append(TokenLogprob(t, float(chosen[0]), tuple(ids[0].tolist()), tuple(values[0].tolist())))
+    return out
 
 
 # ---------------------------------------------------------------------- keyed noise
@@ -229,11 +252,47 @@ def accept_coupled(target_logits: torch.Tensor, drafts, params: SamplingParams, 
     target_logits [k+1, V]: row i chooses the token at first_position + i; drafts: k ids.
     The result equals plain decode's tokens for the same seed whatever the drafts were.
     """
-    chosen = keyed_choice(target_logits, params, range(first_position, first_position + len(target_logits)))
-    a = 0
-    while a < len(drafts) and int(drafts[a]) == int(chosen[a]):
-        a += 1
-    return Acceptance(a, int(chosen[a]))
+    for i, d in enumerate(int(t) for t in drafts):
+        token = judge_draft(target_logits[i:i + 1], d, params, first_position + i)
+        if token is not None:
+            return Acceptance(i, token)
+    k = len(drafts)
+    return Acceptance(k, int(keyed_choice(target_logits[k:k + 1], params, [first_position + k])[0]))
+
+
+def judge_draft(target_row: torch.Tensor, draft: int, params: SamplingParams, position: int,
+                q_row: torch.Tensor | None = None) -> int | None:
+    """One position of either rule: None when `draft` is accepted as the token at `position`,
+    else the token taken there instead (the coupled choice, or the residual resample).
+
+    target_row [1, V]: the target's logits that choose the token at `position`; q_row [V]
+    fp32: the distribution `draft` was drawn from (rejection rule only; ignored otherwise).
+    Each position is decided from its own row alone, so the verdict does not depend on how
+    many rows the caller forwarded together: the per-position verify and the block verify
+    agree bitwise whenever their logits do.
+    Raises:
+        ValueError: the rejection rule at T > 0 without q_row.
+    """
+    if params.greedy or params.rule == "coupled":
+        chosen = int(keyed_choice(target_row, params, [position])[0])
+        return None if chosen == draft else chosen
+    if q_row is None:
+        raise ValueError("the rejection rule needs the draft's distribution q (draft_probs)")
+    return _rejection_step(probabilities(target_row, params)[0].double(), q_row.double().to(target_row.device),
+                           draft, params.seed, position)
+
+
+def _rejection_step(p: torch.Tensor, q: torch.Tensor, draft: int, seed: int, position: int) -> int | None:
+    """Accept `draft` with probability min(1, p/q) (ACCEPT stream), else resample from the
+    normalised max(0, p - q) (RESIDUAL stream): p, q [V] fp64 -> None (accepted) or a token."""
+    u = float(uniforms(seed, [position], ACCEPT, 1)[0, 0])
+    if q[draft] > 0 and u * q[draft] < p[draft]:  # u < p/q without dividing by a tiny q
+        return None
+    residual = (p - q).clamp_min(0)
+    if residual.sum() <= 0:  # p == q: a rejection cannot happen; guard against rounding
+        residual = p
+    noise = gumbel(seed, [position], RESIDUAL, p.shape[-1])[0].to(p.device)
+    return int((residual.log() + noise).argmax())
 
 
 def accept_rejection(target_logits: torch.Tensor, draft_probs: torch.Tensor, drafts, params: SamplingParams,
@@ -255,18 +314,11 @@ def accept_rejection(target_logits: torch.Tensor, draft_probs: torch.Tensor, dra
                          f"probs [{k}, V], got {tuple(target_logits.shape)} and {tuple(draft_probs.shape)}")
     if params.greedy:
         return accept_coupled(target_logits, drafts, params, first_position)
-    p = probabilities(target_logits, params).double()  # [k+1, V]
-    q = draft_probs.double().to(p.device)
-    u = uniforms(params.seed, range(first_position, first_position + k), ACCEPT, 1)[:, 0]  # [k]
     for i, d in enumerate(int(t) for t in drafts):
-        if q[i, d] > 0 and u[i] * q[i, d] < p[i, d]:  # u < p/q without dividing by a tiny q
-            continue
-        residual = (p[i] - q[i]).clamp_min(0)
-        if residual.sum() <= 0:  # p == q: a rejection cannot happen; guard against rounding
-            residual = p[i]
-        noise = gumbel(params.seed, [first_position + i], RESIDUAL, p.shape[-1])[0].to(p.device)
-        return Acceptance(i, int((residual.log() + noise).argmax()))
-    return Acceptance(k, int(keyed_choice(target_logits[k:], params, [first_position + k])[0]))
+        token = judge_draft(target_logits[i:i + 1], d, params, first_position + i, draft_probs[i])
+        if token is not None:
+            return Acceptance(i, token)
+    return Acceptance(k, int(keyed_choice(target_logits[k:k + 1], params, [first_position + k])[0]))
 
 
 def draft_choice(draft_logits: torch.Tensor, params: SamplingParams, positions) -> tuple[torch.Tensor, torch.Tensor]:

@@ -173,7 +173,7 @@ class StepLoop:
         [r] = requests
         t0 = time.perf_counter()
         try:
-            result = self.engine.prefill(r.work.sid, r.work.ids)  # alone: the per-session call itself
+            result = self.engine.prefill(r.work.sid, r.work.ids, r.work.sampling)  # alone: the per-session call
         except Exception as exc:  # the session closed, or the forward failed: the caller's error
             self._finish(r, error=exc)
             return

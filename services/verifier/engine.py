@@ -50,6 +50,15 @@ request and return its `Work`: the step loop (`services.verifier.batcher`) admit
 before queuing it, runs it inside a batched forward, and takes its output back through
 `absorb`, the same code the per-session calls use, so both paths return the same results.
 
+Sampling (docs/sampling.md). A session's `SamplingParams` are set by its prefill and fixed
+for its life; greedy (the default) is the argmax rule above, unchanged. At T > 0 the token
+at position t is chosen from the logits of t - 1 by `services.verifier.choice`: the coupled
+rule takes the Gumbel-max draw keyed by (seed, t) and accepts a draft when it equals it; the
+rejection rule accepts with probability min(1, p/q) given the drafts' distributions
+(`draft_probs`, required then) and resamples from the residual. Both decide each position
+from its own logits row, so sequential and batched verify agree whenever their logits do.
+Every result carries the logprob record (raw target distribution) of each token it chose.
+
 Committed rows. Each session keeps the tap rows of its last window_size committed
 positions and its anchor (`services.verifier.committed`), so a replacement drafter can be
 primed after the session's drafter failed (`committed_tail`).
@@ -66,8 +75,10 @@ import torch
 from services.common.sessions import (SessionHost, SessionLimitError, SessionTable,  # noqa: F401 (re-exported)
                                       UnknownSessionError)
 from services.common.settings import VERIFY_MODES
+from services.verifier.choice import check_draft_probs, choose, judge
 from services.verifier.committed import CommittedRows, CommittedTail
 
+from dsv4.sampling import GREEDY, SamplingParams, TokenLogprob, token_logprobs
 from dsv4.trunk import EXACT_ROWS, Trunk, TrunkState, as_int
 
 
@@ -76,11 +87,13 @@ from dsv4.trunk import EXACT_ROWS, Trunk, TrunkState, as_int
 class StepResult:
     """Result of prefill or decode.
 
-    next_token: argmax of the last consumed position's logits (the new anchor).
-    margin: top1 - top2 logit there (logit units).
+    next_token: the token the session chooses from the last consumed position's logits (the
+        new anchor; the argmax for a greedy session).
+    margin: top1 - top2 raw logit there (logit units).
     rows: [R, T*D] fp32 tap rows of `positions` (prefill: the last min(n, keep_rows)).
     positions: absolute positions of `rows`.
     forward_ms: wall time of the model forward (ms).
+    logprobs: one record, next_token's (raw target logprob and the session's top-N).
     """
 
     next_token: int
@@ -88,15 +101,18 @@ class StepResult:
     rows: torch.Tensor
     positions: range
     forward_ms: float
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
 class VerifyResult:
     """Result of verifying a draft block [anchor, d1..dk] at positions n..n+k.
 
-    accepted: a, the longest matching prefix of the drafts (0..k).
-    bonus_token: the target's argmax at n+a (the next anchor; not yet forwarded).
-    margin: top1 - top2 logit at n+a.
+    accepted: a, the drafts accepted by the session's rule (0..k; greedy: the longest prefix
+        matching the target's argmax).
+    bonus_token: the token chosen from the logits at n+a (the next anchor; not yet
+        forwarded): the correction after a rejected draft, else the bonus token.
+    margin: top1 - top2 raw logit at n+a.
     rows: [a+1, T*D] fp32 tap rows of positions n..n+a.
     positions: range(n, n+a+1).
     forwarded: positions forwarded (sequential: a+1, it stops at the first mismatch;
@@ -113,6 +129,7 @@ class VerifyResult:
     forwarded: int
     rollback_bytes: int
     forward_ms: float
+    logprobs: tuple[TokenLogprob, ...] = ()  # a + 1 records: the accepted drafts, then bonus_token
 
 
 @dataclass
@@ -120,6 +137,7 @@ class _Session:
     state: TrunkState
     committed: CommittedRows
     prefilled: bool = False
+    sampling: SamplingParams = GREEDY  # set by the prefill, fixed for the session's life
 
 
 @dataclass
@@ -129,8 +147,11 @@ class Work:
     op: "prefill" | "decode" | "verify". ids: the prompt [n], the decoded token [1] or the
     block [anchor, d1..dk]. position: where ids[0] goes (0 for a prefill). mode: the verify
     path. A stepwise verify (sequential, or no drafts) forwards one position per forward:
-    `done` counts the positions forwarded so far, `rows` their [1, T*D] fp32 tap rows.
+    `done` counts the positions forwarded so far, `rows` their [1, T*D] fp32 tap rows,
+    `logprobs` the records of the tokens chosen so far.
     forward_ms: wall time of the forwards it took part in so far (ms).
+    sampling: a prefill's sampling parameters (the session keeps them). draft_probs: a
+    verify's [k, V] fp32 draft distributions (rejection rule only; else None).
     """
 
     sid: int
@@ -141,6 +162,9 @@ class Work:
     done: int = 0
     rows: list[torch.Tensor] = field(default_factory=list)
     forward_ms: float = 0.0
+    sampling: SamplingParams = GREEDY
+    draft_probs: torch.Tensor | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def stepwise(self) -> bool:
@@ -239,25 +263,28 @@ class VerifierEngine(SessionHost[_Session]):
         return self._table.locked(sid)
 
     # ------------------------------------------------------------------ admission
-    def admit_prefill(self, sid: int, token_ids: list[int] | torch.Tensor) -> Work:
+    def admit_prefill(self, sid: int, token_ids: list[int] | torch.Tensor,
+                      sampling: SamplingParams = GREEDY) -> Work:
         """Validate a prefill of `sid` (see `prefill` for the rules) without running it.
 
         Reads the session without its lock: the caller has no other request of `sid` in
         flight (one request per session at a time, as a stream sends them).
         Raises: what `prefill` raises for bad values; UnknownSessionError: `sid` not open.
         """
-        return self._admit_prefill(sid, self._get(sid), token_ids)
+        return self._admit_prefill(sid, self._get(sid), token_ids, sampling)
 
     def admit_decode(self, sid: int, token_id: int, position: int) -> Work:
         """Validate a decode of `sid` (see `decode`) without running it; as `admit_prefill`."""
         return self._admit_decode(sid, self._get(sid), token_id, position)
 
     def admit_verify(self, sid: int, anchor: int, drafts: list[int], position: int,
-                     mode: str = "sequential") -> Work:
+                     mode: str = "sequential", draft_probs: torch.Tensor | None = None) -> Work:
         """Validate a verify of `sid` (see `verify`) without running it; as `admit_prefill`."""
-        return self._admit_verify(sid, self._get(sid), anchor, drafts, position, mode)
+        return self._admit_verify(sid, self._get(sid), anchor, drafts, position, mode, draft_probs)
 
-    def _admit_prefill(self, sid: int, s: _Session, token_ids: object) -> Work:
+    def _admit_prefill(self, sid: int, s: _Session, token_ids: object, sampling: object = GREEDY) -> Work:
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be a dsv4.sampling.SamplingParams, got {type(sampling).__name__}")
         if s.prefilled:
             raise ValueError(f"session {sid} is already prefilled (next position {s.state.next_position})")
         ids = _token_list(token_ids, "prompt")
@@ -266,7 +293,7 @@ class VerifierEngine(SessionHost[_Session]):
         if len(ids) > self.cfg.max_seq_len:
             raise ValueError(f"prompt length {len(ids)} exceeds max_seq_len={self.cfg.max_seq_len}")
         self._check_range(ids)
-        return Work(sid, "prefill", ids, 0)
+        return Work(sid, "prefill", ids, 0, sampling=sampling)
 
     def _admit_decode(self, sid: int, s: _Session, token_id: object, position: object) -> Work:
         token_id = as_int(token_id, "token_id")
@@ -278,7 +305,7 @@ class VerifierEngine(SessionHost[_Session]):
         return Work(sid, "decode", [token_id], position)
 
     def _admit_verify(self, sid: int, s: _Session, anchor: object, drafts: object, position: object,
-                      mode: str) -> Work:
+                      mode: str, draft_probs: object = None) -> Work:
         if mode not in VERIFY_MODES:
             raise ValueError(f"verify mode={mode!r}: must be one of {VERIFY_MODES}")
         anchor = as_int(anchor, "anchor")
@@ -287,19 +314,23 @@ class VerifierEngine(SessionHost[_Session]):
         self._check_position(sid, s, position)
         ids = [anchor, *draft_ids]
         self._check_block(position, ids, mode)
-        return Work(sid, "verify", ids, position, mode)
+        q = check_draft_probs(s.sampling, draft_probs, len(draft_ids), self.cfg.vocab_size)
+        return Work(sid, "verify", ids, position, mode, draft_probs=q)
 
     # ------------------------------------------------------------------ prefill / decode
-    def prefill(self, sid: int, token_ids: list[int] | torch.Tensor) -> StepResult:
-        """Forward the prompt x[0..n-1] at positions 0..n-1; returns the first anchor x[n].
+    def prefill(self, sid: int, token_ids: list[int] | torch.Tensor,
+                sampling: SamplingParams = GREEDY) -> StepResult:
+        """Forward the prompt x[0..n-1] at positions 0..n-1; returns the first anchor x[n],
+        chosen with `sampling`, which the session keeps for every later token.
 
         Raises:
             ValueError: empty prompt, non-integer ids, ids out of range, prompt longer than
-                max_seq_len, session already prefilled; the session is unchanged then.
+                max_seq_len, session already prefilled, sampling not a SamplingParams; the
+                session is unchanged then.
             UnknownSessionError: `sid` not open.
         """
         with self._table.locked(sid) as s:
-            return self._run_prefill(s, self._admit_prefill(sid, s, token_ids))
+            return self._run_prefill(s, self._admit_prefill(sid, s, token_ids, sampling))
 
     def _run_prefill(self, s: _Session, work: Work) -> StepResult:
         """Run an admitted prefill on its session record `s` (held by the caller) and commit it."""
@@ -308,16 +339,18 @@ class VerifierEngine(SessionHost[_Session]):
                                  taps=True)
         ms = (time.perf_counter() - t0) * 1e3
         n = s.state.next_position
-        token, margin = top2_margin(out.logits)
-        result = StepResult(token, margin, out.taps, range(n - out.taps.shape[0], n), ms)
-        s.committed.add(result.rows, result.positions, token, margin)
-        s.prefilled = True  # only once everything succeeded
+        token = choose(out.logits, work.sampling, n)
+        result = StepResult(token, top2_margin(out.logits)[1], out.taps, range(n - out.taps.shape[0], n), ms,
+                            tuple(token_logprobs(out.logits.reshape(1, -1), [token], work.sampling.logprobs)))
+        s.committed.add(result.rows, result.positions, token, result.margin)
+        s.sampling, s.prefilled = work.sampling, True  # only once everything succeeded
         return result
 
     def decode(self, sid: int, token_id: int, position: int) -> StepResult:
         """Forward one committed token at `position` (must be the session's next position).
 
-        Returns the argmax at `position` (the next anchor), its margin and the row of `position`.
+        Returns the token chosen at position + 1 (the next anchor; the argmax for a greedy
+        session), the raw top1 - top2 margin there, its logprob record and the row of `position`.
         Raises:
             ValueError: position or token_id not an integer, position is not the session's
                 next position (both named), session not prefilled, id out of range, position
@@ -344,9 +377,11 @@ class VerifierEngine(SessionHost[_Session]):
 
     # ------------------------------------------------------------------ verify
     def verify(self, sid: int, anchor: int, drafts: list[int], position: int,
-               mode: str = "sequential") -> VerifyResult:
+               mode: str = "sequential", draft_probs: torch.Tensor | None = None) -> VerifyResult:
         """Verify [anchor, d1..dk] at positions position..position+k (see the module docstring).
 
+        draft_probs [k, V]: the distribution each draft was drawn from; required by a session
+        sampling with the rejection rule, ignored otherwise.
         mode "sequential": one position at a time, stopping at the first mismatch (exact).
         mode "batched": one (k+1)-position forward, then exact rollback of positions
         n+a+1..n+k (ring slots, compressor accumulators, compressed and indexer caches).
@@ -354,12 +389,12 @@ class VerifierEngine(SessionHost[_Session]):
             ValueError: unknown mode; anchor / position not an integer, drafts not a list /
                 tuple / 1-D integer tensor of integers (each named); wrong position (named),
                 ids out of range, a block that would run past max_seq_len, a batched block
-                of more than EXACT_ROWS tokens on an exact-numerics trunk. The session is
-                unchanged then.
+                of more than EXACT_ROWS tokens on an exact-numerics trunk; draft_probs missing
+                or malformed under the rejection rule (named). The session is unchanged then.
             UnknownSessionError: `sid` not open.
         """
         with self._table.locked(sid) as s:
-            work = self._admit_verify(sid, s, anchor, drafts, position, mode)
+            work = self._admit_verify(sid, s, anchor, drafts, position, mode, draft_probs)
             while True:
                 t0 = time.perf_counter()
                 if work.stepwise:
@@ -390,33 +425,48 @@ def absorb(s: _Session, work: Work, out, ms: float, model=None) -> StepResult | 
     `out`: the trunk's ForwardOutput (a decode, or one position of a stepwise verify) or
     BlockOutput (a batched verify block, still open); `ms`: that forward's wall time (ms),
     added to `work.forward_ms`; `model`: the trunk, which rolls a block back (verify only).
-    Returns the request's result once it is complete, its rows committed; None when a
-    stepwise verify needs its next position forwarded (position work.position + work.done).
+    Tokens are chosen and drafts judged by the session's sampling rule, one logits row at a
+    time (`services.verifier.choice`). Returns the request's result once it is complete, its
+    rows committed; None when a stepwise verify needs its next position forwarded (position
+    work.position + work.done).
+    Raises:
+        ValueError: a rejection-rule verify without draft_probs (admission prevents it).
     """
     work.forward_ms += ms
+    params = s.sampling
     if work.op == "decode":
-        token, margin = top2_margin(out.logits)
-        result = StepResult(token, margin, out.taps, range(work.position, work.position + 1), work.forward_ms)
-        s.committed.add(result.rows, result.positions, token, margin)
+        token = choose(out.logits, params, work.position + 1)
+        lp = token_logprobs(out.logits.reshape(1, -1), [token], params.logprobs)
+        result = StepResult(token, top2_margin(out.logits)[1], out.taps, range(work.position, work.position + 1),
+                            work.forward_ms, tuple(lp))
+        s.committed.add(result.rows, result.positions, token, result.margin)
         return result
     n, ids = work.position, work.ids
     if work.stepwise:
         i = work.done
         work.rows.append(out.taps)
         work.done += 1
-        target, margin = top2_margin(out.logits)
-        if i + 1 < len(ids) and target == ids[i + 1]:
+        token = _judge_row(work, out.logits, i, params)
+        if token is None:
             return None
-        result = VerifyResult(i, target, margin, torch.cat(work.rows), range(n, n + i + 1), i + 1, 0,
-                              work.forward_ms)
+        result = VerifyResult(i, token, top2_margin(out.logits)[1], torch.cat(work.rows), range(n, n + i + 1),
+                              i + 1, 0, work.forward_ms, tuple(work.logprobs))
     else:
-        targets = out.logits.argmax(-1).tolist()  # [k+1]
         a = 0
-        while a + 1 < len(ids) and targets[a] == ids[a + 1]:
+        while (token := _judge_row(work, out.logits[a], a, params)) is None:
             a += 1
         copied = model.rollback(s.state, out.undo, keep=a + 1)
-        bonus, margin = top2_margin(out.logits[a])
-        result = VerifyResult(a, bonus, margin, out.taps[: a + 1], range(n, n + a + 1), len(ids), copied,
-                              work.forward_ms)
+        result = VerifyResult(a, token, top2_margin(out.logits[a])[1], out.taps[: a + 1], range(n, n + a + 1),
+                              len(ids), copied, work.forward_ms, tuple(work.logprobs))
     s.committed.add(result.rows, result.positions, result.bonus_token, result.margin)
     return result
+
+
+def _judge_row(work: Work, row: torch.Tensor, i: int, params: SamplingParams) -> int | None:
+    """Judge row i ([V] logits of position work.position + i) of a verify block and record the
+    logprob of the token taken at the next position: None when draft i + 1 is accepted, else
+    the token chosen there (the correction, or past the last draft the bonus token)."""
+    token = judge(row, work.ids, i, params, work.position, work.draft_probs)
+    taken = work.ids[i + 1] if token is None else token
+    work.logprobs += token_logprobs(row.reshape(1, -1), [taken], params.logprobs)
+    return token

@@ -19,11 +19,14 @@ import time
 from opentelemetry.sdk.trace import TracerProvider
 
 from dspark_proto.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from services.common.sampling_wire import logprob_to_proto, params_from_proto
 from services.common.session_stream import SessionStreamServicer
 from services.common.telemetry import message_span
-from services.common.tensors import to_proto
+from services.common.tensors import from_proto, to_proto
 from services.verifier.batcher import StepLoop, StepStats
 from services.verifier.engine import StepResult, VerifierEngine, VerifyResult
+
+from dsv4.sampling import GREEDY
 
 _MODES = {verifier_pb2.VERIFY_MODE_SEQUENTIAL: "sequential", verifier_pb2.VERIFY_MODE_BATCHED: "batched"}
 
@@ -81,8 +84,12 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
             if op == "rows":
                 return self._rows(sid, request.rows.count, span)
             if op == "prefill":
-                ids = list(request.prefill.token_ids)
-                res = await self._run("prefill", sid, ids)
+                p = request.prefill
+                ids = list(p.token_ids)
+                sampling = GREEDY  # an unset message is greedy, as before sampling existed
+                if p.HasField("sampling"):
+                    sampling = params_from_proto(p.sampling, field="prefill.sampling")
+                res = await self._run("prefill", sid, ids, sampling)
                 response, rows = self._step_response(res), len(ids)
             elif op == "decode":
                 d = request.decode
@@ -91,6 +98,7 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
             else:
                 res, response = await self._verify(sid, request.verify, span)
                 rows = res.forwarded
+            response.logprobs.extend(logprob_to_proto(r) for r in res.logprobs)
             total_ms = (time.perf_counter() - received) * 1e3
             response.timing.forward_ms = res.forward_ms
             response.timing.queue_ms = max(0.0, total_ms - res.forward_ms)
@@ -112,7 +120,13 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
         if v.mode not in _MODES and v.mode != verifier_pb2.VERIFY_MODE_UNSPECIFIED:
             raise ValueError(f"verify mode={v.mode}: not a VerifyMode (0 default, 1 sequential, 2 batched)")
         mode = _MODES.get(v.mode, self.default_mode)
-        res = await self._run("verify", sid, v.anchor, list(v.drafts), v.position, mode)
+        q = None
+        if v.HasField("draft_probs"):
+            try:
+                q = from_proto(v.draft_probs, max_elements=len(v.drafts) * self.engine.cfg.vocab_size)
+            except ValueError as exc:
+                raise ValueError(f"verify.draft_probs: {exc}") from None
+        res = await self._run("verify", sid, v.anchor, list(v.drafts), v.position, mode, q)
         response = verifier_pb2.VerifierResponse(
             next_token=res.bonus_token, margin=res.margin, accepted=res.accepted,
             rows=to_proto(res.rows), first_position=res.positions.start, next_position=res.positions.stop)
