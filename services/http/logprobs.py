@@ -6,7 +6,8 @@ tokenizer's decoding of that one id.
 
 Completions (`logprobs`: N): {"tokens": [str], "token_logprobs": [float], "top_logprobs":
 [{str: float}], "text_offset": [int]}; each top_logprobs entry holds the N most likely tokens
-and the chosen one (N + 1 entries when the chosen one is not among them, as vLLM does).
+and the chosen one (N + 1 entries when the chosen one is not among them, as vLLM does; fewer
+when two ids decode to the same text, the dict's key).
 Chat (`logprobs: true`, `top_logprobs`: N): {"content": [{"token", "logprob", "bytes",
 "top_logprobs": [{"token", "logprob", "bytes"}]}]}. A streamed response carries, in each
 chunk, the logprobs of the tokens new in that chunk; `text_offset` keeps counting across them.
@@ -48,7 +49,11 @@ class LogprobFormatter:
                 "top_logprobs": [self._top_dict(r) for r in records], "text_offset": offsets}
 
     def _top_dict(self, r: common_pb2.TokenLogprob) -> dict[str, float]:
-        top = {self._text(t): lp for t, lp in zip(r.top_ids, r.top_logprobs)}
+        # Two ids can decode to one string (a lone byte of a multi-byte character): the more
+        # likely one keeps the key, as the alternatives arrive most likely first.
+        top: dict[str, float] = {}
+        for t, lp in zip(r.top_ids, r.top_logprobs):
+            top.setdefault(self._text(t), lp)
         top.setdefault(self._text(r.token_id), r.logprob)
         return top
 
