@@ -34,7 +34,7 @@ def test_seeded_completion_equals_grpc_with_logprobs_in_openai_shape(front):  # 
     ids, records, final = _grpc(front, temperature=1.0, top_p=0.9, seed=42, logprobs=3, top_k=50)
     choice = r.choices[0]
     assert choice.model_extra["token_ids"] == ids and len(ids) == 10
-    assert r.model_extra["dspark"]["seed"] == 42 == final.seed
+    assert r.model_extra["seed"] == 42 == final.seed
     lp = choice.logprobs
     assert lp.token_logprobs == pytest.approx([x.logprob for x in records], abs=0, rel=1e-7)
     tokenizer = front.gateway.scheduler.tokenizer
@@ -49,7 +49,7 @@ def test_a_completion_without_seed_reports_the_drawn_one_which_reproduces_it(fro
     client = front.client()
     first = client.completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=10, temperature=0.8,
                                       extra_body={"ignore_eos": True, "sampling_rule": "rejection"})
-    seed = first.model_extra["dspark"]["seed"]
+    seed = first.model_extra["seed"]
     again = client.completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=10, temperature=0.8,
                                       seed=seed, extra_body={"ignore_eos": True, "sampling_rule": "rejection"})
     assert seed > 0 and again.choices[0].text == first.choices[0].text

@@ -8,10 +8,10 @@ usage.completion_tokens_details: accepted_prediction_tokens = draft tokens the v
 accepted (`spec_accepted_tokens`); rejected_prediction_tokens = draft tokens submitted to
 verify and rejected (`spec_draft_tokens - spec_accepted_tokens`); drafts the gate dropped
 before verify are in neither (they are in `dspark.drafted`). A choice that ended on a stop
-carries what matched as `stop_reason` (a token id or a stop string; vLLM's field), else null. The `dspark` object carries the generation's `SpecStats` fields,
-`time_to_first_token_ms` and `seed` (the one used: the request's, or drawn by the gateway),
-on the whole response and on the chunk that carries finish_reason. `logprobs` is null unless
-asked for; then `services.http.logprobs` builds it.
+carries what matched as `stop_reason` (a token id or a stop string; vLLM's field), else null. The `dspark` object carries the generation's `SpecStats` fields and
+`time_to_first_token_ms`, on the whole response and on the chunk that carries finish_reason;
+beside it, `seed` is the seed used (the request's, or drawn by the gateway). `logprobs` is
+null unless asked for; then `services.http.logprobs` builds it.
 """
 
 from __future__ import annotations
@@ -50,11 +50,10 @@ def stop_reason(final: gateway_pb2.GenerateResponse) -> int | str | None:
 
 
 def dspark_stats(final: gateway_pb2.GenerateResponse) -> dict:
-    """The `dspark` extension: every SpecStats field (defaults included), TTFT (ms) and the seed."""
+    """The `dspark` extension: every SpecStats field (defaults included) and TTFT (ms)."""
     stats = MessageToDict(final.spec_stats, preserving_proto_field_name=True,
                           always_print_fields_with_no_presence=True)
     stats["time_to_first_token_ms"] = final.time_to_first_token_ms
-    stats["seed"] = final.seed
     return stats
 
 
@@ -91,7 +90,7 @@ class Shape:
         if token_ids is not None:
             choice["token_ids"] = token_ids
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage(final), "dspark": dspark_stats(final)}
+                "usage": usage(final), "dspark": dspark_stats(final), "seed": final.seed}
 
     def chunk(self, text: str, finish_reason: str | None = None, *, first: bool = False,
               with_usage_field: bool = False, token_ids: list[int] | None = None,
@@ -120,6 +119,7 @@ class Shape:
                           token_ids=list(final.token_ids) if with_token_ids else None)
         body["choices"][0]["stop_reason"] = stop_reason(final)
         body["dspark"] = dspark_stats(final)
+        body["seed"] = final.seed
         return body
 
     def usage_chunk(self, final: gateway_pb2.GenerateResponse) -> dict:

@@ -7,7 +7,7 @@ max_seq_len, the stop token ids): those come back as INVALID_ARGUMENT, answered 
 
 Sampling (docs/services.md §9): `temperature` absent means greedy (the model's default, as
 vLLM uses the model's generation default rather than OpenAI's 1); > 0 samples with `top_p`,
-`seed` (absent: the gateway draws one, returned as `dspark.seed`) and the extensions `top_k`
+`seed` (absent: the gateway draws one, returned as the response's `seed`) and the extensions `top_k`
 and `min_p` (vLLM's names) and `sampling_rule` ("coupled" | "rejection"; absent: the
 gateway's). Logprobs: completions' integer `logprobs` (0..20 alternatives), chat's
 `logprobs` + `top_logprobs`; they are the target model's raw logprobs. A bad value is a 400
