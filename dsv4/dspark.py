@@ -2,11 +2,12 @@
 (docs/model.md §9). This module owns the draft math, the per-sequence rings (`DraftState`,
 written by `write_main_kv`) and the checks that keep them in step with the trunk. It holds no
 sessions (`services.drafter`), never decides which rows are committed (the caller sends only
-accepted ones) and does not shard itself (`dsv4.dspark_tp`).
+accepted ones) and does not shard itself (`dsv4.dspark_tp`); its layers are `dsv4.dspark_stage`'s.
 
-Dimension legend: B = dspark_block_size (block slots), R = committed rows in one write,
-T = len(dspark_target_layer_ids), D = dim, C = hc_mult, H = heads (this TP rank's),
-Dh = head_dim, W = window_size, V = vocab, Rm = dspark_markov_rank, k = n_activated_experts.
+Dimension legend: B = dspark_block_size (block slots), N = sessions in one batched call,
+R = committed rows in one write, T = len(dspark_target_layer_ids), D = dim, C = hc_mult,
+H = heads (this TP rank's), Dh = head_dim, W = window_size, V = vocab, Rm =
+dspark_markov_rank, k = n_activated_experts.
 
 Positions (docs/model.md §9.2, which warns of the off-by-one). The seed position p is the
 last committed position whose target row (tap row) is known. The anchor, the committed
@@ -24,6 +25,12 @@ block's own keys never enter the ring, and rejected positions are never written 
 at q evicts q-W, which may still be inside the next window). A commit may repeat positions
 still in the window only with rows that give the same keys (the protocol only ever resends
 identical rows); one that would change a ring is rejected (see `write_main_kv`).
+
+Batching (`draft_batch`, `write_main_kv_batch`): several sessions in one call. A batched
+draft runs the dense ops once over all N*B block rows and the attention as one gather over
+the N rings, each block seeing only its own ring and its own rows; it equals `draft` to
+rounding (bitwise at N = 1). A batched write is exact: it computes every key one row at a
+time as `write_main_kv` does, so rings never depend on what else was in the batch.
 
 End of the sequence: `draft` returns only the drafts of positions < max_seq_len, i.e.
 min(B, max_seq_len - p - 2) of them (0 when the anchor is the last position), and raises
@@ -47,123 +54,18 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from dsv4.attention import sparse_attn
 from dsv4.config import ModelConfig
 from dsv4.draft_args import check_commit, check_draft_args, check_seed, draft_length, listed, weight_problem
+from dsv4.dspark_stage import ConfidenceHead, DraftMoE, DSparkStage, MarkovHead  # noqa: F401 (re-exported)
 from dsv4.dspark_tp import DraftTP
-from dsv4.layers import Embedding, Linear, RMSNorm, frozen_param
+from dsv4.layers import Embedding, Linear
 from dsv4.mhc import hc_head
-from dsv4.moe import Expert, Gate, reduce_routes
-from dsv4.rope import Rope
 from dsv4.settings import Settings
-from dsv4.trunk import DTYPES, Block
+from dsv4.trunk import DTYPES
 
-Reduce = Callable[[torch.Tensor], torch.Tensor]
-# Picks a draft slot's token inside the Markov loop: (slot j, logits [V] fp32) -> token [1] int64.
+# Picks slot j's tokens inside the Markov loop: (j, logits [N, V] fp32 of slot j in each of the
+# N blocks, Markov bias included) -> [N] int64. None everywhere below means the argmax.
 Chooser = Callable[[int, torch.Tensor], torch.Tensor]
-
-
-class DraftMoE(nn.Module):
-    """A stage's MoE with this rank's routed experts (docs/model.md §6, docs/architecture.md §10).
-
-    gate (replicated, routes over all E experts), `experts` = ModuleDict of the local experts
-    keyed by global id, `shared_experts` (replicated). forward(x [N, D], ids [N]) -> [N, D]:
-    routed sum over local experts (fp32, a token's partials folded in ascending expert id as
-    `dsv4.moe.MoE` does), `reduce` (the TP all-reduce) of that sum, THEN + shared expert.
-    """
-
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, quant_sim: bool,
-                 deterministic_reduce: bool, experts: range, reduce: Reduce, device: torch.device | str):
-        super().__init__()
-        D, I, L = cfg.dim, cfg.moe_inter_dim, cfg.swiglu_limit
-        self.deterministic_reduce, self.reduce = deterministic_reduce, reduce
-        self.gate = Gate(cfg, layer_id, device)
-        routed_aq = quant_sim and cfg.expert_dtype in ("fp4", "fp8")
-        self.experts = nn.ModuleDict({str(e): Expert(D, I, L, dtype, device, routed_aq) for e in experts})
-        self.shared_experts = Expert(D, I, L, dtype, device, quant_sim and cfg.weight_dtype == "fp8")
-
-    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        weights, experts = self.gate(x, ids)
-        routed = self.reduce(self.routed(x, weights, experts))  # before the shared expert: counted once
-        return (routed + self.shared_experts(x).float()).to(x.dtype)
-
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [N, D], weights [N, k] fp32, experts [N, k] -> [N, D] fp32; routes to non-local experts add 0."""
-        N, k = experts.shape
-        partial = x.new_zeros(N, k, x.shape[1], dtype=torch.float32)  # [N, k, D] one row per route
-        for e in torch.unique(experts).tolist():  # ascending expert id
-            if str(e) not in self.experts:
-                continue
-            tok, slot = torch.nonzero(experts == e, as_tuple=True)  # ascending token
-            partial[tok, slot] = self.experts[str(e)](x[tok], weights[tok, slot]).float()
-        return reduce_routes(partial, experts, self.deterministic_reduce)
-
-
-class MarkovHead(nn.Module):
-    """markov_w1 [V, Rm] (embedding of the previous token), markov_w2 [V, Rm] (rank-Rm bigram
-    bias head), fp32 (docs/model.md §9.1, §9.5)."""
-
-    def __init__(self, vocab_size: int, rank: int, device: torch.device | str):
-        super().__init__()
-        self.markov_w1 = Embedding(vocab_size, rank, torch.float32, device)
-        self.markov_w2 = Linear(rank, vocab_size, torch.float32, device)
-
-
-class ConfidenceHead(nn.Module):
-    """proj [1, D + Rm] fp32, no bias: confidence logit of [hidden ; markov embedding] (docs/model.md §9.5)."""
-
-    def __init__(self, dim: int, rank: int, device: torch.device | str):
-        super().__init__()
-        self.proj = Linear(dim + rank, 1, torch.float32, device)
-
-
-class DSparkStage(Block):
-    """Stage s = a full `Block` with layer id n_layers + s (ratio 0, rope theta without YaRN,
-    scored gate) whose MoE is a `DraftMoE`; stage 0 adds main_proj [D, T*D] + main_norm [D];
-    the last stage adds norm [D], hc_head_fn [C, C*D] / _base [C] / _scale [1], markov_head
-    and (optionally) confidence_head (docs/model.md §9.1). Built on the meta device, then materialised
-    on `device` so non-local experts never allocate memory.
-    """
-
-    def __init__(self, cfg: ModelConfig, local_cfg: ModelConfig, stage: int, dtype: torch.dtype,
-                 quant_sim: bool, deterministic_reduce: bool, tp: DraftTP, confidence_head: bool,
-                 device: torch.device | str):
-        layer_id = cfg.n_layers + stage
-        super().__init__(local_cfg, layer_id, dtype, quant_sim, deterministic_reduce, device="meta")
-        self.reduce = tp.all_reduce
-        self.ffn = DraftMoE(local_cfg, layer_id, dtype, quant_sim, deterministic_reduce,
-                            tp.local_experts(cfg), tp.all_reduce, "meta")
-        D, C, meta = cfg.dim, cfg.hc_mult, "meta"
-        if stage == 0:
-            self.main_proj = Linear(cfg.tap_width, D, dtype, meta, act_quant=quant_sim and cfg.weight_dtype == "fp8")
-            self.main_norm = RMSNorm(D, cfg.norm_eps, meta)
-        if stage == cfg.n_mtp_layers - 1:
-            self.norm = RMSNorm(D, cfg.norm_eps, meta)
-            self.hc_head_fn = frozen_param((C, C * D), torch.float32, meta)
-            self.hc_head_base = frozen_param((C,), torch.float32, meta)
-            self.hc_head_scale = frozen_param((1,), torch.float32, meta)
-            self.markov_head = MarkovHead(cfg.vocab_size, cfg.dspark_markov_rank, meta)
-            if confidence_head:
-                self.confidence_head = ConfidenceHead(D, cfg.dspark_markov_rank, meta)
-        self.to_empty(device=device)
-        self.attn.rope = Rope.for_layer(cfg, layer_id, device)  # to_empty left the table uninitialised
-        stray = [n for n, _ in self.named_buffers() if n != "attn.rope.inv_freq"]
-        assert not stray, f"buffers {stray} would be uninitialised after to_empty"
-
-    def draft_attention(self, x: torch.Tensor, ring: torch.Tensor, n_ctx: int, pos: torch.Tensor) -> torch.Tensor:
-        """DSparkAttention (docs/model.md §9.4): x [B, D] (normed sublayer input) at block positions pos [B].
-
-        Keys = [ring [W, Dh] | the block's own kv [B, Dh]]; every slot attends the first
-        `n_ctx` ring slots (positions max(0, p-W+1)..p) and the whole block (non-causal).
-        Returns [B, D] after the output projection and the first all-reduce.
-        """
-        attn, B, W = self.attn, x.shape[0], ring.shape[0]
-        q, _ = attn.project_q(x, pos)  # [B, H, Dh]
-        keys = torch.cat((ring, attn.project_kv(x, pos)))  # [W + B, Dh]
-        idx = torch.cat((torch.arange(n_ctx, device=x.device), W + torch.arange(B, device=x.device)))
-        o = sparse_attn(q, keys, attn.attn_sink, idx.expand(B, -1), attn.softmax_scale)  # [B, H, Dh]
-        return self.reduce(attn.project_out(o, pos))
-
 
 @dataclass
 class DraftState:
@@ -181,6 +83,18 @@ class DraftState:
     @property
     def nbytes(self) -> int:
         return sum(r.nbytes for r in self.rings)
+
+
+@dataclass(frozen=True)
+class _Write:
+    """A checked commit ready to land: todo (row index, position) pairs still inside the
+    window, keys[j] one [Dh] key per stage for todo[j], finite[j] its on-device flags
+    [1 + stages] (`DSparkDraft._row_keys`), last the last committed position after it."""
+
+    todo: list[tuple[int, int]]
+    keys: list[list[torch.Tensor]]
+    finite: list[torch.Tensor]
+    last: int
 
 
 @dataclass(frozen=True)
@@ -319,37 +233,88 @@ class DSparkDraft(nn.Module):
                 different row (named).
             RuntimeError: weights not loaded.
         """
+        [error] = self.write_main_kv_batch([state], [rows], [positions])
+        if error is not None:
+            raise error
+
+    @torch.no_grad()
+    def write_main_kv_batch(self, states: Sequence[DraftState], rows: Sequence[torch.Tensor],
+                            positions: Sequence[Sequence[int]]) -> list[ValueError | None]:
+        """`write_main_kv` of N sessions' commits in one call: rows[i] [R_i, T*D] of positions[i]
+        into states[i], each commit checked and applied on its own (atomic per session).
+
+        Exact: every key is computed one row at a time exactly as `write_main_kv` computes it,
+        so the rings end bitwise equal to N separate calls (a resent row is compared bitwise
+        with the ring, so its keys must not depend on which commits share the call). What the
+        batch saves is the per-call overhead and all but one host sync of the finiteness checks.
+        Returns one entry per commit: None when it was written, else the ValueError
+        `write_main_kv` would raise (that session's state is unchanged; the others land).
+        Raises:
+            ValueError: the three sequences of different lengths, or one state twice (a
+                session commits at most once per batch); nothing is written then.
+            RuntimeError: weights not loaded.
+        """
         self._require_loaded()
+        if not len(states) == len(rows) == len(positions):
+            raise ValueError(f"write_main_kv_batch: {len(states)} states, {len(rows)} row tensors and "
+                             f"{len(positions)} position lists: need one of each per commit")
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("write_main_kv_batch: a state appears twice; a session commits at most once per batch")
+        plans: list[_Write | ValueError] = []
+        for state, r, pos in zip(states, rows, positions):
+            try:
+                plans.append(self._plan_write(state, r, pos))
+            except ValueError as exc:
+                plans.append(exc)
+        flags = [f for plan in plans if isinstance(plan, _Write) for f in plan.finite]
+        all_finite = bool(torch.stack(flags).all()) if flags else True  # one host sync for every commit
+        errors: list[ValueError | None] = []
+        for state, plan in zip(states, plans):
+            error = plan if isinstance(plan, ValueError) else self._check_write(state, plan, all_finite)
+            if error is None:
+                self._apply_write(state, plan)
+            errors.append(error)
+        return errors
+
+    def _plan_write(self, state: DraftState, rows: torch.Tensor, positions: Sequence[int]) -> "_Write":
+        """Check one commit's arguments and compute the keys of every row it may write (row by
+        row, batch-size invariant). Raises ValueError (arguments); writes nothing."""
         self._check_state(state)
         pos = check_commit(self.cfg, state.last_position, rows, positions)
         rows = rows.to(self.embed.weight.device)
-        old_last = state.last_position
-        last = max(old_last, pos[-1])
-        W = self.cfg.window_size
-        todo = [(i, p) for i, p in enumerate(pos) if p > last - W]
-        # Keys of every row to write, one row at a time (batch-size invariant), checked before any write.
+        last = max(state.last_position, pos[-1])
+        todo = [(i, p) for i, p in enumerate(pos) if p > last - self.cfg.window_size]
         computed = [self._row_keys(rows[i:i + 1], p) for i, p in todo]
-        finite = torch.stack([ok for _, ok in computed]) if computed else torch.ones(0, 1, dtype=torch.bool)
-        if not bool(finite.all()):  # [n, 1 + stages]: one host sync for all rows
+        return _Write(todo, [k for k, _ in computed], [ok for _, ok in computed], last)
+
+    def _check_write(self, state: DraftState, plan: "_Write", all_finite: bool) -> ValueError | None:
+        """The key-level problems of a planned commit (`write_main_kv`'s), or None."""
+        finite = torch.stack(plan.finite) if plan.finite and not all_finite else None  # [n, 1 + stages]
+        if finite is not None and not bool(finite.all()):
             j, s = (int(x) for x in (~finite).nonzero()[0])
-            i, p = todo[j]
+            i, p = plan.todo[j]
             if s == 0:  # rsqrt(inf) = 0 in main_norm: a finite but huge row would give zero (or NaN) keys
-                raise ValueError(f"rows[{i}] (position {p}) is out of range: its main_proj output overflows "
-                                 f"main_norm's mean square (|x| up to ~1e19 in fp32)")
-            raise ValueError(f"rows[{i}] (position {p}) gives a non-finite key in stage {s - 1}")
-        for (i, p), (keys, _) in zip(todo, computed):
-            if p <= old_last:  # still in the window, so slot p % W holds position p
+                return ValueError(f"rows[{i}] (position {p}) is out of range: its main_proj output overflows "
+                                  f"main_norm's mean square (|x| up to ~1e19 in fp32)")
+            return ValueError(f"rows[{i}] (position {p}) gives a non-finite key in stage {s - 1}")
+        W = self.cfg.window_size
+        for (i, p), keys in zip(plan.todo, plan.keys):
+            if p <= state.last_position:  # still in the window, so slot p % W holds position p
                 changed = [s for s, (k, ring) in enumerate(zip(keys, state.rings))
                            if not torch.equal(k.to(ring.dtype), ring[p % W])]
                 if changed:
-                    raise ValueError(f"position {p} is already committed with a different row: rows[{i}] "
-                                     f"would change stage {changed[0]}'s key (committed positions may only "
-                                     f"be resent with identical rows)")
-        for (i, p), (keys, _) in zip(todo, computed):
-            if p > old_last:
+                    return ValueError(f"position {p} is already committed with a different row: rows[{i}] "
+                                      f"would change stage {changed[0]}'s key (committed positions may only "
+                                      f"be resent with identical rows)")
+        return None
+
+    def _apply_write(self, state: DraftState, plan: "_Write") -> None:
+        W = self.cfg.window_size
+        for (_, p), keys in zip(plan.todo, plan.keys):
+            if p > state.last_position:
                 for ring, k in zip(state.rings, keys):
                     ring[p % W] = k
-        state.last_position = last
+        state.last_position = plan.last
 
     def _row_keys(self, row: torch.Tensor, p: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Keys [Dh] of one committed row [1, T*D] at position p, one per stage, and on-device flags
@@ -369,7 +334,8 @@ class DSparkDraft(nn.Module):
         p+2.. that lie before max_seq_len, min(B, max_seq_len - p - 2) of them (`draft_length`).
 
         anchor, seed_position: integers (int, numpy or torch integer; never bool or float,
-        which would otherwise be truncated). choose: slot chooser of `head_forward` (None: argmax).
+        which would otherwise be truncated). The same computation as `draft_batch` of one
+        session, so the two are bitwise equal. choose: the slot chooser (None: argmax).
         Raises:
             ValueError: a state not from this module; a non-integer anchor or seed_position;
                 anchor outside [0, vocab_size); nothing committed; seed_position not the last
@@ -378,13 +344,54 @@ class DSparkDraft(nn.Module):
             RuntimeError: weights not loaded.
         """
         self._require_loaded()
+        anchor, p, n = self.check_draft(state, anchor, seed_position)
+        return _cut(self._draft_rows([state.rings], [anchor], [p], choose)[0], n)
+
+    @torch.no_grad()
+    def draft_batch(self, states: Sequence[DraftState], anchors: Sequence[int], seed_positions: Sequence[int],
+                    choosers: Sequence[Chooser | None] | None = None) -> list[DraftOutput]:
+        """`draft` for N sessions in one forward: states[i] drafts from anchors[i] at seed_positions[i].
+
+        Dense ops (projections, norms, mHC, MoE, head) run once over all N*B block rows;
+        attention is one gather over the N rings stacked, each block seeing only its own
+        ring's live slots and its own B rows. Numerics: N = 1 is `draft` bitwise. For N > 1
+        the rows of a block are computed in a larger matmul, so logits, confidences and
+        hidden states agree with `draft` to rounding (fp32 ~1e-6 relative, bf16 ~1e-2), not
+        bitwise; a drafted token can differ only where two logits tie within that rounding.
+        Rings are read, never written. Returns one DraftOutput per session, in order, each
+        cut to that session's `draft_length`; [] for N = 0. choosers: one slot chooser per
+        session, each called with its own block's logits [1, V] (None: all argmax).
+        Raises:
+            ValueError: the three sequences of different lengths, or any session's argument
+                as `draft` raises it, prefixed "session i:"; nothing is computed then.
+            RuntimeError: weights not loaded.
+        """
+        self._require_loaded()
+        if not len(states) == len(anchors) == len(seed_positions):
+            raise ValueError(f"draft_batch: {len(states)} states, {len(anchors)} anchors and "
+                             f"{len(seed_positions)} seed positions: need one of each per session")
+        if choosers is not None and len(choosers) != len(states):
+            raise ValueError(f"draft_batch: {len(choosers)} choosers for {len(states)} sessions")
+        checked = []
+        for i, (state, anchor, seed) in enumerate(zip(states, anchors, seed_positions)):
+            try:
+                checked.append(self.check_draft(state, anchor, seed))
+            except ValueError as exc:
+                raise ValueError(f"session {i}: {exc}") from None
+        if not checked:
+            return []
+        choose = None if choosers is None or all(c is None for c in choosers) else _per_block(list(choosers))
+        outs = self._draft_rows([s.rings for s in states], [a for a, _, _ in checked], [p for _, p, _ in checked],
+                                choose)
+        return [_cut(out, n) for out, (_, _, n) in zip(outs, checked)]
+
+    def check_draft(self, state: DraftState, anchor: int, seed_position: int) -> tuple[int, int, int]:
+        """Validate one draft's arguments against its state; returns (anchor, seed_position,
+        draft_length) as ints. Computes nothing. Raises ValueError as `draft` does."""
         self._check_state(state)
         anchor, p = check_draft_args(self.cfg, anchor, seed_position)
         check_seed(state.last_position, p)
-        n = draft_length(self.cfg, p)
-        out = self.draft_from_rings(state.rings, anchor, p, choose)
-        conf = None if out.confidence is None else out.confidence[:n]
-        return DraftOutput(out.tokens[:n], out.logits[:n], conf, out.hidden[:n])
+        return anchor, p, draft_length(self.cfg, p)
 
     @torch.no_grad()
     def draft_from_rings(self, rings: list[torch.Tensor], anchor: int, seed_position: int,
@@ -395,43 +402,67 @@ class DSparkDraft(nn.Module):
         ring count/shape)."""
         self._require_loaded()
         self._check_rings(rings)
-        cfg = self.cfg
-        anchor, p = check_draft_args(cfg, anchor, seed_position)
-        B = cfg.dspark_block_size
-        draft_length(cfg, p)
-        dev = self.embed.weight.device
-        ids = torch.full((B,), cfg.dspark_noise_token_id, dtype=torch.int64, device=dev)  # [B]
-        ids[0] = anchor
-        pos = torch.arange(p + 1, p + 1 + B, device=dev)  # [B] block positions
-        n_ctx = min(cfg.window_size, p + 1)
-        h = self.embed(ids).unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # (B, C, D)
-        for stage, ring in zip(self.mtp, rings):
-            h = stage.attn_residual(h, lambda x, st=stage, r=ring: st.draft_attention(x, r, n_ctx, pos))
+        anchor, p = check_draft_args(self.cfg, anchor, seed_position)
+        draft_length(self.cfg, p)
+        return self._draft_rows([rings], [anchor], [p], choose)[0]
+
+    def _draft_rows(self, rings: list[Sequence[torch.Tensor]], anchors: list[int], seeds: list[int],
+                    choose: Chooser | None = None) -> list[DraftOutput]:
+        """The forward of N checked blocks, all B slots each: rings[n][s] [W, Dh], anchors and
+        seeds N ints. Row n*B + j of every dense op is slot j of block n."""
+        cfg, dev = self.cfg, self.embed.weight.device
+        N, B, W = len(anchors), cfg.dspark_block_size, cfg.window_size
+        ids = torch.full((N, B), cfg.dspark_noise_token_id, dtype=torch.int64, device=dev)  # [N, B]
+        ids[:, 0] = torch.tensor(anchors, device=dev)
+        ids = ids.flatten()  # [N*B]
+        seed = torch.tensor(seeds, device=dev)
+        pos = (seed[:, None] + 1 + torch.arange(B, device=dev)).flatten()  # [N*B] block positions p+1..p+B
+        n_ctx = [min(W, p + 1) for p in seeds]
+        K = max(n_ctx) + B  # blocks with a shorter window pad their list with masked (-1) columns
+        idx = torch.full((N, K), -1, dtype=torch.int64, device=dev)  # [N, K] into [N rings | N*B own rows]
+        for n, c in enumerate(n_ctx):
+            idx[n, :c] = n * W + torch.arange(c, device=dev)
+            idx[n, c:c + B] = N * W + n * B + torch.arange(B, device=dev)
+        h = self.embed(ids).unsqueeze(1).repeat(1, cfg.hc_mult, 1)  # [N*B, C, D]
+        for s, stage in enumerate(self.mtp):
+            ctx = torch.cat([r[s] for r in rings])  # [N*W, Dh]
+            h = stage.attn_residual(h, lambda x, st=stage, c=ctx: st.draft_attention_batch(x, c, idx, pos))
             h = stage.ffn_residual(h, ids)
-        return self.head_forward(h, ids[:1], choose)
+        return self.head_forward_batch(h, ids[::B], choose)
 
     def head_forward(self, h: torch.Tensor, anchor: torch.Tensor, choose: Chooser | None = None) -> DraftOutput:
-        """Last-stage head (docs/model.md §9.5): h [B, C, D], anchor [1] int64 -> DraftOutput.
+        """Last-stage head (docs/model.md §9.5) of one block: h [B, C, D], anchor [1] int64 ->
+        DraftOutput of B slots (`head_forward_batch` with N = 1)."""
+        return self.head_forward_batch(h, anchor, choose)[0]
 
-        Sequential Markov loop on device (no host sync until the end): the bias of slot j is
-        markov_w2(markov_w1[prev]) with prev the previous slot's draft (the anchor for slot 0).
-        choose(j, logits_j [V] fp32 with the bias) -> [1] int64 picks slot j's draft; None is
-        the argmax. It must run inside the loop: slot j's pick is slot j+1's Markov input.
+    def head_forward_batch(self, h: torch.Tensor, anchors: torch.Tensor,
+                           choose: Chooser | None = None) -> list[DraftOutput]:
+        """Last-stage head (docs/model.md §9.5) of N blocks: h [N*B, C, D], anchors [N] int64 ->
+        N DraftOutputs of B slots each.
+
+        Sequential Markov loop over the B slots, all blocks at once, on device (one host sync
+        at the end): the bias of slot j is markov_w2(markov_w1[prev]) with prev the previous
+        slot's draft (the anchor for slot 0). `choose` picks slot j's tokens (None: argmax); it
+        must run inside the loop, since slot j's pick is slot j+1's Markov input.
         """
         cfg, last = self.cfg, self.mtp[-1]
-        y = hc_head(h, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, cfg.norm_eps, cfg.hc_eps)  # [B, D]
-        logits = self.head(last.norm(y).float())  # [B, V] fp32
-        prev, drafted, emb = anchor, [], []
-        for j in range(h.shape[0]):
-            e = last.markov_head.markov_w1(prev)  # [1, Rm] embedding of the previous token
-            logits[j] += last.markov_head.markov_w2(e)[0]
-            prev = logits[j].argmax().reshape(1) if choose is None else choose(j, logits[j])
+        N = anchors.shape[0]
+        y = hc_head(h, last.hc_head_fn, last.hc_head_scale, last.hc_head_base, cfg.norm_eps, cfg.hc_eps)  # [N*B, D]
+        logits = self.head(last.norm(y).float()).unflatten(0, (N, -1))  # [N, B, V] fp32
+        prev, drafted, emb = anchors, [], []
+        for j in range(logits.shape[1]):
+            e = last.markov_head.markov_w1(prev)  # [N, Rm] embedding of the previous token
+            logits[:, j] += last.markov_head.markov_w2(e)
+            prev = logits[:, j].argmax(-1) if choose is None else choose(j, logits[:, j])  # [N]
             drafted.append(prev)
             emb.append(e)
         conf = None
         if self.has_confidence_head:
-            conf = last.confidence_head.proj(torch.cat((y.float(), torch.cat(emb)), dim=-1))[:, 0]  # [B]
-        return DraftOutput(torch.cat(drafted).tolist(), logits, conf, y)
+            feats = torch.cat((y.float(), torch.stack(emb, 1).flatten(0, 1)), dim=-1)  # [N*B, D + Rm]
+            conf = last.confidence_head.proj(feats)[:, 0].unflatten(0, (N, -1))  # [N, B]
+        tokens = torch.stack(drafted, 1).tolist()  # [N][B]: the one host sync
+        ys = y.unflatten(0, (N, -1))
+        return [DraftOutput(tokens[n], logits[n], None if conf is None else conf[n], ys[n]) for n in range(N)]
 
     def _require_loaded(self) -> None:
         if not self._loaded:
@@ -454,6 +485,20 @@ class DSparkDraft(nn.Module):
                 got = f"{tuple(r.shape)} {r.dtype} on {r.device}" if torch.is_tensor(r) else type(r).__name__
                 raise ValueError(f"rings[{s}] is {got}, the module needs {shape} (window_size, head_dim) "
                                  f"{w.dtype} on {w.device}: use module.new_state()")
+
+
+def _per_block(choosers: list[Chooser | None]) -> Chooser:
+    """One chooser over N blocks from each block's own (None: argmax), each given its row [1, V]."""
+    def choose(j: int, logits: torch.Tensor) -> torch.Tensor:
+        return torch.cat([logits[n:n + 1].argmax(-1) if c is None else c(j, logits[n:n + 1]).reshape(1)
+                          for n, c in enumerate(choosers)])
+    return choose
+
+
+def _cut(out: DraftOutput, n: int) -> DraftOutput:
+    """`out` restricted to its first n slots (the drafts before max_seq_len)."""
+    conf = None if out.confidence is None else out.confidence[:n]
+    return DraftOutput(out.tokens[:n], out.logits[:n], conf, out.hidden[:n])
 
 
 def load_draft_module(path, dtype: torch.dtype = torch.float32, tp: DraftTP | None = None,

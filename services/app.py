@@ -34,6 +34,7 @@ from services.common.tls import TlsFiles
 from services.drafter.engine import DrafterEngine
 from services.drafter.live_oracle import LiveOracleDrafter
 from services.drafter.servicer import DrafterServicer
+from services.drafter.steps import DraftStepLoop, batchable as drafter_batchable
 from services.gateway.auth import BearerTokenInterceptor
 from services.gateway.costs import CostTracker
 from services.gateway.gate import ENV_VARS as GATE_ENV_VARS, GateConfig
@@ -120,8 +121,9 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
     max_connection_age_s: clients reconnect after it (s); metrics: a
     `services.common.metrics.VerifierMetrics` (None: none). step_loop: run every session's
     forwards in one batched step loop (`services.verifier.batcher`) when the engine's model
-    is a plain Trunk; False, or a TP / top-k model: one thread per call. The loop stops with
-    the server. Raises RuntimeError: port not bound."""
+    is a plain Trunk or a TP trunk (every rank runs the same batched step); False, or a
+    top-k dump model: one thread per call. The loop stops with the server. Raises
+    RuntimeError: port not bound."""
     steps = None
     if step_loop and batchable(engine.model):
         steps = StepLoop(engine, None if metrics is None else metrics.record_step)
@@ -142,14 +144,30 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
 
 async def start_drafter(engine, port: int = 0, provider: TracerProvider | None = None,
                         host: str = "127.0.0.1", credentials: grpc.ServerCredentials | None = None,
-                        max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S, metrics=None) -> RunningServer:
+                        max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S, metrics=None,
+                        step_loop: bool = True) -> RunningServer:
     """Serve the Drafter over `engine` (a `DrafterEngine` or an oracle drafter), as
     `start_verifier`; metrics: a `services.common.metrics.DrafterMetrics` (None: none).
+    step_loop: run every session's commits and drafts in one batched step loop
+    (`services.drafter.steps`) when the engine is a TP=1 `DrafterEngine`; False, or an
+    oracle: one thread per call. The loop stops with the server.
     Raises RuntimeError: port not bound."""
-    servicer = DrafterServicer(engine, provider, metrics)
-    return await start_server("dspark.v1.Drafter",
-                              lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
-                              port, host, provider, credentials=credentials, max_connection_age_s=max_connection_age_s)
+    steps = None
+    if step_loop and drafter_batchable(engine):
+        steps = DraftStepLoop(engine, None if metrics is None else metrics.record_step)
+    servicer = DrafterServicer(engine, provider, metrics, steps)
+    try:
+        running = await start_server("dspark.v1.Drafter",
+                                     lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
+                                     port, host, provider, credentials=credentials,
+                                     max_connection_age_s=max_connection_age_s)
+    except BaseException:
+        if steps is not None:
+            steps.close()
+        raise
+    if steps is not None:
+        running.on_stop.append(steps.close)
+    return running
 
 
 async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | None = None, port: int = 0,

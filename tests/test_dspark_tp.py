@@ -5,7 +5,9 @@ folder) each build their shard from the same full weights and draft the same rou
 fixed synthetic seed (rows and anchors). Both ranks must draft exactly the TP=1 tokens; the
 logits differ only by the bf16 rounding of the two all-reduces per stage. The parametrised
 negative case moves the shared expert inside the MoE all-reduce (it is then counted twice)
-and shows that the same comparison fails. The same TP=2 run also builds a module for a
+and shows that the same comparison fails. Each rank also drafts two sessions at different
+positions in one `draft_batch` (one pair of all-reduces per stage for both): the TP=1
+per-session tokens. The same TP=2 run also builds a module for a
 config its world size does not divide (5 experts), which must raise before allocating.
 """
 
@@ -69,7 +71,21 @@ def run_drafts(tp: DraftTP, variant: str) -> dict:
         out["tokens"].append(d.tokens)
         out["logits"].append(d.logits)
         out["confidence"].append(d.confidence)
+    out.update(batched_drafts(module, tp, state, rows))
     return out
+
+
+def batched_drafts(module: DSparkDraft, tp: DraftTP, state, rows: torch.Tensor) -> dict:
+    """Two sessions at different positions drafted in one `draft_batch` and one at a time."""
+    other = module.new_state()
+    module.write_main_kv(other, rows[:9], range(9))
+    args = ([state, other], [11, 12], [state.last_position, 8])
+    n = tp.n_all_reduce
+    batch = module.draft_batch(*args)
+    reduces = tp.n_all_reduce - n
+    solo = [module.draft(s, a, p).tokens for s, a, p in zip(*args)]
+    return {"batch_tokens": [o.tokens for o in batch], "batch_logits": torch.cat([o.logits for o in batch]),
+            "batch_reduces": reduces, "solo_tokens": solo}
 
 
 def _worker(rank: int, world_size: int, store: str, out_dir: str, variant: str) -> None:
@@ -113,6 +129,16 @@ def test_tp2_drafts_equal_tp1_drafts(variant, should_match):
     else:
         assert not same, "moving the shared expert inside the all-reduce must break TP=1 == TP=2"
         assert max(errs) > 0.1
+
+
+def test_tp2_batched_draft_equals_tp1_per_session_drafts():
+    ranks, ref = run_tp(2, "documented"), tp1()
+    assert ref["batch_tokens"] == ref["solo_tokens"]
+    for r in ranks:
+        assert r["batch_tokens"] == ref["solo_tokens"]
+        assert r["batch_reduces"] == 2 * CFG.n_mtp_layers  # one pair per stage for the whole batch
+        assert rel_err(r["batch_logits"], ref["batch_logits"]) < 2e-2
+    assert torch.equal(ranks[0]["batch_logits"], ranks[1]["batch_logits"])
 
 
 def test_tp2_module_rejects_a_config_the_world_size_does_not_divide():

@@ -235,3 +235,26 @@ def test_up_says_ctrl_c_stops_only_once_the_gateway_serves_and_all_three_serve_m
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
     assert proc.returncode == 0
+
+
+def test_a_port_in_time_wait_is_free_and_a_held_port_is_named():
+    """The start-up probe (used by `dspark up`, `dspark serve` and the demo) must treat a port
+    left in TIME_WAIT by a previous run's connections as free, as the gRPC server binding it
+    with SO_REUSEADDR will, and name a port a live listener holds."""
+    import socket
+
+    from services.common.ports import check_ports_free
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    with pytest.raises(ValueError, match=f"the verifier port 127.0.0.1:{port} is in use"):
+        check_ports_free("127.0.0.1", {"verifier": port})
+    server.close()
+    conn.close()  # the server side closes first: its end of the connection enters TIME_WAIT
+    client.close()
+    check_ports_free("127.0.0.1", {"verifier": port})  # no error: TIME_WAIT is not a holder

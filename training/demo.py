@@ -50,7 +50,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -229,14 +228,15 @@ class Services:
     """
 
     def __init__(self, checkpoint: Path, port_base: int, record: Path, timeout_s: float = 300.0):
+        from services.common.ports import check_ports_free
         from services.serve_cli import up_ports
-        for name, port in up_ports(port_base).items():  # never talk to someone else's services
-            with socket.socket() as probe:
-                try:
-                    probe.bind(("127.0.0.1", port))
-                except OSError as exc:
-                    raise RuntimeError(f"--port-base={port_base}: the {name} port {port} is in use ({exc.strerror}); "
-                                       "choose another --port-base") from None
+        # never talk to someone else's services; the probe treats a port in TIME_WAIT (left by
+        # the previous run's connections) as free, as the gRPC servers that bind it will
+        try:
+            check_ports_free("127.0.0.1", {f"{name} (--port-base={port_base})": port
+                                           for name, port in up_ports(port_base).items()})
+        except ValueError as exc:
+            raise RuntimeError(f"{exc}; choose another --port-base") from None
         env = dict(os.environ, DSPARK_VERIFY_MODE="batched")
         cmd = [sys.executable, "-m", "services.cli", "up", "--checkpoint", str(checkpoint),
                "--port-base", str(port_base), "--record-rounds", str(record)]

@@ -49,7 +49,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelIdentity(_message.Message):
-    __slots__ = ("role", "config_hash", "vocab_size", "block_size", "window_size", "target_layer_ids", "row_width", "tp", "max_seq_len", "confidence_head", "noise_token_id", "eos_token_id", "max_sessions", "open_sessions", "drafter_kind", "steps", "batch_size_last", "batch_size_mean", "step_ms_last", "step_ms_mean")
+    __slots__ = ("role", "config_hash", "vocab_size", "block_size", "window_size", "target_layer_ids", "row_width", "tp", "max_seq_len", "confidence_head", "noise_token_id", "eos_token_id", "max_sessions", "open_sessions", "drafter_kind", "steps", "batch_size_last", "batch_size_mean", "step_ms_last", "step_ms_mean", "drafter_steps", "drafter_batch_size_mean", "drafter_batch_size_max", "drafter_step_ms_mean")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,10 @@ class ModelIdentity(_message.Message):
     BATCH_SIZE_MEAN_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_LAST_FIELD_NUMBER: _ClassVar[int]
     STEP_MS_MEAN_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_BATCH_SIZE_MEAN_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_BATCH_SIZE_MAX_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_STEP_MS_MEAN_FIELD_NUMBER: _ClassVar[int]
     role: str
     config_hash: str
     vocab_size: int
@@ -90,7 +94,11 @@ class ModelIdentity(_message.Message):
     batch_size_mean: float
     step_ms_last: float
     step_ms_mean: float
-    def __init__(self, role: _Optional[str] = ..., config_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., window_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., row_width: _Optional[int] = ..., tp: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., confidence_head: _Optional[bool] = ..., noise_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., drafter_kind: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size_last: _Optional[int] = ..., batch_size_mean: _Optional[float] = ..., step_ms_last: _Optional[float] = ..., step_ms_mean: _Optional[float] = ...) -> None: ...
+    drafter_steps: int
+    drafter_batch_size_mean: float
+    drafter_batch_size_max: int
+    drafter_step_ms_mean: float
+    def __init__(self, role: _Optional[str] = ..., config_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., window_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., row_width: _Optional[int] = ..., tp: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., confidence_head: _Optional[bool] = ..., noise_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., drafter_kind: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size_last: _Optional[int] = ..., batch_size_mean: _Optional[float] = ..., step_ms_last: _Optional[float] = ..., step_ms_mean: _Optional[float] = ..., drafter_steps: _Optional[int] = ..., drafter_batch_size_mean: _Optional[float] = ..., drafter_batch_size_max: _Optional[int] = ..., drafter_step_ms_mean: _Optional[float] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "rule", "logprobs")

@@ -35,6 +35,9 @@ Drafter:
   dspark_drafter_draft_tokens_total         counter: tokens proposed by those calls
   dspark_drafter_draft_duration_seconds     histogram: wall time of one draft call
   dspark_drafter_commit_duration_seconds    histogram: wall time of one commit (rows into the rings)
+  dspark_drafter_step_sessions              histogram: sessions in one step of the drafter's step loop
+  dspark_drafter_step_duration_seconds      histogram: wall time of one step (its commits and drafts);
+                                            none without a step loop (oracle drafters)
 """
 
 from __future__ import annotations
@@ -191,6 +194,10 @@ class DrafterMetrics(MetricsEndpoint):
                             explicit_bucket_boundaries_advisory=FORWARD_BUCKETS)
         self.commit_time = h("dspark_drafter_commit_duration", unit="s", description="Wall time of one commit",
                              explicit_bucket_boundaries_advisory=FORWARD_BUCKETS)
+        self.step_sessions = h("dspark_drafter_step_sessions", description="Sessions in one step of the step loop",
+                               explicit_bucket_boundaries_advisory=SESSION_BUCKETS)
+        self.step_time = h("dspark_drafter_step_duration", unit="s", description="Wall time of one step",
+                           explicit_bucket_boundaries_advisory=FORWARD_BUCKETS)
 
     def record_draft(self, tokens: int, ms: float) -> None:
         """One answered draft call that proposed `tokens` tokens in `ms` milliseconds."""
@@ -201,3 +208,9 @@ class DrafterMetrics(MetricsEndpoint):
     def record_commit(self, ms: float) -> None:
         """One answered commit that took `ms` milliseconds."""
         self.commit_time.record(ms / 1e3)
+
+    def record_step(self, step) -> None:
+        """One step of the drafter's step loop: a `services.drafter.steps.DraftStepRecord`
+        (sessions, ms); runs on the loop's thread."""
+        self.step_sessions.record(step.sessions)
+        self.step_time.record(step.ms / 1e3)

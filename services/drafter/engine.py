@@ -20,7 +20,7 @@ fans calls out from rank 0 belongs to the service.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import ContextManager, Sequence
 
 import torch
 
@@ -65,7 +65,8 @@ class DrafterEngine(SessionHost[DraftState], Drafter):
     Raises:
         ValueError: max_sessions not an integer >= 1.
     Thread safety: calls on different sessions may run concurrently; calls on one session
-    are serialised by its lock.
+    are serialised by its lock. `services.drafter.steps.DraftStepLoop` batches the calls of
+    many sessions into one module call per step.
     """
 
     def __init__(self, module: DSparkDraft, max_sessions: int = 16):
@@ -92,6 +93,15 @@ class DrafterEngine(SessionHost[DraftState], Drafter):
     def session_state(self, sid: int) -> DraftState:
         """The session's rings (diagnostics and tests; do not modify)."""
         return self._table.get(sid)
+
+    def hold(self, sid: int) -> ContextManager[DraftState]:
+        """Hold session `sid`'s lock for a `with` body and yield its rings: how the step loop
+        (`services.drafter.steps`) runs several sessions' calls in one batched call.
+
+        Raises:
+            UnknownSessionError: `sid` not open.
+        """
+        return self._table.locked(sid)
 
     # ------------------------------------------------------------------ commit / draft
     def commit(self, sid: int, rows: torch.Tensor, positions: Sequence[int]) -> None:

@@ -1,7 +1,9 @@
 """Drafter gRPC servicer: a thin adapter from the wire to a `Drafter` engine.
 
 It owns the message translation only: a commit's rows tensor and positions, a draft's
-sampling parameters, tokens, confidences and (rejection rule) draft probabilities, the timings; the session's life cycle is
+sampling parameters, tokens, confidences and (rejection rule) draft probabilities, the timings; with a step loop (`services.drafter.steps`) a call is
+awaited from the loop's next step, batched with every other session's, else it runs on a
+thread of its own; the session's life cycle is
 `services.common.session_stream.serve_session` and every rule about rows, positions and
 anchors is the engine's (`services.drafter.interface.Drafter`: the DSpark module or an oracle).
 """
@@ -11,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import torch
+
 from opentelemetry.sdk.trace import TracerProvider
 
 from dspark_proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
@@ -18,12 +22,18 @@ from services.common.session_stream import SessionStreamServicer
 from services.common.telemetry import message_span
 from services.common.sampling_wire import params_from_proto
 from services.common.tensors import from_proto, to_proto
-from services.drafter.interface import Drafter, feed_tokens
+from services.drafter.interface import Drafter, SampledDraft, feed_tokens
+from services.drafter.steps import DraftStepLoop, DraftStepStats
 
 
-def identity_message(ident: dict, max_sessions: int, open_sessions: int) -> common_pb2.ModelIdentity:
-    """The engine's identity dict (see `drafter_identity`) as a `ModelIdentity`."""
+def identity_message(ident: dict, max_sessions: int, open_sessions: int,
+                     steps: DraftStepStats | None = None) -> common_pb2.ModelIdentity:
+    """The engine's identity dict (see `drafter_identity`) as a `ModelIdentity`, with the step
+    loop's figures (`steps`; None: no loop, all 0)."""
+    steps = DraftStepStats() if steps is None else steps
     return common_pb2.ModelIdentity(
+        drafter_steps=steps.steps, drafter_batch_size_mean=steps.batch_mean,
+        drafter_batch_size_max=steps.batch_max, drafter_step_ms_mean=steps.ms_mean,
         role="drafter", config_hash=ident["config_hash"], vocab_size=ident["vocab_size"],
         block_size=ident["block_size"], window_size=ident["window_size"],
         target_layer_ids=ident["target_layer_ids"], row_width=ident["row_width"], tp=ident["tp"],
@@ -39,15 +49,19 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
         engine: the drafter engine (thread-safe across sessions).
         provider: tracer provider for the per-message spans (None = no spans).
         metrics: a `services.common.metrics.DrafterMetrics` fed each answered call (None: none).
+        steps: the step loop over `engine` that runs every commit and draft (None: one thread
+            per call).
     """
 
-    def __init__(self, engine: Drafter, provider: TracerProvider | None = None, metrics=None):
-        self.engine, self.provider, self.metrics = engine, provider, metrics
+    def __init__(self, engine: Drafter, provider: TracerProvider | None = None, metrics=None,
+                 steps: DraftStepLoop | None = None):
+        self.engine, self.provider, self.metrics, self.steps = engine, provider, metrics, steps
         ident = engine.identity()
         self.row_width = ident["row_width"]
 
     async def Info(self, request, context):
-        return identity_message(self.engine.identity(), self.engine.max_sessions, self.engine.num_sessions)
+        return identity_message(self.engine.identity(), self.engine.max_sessions, self.engine.num_sessions,
+                                None if self.steps is None else self.steps.stats())
 
     async def _handle(self, sid: int, request, received: float) -> drafter_pb2.DrafterResponse:
         op = request.WhichOneof("op")
@@ -56,13 +70,14 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
         with message_span(self.provider, f"drafter.{op}", request.trace) as span:
             t0 = time.perf_counter()
             if op == "commit":
-                response = await asyncio.to_thread(self._commit, sid, request.commit)
+                response, step_ms = await self._commit(sid, request.commit)
             else:
-                response = await asyncio.to_thread(self._draft, sid, request.draft)
+                response, step_ms = await self._draft(sid, request.draft)
                 span.set_attribute("spec_decode.drafted", len(response.tokens))
-            forward_ms = (time.perf_counter() - t0) * 1e3
+            waited_ms = (time.perf_counter() - t0) * 1e3
+            forward_ms = waited_ms if step_ms is None else step_ms  # in a loop: the step's own time
             response.timing.forward_ms = forward_ms
-            response.timing.queue_ms = max(0.0, (t0 - received) * 1e3)
+            response.timing.queue_ms = max(0.0, (t0 - received) * 1e3 + waited_ms - forward_ms)
             response.session_tag = request.session_tag  # the gateway checks the echo
             span.set_attribute("drafter.forward_ms", forward_ms)
             if self.metrics is not None:
@@ -72,25 +87,51 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
                     self.metrics.record_draft(len(response.tokens), forward_ms)
             return response
 
-    def _draft(self, sid: int, d: drafter_pb2.DraftRequest) -> drafter_pb2.DrafterResponse:
-        """A draft, greedy without `sampling`; under the rejection rule the reply carries q
-        (float32 [n, V]). Raises ValueError for bad sampling values (the field named)."""
+    async def _draft(self, sid: int, d: drafter_pb2.DraftRequest) -> tuple[drafter_pb2.DrafterResponse, float | None]:
+        """The engine's draft in the step loop's next step, or on a thread of its own; returns
+        (the response, the step's ms or None without a loop). Without `sampling` the draft is
+        greedy; sampled, it is drawn at each position (`DrafterEngine.draft_sampled`), and
+        under the rejection rule the reply carries q (float32 [n, V]).
+        Raises ValueError for a bad sampling value (the field named) or a bad draft."""
         params = params_from_proto(d.sampling, field="draft.sampling")  # unset: all zero, greedy
-        probs = None
-        if params.greedy:
-            tokens, conf = self.engine.draft(sid, d.anchor, d.seed_position)
+        step_ms = None
+        if self.steps is not None:
+            reply = await asyncio.wrap_future(
+                self.steps.submit_draft(sid, d.anchor, d.seed_position, None if params.greedy else params))
+            value, step_ms = reply.value, reply.step_ms
+        elif params.greedy:
+            value = await asyncio.to_thread(self.engine.draft, sid, d.anchor, d.seed_position)
         else:
-            out = self.engine.draft_sampled(sid, d.anchor, d.seed_position, params)
-            tokens, conf, probs = out.tokens, out.confidence, out.probs
+            value = await asyncio.to_thread(self.engine.draft_sampled, sid, d.anchor, d.seed_position, params)
+        sampled = isinstance(value, SampledDraft)
+        tokens, conf = (value.tokens, value.confidence) if sampled else value
         response = drafter_pb2.DrafterResponse(tokens=tokens, confidence_logits=[] if conf is None else conf.tolist(),
                                                committed_through=d.seed_position)
-        if probs is not None and params.rule == "rejection":  # the coupled rule never reads q
-            response.draft_probs.CopyFrom(to_proto(probs, "float32"))
-        return response
+        if sampled and params.rule == "rejection":  # the coupled rule never reads q
+            response.draft_probs.CopyFrom(to_proto(value.probs, "float32"))
+        return response, step_ms
 
-    def _commit(self, sid: int, commit) -> drafter_pb2.DrafterResponse:
+    async def _commit(self, sid: int, commit) -> tuple[drafter_pb2.DrafterResponse, float | None]:
+        """A commit in the step loop's next step, or on a thread of its own; returns (the
+        response, the step's ms or None without a loop)."""
+        if self.steps is None:
+            return await asyncio.to_thread(self._commit_now, sid, commit), None
+        rows, positions = self._commit_rows(commit)
+        feed_tokens(self.engine, sid, commit.token_first_position, commit.token_ids)  # a no-op: DSpark only
+        reply = await asyncio.wrap_future(self.steps.submit_commit(sid, rows, positions))
+        return drafter_pb2.DrafterResponse(committed_through=positions[-1]), reply.step_ms
+
+    def _commit_now(self, sid: int, commit) -> drafter_pb2.DrafterResponse:
         # The rows' wire shape is checked before the token ids are fed: an observing drafter
         # advances its state on them, so a commit rejected afterwards would leave it ahead.
+        rows, positions = self._commit_rows(commit)
+        feed_tokens(self.engine, sid, commit.token_first_position, commit.token_ids)
+        self.engine.commit(sid, rows, positions)
+        return drafter_pb2.DrafterResponse(committed_through=positions[-1])
+
+    def _commit_rows(self, commit) -> tuple[torch.Tensor, range]:
+        """A commit's rows [R, row_width] fp32 and positions first..first+R-1, wire-checked.
+        Raises ValueError naming the shape, dtype or first position."""
         rows = from_proto(commit.rows, max_elements=1 << 26)
         if rows.ndim != 2 or rows.shape[1] != self.row_width:
             raise ValueError(f"commit rows have shape {list(rows.shape)}, expected [R, row_width={self.row_width}]")
@@ -99,6 +140,4 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
         first = commit.first_position
         if first < 0:
             raise ValueError(f"commit first_position={first}: must be >= 0")
-        feed_tokens(self.engine, sid, commit.token_first_position, commit.token_ids)
-        self.engine.commit(sid, rows.float(), range(first, first + rows.shape[0]))
-        return drafter_pb2.DrafterResponse(committed_through=first + rows.shape[0] - 1)
+        return rows.float(), range(first, first + rows.shape[0])

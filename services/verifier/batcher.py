@@ -18,7 +18,10 @@ A session closed while its request is queued (its stream ended or was cancelled)
 from the next step: its future gets UnknownSessionError and nothing of it is forwarded; its
 state is freed by the close, since the loop only keeps session ids between steps.
 
-Only a plain `Trunk` is batched (`batchable`); a TP driver or a top-k dump wrapper runs
+The loop drives a plain `Trunk` or a `TPTrunk` over plain trunks (`batchable`): under
+tensor parallelism a step is one command that every rank runs as the same batched forward
+(`services.verifier.tp`), and a worker that dies or stalls mid-step fails every request of
+that step with its `TPWorkerError`. A top-k dump wrapper records call by call, so it runs
 each session's call on its own thread as before (`services.verifier.servicer`).
 """
 
@@ -38,14 +41,16 @@ from dsv4.batch import BatchItem
 from dsv4.trunk import Trunk
 from services.common.sessions import UnknownSessionError
 from services.verifier.engine import VerifierEngine, Work, absorb
+from services.verifier.tp import TPTrunk
 
 STEP_KINDS = ("batch", "prefill")
 log = logging.getLogger("dspark.verifier.steps")
 
 
 def batchable(model: object) -> bool:
-    """Whether the step loop can drive `model`: a plain `Trunk` (it has `forward_batch`)."""
-    return isinstance(model, Trunk)
+    """Whether the step loop can drive `model`: a plain `Trunk`, or a `TPTrunk` whose ranks
+    run plain trunks (no top-k dumps); both have `forward_batch`."""
+    return isinstance(model, Trunk) or (isinstance(model, TPTrunk) and model.batchable)
 
 
 @dataclass(frozen=True)
@@ -81,17 +86,18 @@ class StepLoop:
     """The engine loop: `submit` admitted work from any thread, get a Future of its result.
 
     Args:
-        engine: the verifier engine whose model (a `Trunk`) the loop drives.
+        engine: the verifier engine whose model (a `Trunk` or `TPTrunk`) the loop drives.
         on_step: called on the loop thread with a `StepRecord` after every step (metrics;
             None: nothing); what it raises is logged.
     Raises:
-        ValueError: the engine's model is not batchable (TP driver, top-k wrapper).
+        ValueError: the engine's model is not batchable (a top-k dump wrapper).
     Thread safety: `submit`, `stats` and `close` may be called from any thread.
     """
 
     def __init__(self, engine: VerifierEngine, on_step: Callable[[StepRecord], None] | None = None):
         if not batchable(engine.model):
-            raise ValueError(f"the step loop drives a plain Trunk, got {type(engine.model).__name__}")
+            raise ValueError(f"the step loop drives a plain Trunk or a TPTrunk over plain trunks, "
+                             f"got {type(engine.model).__name__}")
         self.engine, self.on_step = engine, on_step
         self._cv = threading.Condition()
         self._queue: list[_Request] = []

@@ -7,8 +7,8 @@ block sizes and committed rows is the engine's.
 
 With a step loop (`services.verifier.batcher.StepLoop`), a request is admitted (validated)
 on the event loop and its future awaited: the forward runs in the loop's next step, batched
-with every other session's pending work. Without one (TP, top-k dumps), each call runs on a
-thread of its own.
+with every other session's pending work (at TP > 1 too: every rank runs the same batched
+step). Without one (top-k dumps, or `step_loop=False`), each call runs on a thread of its own.
 """
 
 from __future__ import annotations

@@ -13,6 +13,12 @@ forwards and issue the same collectives in the same order. Workers
 (`services.verifier.tp_worker`) keep their own states keyed by handle and loop on commands
 until `close()`.
 
+`forward_batch` is one command too: rank 0 sends every worker the whole batch description
+(per item its state handle and every other `BatchItem` field, in item order), and each rank
+runs the same `Trunk.forward_batch` on its shard, so the verifier's step loop
+(`services.verifier.batcher`) drives a TP trunk exactly as it drives a plain one: one
+command and one set of collectives per step, whatever the number of sessions in it.
+
 Start-up order (a short rendezvous loses ranks while rank 0 loads 167 GB, docs/architecture.md
 §12): rank 0 opens a TCP store, spawns the workers, every rank announces itself in the store and waits
 for the others (bounded by `DSV4_TP_INIT_TIMEOUT_S`, default 600 s), the process group is
@@ -28,6 +34,7 @@ never a hang; the proxy is then unusable (every call raises) until closed.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import threading
@@ -36,12 +43,13 @@ import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_ready
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.multiprocessing as mp
 
 from dsv4 import tp as dtp
+from dsv4.batch import BatchItem
 from dsv4.checkpoint import load_trunk_weights, read_config
 from dsv4.config import ModelConfig
 from dsv4.trunk import BlockOutput, ForwardOutput, Trunk, TrunkState
@@ -109,10 +117,10 @@ class _Worker:
 
 class TPTrunk:
     """Rank 0's proxy over a `tp`-rank sharded trunk, with the `Trunk` call interface
-    (cfg, new_state, prefill, decode, forward_block, rollback, state_bytes). Build it with
-    `start_tp_trunk`. Calls are serialised (one lock); each is broadcast to the workers and
-    returns rank 0's result. `state_bytes` is per rank (every rank holds a full copy of
-    the state). Thread safe; use as a context manager or call `close()`.
+    (cfg, new_state, prefill, decode, forward_block, forward_batch, rollback, state_bytes).
+    Build it with `start_tp_trunk`. Calls are serialised (one lock); each is broadcast to the
+    workers and returns rank 0's result. `state_bytes` is per rank (every rank holds a full
+    copy of the state). Thread safe; use as a context manager or call `close()`.
     """
 
     def __init__(self, model: Trunk, workers: list[_Worker], store, settings: TPSettings, plan: dtp.ShardPlan):
@@ -165,6 +173,49 @@ class TPTrunk:
                          lambda: self.model.forward_block(state, ids, start_pos))
         self._undo[state.handle] = out.undo
         return out
+
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[ForwardOutput | BlockOutput]:
+        """`Trunk.forward_batch` on every rank: the decodes and verify blocks of several states
+        (TPStates of this trunk) in one pass and one command; returns rank 0's outputs.
+
+        Per item, in order, a decode's ForwardOutput (logits [V] fp32, taps [1, T*D] fp32 or
+        None) or a verify block's BlockOutput (logits and taps [S, V] / [S, T*D] fp32, the block
+        left open on every rank: `rollback` closes it), as `Trunk.forward_batch` documents.
+        Raises:
+            ValueError: an empty batch, an item that is not a BatchItem or whose state is not
+                this trunk's (its index named; nothing is sent to the workers), the ranks'
+                trunks wrap top-k dumps (`batchable` False), or what `Trunk.forward_batch`
+                raises on every rank alike (the ranks still agree: the trunk stays usable).
+            TPWorkerError: a worker died, stalled past the call timeout or disagreed; every
+                item of the batch is lost and the trunk is unusable until closed.
+        """
+        if not self.batchable:
+            raise ValueError(f"forward_batch: the ranks run {type(self.model).__name__}, not a plain Trunk "
+                             "(top-k dumps record call by call): use decode / forward_block")
+        if not items:
+            raise ValueError("forward_batch needs at least one BatchItem, got none")
+        wire = [self._wire_item(n, item) for n, item in enumerate(items)]
+        outs = self._call("forward_batch", None, (wire,), {}, lambda: self.model.forward_batch(items))
+        for item, out in zip(items, outs):
+            if isinstance(out, BlockOutput):  # the workers keep theirs by the same handle
+                self._undo[item.state.handle] = out.undo
+        return outs
+
+    @property
+    def batchable(self) -> bool:
+        """Whether `forward_batch` runs: every rank drives a plain `Trunk`. A top-k dump wrapper
+        records each call on its own, so a trunk built with `topk` is driven call by call."""
+        return isinstance(self.model, Trunk)
+
+    def _wire_item(self, n: int, item: Any) -> tuple[int, dict[str, Any]]:
+        """Item `n` as the workers rebuild it: (state handle, every other BatchItem field, tensors
+        on the CPU). Every field travels, so a worker's item is rank 0's whatever fields it has."""
+        if not isinstance(item, BatchItem):
+            raise ValueError(f"forward_batch item {n}: {type(item).__name__} is not a BatchItem")
+        if not isinstance(item.state, TPState) or item.state._driver() is not self:
+            raise ValueError(f"forward_batch item {n}: its state does not belong to this TPTrunk: use its new_state()")
+        return item.state.handle, {f.name: _on_cpu(getattr(item, f.name)) for f in dataclasses.fields(item)
+                                   if f.name != "state"}
 
     def rollback(self, state: TPState, undo, keep: int, ring: bool = True, compressor: bool = True) -> int:
         """`Trunk.rollback` on every rank; returns rank 0's bytes copied.
@@ -257,7 +308,7 @@ class TPTrunk:
                 raise
             acks = self._collect(op, seq, start, local_error)
             errors = [(w.rank, text) for w, (kind, text) in zip(self._workers, acks) if kind == "error"]
-            if local_error is not None and len(errors) == len(self._workers):
+            if _agreed(local_error, errors, len(self._workers)):
                 raise local_error  # the same validation error everywhere: the ranks still agree
             if local_error is not None or errors:
                 where = f"rank 0: {type(local_error).__name__}: {local_error}" if local_error else "rank 0 ok"
@@ -316,6 +367,21 @@ class TPTrunk:
     def _fail(self, why: str, cause: BaseException | None = None):
         self._broken = why
         raise TPWorkerError(why + "; the TP trunk is unusable now: close() it and start a new one") from cause
+
+
+def _agreed(local_error: Exception | None, errors: list[tuple[int, str]], workers: int) -> bool:
+    """Whether every rank rejected a command with the same validation error (a ValueError raised
+    before any state or collective changed). A failed collective also fails every rank, but
+    with different texts, and leaves the ranks out of step: that is a disagreement."""
+    if not isinstance(local_error, ValueError) or len(errors) != workers:
+        return False
+    text = f"{type(local_error).__name__}: {local_error}"
+    return all(t == text for _, t in errors)
+
+
+def _on_cpu(value: Any) -> Any:
+    """A tensor moved to the CPU (what pickles to a worker on any device); anything else as is."""
+    return value.cpu() if torch.is_tensor(value) else value
 
 
 # ---------------------------------------------------------------------------- start-up

@@ -8,7 +8,10 @@ shard build that rank 0 shares. It never decides anything: rank 0
 "ok" / "error" per command so rank 0 can tell agreement from divergence.
 
 Pipe protocol (rank 0 -> worker): (seq, op, handle, args, kwargs, frees); the worker drops
-the states named in `frees`, runs `op` and replies (seq, "ok" | "error", payload).
+the states named in `frees`, runs `op` and replies (seq, "ok" | "error", payload). A
+"forward_batch" names no single state: its one argument lists, in item order, (handle,
+fields) per item, `fields` being every `BatchItem` field but the state; the worker rebuilds
+the items on its own states and runs the same batched forward as rank 0.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import torch
 from dsv4 import tp as dtp
 from dsv4.checkpoint import load_trunk_weights
 from dsv4.config import ModelConfig
-from dsv4.trunk import Trunk, TrunkState
+from dsv4.batch import BatchItem
+from dsv4.trunk import BlockOutput, Trunk, TrunkState
 
 if TYPE_CHECKING:
     from kernels.select import KernelConfig
@@ -143,6 +147,8 @@ def _run(model: Trunk, states: dict, undos: dict, op: str, handle: int, args: tu
         model.decode(states[handle], *args, **kwargs)
     elif op == "forward_block":
         undos[handle] = model.forward_block(states[handle], *args).undo
+    elif op == "forward_batch":
+        _forward_batch(model, states, undos, *args)
     elif op == "rollback":
         model.rollback(states[handle], undos[handle], *args, **kwargs)
         del undos[handle]  # only once it succeeded: a rejected keep leaves the block undoable
@@ -151,3 +157,18 @@ def _run(model: Trunk, states: dict, undos: dict, op: str, handle: int, args: tu
     else:
         raise ValueError(f"unknown TP command {op!r}")
     return None
+
+
+def _forward_batch(model: Trunk, states: dict, undos: dict, wire: list[tuple[int, dict]]) -> None:
+    """Rank 0's batch on this rank's states: `wire` holds (handle, BatchItem fields but the
+    state) per item, in rank 0's item order, so the pass and its collectives are rank 0's.
+    Keeps each verify block's undo record by its handle, as "forward_block" does.
+
+    Raises:
+        KeyError: a handle this worker does not hold (rank 0 then reports the ranks disagree).
+        ValueError: what `Trunk.forward_batch` raises (rank 0 raises the same).
+    """
+    items = [BatchItem(state=states[h], **fields) for h, fields in wire]
+    for (h, _), out in zip(wire, model.forward_batch(items)):
+        if isinstance(out, BlockOutput):
+            undos[h] = out.undo

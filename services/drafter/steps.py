@@ -1,0 +1,258 @@
+"""Drafter step loop: one thread owns the DSpark module and runs the pending commits and
+drafts of every session in shared calls (continuous batching across generations).
+
+Each step takes every request queued when it starts: all commits go through one
+`DSparkDraft.write_main_kv_batch`, then all drafts through one `DSparkDraft.draft_batch`
+(dense ops over every session's block rows, attention per session on its own rings). A
+request that arrives during a step waits for the next one, so it waits at most one step.
+
+Results: a commit lands bitwise as the per-session `DrafterEngine.commit` would (keys are
+computed row by row); a draft of a step with several sessions equals the per-session draft to
+rounding (`draft_batch`: same tokens on the test models, bitwise when the step holds one
+draft). Drafts only steer speculation: the verifier decides every emitted token, so a
+request's output does not depend on what shared its drafter steps.
+
+A session closed while its request is queued (its stream ended or was cancelled) is dropped
+from the next step: its future gets UnknownSessionError and nothing of it runs; its rings are
+freed by the close, since the loop keeps only session ids between steps. Each session sends
+one request at a time (its stream answers in order), which the loop enforces.
+
+Only the DSpark engine at TP = 1 is batched (`batchable`); the oracle drafters answer each
+call on its own thread (`services.drafter.servicer`). Under drafter TP every rank would need
+the same batches in the same order; nothing serves the drafter at TP > 1 yet, so the loop
+refuses such an engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from dsv4.sampling import DraftSampler, SamplingParams
+from services.common.sessions import UnknownSessionError
+from services.drafter.engine import DrafterEngine
+from services.drafter.interface import SampledDraft
+
+log = logging.getLogger("dspark.drafter.steps")
+
+
+def batchable(engine: object) -> bool:
+    """Whether the step loop can drive `engine`: a `DrafterEngine` over a TP = 1 module."""
+    return isinstance(engine, DrafterEngine) and engine.module.tp.world_size == 1
+
+
+@dataclass(frozen=True)
+class StepReply:
+    """What a request's future resolves to: `value` (None for a commit; for a draft the
+    tokens (list of n ints) and the confidence logits [n] fp32 on CPU or None) and step_ms,
+    the wall time (ms) of the step that ran it."""
+
+    value: object
+    step_ms: float
+
+
+@dataclass(frozen=True)
+class DraftStepRecord:
+    """One step: sessions in it, how many committed and drafted, wall time (ms)."""
+
+    sessions: int
+    commits: int
+    drafts: int
+    ms: float
+
+
+@dataclass(frozen=True)
+class DraftStepStats:
+    """Steps so far: count, sessions per step (mean and max), step wall time (mean, ms).
+    Zeros before the first step."""
+
+    steps: int = 0
+    batch_mean: float = 0.0
+    batch_max: int = 0
+    ms_mean: float = 0.0
+
+
+@dataclass(eq=False)  # compared by identity: a request is one call
+class _Request:
+    sid: int
+    op: str  # "commit" | "draft"
+    args: tuple
+    future: Future
+
+
+class DraftStepLoop:
+    """The drafter loop: `submit_commit` / `submit_draft` from any thread, get a Future of a `StepReply`.
+
+    Args:
+        engine: the DSpark drafter engine whose module the loop drives (TP = 1).
+        on_step: called on the loop thread with a `DraftStepRecord` after every step (metrics;
+            None: nothing); what it raises is logged.
+    Raises:
+        ValueError: the engine is not batchable (an oracle drafter, or a TP > 1 shard).
+    Thread safety: submit_*, `stats` and `close` may be called from any thread.
+    """
+
+    def __init__(self, engine: DrafterEngine, on_step: Callable[[DraftStepRecord], None] | None = None):
+        if not batchable(engine):
+            raise ValueError(f"the drafter step loop drives a TP=1 DrafterEngine, got {type(engine).__name__}")
+        self.engine, self.module, self.on_step = engine, engine.module, on_step
+        self._cv = threading.Condition()
+        self._queue: list[_Request] = []
+        self._inflight: set[int] = set()
+        self._closed = False
+        self._stats = DraftStepStats()
+        self._thread = threading.Thread(target=self._run, name="drafter-steps", daemon=True)
+        self._thread.start()
+
+    def submit_commit(self, sid: int, rows: torch.Tensor, positions: Sequence[int]) -> Future:
+        """Queue a commit of rows [R, T*D] (fp32/bf16) at `positions` (see `DrafterEngine.commit`).
+        The future fails with the ValueError / UnknownSessionError the engine would raise.
+        Raises: as `submit_draft`."""
+        return self._submit(_Request(sid, "commit", (rows, positions), Future()))
+
+    def submit_draft(self, sid: int, anchor: int, seed_position: int, params: SamplingParams | None = None) -> Future:
+        """Queue a draft (see `DrafterEngine.draft`); the future's `StepReply.value` is (tokens,
+        confidence logits [n] fp32 on CPU or None), or it fails as the engine's call would.
+        params: sampling parameters (None or greedy: the argmax); sampled, the value is a
+        `SampledDraft` as `DrafterEngine.draft_sampled` returns (probabilistic drafting).
+
+        Raises:
+            ValueError: the session already has a request in the loop (one at a time).
+            RuntimeError: the loop is closed.
+        """
+        return self._submit(_Request(sid, "draft", (anchor, seed_position, params), Future()))
+
+    def stats(self) -> DraftStepStats:
+        """The steps so far (a snapshot)."""
+        with self._cv:
+            return self._stats
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the loop after the step in flight; queued requests fail with RuntimeError.
+        Waits up to `timeout_s` (s) for the thread; closing twice is a no-op."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def _submit(self, request: _Request) -> Future:
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the drafter step loop is closed")
+            if request.sid in self._inflight:
+                raise ValueError(f"session {request.sid} already has a request in flight: send one at a time")
+            self._inflight.add(request.sid)
+            self._queue.append(request)
+            self._cv.notify()
+        return request.future
+
+    # ------------------------------------------------------------------ the loop thread
+    def _run(self) -> None:
+        while True:
+            requests = self._next_step()
+            if requests is None:
+                return
+            live = [r for r in requests if r.future.set_running_or_notify_cancel()]
+            self._release([r for r in requests if r not in live])  # cancelled before their step
+            if live:
+                self._step(live)
+
+    def _next_step(self) -> list[_Request] | None:
+        """Wait for work and take all of it (None: closed)."""
+        with self._cv:
+            while not (self._queue or self._closed):
+                self._cv.wait()
+            taken, self._queue = self._queue, []
+            if self._closed:
+                for r in taken:
+                    if r.future.set_running_or_notify_cancel():
+                        r.future.set_exception(RuntimeError("the drafter step loop closed"))
+                return None
+            return taken
+
+    def _step(self, requests: list[_Request]) -> None:
+        """Hold every live session, run the step's commits then its drafts, resolve every future."""
+        with contextlib.ExitStack() as held:
+            live = []
+            for r in sorted(requests, key=lambda r: r.sid):  # one lock order: no deadlock with other holders
+                try:
+                    live.append((r, held.enter_context(self.engine.hold(r.sid))))
+                except UnknownSessionError as exc:  # closed since it was queued: dropped
+                    self._finish(r, error=exc)
+            if not live:
+                return
+            t0 = time.perf_counter()
+            commits = [(r, s) for r, s in live if r.op == "commit"]
+            drafts = [(r, s) for r, s in live if r.op == "draft"]
+            done = self._commits(commits) + self._drafts(drafts)
+            ms = (time.perf_counter() - t0) * 1e3
+        self._record(DraftStepRecord(len(live), len(commits), len(drafts), ms))  # before any caller sees its reply
+        for r, value, error in done:
+            self._finish(r, StepReply(value, ms), error)
+
+    def _commits(self, commits: list) -> list[tuple[_Request, object, BaseException | None]]:
+        """One batched ring write; each commit gets its own error or None."""
+        if not commits:
+            return []
+        try:
+            errors = self.module.write_main_kv_batch([s for _, s in commits], [r.args[0] for r, _ in commits],
+                                                     [r.args[1] for r, _ in commits])
+        except Exception as exc:  # raised before any write: every commit of the step gets it
+            return [(r, None, exc) for r, _ in commits]
+        return [(r, None, e) for (r, _), e in zip(commits, errors)]
+
+    def _drafts(self, drafts: list) -> list[tuple[_Request, object, BaseException | None]]:
+        """Check each draft on its own (a bad one fails alone), then one batched forward for the rest."""
+        done, ok = [], []
+        for r, s in drafts:
+            try:
+                self.module.check_draft(s, *r.args[:2])
+                ok.append((r, s))
+            except ValueError as exc:
+                done.append((r, None, exc))
+        if not ok:
+            return done
+        # sampled drafts choose inside the Markov loop, each with its own request's seed and params
+        samplers = [None if p is None or p.greedy else DraftSampler(p, seed) for _, seed, p in (r.args for r, _ in ok)]
+        try:
+            outs = self.module.draft_batch([s for _, s in ok], [r.args[0] for r, _ in ok], [r.args[1] for r, _ in ok],
+                                           samplers)
+        except Exception as exc:  # the forward failed: every draft of the step gets it
+            return done + [(r, None, exc) for r, _ in ok]
+        for (r, _), out, sampler in zip(ok, outs, samplers):
+            conf = None if out.confidence is None else out.confidence.detach().float().cpu()
+            value = (out.tokens, conf) if sampler is None else \
+                SampledDraft(out.tokens, conf, sampler.probs()[:len(out.tokens)])
+            done.append((r, value, None))
+        return done
+
+    def _finish(self, r: _Request, result: object = None, error: BaseException | None = None) -> None:
+        self._release([r])
+        if error is not None:
+            r.future.set_exception(error)
+        else:
+            r.future.set_result(result)
+
+    def _release(self, requests: list[_Request]) -> None:
+        with self._cv:
+            for r in requests:
+                self._inflight.discard(r.sid)
+
+    def _record(self, step: DraftStepRecord) -> None:
+        with self._cv:
+            st, n = self._stats, self._stats.steps + 1
+            self._stats = DraftStepStats(n, st.batch_mean + (step.sessions - st.batch_mean) / n,
+                                         max(st.batch_max, step.sessions), st.ms_mean + (step.ms - st.ms_mean) / n)
+        if self.on_step is not None:
+            try:
+                self.on_step(step)
+            except Exception:  # a metrics fault must not stop the loop that answers every session
+                log.exception("drafter step hook failed on %s", step)
