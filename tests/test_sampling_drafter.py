@@ -13,6 +13,7 @@ from services import app
 from services.common.sampling_wire import params_to_proto
 from services.common.settings import SAMPLING_RULES, BackendSettings, GatewaySettings
 from services.common.tensors import from_proto, to_proto
+from services.drafter.steps import DraftStepLoop
 from services.gateway.backends import DraftReply, InvalidDraftReply
 from services.gateway.drafters import DraftCheck
 from services.settings import gateway_settings
@@ -125,3 +126,22 @@ def test_sampling_rule_setting():
         gateway_settings({"DSPARK_SAMPLING_RULE": "greedy"})
     with pytest.raises(ValueError, match="sampling_rule"):
         GatewaySettings(sampling_rule="both")
+
+
+def test_step_loop_draws_each_sessions_draft_with_its_own_params(primed):
+    drafter, ds, anchor, p, rows = primed
+    other = drafter.open_session()
+    drafter.commit(other, rows, range(0, rows.shape[0]))
+    params = [SamplingParams(temperature=1.0, seed=8, rule="rejection"), SamplingParams(temperature=0.7, seed=9)]
+    loop = DraftStepLoop(drafter)
+    try:
+        futures = [loop.submit_draft(sid, anchor, p, prm) for sid, prm in zip((ds, other), params)]
+        replies = [f.result(60).value for f in futures]
+        plain = loop.submit_draft(other, anchor, p).result(60).value
+    finally:
+        loop.close()
+        drafter.close_session(other)
+    for reply, sid, prm in zip(replies, (ds, other), params):
+        alone = drafter.draft_sampled(ds, anchor, p, prm)  # both sessions hold the same rings
+        assert reply.tokens == alone.tokens and torch.allclose(reply.probs, alone.probs, atol=1e-6)
+    assert plain[0] == drafter.draft(ds, anchor, p)[0]  # no params: the argmax drafts
