@@ -39,7 +39,8 @@ in full either way, so the drafts it does return equal those of an unbounded seq
 
 Head (docs/model.md §9.5). y = hc_head(h) of the last stage (pre-norm), base logits = head(norm(y))
 for every slot, then strictly sequentially: logits[j] += markov_w2(markov_w1[prev]) with
-prev the previous token (the anchor for slot 0), draft j = argmax. Confidence logits
+prev the previous token (the anchor for slot 0), draft j = argmax (under sampling, a
+`Chooser`'s pick: dsv4.sampling.DraftSampler draws it at its position). Confidence logits
 (raw; sigmoid = acceptance probability) = proj([y_j ; markov_w1[prev_j]]).
 
 Tensor parallelism: see `dsv4.dspark_tp` (heads and routed experts sharded, two bf16
@@ -66,6 +67,7 @@ from dsv4.trunk import DTYPES
 # Picks slot j's tokens inside the Markov loop: (j, logits [N, V] fp32 of slot j in each of the
 # N blocks, Markov bias included) -> [N] int64. None everywhere below means the argmax.
 Chooser = Callable[[int, torch.Tensor], torch.Tensor]
+
 
 @dataclass
 class DraftState:
