@@ -39,7 +39,8 @@ in full either way, so the drafts it does return equal those of an unbounded seq
 
 Head (docs/model.md §9.5). y = hc_head(h) of the last stage (pre-norm), base logits = head(norm(y))
 for every slot, then strictly sequentially: logits[j] += markov_w2(markov_w1[prev]) with
-prev the previous token (the anchor for slot 0), draft j = argmax. Confidence logits
+prev the previous token (the anchor for slot 0), draft j = argmax (under sampling, a
+`Chooser`'s pick: dsv4.sampling.DraftSampler draws it at its position). Confidence logits
 (raw; sigmoid = acceptance probability) = proj([y_j ; markov_w1[prev_j]]).
 
 Tensor parallelism: see `dsv4.dspark_tp` (heads and routed experts sharded, two bf16
@@ -49,7 +50,7 @@ all-reduces per stage). Parameter names equal `dsv4.inventory.drafter_params(cfg
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -62,6 +63,11 @@ from dsv4.layers import Embedding, Linear
 from dsv4.mhc import hc_head
 from dsv4.settings import Settings
 from dsv4.trunk import DTYPES
+
+# Picks slot j's tokens inside the Markov loop: (j, logits [N, V] fp32 of slot j in each of the
+# N blocks, Markov bias included) -> [N] int64. None everywhere below means the argmax.
+Chooser = Callable[[int, torch.Tensor], torch.Tensor]
+
 
 @dataclass
 class DraftState:
@@ -325,13 +331,13 @@ class DSparkDraft(nn.Module):
 
     # ------------------------------------------------------------------ draft
     @torch.no_grad()
-    def draft(self, state: DraftState, anchor: int, seed_position: int) -> DraftOutput:
+    def draft(self, state: DraftState, anchor: int, seed_position: int, choose: Chooser | None = None) -> DraftOutput:
         """Draft from `anchor` (the committed token at seed_position + 1): the drafts of positions
         p+2.. that lie before max_seq_len, min(B, max_seq_len - p - 2) of them (`draft_length`).
 
         anchor, seed_position: integers (int, numpy or torch integer; never bool or float,
         which would otherwise be truncated). The same computation as `draft_batch` of one
-        session, so the two are bitwise equal.
+        session, so the two are bitwise equal. choose: the slot chooser (None: argmax).
         Raises:
             ValueError: a state not from this module; a non-integer anchor or seed_position;
                 anchor outside [0, vocab_size); nothing committed; seed_position not the last
@@ -341,11 +347,11 @@ class DSparkDraft(nn.Module):
         """
         self._require_loaded()
         anchor, p, n = self.check_draft(state, anchor, seed_position)
-        return _cut(self._draft_rows([state.rings], [anchor], [p])[0], n)
+        return _cut(self._draft_rows([state.rings], [anchor], [p], choose)[0], n)
 
     @torch.no_grad()
-    def draft_batch(self, states: Sequence[DraftState], anchors: Sequence[int],
-                    seed_positions: Sequence[int]) -> list[DraftOutput]:
+    def draft_batch(self, states: Sequence[DraftState], anchors: Sequence[int], seed_positions: Sequence[int],
+                    choosers: Sequence[Chooser | None] | None = None) -> list[DraftOutput]:
         """`draft` for N sessions in one forward: states[i] drafts from anchors[i] at seed_positions[i].
 
         Dense ops (projections, norms, mHC, MoE, head) run once over all N*B block rows;
@@ -355,7 +361,8 @@ class DSparkDraft(nn.Module):
         hidden states agree with `draft` to rounding (fp32 ~1e-6 relative, bf16 ~1e-2), not
         bitwise; a drafted token can differ only where two logits tie within that rounding.
         Rings are read, never written. Returns one DraftOutput per session, in order, each
-        cut to that session's `draft_length`; [] for N = 0.
+        cut to that session's `draft_length`; [] for N = 0. choosers: one slot chooser per
+        session, each called with its own block's logits [1, V] (None: all argmax).
         Raises:
             ValueError: the three sequences of different lengths, or any session's argument
                 as `draft` raises it, prefixed "session i:"; nothing is computed then.
@@ -365,6 +372,8 @@ class DSparkDraft(nn.Module):
         if not len(states) == len(anchors) == len(seed_positions):
             raise ValueError(f"draft_batch: {len(states)} states, {len(anchors)} anchors and "
                              f"{len(seed_positions)} seed positions: need one of each per session")
+        if choosers is not None and len(choosers) != len(states):
+            raise ValueError(f"draft_batch: {len(choosers)} choosers for {len(states)} sessions")
         checked = []
         for i, (state, anchor, seed) in enumerate(zip(states, anchors, seed_positions)):
             try:
@@ -373,7 +382,9 @@ class DSparkDraft(nn.Module):
                 raise ValueError(f"session {i}: {exc}") from None
         if not checked:
             return []
-        outs = self._draft_rows([s.rings for s in states], [a for a, _, _ in checked], [p for _, p, _ in checked])
+        choose = None if choosers is None or all(c is None for c in choosers) else _per_block(list(choosers))
+        outs = self._draft_rows([s.rings for s in states], [a for a, _, _ in checked], [p for _, p, _ in checked],
+                                choose)
         return [_cut(out, n) for out, (_, _, n) in zip(outs, checked)]
 
     def check_draft(self, state: DraftState, anchor: int, seed_position: int) -> tuple[int, int, int]:
@@ -385,7 +396,8 @@ class DSparkDraft(nn.Module):
         return anchor, p, draft_length(self.cfg, p)
 
     @torch.no_grad()
-    def draft_from_rings(self, rings: list[torch.Tensor], anchor: int, seed_position: int) -> DraftOutput:
+    def draft_from_rings(self, rings: list[torch.Tensor], anchor: int, seed_position: int,
+                         choose: Chooser | None = None) -> DraftOutput:
         """The draft forward over given rings (docs/model.md §9.3), all B slots: rings[s] [W, Dh] must hold
         positions max(0, p-W+1)..p at slots q % W (not checked against any state). For probes
         that perturb one input at a time. Raises ValueError like `draft` (anchor, seed range,
@@ -394,9 +406,10 @@ class DSparkDraft(nn.Module):
         self._check_rings(rings)
         anchor, p = check_draft_args(self.cfg, anchor, seed_position)
         draft_length(self.cfg, p)
-        return self._draft_rows([rings], [anchor], [p])[0]
+        return self._draft_rows([rings], [anchor], [p], choose)[0]
 
-    def _draft_rows(self, rings: list[Sequence[torch.Tensor]], anchors: list[int], seeds: list[int]) -> list[DraftOutput]:
+    def _draft_rows(self, rings: list[Sequence[torch.Tensor]], anchors: list[int], seeds: list[int],
+                    choose: Chooser | None = None) -> list[DraftOutput]:
         """The forward of N checked blocks, all B slots each: rings[n][s] [W, Dh], anchors and
         seeds N ints. Row n*B + j of every dense op is slot j of block n."""
         cfg, dev = self.cfg, self.embed.weight.device
@@ -417,20 +430,22 @@ class DSparkDraft(nn.Module):
             ctx = torch.cat([r[s] for r in rings])  # [N*W, Dh]
             h = stage.attn_residual(h, lambda x, st=stage, c=ctx: st.draft_attention_batch(x, c, idx, pos))
             h = stage.ffn_residual(h, ids)
-        return self.head_forward_batch(h, ids[::B])
+        return self.head_forward_batch(h, ids[::B], choose)
 
-    def head_forward(self, h: torch.Tensor, anchor: torch.Tensor) -> DraftOutput:
+    def head_forward(self, h: torch.Tensor, anchor: torch.Tensor, choose: Chooser | None = None) -> DraftOutput:
         """Last-stage head (docs/model.md §9.5) of one block: h [B, C, D], anchor [1] int64 ->
         DraftOutput of B slots (`head_forward_batch` with N = 1)."""
-        return self.head_forward_batch(h, anchor)[0]
+        return self.head_forward_batch(h, anchor, choose)[0]
 
-    def head_forward_batch(self, h: torch.Tensor, anchors: torch.Tensor) -> list[DraftOutput]:
+    def head_forward_batch(self, h: torch.Tensor, anchors: torch.Tensor,
+                           choose: Chooser | None = None) -> list[DraftOutput]:
         """Last-stage head (docs/model.md §9.5) of N blocks: h [N*B, C, D], anchors [N] int64 ->
         N DraftOutputs of B slots each.
 
         Sequential Markov loop over the B slots, all blocks at once, on device (one host sync
         at the end): the bias of slot j is markov_w2(markov_w1[prev]) with prev the previous
-        slot's draft (the anchor for slot 0).
+        slot's draft (the anchor for slot 0). `choose` picks slot j's tokens (None: argmax); it
+        must run inside the loop, since slot j's pick is slot j+1's Markov input.
         """
         cfg, last = self.cfg, self.mtp[-1]
         N = anchors.shape[0]
@@ -440,7 +455,7 @@ class DSparkDraft(nn.Module):
         for j in range(logits.shape[1]):
             e = last.markov_head.markov_w1(prev)  # [N, Rm] embedding of the previous token
             logits[:, j] += last.markov_head.markov_w2(e)
-            prev = logits[:, j].argmax(-1)  # [N]
+            prev = logits[:, j].argmax(-1) if choose is None else choose(j, logits[:, j])  # [N]
             drafted.append(prev)
             emb.append(e)
         conf = None
@@ -472,6 +487,14 @@ class DSparkDraft(nn.Module):
                 got = f"{tuple(r.shape)} {r.dtype} on {r.device}" if torch.is_tensor(r) else type(r).__name__
                 raise ValueError(f"rings[{s}] is {got}, the module needs {shape} (window_size, head_dim) "
                                  f"{w.dtype} on {w.device}: use module.new_state()")
+
+
+def _per_block(choosers: list[Chooser | None]) -> Chooser:
+    """One chooser over N blocks from each block's own (None: argmax), each given its row [1, V]."""
+    def choose(j: int, logits: torch.Tensor) -> torch.Tensor:
+        return torch.cat([logits[n:n + 1].argmax(-1) if c is None else c(j, logits[n:n + 1]).reshape(1)
+                          for n, c in enumerate(choosers)])
+    return choose
 
 
 def _cut(out: DraftOutput, n: int) -> DraftOutput:

@@ -332,3 +332,32 @@ def draft_choice(draft_logits: torch.Tensor, params: SamplingParams, positions) 
     q = probabilities(draft_logits, params)
     stream = TOKEN if params.rule == "coupled" else DRAFT
     return keyed_choice(draft_logits, params, positions, stream), q
+
+
+class DraftSampler:
+    """A drafter's slot chooser under `params` (the `choose` hook of `DSparkDraft.head_forward`):
+    slot j of a block drafted from seed position p picks the token at absolute position
+    p + 2 + j with `draft_choice`, and keeps the distribution q it drew from.
+
+    Called as sampler(j, logits [V] fp32 after the Markov bias) -> token [1] int64 on the
+    logits' device. `probs()` -> q [n, V] fp32 on CPU, one row per slot chosen so far.
+    Raises:
+        ValueError: seed_position < -1 (named), or a slot asked out of order.
+    """
+
+    def __init__(self, params: SamplingParams, seed_position: int):
+        if int(seed_position) < -1:
+            raise ValueError(f"seed_position={seed_position}: must be >= -1")
+        self.params, self.first_position = params, int(seed_position) + 2
+        self._q: list[torch.Tensor] = []
+
+    def __call__(self, j: int, logits: torch.Tensor) -> torch.Tensor:
+        if j != len(self._q):  # keyed by position: a skipped or repeated slot would misalign the noise
+            raise ValueError(f"draft slot {j} chosen out of order (expected slot {len(self._q)})")
+        token, q = draft_choice(logits.reshape(1, -1), self.params, [self.first_position + j])
+        self._q.append(q[0].cpu())
+        return token.reshape(1)
+
+    def probs(self) -> torch.Tensor:
+        """q [n, V] fp32 on CPU: the distribution each chosen slot's token was drawn from."""
+        return torch.stack(self._q) if self._q else torch.zeros(0, 0)

@@ -15,12 +15,15 @@ import sys
 
 import grpc
 
-from dspark_proto.v1 import gateway_pb2, gateway_pb2_grpc
+from dspark_proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.common.settings import MAX_TIMEOUT_S, backend_target, valid_token
 from services.settings import client_token
 
 _SPEC = {"off": gateway_pb2.SPEC_MODE_OFF, "always": gateway_pb2.SPEC_MODE_ALWAYS,
          "gated": gateway_pb2.SPEC_MODE_GATED, "default": gateway_pb2.SPEC_MODE_DEFAULT}
+_RULES = {"default": common_pb2.SAMPLING_RULE_DEFAULT, "coupled": common_pb2.SAMPLING_RULE_COUPLED,
+          "rejection": common_pb2.SAMPLING_RULE_REJECTION}
+SEED_LIMIT = 2 ** 63  # dsv4.sampling.SEED_LIMIT (this client does not import torch)
 
 
 def _client_checks(args, command: str) -> int | None:
@@ -76,6 +79,9 @@ def _generate(args) -> int:
     if args.max_tokens <= 0:
         print(f"dspark generate: --max-tokens={args.max_tokens} must be > 0", file=sys.stderr)
         return 2
+    if args.seed is not None and not 0 <= args.seed < SEED_LIMIT:  # the wire's uint64 would refuse it less clearly
+        print(f"dspark generate: --seed={args.seed} must lie in [0, 2**63)", file=sys.stderr)
+        return 2
     bad = _client_checks(args, "generate")
     if bad is not None:
         return bad
@@ -98,12 +104,17 @@ def final_line(msg: gateway_pb2.GenerateResponse) -> str:
     else:
         spec = "no drafts verified (plain decode)"
     return (f"[{msg.finish_reason}] {msg.usage.completion_tokens} tokens, {s.rounds} rounds, {spec}, "
-            f"TTFT {msg.time_to_first_token_ms:.0f} ms")
+            f"TTFT {msg.time_to_first_token_ms:.0f} ms, seed {msg.seed}")
 
 
 async def _generate_async(args) -> int:
     req = gateway_pb2.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens, spec=_SPEC[args.spec],
-                                      stop=args.stop, ignore_eos=args.ignore_eos, label=args.label)
+                                      stop=args.stop, ignore_eos=args.ignore_eos, label=args.label,
+                                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                      min_p=args.min_p, logprobs=args.logprobs,
+                                      sampling_rule=_RULES[args.sampling_rule])
+    if args.seed is not None:
+        req.seed = args.seed
     async with _channel(args) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         async for msg in stub.Generate(req, timeout=args.timeout, metadata=_metadata(args)):

@@ -82,12 +82,26 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     gen.add_argument("--label", default="", help="workload label for the gateway's recorded rounds")
     gen.add_argument("--json", action="store_true", help="print each streamed message as one JSON line")
+    _sampling_args(gen)
     gen.set_defaults(func=_generate)
 
     stats = sub.add_parser("stats", help="print a gateway's process totals (Gateway.Stats)")
     _client_args(stats, timeout=10.0)
     stats.add_argument("--json", action="store_true", help="print the raw Stats JSON")
     stats.set_defaults(func=_stats)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    """`dspark generate`'s sampling flags (the gateway validates the values; docs/services.md)."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus mass kept, in (0, 1]")
+    p.add_argument("--top-k", type=int, default=0, help="most likely tokens kept (0: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the top token's probability")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: the gateway draws one and "
+                                                          "prints it, so the run can be repeated)")
+    p.add_argument("--logprobs", type=int, default=0, help="top alternatives per token (0..20; with --json)")
+    p.add_argument("--sampling-rule", choices=("default", "coupled", "rejection"), default="default",
+                   help="acceptance rule of speculative sampling (default: the gateway's DSPARK_SAMPLING_RULE)")
 
 
 def _client_args(p: argparse.ArgumentParser, timeout: float) -> None:

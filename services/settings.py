@@ -17,6 +17,7 @@ Unset means the default; the "empty" column says what an empty value means.
 | DSPARK_GENERATION_TIMEOUT_S | 600 | error | gateway: generation_timeout_s |
 | DSPARK_STARTUP_TIMEOUT_S | 10 | error | gateway: startup_timeout_s |
 | DSPARK_DRAFTER_FAILOVERS | 2 | error | gateway: drafter_failovers |
+| DSPARK_SAMPLING_RULE | coupled | error | gateway: sampling_rule (coupled, rejection: sampled requests that leave theirs unset) |
 | DSPARK_GATEWAY_TOKEN | unset | unset | gateway: token; `dspark generate`'s token |
 | DSPARK_GATEWAY_TLS_CERT, _KEY | unset | unset | gateway_tls (a pair) |
 | DSPARK_METRICS_PORT | unset | unset | metrics_port (every service; `--metrics-port` wins) |
@@ -67,8 +68,8 @@ from typing import TYPE_CHECKING, Mapping
 from dsv4.settings import (ENV_KERNELS, ENV_MOE_DETERMINISTIC_REDUCE, ENV_MOE_MULTI_TOKEN_FP4, KERNEL_BACKENDS,
                            Settings as ModelSettings)
 from services.common.settings import (COST_MODES, EXPORTERS, LOG_FORMATS, MAX_CONNECTION_AGE_S, MAX_TIMEOUT_S,
-                                      PINNABLE_COSTS, VERIFY_MODES, VERIFY_NUMERICS, BackendSettings, GatewaySettings,
-                                      ServeSettings,
+                                      PINNABLE_COSTS, SAMPLING_RULES, VERIFY_MODES, VERIFY_NUMERICS, BackendSettings,
+                                      GatewaySettings, ServeSettings,
                                       TelemetrySettings, backend_target, valid_token)
 from services.common.tls import PemFile, TlsFiles, load_tls
 from services.gateway.gate import ENV_VARS as GATE_ENV_VARS, GateConfig
@@ -228,7 +229,8 @@ def gateway_settings(environ: Environ) -> GatewaySettings:
         generation_timeout_s=_float(environ, "DSPARK_GENERATION_TIMEOUT_S", GatewaySettings.generation_timeout_s),
         startup_timeout_s=_float(environ, "DSPARK_STARTUP_TIMEOUT_S", GatewaySettings.startup_timeout_s),
         drafter_failovers=_int(environ, "DSPARK_DRAFTER_FAILOVERS", GatewaySettings.drafter_failovers, low=0),
-        token=token, pinned_costs=tuple(f for f in PINNABLE_COSTS if GATE_ENV_VARS[f] in environ))
+        token=token, pinned_costs=tuple(f for f in PINNABLE_COSTS if GATE_ENV_VARS[f] in environ),
+        sampling_rule=_choice(environ, "DSPARK_SAMPLING_RULE", GatewaySettings.sampling_rule, SAMPLING_RULES))
 
 
 def client_token(flag: str | None, environ: Environ) -> tuple[str, str]:

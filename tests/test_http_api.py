@@ -175,9 +175,12 @@ def test_stop_string_and_max_tokens(front):
 
 # ---------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("kwargs, param, words", [
-    ({"temperature": 0.7}, "temperature", "temperature=0.7: only greedy decoding is supported"),
-    ({"top_p": 0.5}, "top_p", "top_p=0.5: only greedy decoding is supported"),
-    ({"logprobs": 2}, "logprobs", "logprobs=2: only greedy decoding is supported"),
+    ({"temperature": -0.7}, "temperature", "temperature=-0.7: must be >= 0"),
+    ({"top_p": 1.5}, "top_p", "top_p=1.5: must lie in (0, 1]"),
+    ({"logprobs": 21}, "logprobs", "logprobs=21: must lie in 0..20"),
+    ({"seed": -1}, "seed", "seed=-1: must lie in [0, 2**63)"),
+    ({"extra_body": {"top_k": -2}}, "top_k", "top_k=-2: must be >= 0"),
+    ({"extra_body": {"min_p": 1.5}}, "min_p", "min_p=1.5: must lie in [0, 1]"),
     ({"n": 2}, "n", "n=2"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens: Input should be greater than or equal to 1"),
 ])

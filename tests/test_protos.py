@@ -74,6 +74,7 @@ def _v1_classes() -> dict:
     file = descriptor_pb2.FileDescriptorProto()
     gateway_pb2.DESCRIPTOR.CopyToProto(file)
     file.name = "v1_gateway.proto"
+    del file.dependency[:]  # v1 used nothing from common.proto; the fields that do are removed below
     for message in list(file.message_type):
         if message.name not in V1_FIELDS:
             file.message_type.remove(message)

@@ -69,7 +69,7 @@ BAD_REQUESTS = {
     "prompt_plus_max_tokens": (gen_request(ids=[5] * 200, max_tokens=57),
                                ["200 tokens", "max_tokens=57", "max_seq_len=256"]),
     "prompt_longer_than_max_seq_len": (gen_request(ids=[5] * 300, max_tokens=1), ["300 tokens"]),
-    "temperature": (gen_request("hi", temperature=0.7), ["temperature=0.7", "greedy"]),
+    "temperature": (gen_request("hi", temperature=-0.5), ["temperature=-0.5", ">= 0"]),
     "stop_token_id_out_of_range": (gen_request("hi", stop_token_ids=[600]), ["stop token id 600"]),
     "unknown_spec_mode": (gateway_pb2.GenerateRequest(prompt="hi", max_tokens=4, spec=9), ["spec=9"]),
 }

@@ -18,6 +18,9 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
+# acceptance rules of sampled requests: dsv4.sampling.RULES, spelled here so that reading
+# settings never imports torch (a test checks the two agree)
+SAMPLING_RULES = ("coupled", "rejection")
 # verify paths of the verifier: one forward per draft token, or one forward of the block + rollback
 VERIFY_MODES = ("sequential", "batched")
 # where the gate's costs come from: the configured *_MS values, or measured (start-up profile + live rounds)
@@ -108,6 +111,8 @@ class GatewaySettings:
     generation's backend streams. startup_timeout_s: deadline of the backends' Info at start.
     drafter_failovers: drafter re-primes a generation may make after a drafter failure.
     token: bearer token every client call must carry ("" = none; never in repr).
+    sampling_rule: the acceptance rule of sampled requests that leave theirs unset, one of
+    SAMPLING_RULES ("coupled": reproducible per seed; "rejection": see docs/sampling.md).
     Raises:
         ValueError: a field outside its range (named with its value; the token's value is not shown).
     """
@@ -122,9 +127,11 @@ class GatewaySettings:
     drafter_failovers: int = 2
     token: str = field(default="", repr=False)
     pinned_costs: tuple[str, ...] = ()
+    sampling_rule: str = "coupled"
 
     def __post_init__(self) -> None:
         check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
+        check_choice("sampling_rule", self.sampling_rule, SAMPLING_RULES)
         check_choice("cost_mode", self.cost_mode, COST_MODES)
         if isinstance(self.pinned_costs, str):
             raise ValueError(f"pinned_costs={self.pinned_costs!r}: must be a tuple of field names")

@@ -26,10 +26,11 @@ import torch
 
 from services.common.sessions import (SessionHost, SessionLimitError, SessionTable,  # noqa: F401 (re-exported)
                                       UnknownSessionError)
-from services.drafter.interface import Drafter
+from services.drafter.interface import Drafter, SampledDraft
 
 from dsv4.config import ModelConfig
 from dsv4.dspark import DraftState, DSparkDraft
+from dsv4.sampling import DraftSampler, SamplingParams
 
 
 def drafter_identity(cfg: ModelConfig, confidence_head: bool, tp: int, kind: str) -> dict:
@@ -133,3 +134,19 @@ class DrafterEngine(SessionHost[DraftState], Drafter):
             out = self.module.draft(state, anchor, seed_position)
         conf = None if out.confidence is None else out.confidence.detach().float().cpu()
         return out.tokens, conf
+
+    def draft_sampled(self, sid: int, anchor: int, seed_position: int, params: SamplingParams) -> SampledDraft:
+        """Probabilistic drafting: each slot's token is drawn, inside the Markov loop, from the
+        draft's own distribution at that position (its logits after the Markov bias, then the
+        request's temperature and filters) by `dsv4.sampling.DraftSampler`; greedy params give
+        `draft`'s tokens. Returns the n tokens, confidences as `draft` (the confidence head
+        still reads the chosen token's Markov embedding) and q [n, V] fp32 on CPU.
+
+        Raises:
+            ValueError, UnknownSessionError: as `draft`.
+        """
+        sampler = DraftSampler(params, seed_position)
+        with self._table.locked(sid) as state:
+            out = self.module.draft(state, anchor, seed_position, sampler)
+        conf = None if out.confidence is None else out.confidence.detach().float().cpu()
+        return SampledDraft(out.tokens, conf, sampler.probs()[:len(out.tokens)])

@@ -9,9 +9,23 @@ is part of the contract rather than an optional attribute: every drafter says wi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
+
+from dsv4.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampledDraft:
+    """A draft under sampling parameters: tokens (n ids of positions seed_position+2..),
+    confidence [n] fp32 raw logits (None without a head) and probs [n, V] fp32 on CPU, the
+    distribution q each token was drawn from (what the rejection rule needs)."""
+
+    tokens: list[int]
+    confidence: torch.Tensor | None
+    probs: torch.Tensor
 
 
 @runtime_checkable
@@ -74,6 +88,19 @@ class Drafter(Protocol):
             UnknownSessionError: `sid` not open.
         """
         ...
+
+    def draft_sampled(self, sid: int, anchor: int, seed_position: int, params: SamplingParams) -> SampledDraft:
+        """Draft under `params` (dsv4.sampling): the token of position q is chosen with noise
+        keyed by (params.seed, q). This default suits drafters whose proposal does not depend
+        on the params (the scripted oracle): `draft`'s tokens, drawn from a one-hot q.
+
+        Raises:
+            ValueError, UnknownSessionError: as `draft`.
+        """
+        tokens, conf = self.draft(sid, anchor, seed_position)
+        vocab = self.identity()["vocab_size"]
+        probs = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.int64), vocab).float()
+        return SampledDraft(list(tokens), conf, probs.reshape(len(tokens), vocab))
 
     def observe_tokens(self, sid: int, first_position: int, token_ids: Sequence[int]) -> None:
         """Take the committed token ids of positions first_position.. (called only when

@@ -7,7 +7,7 @@ validates the rows it is sent but never uses them.
 The service form of the oracle drafter (`dspark serve drafter --oracle`). It holds a copy of
 the trunk, follows each session's committed tokens (`observe_tokens`, fed from the commit
 messages' token ids) and drafts by greedy-decoding the anchor and the next tokens on a copy
-of the session's target state. Every draft it makes is therefore what the verifier would
+of the session's target state (under sampling, `draft_sampled`: the target's own keyed choice). Every draft it makes is therefore what the verifier would
 choose, except where the corruption schedule replaces a token by (token + 1) % vocab_size:
 slot j of a draft at seed position p is corrupted when `corrupt_every` > 0 and
 (p + j) % corrupt_every == corrupt_every - 1. Confidence logits are `confident` for kept
@@ -23,15 +23,16 @@ import copy
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from dsv4.draft_args import as_int, as_int_list, check_commit, check_draft_args, check_seed, draft_length
+from dsv4.sampling import SamplingParams, keyed_choice
 from dsv4.trunk import Trunk, TrunkState
 from services.common.sessions import SessionHost, SessionTable
 from services.drafter.engine import drafter_identity
-from services.drafter.interface import Drafter
+from services.drafter.interface import Drafter, SampledDraft
 
 
 @dataclass
@@ -137,6 +138,21 @@ class LiveOracleDrafter(SessionHost[_LiveSession], Drafter):
                 (both named), no room for the anchor, or the committed tokens not known up to
                 seed_position.
         """
+        return self._continue(sid, anchor, seed_position, lambda q, logits: int(logits.argmax()))
+
+    def draft_sampled(self, sid: int, anchor: int, seed_position: int, params: SamplingParams) -> SampledDraft:
+        """The target's own choice under `params`: the token of position q is `keyed_choice` of
+        the trunk's logits with the TOKEN stream keyed by (seed, q), exactly what the coupled
+        verifier picks there; corrupted by the schedule like `draft`. q is one-hot on each
+        proposal (the proposal is a function of the context). Raises like `draft`."""
+        tokens, conf = self._continue(sid, anchor, seed_position, lambda q, logits: int(
+            keyed_choice(logits.reshape(1, -1), params, [q])[0]))
+        probs = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.int64), self.cfg.vocab_size).float()
+        return SampledDraft(tokens, conf, probs.reshape(len(tokens), self.cfg.vocab_size))
+
+    def _continue(self, sid: int, anchor: int, seed_position: int,
+                  pick: Callable[[int, torch.Tensor], int]) -> tuple[list[int], torch.Tensor]:
+        """Decode the continuation, pick(position, logits [V]) choosing each token; see `draft`."""
         anchor, p = check_draft_args(self.cfg, anchor, seed_position)
         with self._table.locked(sid) as s:
             check_seed(s.last_position, p)
@@ -148,7 +164,7 @@ class LiveOracleDrafter(SessionHost[_LiveSession], Drafter):
         V, every = self.cfg.vocab_size, self.corrupt_every
         tokens, conf, token = [], [], anchor
         for j in range(n):  # decode positions p+1..p+n, all < max_seq_len - 1
-            token = int(self.trunk.decode(state, token, p + 1 + j, taps=False).logits.argmax())
+            token = pick(p + 2 + j, self.trunk.decode(state, token, p + 1 + j, taps=False).logits.reshape(-1))
             bad = every > 0 and (p + j) % every == every - 1
             tokens.append((token + 1) % V if bad else token)
             conf.append(self.doubtful if bad else self.confident)

@@ -1,7 +1,7 @@
 """Drafter gRPC servicer: a thin adapter from the wire to a `Drafter` engine.
 
 It owns the message translation only: a commit's rows tensor and positions, a draft's
-tokens and confidences, the timings; with a step loop (`services.drafter.steps`) a call is
+sampling parameters, tokens, confidences and (rejection rule) draft probabilities, the timings; with a step loop (`services.drafter.steps`) a call is
 awaited from the loop's next step, batched with every other session's, else it runs on a
 thread of its own; the session's life cycle is
 `services.common.session_stream.serve_session` and every rule about rows, positions and
@@ -20,8 +20,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from dspark_proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from services.common.session_stream import SessionStreamServicer
 from services.common.telemetry import message_span
-from services.common.tensors import from_proto
-from services.drafter.interface import Drafter, feed_tokens
+from services.common.sampling_wire import params_from_proto
+from services.common.tensors import from_proto, to_proto
+from services.drafter.interface import Drafter, SampledDraft, feed_tokens
 from services.drafter.steps import DraftStepLoop, DraftStepStats
 
 
@@ -71,12 +72,8 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
             if op == "commit":
                 response, step_ms = await self._commit(sid, request.commit)
             else:
-                d = request.draft
-                (tokens, conf), step_ms = await self._draft(sid, d.anchor, d.seed_position)
-                response = drafter_pb2.DrafterResponse(
-                    tokens=tokens, confidence_logits=[] if conf is None else conf.tolist(),
-                    committed_through=d.seed_position)
-                span.set_attribute("spec_decode.drafted", len(tokens))
+                response, step_ms = await self._draft(sid, request.draft)
+                span.set_attribute("spec_decode.drafted", len(response.tokens))
             waited_ms = (time.perf_counter() - t0) * 1e3
             forward_ms = waited_ms if step_ms is None else step_ms  # in a loop: the step's own time
             response.timing.forward_ms = forward_ms
@@ -90,13 +87,29 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
                     self.metrics.record_draft(len(response.tokens), forward_ms)
             return response
 
-    async def _draft(self, sid: int, anchor: int, seed_position: int) -> tuple[tuple, float | None]:
+    async def _draft(self, sid: int, d: drafter_pb2.DraftRequest) -> tuple[drafter_pb2.DrafterResponse, float | None]:
         """The engine's draft in the step loop's next step, or on a thread of its own; returns
-        ((tokens, confidence), the step's ms or None without a loop)."""
-        if self.steps is None:
-            return await asyncio.to_thread(self.engine.draft, sid, anchor, seed_position), None
-        reply = await asyncio.wrap_future(self.steps.submit_draft(sid, anchor, seed_position))
-        return reply.value, reply.step_ms
+        (the response, the step's ms or None without a loop). Without `sampling` the draft is
+        greedy; sampled, it is drawn at each position (`DrafterEngine.draft_sampled`), and
+        under the rejection rule the reply carries q (float32 [n, V]).
+        Raises ValueError for a bad sampling value (the field named) or a bad draft."""
+        params = params_from_proto(d.sampling, field="draft.sampling")  # unset: all zero, greedy
+        step_ms = None
+        if self.steps is not None:
+            reply = await asyncio.wrap_future(
+                self.steps.submit_draft(sid, d.anchor, d.seed_position, None if params.greedy else params))
+            value, step_ms = reply.value, reply.step_ms
+        elif params.greedy:
+            value = await asyncio.to_thread(self.engine.draft, sid, d.anchor, d.seed_position)
+        else:
+            value = await asyncio.to_thread(self.engine.draft_sampled, sid, d.anchor, d.seed_position, params)
+        sampled = isinstance(value, SampledDraft)
+        tokens, conf = (value.tokens, value.confidence) if sampled else value
+        response = drafter_pb2.DrafterResponse(tokens=tokens, confidence_logits=[] if conf is None else conf.tolist(),
+                                               committed_through=d.seed_position)
+        if sampled and params.rule == "rejection":  # the coupled rule never reads q
+            response.draft_probs.CopyFrom(to_proto(value.probs, "float32"))
+        return response, step_ms
 
     async def _commit(self, sid: int, commit) -> tuple[drafter_pb2.DrafterResponse, float | None]:
         """A commit in the step loop's next step, or on a thread of its own; returns (the

@@ -35,8 +35,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from dsv4.sampling import DraftSampler, SamplingParams
 from services.common.sessions import UnknownSessionError
 from services.drafter.engine import DrafterEngine
+from services.drafter.interface import SampledDraft
 
 log = logging.getLogger("dspark.drafter.steps")
 
@@ -115,15 +117,17 @@ class DraftStepLoop:
         Raises: as `submit_draft`."""
         return self._submit(_Request(sid, "commit", (rows, positions), Future()))
 
-    def submit_draft(self, sid: int, anchor: int, seed_position: int) -> Future:
+    def submit_draft(self, sid: int, anchor: int, seed_position: int, params: SamplingParams | None = None) -> Future:
         """Queue a draft (see `DrafterEngine.draft`); the future's `StepReply.value` is (tokens,
         confidence logits [n] fp32 on CPU or None), or it fails as the engine's call would.
+        params: sampling parameters (None or greedy: the argmax); sampled, the value is a
+        `SampledDraft` as `DrafterEngine.draft_sampled` returns (probabilistic drafting).
 
         Raises:
             ValueError: the session already has a request in the loop (one at a time).
             RuntimeError: the loop is closed.
         """
-        return self._submit(_Request(sid, "draft", (anchor, seed_position), Future()))
+        return self._submit(_Request(sid, "draft", (anchor, seed_position, params), Future()))
 
     def stats(self) -> DraftStepStats:
         """The steps so far (a snapshot)."""
@@ -210,19 +214,24 @@ class DraftStepLoop:
         done, ok = [], []
         for r, s in drafts:
             try:
-                self.module.check_draft(s, *r.args)
+                self.module.check_draft(s, *r.args[:2])
                 ok.append((r, s))
             except ValueError as exc:
                 done.append((r, None, exc))
         if not ok:
             return done
+        # sampled drafts choose inside the Markov loop, each with its own request's seed and params
+        samplers = [None if p is None or p.greedy else DraftSampler(p, seed) for _, seed, p in (r.args for r, _ in ok)]
         try:
-            outs = self.module.draft_batch([s for _, s in ok], [r.args[0] for r, _ in ok], [r.args[1] for r, _ in ok])
+            outs = self.module.draft_batch([s for _, s in ok], [r.args[0] for r, _ in ok], [r.args[1] for r, _ in ok],
+                                           samplers)
         except Exception as exc:  # the forward failed: every draft of the step gets it
             return done + [(r, None, exc) for r, _ in ok]
-        for (r, _), out in zip(ok, outs):
+        for (r, _), out, sampler in zip(ok, outs, samplers):
             conf = None if out.confidence is None else out.confidence.detach().float().cpu()
-            done.append((r, (out.tokens, conf), None))
+            value = (out.tokens, conf) if sampler is None else \
+                SampledDraft(out.tokens, conf, sampler.probs()[:len(out.tokens)])
+            done.append((r, value, None))
         return done
 
     def _finish(self, r: _Request, result: object = None, error: BaseException | None = None) -> None:

@@ -24,6 +24,8 @@ import grpc
 import torch
 
 from dspark_proto.v1 import common_pb2, drafter_pb2, verifier_pb2
+from dsv4.sampling import GREEDY, SamplingParams, TokenLogprob
+from services.common.sampling_wire import logprob_from_proto, logprob_to_proto, params_to_proto
 from services.common.tensors import from_proto, to_proto
 
 _MODE_ENUM = {"sequential": verifier_pb2.VERIFY_MODE_SEQUENTIAL, "batched": verifier_pb2.VERIFY_MODE_BATCHED}
@@ -50,9 +52,10 @@ class InvalidDraftReply(BackendError):
 
 # The rules every drafter reply must meet (metric label `check`): token ids inside the
 # vocabulary, no reserved id, at most block_size tokens, one finite confidence per token or
-# none, and the session and position the request asked about.
+# none, the session and position the request asked about, and (rejection rule) one row of
+# probabilities per token, finite, non-negative, over the vocabulary.
 DRAFT_CHECKS = ("token_range", "reserved_token", "block_size", "confidence_count", "confidence_finite",
-                "session", "position")
+                "session", "position", "draft_probs")
 
 # Drafter failures another replica may cure (the replica died, is unreachable, hung or is
 # shutting down): the gateway re-primes a new drafter session on them (`DSPARK_DRAFTER_FAILOVERS`).
@@ -83,7 +86,9 @@ def may_fail_over(exc: BackendError) -> bool:
 @dataclass(frozen=True)
 class VerifierReply:
     """next_token: the new anchor; margin: its top1 - top2 logit; accepted: drafts accepted;
-    rows [R, T*D] fp32 (bf16-rounded) of positions first_position..; forward_ms: compute time."""
+    rows [R, T*D] fp32 (bf16-rounded) of positions first_position..; forward_ms: compute time;
+    logprobs: one per token this call chose (prefill/decode: next_token; verify: the accepted
+    drafts, then next_token), empty from a verifier that sends none."""
 
     next_token: int
     margin: float
@@ -92,23 +97,29 @@ class VerifierReply:
     first_position: int
     forward_ms: float
     rollback_bytes: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
 class DraftReply:
     """tokens: up to block_size drafts (fewer near max_seq_len); confidence_logits: one per token,
-    or None without a confidence head; forward_ms: compute time."""
+    or None without a confidence head; forward_ms: compute time; probs [n, V] fp32: the
+    distribution q each token was drawn from (rejection rule only, else None)."""
 
     tokens: list[int]
     confidence_logits: list[float] | None
     forward_ms: float
+    probs: torch.Tensor | None = None
 
 
 class VerifierSession(Protocol):
-    async def prefill(self, token_ids: Sequence[int], trace: common_pb2.TraceContext) -> VerifierReply: ...
+    # `sampling` is fixed for the session's life: decode and verify choose with it.
+    async def prefill(self, token_ids: Sequence[int], trace: common_pb2.TraceContext,
+                      sampling: SamplingParams = GREEDY) -> VerifierReply: ...
     async def decode(self, token_id: int, position: int, trace: common_pb2.TraceContext) -> VerifierReply: ...
+    # draft_probs [k, V] fp32: the rejection rule's q of each draft (None otherwise)
     async def verify(self, anchor: int, drafts: Sequence[int], position: int, mode: str,
-                     trace: common_pb2.TraceContext) -> VerifierReply: ...
+                     trace: common_pb2.TraceContext, draft_probs: torch.Tensor | None = None) -> VerifierReply: ...
     # The last min(count, kept) committed rows (count 0: all kept, up to window_size); needed
     # only for drafter failover (the gRPC session has it, the in-process one does not).
     async def rows(self, count: int, trace: common_pb2.TraceContext) -> VerifierReply: ...
@@ -118,7 +129,8 @@ class VerifierSession(Protocol):
 class DrafterSession(Protocol):
     async def commit(self, rows: torch.Tensor, first_position: int, token_ids: Sequence[int],
                      token_first_position: int, trace: common_pb2.TraceContext) -> None: ...
-    async def draft(self, anchor: int, seed_position: int, trace: common_pb2.TraceContext) -> DraftReply: ...
+    async def draft(self, anchor: int, seed_position: int, trace: common_pb2.TraceContext,
+                    sampling: SamplingParams = GREEDY) -> DraftReply: ...
     async def close(self) -> None: ...
 
 
@@ -179,17 +191,26 @@ class GrpcVerifierSession:
 
     async def _ask(self, trace, **op) -> VerifierReply:
         r = await self._s.ask(verifier_pb2.VerifierRequest(trace=trace, **op))
+        try:
+            logprobs = tuple(logprob_from_proto(m) for m in r.logprobs)
+        except ValueError as exc:
+            raise BackendError("verifier", f"invalid reply: {exc}", grpc.StatusCode.DATA_LOSS) from None
         return VerifierReply(r.next_token, r.margin, r.accepted, from_proto(r.rows).float(), r.first_position,
-                             r.timing.forward_ms, r.timing.rollback_bytes)
+                             r.timing.forward_ms, r.timing.rollback_bytes, logprobs)
 
-    async def prefill(self, token_ids, trace):
-        return await self._ask(trace, prefill=verifier_pb2.PrefillRequest(token_ids=list(token_ids)))
+    async def prefill(self, token_ids, trace, sampling=GREEDY):
+        req = verifier_pb2.PrefillRequest(token_ids=list(token_ids))
+        if sampling != GREEDY:  # unset is greedy: a plain request stays byte-identical to before
+            req.sampling.CopyFrom(params_to_proto(sampling))
+        return await self._ask(trace, prefill=req)
 
     async def decode(self, token_id, position, trace):
         return await self._ask(trace, decode=verifier_pb2.DecodeRequest(token_id=token_id, position=position))
 
-    async def verify(self, anchor, drafts, position, mode, trace):
+    async def verify(self, anchor, drafts, position, mode, trace, draft_probs=None):
         req = verifier_pb2.VerifyRequest(anchor=anchor, drafts=list(drafts), position=position, mode=_MODE_ENUM[mode])
+        if draft_probs is not None:
+            req.draft_probs.CopyFrom(to_proto(draft_probs, "float32"))
         return await self._ask(trace, verify=req)
 
     async def rows(self, count, trace):
@@ -227,14 +248,27 @@ class GrpcDrafterSession:
                                         token_ids=list(token_ids), token_first_position=token_first_position)
         await self._ask(drafter_pb2.DrafterRequest(trace=trace, commit=req), first_position + rows.shape[0] - 1)
 
-    async def draft(self, anchor, seed_position, trace):
-        r = await self._ask(drafter_pb2.DrafterRequest(
-            trace=trace, draft=drafter_pb2.DraftRequest(anchor=anchor, seed_position=seed_position)), seed_position)
+    async def draft(self, anchor, seed_position, trace, sampling=GREEDY):
+        req = drafter_pb2.DraftRequest(anchor=anchor, seed_position=seed_position)
+        if sampling != GREEDY:
+            req.sampling.CopyFrom(params_to_proto(sampling))
+        r = await self._ask(drafter_pb2.DrafterRequest(trace=trace, draft=req), seed_position)
         conf = list(r.confidence_logits) if len(r.confidence_logits) else None
-        return DraftReply(list(r.tokens), conf, r.timing.forward_ms)
+        return DraftReply(list(r.tokens), conf, r.timing.forward_ms, _draft_probs(r))
 
     async def close(self):
         await self._s.close()
+
+
+def _draft_probs(r: drafter_pb2.DrafterResponse) -> torch.Tensor | None:
+    """The reply's q [n, V] fp32, None when it sent none. A q that does not decode is an
+    invalid reply (the drafter is at fault); its shape is `DraftCheck`'s to judge."""
+    if not r.HasField("draft_probs"):
+        return None
+    try:
+        return from_proto(r.draft_probs, max_elements=1 << 26).float()
+    except ValueError as exc:
+        raise InvalidDraftReply("draft_probs", str(exc)) from None
 
 
 # ---------------------------------------------------------------------------- in process
@@ -244,21 +278,28 @@ class LocalVerifierSession:
     def __init__(self, engine):
         self.engine, self.sid = engine, engine.open_session()
 
-    async def prefill(self, token_ids, trace):
-        r = await asyncio.to_thread(self.engine.prefill, self.sid, list(token_ids))
-        return VerifierReply(r.next_token, r.margin, 0, wire_rows(r.rows), r.positions.start, r.forward_ms)
+    async def prefill(self, token_ids, trace, sampling=GREEDY):
+        r = await asyncio.to_thread(self.engine.prefill, self.sid, list(token_ids), sampling)
+        return VerifierReply(r.next_token, r.margin, 0, wire_rows(r.rows), r.positions.start, r.forward_ms,
+                             logprobs=_wire_logprobs(r.logprobs))
 
     async def decode(self, token_id, position, trace):
         r = await asyncio.to_thread(self.engine.decode, self.sid, token_id, position)
-        return VerifierReply(r.next_token, r.margin, 0, wire_rows(r.rows), r.positions.start, r.forward_ms)
+        return VerifierReply(r.next_token, r.margin, 0, wire_rows(r.rows), r.positions.start, r.forward_ms,
+                             logprobs=_wire_logprobs(r.logprobs))
 
-    async def verify(self, anchor, drafts, position, mode, trace):
-        r = await asyncio.to_thread(self.engine.verify, self.sid, anchor, list(drafts), position, mode)
+    async def verify(self, anchor, drafts, position, mode, trace, draft_probs=None):
+        r = await asyncio.to_thread(self.engine.verify, self.sid, anchor, list(drafts), position, mode, draft_probs)
         return VerifierReply(r.bonus_token, r.margin, r.accepted, wire_rows(r.rows), r.positions.start,
-                             r.forward_ms, r.rollback_bytes)
+                             r.forward_ms, r.rollback_bytes, _wire_logprobs(r.logprobs))
 
     async def close(self):
         self.engine.close_session(self.sid)
+
+
+def _wire_logprobs(records: Sequence[TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    """Logprob records as they arrive over the wire (float32), so both paths stream the same values."""
+    return tuple(logprob_from_proto(logprob_to_proto(r)) for r in records)
 
 
 class LocalDrafterSession:
@@ -274,12 +315,18 @@ class LocalDrafterSession:
             self.engine.commit(self.sid, wire_rows(rows), range(first_position, first_position + rows.shape[0]))
         await asyncio.to_thread(run)
 
-    async def draft(self, anchor, seed_position, trace):
+    async def draft(self, anchor, seed_position, trace, sampling=GREEDY):
         import time
         t0 = time.perf_counter()
-        tokens, conf = await asyncio.to_thread(self.engine.draft, self.sid, anchor, seed_position)
+        probs = None
+        if sampling.greedy:
+            tokens, conf = await asyncio.to_thread(self.engine.draft, self.sid, anchor, seed_position)
+        else:
+            out = await asyncio.to_thread(self.engine.draft_sampled, self.sid, anchor, seed_position, sampling)
+            tokens, conf = out.tokens, out.confidence
+            probs = out.probs if sampling.rule == "rejection" else None  # as the gRPC drafter sends it
         return DraftReply(list(tokens), None if conf is None else [float(c) for c in conf],
-                          (time.perf_counter() - t0) * 1e3)
+                          (time.perf_counter() - t0) * 1e3, probs)
 
     async def close(self):
         self.engine.close_session(self.sid)

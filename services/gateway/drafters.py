@@ -21,6 +21,8 @@ import math
 import threading
 from typing import Callable, Collection
 
+import torch
+
 from services.gateway.backends import DRAFT_CHECKS, DraftReply, DrafterSession, InvalidDraftReply
 
 FAILURE_REASONS = ("dead", "timeout", "invalid_reply", "error")
@@ -44,13 +46,15 @@ class DraftCheck:
         self.vocab_size, self.block_size = vocab_size, block_size
         self.reserved_ids = frozenset(reserved_ids)
 
-    def __call__(self, reply: DraftReply) -> None:
-        """Check `reply` (tokens: list[int] of length T; confidence_logits: T floats or None).
+    def __call__(self, reply: DraftReply, need_probs: bool = False) -> None:
+        """Check `reply` (tokens: list[int] of length T; confidence_logits: T floats or None;
+        probs: [T, V] fp32 or None). need_probs: the rejection rule is in force, so q must come.
 
         Raises:
             InvalidDraftReply: naming the check and the offending value: T > block_size, a
                 token id outside [0, vocab_size) or reserved, a confidence count other than T,
-                a NaN or infinite confidence.
+                a NaN or infinite confidence; q missing when needed, or not [T, V], not finite,
+                negative, or zero at a drafted token (it cannot have been drawn from q).
         """
         tokens, conf = reply.tokens, reply.confidence_logits
         if len(tokens) > self.block_size:
@@ -62,6 +66,7 @@ class DraftCheck:
             if t in self.reserved_ids:
                 raise InvalidDraftReply("reserved_token", f"token id {t} at index {i} is reserved "
                                                           f"(the model never emits it)")
+        self._check_probs(reply, need_probs)  # after the token checks: it indexes q by token
         if conf is None:
             return
         if len(conf) != len(tokens):
@@ -69,6 +74,22 @@ class DraftCheck:
         for i, c in enumerate(conf):
             if not math.isfinite(c):
                 raise InvalidDraftReply("confidence_finite", f"confidence logit {c} at index {i} is not finite")
+
+
+    def _check_probs(self, reply: DraftReply, need: bool) -> None:
+        q, tokens = reply.probs, reply.tokens
+        if q is None:
+            if need and tokens:
+                raise InvalidDraftReply("draft_probs", "no draft probabilities under the rejection rule")
+            return
+        if tuple(q.shape) != (len(tokens), self.vocab_size):
+            raise InvalidDraftReply("draft_probs", f"shape {list(q.shape)}, expected [{len(tokens)}, {self.vocab_size}]")
+        if not bool(torch.isfinite(q).all()) or bool((q < 0).any()):
+            raise InvalidDraftReply("draft_probs", "probabilities must be finite and >= 0")
+        drawn = q[torch.arange(len(tokens)), torch.tensor(tokens, dtype=torch.int64)] if tokens else q[:0, 0]
+        if bool((drawn <= 0).any()):
+            i = int((drawn <= 0).nonzero()[0, 0])
+            raise InvalidDraftReply("draft_probs", f"token {tokens[i]} at index {i} has probability 0 in its q")
 
 
 class DrafterFaults:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from dsv4.sampling import GREEDY, SamplingParams, TokenLogprob
 from services.gateway.record import RoundStats
 
 
@@ -38,14 +39,20 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     label: str = "live"
     request_id: str = ""  # the client's or generated id (span attribute `gen_ai.response.id`)
+    # How tokens are chosen (greedy, or seeded sampling under a rule); the seed is always set
+    # by the time a generation runs (the servicer draws one when the request had none).
+    sampling: SamplingParams = GREEDY
 
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """Tokens committed and streamed in one round (after stop checks) and their text delta."""
+    """Tokens committed and streamed in one round (after stop checks), their text delta and
+    one `TokenLogprob` per token (the target's raw distribution; empty when the verifier sent
+    none)."""
 
     token_ids: list[int]
     text_delta: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

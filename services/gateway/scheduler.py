@@ -1,4 +1,4 @@
-"""The speculative scheduler: one greedy generation as rounds over a verifier and a drafter.
+"""The speculative scheduler: one generation as rounds over a verifier and a drafter.
 
 This module owns one generation's round loop (prefill, draft, verify, commit, stream, drafter
 failover) and the process totals of finished generations. It never chooses a draft length
@@ -27,6 +27,14 @@ tokens, and speculation resumes; otherwise, or with the supply spent, the genera
 with plain decode (identical output under sequential verify). A verifier failure ends it (the
 servicer answers UNAVAILABLE). A generation that can never submit a draft (max_tokens <= 2, or
 no room before max_seq_len) opens no drafter session at all.
+
+Sampling (docs/sampling.md). A generation's `SamplingParams` go to the verifier's prefill
+(fixed for the session) and to every draft request; the drafter draws each draft token at
+its absolute position with the request's seed. Under the rejection rule the drafter's q of
+the submitted drafts goes with the verify. The verifier chooses every token, so the
+scheduler never samples: under the coupled rule the output is the plain-decode sequence for
+the seed whatever the drafts, the draft lengths, a failover or spec off were. Each streamed
+token carries the verifier's `TokenLogprob`.
 """
 
 from __future__ import annotations
@@ -41,9 +49,11 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 import torch
 
+from dsv4.sampling import SamplingParams, TokenLogprob
 from services.common.settings import VERIFY_MODES
 from services.common.telemetry import TRACER_NAME, trace_context
-from services.gateway.backends import BackendError, DrafterSession, VerifierSession, failure_reason, may_fail_over
+from services.gateway.backends import (BackendError, DraftReply, DrafterSession, VerifierSession, failure_reason,
+                                       may_fail_over)
 from services.gateway.costs import CostTracker
 from services.gateway.drafters import DraftCheck, DrafterFaults, DrafterSupply
 from services.gateway.events import (FinalEvent, GenerationParams, ModelLimits, ProcessStats,  # noqa: F401 (re-exported)
@@ -98,18 +108,22 @@ class Scheduler:
     # ------------------------------------------------------------------ validation
     def params(self, prompt: str, prompt_ids: Sequence[int], max_tokens: int, spec: str,
                temperature: float = 0.0, stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
-               ignore_eos: bool = False, label: str = "live") -> GenerationParams:
+               ignore_eos: bool = False, label: str = "live", sampling: SamplingParams | None = None
+               ) -> GenerationParams:
         """Validate a request into `GenerationParams`.
 
+        sampling: how tokens are chosen (the servicer builds it, seed included); None is
+        `SamplingParams(temperature=temperature)` (seed 0, the coupled rule), otherwise
+        `temperature` is ignored.
         Raises:
-            ValueError: naming the value: temperature != 0 (greedy only for now), an empty
+            ValueError: naming the value: a bad temperature (NaN, negative), an empty
                 prompt, a token id outside [0, vocab), max_tokens <= 0, prompt + max_tokens
                 beyond max_seq_len, an unknown spec mode, a stop token id out of range, a blank
                 or reserved workload label.
         """
         lim = self.limits
-        if temperature != 0:
-            raise ValueError(f"temperature={temperature:g}: only greedy decoding (temperature 0) is supported")
+        if sampling is None:
+            sampling = SamplingParams(temperature=float(temperature))
         ids = list(prompt_ids) if len(prompt_ids) else self.tokenizer.encode(prompt)
         if not ids:
             raise ValueError("empty prompt: give prompt text or prompt_token_ids")
@@ -130,7 +144,7 @@ class Scheduler:
             raise ValueError(f"stop token id {bad[0]} outside [0, vocab_size={lim.vocab_size})")
         check_workload(label or "live")
         return GenerationParams(tuple(ids), max_tokens, spec, frozenset(stops), tuple(s for s in stop if s),
-                                label or "live")
+                                label or "live", sampling=sampling)
 
     # ------------------------------------------------------------------ generation
     async def generate(self, p: GenerationParams, verifier: VerifierSession,
@@ -156,6 +170,10 @@ class Scheduler:
             span.set_attribute("gen_ai.request.max_tokens", p.max_tokens)
             span.set_attribute("gen_ai.usage.input_tokens", len(p.prompt_ids))
             span.set_attribute("spec_decode.mode", p.spec)
+            span.set_attribute("gen_ai.request.temperature", p.sampling.temperature)
+            if not p.sampling.greedy:
+                span.set_attribute("gen_ai.request.seed", p.sampling.seed)
+                span.set_attribute("spec_decode.sampling_rule", p.sampling.rule)
             if p.request_id:
                 span.set_attribute("gen_ai.response.id", p.request_id)
             events = gen.run()
@@ -220,15 +238,15 @@ class _Generation:
     async def run(self) -> AsyncIterator[TokenEvent | FinalEvent]:
         p = self.p
         with self.s.tracer.start_as_current_span("gateway.prefill") as span:
-            first = await self.verifier.prefill(p.prompt_ids, trace_context(span))
+            first = await self.verifier.prefill(p.prompt_ids, trace_context(span), p.sampling)
         self.ttft_ms = (time.perf_counter() - self.t0) * 1e3
         await self._commit(first.rows, first.first_position, p.prompt_ids, 0)
         pos, anchor, margin = len(p.prompt_ids), first.next_token, first.margin
-        yield self._emit([anchor])
+        yield self._emit([anchor], first.logprobs)
         while self.finish is None:
-            a, new, margin = await self._round(anchor, pos, margin)
+            a, new, margin, logprobs = await self._round(anchor, pos, margin)
             pos, anchor = pos + a + 1, new[-1]
-            yield self._emit(new)
+            yield self._emit(new, logprobs)
         yield FinalEvent(self.finish, len(p.prompt_ids), len(self.out), self.detok.text,
                          self.detok.finish(), self.counters, self._gate_report(), self.ttft_ms, self.matched_stop)
 
@@ -239,8 +257,9 @@ class _Generation:
             bucket["estimate"], bucket["weight"] = state["estimate"], state["weight"]
         return out
 
-    def _emit(self, tokens: list[int]) -> TokenEvent:
-        """Stream tokens one by one until a stop condition; sets `finish`."""
+    def _emit(self, tokens: list[int], logprobs: Sequence[TokenLogprob] = ()) -> TokenEvent:
+        """Stream tokens one by one until a stop condition; sets `finish`. logprobs: one per
+        token (or none), cut with the tokens."""
         taken, delta = [], ""
         for t in tokens:
             taken.append(t)
@@ -255,10 +274,12 @@ class _Generation:
             if len(self.out) >= self.p.max_tokens:
                 self.finish = "length"
                 break
-        return TokenEvent(taken, delta)
+        return TokenEvent(taken, delta, list(logprobs[:len(taken)]))
 
-    async def _round(self, anchor: int, pos: int, margin: float) -> tuple[int, list[int], float]:
-        """One round at anchor position `pos`; returns (accepted, new tokens, new anchor margin)."""
+    async def _round(self, anchor: int, pos: int, margin: float
+                     ) -> tuple[int, list[int], float, tuple[TokenLogprob, ...]]:
+        """One round at anchor position `pos`; returns (accepted, new tokens, new anchor margin,
+        the new tokens' logprobs)."""
         s = self.s
         with s.tracer.start_as_current_span("spec_decode.round") as span:
             tc = trace_context(span)
@@ -268,7 +289,8 @@ class _Generation:
             drafts, k = plan.drafts, plan.k
             t0 = time.perf_counter()
             if k > 0:
-                res = await self.verifier.verify(anchor, drafts[:k], pos, s.verify_mode, tc)
+                q = None if plan.probs is None else plan.probs[:k]
+                res = await self.verifier.verify(anchor, drafts[:k], pos, s.verify_mode, tc, q)
                 verify_ms = (time.perf_counter() - t0) * 1e3
                 s.costs.add_verify(k, verify_ms)
                 if plan.conf is not None:
@@ -286,7 +308,7 @@ class _Generation:
                 plan.reason, len(drafts), k, a, self.cost,
                 confidence_logits=None if plan.conf is None else tuple(plan.conf), anchor_margin=margin,
                 draft_ms=plan.draft_ms, verify_ms=verify_ms if k > 0 else None, plain_ms=verify_ms if k == 0 else None))
-            return a, [*drafts[:a], res.next_token], res.margin
+            return a, [*drafts[:a], res.next_token], res.margin, res.logprobs
 
     async def _plan(self, anchor: int, pos: int, margin: float, tc) -> _Plan:
         """What this round submits and why: the pre-draft checks, the draft, then the length
@@ -298,29 +320,36 @@ class _Generation:
         if not self.gate.should_draft(margin):
             return _Plan(Reason.ANCHOR_MARGIN)
         await self._flush()  # the rows of rounds that did not draft, before the drafter drafts
-        drafts, conf, draft_ms = await self._draft(anchor, pos, tc)
-        if not drafts:
-            return _Plan(Reason.DRAFTER_FAILED, conf=conf, draft_ms=draft_ms)
+        reply, draft_ms = await self._draft(anchor, pos, tc)
+        if reply is None or not reply.tokens:
+            return _Plan(Reason.DRAFTER_FAILED, draft_ms=draft_ms)
+        drafts, conf = reply.tokens, reply.confidence_logits
         max_n = self._max_drafts(len(drafts), pos)
         choice = LengthChoice(max_n, max_n) if conf is None else self.gate.choose(conf, max_n)
-        return _Plan(drafted_reason(len(drafts), choice), drafts, conf, draft_ms, choice.k)
+        probs = reply.probs if self._needs_probs else None
+        return _Plan(drafted_reason(len(drafts), choice), drafts, conf, draft_ms, choice.k, probs)
 
-    async def _draft(self, anchor: int, pos: int, tc) -> tuple[list[int], list[float] | None, float | None]:
-        """Drafts, confidence logits and the draft call's wall time (ms) from the drafter, or
-        ([], None, None) when it failed and no new session took over. A reply that fails
-        `DraftCheck` is discarded whole: its valid prefix is not used either."""
+    @property
+    def _needs_probs(self) -> bool:
+        """The rejection rule at T > 0 verifies against the drafter's q."""
+        return not self.p.sampling.greedy and self.p.sampling.rule == "rejection"
+
+    async def _draft(self, anchor: int, pos: int, tc) -> tuple[DraftReply | None, float | None]:
+        """The drafter's checked reply and the draft call's wall time (ms), or (None, None) when
+        it failed and no new session took over. A reply that fails `DraftCheck` is discarded
+        whole: its valid prefix is not used either."""
         while True:
             t0 = time.perf_counter()
             try:
-                reply = await self.drafter.draft(anchor, pos - 1, tc)
-                self.s.draft_check(reply)
+                reply = await self.drafter.draft(anchor, pos - 1, tc, self.p.sampling)
+                self.s.draft_check(reply, self._needs_probs)
                 break
             except BackendError as exc:
                 if not await self._drafter_failed(exc):
-                    return [], None, None
+                    return None, None
         ms = (time.perf_counter() - t0) * 1e3
         self.s.costs.add_draft(ms)
-        return reply.tokens, reply.confidence_logits, ms
+        return reply, ms
 
     def _max_drafts(self, drafted: int, pos: int) -> int:
         """Drafts a round at anchor position `pos` may submit: capped by the remaining budget
@@ -435,13 +464,15 @@ class _Generation:
 @dataclass(frozen=True)
 class _Plan:
     """A round's plan before verify: why (`reason`), the drafts, their confidences (None
-    without), the draft call's wall time (ms) and k, the drafts to submit."""
+    without), the draft call's wall time (ms), k, the drafts to submit, and their q [n, V]
+    fp32 under the rejection rule (else None)."""
 
     reason: Reason
     drafts: list[int] = field(default_factory=list)
     conf: list[float] | None = None
     draft_ms: float | None = None
     k: int = 0
+    probs: torch.Tensor | None = None
 
 
 def _matched_stop_string(detok: Detokenizer) -> str:

@@ -12,8 +12,11 @@ stops that generation (see `services.gateway.requests`): its stream ends with a 
 of finish_reason "abort" carrying the usage so far, and an unknown or finished id answers
 found=false. Every message carries the cumulative prompt and completion token counts; the
 final one also `matched_stop` and the speculation counts under their shared names
-(`spec_draft_tokens` = `spec_stats.submitted`, `spec_accepted_tokens` = `spec_stats.accepted`).
-Each generation opens one verifier
+(`spec_draft_tokens` = `spec_stats.submitted`, `spec_accepted_tokens` = `spec_stats.accepted`)
+and the `seed` used. Sampling fields are validated into a `SamplingParams` (`request_sampling`):
+a bad one is INVALID_ARGUMENT naming the field; a sampled request without a seed gets one
+drawn, and a rule left at DEFAULT takes `GatewaySettings.sampling_rule`. Each streamed token
+carries its `TokenLogprob`. Each generation opens one verifier
 `Session` stream and, when it speculates at all, one drafter `Session` stream (more after a
 drafter failure, within `DSPARK_DRAFTER_FAILOVERS`); all are closed when the generation ends,
 fails or the client cancels. `connect_backends` checks at start that the drafter and the
@@ -29,12 +32,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import secrets
 from typing import Sequence
 
 import grpc
 from opentelemetry.sdk.trace import TracerProvider
 
 from dspark_proto.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
+from dsv4.sampling import SEED_LIMIT, SamplingParams
+from services.common.sampling_wire import logprob_to_proto, params_from_proto
 from services.common.server import channel_options
 from services.common.settings import GatewaySettings, backend_target
 from services.common.telemetry import client_interceptors
@@ -186,7 +192,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             drafters = DrafterSupply(lambda: GrpcDrafterSession(self.backends.drafter, s.round_timeout_s,
                                                                 s.generation_timeout_s),
                                      s.drafter_failovers)
-        out = ResponseStream(rid, len(params.prompt_ids))
+        out = ResponseStream(rid, len(params.prompt_ids), params.sampling.seed)
         events = self.scheduler.generate(dataclasses.replace(params, request_id=rid), verifier, drafters)
         with RequestLine(rid, params) as line:  # one log line per request, however it ends
             try:
@@ -223,10 +229,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                 f"spec={request.spec}: not a SpecMode (0 default, 1 off, 2 always, 3 gated)")
         try:
             rid = request_id(request.request_id)
+            sampling = request_sampling(request, self.backends.settings.sampling_rule)
             params = self.scheduler.params(
                 request.prompt, list(request.prompt_token_ids), request.max_tokens, _SPEC.get(request.spec, ""),
                 request.temperature, list(request.stop_token_ids), list(request.stop), request.ignore_eos,
-                request.label)
+                request.label, sampling)
             running = self.running.register(rid)
         except DuplicateRequestId as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
@@ -256,6 +263,35 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return gateway_pb2.StatsResponse(json=json.dumps(stats, allow_nan=False))
 
 
+def request_sampling(request: gateway_pb2.GenerateRequest, default_rule: str) -> SamplingParams:
+    """The `SamplingParams` of a GenerateRequest, as every backend will read them (floats at
+    their float32 wire values). A sampled request without a seed gets one drawn here (from
+    `secrets`: unpredictable, never shared between requests); a greedy one uses its seed or 0,
+    since nothing is random then. Temperature 0 is greedy exactly as before sampling existed.
+
+    Raises:
+        ValueError: naming the GenerateRequest field and value: NaN or negative temperature,
+            top_p outside (0, 1] (0 means unset), top_k < 0, min_p outside [0, 1], a seed
+            >= 2**63, logprobs outside 0..20, a sampling_rule that is no SamplingRule.
+    """
+    if request.sampling_rule not in (common_pb2.SAMPLING_RULE_DEFAULT, common_pb2.SAMPLING_RULE_COUPLED,
+                                     common_pb2.SAMPLING_RULE_REJECTION):
+        raise ValueError(f"sampling_rule={request.sampling_rule}: not a SamplingRule "
+                         f"(0 default, 1 coupled, 2 rejection)")
+    if request.HasField("seed"):
+        seed = request.seed
+    else:
+        sampled = request.temperature != 0  # NaN included: it is refused below, naming temperature
+        seed = secrets.randbelow(SEED_LIMIT) if sampled else 0
+    msg = common_pb2.SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+                                    min_p=request.min_p, seed=seed, rule=request.sampling_rule,
+                                    logprobs=request.logprobs)
+    try:
+        return params_from_proto(msg, default_rule, field="GenerateRequest")
+    except ValueError as exc:  # "GenerateRequest.top_p=..." -> "top_p=...": the client's own field name
+        raise ValueError(str(exc).removeprefix("GenerateRequest.")) from None
+
+
 async def close_generation(verifier, drafters: DrafterSupply | None) -> None:
     """Close `verifier` (a `VerifierSession`), then every session of `drafters`, the drafters
     even when closing the verifier raised (a cancel included, which is re-raised after)."""
@@ -271,22 +307,26 @@ class ResponseStream:
     cumulative token counts (`prompt_tokens` = prompt length, `completion_tokens` = tokens
     streamed so far, this message's included)."""
 
-    def __init__(self, request_id: str, prompt_tokens: int):
-        self.request_id, self.prompt_tokens = request_id, prompt_tokens
+    def __init__(self, request_id: str, prompt_tokens: int, seed: int = 0):
+        self.request_id, self.prompt_tokens, self.seed = request_id, prompt_tokens, seed
         self.completion_tokens = 0
         self.text = ""  # the text streamed so far (the final message of an aborted generation)
 
-    def _message(self, token_ids: Sequence[int], text_delta: str, **final) -> gateway_pb2.GenerateResponse:
+    def _message(self, token_ids: Sequence[int], text_delta: str, logprobs=(), **final) -> gateway_pb2.GenerateResponse:
         self.completion_tokens += len(token_ids)
         self.text += text_delta
+        if final.get("finished"):
+            final["seed"] = self.seed
         return gateway_pb2.GenerateResponse(
             token_ids=token_ids, text_delta=text_delta, request_id=self.request_id,
-            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, **final)
+            prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
+            logprobs=[logprob_to_proto(r) for r in logprobs], **final)
 
     def response(self, event: TokenEvent | FinalEvent) -> gateway_pb2.GenerateResponse:
-        """A streamed message for a `TokenEvent`, the final one for the `FinalEvent`."""
+        """A streamed message for a `TokenEvent` (with one `TokenLogprob` per token), the final
+        one for the `FinalEvent` (with the seed used)."""
         if not isinstance(event, FinalEvent):
-            return self._message(event.token_ids, event.text_delta)
+            return self._message(event.token_ids, event.text_delta, event.logprobs)
         matched = {}
         if isinstance(event.matched_stop, str):
             matched["matched_stop_str"] = event.matched_stop

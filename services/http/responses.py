@@ -9,7 +9,9 @@ accepted (`spec_accepted_tokens`); rejected_prediction_tokens = draft tokens sub
 verify and rejected (`spec_draft_tokens - spec_accepted_tokens`); drafts the gate dropped
 before verify are in neither (they are in `dspark.drafted`). A choice that ended on a stop
 carries what matched as `stop_reason` (a token id or a stop string; vLLM's field), else null. The `dspark` object carries the generation's `SpecStats` fields and
-`time_to_first_token_ms`, on the whole response and on the chunk that carries finish_reason.
+`time_to_first_token_ms`, on the whole response and on the chunk that carries finish_reason;
+beside it, `seed` is the seed used (the request's, or drawn by the gateway). `logprobs` is
+null unless asked for; then `services.http.logprobs` builds it.
 """
 
 from __future__ import annotations
@@ -74,31 +76,35 @@ class Shape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, final: gateway_pb2.GenerateResponse, token_ids: list[int] | None = None) -> dict:
+    def whole(self, final: gateway_pb2.GenerateResponse, token_ids: list[int] | None = None,
+              logprobs: dict | None = None) -> dict:
         """The non-streaming response of a finished generation (`final`: its last message);
-        token_ids: the completion's ids, added to the choice as `token_ids` (None: not added)."""
+        token_ids: the completion's ids, added to the choice as `token_ids` (None: not added);
+        logprobs: the choice's `logprobs` object (None: null)."""
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": final.text},
-                      "logprobs": None, "finish_reason": final.finish_reason}
+                      "logprobs": logprobs, "finish_reason": final.finish_reason}
         else:
-            choice = {"index": 0, "text": final.text, "logprobs": None, "finish_reason": final.finish_reason}
+            choice = {"index": 0, "text": final.text, "logprobs": logprobs, "finish_reason": final.finish_reason}
         choice["stop_reason"] = stop_reason(final)
         if token_ids is not None:
             choice["token_ids"] = token_ids
         return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage(final), "dspark": dspark_stats(final)}
+                "usage": usage(final), "dspark": dspark_stats(final), "seed": final.seed}
 
     def chunk(self, text: str, finish_reason: str | None = None, *, first: bool = False,
-              with_usage_field: bool = False, token_ids: list[int] | None = None) -> dict:
+              with_usage_field: bool = False, token_ids: list[int] | None = None,
+              logprobs: dict | None = None) -> dict:
         """One streamed chunk with `text` (chat: the delta; `first` adds the assistant role).
         with_usage_field: add `"usage": null`, as OpenAI does when the stream's usage comes last;
-        token_ids: the ids new in this chunk, added to the choice (None: not added)."""
+        token_ids: the ids new in this chunk, added to the choice (None: not added);
+        logprobs: the `logprobs` object of this chunk's tokens (None: null)."""
         if self.chat:
             delta = ({"role": "assistant", "content": text} if first else {"content": text}) \
                 if (text or first) else {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
@@ -113,6 +119,7 @@ class Shape:
                           token_ids=list(final.token_ids) if with_token_ids else None)
         body["choices"][0]["stop_reason"] = stop_reason(final)
         body["dspark"] = dspark_stats(final)
+        body["seed"] = final.seed
         return body
 
     def usage_chunk(self, final: gateway_pb2.GenerateResponse) -> dict:

@@ -32,6 +32,7 @@ from services.http.chat import ChatTemplate
 from services.http.errors import (ApiError, api_error_handler, internal_error_handler,
                                   validation_error_handler)
 from services.http.gateway_client import GatewayClient
+from services.http.logprobs import LogprobFormatter
 from services.http.responses import DONE, Shape, sse
 from services.http.schemas import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
 
@@ -97,8 +98,10 @@ def build_app(front: Front, metrics_registry=None) -> FastAPI:
         front.check_model(body.model)
         prompt, ids = body.checked()
         shape = Shape(front.model.id, chat=False)
-        req = body.generate_request(shape.id, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, prompt, ids)
-        return await _respond(front.client, req, body, shape, authorization, request)
+        req = body.generate_request(shape.id, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, prompt, ids,
+                                    body.top_alternatives)
+        fmt = LogprobFormatter(front.tokenizer, chat=False) if body.logprobs is not None else None
+        return await _respond(front.client, req, body, shape, authorization, request, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -109,8 +112,9 @@ def build_app(front: Front, metrics_registry=None) -> FastAPI:
         ids = front.tokenizer.encode(front.chat_template.render(body.checked()))
         max_tokens = body.requested_max_tokens or max(1, front.model.max_seq_len - len(ids))
         shape = Shape(front.model.id, chat=True)
-        req = body.generate_request(shape.id, max_tokens, prompt_ids=ids)
-        return await _respond(front.client, req, body, shape, authorization, request)
+        req = body.generate_request(shape.id, max_tokens, prompt_ids=ids, logprobs=body.top_alternatives)
+        fmt = LogprobFormatter(front.tokenizer, chat=True) if body.logprobs else None
+        return await _respond(front.client, req, body, shape, authorization, request, fmt)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -137,13 +141,15 @@ async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> 
 
 
 async def _respond(client: GatewayClient, req: gateway_pb2.GenerateRequest, body, shape: Shape,
-                   authorization: str | None, request: Request):
-    """The whole response, or the SSE stream once the gateway's first message arrived.
+                   authorization: str | None, request: Request, fmt: LogprobFormatter | None = None):
+    """The whole response, or the SSE stream once the gateway's first message arrived; `fmt`
+    formats the tokens' logprobs (None: logprobs null).
     Raises ApiError: the call failed before any message (its mapped status), or the client
     disconnected before the response started (499)."""
     if not body.stream:
-        final, token_ids = await _unless_disconnected(request, client.collect(req, authorization))
-        return JSONResponse(shape.whole(final, token_ids if body.return_token_ids else None))
+        final, token_ids, logprobs = await _unless_disconnected(request, client.collect(req, authorization))
+        return JSONResponse(shape.whole(final, token_ids if body.return_token_ids else None,
+                                        fmt.body(logprobs) if fmt is not None else None))
     stream = client.generate(req, authorization)
     try:
         first = await _unless_disconnected(request, anext(stream, None))
@@ -152,7 +158,7 @@ async def _respond(client: GatewayClient, req: gateway_pb2.GenerateRequest, body
     except BaseException:
         await stream.aclose()
         raise
-    return StreamingResponse(_events(stream, first, shape, body.include_usage, body.return_token_ids),
+    return StreamingResponse(_events(stream, first, shape, body.include_usage, body.return_token_ids, fmt),
                              media_type="text/event-stream", headers=SSE_HEADERS)
 
 
@@ -187,18 +193,20 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 async def _events(stream: AsyncIterator[gateway_pb2.GenerateResponse], first: gateway_pb2.GenerateResponse,
-                  shape: Shape, include_usage: bool, token_ids: bool) -> AsyncIterator[bytes]:
+                  shape: Shape, include_usage: bool, token_ids: bool,
+                  fmt: LogprobFormatter | None = None) -> AsyncIterator[bytes]:
     """The SSE events of one generation: (chat: a role chunk), a chunk per gateway message
-    with new text (or, with `token_ids`, new ids), the finish chunk, (include_usage: the usage
-    chunk), then [DONE]."""
+    with new text (or, with `token_ids` or logprobs asked for, new ids), the finish chunk,
+    (include_usage: the usage chunk), then [DONE]."""
     try:
         if shape.chat:
             yield sse(shape.chunk("", first=True, with_usage_field=include_usage))
         message: gateway_pb2.GenerateResponse | None = first
         while message is not None and not message.finished:
-            if message.text_delta or (token_ids and message.token_ids):
+            if message.text_delta or ((token_ids or fmt is not None) and message.token_ids):
                 yield sse(shape.chunk(message.text_delta, with_usage_field=include_usage,
-                                      token_ids=list(message.token_ids) if token_ids else None))
+                                      token_ids=list(message.token_ids) if token_ids else None,
+                                      logprobs=fmt.body(message.logprobs) if fmt is not None else None))
             message = await anext(stream, None)
         if message is None:
             raise ApiError(502, "the gateway's stream ended without a final message", code="bad_gateway")

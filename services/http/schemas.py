@@ -1,15 +1,17 @@
 """Request bodies of the OpenAI-compatible endpoints and their translation to `GenerateRequest`.
 
 Owns which OpenAI fields are accepted, their defaults and the checks that belong to the HTTP
-layer (field types, greedy-only sampling fields, one prompt per request). It never checks
-what the gateway checks itself (token ids against the vocabulary, prompt + max_tokens against
+layer (field types, sampling values, one prompt per request). It never checks what the
+gateway checks itself (token ids against the vocabulary, prompt + max_tokens against
 max_seq_len, the stop token ids): those come back as INVALID_ARGUMENT, answered 400.
 
-Sampling: only greedy decoding runs today. `temperature` absent means greedy (the model's
-default, as vLLM uses the model's generation default rather than OpenAI's 1); an explicit
-value must be 0, `top_p` 1, `logprobs` null, or the request is refused with a 400 that names
-the field and says only greedy decoding is supported. `seed` is accepted and changes nothing
-(greedy output does not depend on it).
+Sampling (docs/services.md §9): `temperature` absent means greedy (the model's default, as
+vLLM uses the model's generation default rather than OpenAI's 1); > 0 samples with `top_p`,
+`seed` (absent: the gateway draws one, returned as the response's `seed`) and the extensions `top_k`
+and `min_p` (vLLM's names) and `sampling_rule` ("coupled" | "rejection"; absent: the
+gateway's). Logprobs: completions' integer `logprobs` (0..20 alternatives), chat's
+`logprobs` + `top_logprobs`; they are the target model's raw logprobs. A bad value is a 400
+naming the field, with `dsv4.sampling.SamplingParams`' own message.
 
 Extensions beyond OpenAI (vLLM spells the last three the same way): `spec` ("off", "always",
 "gated"; default: the gateway's), `ignore_eos`, `stop_token_ids`, and `return_token_ids`
@@ -18,17 +20,19 @@ Extensions beyond OpenAI (vLLM spells the last three the same way): `spec` ("off
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from dspark_proto.v1 import gateway_pb2
+from dspark_proto.v1 import common_pb2, gateway_pb2
+from dsv4.sampling import SamplingParams
 from services.http.errors import invalid
 
 SPEC_MODES = {None: gateway_pb2.SPEC_MODE_DEFAULT, "off": gateway_pb2.SPEC_MODE_OFF,
               "always": gateway_pb2.SPEC_MODE_ALWAYS, "gated": gateway_pb2.SPEC_MODE_GATED}
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
-GREEDY_ONLY = "only greedy decoding is supported"
+SAMPLING_RULES = {None: common_pb2.SAMPLING_RULE_DEFAULT, "coupled": common_pb2.SAMPLING_RULE_COUPLED,
+                  "rejection": common_pb2.SAMPLING_RULE_REJECTION}
 INT32_MAX = 2**31 - 1  # GenerateRequest carries counts and ids as int32
 
 
@@ -48,6 +52,9 @@ class GenerationFields(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
+    top_k: int | None = Field(default=None, le=INT32_MAX)
+    min_p: float | None = None
+    sampling_rule: Literal["coupled", "rejection"] | None = None
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -60,25 +67,40 @@ class GenerationFields(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, max_length=1024)
     return_token_ids: bool = False
 
-    def check_common(self) -> None:
-        """Refuse what the service cannot do yet.
+    def check_common(self, logprobs: int = 0) -> None:
+        """Refuse bad sampling values and what the service cannot do.
 
+        logprobs: top alternatives asked per token (the endpoint's own field, 0 when none).
         Raises:
-            ApiError: 400 naming the field: temperature != 0, top_p != 1, n != 1, a non-zero
-                penalty, a negative or too large stop token id.
+            ApiError: 400 naming the field: a sampling value `SamplingParams` refuses (NaN or
+                negative temperature, top_p outside (0, 1], top_k < 0, min_p outside [0, 1],
+                seed outside [0, 2**63), logprobs outside 0..20), n != 1, a non-zero penalty,
+                a negative or too large stop token id.
         """
-        if self.temperature is not None and self.temperature != 0:
-            raise invalid("temperature", f"temperature={self.temperature:g}: {GREEDY_ONLY} (temperature 0)")
-        if self.top_p is not None and self.top_p != 1:
-            raise invalid("top_p", f"top_p={self.top_p:g}: {GREEDY_ONLY} (top_p 1)")
+        self.sampling(logprobs)
         if self.n != 1:
             raise invalid("n", f"n={self.n}: one choice per request is supported (n 1)")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
-                raise invalid(name, f"{name}={getattr(self, name):g}: {GREEDY_ONLY} without penalties (0)")
+                raise invalid(name, f"{name}={getattr(self, name):g}: penalties are not supported (0)")
         bad = [t for t in self.stop_token_ids if not 0 <= t <= INT32_MAX]
         if bad:
             raise invalid("stop_token_ids", f"stop_token_ids: {bad[0]} is not a token id")
+
+    def sampling(self, logprobs: int) -> SamplingParams:
+        """The request's sampling values checked by `SamplingParams` (seed 0 stands in for an
+        absent one, which the gateway draws). Raises ApiError 400 naming the field."""
+        try:
+            return SamplingParams(temperature=self.temperature or 0.0, top_p=1.0 if self.top_p is None else self.top_p,
+                                  top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed or 0,
+                                  logprobs=logprobs)
+        except ValueError as exc:  # SamplingParams' messages start with "<field>=<value>"
+            field, message = str(exc).split("=", 1)[0], str(exc)
+            if field == "logprobs":
+                field, message = self.LOGPROBS_FIELD, self.LOGPROBS_FIELD + message[len("logprobs"):]
+            raise invalid(field, message) from None
+
+    LOGPROBS_FIELD: ClassVar[str] = "logprobs"  # the endpoint's name of the alternatives count
 
     @property
     def stops(self) -> list[str]:
@@ -89,18 +111,25 @@ class GenerationFields(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def generate_request(self, request_id: str, max_tokens: int, prompt: str = "",
-                         prompt_ids: list[int] | None = None) -> gateway_pb2.GenerateRequest:
-        """The gRPC request of this body: `prompt` text or `prompt_ids` (int32 token ids), greedy;
-        request_id: the response's id, which the gateway carries on its spans and log lines."""
-        return gateway_pb2.GenerateRequest(
-            prompt=prompt, prompt_token_ids=prompt_ids or [], max_tokens=max_tokens, temperature=0.0,
+                         prompt_ids: list[int] | None = None, logprobs: int = 0) -> gateway_pb2.GenerateRequest:
+        """The gRPC request of this body (checked by `check_common` first): `prompt` text or
+        `prompt_ids` (int32 token ids); request_id: the response's id, which the gateway
+        carries on its spans and log lines; logprobs: top alternatives per token."""
+        req = gateway_pb2.GenerateRequest(
+            prompt=prompt, prompt_token_ids=prompt_ids or [], max_tokens=max_tokens,
+            temperature=self.temperature or 0.0, top_p=self.top_p or 0.0, top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0, logprobs=logprobs, sampling_rule=SAMPLING_RULES[self.sampling_rule],
             spec=SPEC_MODES[self.spec], stop=self.stops, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, request_id=request_id)
+        if self.seed is not None:
+            req.seed = self.seed
+        return req
 
 
 class CompletionRequest(GenerationFields):
     """POST /v1/completions. `prompt`: a string, a list of token ids, or a one-element list of
-    either; `logprobs` must be null; `echo` false; `best_of` null or 1; `suffix` null."""
+    either; `logprobs`: null or 0..20 alternatives per token; `echo` false; `best_of` null or
+    1; `suffix` null."""
 
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: int | None = None
@@ -112,17 +141,15 @@ class CompletionRequest(GenerationFields):
         """(prompt text, prompt token ids): exactly one of them non-empty.
 
         Raises:
-            ApiError: 400 naming the field: an unsupported sampling field (`check_common`),
-                logprobs not null, echo, best_of > 1, a suffix, an empty prompt, several
-                prompts, a token id outside int32.
+            ApiError: 400 naming the field: a bad sampling value (`check_common`), logprobs
+                outside 0..20, echo, best_of > 1, a suffix, an empty prompt, several prompts,
+                a token id outside int32.
         """
-        self.check_common()
-        if self.logprobs is not None:
-            raise invalid("logprobs", f"logprobs={self.logprobs}: {GREEDY_ONLY}, without logprobs (null)")
+        self.check_common(self.top_alternatives)
         if self.echo:
             raise invalid("echo", "echo=true: not supported (false)")
         if self.best_of not in (None, 1):
-            raise invalid("best_of", f"best_of={self.best_of}: {GREEDY_ONLY} (best_of 1)")
+            raise invalid("best_of", f"best_of={self.best_of}: one choice per request is supported (best_of 1)")
         if self.suffix:
             raise invalid("suffix", "suffix: not supported (null)")
         prompt = self.prompt
@@ -138,6 +165,12 @@ class CompletionRequest(GenerationFields):
         if bad:
             raise invalid("prompt", f"prompt: {bad[0]} is not a token id")
         return "", list(prompt)
+
+
+    @property
+    def top_alternatives(self) -> int:
+        """Alternatives per token asked for (0 also when logprobs are not asked for at all)."""
+        return self.logprobs or 0
 
 
 class TextPart(BaseModel):
@@ -163,7 +196,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(GenerationFields):
     """POST /v1/chat/completions. `max_completion_tokens` is the newer name of `max_tokens`
-    (it wins when both are given); `logprobs` must be false, `top_logprobs` null."""
+    (it wins when both are given); `logprobs` true returns each token's logprob, with
+    `top_logprobs` (0..20) alternatives."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
@@ -174,13 +208,20 @@ class ChatCompletionRequest(GenerationFields):
         """The messages as chat-template input.
 
         Raises:
-            ApiError: 400 naming the field: an unsupported sampling field, logprobs.
+            ApiError: 400 naming the field: a bad sampling value, top_logprobs outside 0..20
+                or given without logprobs.
         """
-        self.check_common()
-        if self.logprobs or self.top_logprobs is not None:
-            raise invalid("logprobs", f"logprobs={self.logprobs}, top_logprobs={self.top_logprobs}: "
-                                      f"{GREEDY_ONLY}, without logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs", f"top_logprobs={self.top_logprobs}: needs logprobs=true")
+        self.check_common(self.top_alternatives)
         return [m.as_template_input() for m in self.messages]
+
+    LOGPROBS_FIELD: ClassVar[str] = "top_logprobs"
+
+    @property
+    def top_alternatives(self) -> int:
+        """Alternatives per token asked for (0 also when logprobs are not asked for at all)."""
+        return self.top_logprobs or 0
 
     @property
     def requested_max_tokens(self) -> int | None:
