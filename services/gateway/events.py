@@ -38,6 +38,7 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     label: str = "live"
     request_id: str = ""  # the client's or generated id (span attribute `gen_ai.response.id`)
+    max_drafts: int = 0  # drafted tokens a round may submit at most (0 = the block size)
 
 
 @dataclass(frozen=True)

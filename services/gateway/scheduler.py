@@ -98,14 +98,15 @@ class Scheduler:
     # ------------------------------------------------------------------ validation
     def params(self, prompt: str, prompt_ids: Sequence[int], max_tokens: int, spec: str,
                temperature: float = 0.0, stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
-               ignore_eos: bool = False, label: str = "live") -> GenerationParams:
-        """Validate a request into `GenerationParams`.
+               ignore_eos: bool = False, label: str = "live", max_drafts: int = 0) -> GenerationParams:
+        """Validate a request into `GenerationParams`. max_drafts: drafted tokens a round may
+        submit at most (always: a fixed k; gated: a cap on the gate's choice; 0 = block size).
 
         Raises:
             ValueError: naming the value: temperature != 0 (greedy only for now), an empty
                 prompt, a token id outside [0, vocab), max_tokens <= 0, prompt + max_tokens
                 beyond max_seq_len, an unknown spec mode, a stop token id out of range, a blank
-                or reserved workload label.
+                or reserved workload label, max_drafts outside [0, block_size].
         """
         lim = self.limits
         if temperature != 0:
@@ -129,8 +130,11 @@ class Scheduler:
         if bad:
             raise ValueError(f"stop token id {bad[0]} outside [0, vocab_size={lim.vocab_size})")
         check_workload(label or "live")
+        if not 0 <= max_drafts <= lim.block_size:
+            raise ValueError(f"max_draft_tokens={max_drafts}: must be in [0, block_size={lim.block_size}] "
+                             "(0 = the block size)")
         return GenerationParams(tuple(ids), max_tokens, spec, frozenset(stops), tuple(s for s in stop if s),
-                                label or "live")
+                                label or "live", max_drafts=max_drafts)
 
     # ------------------------------------------------------------------ generation
     async def generate(self, p: GenerationParams, verifier: VerifierSession,
@@ -323,12 +327,12 @@ class _Generation:
         return reply.tokens, reply.confidence_logits, ms
 
     def _max_drafts(self, drafted: int, pos: int) -> int:
-        """Drafts a round at anchor position `pos` may submit: capped by the remaining budget
-        (the round adds at most k + 1 tokens) and the room before max_seq_len (the bonus token
-        must stay a valid position)."""
+        """Drafts a round at anchor position `pos` may submit: capped by the request's
+        max_drafts, the remaining budget (the round adds at most k + 1 tokens) and the room
+        before max_seq_len (the bonus token must stay a valid position)."""
         remaining = self.p.max_tokens - len(self.out)
         room = self.s.limits.max_seq_len - 2 - pos
-        return max(0, min(drafted, remaining - 1, room))
+        return max(0, min(drafted, self.p.max_drafts or drafted, remaining - 1, room))
 
     async def _commit(self, rows, first_position: int, token_ids: Sequence[int], token_first: int,
                       defer: bool = False) -> None:
