@@ -127,8 +127,9 @@ def test_32_concurrent_generations_equal_their_solo_runs_and_stopped_ones_free_t
         assert b.finish_reason == "length", where
     for i in range(len(PROMPTS)):  # exact numerics: every spec mode gives plain decode's tokens
         runs = [g.token_ids for g in solo[i * len(VARIANTS):(i + 1) * len(VARIANTS)]]
-        for run_ in runs[1:]:
-            assert run_ == runs[0][:len(run_)], PROMPTS[i]
+        longest = max(runs, key=len)
+        for run_ in runs:
+            assert run_ == longest[:len(run_)], PROMPTS[i]
     speculative = [g.stats for r, g in zip(reqs, solo) if r.spec != gateway_pb2.SPEC_MODE_OFF]
     assert sum(s.accepted for s in speculative) > 0  # the oracle's drafts were used, not only plain steps
 
