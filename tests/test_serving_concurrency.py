@@ -4,7 +4,7 @@ In-process servers on port 0 with real channels, on the random tiny model (fixed
 exact verify numerics, batched verify and the live oracle drafter corrupting one slot in 3
 positions (so every accepted count occurs). The 32 generations mix spec modes (off, always
 with the full block, always with a fixed k through `max_draft_tokens`, gated) and lengths
-(6..23 tokens). While they run, four more are stopped early, two by a client cancel and two
+(5..18 tokens). While they run, four more are stopped early, two by a client cancel and two
 by `Gateway.Abort`: the 32 must still equal their solo runs token for token, every backend
 session must close (verifier and drafter `Info.open_sessions` back to 0), and in exact mode
 every spec mode of one prompt must give plain decode's tokens. A second test checks the
@@ -51,11 +51,11 @@ async def start_exact_stack(max_sessions: int):
 
 
 def requests() -> list[gateway_pb2.GenerateRequest]:
-    """The 32 generations: prompt i runs its j-th variant for 6 + 2 i + j tokens (6..23)."""
+    """The 32 generations: prompt i runs its j-th variant for 5 + i + 2 j tokens (5..18)."""
     out = []
     for i, prompt in enumerate(PROMPTS):
         for j, (spec, k) in enumerate(VARIANTS):
-            req = gen_request(prompt, max_tokens=6 + 2 * i + j, spec=spec)
+            req = gen_request(prompt, max_tokens=5 + i + 2 * j, spec=spec)
             req.max_draft_tokens = k
             out.append(req)
     return out
