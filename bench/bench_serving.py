@@ -19,9 +19,11 @@ Generations ignore eos, so each yields exactly `--max-tokens` tokens.
 Order: each repetition runs every concurrency, and within it every numerics and every arm,
 the arms in an order rotated per repetition, so all arms see the same machine load. The
 figures (bench/serving_stats.py has their definitions) are the medians over `--repeats`
-repetitions, with min-max. Summary: gated / best of the other arms and exact / fast per
-concurrency, and the issue's three aims (plain 16 streams >= 6x 1 stream; gated >= 0.97x
-the best other arm everywhere; exact within 1.3x of fast at 16 streams).
+repetitions, with min-max. Summary, as paired ratios (each repetition's own ratio, then the
+median [min-max] of those, so load that drifts between repetitions cancels): gated / best of
+the other arms and exact / fast per concurrency, and the issue's three aims (plain 16 streams
+>= 6x 1 stream; gated >= 0.97x the best other arm everywhere; exact within 1.3x of fast at 16
+streams). `--from-json FILE` prints the tables of an earlier run's `--json` again.
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ from pathlib import Path
 
 import grpc
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from bench.service_procs import ServiceProcesses, StackSpec
-from bench.serving_stats import GenerationTrace, Spread, cell_figures, gated_vs_best, summarise
+from bench.serving_stats import GenerationTrace, Spread, cell_figures
 from dspark_proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
 from services.common.server import channel_options
 
@@ -140,7 +143,8 @@ def fmt(s: Spread, digits: int = 1) -> str:
 
 
 def cell_table(numerics: str, med: dict, args) -> Table:
-    t = Table(title=f"{numerics} numerics: median [min-max] of {args.repeats}, {args.max_tokens} tokens per generation")
+    t = Table(title=escape(f"{numerics} numerics: median [min-max] of {args.repeats}, "
+                           f"{args.max_tokens} tokens per generation"))
     for col in ("streams", "arm", "aggregate tok/s", "per-stream tok/s", "TTFT p50 ms", "TTFT p99 ms",
                 "ITL p50 ms", "ITL p99 ms", "sessions/step"):
         t.add_column(col, justify="right")
@@ -154,55 +158,64 @@ def cell_table(numerics: str, med: dict, args) -> Table:
     return t
 
 
-def summary(med: dict, args) -> dict:
-    """Per concurrency: gated / best other arm (per numerics) and exact / fast (plain, gated,
-    best arm of each), from the medians of aggregate tok/s; then the issue's aims."""
-    agg = {n: {s: {a: f["aggregate_tok_s"].median for a, f in by_arm.items()} for s, by_arm in v.items()}
-           for n, v in med.items()}
+def paired(reps: int, numerator, denominator) -> Spread:
+    """Median [min-max] over repetitions 0..reps-1 of numerator(rep) / denominator(rep), each
+    mapping a repetition index to an aggregate tok/s. Both sides of a ratio come from the same
+    repetition, run minutes apart at most, so a drift in the machine's load between
+    repetitions cancels out of it."""
+    return Spread.of(numerator(r) / denominator(r) for r in range(reps))
+
+
+def summary(raw: dict, args) -> dict:
+    """Per concurrency, as paired ratios of aggregate tok/s (`paired`): gated / best other arm
+    of the same repetition (per numerics), and exact / fast of plain, gated and each side's
+    best arm; then the issue's aims. {"rows": {streams: {name: Spread}}, "aims": {...}}."""
+    agg = lambda n, s, a, r: raw[n][s][a][r]["aggregate_tok_s"]  # noqa: E731
     rows = {}
     for streams in args.streams:
         row = {}
-        for n in agg:
-            a = agg[n][streams]
-            if "gated" in a and len(a) > 1:
-                row[f"gated/best {n}"], row[f"best other {n}"] = gated_vs_best(a)
-            row[f"best {n}"] = max(a.values())
-        if "fast" in agg and "exact" in agg:
+        for n in raw:
+            if "gated" in args.arms and len(args.arms) > 1:
+                row[f"gated/best {n}"] = paired(args.repeats, lambda r: agg(n, streams, "gated", r), lambda r: max(
+                    agg(n, streams, a, r) for a in args.arms if a != "gated"))
+        if "fast" in raw and "exact" in raw:
             for arm in ("plain", "gated"):
-                if arm in agg["fast"][streams]:
-                    row[f"exact/fast {arm}"] = agg["exact"][streams][arm] / agg["fast"][streams][arm]
-            row["exact/fast best"] = row["best exact"] / row["best fast"]
+                if arm in args.arms:
+                    row[f"exact/fast {arm}"] = paired(args.repeats, lambda r: agg("exact", streams, arm, r),
+                                                      lambda r: agg("fast", streams, arm, r))
+            best = lambda n, r: max(agg(n, streams, a, r) for a in args.arms)  # noqa: E731
+            row["exact/fast best"] = paired(args.repeats, lambda r: best("exact", r), lambda r: best("fast", r))
         rows[streams] = row
-    return {"rows": rows, "aims": aims(agg, rows, args)}
+    return {"rows": rows, "aims": aims(raw, rows, args, agg)}
 
 
-def aims(agg: dict, rows: dict, args) -> dict[str, str]:
-    """The issue's three aims, each "met (figures)", "missed (figures)" or "not measured"."""
+def aims(raw: dict, rows: dict, args, agg) -> dict[str, str]:
+    """The issue's three aims on the median paired ratios, each "met (figure)" or "missed (figure)"."""
     out = {}
-    for n in agg:
+    for n in raw:
         if {1, 16} <= set(args.streams) and "plain" in args.arms:
-            r = agg[n][16]["plain"] / agg[n][1]["plain"]
+            r = paired(args.repeats, lambda i: agg(n, 16, "plain", i), lambda i: agg(n, 1, "plain", i)).median
             out[f"plain 16 streams >= 6x 1 stream ({n})"] = f"{'met' if r >= 6 else 'missed'} ({r:.2f}x)"
         gb = [rows[s].get(f"gated/best {n}") for s in args.streams]
         if all(g is not None for g in gb):
-            worst = min(gb)
+            worst = min(g.median for g in gb)
             out[f"gated >= 0.97x best other arm at every concurrency ({n})"] = \
                 f"{'met' if worst >= 0.97 else 'missed'} (lowest {worst:.2f}x)"
     if 16 in rows and "exact/fast best" in rows[16]:
-        r = rows[16]["exact/fast best"]
+        r = rows[16]["exact/fast best"].median
         out["exact within 1.3x of fast at 16 streams (best arms)"] = \
             f"{'met' if r >= 1 / 1.3 else 'missed'} (exact/fast {r:.2f})"
     return out or {"(aims)": "not measured: needs streams 1 and 16, plain and gated"}
 
 
 def summary_table(summ: dict) -> Table:
-    t = Table(title="ratios of median aggregate tok/s")
-    keys = sorted({k for r in summ["rows"].values() for k in r if not k.startswith("best other")})
+    t = Table(title=escape("paired ratios of aggregate tok/s: median [min-max] over repetitions"))
+    keys = sorted({k for r in summ["rows"].values() for k in r})
     t.add_column("streams", justify="right")
     for k in keys:
         t.add_column(k, justify="right")
     for streams, r in summ["rows"].items():
-        t.add_row(str(streams), *(f"{r[k]:.2f}" if k in r else "-" for k in keys))
+        t.add_row(str(streams), *(fmt(r[k], 2) if r.get(k) is not None else "-" for k in keys))
     return t
 
 
@@ -236,8 +249,46 @@ async def stop_stacks(stacks: dict[str, dict]) -> None:
         st["procs"].stop()
 
 
+def report(raw: dict, args, grid_s: float, console: Console) -> None:
+    """Print the tables and the aims of `raw` ({numerics: {streams: {arm: [cell per repetition]}}});
+    with `args.json`, write them there too."""
+    med = medians(raw)
+    for numerics in raw:
+        console.print(cell_table(numerics, med[numerics], args))
+    summ = summary(raw, args)
+    console.print(summary_table(summ))
+    for aim, verdict in summ["aims"].items():
+        console.print(f"aim: {aim}: {verdict}", highlight=False)
+    console.print(f"grid wall time {grid_s / 60:.1f} min")
+    if args.json:
+        out = {"args": {k: v for k, v in vars(args).items() if k not in ("json", "from_json")}, "raw": raw,
+               "medians": {n: {s: {a: {k: v.as_dict() for k, v in f.items()} for a, f in by_arm.items()}
+                               for s, by_arm in v.items()} for n, v in med.items()},
+               "summary": {"rows": {st: {k: v.as_dict() for k, v in r.items() if v is not None}
+                                    for st, r in summ["rows"].items()}, "aims": summ["aims"]},
+               "grid_s": grid_s}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+        console.print(f"wrote {args.json}")
+
+
+def load_run(path: str, args) -> tuple[dict, float]:
+    """The raw cells and grid time of a `--json` file; sets args' grid (streams, arms,
+    max_tokens, repeats) to the file's. Raises OSError, ValueError (not such a file)."""
+    saved = json.loads(Path(path).read_text())
+    if not {"raw", "args", "grid_s"} <= set(saved):
+        raise ValueError(f"{path}: not a bench_serving --json file (no raw / args / grid_s)")
+    for key in ("streams", "arms", "max_tokens", "repeats"):
+        setattr(args, key, saved["args"][key])
+    raw = {n: {int(s): by_arm for s, by_arm in v.items()} for n, v in saved["raw"].items()}
+    return raw, saved["grid_s"]
+
+
 async def run(args, env: dict[str, str]) -> int:
     console = Console(width=170)  # the cell table's nine columns stay unwrapped in a log file
+    if args.from_json:
+        raw, grid_s = load_run(args.from_json, args)
+        report(raw, args, grid_s, console)
+        return 0
     console.print(f"checkpoint {args.checkpoint or 'random tiny'}; streams {args.streams}; arms {args.arms}; "
                   f"numerics {args.numerics}; {args.max_tokens} tokens; {args.repeats} repetition(s); "
                   f"{args.threads} torch thread(s) per service")
@@ -249,21 +300,7 @@ async def run(args, env: dict[str, str]) -> int:
         grid_s = time.monotonic() - t0
     finally:
         await stop_stacks(stacks)
-    med = medians(raw)
-    for numerics in args.numerics:
-        console.print(cell_table(numerics, med[numerics], args))
-    summ = summary(med, args)
-    console.print(summary_table(summ))
-    for aim, verdict in summ["aims"].items():
-        console.print(f"aim: {aim}: {verdict}", highlight=False)
-    console.print(f"grid wall time {grid_s / 60:.1f} min")
-    if args.json:
-        out = {"args": {k: v for k, v in vars(args).items() if k != "json"}, "raw": raw,
-               "medians": {n: {s: {a: {k: v.as_dict() for k, v in f.items()} for a, f in by_arm.items()}
-                               for s, by_arm in v.items()} for n, v in med.items()},
-               "summary": summ, "grid_s": grid_s}
-        Path(args.json).write_text(json.dumps(out, indent=1))
-        console.print(f"wrote {args.json}")
+    report(raw, args, grid_s, console)
     return 0
 
 
@@ -283,6 +320,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"a smoke run: {QUICK} (flags given explicitly still win)")
     ap.add_argument("--json", default=None, help="write raw cells, medians and ratios to this file")
     ap.add_argument("--log-dir", default=None, help="the services' logs (default: a new temporary folder)")
+    ap.add_argument("--from-json", default=None, metavar="FILE",
+                    help="run nothing: print the tables of an earlier run's --json FILE")
     args = ap.parse_args(argv)
     if args.quick:
         given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}

@@ -1,4 +1,4 @@
-"""Figures of the serving benchmark: per stream, per cell, and the ratios across arms.
+"""Figures of the serving benchmark: per generation, per cell, and their spread over repetitions.
 
 Owns the arithmetic only (no timing, no I/O), so it is unit-tested on fixed numbers
 (tests/test_bench_serving_stats.py). Times are seconds on `time.perf_counter()`'s clock
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Sequence
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -125,29 +125,3 @@ class Spread:
 
     def as_dict(self) -> dict:
         return {"median": self.median, "min": self.low, "max": self.high}
-
-
-def summarise(reps: Sequence[CellFigures]) -> dict[str, Spread]:
-    """{figure name: Spread over repetitions} for every field of CellFigures.
-
-    Raises:
-        ValueError: no repetition.
-    """
-    if not reps:
-        raise ValueError("no repetition to summarise")
-    return {name: Spread.of(getattr(r, name) for r in reps) for name in reps[0].__dict__}
-
-
-def gated_vs_best(aggregate: Mapping[str, float], gated: str = "gated") -> tuple[float, str]:
-    """(gated / best of the other arms, that best arm's name) from {arm: aggregate tok/s}.
-
-    Raises:
-        ValueError: no gated arm, or no other arm to compare with.
-    """
-    if gated not in aggregate:
-        raise ValueError(f"no {gated!r} arm among {sorted(aggregate)}")
-    others = {a: v for a, v in aggregate.items() if a != gated}
-    if not others:
-        raise ValueError("no arm besides the gated one to compare with")
-    best = max(others, key=others.__getitem__)
-    return aggregate[gated] / others[best], best

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.bench_serving import ARMS, WORKLOADS, parse_args, stream_prompts
-from bench.serving_stats import (CellFigures, GenerationTrace, Spread, cell_figures, gated_vs_best,
-                                 percentile, summarise)
+from bench.bench_serving import ARMS, WORKLOADS, paired, parse_args, stream_prompts
+from bench.serving_stats import GenerationTrace, Spread, cell_figures, percentile
 from bench.soak import rss_report
 
 
@@ -50,17 +49,16 @@ def test_cell_figures_of_two_streams():
         cell_figures([a, []])
 
 
-def test_summaries_and_the_gated_ratio():
-    reps = [CellFigures(10.0 * i, 1, 2, 3, 4, 5, 6, 7.0) for i in (3, 1, 2)]
-    s = summarise(reps)
-    assert s["aggregate_tok_s"] == Spread(20.0, 10.0, 30.0)
-    assert s["tokens"].as_dict() == {"median": 6, "min": 6, "max": 6}
-    ratio, best = gated_vs_best({"plain": 10.0, "k3": 16.0, "k5": 12.0, "gated": 15.2})
-    assert best == "k3" and ratio == pytest.approx(0.95)
-    with pytest.raises(ValueError, match="no 'gated' arm"):
-        gated_vs_best({"plain": 1.0})
-    with pytest.raises(ValueError, match="no repetition"):
-        summarise([])
+def test_spreads_and_paired_ratios():
+    assert Spread.of([30.0, 10.0, 20.0]) == Spread(20.0, 10.0, 30.0)
+    assert Spread.of([6]).as_dict() == {"median": 6, "min": 6, "max": 6}
+    with pytest.raises(ValueError, match="no values"):
+        Spread.of([])
+    # the load doubles between repetitions; the paired ratio stays 0.5 while the ratio of the
+    # medians (15 / 20) would not
+    gated, best = [10.0, 20.0, 40.0], [20.0, 40.0, 80.0]
+    r = paired(3, lambda i: gated[i], lambda i: best[i])
+    assert r == Spread(0.5, 0.5, 0.5)
 
 
 def test_every_cell_covers_every_workload():
