@@ -13,7 +13,8 @@ which prime the drafter. Each round, with the anchor x[p] at position p:
      below DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD;
   2. draft d1..dB and confidence logits from anchor x[p], seed position p-1;
   3. length choice k <= B: `always` submits max_n, `gated` asks the gate; max_n caps k by the
-     remaining max_tokens (a round adds k+1 tokens at most) and the room before max_seq_len;
+     request's max_draft_tokens, the remaining max_tokens (a round adds k+1 tokens at most)
+     and the room before max_seq_len;
   4. verify [x[p], d1..dk] at p..p+k (or decode x[p] when k = 0): a accepted, bonus token,
      margin, rows of positions p..p+a;
   5. commit those rows to the drafter, stream d1..da + bonus token by token with the stop
