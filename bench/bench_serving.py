@@ -219,10 +219,10 @@ def summary_table(summ: dict) -> Table:
     return t
 
 
-async def start_stacks(args, env: dict[str, str], console: Console) -> dict[str, dict]:
-    """Start one stack per numerics (all at once: they load in parallel), wait until each
-    serves, open its channels and warm every arm up with one short generation."""
-    stacks = {}
+async def start_stacks(args, env: dict[str, str], console: Console, stacks: dict[str, dict]) -> None:
+    """Start one stack per numerics into `stacks` (all at once: they load in parallel), wait
+    until each serves, open its channels and warm every arm up with one short generation.
+    `stacks` is filled as processes start, so the caller can stop them if this raises."""
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_serving_"))
     for i, numerics in enumerate(args.numerics):
         spec = StackSpec(args.checkpoint, args.port_base + 10 * i, log_dir, numerics,
@@ -239,7 +239,6 @@ async def start_stacks(args, env: dict[str, str], console: Console) -> dict[str,
         console.print(f"{numerics}: serving after {waited:.0f} s on port-base {spec.port_base}")
         for arm in args.arms:
             await generate(st["gateway"], WORKLOADS["code"], arm, 8)
-    return stacks
 
 
 async def stop_stacks(stacks: dict[str, dict]) -> None:
@@ -292,9 +291,9 @@ async def run(args, env: dict[str, str]) -> int:
     console.print(f"checkpoint {args.checkpoint or 'random tiny'}; streams {args.streams}; arms {args.arms}; "
                   f"numerics {args.numerics}; {args.max_tokens} tokens; {args.repeats} repetition(s); "
                   f"{args.threads} torch thread(s) per service")
-    stacks = {}
+    stacks: dict[str, dict] = {}
     try:
-        stacks = await start_stacks(args, env, console)
+        await start_stacks(args, env, console, stacks)
         t0 = time.monotonic()
         raw = await run_grid(args, stacks, console)
         grid_s = time.monotonic() - t0
