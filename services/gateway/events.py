@@ -42,6 +42,7 @@ class GenerationParams:
     # How tokens are chosen (greedy, or seeded sampling under a rule); the seed is always set
     # by the time a generation runs (the servicer draws one when the request had none).
     sampling: SamplingParams = GREEDY
+    max_drafts: int = 0  # drafted tokens a round may submit at most (0 = the block size)
 
 
 @dataclass(frozen=True)

@@ -48,8 +48,8 @@ _BEFORE_MARGIN_GATE = (Reason.NO_DRAFTER, Reason.NO_ROOM)
 
 def drafted_reason(drafted: int, choice: LengthChoice) -> Reason:
     """Why a round that drafted `drafted` tokens submitted `choice.k` of them: the gate cut
-    below its cap (COST), the cap (max_tokens / max_seq_len, see `Scheduler._max_drafts`) cut
-    the block (BUDGET), or nothing did (FULL)."""
+    below its cap (COST), the cap (the request's max_draft_tokens, max_tokens / max_seq_len,
+    see `Scheduler._max_drafts`) cut the block (BUDGET), or nothing did (FULL)."""
     if choice.cut:
         return Reason.COST
     return Reason.BUDGET if choice.k < drafted else Reason.FULL

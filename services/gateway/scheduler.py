@@ -13,7 +13,8 @@ which prime the drafter. Each round, with the anchor x[p] at position p:
      below DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD;
   2. draft d1..dB and confidence logits from anchor x[p], seed position p-1;
   3. length choice k <= B: `always` submits max_n, `gated` asks the gate; max_n caps k by the
-     remaining max_tokens (a round adds k+1 tokens at most) and the room before max_seq_len;
+     request's max_draft_tokens, the remaining max_tokens (a round adds k+1 tokens at most)
+     and the room before max_seq_len;
   4. verify [x[p], d1..dk] at p..p+k (or decode x[p] when k = 0): a accepted, bonus token,
      margin, rows of positions p..p+a;
   5. commit those rows to the drafter, stream d1..da + bonus token by token with the stop
@@ -108,9 +109,10 @@ class Scheduler:
     # ------------------------------------------------------------------ validation
     def params(self, prompt: str, prompt_ids: Sequence[int], max_tokens: int, spec: str,
                temperature: float = 0.0, stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
-               ignore_eos: bool = False, label: str = "live", sampling: SamplingParams | None = None
-               ) -> GenerationParams:
-        """Validate a request into `GenerationParams`.
+               ignore_eos: bool = False, label: str = "live", sampling: SamplingParams | None = None,
+               max_drafts: int = 0) -> GenerationParams:
+        """Validate a request into `GenerationParams`. max_drafts: drafted tokens a round may
+        submit at most (always: a fixed k; gated: a cap on the gate's choice; 0 = block size).
 
         sampling: how tokens are chosen (the servicer builds it, seed included); None is
         `SamplingParams(temperature=temperature)` (seed 0, the coupled rule), otherwise
@@ -119,7 +121,7 @@ class Scheduler:
             ValueError: naming the value: a bad temperature (NaN, negative), an empty
                 prompt, a token id outside [0, vocab), max_tokens <= 0, prompt + max_tokens
                 beyond max_seq_len, an unknown spec mode, a stop token id out of range, a blank
-                or reserved workload label.
+                or reserved workload label, max_drafts outside [0, block_size].
         """
         lim = self.limits
         if sampling is None:
@@ -143,8 +145,11 @@ class Scheduler:
         if bad:
             raise ValueError(f"stop token id {bad[0]} outside [0, vocab_size={lim.vocab_size})")
         check_workload(label or "live")
+        if not 0 <= max_drafts <= lim.block_size:
+            raise ValueError(f"max_draft_tokens={max_drafts}: must be in [0, block_size={lim.block_size}] "
+                             "(0 = the block size)")
         return GenerationParams(tuple(ids), max_tokens, spec, frozenset(stops), tuple(s for s in stop if s),
-                                label or "live", sampling=sampling)
+                                label or "live", sampling=sampling, max_drafts=max_drafts)
 
     # ------------------------------------------------------------------ generation
     async def generate(self, p: GenerationParams, verifier: VerifierSession,
@@ -352,12 +357,12 @@ class _Generation:
         return reply, ms
 
     def _max_drafts(self, drafted: int, pos: int) -> int:
-        """Drafts a round at anchor position `pos` may submit: capped by the remaining budget
-        (the round adds at most k + 1 tokens) and the room before max_seq_len (the bonus token
-        must stay a valid position)."""
+        """Drafts a round at anchor position `pos` may submit: capped by the request's
+        max_drafts, the remaining budget (the round adds at most k + 1 tokens) and the room
+        before max_seq_len (the bonus token must stay a valid position)."""
         remaining = self.p.max_tokens - len(self.out)
         room = self.s.limits.max_seq_len - 2 - pos
-        return max(0, min(drafted, remaining - 1, room))
+        return max(0, min(drafted, self.p.max_drafts or drafted, remaining - 1, room))
 
     async def _commit(self, rows, first_position: int, token_ids: Sequence[int], token_first: int,
                       defer: bool = False) -> None:

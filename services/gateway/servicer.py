@@ -233,7 +233,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             params = self.scheduler.params(
                 request.prompt, list(request.prompt_token_ids), request.max_tokens, _SPEC.get(request.spec, ""),
                 request.temperature, list(request.stop_token_ids), list(request.stop), request.ignore_eos,
-                request.label, sampling)
+                request.label, sampling, request.max_draft_tokens)
             running = self.running.register(rid)
         except DuplicateRequestId as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))

@@ -1,0 +1,347 @@
+"""The serving benchmark through the three services: `python -m bench.bench_serving`.
+
+Owns the end-to-end throughput and latency figures of the served model under 1..32
+concurrent streams; it prints them (and writes `--json`) and never asserts them.
+
+Setup: for each verify numerics (`--numerics`, default fast and exact) one stack of three
+`dspark serve` processes (bench/service_procs.py; gateway on port-base + 10 i, verifier and
+drafter on the next two ports) on `--checkpoint` (default the bundled assets/dspark-small
+with its DSpark drafter), each process with `--threads` torch threads. All traffic goes
+through the gateway's streaming Generate, the public API a client uses.
+
+Arms (`--arms`): plain (spec off), k1..k5 (spec always with `max_draft_tokens` = k: every
+round submits k drafts, fewer only at the token budget's end) and gated (spec gated: the
+confidence gate picks k per round, up to the block size). Prompts: four workloads (code,
+prose, math, repeat); a cell at concurrency c runs c streams, and each stream runs
+ceil(4 / c) generations one after another, so every cell covers all four workloads.
+Generations ignore eos, so each yields exactly `--max-tokens` tokens.
+
+Order: each repetition runs every concurrency, and within it every numerics and every arm,
+the arms in an order rotated per repetition, so all arms see the same machine load. The
+figures (bench/serving_stats.py has their definitions) are the medians over `--repeats`
+repetitions, with min-max. Summary, as paired ratios (each repetition's own ratio, then the
+median [min-max] of those, so load that drifts between repetitions cancels): gated / best of
+the other arms and exact / fast per concurrency, and the issue's three aims (plain 16 streams
+>= 6x 1 stream; gated >= 0.97x the best other arm everywhere; exact within 1.3x of fast at 16
+streams). `--from-json FILE` prints the tables of an earlier run's `--json` again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from bench.service_procs import ServiceProcesses, StackSpec
+from bench.serving_stats import GenerationTrace, Spread, cell_figures
+from dspark_proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
+from services.common.server import channel_options
+
+WORKLOADS = {
+    "code": "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "prose": "The old lighthouse keeper walked slowly along the shore, watching",
+    "math": "Solve for x: 3x + 7 = 22. Subtract 7 from both sides: 3x =",
+    "repeat": "0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+}
+# arm name -> (spec mode, max_draft_tokens); 0 = the block size
+ARMS = {"plain": (gateway_pb2.SPEC_MODE_OFF, 0), **{f"k{k}": (gateway_pb2.SPEC_MODE_ALWAYS, k) for k in range(1, 6)},
+        "gated": (gateway_pb2.SPEC_MODE_GATED, 0)}
+STREAMS = (1, 2, 4, 8, 16, 32)
+QUICK = {"streams": [1, 4], "arms": ["plain", "k5", "gated"], "max_tokens": 16, "repeats": 1}
+CALL_TIMEOUT_S = 900.0   # deadline of one Generate (s): a hang guard for the slowest cell
+INFO_TIMEOUT_S = 10.0
+
+
+async def generate(stub, prompt: str, arm: str, max_tokens: int) -> GenerationTrace:
+    """One Generate call of `arm`; the arrival time and token count of every message.
+    Raises grpc.aio.AioRpcError on a failed call."""
+    spec, k = ARMS[arm]
+    req = gateway_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, spec=spec, max_draft_tokens=k,
+                                      ignore_eos=True, label="live")
+    trace = GenerationTrace(time.perf_counter())
+    async for msg in stub.Generate(req, timeout=CALL_TIMEOUT_S):
+        if msg.token_ids:
+            trace.arrivals.append((time.perf_counter(), len(msg.token_ids)))
+    return trace
+
+
+def stream_prompts(streams: int, index: int) -> list[str]:
+    """The prompts stream `index` of `streams` runs in turn: ceil(4 / streams) of them, so
+    that the cell's streams together cover every workload."""
+    names = list(WORKLOADS)
+    per = math.ceil(len(names) / streams)
+    return [WORKLOADS[names[(index + j * streams) % len(names)]] for j in range(per)]
+
+
+async def run_stream(stub, prompts: list[str], arm: str, max_tokens: int) -> list[GenerationTrace]:
+    return [await generate(stub, p, arm, max_tokens) for p in prompts]
+
+
+async def verifier_steps(stub) -> tuple[int, float]:
+    """(batch steps so far, sessions summed over them) from the verifier's Info."""
+    info = await stub.Info(common_pb2.InfoRequest(), timeout=INFO_TIMEOUT_S)
+    return info.steps, info.batch_size_mean * info.steps
+
+
+async def run_cell(stack: dict, streams: int, arm: str, max_tokens: int) -> dict:
+    """One cell: `streams` concurrent streams of `arm`; its figures and the verifier's mean
+    sessions per batch step over the cell."""
+    steps0, sessions0 = await verifier_steps(stack["verifier"])
+    traces = await asyncio.gather(*(run_stream(stack["gateway"], stream_prompts(streams, i), arm, max_tokens)
+                                    for i in range(streams)))
+    steps1, sessions1 = await verifier_steps(stack["verifier"])
+    out = cell_figures(traces).as_dict()
+    out["sessions_per_step"] = (sessions1 - sessions0) / max(steps1 - steps0, 1)
+    return out
+
+
+def rotated(arms: list[str], rep: int) -> list[str]:
+    r = rep % len(arms)
+    return arms[r:] + arms[:r]
+
+
+async def run_grid(args, stacks: dict[str, dict], console: Console) -> dict:
+    """{numerics: {streams: {arm: [cell dict per repetition]}}} over the whole grid."""
+    raw = {n: {s: {a: [] for a in args.arms} for s in args.streams} for n in stacks}
+    for rep in range(args.repeats):
+        for streams in args.streams:
+            for numerics, stack in stacks.items():
+                for arm in rotated(args.arms, rep):
+                    cell = await run_cell(stack, streams, arm, args.max_tokens)
+                    raw[numerics][streams][arm].append(cell)
+                    console.print(f"rep {rep + 1}/{args.repeats} streams {streams:>2} {numerics:<5} {arm:<5} "
+                                  f"{cell['aggregate_tok_s']:7.1f} tok/s  ({cell['wall_s']:.1f} s)", highlight=False)
+    return raw
+
+
+def medians(raw: dict) -> dict:
+    """{numerics: {streams: {arm: {figure: Spread}}}} from the raw cells."""
+    out = {}
+    for numerics, by_streams in raw.items():
+        out[numerics] = {}
+        for streams, by_arm in by_streams.items():
+            out[numerics][streams] = {}
+            for arm, cells in by_arm.items():
+                figs = {k: Spread.of(c[k] for c in cells) for k in cells[0]}
+                out[numerics][streams][arm] = figs
+    return out
+
+
+def fmt(s: Spread, digits: int = 1) -> str:
+    return f"{s.median:.{digits}f} [{s.low:.{digits}f}-{s.high:.{digits}f}]"
+
+
+def cell_table(numerics: str, med: dict, args) -> Table:
+    t = Table(title=escape(f"{numerics} numerics: median [min-max] of {args.repeats}, "
+                           f"{args.max_tokens} tokens per generation"))
+    for col in ("streams", "arm", "aggregate tok/s", "per-stream tok/s", "TTFT p50 ms", "TTFT p99 ms",
+                "ITL p50 ms", "ITL p99 ms", "sessions/step"):
+        t.add_column(col, justify="right")
+    for streams in args.streams:
+        for arm in args.arms:
+            f = med[streams][arm]
+            t.add_row(str(streams), arm, fmt(f["aggregate_tok_s"]), fmt(f["per_stream_tok_s"]),
+                      f"{f['ttft_p50_ms'].median:.0f}", f"{f['ttft_p99_ms'].median:.0f}",
+                      f"{f['itl_p50_ms'].median:.1f}", f"{f['itl_p99_ms'].median:.1f}",
+                      f"{f['sessions_per_step'].median:.2f}")
+    return t
+
+
+def paired(reps: int, numerator, denominator) -> Spread:
+    """Median [min-max] over repetitions 0..reps-1 of numerator(rep) / denominator(rep), each
+    mapping a repetition index to an aggregate tok/s. Both sides of a ratio come from the same
+    repetition, run minutes apart at most, so a drift in the machine's load between
+    repetitions cancels out of it."""
+    return Spread.of(numerator(r) / denominator(r) for r in range(reps))
+
+
+def summary(raw: dict, args) -> dict:
+    """Per concurrency, as paired ratios of aggregate tok/s (`paired`): gated / best other arm
+    of the same repetition (per numerics), and exact / fast of plain, gated and each side's
+    best arm; then the issue's aims. {"rows": {streams: {name: Spread}}, "aims": {...}}."""
+    agg = lambda n, s, a, r: raw[n][s][a][r]["aggregate_tok_s"]  # noqa: E731
+    rows = {}
+    for streams in args.streams:
+        row = {}
+        for n in raw:
+            if "gated" in args.arms and len(args.arms) > 1:
+                row[f"gated/best {n}"] = paired(args.repeats, lambda r: agg(n, streams, "gated", r), lambda r: max(
+                    agg(n, streams, a, r) for a in args.arms if a != "gated"))
+        if "fast" in raw and "exact" in raw:
+            for arm in ("plain", "gated"):
+                if arm in args.arms:
+                    row[f"exact/fast {arm}"] = paired(args.repeats, lambda r: agg("exact", streams, arm, r),
+                                                      lambda r: agg("fast", streams, arm, r))
+            best = lambda n, r: max(agg(n, streams, a, r) for a in args.arms)  # noqa: E731
+            row["exact/fast best"] = paired(args.repeats, lambda r: best("exact", r), lambda r: best("fast", r))
+        rows[streams] = row
+    return {"rows": rows, "aims": aims(raw, rows, args, agg)}
+
+
+def aims(raw: dict, rows: dict, args, agg) -> dict[str, str]:
+    """The issue's three aims on the median paired ratios, each "met (figure)" or "missed (figure)"."""
+    out = {}
+    for n in raw:
+        if {1, 16} <= set(args.streams) and "plain" in args.arms:
+            r = paired(args.repeats, lambda i: agg(n, 16, "plain", i), lambda i: agg(n, 1, "plain", i)).median
+            out[f"plain 16 streams >= 6x 1 stream ({n})"] = f"{'met' if r >= 6 else 'missed'} ({r:.2f}x)"
+        gb = [rows[s].get(f"gated/best {n}") for s in args.streams]
+        if all(g is not None for g in gb):
+            worst = min(g.median for g in gb)
+            out[f"gated >= 0.97x best other arm at every concurrency ({n})"] = \
+                f"{'met' if worst >= 0.97 else 'missed'} (lowest {worst:.2f}x)"
+    if 16 in rows and "exact/fast best" in rows[16]:
+        r = rows[16]["exact/fast best"].median
+        out["exact within 1.3x of fast at 16 streams (best arms)"] = \
+            f"{'met' if r >= 1 / 1.3 else 'missed'} (exact/fast {r:.2f})"
+    return out or {"(aims)": "not measured: needs streams 1 and 16, plain and gated"}
+
+
+def summary_table(summ: dict) -> Table:
+    t = Table(title=escape("paired ratios of aggregate tok/s: median [min-max] over repetitions"))
+    keys = sorted({k for r in summ["rows"].values() for k in r})
+    t.add_column("streams", justify="right")
+    for k in keys:
+        t.add_column(k, justify="right")
+    for streams, r in summ["rows"].items():
+        t.add_row(str(streams), *(fmt(r[k], 2) if r.get(k) is not None else "-" for k in keys))
+    return t
+
+
+async def start_stacks(args, env: dict[str, str], console: Console, stacks: dict[str, dict]) -> None:
+    """Start one stack per numerics into `stacks` (all at once: they load in parallel), wait
+    until each serves, open its channels and warm every arm up with one short generation.
+    `stacks` is filled as processes start, so the caller can stop them if this raises."""
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_serving_"))
+    for i, numerics in enumerate(args.numerics):
+        spec = StackSpec(args.checkpoint, args.port_base + 10 * i, log_dir, numerics,
+                         max_sessions=max(args.streams) + 8, threads=args.threads)
+        stacks[numerics] = {"procs": ServiceProcesses(spec, env)}
+    console.print(f"services starting (logs in {log_dir})")
+    for numerics, st in stacks.items():
+        waited = await st["procs"].wait_serving()
+        spec = st["procs"].spec
+        st["channels"] = [grpc.aio.insecure_channel(t, options=channel_options())
+                          for t in (spec.gateway_target, spec.verifier_target)]
+        st["gateway"] = gateway_pb2_grpc.GatewayStub(st["channels"][0])
+        st["verifier"] = verifier_pb2_grpc.VerifierStub(st["channels"][1])
+        console.print(f"{numerics}: serving after {waited:.0f} s on port-base {spec.port_base}")
+        for arm in args.arms:
+            await generate(st["gateway"], WORKLOADS["code"], arm, 8)
+
+
+async def stop_stacks(stacks: dict[str, dict]) -> None:
+    for st in stacks.values():
+        for ch in st.get("channels", []):
+            await ch.close()
+        st["procs"].stop()
+
+
+def report(raw: dict, args, grid_s: float, console: Console) -> None:
+    """Print the tables and the aims of `raw` ({numerics: {streams: {arm: [cell per repetition]}}});
+    with `args.json`, write them there too."""
+    med = medians(raw)
+    for numerics in raw:
+        console.print(cell_table(numerics, med[numerics], args))
+    summ = summary(raw, args)
+    console.print(summary_table(summ))
+    for aim, verdict in summ["aims"].items():
+        console.print(f"aim: {aim}: {verdict}", highlight=False)
+    console.print(f"grid wall time {grid_s / 60:.1f} min")
+    if args.json:
+        out = {"args": {k: v for k, v in vars(args).items() if k not in ("json", "from_json")}, "raw": raw,
+               "medians": {n: {s: {a: {k: v.as_dict() for k, v in f.items()} for a, f in by_arm.items()}
+                               for s, by_arm in v.items()} for n, v in med.items()},
+               "summary": {"rows": {st: {k: v.as_dict() for k, v in r.items() if v is not None}
+                                    for st, r in summ["rows"].items()}, "aims": summ["aims"]},
+               "grid_s": grid_s}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+        console.print(f"wrote {args.json}")
+
+
+def load_run(path: str, args) -> tuple[dict, float]:
+    """The raw cells and grid time of a `--json` file; sets args' grid (streams, arms,
+    max_tokens, repeats) to the file's. Raises OSError, ValueError (not such a file)."""
+    saved = json.loads(Path(path).read_text())
+    if not {"raw", "args", "grid_s"} <= set(saved):
+        raise ValueError(f"{path}: not a bench_serving --json file (no raw / args / grid_s)")
+    for key in ("streams", "arms", "max_tokens", "repeats"):
+        setattr(args, key, saved["args"][key])
+    raw = {n: {int(s): by_arm for s, by_arm in v.items()} for n, v in saved["raw"].items()}
+    return raw, saved["grid_s"]
+
+
+async def run(args, env: dict[str, str]) -> int:
+    console = Console(width=170)  # the cell table's nine columns stay unwrapped in a log file
+    if args.from_json:
+        raw, grid_s = load_run(args.from_json, args)
+        report(raw, args, grid_s, console)
+        return 0
+    console.print(f"checkpoint {args.checkpoint or 'random tiny'}; streams {args.streams}; arms {args.arms}; "
+                  f"numerics {args.numerics}; {args.max_tokens} tokens; {args.repeats} repetition(s); "
+                  f"{args.threads} torch thread(s) per service")
+    stacks: dict[str, dict] = {}
+    try:
+        await start_stacks(args, env, console, stacks)
+        t0 = time.monotonic()
+        raw = await run_grid(args, stacks, console)
+        grid_s = time.monotonic() - t0
+    finally:
+        await stop_stacks(stacks)
+    report(raw, args, grid_s, console)
+    return 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", default="assets/dspark-small",
+                    help="model folder ('' = the random tiny model; default assets/dspark-small)")
+    ap.add_argument("--streams", type=int, nargs="+", default=list(STREAMS), help="concurrencies (default 1..32)")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="arms (default all)")
+    ap.add_argument("--numerics", nargs="+", default=["fast", "exact"], choices=["fast", "exact"])
+    ap.add_argument("--max-tokens", type=int, default=32, help="completion tokens per generation")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (median, min-max)")
+    ap.add_argument("--port-base", type=int, default=50250,
+                    help="first stack's gateway port (verifier +1, drafter +2; the next stack +10)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per service process")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"a smoke run: {QUICK} (flags given explicitly still win)")
+    ap.add_argument("--json", default=None, help="write raw cells, medians and ratios to this file")
+    ap.add_argument("--log-dir", default=None, help="the services' logs (default: a new temporary folder)")
+    ap.add_argument("--from-json", default=None, metavar="FILE",
+                    help="run nothing: print the tables of an earlier run's --json FILE")
+    args = ap.parse_args(argv)
+    if args.quick:
+        given = {a.split("=")[0] for a in (argv if argv is not None else sys.argv[1:])}
+        for key, value in QUICK.items():
+            if f"--{key.replace('_', '-')}" not in given:
+                setattr(args, key, value)
+    for name in ("max_tokens", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    if any(s < 1 for s in args.streams):
+        ap.error(f"--streams={args.streams}: every concurrency must be >= 1")
+    args.checkpoint = args.checkpoint or None
+    args.streams, args.arms = sorted(set(args.streams)), [a for a in ARMS if a in args.arms]
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    env = dict(os.environ)  # the entry point's one read of the environment, passed down
+    sys.exit(asyncio.run(run(args, env)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The three services as separate `dspark serve` processes, for the serving benchmark and the soak.
+
+Owns starting one verifier, one drafter and one gateway as child processes of the caller
+(`python -m services.cli serve <service>`, the entry point `dspark serve` runs), waiting
+until the gateway reports SERVING on grpc.health.v1, sampling each process's resident set
+size, and stopping them (SIGTERM, which drains, then SIGKILL after a deadline). It talks to
+the services only through that public entry point and their gRPC API, so it keeps working
+whatever the engines inside do. Ports: gateway port_base, verifier + 1, drafter + 2 (as
+`dspark up --port-base`). Every child gets the caller's environment (`base_env`, read once
+by the benchmark's entry point) with the settings of `StackSpec` laid over it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.ports import check_ports_free
+
+SERVICES = ("verifier", "drafter", "gateway")
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Variables that would make the three children fight over one port, or change what the
+# benchmark measures behind its back; each child gets them from StackSpec or not at all.
+_DROPPED_ENV = ("DSPARK_HTTP_PORT", "DSPARK_METRICS_PORT", "DSPARK_HEALTH_PORT", "DEEPSEEK_DSPARK_GATE")
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """What one stack of services runs.
+
+    checkpoint: model folder every service loads (None: the random tiny model).
+    port_base: gateway port; verifier port_base + 1, drafter + 2 (1..65533).
+    verify_numerics: the verifier's DSPARK_VERIFY_NUMERICS, "fast" or "exact".
+    max_sessions: DSPARK_MAX_SESSIONS of verifier and drafter (>= 1).
+    threads: torch intra-op threads per process (OMP_NUM_THREADS, >= 1).
+    log_dir: folder of each child's combined stdout/stderr (`<name>-<port>.log`).
+    Raises:
+        ValueError: a field outside its range, named with its value.
+    """
+
+    checkpoint: str | None
+    port_base: int
+    log_dir: Path
+    verify_numerics: str = "fast"
+    max_sessions: int = 64
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.port_base <= 65533:
+            raise ValueError(f"port_base={self.port_base}: must be in [1, 65533] (the drafter listens on + 2)")
+        if self.verify_numerics not in ("fast", "exact"):
+            raise ValueError(f"verify_numerics={self.verify_numerics!r}: must be 'fast' or 'exact'")
+        if self.max_sessions < 1 or self.threads < 1:
+            raise ValueError(f"max_sessions={self.max_sessions}, threads={self.threads}: both must be >= 1")
+
+    @property
+    def ports(self) -> dict[str, int]:
+        return {"gateway": self.port_base, "verifier": self.port_base + 1, "drafter": self.port_base + 2}
+
+    @property
+    def gateway_target(self) -> str:
+        return f"127.0.0.1:{self.port_base}"
+
+    @property
+    def verifier_target(self) -> str:
+        return f"127.0.0.1:{self.port_base + 1}"
+
+    @property
+    def drafter_target(self) -> str:
+        return f"127.0.0.1:{self.port_base + 2}"
+
+
+class ServiceProcesses:
+    """One running stack: three child processes (see the module docstring).
+
+    Raises (constructor):
+        ValueError: a port of the stack is taken (named by `check_ports_free`).
+        OSError: a child could not be started or its log not opened.
+    """
+
+    def __init__(self, spec: StackSpec, base_env: Mapping[str, str]):
+        check_ports_free("127.0.0.1", {f"{n} (port-base {spec.port_base})": p for n, p in spec.ports.items()})
+        spec.log_dir.mkdir(parents=True, exist_ok=True)
+        self.spec = spec
+        self.procs: dict[str, subprocess.Popen] = {}
+        env = {k: v for k, v in base_env.items() if k not in _DROPPED_ENV}
+        env.update(DSPARK_VERIFY_NUMERICS=spec.verify_numerics, DSPARK_MAX_SESSIONS=str(spec.max_sessions),
+                   DSPARK_VERIFIER_TARGET=spec.verifier_target, DSPARK_DRAFTER_TARGET=spec.drafter_target,
+                   DSPARK_STARTUP_TIMEOUT_S="300", OMP_NUM_THREADS=str(spec.threads),
+                   PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p))
+        ckpt = ["--checkpoint", spec.checkpoint] if spec.checkpoint else []
+        try:
+            for name in SERVICES:  # the gateway last: it asks both backends for their identity at start
+                log = open(self.log_path(name), "wb")
+                cmd = [sys.executable, "-m", "services.cli", "serve", name, "--port", str(spec.ports[name]), *ckpt]
+                with log:
+                    self.procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=log,
+                                                        stderr=subprocess.STDOUT, start_new_session=True)
+        except BaseException:
+            self.stop()
+            raise
+
+    def log_path(self, name: str) -> Path:
+        return self.spec.log_dir / f"{name}-{self.spec.ports[name]}.log"
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        path = self.log_path(name)
+        text = path.read_text(errors="replace") if path.is_file() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self.procs.items()}
+
+    def exited(self) -> dict[str, int]:
+        """{service: exit status} of the children that have ended (empty while all run)."""
+        return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+
+    async def wait_serving(self, timeout_s: float = 600.0) -> float:
+        """Wait until the gateway reports SERVING; returns the seconds waited.
+
+        Raises:
+            RuntimeError: a child exited first (its log tail included), or the gateway was not
+                SERVING within timeout_s (s).
+        """
+        t0 = deadline = time.monotonic()
+        deadline += timeout_s
+        async with grpc.aio.insecure_channel(self.spec.gateway_target) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            while True:
+                dead = self.exited()
+                if dead:
+                    name, rc = next(iter(dead.items()))
+                    raise RuntimeError(f"{name} exited with status {rc} before the gateway served:\n"
+                                       f"{self.log_tail(name)}")
+                try:
+                    reply = await health.Check(health_pb2.HealthCheckRequest(service="dspark.v1.Gateway"), timeout=2.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return time.monotonic() - t0
+                except grpc.aio.AioRpcError:
+                    pass  # not bound yet, or still profiling the round costs
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"gateway {self.spec.gateway_target} not SERVING within {timeout_s:g} s")
+                await asyncio.sleep(0.5)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM every child (gateway first, so no new round reaches the backends), wait up to
+        timeout_s (s) each, then SIGKILL its process group."""
+        for name in reversed(SERVICES):
+            p = self.procs.get(name)
+            if p is not None and p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of process `pid` (bytes): psutil when installed, else /proc/<pid>/status.
+
+    Raises:
+        ProcessLookupError: no such process (it exited).
+    """
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        try:
+            return psutil.Process(pid).memory_info().rss
+        except psutil.NoSuchProcess:
+            raise ProcessLookupError(f"pid {pid}: no such process") from None
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024  # the kernel reports kB
+    except FileNotFoundError:
+        raise ProcessLookupError(f"pid {pid}: no such process") from None
+    raise ProcessLookupError(f"pid {pid}: no VmRSS line (a zombie)")

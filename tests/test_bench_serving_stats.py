@@ -1,0 +1,88 @@
+"""The serving benchmark's arithmetic (bench/serving_stats.py) and its argument handling, on fixed numbers.
+
+No timing is measured here: the traces are written by hand, so every figure has one right value.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.bench_serving import ARMS, WORKLOADS, paired, parse_args, stream_prompts
+from bench.serving_stats import GenerationTrace, Spread, cell_figures, percentile
+from bench.soak import rss_report
+
+
+def test_percentile_interpolates_between_ranks_and_refuses_bad_input():
+    xs = [40.0, 10.0, 30.0, 20.0]
+    assert percentile(xs, 0) == 10.0 and percentile(xs, 100) == 40.0
+    assert percentile(xs, 50) == 25.0
+    assert percentile(xs, 99) == pytest.approx(39.7)
+    assert percentile([7.0], 99) == 7.0
+    with pytest.raises(ValueError, match="q=101"):
+        percentile(xs, 101)
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 50)
+
+
+def test_a_trace_shares_a_message_gap_among_its_tokens():
+    g = GenerationTrace(10.0, [(10.1, 1), (10.5, 4), (10.6, 1)])
+    assert g.tokens == 6 and g.end == 10.6
+    assert g.ttft_ms == pytest.approx(100.0)
+    assert g.itl_ms() == pytest.approx([100.0] * 4 + [100.0])
+    assert GenerationTrace(1.0).ttft_ms is None and GenerationTrace(1.0).itl_ms() == []
+
+
+def test_cell_figures_of_two_streams():
+    # stream A: two generations back to back, 4 tokens in 2 s; stream B: one, 6 tokens in 1 s
+    a = [GenerationTrace(0.0, [(0.5, 1), (1.0, 1)]), GenerationTrace(1.0, [(1.5, 1), (2.0, 1)])]
+    b = [GenerationTrace(0.0, [(0.25, 1), (1.0, 5)])]
+    f = cell_figures([a, b])
+    assert f.tokens == 10 and f.wall_s == 2.0
+    assert f.aggregate_tok_s == 5.0
+    assert f.per_stream_tok_s == 4.0  # median of 2.0 and 6.0
+    assert f.ttft_p50_ms == 500.0  # TTFTs 500, 500, 250
+    assert f.itl_p50_ms == 150.0  # 500, 500, and 150 five times
+    assert f.itl_p99_ms == pytest.approx(500.0)
+    with pytest.raises(ValueError, match="no token"):
+        cell_figures([[GenerationTrace(0.0)]])
+    with pytest.raises(ValueError, match=">= 1 stream"):
+        cell_figures([a, []])
+
+
+def test_spreads_and_paired_ratios():
+    assert Spread.of([30.0, 10.0, 20.0]) == Spread(20.0, 10.0, 30.0)
+    assert Spread.of([6]).as_dict() == {"median": 6, "min": 6, "max": 6}
+    with pytest.raises(ValueError, match="no values"):
+        Spread.of([])
+    # the load doubles between repetitions; the paired ratio stays 0.5 while the ratio of the
+    # medians (15 / 20) would not
+    gated, best = [10.0, 20.0, 40.0], [20.0, 40.0, 80.0]
+    r = paired(3, lambda i: gated[i], lambda i: best[i])
+    assert r == Spread(0.5, 0.5, 0.5)
+
+
+def test_every_cell_covers_every_workload():
+    for streams in (1, 2, 3, 4, 16):
+        prompts = [p for i in range(streams) for p in stream_prompts(streams, i)]
+        assert set(prompts) == set(WORKLOADS.values()), streams
+    assert len(stream_prompts(1, 0)) == 4 and len(stream_prompts(16, 5)) == 1
+
+
+def test_arguments_quick_and_validation():
+    args = parse_args(["--quick", "--repeats", "2"])
+    assert args.streams == [1, 4] and args.arms == ["plain", "k5", "gated"] and args.repeats == 2
+    full = parse_args(["--arms", "gated", "plain", "--checkpoint", ""])
+    assert full.arms == ["plain", "gated"] and full.checkpoint is None and full.streams == [1, 2, 4, 8, 16, 32]
+    assert ARMS["k3"][1] == 3 and ARMS["plain"][1] == 0
+    with pytest.raises(SystemExit):
+        parse_args(["--max-tokens", "0"])
+
+
+def test_rss_report_starts_after_the_warm_up():
+    mib = 2**20
+    samples = [{"t_s": 0.0, "gateway": 50 * mib}, {"t_s": 10.0, "gateway": 100 * mib},
+               {"t_s": 20.0, "gateway": 104 * mib}, {"t_s": 30.0, "gateway": 102 * mib}]
+    r = rss_report(samples, 5.0)["gateway"]
+    assert r == {"warm_mib": 100.0, "end_mib": 102.0, "max_mib": 104.0, "growth_pct": pytest.approx(2.0)}
+    with pytest.raises(ValueError, match="no RSS sample after the warm-up of 40 s"):
+        rss_report(samples, 40.0)
