@@ -14,8 +14,9 @@ oracle drafter the trunk).
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 import torch
@@ -41,7 +42,9 @@ from services.gateway.profile import PROFILE_PROMPT
 from services.gateway.scheduler import Scheduler
 from services.gateway.servicer import Backends, GatewayServicer, connect_backends, measure_costs
 from services.gateway.tokenizer import load_tokenizer
-from services.verifier.batcher import StepLoop, batchable
+from services.verifier.batcher import StepLoop, StepRecord, batchable
+from services.verifier.step_profile import StepProfileSettings, profile_steps
+from services.verifier.step_table import LoadTracker
 from services.verifier.engine import VerifierEngine
 from services.verifier.servicer import VerifierServicer
 from services.verifier.topk_diag import TopKDiagSettings, maybe_wrap
@@ -114,18 +117,24 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
                          provider: TracerProvider | None = None, host: str = "127.0.0.1",
                          credentials: grpc.ServerCredentials | None = None, tp: int = 1,
                          max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S, metrics=None,
-                         step_loop: bool = True) -> RunningServer:
+                         step_loop: bool = True, step_profile: StepProfileSettings | None = None) -> RunningServer:
     """Serve the Verifier over `engine` on host:port (0 = any free port); `default_mode` is the
     verify path of requests that name none; credentials: TLS (None = plaintext);
     max_connection_age_s: clients reconnect after it (s); metrics: a
     `services.common.metrics.VerifierMetrics` (None: none). step_loop: run every session's
     forwards in one batched step loop (`services.verifier.batcher`) when the engine's model
     is a plain Trunk; False, or a TP / top-k model: one thread per call. The loop stops with
-    the server. Raises RuntimeError: port not bound."""
-    steps = None
+    the server; it keeps the load figures the gate prices drafts with (a step-time table and
+    the committed tokens per ms, `services.verifier.step_table`). step_profile: time batch
+    steps over dummy sessions before serving, seeding the step table (None: live steps alone
+    fill it). Raises RuntimeError: port not bound; what the model raises in the profile."""
+    steps, load = None, None
     if step_loop and batchable(engine.model):
-        steps = StepLoop(engine, None if metrics is None else metrics.record_step)
-    servicer = VerifierServicer(engine, default_mode, provider, tp, metrics, steps)
+        load = LoadTracker()
+        if step_profile is not None:
+            await asyncio.to_thread(profile_steps, engine, load, step_profile)
+        steps = StepLoop(engine, _step_hook(load, metrics))
+    servicer = VerifierServicer(engine, default_mode, provider, tp, metrics, steps, load)
     try:
         running = await start_server("dspark.v1.Verifier",
                                      lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
@@ -138,6 +147,15 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
     if steps is not None:
         running.on_stop.append(steps.close)
     return running
+
+
+def _step_hook(load: LoadTracker, metrics) -> Callable[[StepRecord], None]:
+    """The step loop's `on_step`: the load figures, then the metrics (when given)."""
+    def on_step(step: StepRecord) -> None:
+        load.record(step)
+        if metrics is not None:
+            metrics.record_step(step)
+    return on_step
 
 
 async def start_drafter(engine, port: int = 0, provider: TracerProvider | None = None,

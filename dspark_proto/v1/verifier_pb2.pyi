@@ -64,7 +64,7 @@ class VerifierRequest(_message.Message):
     def __init__(self, trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., rows: _Optional[_Union[RowsRequest, _Mapping]] = ...) -> None: ...
 
 class VerifierResponse(_message.Message):
-    __slots__ = ("next_token", "margin", "accepted", "rows", "first_position", "next_position", "timing")
+    __slots__ = ("next_token", "margin", "accepted", "rows", "first_position", "next_position", "timing", "step_rows", "committed_tokens_per_ms")
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MARGIN_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,8 @@ class VerifierResponse(_message.Message):
     FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
     NEXT_POSITION_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    STEP_ROWS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKENS_PER_MS_FIELD_NUMBER: _ClassVar[int]
     next_token: int
     margin: float
     accepted: int
@@ -79,4 +81,6 @@ class VerifierResponse(_message.Message):
     first_position: int
     next_position: int
     timing: _common_pb2.ComputeTiming
-    def __init__(self, next_token: _Optional[int] = ..., margin: _Optional[float] = ..., accepted: _Optional[int] = ..., rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_position: _Optional[int] = ..., next_position: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ComputeTiming, _Mapping]] = ...) -> None: ...
+    step_rows: int
+    committed_tokens_per_ms: float
+    def __init__(self, next_token: _Optional[int] = ..., margin: _Optional[float] = ..., accepted: _Optional[int] = ..., rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_position: _Optional[int] = ..., next_position: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ComputeTiming, _Mapping]] = ..., step_rows: _Optional[int] = ..., committed_tokens_per_ms: _Optional[float] = ...) -> None: ...

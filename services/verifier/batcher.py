@@ -25,6 +25,7 @@ each session's call on its own thread as before (`services.verifier.servicer`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -50,12 +51,15 @@ def batchable(model: object) -> bool:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One step: kind in STEP_KINDS, sessions in it, rows forwarded (tokens), wall time (ms)."""
+    """One step: kind in STEP_KINDS, sessions in it, rows forwarded (tokens), wall time (ms),
+    tokens committed by the requests it completed (a decode 1, a verify accepted + 1, a
+    prefill its first anchor 1)."""
 
     kind: str
     sessions: int
     rows: int
     ms: float
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -178,7 +182,7 @@ class StepLoop:
             self._finish(r, error=exc)
             return
         self._finish(r, result)
-        self._record(StepRecord("prefill", 1, len(r.work.ids), (time.perf_counter() - t0) * 1e3))
+        self._record(StepRecord("prefill", 1, len(r.work.ids), (time.perf_counter() - t0) * 1e3, 1))
 
     def _batch(self, requests: list[_Request]) -> None:
         """One forward over every request's rows; resolve the complete ones, carry the rest."""
@@ -200,6 +204,7 @@ class StepLoop:
                     self._finish(r, error=exc)
                 return
             ms = (time.perf_counter() - t0) * 1e3
+            rows, tokens = sum(len(it.tokens) if it.verify else 1 for it in items), 0
             for (r, s), out in zip(live, outs):
                 try:
                     result = absorb(s, r.work, out, ms, self.engine.model)
@@ -208,10 +213,10 @@ class StepLoop:
                     continue
                 if result is None:
                     self._carried.append(r)
-                else:
-                    self._finish(r, result)
-        rows = sum(len(it.tokens) if it.verify else 1 for it in items)
-        self._record(StepRecord("batch", len(live), rows, ms))
+                else:  # the gateway prices drafts against the rows of the step it shared
+                    tokens += getattr(result, "accepted", 0) + 1
+                    self._finish(r, dataclasses.replace(result, step_rows=rows))
+        self._record(StepRecord("batch", len(live), rows, ms, tokens))
 
     def _finish(self, r: _Request, result: object = None, error: BaseException | None = None) -> None:
         self._release([r])

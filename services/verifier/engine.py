@@ -81,6 +81,7 @@ class StepResult:
     rows: [R, T*D] fp32 tap rows of `positions` (prefill: the last min(n, keep_rows)).
     positions: absolute positions of `rows`.
     forward_ms: wall time of the model forward (ms).
+    step_rows: rows (tokens) of the step-loop batch step that completed it; 0 outside one.
     """
 
     next_token: int
@@ -88,6 +89,7 @@ class StepResult:
     rows: torch.Tensor
     positions: range
     forward_ms: float
+    step_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,7 @@ class VerifyResult:
         batched: k+1).
     rollback_bytes: bytes copied to restore the state after rejected positions (batched).
     forward_ms: wall time of the model forwards (ms).
+    step_rows: rows (tokens) of the step-loop batch step that completed it; 0 outside one.
     """
 
     accepted: int
@@ -113,6 +116,7 @@ class VerifyResult:
     forwarded: int
     rollback_bytes: int
     forward_ms: float
+    step_rows: int = 0
 
 
 @dataclass

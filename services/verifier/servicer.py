@@ -24,17 +24,19 @@ from services.common.telemetry import message_span
 from services.common.tensors import to_proto
 from services.verifier.batcher import StepLoop, StepStats
 from services.verifier.engine import StepResult, VerifierEngine, VerifyResult
+from services.verifier.step_table import LoadTracker
 
 _MODES = {verifier_pb2.VERIFY_MODE_SEQUENTIAL: "sequential", verifier_pb2.VERIFY_MODE_BATCHED: "batched"}
 
 
-def verifier_identity(engine: VerifierEngine, tp: int = 1,
-                      steps: StepStats | None = None) -> common_pb2.ModelIdentity:
+def verifier_identity(engine: VerifierEngine, tp: int = 1, steps: StepStats | None = None,
+                      load: LoadTracker | None = None) -> common_pb2.ModelIdentity:
     """The model identity the gateway checks against the drafter's (docs/architecture.md §6),
-    with the open sessions and, when a step loop runs, its batch steps (`steps`)."""
+    with the open sessions and, when a step loop runs, its batch steps (`steps`) and its
+    load figures (`load`: the step-time table and committed tokens per ms, fields 29-34)."""
     cfg = engine.cfg
     steps = StepStats() if steps is None else steps
-    return common_pb2.ModelIdentity(
+    identity = common_pb2.ModelIdentity(
         steps=steps.steps, batch_size_last=steps.batch_last, batch_size_mean=steps.batch_mean,
         step_ms_last=steps.ms_last, step_ms_mean=steps.ms_mean,
         role="verifier", config_hash=cfg.config_hash(), vocab_size=cfg.vocab_size,
@@ -42,6 +44,9 @@ def verifier_identity(engine: VerifierEngine, tp: int = 1,
         target_layer_ids=list(cfg.dspark_target_layer_ids), row_width=cfg.tap_width, tp=tp,
         max_seq_len=cfg.max_seq_len, noise_token_id=cfg.dspark_noise_token_id,
         eos_token_id=cfg.eos_token_id, max_sessions=engine.max_sessions, open_sessions=engine.num_sessions)
+    if load is not None:
+        load.fill_identity(identity)
+    return identity
 
 
 class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer):
@@ -54,15 +59,18 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
         tp: tensor-parallel world size reported in Info.
         metrics: a `services.common.metrics.VerifierMetrics` fed each answered forward (None: none).
         steps: the step loop that runs every forward (None: one thread per call).
+        load: the step loop's load figures, reported in Info and in every decode / verify
+            response (None: not reported).
     """
 
     def __init__(self, engine: VerifierEngine, default_mode: str = "batched",
-                 provider: TracerProvider | None = None, tp: int = 1, metrics=None, steps: StepLoop | None = None):
+                 provider: TracerProvider | None = None, tp: int = 1, metrics=None, steps: StepLoop | None = None,
+                 load: LoadTracker | None = None):
         self.engine, self.default_mode, self.provider, self.tp = engine, default_mode, provider, tp
-        self.metrics, self.steps = metrics, steps
+        self.metrics, self.steps, self.load = metrics, steps, load
 
     async def Info(self, request, context):
-        return verifier_identity(self.engine, self.tp, None if self.steps is None else self.steps.stats())
+        return verifier_identity(self.engine, self.tp, None if self.steps is None else self.steps.stats(), self.load)
 
     async def _run(self, op: str, sid: int, *args):
         """The engine's result of `op` ("prefill" | "decode" | "verify") on `sid` with `args`:
@@ -91,6 +99,9 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
             else:
                 res, response = await self._verify(sid, request.verify, span)
                 rows = res.forwarded
+            if op != "prefill" and self.load is not None:
+                response.step_rows = res.step_rows
+                response.committed_tokens_per_ms = self.load.tokens_per_ms()
             total_ms = (time.perf_counter() - received) * 1e3
             response.timing.forward_ms = res.forward_ms
             response.timing.queue_ms = max(0.0, total_ms - res.forward_ms)
