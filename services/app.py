@@ -38,6 +38,7 @@ from services.drafter.servicer import DrafterServicer
 from services.gateway.auth import BearerTokenInterceptor
 from services.gateway.costs import CostTracker
 from services.gateway.gate import ENV_VARS as GATE_ENV_VARS, GateConfig
+from services.gateway.load import VerifierLoad
 from services.gateway.profile import PROFILE_PROMPT
 from services.gateway.scheduler import Scheduler
 from services.gateway.servicer import Backends, GatewayServicer, connect_backends, measure_costs
@@ -195,7 +196,7 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
     else:
         backends = Backends(settings, provider, backend_tls.channel_credentials(), backend_tls.channel_options())
     try:
-        limits, _ = await connect_backends(backends)
+        limits, identity = await connect_backends(backends)
     except BaseException:
         await backends.close()  # a refused pairing leaves no open channels behind
         raise
@@ -208,8 +209,12 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
         except BaseException:
             await backends.close()
             raise
+    load = None
+    if settings.load_aware and settings.cost_mode == "measured":
+        load = VerifierLoad(backends.verifier, settings.round_timeout_s)
+        load.update(identity)
     scheduler = Scheduler(limits, tokenizer, gate_config, settings.verify_mode, settings.cost_mode,
-                          provider, recorder, metrics, costs)
+                          provider, recorder, metrics, costs, load)
     servicer = GatewayServicer(scheduler, backends)
     auth = [BearerTokenInterceptor(settings.token)] if settings.token else []
     running = await start_server("dspark.v1.Gateway",

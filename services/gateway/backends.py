@@ -83,7 +83,10 @@ def may_fail_over(exc: BackendError) -> bool:
 @dataclass(frozen=True)
 class VerifierReply:
     """next_token: the new anchor; margin: its top1 - top2 logit; accepted: drafts accepted;
-    rows [R, T*D] fp32 (bf16-rounded) of positions first_position..; forward_ms: compute time."""
+    rows [R, T*D] fp32 (bf16-rounded) of positions first_position..; forward_ms: compute time.
+    step_rows: rows (tokens) of the verifier batch step that completed a decode / verify;
+    committed_tokens_per_ms: the verifier's recent committed tokens per wall ms (both 0 when
+    the verifier reports none: no step loop, or an in-process session)."""
 
     next_token: int
     margin: float
@@ -92,6 +95,8 @@ class VerifierReply:
     first_position: int
     forward_ms: float
     rollback_bytes: int = 0
+    step_rows: int = 0
+    committed_tokens_per_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -180,7 +185,7 @@ class GrpcVerifierSession:
     async def _ask(self, trace, **op) -> VerifierReply:
         r = await self._s.ask(verifier_pb2.VerifierRequest(trace=trace, **op))
         return VerifierReply(r.next_token, r.margin, r.accepted, from_proto(r.rows).float(), r.first_position,
-                             r.timing.forward_ms, r.timing.rollback_bytes)
+                             r.timing.forward_ms, r.timing.rollback_bytes, r.step_rows, r.committed_tokens_per_ms)
 
     async def prefill(self, token_ids, trace):
         return await self._ask(trace, prefill=verifier_pb2.PrefillRequest(token_ids=list(token_ids)))
