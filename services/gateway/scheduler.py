@@ -216,7 +216,7 @@ class _Generation:
         self.gate = Gate(gate_cfg)
         self.gate.cost = self.cost
         priced = sched.load is not None and sched.cost_mode == "measured" and p.spec == "gated"
-        self.steps = sched.load.table if priced else None  # snapshot, as the costs
+        self.step_table = sched.load.table if priced else None  # snapshot, as the costs
         self.seen = LoadSeen()
         self.counters = RoundStats()  # folded from this generation's round records
         self.detok = Detokenizer(sched.tokenizer, p.stop)
@@ -279,16 +279,18 @@ class _Generation:
             if k > 0:
                 res = await self.verifier.verify(anchor, drafts[:k], pos, s.verify_mode, tc)
                 verify_ms = (time.perf_counter() - t0) * 1e3
-                if self._alone(res, k + 1):
+                own_rows = k + 1 if s.verify_mode == "batched" else 1  # sequential: one position per step
+                if self._alone(res, own_rows):
                     s.costs.add_verify(k, verify_ms)
                 if plan.conf is not None:
                     self.gate.observe(plan.conf, k, res.accepted)
             else:
                 res = await self.verifier.decode(anchor, pos, tc)
                 verify_ms = (time.perf_counter() - t0) * 1e3
-                if self._alone(res, 1):
+                own_rows = 1
+                if self._alone(res, own_rows):
                     s.costs.add_plain(verify_ms)
-            self.seen.observe(res.step_rows, k + 1, res.committed_tokens_per_ms)
+            self.seen.observe(res.step_rows, own_rows, res.committed_tokens_per_ms)
             a, drafter, t0 = res.accepted, self.drafter, time.perf_counter()
             defer = plan.reason is Reason.ANCHOR_MARGIN  # the gate kept this round from drafting
             await self._commit(res.rows, pos, [anchor, *drafts[:a]], pos, defer)
@@ -307,8 +309,8 @@ class _Generation:
             return _Plan(Reason.NO_DRAFTER)
         if self._max_drafts(self.s.limits.block_size, pos) == 0:
             return _Plan(Reason.NO_ROOM)  # one token left (or no room): a draft could not be submitted
-        if self.steps is not None:  # priced before the pre-draft decision, from replies already seen
-            self.gate.pricing = priced_at_load(self.cost, self.steps, self.seen, self.gate.rate(),
+        if self.step_table is not None:  # priced before the pre-draft decision, from replies already seen
+            self.gate.pricing = priced_at_load(self.cost, self.step_table, self.seen, self.gate.rate(),
                                                self.s.limits.block_size)
         if not self.gate.should_draft(margin):
             return _Plan(Reason.ANCHOR_MARGIN)
