@@ -23,6 +23,7 @@ from services.common.settings import BackendSettings
 from services.gateway.decision import CostModel, decide_length
 from services.gateway.gate import BUCKET_EDGES, Gate, GateConfig, bucket_index
 from services.gateway.load import LoadSeen, StepTimes, priced_at_load
+from services.settings import backend_settings, gateway_settings
 from services.verifier.batcher import StepRecord
 from services.verifier.step_profile import StepProfileSettings, profile_steps, row_targets, split_rows
 from services.verifier.step_table import ONLINE, PROFILED, CommitRate, LoadTracker, StepTable
@@ -222,3 +223,15 @@ def test_info_and_responses_carry_the_load_and_a_priced_generation_streams_plain
             loop.run(gw.close())
     finally:
         stack.close()
+
+
+def test_the_switches_are_read_at_the_entry_point_and_named_when_bad():
+    assert gateway_settings({}).load_aware is True and backend_settings({}).step_profile is True
+    assert gateway_settings({"DSPARK_GATE_LOAD": "0"}).load_aware is False
+    assert backend_settings({"DSPARK_STEP_PROFILE": "0"}).step_profile is False
+    with pytest.raises(ValueError, match="DSPARK_GATE_LOAD='yes'"):
+        gateway_settings({"DSPARK_GATE_LOAD": "yes"})
+    with pytest.raises(ValueError, match="DSPARK_STEP_PROFILE='2'"):
+        backend_settings({"DSPARK_STEP_PROFILE": "2"})
+    with pytest.raises(ValueError, match="budget_s=0"):
+        StepProfileSettings(budget_s=0)
