@@ -18,13 +18,16 @@ For each concurrency in `--streams`, every policy runs `--repeats` times, interl
 policy order rotates per repeat, so drift falls on all of them). A run starts that many
 Generate calls at once (prompts cycle through four workloads) and scores aggregate
 completion tok/s = all tokens / wall time of the slowest. Printed per concurrency: the median
-and range of each policy, and gated / best of {plain, k=1..5}.
+and range of each policy, gated / best of {plain, k=1..5}, and for the gated policies what
+their gateways' Stats counted over those runs: drafts submitted per round and the share of
+plain rounds (no draft submitted).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import time
 
@@ -117,6 +120,12 @@ async def run_streams(stub, spec: int, streams: int, max_tokens: int) -> float:
     return sum(counts) / (time.perf_counter() - t0)
 
 
+async def speculation(stub) -> dict:
+    """The gateway's summed speculation counters (Stats RPC)."""
+    reply = await stub.Stats(gateway_pb2.StatsRequest(), timeout=30)
+    return json.loads(reply.json)["speculation"]
+
+
 async def measure(args) -> None:
     svc = await Services().start(args.checkpoint)
     try:
@@ -127,11 +136,18 @@ async def measure(args) -> None:
             await run_streams(*svc.stubs[name], 2, 8)
         for streams in args.streams:
             figures = {name: [] for name in names}
+            gated = [n for n in names if n.startswith("gated")]
+            before = {n: await speculation(svc.stubs[n][0]) for n in gated}
             for rep in range(args.repeats):
                 for i in range(len(names)):
                     name = names[(i + rep) % len(names)]
                     figures[name].append(await run_streams(*svc.stubs[name], streams, args.max_tokens))
             report(streams, figures)
+            for n in gated:
+                after = await speculation(svc.stubs[n][0])
+                d = {k: after[k] - before[n][k] for k in ("rounds", "submitted", "plain_rounds")}
+                print(f"{n}: {d['submitted'] / max(d['rounds'], 1):.2f} drafts submitted per round, "
+                      f"{d['plain_rounds'] / max(d['rounds'], 1):.0%} plain rounds")
     finally:
         await svc.close()
 
