@@ -217,6 +217,9 @@ def test_info_and_responses_carry_the_load_and_a_priced_generation_streams_plain
             gated = loop.run(collect(gw.stub, req))
             plain = loop.run(collect(gw.stub, gen_request("load-aware budget", max_tokens=24, spec="off")))
             assert gated.token_ids == plain.token_ids and len(gated.token_ids) == 24
+            samples = gw.scheduler.costs.to_dict("measured")["samples"]
+            # rounds alone in their step sample every cost (sequential verify: one row per step)
+            assert samples["draft_ms"]["online"] > 0 and samples["plain_ms"]["online"] > 0
             after = loop.run(info())
             assert after.step_table_source == ONLINE and after.committed_tokens >= 48
         finally:

@@ -280,7 +280,8 @@ class _Generation:
                 res = await self.verifier.verify(anchor, drafts[:k], pos, s.verify_mode, tc)
                 verify_ms = (time.perf_counter() - t0) * 1e3
                 own_rows = k + 1 if s.verify_mode == "batched" else 1  # sequential: one position per step
-                if self._alone(res, own_rows):
+                alone = self._alone(res, own_rows)
+                if alone:
                     s.costs.add_verify(k, verify_ms)
                 if plan.conf is not None:
                     self.gate.observe(plan.conf, k, res.accepted)
@@ -288,13 +289,16 @@ class _Generation:
                 res = await self.verifier.decode(anchor, pos, tc)
                 verify_ms = (time.perf_counter() - t0) * 1e3
                 own_rows = 1
-                if self._alone(res, own_rows):
+                alone = self._alone(res, own_rows)
+                if alone:
                     s.costs.add_plain(verify_ms)
+            if alone and plan.draft_ms is not None:
+                s.costs.add_draft(plan.draft_ms)
             self.seen.observe(res.step_rows, own_rows, res.committed_tokens_per_ms)
             a, drafter, t0 = res.accepted, self.drafter, time.perf_counter()
             defer = plan.reason is Reason.ANCHOR_MARGIN  # the gate kept this round from drafting
             await self._commit(res.rows, pos, [anchor, *drafts[:a]], pos, defer)
-            if not defer and drafter is not None and self.drafter is drafter:  # a re-prime is no commit cost
+            if alone and not defer and drafter is not None and self.drafter is drafter:  # a re-prime is no commit cost
                 s.costs.add_commit((time.perf_counter() - t0) * 1e3)
             self._record(span, RoundRecord(
                 plan.reason, len(drafts), k, a, self.cost,
@@ -335,14 +339,14 @@ class _Generation:
             except BackendError as exc:
                 if not await self._drafter_failed(exc):
                     return [], None, None
-        ms = (time.perf_counter() - t0) * 1e3
-        self.s.costs.add_draft(ms)
-        return reply.tokens, reply.confidence_logits, ms
+        return reply.tokens, reply.confidence_logits, (time.perf_counter() - t0) * 1e3
 
     def _alone(self, reply, own_rows: int) -> bool:
-        """Whether a verify / decode reply's wall time may sample the per-k costs: with load
-        pricing those are the costs of a round alone in its verifier step (the step table
-        prices the rows of others), so a shared step is left out; without it, every round."""
+        """Whether a round's wall times (draft, verify or decode, commit) may sample the
+        costs: with load pricing those are the costs of a round alone in its verifier step
+        (the step table and lambda_sys price the load), so a round whose step was shared is
+        left out whole, or load would be charged twice and its draft priced against an
+        unloaded plain step; without load pricing, every round."""
         return self.s.load is None or reply.step_rows in (0, own_rows)
 
     def _max_drafts(self, drafted: int, pos: int) -> int:
