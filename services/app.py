@@ -14,9 +14,10 @@ oracle drafter the trunk).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 import torch
@@ -40,12 +41,15 @@ from services.drafter.steps import DraftStepLoop, batchable as drafter_batchable
 from services.gateway.auth import BearerTokenInterceptor
 from services.gateway.costs import CostTracker
 from services.gateway.gate import ENV_VARS as GATE_ENV_VARS, GateConfig
+from services.gateway.load import VerifierLoad
 from services.gateway.profile import PROFILE_PROMPT
 from services.gateway.scheduler import Scheduler
 from services.gateway.servicer import Backends, GatewayServicer, connect_backends, measure_costs
 from services.gateway.tokenizer import load_tokenizer
-from services.verifier.batcher import DEFAULT_PREFILL_CHUNK, StepLoop, batchable
+from services.verifier.batcher import DEFAULT_PREFILL_CHUNK, StepLoop, StepRecord, batchable
 from services.verifier.engine import VerifierEngine, per_session_bytes
+from services.verifier.step_profile import StepProfileSettings, profile_steps
+from services.verifier.step_table import LoadTracker
 from services.verifier.servicer import VerifierServicer
 from services.verifier.topk_diag import TopKDiagSettings, maybe_wrap
 
@@ -118,7 +122,8 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
                          provider: TracerProvider | None = None, host: str = "127.0.0.1",
                          credentials: grpc.ServerCredentials | None = None, tp: int = 1,
                          max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S, metrics=None,
-                         step_loop: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> RunningServer:
+                         step_loop: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                         step_profile: StepProfileSettings | None = None) -> RunningServer:
     """Serve the Verifier over `engine` on host:port (0 = any free port); `default_mode` is the
     verify path of requests that name none; credentials: TLS (None = plaintext);
     max_connection_age_s: clients reconnect after it (s); metrics: a
@@ -126,14 +131,21 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
     forwards in one batched step loop (`services.verifier.batcher`) when the engine's model
     is a plain Trunk or a TP trunk (every rank runs the same batched step); False, or a
     top-k dump model: one thread per call; prefill_chunk: the loop's most prompt tokens per
-    step. The loop stops with the server.
+    step. The loop stops with the server; it keeps the load figures the gate prices drafts
+    with (a step-time table and the committed tokens per ms, `services.verifier.step_table`).
+    step_profile: time batch steps over dummy sessions before serving, seeding the step table
+    (None: live steps alone fill it).
     Raises:
         RuntimeError: port not bound.
-        ValueError: prefill_chunk not an integer >= 1 (named)."""
-    steps = None
+        ValueError: prefill_chunk not an integer >= 1 (named); what the model raises in the
+            profile."""
+    steps, load = None, None
     if step_loop and batchable(engine.model):
-        steps = StepLoop(engine, None if metrics is None else metrics.record_step, prefill_chunk)
-    servicer = VerifierServicer(engine, default_mode, provider, tp, metrics, steps)
+        load = LoadTracker()
+        if step_profile is not None:
+            await asyncio.to_thread(profile_steps, engine, load, step_profile)
+        steps = StepLoop(engine, _step_hook(load, metrics), prefill_chunk)
+    servicer = VerifierServicer(engine, default_mode, provider, tp, metrics, steps, load)
     try:
         running = await start_server("dspark.v1.Verifier",
                                      lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
@@ -146,6 +158,15 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
     if steps is not None:
         running.on_stop.append(steps.close)
     return running
+
+
+def _step_hook(load: LoadTracker, metrics) -> Callable[[StepRecord], None]:
+    """The step loop's `on_step`: the load figures, then the metrics (when given)."""
+    def on_step(step: StepRecord) -> None:
+        load.record(step)
+        if metrics is not None:
+            metrics.record_step(step)
+    return on_step
 
 
 async def start_drafter(engine, port: int = 0, provider: TracerProvider | None = None,
@@ -201,7 +222,7 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
     else:
         backends = Backends(settings, provider, backend_tls.channel_credentials(), backend_tls.channel_options())
     try:
-        limits, _ = await connect_backends(backends)
+        limits, identity = await connect_backends(backends)
     except BaseException:
         await backends.close()  # a refused pairing leaves no open channels behind
         raise
@@ -214,8 +235,12 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
         except BaseException:
             await backends.close()
             raise
+    load = None
+    if settings.load_aware and settings.cost_mode == "measured":
+        load = VerifierLoad(backends.verifier, settings.round_timeout_s)
+        load.update(identity)
     scheduler = Scheduler(limits, tokenizer, gate_config, settings.verify_mode, settings.cost_mode,
-                          provider, recorder, metrics, costs)
+                          provider, recorder, metrics, costs, load)
     servicer = GatewayServicer(scheduler, backends)
     auth = [BearerTokenInterceptor(settings.token)] if settings.token else []
     running = await start_server("dspark.v1.Gateway",

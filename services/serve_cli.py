@@ -231,9 +231,10 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
                                topk=s.topk)
         engine = app.verifier_engine(trunk, s.backend, available_memory_bytes())
         metrics = _serve_metrics(m.VerifierMetrics(engine), s, args.host, endpoints) if want else None
+        profile = app.StepProfileSettings() if s.backend.step_profile else None
         return await app.start_verifier(engine, port, s.backend.verify_mode, provider, args.host, credentials=tls,
                                         tp=tp, max_connection_age_s=age, metrics=metrics,
-                                        prefill_chunk=s.backend.prefill_chunk)
+                                        prefill_chunk=s.backend.prefill_chunk, step_profile=profile)
     if s.service == "drafter":
         model = app.load_trunk(s.checkpoint, model=s.model) if args.oracle else app.load_drafter(s.checkpoint,
                                                                                                   model=s.model)

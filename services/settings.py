@@ -18,6 +18,7 @@ Unset means the default; the "empty" column says what an empty value means.
 | DSPARK_STARTUP_TIMEOUT_S | 10 | error | gateway: startup_timeout_s |
 | DSPARK_DRAFTER_FAILOVERS | 2 | error | gateway: drafter_failovers |
 | DSPARK_SAMPLING_RULE | coupled | error | gateway: sampling_rule (coupled, rejection: sampled requests that leave theirs unset) |
+| DSPARK_GATE_LOAD | 1 | default | gateway: load_aware (0, 1: price gated drafts at the verifier's load) |
 | DSPARK_GATEWAY_TOKEN | unset | unset | gateway: token; `dspark generate`'s token |
 | DSPARK_GATEWAY_TLS_CERT, _KEY | unset | unset | gateway_tls (a pair) |
 | DSPARK_METRICS_PORT | unset | unset | metrics_port (every service; `--metrics-port` wins) |
@@ -35,6 +36,7 @@ Unset means the default; the "empty" column says what an empty value means.
 | DSPARK_MAX_SESSIONS | sized from memory (`services.common.limits`) | error | backend: max_sessions |
 | DSPARK_PREFILL_CHUNK | 64 | error | backend: prefill_chunk (prompt tokens per verifier step, 1..1048576) |
 | DSPARK_VERIFY_NUMERICS | fast | error | backend: verify_numerics (fast, exact) |
+| DSPARK_STEP_PROFILE | 1 | default | backend: step_profile (0, 1: the verifier's start-up step-time profile) |
 | DSV4_MOE_DETERMINISTIC_REDUCE | 1 | default | model: moe_deterministic_reduce |
 | DSV4_KERNELS | torch | default | model: kernels (torch, triton) |
 | DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4 | 0 | default | model: moe_multi_token_fp4 |
@@ -230,7 +232,8 @@ def gateway_settings(environ: Environ) -> GatewaySettings:
         startup_timeout_s=_float(environ, "DSPARK_STARTUP_TIMEOUT_S", GatewaySettings.startup_timeout_s),
         drafter_failovers=_int(environ, "DSPARK_DRAFTER_FAILOVERS", GatewaySettings.drafter_failovers, low=0),
         token=token, pinned_costs=tuple(f for f in PINNABLE_COSTS if GATE_ENV_VARS[f] in environ),
-        sampling_rule=_choice(environ, "DSPARK_SAMPLING_RULE", GatewaySettings.sampling_rule, SAMPLING_RULES))
+        sampling_rule=_choice(environ, "DSPARK_SAMPLING_RULE", GatewaySettings.sampling_rule, SAMPLING_RULES),
+        load_aware=_switch(environ, "DSPARK_GATE_LOAD", True))
 
 
 def client_token(flag: str | None, environ: Environ) -> tuple[str, str]:
@@ -264,7 +267,8 @@ def backend_settings(environ: Environ) -> BackendSettings:
                            verify_mode=_choice(environ, "DSPARK_VERIFY_MODE", BackendSettings.verify_mode,
                                                VERIFY_MODES),
                            verify_numerics=_choice(environ, "DSPARK_VERIFY_NUMERICS", BackendSettings.verify_numerics,
-                                                   VERIFY_NUMERICS))
+                                                   VERIFY_NUMERICS),
+                           step_profile=_switch(environ, "DSPARK_STEP_PROFILE", True))
 
 
 def serve_settings(environ: Environ) -> ServeSettings:

@@ -49,7 +49,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelIdentity(_message.Message):
-    __slots__ = ("role", "config_hash", "vocab_size", "block_size", "window_size", "target_layer_ids", "row_width", "tp", "max_seq_len", "confidence_head", "noise_token_id", "eos_token_id", "max_sessions", "open_sessions", "drafter_kind", "steps", "batch_size_last", "batch_size_mean", "step_ms_last", "step_ms_mean", "session_state_bytes", "max_sessions_rule", "prefill_chunk", "prefill_steps", "drafter_steps", "drafter_batch_size_mean", "drafter_batch_size_max", "drafter_step_ms_mean")
+    __slots__ = ("role", "config_hash", "vocab_size", "block_size", "window_size", "target_layer_ids", "row_width", "tp", "max_seq_len", "confidence_head", "noise_token_id", "eos_token_id", "max_sessions", "open_sessions", "drafter_kind", "steps", "batch_size_last", "batch_size_mean", "step_ms_last", "step_ms_mean", "session_state_bytes", "max_sessions_rule", "prefill_chunk", "prefill_steps", "drafter_steps", "drafter_batch_size_mean", "drafter_batch_size_max", "drafter_step_ms_mean", "step_table_rows", "step_table_ms", "step_table_samples", "step_table_source", "committed_tokens_per_ms", "committed_tokens")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,12 @@ class ModelIdentity(_message.Message):
     DRAFTER_BATCH_SIZE_MEAN_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_BATCH_SIZE_MAX_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_STEP_MS_MEAN_FIELD_NUMBER: _ClassVar[int]
+    STEP_TABLE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TABLE_MS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TABLE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    STEP_TABLE_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKENS_PER_MS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     role: str
     config_hash: str
     vocab_size: int
@@ -106,7 +112,13 @@ class ModelIdentity(_message.Message):
     drafter_batch_size_mean: float
     drafter_batch_size_max: int
     drafter_step_ms_mean: float
-    def __init__(self, role: _Optional[str] = ..., config_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., window_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., row_width: _Optional[int] = ..., tp: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., confidence_head: _Optional[bool] = ..., noise_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., drafter_kind: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size_last: _Optional[int] = ..., batch_size_mean: _Optional[float] = ..., step_ms_last: _Optional[float] = ..., step_ms_mean: _Optional[float] = ..., session_state_bytes: _Optional[int] = ..., max_sessions_rule: _Optional[str] = ..., prefill_chunk: _Optional[int] = ..., prefill_steps: _Optional[int] = ..., drafter_steps: _Optional[int] = ..., drafter_batch_size_mean: _Optional[float] = ..., drafter_batch_size_max: _Optional[int] = ..., drafter_step_ms_mean: _Optional[float] = ...) -> None: ...
+    step_table_rows: _containers.RepeatedScalarFieldContainer[float]
+    step_table_ms: _containers.RepeatedScalarFieldContainer[float]
+    step_table_samples: _containers.RepeatedScalarFieldContainer[int]
+    step_table_source: str
+    committed_tokens_per_ms: float
+    committed_tokens: int
+    def __init__(self, role: _Optional[str] = ..., config_hash: _Optional[str] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., window_size: _Optional[int] = ..., target_layer_ids: _Optional[_Iterable[int]] = ..., row_width: _Optional[int] = ..., tp: _Optional[int] = ..., max_seq_len: _Optional[int] = ..., confidence_head: _Optional[bool] = ..., noise_token_id: _Optional[int] = ..., eos_token_id: _Optional[int] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., drafter_kind: _Optional[str] = ..., steps: _Optional[int] = ..., batch_size_last: _Optional[int] = ..., batch_size_mean: _Optional[float] = ..., step_ms_last: _Optional[float] = ..., step_ms_mean: _Optional[float] = ..., session_state_bytes: _Optional[int] = ..., max_sessions_rule: _Optional[str] = ..., prefill_chunk: _Optional[int] = ..., prefill_steps: _Optional[int] = ..., drafter_steps: _Optional[int] = ..., drafter_batch_size_mean: _Optional[float] = ..., drafter_batch_size_max: _Optional[int] = ..., drafter_step_ms_mean: _Optional[float] = ..., step_table_rows: _Optional[_Iterable[float]] = ..., step_table_ms: _Optional[_Iterable[float]] = ..., step_table_samples: _Optional[_Iterable[int]] = ..., step_table_source: _Optional[str] = ..., committed_tokens_per_ms: _Optional[float] = ..., committed_tokens: _Optional[int] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "min_p", "seed", "rule", "logprobs")

@@ -107,6 +107,8 @@ class GatewaySettings:
     start-up profile, costs fixed, so an embedding or a test gets repeatable gated decisions),
     while `services.settings` reads DSPARK_GATE_COSTS with "measured" as its default.
     pinned_costs: the PINNABLE_COSTS fields a variable set; measured costs never replace them.
+    load_aware: under cost_mode "measured", price gated drafts at the verifier's load (its
+    step-time table and committed tokens per ms, docs/gate.md §13); no effect otherwise.
     round_timeout_s: deadline of one backend reply. generation_timeout_s: deadline of one
     generation's backend streams. startup_timeout_s: deadline of the backends' Info at start.
     drafter_failovers: drafter re-primes a generation may make after a drafter failure.
@@ -128,11 +130,14 @@ class GatewaySettings:
     token: str = field(default="", repr=False)
     pinned_costs: tuple[str, ...] = ()
     sampling_rule: str = "coupled"
+    load_aware: bool = True
 
     def __post_init__(self) -> None:
         check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
         check_choice("sampling_rule", self.sampling_rule, SAMPLING_RULES)
         check_choice("cost_mode", self.cost_mode, COST_MODES)
+        if not isinstance(self.load_aware, bool):
+            raise ValueError(f"load_aware={self.load_aware!r}: must be a bool")
         if isinstance(self.pinned_costs, str):
             raise ValueError(f"pinned_costs={self.pinned_costs!r}: must be a tuple of field names")
         object.__setattr__(self, "pinned_costs", tuple(self.pinned_costs))
@@ -183,7 +188,9 @@ class BackendSettings:
     (`services.common.limits`). verify_mode: the verifier's default verify path
     (VERIFY_MODES). verify_numerics: "exact" makes the verifier's batched verify bitwise
     equal to decode (VERIFY_NUMERICS). prefill_chunk: the most prompt tokens the verifier's
-    step loop forwards in one step (`services.verifier.batcher`).
+    step loop forwards in one step (`services.verifier.batcher`). step_profile: the verifier
+    times batch steps over dummy sessions before it serves, seeding its step-time table
+    (False here, so embeddings and tests start at once; `services.settings` defaults it to True).
     Raises:
         ValueError: a field outside its range (named with its value).
     """
@@ -192,11 +199,14 @@ class BackendSettings:
     verify_mode: str = "batched"
     verify_numerics: str = "fast"
     prefill_chunk: int = 64
+    step_profile: bool = False
 
     def __post_init__(self) -> None:
         if self.max_sessions is not None:
             check_count("max_sessions", self.max_sessions, 1)
         check_count("prefill_chunk", self.prefill_chunk, 1)
+        if not isinstance(self.step_profile, bool):
+            raise ValueError(f"step_profile={self.step_profile!r}: must be a bool")
         check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
         check_choice("verify_numerics", self.verify_numerics, VERIFY_NUMERICS)
 

@@ -88,7 +88,10 @@ class VerifierReply:
     """next_token: the new anchor; margin: its top1 - top2 logit; accepted: drafts accepted;
     rows [R, T*D] fp32 (bf16-rounded) of positions first_position..; forward_ms: compute time;
     logprobs: one per token this call chose (prefill/decode: next_token; verify: the accepted
-    drafts, then next_token), empty from a verifier that sends none."""
+    drafts, then next_token), empty from a verifier that sends none. step_rows: rows (tokens)
+    of the verifier batch step that completed a decode / verify; committed_tokens_per_ms: the
+    verifier's recent committed tokens per wall ms (both 0 when the verifier reports none: no
+    step loop, or an in-process session)."""
 
     next_token: int
     margin: float
@@ -98,6 +101,8 @@ class VerifierReply:
     forward_ms: float
     rollback_bytes: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
+    step_rows: int = 0
+    committed_tokens_per_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -196,7 +201,8 @@ class GrpcVerifierSession:
         except ValueError as exc:
             raise BackendError("verifier", f"invalid reply: {exc}", grpc.StatusCode.DATA_LOSS) from None
         return VerifierReply(r.next_token, r.margin, r.accepted, from_proto(r.rows).float(), r.first_position,
-                             r.timing.forward_ms, r.timing.rollback_bytes, logprobs)
+                             r.timing.forward_ms, r.timing.rollback_bytes, logprobs, r.step_rows,
+                             r.committed_tokens_per_ms)
 
     async def prefill(self, token_ids, trace, sampling=GREEDY):
         req = verifier_pb2.PrefillRequest(token_ids=list(token_ids))

@@ -28,6 +28,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from services.common.monotone import non_decreasing  # noqa: F401 (re-exported)
 from services.common.settings import COST_MODES, PINNABLE_COSTS
 from services.gateway.gate import CostModel
 from services.gateway.profile import CostProfile
@@ -78,21 +79,6 @@ class Measured:
     commit_ms: float | None
     sources: dict[str, str]
     samples: int
-
-
-def non_decreasing(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """The weighted least-squares non-decreasing fit of `values` (pool adjacent violators).
-
-    values, weights: float64 arrays of shape [K]; weights > 0. Returns float64 [K].
-    """
-    blocks: list[list[float]] = []  # [mean, weight, length]
-    for v, w in zip(values.tolist(), weights.tolist()):
-        blocks.append([v, w, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            v2, w2, n2 = blocks.pop()
-            v1, w1, n1 = blocks[-1]
-            blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
-    return np.array([mean for mean, _, n in blocks for _ in range(n)], dtype=np.float64)
 
 
 def verify_line(table: Sequence, base: float | None = None, slope: float | None = None) -> tuple[float, float]:

@@ -201,6 +201,10 @@ class Gate:
         self._gap = PROBE_FIRST  # rounds from one probe of a losing streak to the next
         self._probe = False  # this round must verify at least one draft
         self._margin_bin: int | None = None  # the drafted round's anchor-margin bin (auto threshold)
+        # The costs decisions price rounds with; None: `cost`. The caller may re-price them for
+        # the verifier's load before a round (`services.gateway.load.priced_at_load`); the
+        # rate and the records keep `cost`, what a round costs its own generation.
+        self.pricing: CostModel | None = None
 
     def estimates(self) -> tuple[float, ...]:
         """Current P(match | bucket), one float in [0, 1] per bucket, non-decreasing in the bucket
@@ -265,9 +269,9 @@ class Gate:
         +inf before any round drafted (a cold gate drafts)."""
         if not self._recent:
             return math.inf
-        est, lam = self.estimates(), self.rate()
+        est, lam, cost = self.estimates(), self.rate(), self.pricing or self.cost
         probs = [[est[bisect.bisect_right(BUCKET_EDGES, c)] for c in conf] for conf in self._recent]
-        return sum(draft_advantage(p, self.cost, lam) for p in probs) / len(probs)
+        return sum(draft_advantage(p, cost, lam) for p in probs) / len(probs)
 
     def choose(self, confidence_logits: Sequence[float], max_n: int) -> LengthChoice:
         """The post-draft verdict: k drafts to submit, in [0, max_n] (see decide_length).
@@ -289,7 +293,7 @@ class Gate:
             # A probe verifies the whole block: a miss at position 0 costs little more than one
             # draft would, and a hit teaches every position, so the gate recovers in fewer probes.
             floor = max_n if probe else self.config.min_draft
-            n = decide_length(probs, max_n, self.cost, self.config.margin, floor, self.rate())
+            n = decide_length(probs, max_n, self.pricing or self.cost, self.config.margin, floor, self.rate())
         if probe or self._probe:
             self._gap = min(PROBE_PERIOD, 2 * self._gap)  # still losing: the next probe comes later
         elif n > 0:

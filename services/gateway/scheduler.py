@@ -60,6 +60,7 @@ from services.gateway.drafters import DraftCheck, DrafterFaults, DrafterSupply
 from services.gateway.events import (FinalEvent, GenerationParams, ModelLimits, ProcessStats,  # noqa: F401 (re-exported)
                                      TokenEvent)
 from services.gateway.gate import Gate, GateConfig, LengthChoice
+from services.gateway.load import LoadSeen, VerifierLoad, priced_at_load
 from services.gateway.metrics import GenerationMetrics, NoGenerationMetrics
 from services.gateway.record import Reason, RoundRecord, RoundStats, drafted_reason
 from services.gateway.rounds import Round, check_workload
@@ -87,12 +88,16 @@ class Scheduler:
             (`--record-rounds`).
         metrics: `services.gateway.metrics.GatewayMetrics` fed each round's record and each
             finished generation (None: none).
+        load: the verifier's step table (`services.gateway.load.VerifierLoad`); with it, and
+            under cost_mode "measured", a gated generation prices its drafts at the load its
+            replies report (docs/gate.md §13), and the verify / plain costs are sampled only
+            from rounds alone in their verifier step (None: no load pricing).
     """
 
     def __init__(self, limits: ModelLimits, tokenizer: Tokenizer, gate_config: GateConfig,
                  verify_mode: str = "batched", cost_mode: str = "configured",
                  provider: TracerProvider | None = None, recorder: list[Round] | None = None, metrics=None,
-                 costs: CostTracker | None = None):
+                 costs: CostTracker | None = None, load: VerifierLoad | None = None):
         if verify_mode not in VERIFY_MODES:
             raise ValueError(f"verify mode={verify_mode!r}: must be one of {VERIFY_MODES}")
         self.limits, self.tokenizer, self.gate_config = limits, tokenizer, gate_config
@@ -102,6 +107,7 @@ class Scheduler:
         self.tracer = (provider or trace.NoOpTracerProvider()).get_tracer(TRACER_NAME)
         self.recorder = recorder
         self.metrics = metrics
+        self.load = load
         self.stats = ProcessStats()
         self.draft_check = DraftCheck(limits.vocab_size, limits.block_size, limits.reserved_token_ids)
         self.drafter_faults = DrafterFaults()  # process-wide, by reason (the Stats RPC)
@@ -232,6 +238,9 @@ class _Generation:
         self.cost = sched.costs.model(sched.cost_mode)  # snapshot: decisions and records of this generation
         self.gate = Gate(gate_cfg)
         self.gate.cost = self.cost
+        priced = sched.load is not None and sched.cost_mode == "measured" and p.spec == "gated"
+        self.step_table = sched.load.table if priced else None  # snapshot, as the costs
+        self.seen = LoadSeen()
         self.counters = RoundStats()  # folded from this generation's round records
         self.detok = Detokenizer(sched.tokenizer, p.stop)
         self.out: list[int] = []
@@ -297,17 +306,26 @@ class _Generation:
                 q = None if plan.probs is None else plan.probs[:k]
                 res = await self.verifier.verify(anchor, drafts[:k], pos, s.verify_mode, tc, q)
                 verify_ms = (time.perf_counter() - t0) * 1e3
-                s.costs.add_verify(k, verify_ms)
+                own_rows = k + 1 if s.verify_mode == "batched" else 1  # sequential: one position per step
+                alone = self._alone(res, own_rows)
+                if alone:
+                    s.costs.add_verify(k, verify_ms)
                 if plan.conf is not None:
                     self.gate.observe(plan.conf, k, res.accepted)
             else:
                 res = await self.verifier.decode(anchor, pos, tc)
                 verify_ms = (time.perf_counter() - t0) * 1e3
-                s.costs.add_plain(verify_ms)
+                own_rows = 1
+                alone = self._alone(res, own_rows)
+                if alone:
+                    s.costs.add_plain(verify_ms)
+            if alone and plan.draft_ms is not None:
+                s.costs.add_draft(plan.draft_ms)
+            self.seen.observe(res.step_rows, own_rows, res.committed_tokens_per_ms)
             a, drafter, t0 = res.accepted, self.drafter, time.perf_counter()
             defer = plan.reason is Reason.ANCHOR_MARGIN  # the gate kept this round from drafting
             await self._commit(res.rows, pos, [anchor, *drafts[:a]], pos, defer)
-            if not defer and drafter is not None and self.drafter is drafter:  # a re-prime is no commit cost
+            if alone and not defer and drafter is not None and self.drafter is drafter:  # a re-prime is no commit cost
                 s.costs.add_commit((time.perf_counter() - t0) * 1e3)
             self._record(span, RoundRecord(
                 plan.reason, len(drafts), k, a, self.cost,
@@ -322,6 +340,9 @@ class _Generation:
             return _Plan(Reason.NO_DRAFTER)
         if self._max_drafts(self.s.limits.block_size, pos) == 0:
             return _Plan(Reason.NO_ROOM)  # one token left (or no room): a draft could not be submitted
+        if self.step_table is not None:  # priced before the pre-draft decision, from replies already seen
+            self.gate.pricing = priced_at_load(self.cost, self.step_table, self.seen, self.gate.rate(),
+                                               self.s.limits.block_size)
         if not self.gate.should_draft(margin):
             return _Plan(Reason.ANCHOR_MARGIN)
         await self._flush()  # the rows of rounds that did not draft, before the drafter drafts
@@ -352,9 +373,15 @@ class _Generation:
             except BackendError as exc:
                 if not await self._drafter_failed(exc):
                     return None, None
-        ms = (time.perf_counter() - t0) * 1e3
-        self.s.costs.add_draft(ms)
-        return reply, ms
+        return reply, (time.perf_counter() - t0) * 1e3
+
+    def _alone(self, reply, own_rows: int) -> bool:
+        """Whether a round's wall times (draft, verify or decode, commit) may sample the
+        costs: with load pricing those are the costs of a round alone in its verifier step
+        (the step table and lambda_sys price the load), so a round whose step was shared is
+        left out whole, or load would be charged twice and its draft priced against an
+        unloaded plain step; without load pricing, every round."""
+        return self.s.load is None or reply.step_rows in (0, own_rows)
 
     def _max_drafts(self, drafted: int, pos: int) -> int:
         """Drafts a round at anchor position `pos` may submit: capped by the request's

@@ -193,6 +193,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                                                 s.generation_timeout_s),
                                      s.drafter_failovers)
         out = ResponseStream(rid, len(params.prompt_ids), params.sampling.seed)
+        if self.scheduler.load is not None:  # the step table the new generation snapshots
+            await self.scheduler.load.refresh()
         events = self.scheduler.generate(dataclasses.replace(params, request_id=rid), verifier, drafters)
         with RequestLine(rid, params) as line:  # one log line per request, however it ends
             try:

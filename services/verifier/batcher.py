@@ -70,7 +70,9 @@ def batchable(model: object) -> bool:
 class StepRecord:
     """One step: kind in STEP_KINDS ("prefill" when it carried a prompt chunk), sessions in
     it, rows forwarded (tokens, the chunk's included), wall time (ms); prefill_rows: the
-    prompt chunk's rows (tokens, 0 without one); prefills_done: prompts it completed (0/1)."""
+    prompt chunk's rows (tokens, 0 without one); prefills_done: prompts it completed (0/1);
+    tokens: tokens committed by the requests it completed (a decode 1, a verify accepted + 1,
+    a prefill its first anchor 1)."""
 
     kind: str
     sessions: int
@@ -78,6 +80,7 @@ class StepRecord:
     ms: float
     prefill_rows: int = 0
     prefills_done: int = 0
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -221,24 +224,26 @@ class StepLoop:
                     self._finish(r, error=exc)
                 return
             ms = (time.perf_counter() - t0) * 1e3
-            done = sum(self._absorb(r, s, out, ms) for (r, s), out in zip(live, outs))
+            rows = sum(len(it.tokens) if (it.verify or it.prefill) else 1 for it in items)
+            done = [self._absorb(r, s, out, ms, rows) for (r, s), out in zip(live, outs)]
         chunk = sum(len(it.tokens) for it in items if it.prefill)
-        rows = sum(len(it.tokens) if (it.verify or it.prefill) else 1 for it in items)
-        self._record(StepRecord("prefill" if chunk else "batch", len(live), rows, ms, chunk, done))
+        self._record(StepRecord("prefill" if chunk else "batch", len(live), rows, ms, chunk,
+                                sum(p for p, _ in done), sum(t for _, t in done)))
 
-    def _absorb(self, r: _Request, s, out, ms: float) -> int:
-        """Take one request's output; returns 1 when it completed a prompt, else 0."""
+    def _absorb(self, r: _Request, s, out, ms: float, rows: int) -> tuple[int, int]:
+        """Take one request's output: (1 when it completed a prompt else 0, tokens it committed)."""
         try:
             result = absorb(s, r.work, out, ms, self.engine.model)
         except Exception as exc:
             abandon(s, r.work)
             self._finish(r, error=exc)
-            return 0
+            return 0, 0
         if result is None:
             self._carried.append(r)
-            return 0
-        self._finish(r, result)
-        return int(r.work.op == "prefill")
+            return 0, 0
+        # the gateway prices drafts against the rows of the step it shared (docs/gate.md §13)
+        self._finish(r, dataclasses.replace(result, step_rows=rows))
+        return int(r.work.op == "prefill"), getattr(result, "accepted", 0) + 1
 
     def _finish(self, r: _Request, result: object = None, error: BaseException | None = None) -> None:
         self._release([r])

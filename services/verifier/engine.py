@@ -97,6 +97,7 @@ class StepResult:
     positions: absolute positions of `rows`.
     forward_ms: wall time of the model forward (ms).
     logprobs: one record, next_token's (raw target logprob and the session's top-N).
+    step_rows: rows (tokens) of the step-loop batch step that completed it; 0 outside one.
     """
 
     next_token: int
@@ -105,6 +106,7 @@ class StepResult:
     positions: range
     forward_ms: float
     logprobs: tuple[TokenLogprob, ...] = ()
+    step_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,6 +124,7 @@ class VerifyResult:
         batched: k+1).
     rollback_bytes: bytes copied to restore the state after rejected positions (batched).
     forward_ms: wall time of the model forwards (ms).
+    step_rows: rows (tokens) of the step-loop batch step that completed it; 0 outside one.
     """
 
     accepted: int
@@ -133,6 +136,7 @@ class VerifyResult:
     rollback_bytes: int
     forward_ms: float
     logprobs: tuple[TokenLogprob, ...] = ()  # a + 1 records: the accepted drafts, then bonus_token
+    step_rows: int = 0
 
 
 @dataclass

@@ -25,6 +25,7 @@ from services.common.telemetry import message_span
 from services.common.tensors import from_proto, to_proto
 from services.verifier.batcher import StepLoop, StepStats
 from services.verifier.engine import StepResult, VerifierEngine, VerifyResult
+from services.verifier.step_table import LoadTracker
 
 from dsv4.sampling import GREEDY
 
@@ -32,14 +33,15 @@ _MODES = {verifier_pb2.VERIFY_MODE_SEQUENTIAL: "sequential", verifier_pb2.VERIFY
 
 
 def verifier_identity(engine: VerifierEngine, tp: int = 1, steps: StepStats | None = None,
-                      prefill_chunk: int = 0) -> common_pb2.ModelIdentity:
+                      prefill_chunk: int = 0, load: LoadTracker | None = None) -> common_pb2.ModelIdentity:
     """The model identity the gateway checks against the drafter's (docs/architecture.md §6),
     with the open sessions, the session limit, how it was chosen and the bytes one session
-    holds, and, when a step loop runs, its steps (`steps`) and prompt chunk (`prefill_chunk`,
-    tokens; 0 without a loop)."""
+    holds, and, when a step loop runs, its steps (`steps`), prompt chunk (`prefill_chunk`,
+    tokens; 0 without a loop) and load figures (`load`: the step-time table and committed
+    tokens per ms, fields 29-34)."""
     cfg = engine.cfg
     steps = StepStats() if steps is None else steps
-    return common_pb2.ModelIdentity(
+    identity = common_pb2.ModelIdentity(
         steps=steps.steps, batch_size_last=steps.batch_last, batch_size_mean=steps.batch_mean,
         step_ms_last=steps.ms_last, step_ms_mean=steps.ms_mean, prefill_steps=steps.prefill_steps,
         prefill_chunk=prefill_chunk, session_state_bytes=engine.per_session_bytes(),
@@ -49,6 +51,9 @@ def verifier_identity(engine: VerifierEngine, tp: int = 1, steps: StepStats | No
         target_layer_ids=list(cfg.dspark_target_layer_ids), row_width=cfg.tap_width, tp=tp,
         max_seq_len=cfg.max_seq_len, noise_token_id=cfg.dspark_noise_token_id,
         eos_token_id=cfg.eos_token_id, max_sessions=engine.max_sessions, open_sessions=engine.num_sessions)
+    if load is not None:
+        load.fill_identity(identity)
+    return identity
 
 
 class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer):
@@ -61,17 +66,20 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
         tp: tensor-parallel world size reported in Info.
         metrics: a `services.common.metrics.VerifierMetrics` fed each answered forward (None: none).
         steps: the step loop that runs every forward (None: one thread per call).
+        load: the step loop's load figures, reported in Info and in every decode / verify
+            response (None: not reported).
     """
 
     def __init__(self, engine: VerifierEngine, default_mode: str = "batched",
-                 provider: TracerProvider | None = None, tp: int = 1, metrics=None, steps: StepLoop | None = None):
+                 provider: TracerProvider | None = None, tp: int = 1, metrics=None, steps: StepLoop | None = None,
+                 load: LoadTracker | None = None):
         self.engine, self.default_mode, self.provider, self.tp = engine, default_mode, provider, tp
-        self.metrics, self.steps = metrics, steps
+        self.metrics, self.steps, self.load = metrics, steps, load
 
     async def Info(self, request, context):
         if self.steps is None:
-            return verifier_identity(self.engine, self.tp)
-        return verifier_identity(self.engine, self.tp, self.steps.stats(), self.steps.prefill_chunk)
+            return verifier_identity(self.engine, self.tp, load=self.load)
+        return verifier_identity(self.engine, self.tp, self.steps.stats(), self.steps.prefill_chunk, self.load)
 
     async def _run(self, op: str, sid: int, *args):
         """The engine's result of `op` ("prefill" | "decode" | "verify") on `sid` with `args`:
@@ -105,6 +113,9 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
                 res, response = await self._verify(sid, request.verify, span)
                 rows = res.forwarded
             response.logprobs.extend(logprob_to_proto(r) for r in res.logprobs)
+            if op != "prefill" and self.load is not None:
+                response.step_rows = res.step_rows
+                response.committed_tokens_per_ms = self.load.tokens_per_ms()
             total_ms = (time.perf_counter() - received) * 1e3
             response.timing.forward_ms = res.forward_ms
             response.timing.queue_ms = max(0.0, total_ms - res.forward_ms)

@@ -1,0 +1,160 @@
+"""Load-aware pricing of drafts: the verifier's step-time table and rate, as the gate uses them.
+
+A verify shares its verifier step with every other session's rows, so what one more draft
+costs is the step time it adds, table(R + k + 1) - table(R + 1) for R rows of other sessions,
+and that time delays every session in the step, so it is worth lambda_sys (the verifier's
+committed tokens per wall ms) per ms rather than one generation's own rate (docs/gate.md §13).
+
+This module owns the gateway's copy of the step table (`StepTimes`, `VerifierLoad`, refreshed
+from the verifier's Info with a deadline), what one generation has seen of the load
+(`LoadSeen`, from each reply's step rows and rate) and the re-priced cost model
+(`priced_at_load`). It never decides a length (the gate does, with the model it is handed)
+and never reads the environment.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from dspark_proto.v1 import common_pb2
+from services.gateway.decision import CostModel
+
+log = logging.getLogger("dspark.gateway.load")
+OTHER_ROWS_ALPHA = 0.5  # moving average of the other sessions' rows: follows load within a few rounds
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """The verifier's batch-step time against rows: rows[i] (tokens, > 0, strictly increasing)
+    takes ms[i] (ms, finite, >= 0, non-decreasing). Raises ValueError naming the value when
+    the points break those rules or the tuples differ in length or are empty."""
+
+    rows: tuple[float, ...]
+    ms: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        rows, ms = tuple(float(r) for r in self.rows), tuple(float(m) for m in self.ms)
+        if not rows or len(rows) != len(ms):
+            raise ValueError(f"step table of {len(rows)} rows and {len(ms)} ms: need equal, non-zero lengths")
+        if not all(math.isfinite(r) and r > 0 for r in rows) or any(b <= a for a, b in zip(rows, rows[1:])):
+            raise ValueError(f"step table rows={rows}: must be finite, > 0 and strictly increasing")
+        if not all(math.isfinite(m) and 0 <= m < 1e8 for m in ms) or any(b < a for a, b in zip(ms, ms[1:])):
+            raise ValueError(f"step table ms={ms}: must be finite, in [0, 1e8) and non-decreasing")
+        object.__setattr__(self, "rows", rows)
+        object.__setattr__(self, "ms", ms)
+
+    @classmethod
+    def from_identity(cls, identity: common_pb2.ModelIdentity) -> StepTimes | None:
+        """The table of a verifier's Info (fields 29-30), or None when it reports none.
+        Raises ValueError as the constructor."""
+        if not identity.step_table_rows:
+            return None
+        return cls(tuple(identity.step_table_rows), tuple(identity.step_table_ms))
+
+    def ms_at(self, rows: float) -> float:
+        """Step time (ms) at `rows` tokens: linear between the points; the first point's ms
+        below it; beyond the last, the last segment's slope (flat with one point)."""
+        xs, ys = self.rows, self.ms
+        if rows <= xs[0]:
+            return ys[0]
+        i = bisect.bisect_left(xs, rows)
+        if i == len(xs):
+            if len(xs) == 1:
+                return ys[0]
+            i = len(xs) - 1
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+
+    def marginal_ms(self, other_rows: float, k: int) -> float:
+        """What k drafts add to a step (ms): table(R + k + 1) - table(R + 1), R = other_rows."""
+        return self.ms_at(other_rows + k + 1) - self.ms_at(other_rows + 1)
+
+
+@dataclass
+class LoadSeen:
+    """What one generation has seen of the verifier's load, from its own replies only (so it
+    never anticipates a draft not yet verified): a moving average of the rows other sessions
+    put in its steps (tokens) and the last reported lambda_sys (tokens per ms; 0 = none)."""
+
+    other_rows: float = 0.0
+    tokens_per_ms: float = 0.0
+    replies: int = 0
+
+    def observe(self, step_rows: int, own_rows: int, tokens_per_ms: float) -> None:
+        """One decode / verify reply: its step forwarded `step_rows` tokens, `own_rows` of them
+        this generation's; a reply without a step (step_rows 0) changes nothing."""
+        if step_rows <= 0:
+            return
+        other = float(max(0, step_rows - own_rows))
+        self.other_rows = other if self.replies == 0 else self.other_rows + OTHER_ROWS_ALPHA * (other - self.other_rows)
+        if math.isfinite(tokens_per_ms) and tokens_per_ms > 0:
+            self.tokens_per_ms = tokens_per_ms
+        self.replies += 1
+
+
+def priced_at_load(cost: CostModel, table: StepTimes, seen: LoadSeen, own_rate: float, max_k: int) -> CostModel:
+    """`cost` with verify(n), n = 1..max_k, re-priced for the load `seen` (docs/gate.md §13).
+
+    verify'(n) = plain + own(n) + ratio * shared(n), clamped >= 0 and made non-decreasing in
+    n, where shared(n) = table(R+n+1) - table(R+1) is the step time n drafts add beside the
+    R other rows seen, own(n) = verify(n) - plain - (table(n+1) - table(1)) is the rest of
+    the round's measured extra time alone in its step (its rows over the wire, the
+    rollback), and ratio = max(1, lambda_sys / own_rate). The decision charges every ms at
+    own_rate (tokens per ms); the shared ms delay every session of the step, so ratio prices
+    them at lambda_sys instead. With R = 0 and lambda_sys <= own_rate it returns `cost`
+    unchanged (today's rule). own_rate must be > 0 and max_k >= 1 (the gate's own values).
+    """
+    ratio = max(1.0, seen.tokens_per_ms / own_rate)
+    r = seen.other_rows
+    if r == 0.0 and ratio == 1.0:
+        return cost
+    table_ms, running = [], 0.0
+    for n in range(1, max_k + 1):
+        own = cost.verify_ms(n) - cost.plain_ms - table.marginal_ms(0.0, n)
+        running = max(running, cost.plain_ms + own + ratio * table.marginal_ms(r, n), 0.0)
+        table_ms.append(running)
+    return dataclasses.replace(cost, verify_table=tuple(table_ms),
+                               source=f"{cost.source}; at load R={r:.1f} rows, x{ratio:.2f}")
+
+
+class VerifierLoad:
+    """The gateway-wide step table, refreshed from the verifier's Info at most every
+    `refresh_s` (s), each call with `timeout_s` (s). `table` is None until a verifier reports
+    one. A failed refresh keeps the last table and logs at debug level (the round's own
+    replies still carry the rate and rows)."""
+
+    def __init__(self, stub, timeout_s: float, refresh_s: float = 2.0):
+        self.stub, self.timeout_s, self.refresh_s = stub, timeout_s, refresh_s
+        self.table: StepTimes | None = None
+        self._last = -math.inf
+        self._busy = False
+
+    def update(self, identity: common_pb2.ModelIdentity) -> None:
+        """Take the table of an Info reply (a malformed one is logged and ignored)."""
+        try:
+            table = StepTimes.from_identity(identity)
+        except ValueError as exc:
+            log.warning("verifier step table ignored: %s", exc)
+            return
+        if table is not None:
+            self.table = table
+
+    async def refresh(self) -> None:
+        """Fetch Info when the table is older than `refresh_s` and no fetch is running."""
+        now = time.monotonic()
+        if self._busy or now - self._last < self.refresh_s:
+            return
+        self._busy, self._last = True, now
+        try:
+            self.update(await self.stub.Info(common_pb2.InfoRequest(), timeout=self.timeout_s))
+        except grpc.aio.AioRpcError as exc:
+            log.debug("verifier Info for the step table failed: %s", exc.code().name)
+        finally:
+            self._busy = False

@@ -1,0 +1,133 @@
+"""The verifier's start-up step profile: batch steps over dummy sessions, timed by rows.
+
+Before the verifier serves, this module opens a few throw-away sessions, prefills a short
+prompt in each and times `Trunk.forward_batch` steps of chosen row counts (a verify block per
+session, split as evenly as the block size allows), seeding the step table
+(`services.verifier.step_table.LoadTracker.seed`). Each step goes through the same admission,
+batch items and `absorb` (accept rule, rollback, committed rows) as a served step, so the
+timings include what a served step pays. The sessions are closed afterwards whatever happens.
+It must not run while the step loop has work (it drives the model directly) and never reads
+the environment (`StepProfileSettings` comes from the entry point).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.batch import BatchItem
+from dsv4.numerics import EXACT_ROWS
+from services.verifier.engine import VerifierEngine, absorb
+from services.verifier.step_table import ROW_BUCKETS, LoadTracker
+
+log = logging.getLogger("dspark.verifier.profile")
+
+
+@dataclass(frozen=True)
+class StepProfileSettings:
+    """How the start-up step profile runs.
+
+    sessions: dummy sessions (>= 1; fewer when the engine has fewer free). repeats: timed
+    steps per row count (>= 1). prompt_tokens: each dummy prompt's length (tokens, >= 1).
+    budget_s: wall-time limit of the whole profile (s, > 0); a profile cut short keeps what
+    it timed. Raises ValueError naming the field and value when one is out of range.
+    """
+
+    sessions: int = 4
+    repeats: int = 3
+    prompt_tokens: int = 8
+    budget_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("sessions", "repeats", "prompt_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r}: must be an integer >= 1")
+        if isinstance(self.budget_s, bool) or not isinstance(self.budget_s, (int, float)) \
+                or not 0 < self.budget_s < 1e6:
+            raise ValueError(f"budget_s={self.budget_s!r}: must be a number of seconds in (0, 1e6)")
+
+
+def row_targets(sessions: int, per_session: int) -> list[int]:
+    """Row counts to time (tokens): every bucket edge up to sessions * per_session, and that
+    maximum itself. sessions, per_session >= 1."""
+    top = sessions * per_session
+    return sorted({r for r in ROW_BUCKETS if r <= top} | {top})
+
+
+def split_rows(rows: int, sessions: int, per_session: int) -> list[int]:
+    """Rows per session (each in 1..per_session, as many sessions as needed, the first
+    ones larger) summing to `rows`. Raises ValueError when rows > sessions * per_session or
+    rows < 1."""
+    if not 1 <= rows <= sessions * per_session:
+        raise ValueError(f"rows={rows}: must be in 1..{sessions * per_session}")
+    used = -(-rows // per_session)
+    base, extra = divmod(rows, used)
+    return [base + (1 if i < extra else 0) for i in range(used)]
+
+
+def profile_steps(engine: VerifierEngine, load: LoadTracker, settings: StepProfileSettings) -> int:
+    """Time batch steps at every `row_targets` count into `load`; returns the steps timed.
+
+    Row counts are visited in an order rotated per repeat, so slow drift spreads over all of
+    them; one untimed step of the largest count comes first (first-call allocations). Stops
+    early, keeping what it timed, when the budget runs out or a session nears max_seq_len.
+    Raises what the model's forward raises (the sessions are closed first).
+    """
+    t0 = time.perf_counter()
+    free = engine.max_sessions - engine.num_sessions
+    sids = [engine.open_session() for _ in range(max(0, min(settings.sessions, free)))]
+    try:
+        if not sids:
+            return 0
+        anchors = {sid: engine.prefill(sid, _prompt(engine, settings.prompt_tokens)).next_token for sid in sids}
+        per = min(engine.cfg.dspark_block_size + 1, EXACT_ROWS)
+        targets, timed = row_targets(len(sids), per), 0
+        _step(engine, anchors, split_rows(targets[-1], len(sids), per))
+        for rep in range(settings.repeats):
+            for i in range(len(targets)):
+                rows = targets[(i + rep) % len(targets)]
+                if time.perf_counter() - t0 > settings.budget_s or not _room(engine, sids, per):
+                    return timed
+                load.seed(rows, _step(engine, anchors, split_rows(rows, len(sids), per)))
+                timed += 1
+        return timed
+    finally:
+        for sid in sids:
+            engine.close_session(sid)
+        log.info("step profile: %d dummy sessions in %.1f s", len(sids), time.perf_counter() - t0)
+
+
+def _prompt(engine: VerifierEngine, n: int) -> list[int]:
+    """A dummy prompt of n token ids (1, 2, ...; wrapped inside the vocabulary)."""
+    return [1 + i % (engine.cfg.vocab_size - 1) for i in range(n)]
+
+
+def _room(engine: VerifierEngine, sids: list[int], per: int) -> bool:
+    """Every session can take one more block of `per` positions before max_seq_len."""
+    return all(engine.next_position(sid) + per + 1 < engine.cfg.max_seq_len for sid in sids)
+
+
+def _step(engine: VerifierEngine, anchors: dict[int, int], sizes: list[int]) -> float:
+    """One batch step: session i forwards a block of sizes[i] tokens (its anchor repeated as
+    drafts, or a decode for size 1); each result is absorbed and its next anchor kept.
+    Returns the forward's wall time (ms)."""
+    sids = sorted(anchors)[:len(sizes)]
+    works = [engine.admit_decode(sid, anchors[sid], engine.next_position(sid)) if size == 1 else
+             engine.admit_verify(sid, anchors[sid], [anchors[sid]] * (size - 1), engine.next_position(sid),
+                                 "batched") for sid, size in zip(sids, sizes)]
+    with contextlib.ExitStack() as stack:
+        held = [stack.enter_context(engine.hold(sid)) for sid in sids]
+        items = [BatchItem.decode(s.state, w.ids[0], w.position) if w.op == "decode"
+                 else BatchItem.block(s.state, torch.tensor(w.ids), w.position) for s, w in zip(held, works)]
+        t0 = time.perf_counter()
+        outs = engine.model.forward_batch(items)
+        ms = (time.perf_counter() - t0) * 1e3
+        for sid, s, w, out in zip(sids, held, works, outs):
+            result = absorb(s, w, out, ms, engine.model)
+            anchors[sid] = result.next_token if w.op == "decode" else result.bonus_token
+    return ms
