@@ -183,18 +183,20 @@ def test_matched_stop_names_the_stop_string(traced_stack, reference):
 
 # ---------------------------------------------------------------------------- abort
 class HeldVerify:
-    """Holds the verifier's batched forwards (the step loop runs every decode and verify through
-    `forward_batch`; a prefill runs alone) until `release()`; `entered` is set when one waits."""
+    """Holds the verifier's batched forwards that carry a decode or verify (the step loop runs
+    every request, prompt chunks included, through `forward_batch`; a step of prompt chunks
+    alone passes) until `release()`; `entered` is set when one waits."""
 
     def __init__(self, engine):
         self.model, self.original = engine.model, engine.model.forward_batch
         self.entered, self.go = threading.Event(), threading.Event()
         self.model.forward_batch = self._forward_batch
 
-    def _forward_batch(self, *args, **kwargs):
-        self.entered.set()
-        self.go.wait(RPC_TIMEOUT_S)
-        return self.original(*args, **kwargs)
+    def _forward_batch(self, items, *args, **kwargs):
+        if not all(item.prefill for item in items):
+            self.entered.set()
+            self.go.wait(RPC_TIMEOUT_S)
+        return self.original(items, *args, **kwargs)
 
     def release(self) -> None:
         self.go.set()
