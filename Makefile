@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-slow bench clean
 
 # Each step says what it does before it starts: a first setup downloads torch (hundreds of MB)
 # and the project's dependencies, minutes that would otherwise pass without a line.
@@ -25,16 +25,22 @@ setup: $(VENV)/.installed
 
 # The main job: the bundled model (assets/dspark-small) served by the three services; plain,
 # always-k and gated generations of four prompts, then the table (training/demo.py).
+# DEMO_ARGS: the demo's options, e.g. make demo DEMO_ARGS="--port-base 52150 --repeats 5"
 demo: setup
 	@echo "demo: starting the three services on the bundled model (about a minute to load), then"
 	@echo "demo: four prompts as plain / always-k / gated generations and the table"
-	$(PY) -m training.demo
+	$(PY) -m training.demo $(DEMO_ARGS)
 
 # -o console_output_style=count: each line of dots ends with [done/total], so a slow module
-# still shows how far the suite has come.
+# still shows how far the suite has come. -m "not slow": the soak-sized checks (the full
+# sampling grids, the bundled-model statistical test) run with `make test-slow`.
 test: setup
 	@echo "test: running the suite (pytest; several minutes on a 2-core CPU machine)"
-	$(PY) -m pytest -q -o console_output_style=count
+	$(PY) -m pytest -q -o console_output_style=count -m "not slow"
+
+test-slow: setup
+	@echo "test-slow: the tests marked slow (tens of minutes on a 2-core CPU machine)"
+	$(PY) -m pytest -q -o console_output_style=count -m slow
 
 # Benchmarks print ratios measured in one run; nothing is asserted.
 bench: setup

@@ -85,6 +85,9 @@ def _generate(args) -> int:
     bad = _client_checks(args, "generate")
     if bad is not None:
         return bad
+    if args.logprobs and not args.json:  # the text view has no place for them: say so, do not drop them silently
+        print("dspark generate: --logprobs prints with --json only; add --json", file=sys.stderr)
+        return 2
     try:
         return asyncio.run(_generate_async(args))
     except grpc.aio.AioRpcError as e:
@@ -95,16 +98,17 @@ def _generate(args) -> int:
         return 130
 
 
-def final_line(msg: gateway_pb2.GenerateResponse) -> str:
+def final_line(msg: gateway_pb2.GenerateResponse, sampled: bool = True) -> str:
     """The summary `dspark generate` prints after the text: finish reason, tokens, rounds,
-    acceptance (only when drafts were verified: spec off or all-plain rounds say so) and TTFT."""
+    acceptance (only when drafts were verified: spec off or all-plain rounds say so), TTFT
+    and, for a sampled request (`sampled`: temperature > 0), the seed that reproduces it."""
     s = msg.spec_stats
     if s.submitted > 0:
         spec = (f"acceptance {s.acceptance_rate:.0%}, mean acceptance length {s.mean_acceptance_length:.2f}")
     else:
         spec = "no drafts verified (plain decode)"
     return (f"[{msg.finish_reason}] {msg.usage.completion_tokens} tokens, {s.rounds} rounds, {spec}, "
-            f"TTFT {msg.time_to_first_token_ms:.0f} ms, seed {msg.seed}")
+            f"TTFT {msg.time_to_first_token_ms:.0f} ms" + (f", seed {msg.seed}" if sampled else ""))
 
 
 async def _generate_async(args) -> int:
@@ -122,7 +126,7 @@ async def _generate_async(args) -> int:
                 print(json.dumps(_as_dict(msg)), flush=True)
             elif msg.finished:
                 print(msg.text_delta, flush=True)
-                print("\n" + final_line(msg), file=sys.stderr)
+                print("\n" + final_line(msg, args.temperature > 0), file=sys.stderr)
             else:
                 print(msg.text_delta, end="", flush=True)
     return 0

@@ -96,6 +96,19 @@ def test_summary_line_without_verified_drafts_reports_no_acceptance():
     assert "acceptance 50%, mean acceptance length 1.50" in client_cli.final_line(_final(4, 2, 3))
 
 
+def test_summary_line_gives_the_seed_of_a_sampled_generation_only():
+    final = _final(4, 2, 3)
+    final.seed = 1234
+    assert client_cli.final_line(final, sampled=True).endswith("TTFT 12 ms, seed 1234")
+    assert client_cli.final_line(final, sampled=False).endswith("TTFT 12 ms")  # greedy: no seed in use
+
+
+def test_logprobs_without_json_is_refused_before_any_call(capsys):
+    # nothing listens on the target: the refusal must come before the client connects
+    assert main(["generate", "hi", "--logprobs", "3", "--target", "127.0.0.1:9"]) == 2
+    assert capsys.readouterr().err.strip() == "dspark generate: --logprobs prints with --json only; add --json"
+
+
 # ---------------------------------------------------------------------------- ports
 def test_serve_on_a_taken_port_says_one_line_without_grpc_logs():
     with _listening() as taken:
@@ -203,7 +216,6 @@ def test_stats_of_an_unreachable_gateway_fails_within_its_deadline(capsys):
 
 
 # ---------------------------------------------------------------------------- up, end to end
-@pytest.mark.slow
 def test_up_says_ctrl_c_stops_only_once_the_gateway_serves_and_all_three_serve_metrics(tmp_path):
     ports = []
     while len(ports) < 2:  # two free blocks of three ports
