@@ -6,11 +6,14 @@ temperature means) and under the rejection rule the drafter sent non-finite q, w
 gateway counted as drafter failures. The HTTP front passed finite doubles that float32
 cannot carry: 1e39 reached the gateway as inf (a 400 naming a value the client never sent)
 and a top_p of 1e-50 reached it as 0, i.e. unset, so a near-greedy nucleus sampled from the
-whole vocabulary. Every request here runs through in-process servers on port 0 and real
+whole vocabulary. A `null` for a field OpenAI documents as nullable (`"logprobs": null` on
+chat, `"n": null`, ...) was a 400 where OpenAI's API takes the default. Every request here runs through in-process servers on port 0 and real
 clients (gRPC stubs, the `openai` package).
 """
 
 from __future__ import annotations
+
+import json
 
 import grpc
 import openai
@@ -21,7 +24,7 @@ from dspark_proto.v1 import common_pb2
 from dsv4.sampling import MIN_TEMPERATURE, SamplingParams, draft_choice, keyed_choice
 from services.http.server import RANDOM_MODEL_ID
 from tests.services_fixtures import collect, gen_request
-from tests.test_http_api import front, stack  # noqa: F401 (fixtures)
+from tests.test_http_api import TEMPLATE, _post, _start_front, _stop_front, front, stack  # noqa: F401 (fixtures)
 
 PROMPT = "The quick brown fox"
 
@@ -87,3 +90,25 @@ def test_http_smallest_float32_top_p_keeps_only_the_top_token(front):  # noqa: F
                                              top_p=1.5e-45, seed=9,
                                              extra_body={"ignore_eos": True, "return_token_ids": True})
     assert tiny.choices[0].model_extra["token_ids"] == greedy.choices[0].model_extra["token_ids"]
+
+
+def test_http_null_for_openai_nullable_fields_means_the_default(stack, tmp_path):  # noqa: F811
+    folder = tmp_path / "templated-model"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "eos_token": "<|eos|>"}))
+    f = _start_front(stack, str(folder))
+    nulls = {"logprobs": None, "n": None, "stream": None, "presence_penalty": None, "frequency_penalty": None}
+    try:
+        base = {"model": "templated-model", "messages": [{"role": "user", "content": "Count: 1 2 3"}],
+                "max_tokens": 5, "ignore_eos": True}
+        status, _, text = _post(f.base_url + "/chat/completions", {**base, **nulls})
+        plain = f.client().chat.completions.create(model=base["model"], messages=base["messages"], max_tokens=5,
+                                                   extra_body={"ignore_eos": True})
+        assert status == 200, text
+        reply = json.loads(text)["choices"][0]
+        assert reply["logprobs"] is None and reply["message"]["content"] == plain.choices[0].message.content
+        status, _, text = _post(f.base_url + "/completions", {"model": "templated-model", "prompt": PROMPT,
+                                                               "max_tokens": 3, **nulls, "echo": None})
+        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 3, text
+    finally:
+        _stop_front(f)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import ClassVar, Literal, Union
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dspark_proto.v1 import common_pb2, gateway_pb2
 from dsv4.sampling import SamplingParams
@@ -71,6 +71,19 @@ class GenerationFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list, max_length=1024)
     return_token_ids: bool = False
+
+    # Fields OpenAI's API documents as "or null" whose type here is not Optional: null means
+    # the default (clients built from that spec send `"logprobs": null` and the like).
+    NULLABLE: ClassVar[frozenset[str]] = frozenset(
+        {"stream", "n", "presence_penalty", "frequency_penalty", "logprobs", "echo"})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """The body with every NULLABLE field that is null left out, so its default applies."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in cls.NULLABLE)}
+        return data
 
     def check_common(self, logprobs: int = 0) -> None:
         """Refuse bad sampling values and what the service cannot do.
