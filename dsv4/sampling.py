@@ -41,6 +41,11 @@ STREAMS = (TOKEN, DRAFT, ACCEPT, RESIDUAL)
 RULES = ("coupled", "rejection")
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per token
 SEED_LIMIT = 2 ** 63  # seeds are non-negative int64 (they travel as uint64 / int64 on the wire)
+# The smallest temperature > 0. `filtered_logits` divides fp32 logits by it: below about
+# |logit| / 3.4e38 a logit overflows to inf and the softmax of its row is NaN, so the token
+# would be garbage (and a drafter's q non-finite). At 1e-30 logits up to 3.4e8 stay finite,
+# far beyond any model's, and the distribution is already the argmax's for every real gap.
+MIN_TEMPERATURE = 1e-30
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,7 @@ class SamplingParams:
     """How one request chooses its tokens.
 
     temperature: 0 is greedy (argmax, no randomness, every other field but logprobs ignored);
-        > 0 divides the logits before the filters. Finite.
+        >= MIN_TEMPERATURE divides the logits before the filters. Finite.
     top_p: keep the smallest set of most likely tokens whose probability reaches top_p, in (0, 1].
     top_k: keep the k most likely tokens; 0 keeps all.
     min_p: drop tokens whose probability is below min_p x the top token's, in [0, 1].
@@ -59,8 +64,9 @@ class SamplingParams:
         logprob is always returned).
     Raises:
         ValueError: naming the field and value: NaN or infinite floats, a negative
-            temperature, top_p outside (0, 1], top_k < 0, min_p outside [0, 1], a seed outside
-            [0, 2**63), an unknown rule, logprobs outside 0..MAX_LOGPROBS, non-integer ints.
+            temperature or one in (0, MIN_TEMPERATURE), top_p outside (0, 1], top_k < 0,
+            min_p outside [0, 1], a seed outside [0, 2**63), an unknown rule, logprobs
+            outside 0..MAX_LOGPROBS, non-integer ints.
     """
 
     temperature: float = 0.0
@@ -82,6 +88,9 @@ class SamplingParams:
                 raise ValueError(f"{name}={v!r}: must be an integer")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature:g}: must be >= 0 (0 is greedy)")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature={self.temperature:g}: must be 0 (greedy) or >= {MIN_TEMPERATURE:g} "
+                             "(a smaller one overflows the scaled logits)")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p:g}: must lie in (0, 1]")
         if self.top_k < 0:

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dspark_proto.v1 import common_pb2, gateway_pb2
 from dsv4.sampling import SamplingParams
@@ -34,6 +35,10 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/comple
 SAMPLING_RULES = {None: common_pb2.SAMPLING_RULE_DEFAULT, "coupled": common_pb2.SAMPLING_RULE_COUPLED,
                   "rejection": common_pb2.SAMPLING_RULE_REJECTION}
 INT32_MAX = 2**31 - 1  # GenerateRequest carries counts and ids as int32
+# GenerateRequest carries temperature, top_p and min_p as float32: its largest finite value
+# and its smallest subnormal, as Python floats (compared in float64)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).smallest_subnormal)
 
 
 class StreamOptions(BaseModel):
@@ -67,6 +72,19 @@ class GenerationFields(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, max_length=1024)
     return_token_ids: bool = False
 
+    # Fields OpenAI's API documents as "or null" whose type here is not Optional: null means
+    # the default (clients built from that spec send `"logprobs": null` and the like).
+    NULLABLE: ClassVar[frozenset[str]] = frozenset(
+        {"stream", "n", "presence_penalty", "frequency_penalty", "logprobs", "echo"})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        """The body with every NULLABLE field that is null left out, so its default applies."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in cls.NULLABLE)}
+        return data
+
     def check_common(self, logprobs: int = 0) -> None:
         """Refuse bad sampling values and what the service cannot do.
 
@@ -90,6 +108,8 @@ class GenerationFields(BaseModel):
     def sampling(self, logprobs: int) -> SamplingParams:
         """The request's sampling values checked by `SamplingParams` (seed 0 stands in for an
         absent one, which the gateway draws). Raises ApiError 400 naming the field."""
+        for name in ("temperature", "top_p", "min_p"):
+            _check_float32(name, getattr(self, name))
         try:
             return SamplingParams(temperature=self.temperature or 0.0, top_p=1.0 if self.top_p is None else self.top_p,
                                   top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed or 0,
@@ -124,6 +144,17 @@ class GenerationFields(BaseModel):
         if self.seed is not None:
             req.seed = self.seed
         return req
+
+
+def _check_float32(name: str, value: float | None) -> None:
+    """Refuse a finite value the float32 wire field cannot carry: past float32's largest (it
+    would arrive as inf) or non-zero below half its smallest subnormal (it would arrive as 0,
+    which for top_p means unset, i.e. 1). Raises ApiError 400 naming the field and value."""
+    if value is None or not np.isfinite(value) or value == 0:
+        return  # NaN, inf and 0 are for SamplingParams to judge
+    if abs(value) > FLOAT32_MAX or abs(value) < FLOAT32_TINY / 2:
+        raise invalid(name, f"{name}={value!r}: outside the float32 range the API carries it in "
+                            f"(magnitude {FLOAT32_TINY:g} to {FLOAT32_MAX:g}, or 0)")
 
 
 class CompletionRequest(GenerationFields):
