@@ -1,6 +1,7 @@
 """DSpark draft module: three mHC blocks that draft a block of tokens from one committed token
 (docs/model.md §9). This module owns the draft math, the per-sequence rings (`DraftState`,
-written by `write_main_kv`) and the checks that keep them in step with the trunk. It holds no
+written by `write_main_kv`; their layout and the commit path are `dsv4.dspark_rings`'s,
+re-exported here) and the checks that keep them in step with the trunk. It holds no
 sessions (`services.drafter`), never decides which rows are committed (the caller sends only
 accepted ones) and does not shard itself (`dsv4.dspark_tp`); its layers are `dsv4.dspark_stage`'s.
 
@@ -56,8 +57,9 @@ import torch
 from torch import nn
 
 from dsv4.config import ModelConfig
-from dsv4.draft_args import check_commit, check_draft_args, check_seed, draft_length, listed, weight_problem
-from dsv4.dspark_stage import ConfidenceHead, DraftMoE, DSparkStage, MarkovHead  # noqa: F401 (re-exported)
+from dsv4.draft_args import check_draft_args, check_seed, draft_length, listed, weight_problem
+from dsv4.dspark_rings import DraftState, check_rings, check_state, new_rings, write_commits
+from dsv4.dspark_stage import ConfidenceHead, DraftMoE, DSparkStage, MarkovHead
 from dsv4.dspark_tp import DraftTP
 from dsv4.layers import Embedding, Linear
 from dsv4.mhc import hc_head
@@ -68,35 +70,8 @@ from dsv4.trunk import DTYPES
 # N blocks, Markov bias included) -> [N] int64. None everywhere below means the argmax.
 Chooser = Callable[[int, torch.Tensor], torch.Tensor]
 
-
-@dataclass
-class DraftState:
-    """One sequence's rings: rings[s] [W, Dh] (position q in slot q % W), and
-    last_position, the last committed position written (-1: nothing yet)."""
-
-    rings: list[torch.Tensor]
-    last_position: int = -1
-
-    def reset(self) -> None:
-        for ring in self.rings:
-            ring.zero_()
-        self.last_position = -1
-
-    @property
-    def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.rings)
-
-
-@dataclass(frozen=True)
-class _Write:
-    """A checked commit ready to land: todo (row index, position) pairs still inside the
-    window, keys[j] one [Dh] key per stage for todo[j], finite[j] its on-device flags
-    [1 + stages] (`DSparkDraft._row_keys`), last the last committed position after it."""
-
-    todo: list[tuple[int, int]]
-    keys: list[list[torch.Tensor]]
-    finite: list[torch.Tensor]
-    last: int
+__all__ = ["Chooser", "ConfidenceHead", "DSparkDraft", "DSparkStage", "DraftMoE", "DraftOutput", "DraftState",
+           "MarkovHead", "load_draft_module"]
 
 
 @dataclass(frozen=True)
@@ -198,9 +173,7 @@ class DSparkDraft(nn.Module):
     # ------------------------------------------------------------------ rings
     def new_state(self) -> DraftState:
         """Empty rings (zeros) for one sequence, on the module's device, in its dtype."""
-        w = self.embed.weight
-        return DraftState([torch.zeros(self.cfg.window_size, self.cfg.head_dim, dtype=w.dtype, device=w.device)
-                           for _ in self.mtp])
+        return new_rings(self.cfg, len(self.mtp), self.embed.weight)
 
     def main_features(self, rows: torch.Tensor) -> torch.Tensor:
         """main_norm(main_proj(rows)): rows [R, T*D] -> [R, D] in the model dtype (docs/model.md §9.3)."""
@@ -257,77 +230,7 @@ class DSparkDraft(nn.Module):
             RuntimeError: weights not loaded.
         """
         self._require_loaded()
-        if not len(states) == len(rows) == len(positions):
-            raise ValueError(f"write_main_kv_batch: {len(states)} states, {len(rows)} row tensors and "
-                             f"{len(positions)} position lists: need one of each per commit")
-        if len({id(s) for s in states}) != len(states):
-            raise ValueError("write_main_kv_batch: a state appears twice; a session commits at most once per batch")
-        plans: list[_Write | ValueError] = []
-        for state, r, pos in zip(states, rows, positions):
-            try:
-                plans.append(self._plan_write(state, r, pos))
-            except ValueError as exc:
-                plans.append(exc)
-        flags = [f for plan in plans if isinstance(plan, _Write) for f in plan.finite]
-        all_finite = bool(torch.stack(flags).all()) if flags else True  # one host sync for every commit
-        errors: list[ValueError | None] = []
-        for state, plan in zip(states, plans):
-            error = plan if isinstance(plan, ValueError) else self._check_write(state, plan, all_finite)
-            if error is None:
-                self._apply_write(state, plan)
-            errors.append(error)
-        return errors
-
-    def _plan_write(self, state: DraftState, rows: torch.Tensor, positions: Sequence[int]) -> "_Write":
-        """Check one commit's arguments and compute the keys of every row it may write (row by
-        row, batch-size invariant). Raises ValueError (arguments); writes nothing."""
-        self._check_state(state)
-        pos = check_commit(self.cfg, state.last_position, rows, positions)
-        rows = rows.to(self.embed.weight.device)
-        last = max(state.last_position, pos[-1])
-        todo = [(i, p) for i, p in enumerate(pos) if p > last - self.cfg.window_size]
-        computed = [self._row_keys(rows[i:i + 1], p) for i, p in todo]
-        return _Write(todo, [k for k, _ in computed], [ok for _, ok in computed], last)
-
-    def _check_write(self, state: DraftState, plan: "_Write", all_finite: bool) -> ValueError | None:
-        """The key-level problems of a planned commit (`write_main_kv`'s), or None."""
-        finite = torch.stack(plan.finite) if plan.finite and not all_finite else None  # [n, 1 + stages]
-        if finite is not None and not bool(finite.all()):
-            j, s = (int(x) for x in (~finite).nonzero()[0])
-            i, p = plan.todo[j]
-            if s == 0:  # rsqrt(inf) = 0 in main_norm: a finite but huge row would give zero (or NaN) keys
-                return ValueError(f"rows[{i}] (position {p}) is out of range: its main_proj output overflows "
-                                  f"main_norm's mean square (|x| up to ~1e19 in fp32)")
-            return ValueError(f"rows[{i}] (position {p}) gives a non-finite key in stage {s - 1}")
-        W = self.cfg.window_size
-        for (i, p), keys in zip(plan.todo, plan.keys):
-            if p <= state.last_position:  # still in the window, so slot p % W holds position p
-                changed = [s for s, (k, ring) in enumerate(zip(keys, state.rings))
-                           if not torch.equal(k.to(ring.dtype), ring[p % W])]
-                if changed:
-                    return ValueError(f"position {p} is already committed with a different row: rows[{i}] "
-                                      f"would change stage {changed[0]}'s key (committed positions may only "
-                                      f"be resent with identical rows)")
-        return None
-
-    def _apply_write(self, state: DraftState, plan: "_Write") -> None:
-        W = self.cfg.window_size
-        for (_, p), keys in zip(plan.todo, plan.keys):
-            if p > state.last_position:
-                for ring, k in zip(state.rings, keys):
-                    ring[p % W] = k
-        state.last_position = plan.last
-
-    def _row_keys(self, row: torch.Tensor, p: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Keys [Dh] of one committed row [1, T*D] at position p, one per stage, and on-device flags
-        [1 + stages]: main_norm's mean square is finite, then each stage's key is finite."""
-        stage0 = self.mtp[0]
-        proj = stage0.main_proj(row)  # [1, D]
-        mx = stage0.main_norm(proj)
-        at = torch.tensor([p], device=mx.device)
-        keys = [stage.attn.project_kv(mx, at)[0] for stage in self.mtp]
-        ok = [torch.isfinite(proj.float().square().mean())] + [torch.isfinite(k).all() for k in keys]
-        return keys, torch.stack(ok)
+        return write_commits(self.cfg, self.mtp, self.embed.weight, states, rows, positions)
 
     # ------------------------------------------------------------------ draft
     @torch.no_grad()
@@ -471,23 +374,11 @@ class DSparkDraft(nn.Module):
             raise RuntimeError("DSparkDraft weights are not loaded: call load_weights first")
 
     def _check_state(self, state: DraftState) -> None:
-        if not isinstance(state, DraftState):
-            raise ValueError(f"state must be a DraftState, got {type(state).__name__}: use module.new_state()")
-        self._check_rings(state.rings)
+        check_state(self.cfg, state, len(self.mtp), self.embed.weight)
 
     def _check_rings(self, rings: Sequence[torch.Tensor]) -> None:
         """One [W, Dh] ring per stage in the module's dtype and device (`new_state`'s), or ValueError."""
-        w, n = self.embed.weight, len(self.mtp)
-        shape = (self.cfg.window_size, self.cfg.head_dim)
-        if not isinstance(rings, (list, tuple)) or len(rings) != n:
-            got = len(rings) if isinstance(rings, (list, tuple)) else type(rings).__name__
-            raise ValueError(f"state has {got} rings, the module {n} stages: use module.new_state()")
-        for s, r in enumerate(rings):
-            if not torch.is_tensor(r) or tuple(r.shape) != shape or r.dtype != w.dtype or r.device != w.device:
-                got = f"{tuple(r.shape)} {r.dtype} on {r.device}" if torch.is_tensor(r) else type(r).__name__
-                raise ValueError(f"rings[{s}] is {got}, the module needs {shape} (window_size, head_dim) "
-                                 f"{w.dtype} on {w.device}: use module.new_state()")
-
+        check_rings(self.cfg, rings, len(self.mtp), self.embed.weight)
 
 def _per_block(choosers: list[Chooser | None]) -> Chooser:
     """One chooser over N blocks from each block's own (None: argmax), each given its row [1, V]."""

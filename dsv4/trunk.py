@@ -4,7 +4,8 @@ prefill, decode, and verify blocks as transactions with exact rollback (docs/arc
 §4), for one session or a batch of sessions (`forward_batch`). It holds no sessions and does
 not validate request values (the serving engine, `services.verifier.engine`, does so once at
 the boundary; here they are asserted); the forward loop lives in `dsv4.batch`, the numerics
-recipe in `dsv4.numerics`, the state records in `dsv4.trunk_state`.
+recipe in `dsv4.numerics`, the state records in `dsv4.trunk_state`, and the per-call checks
+with the job builders of `forward_batch` in `dsv4.trunk_jobs`.
 
 Dimension legend: S = tokens in a call, C = hc_mult lanes, D = dim, V = vocab,
 M = (2 + C) * C mHC logits, T = len(dspark_target_layer_ids), L = n_layers.
@@ -37,29 +38,31 @@ reference holds in bf16, nor the bf16-stored compressor, weights_proj, gate and 
 
 from __future__ import annotations
 
-import numbers
-import weakref
 from typing import Any, Callable, Mapping, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
 from dsv4.attention import Attention
-from dsv4.batch import BatchItem, Job, finish, join_pieces, layer, prompt_pieces, run_pass
+from dsv4.batch import BatchItem, finish, join_pieces, layer, run_pass
 from dsv4.config import ModelConfig
 from dsv4.inventory import trunk_params
 from dsv4.layers import Embedding, Linear, RMSNorm, frozen_param
 from dsv4.mhc import hc_head, hc_post, hc_pre
 from dsv4.moe import MoE, Route
-from dsv4.numerics import EXACT_ROWS, Call, FastNumerics, numerics_for  # noqa: F401 (EXACT_ROWS: re-exported)
+from dsv4.numerics import EXACT_ROWS, FastNumerics, numerics_for
 from dsv4.quantised import pack_quantised, wire_quantised_gemms
 from dsv4.settings import Settings
+from dsv4.trunk_jobs import as_int, batch_jobs, check_rollback, check_state, id_tensor
 from dsv4.trunk_state import BlockOutput, BlockUndo, ForwardOutput, TrunkState
 from kernels.select import KernelConfig
 
 DTYPES = (torch.float32, torch.bfloat16)
 FLOAT_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# as_int and the state records are imported from here by the engines and tests.
+__all__ = ["Block", "BlockOutput", "BlockUndo", "DTYPES", "EXACT_ROWS", "ForwardOutput", "Trunk", "TrunkState",
+           "as_int"]
 
 
 class Block(nn.Module):
@@ -110,32 +113,6 @@ class Block(nn.Module):
                 small_m: bool) -> torch.Tensor:
         """The trunk block over one pass of the forward loop: see `dsv4.batch.layer`."""
         return layer(self, num, h, ids, pos, calls, small_m)
-
-
-def as_int(value: Any, name: str) -> int:
-    """`value` as a Python int: an int, a numpy integer, or a one-element integer torch tensor
-    / numpy array (e.g. `torch.tensor(20)`, `np.int64(20)`).
-
-    Raises:
-        ValueError: naming `name` and the value (repr), for a bool, float, str, None, a
-            multi-element tensor or anything else.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r}: must be an integer, not a bool")
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if torch.is_tensor(value) or isinstance(value, np.ndarray):
-        t = torch.as_tensor(value)
-        if t.numel() == 1 and t.ndim <= 1 and t.dtype != torch.bool and not (t.is_floating_point() or t.is_complex()):
-            return int(t.reshape(()).item())
-        raise ValueError(f"{name}={_short_repr(value)}: must be an integer scalar, got a {t.dtype} tensor "
-                         f"of shape {tuple(t.shape)}")
-    raise ValueError(f"{name}={_short_repr(value)}: must be an integer, not {type(value).__name__}")
-
-
-def _short_repr(value: Any, limit: int = 60) -> str:
-    r = repr(value)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
 class Trunk(nn.Module):
@@ -220,6 +197,11 @@ class Trunk(nn.Module):
     def exact_threads(self) -> int | None:
         """Intra-op threads every exact forward runs with (None in fast mode)."""
         return self.numerics.threads
+
+    @property
+    def loaded(self) -> bool:
+        """Whether `load_weights` has succeeded (every forward needs it)."""
+        return self._loaded
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -312,11 +294,11 @@ class Trunk(nn.Module):
                 longer than max_seq_len, keep_rows not an integer.
             RuntimeError: weights not loaded.
         """
-        self._check_state(state)
+        check_state(self, state)
         if state.next_position != 0:
             raise ValueError(f"prefill needs an empty state, got next_position={state.next_position}: "
                              "call state.reset() first")
-        ids = self._ids(token_ids)
+        ids = id_tensor(self, token_ids)
         S = ids.shape[0]
         if S > self.cfg.max_seq_len:
             raise ValueError(f"prompt length {S} exceeds max_seq_len={self.cfg.max_seq_len}")
@@ -373,73 +355,13 @@ class Trunk(nn.Module):
                 max_seq_len or has keep_rows < 0 (its index named).
             RuntimeError: weights not loaded.
         """
-        if not items:
-            raise ValueError("forward_batch needs at least one BatchItem, got none")
-        groups, seen = [], set()  # per item, its jobs (a prompt chunk may be several)
-        for n, item in enumerate(items):
-            if not isinstance(item, BatchItem):
-                raise ValueError(f"forward_batch item {n}: {_short_repr(item)} is not a BatchItem")
-            if id(item.state) in seen:
-                raise ValueError(f"forward_batch item {n}: its state is already in the batch (one item per session)")
-            seen.add(id(item.state))
-            try:
-                groups.append(self._chunk_jobs(item) if item.prefill else
-                              [self._block_job(item) if item.verify else self._decode_job(item)])
-            except ValueError as e:
-                raise ValueError(f"forward_batch item {n}: {e}" if len(items) > 1 else str(e)) from None
+        groups = batch_jobs(self, items)  # every item checked before any state changes
         results = iter(run_pass(self, self.numerics, [job for group in groups for job in group]))
         outs = []
         for group in groups:
             parts = [next(results) for _ in group]
             outs.append(join_pieces(parts) if group[0].call.prefill else finish(group[0], *parts[0]))
         return outs
-
-    def _chunk_jobs(self, item: BatchItem) -> list[Job]:
-        """A prompt chunk's checks (see `BatchItem.prefill_chunk`) -> its jobs (`prompt_pieces`)."""
-        state = item.state
-        self._check_state(state)
-        start = as_int(item.start_pos, "prefill chunk start_pos")
-        ids = self._ids(item.tokens)
-        S = ids.shape[0]
-        if start != state.next_position:
-            raise ValueError(f"prefill chunk at start_pos={start} does not continue the state: "
-                             f"next_position={state.next_position}")
-        if start + S > self.cfg.max_seq_len:
-            raise ValueError(f"prefill chunk of {S} tokens at {start} runs past max_seq_len={self.cfg.max_seq_len}")
-        keep = None if item.keep_rows is None else as_int(item.keep_rows, "keep_rows")
-        if keep is not None and keep < 0:
-            raise ValueError(f"keep_rows={keep}: must be >= 0")
-        return prompt_pieces(state, start, ids, keep, self.numerics.max_tokens)
-
-    def _decode_job(self, item: BatchItem) -> Job:
-        """A decode item's checks (see `decode`) -> its Job."""
-        state = item.state
-        self._check_state(state)
-        position = as_int(item.start_pos, "decode position")
-        ids = self._ids([as_int(item.tokens, "token_id")])
-        if position != state.next_position:
-            raise ValueError(f"decode position={position} does not match state.next_position="
-                             f"{state.next_position}")
-        if position >= self.cfg.max_seq_len:
-            raise ValueError(f"decode position={position}: must be < max_seq_len={self.cfg.max_seq_len}")
-        return Job(state, Call(position, 1), ids, 1, 1 if item.taps else None)
-
-    def _block_job(self, item: BatchItem) -> Job:
-        """A verify block's checks (see `forward_block`) -> its Job."""
-        state = item.state
-        self._check_state(state)
-        start_pos = as_int(item.start_pos, "start_pos")
-        if start_pos != state.next_position or start_pos == 0:
-            raise ValueError(f"verify block at start_pos={start_pos} needs a prefilled state at that "
-                             f"position, got next_position={state.next_position}")
-        ids = self._ids(item.tokens)
-        S, cap = ids.shape[0], self.numerics.max_tokens
-        if start_pos + S > self.cfg.max_seq_len:
-            raise ValueError(f"verify block of {S} tokens at {start_pos} runs past max_seq_len={self.cfg.max_seq_len}")
-        if cap is not None and S > cap:
-            raise ValueError(f"verify block of {S} tokens: {self.verify_numerics} mode verifies at most {cap} "
-                             f"(k <= {cap - 1} drafts)")
-        return Job(state, Call(start_pos, S, []), ids, S, S)
 
     def rollback(self, state: TrunkState, undo: BlockUndo, keep: int, ring: bool = True,
                  compressor: bool = True) -> int:
@@ -460,21 +382,7 @@ class Trunk(nn.Module):
                 state was reset since); the state moved since the block; a state from
                 another model.
         """
-        self._check_state(state, open_block_ok=True)
-        if not isinstance(undo, BlockUndo):
-            raise ValueError(f"rollback: undo={_short_repr(undo)} is not a BlockUndo (use forward_block(...).undo)")
-        keep = as_int(keep, "rollback keep")
-        if not 1 <= keep <= undo.n_tokens:
-            raise ValueError(f"rollback keep={keep}: must lie in [1, {undo.n_tokens}]")
-        if undo.state_token is not state._token:
-            raise ValueError("rollback: the undo record belongs to another state")
-        if state.open_block is not undo:
-            raise ValueError(f"rollback: stale undo record of the block at {undo.start_pos}..."
-                             f"{undo.start_pos + undo.n_tokens - 1}: it was already rolled back, or the state "
-                             "was reset (records are single use)")
-        if state.next_position != undo.start_pos + undo.n_tokens:
-            raise ValueError(f"rollback: state is at position {state.next_position}, the block ended at "
-                             f"{undo.start_pos + undo.n_tokens}")
+        keep = check_rollback(self, state, undo, keep)
         copied = sum(layer.attn.rollback(st, u, keep, ring, compressor)
                      for layer, u, st in zip(self.layers, undo.layers, state.layers))
         state.next_position = undo.start_pos + keep
@@ -487,37 +395,3 @@ class Trunk(nn.Module):
         cfg = self.cfg
         x = hc_head(h, self.hc_head_fn, self.hc_head_scale, self.hc_head_base, cfg.norm_eps, cfg.hc_eps)
         return self.head(self.norm(x).float())
-
-    # ------------------------------------------------------------------ checks
-    def _ids(self, token_ids: Any) -> torch.Tensor:
-        """token_ids -> int64 [S] on the model's device. Request values were validated by the
-        caller (the engine); here they are invariants."""
-        ids = torch.as_tensor(token_ids, device=self.embed.weight.device)
-        assert ids.ndim == 1 and ids.numel() and not (ids.is_floating_point() or ids.dtype == torch.bool), \
-            f"token ids must be a non-empty 1-D integer tensor, got {ids.dtype} {tuple(ids.shape)}"
-        ids = ids.to(torch.int64)
-        assert 0 <= int(ids.min()) and int(ids.max()) < self.cfg.vocab_size, \
-            f"token ids outside [0, vocab_size={self.cfg.vocab_size}): {_short_repr(ids.tolist())}"
-        return ids
-
-    def _check_state(self, state: TrunkState, open_block_ok: bool = False) -> None:
-        """Loaded model, a state made by this model's `new_state` (or one of the same shapes),
-        and no open verify block unless `open_block_ok` (rollback)."""
-        if not isinstance(state, TrunkState):
-            raise ValueError(f"state must be a TrunkState (model.new_state()), got {type(state).__name__}")
-        if not self._loaded:
-            raise RuntimeError("Trunk weights are not loaded: call load_weights first")
-        if len(state.layers) != len(self.layers):
-            raise ValueError(f"state has {len(state.layers)} layers, the model {len(self.layers)}: "
-                             "use model.new_state()")
-        if state._fits is None or state._fits() is not self:  # ~10 us per layer: once per (state, model)
-            for i, (layer, st) in enumerate(zip(self.layers, state.layers)):
-                problem = layer.attn.state_mismatch(st)
-                if problem:
-                    raise ValueError(f"state does not fit this model: layer {i}: {problem}; use model.new_state()")
-            state._fits = weakref.ref(self)
-        block = state.open_block
-        if block is not None and not open_block_ok:
-            raise ValueError(f"state has an open verify block at positions {block.start_pos}.."
-                             f"{block.start_pos + block.n_tokens - 1}: call rollback(state, undo, keep) first "
-                             f"(keep={block.n_tokens} commits the whole block)")

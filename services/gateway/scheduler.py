@@ -1,10 +1,11 @@
 """The speculative scheduler: one generation as rounds over a verifier and a drafter.
 
-This module owns one generation's round loop (prefill, draft, verify, commit, stream, drafter
-failover) and the process totals of finished generations. It never chooses a draft length
-itself (the gate does; the scheduler only caps it by the token budget and max_seq_len), never
-counts rounds outside the record fold (each round is one `RoundRecord` folded into
-`RoundStats`), and never talks gRPC (the backend sessions do).
+This module owns one generation's round loop (prefill, draft, verify, commit, stream) and the
+process totals of finished generations; the generation's drafter side (draft calls, committed
+rows, deferred commits, failover) is `services.gateway.drafter_link.DrafterLink`'s. It never
+chooses a draft length itself (the gate does; the scheduler only caps it by the token budget
+and max_seq_len), never counts rounds outside the record fold (each round is one
+`RoundRecord` folded into `RoundStats`), and never talks gRPC (the backend sessions do).
 
 Round protocol (docs/architecture.md §3). After prefill of x[0..n-1] the verifier returns the first
 anchor x[n] (streamed as the first completion token) and the prompt's last min(n, W) rows,
@@ -41,7 +42,6 @@ token carries the verifier's `TokenLogprob`.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
@@ -53,12 +53,11 @@ import torch
 from dsv4.sampling import SamplingParams, TokenLogprob
 from services.common.settings import VERIFY_MODES
 from services.common.telemetry import TRACER_NAME, trace_context
-from services.gateway.backends import (BackendError, DraftReply, DrafterSession, VerifierSession, failure_reason,
-                                       may_fail_over)
+from services.gateway.backends import DrafterSession, VerifierSession
 from services.gateway.costs import CostTracker
+from services.gateway.drafter_link import MAX_DEFERRED_ROWS, DrafterLink
 from services.gateway.drafters import DraftCheck, DrafterFaults, DrafterSupply
-from services.gateway.events import (FinalEvent, GenerationParams, ModelLimits, ProcessStats,  # noqa: F401 (re-exported)
-                                     TokenEvent)
+from services.gateway.events import FinalEvent, GenerationParams, ModelLimits, ProcessStats, TokenEvent
 from services.gateway.gate import Gate, GateConfig, LengthChoice
 from services.gateway.load import LoadSeen, VerifierLoad, priced_at_load
 from services.gateway.metrics import GenerationMetrics, NoGenerationMetrics
@@ -66,11 +65,11 @@ from services.gateway.record import Reason, RoundRecord, RoundStats, drafted_rea
 from services.gateway.rounds import Round, check_workload
 from services.gateway.tokenizer import Detokenizer, Tokenizer
 
-log = logging.getLogger("dspark.gateway")
-# Rows a generation may hold back from the drafter while the gate keeps it from drafting; the
-# bound keeps one commit message small (row_width 12288 bf16 rows: 32 rows = 768 KiB).
-MAX_DEFERRED_ROWS = 32
 SPEC_MODES = ("off", "always", "gated")
+
+# The events, limits and deferral bound are imported from here by the servicer, tests and benches.
+__all__ = ["FinalEvent", "GenerationParams", "MAX_DEFERRED_ROWS", "ModelLimits", "ProcessStats", "SPEC_MODES",
+           "Scheduler", "TokenEvent"]
 
 
 class Scheduler:
@@ -226,10 +225,9 @@ class _Generation:
         # The first round is the most permissive (one token out, anchor at the prompt's end):
         # when it cannot submit a draft (see `_max_drafts`), no round can, so no drafter session.
         can_draft = p.max_tokens - 2 > 0 and sched.limits.max_seq_len - 2 - len(p.prompt_ids) > 0
-        self.drafters = drafters if can_draft else None
-        self.drafter: DrafterSession | None = self.drafters.open() if self.drafters is not None else None
-        self.committed: list[int] = []  # tokens of the positions the verifier has committed
-        self._pending: list[tuple] = []  # deferred commits: (rows, first_position, token_ids, token_first)
+        self.counters = RoundStats()  # folded from this generation's round records
+        self.link = DrafterLink(drafters if can_draft else None, verifier, sched.drafter_faults, metrics,
+                                self.counters)
         gate_cfg = sched.gate_config
         if p.spec == "gated":
             gate_cfg = dataclasses.replace(gate_cfg, enabled=sched.limits.confidence_head)
@@ -241,7 +239,6 @@ class _Generation:
         priced = sched.load is not None and sched.cost_mode == "measured" and p.spec == "gated"
         self.step_table = sched.load.table if priced else None  # snapshot, as the costs
         self.seen = LoadSeen()
-        self.counters = RoundStats()  # folded from this generation's round records
         self.detok = Detokenizer(sched.tokenizer, p.stop)
         self.out: list[int] = []
         self.finish: str | None = None
@@ -250,11 +247,13 @@ class _Generation:
         self.ttft_ms = 0.0
 
     async def run(self) -> AsyncIterator[TokenEvent | FinalEvent]:
+        """Prefill, then rounds until a stop condition; yields a TokenEvent per round (the first
+        anchor's first), then one FinalEvent. Raises BackendError when the verifier fails."""
         p = self.p
         with self.s.tracer.start_as_current_span("gateway.prefill") as span:
             first = await self.verifier.prefill(p.prompt_ids, trace_context(span), p.sampling)
         self.ttft_ms = (time.perf_counter() - self.t0) * 1e3
-        await self._commit(first.rows, first.first_position, p.prompt_ids, 0)
+        await self.link.commit(first.rows, first.first_position, p.prompt_ids, 0)
         pos, anchor, margin = len(p.prompt_ids), first.next_token, first.margin
         yield self._emit([anchor], first.logprobs)
         while self.finish is None:
@@ -322,10 +321,10 @@ class _Generation:
             if alone and plan.draft_ms is not None:
                 s.costs.add_draft(plan.draft_ms)
             self.seen.observe(res.step_rows, own_rows, res.committed_tokens_per_ms)
-            a, drafter, t0 = res.accepted, self.drafter, time.perf_counter()
+            a, drafter, t0 = res.accepted, self.link.session, time.perf_counter()
             defer = plan.reason is Reason.ANCHOR_MARGIN  # the gate kept this round from drafting
-            await self._commit(res.rows, pos, [anchor, *drafts[:a]], pos, defer)
-            if alone and not defer and drafter is not None and self.drafter is drafter:  # a re-prime is no commit cost
+            await self.link.commit(res.rows, pos, [anchor, *drafts[:a]], pos, defer)
+            if alone and not defer and drafter is not None and self.link.session is drafter:  # a re-prime is no commit cost
                 s.costs.add_commit((time.perf_counter() - t0) * 1e3)
             self._record(span, RoundRecord(
                 plan.reason, len(drafts), k, a, self.cost,
@@ -336,7 +335,7 @@ class _Generation:
     async def _plan(self, anchor: int, pos: int, margin: float, tc) -> _Plan:
         """What this round submits and why: the pre-draft checks, the draft, then the length
         (`always` submits the cap, `gated` asks the gate; without confidences, the cap)."""
-        if self.drafter is None:
+        if self.link.session is None:
             return _Plan(Reason.NO_DRAFTER)
         if self._max_drafts(self.s.limits.block_size, pos) == 0:
             return _Plan(Reason.NO_ROOM)  # one token left (or no room): a draft could not be submitted
@@ -345,8 +344,9 @@ class _Generation:
                                                self.s.limits.block_size)
         if not self.gate.should_draft(margin):
             return _Plan(Reason.ANCHOR_MARGIN)
-        await self._flush()  # the rows of rounds that did not draft, before the drafter drafts
-        reply, draft_ms = await self._draft(anchor, pos, tc)
+        await self.link.flush()  # the rows of rounds that did not draft, before the drafter drafts
+        reply, draft_ms = await self.link.draft(anchor, pos, tc, self.p.sampling, self.s.draft_check,
+                                                self._needs_probs)
         if reply is None or not reply.tokens:
             return _Plan(Reason.DRAFTER_FAILED, draft_ms=draft_ms)
         drafts, conf = reply.tokens, reply.confidence_logits
@@ -359,21 +359,6 @@ class _Generation:
     def _needs_probs(self) -> bool:
         """The rejection rule at T > 0 verifies against the drafter's q."""
         return not self.p.sampling.greedy and self.p.sampling.rule == "rejection"
-
-    async def _draft(self, anchor: int, pos: int, tc) -> tuple[DraftReply | None, float | None]:
-        """The drafter's checked reply and the draft call's wall time (ms), or (None, None) when
-        it failed and no new session took over. A reply that fails `DraftCheck` is discarded
-        whole: its valid prefix is not used either."""
-        while True:
-            t0 = time.perf_counter()
-            try:
-                reply = await self.drafter.draft(anchor, pos - 1, tc, self.p.sampling)
-                self.s.draft_check(reply, self._needs_probs)
-                break
-            except BackendError as exc:
-                if not await self._drafter_failed(exc):
-                    return None, None
-        return reply, (time.perf_counter() - t0) * 1e3
 
     def _alone(self, reply, own_rows: int) -> bool:
         """Whether a round's wall times (draft, verify or decode, commit) may sample the
@@ -390,92 +375,6 @@ class _Generation:
         remaining = self.p.max_tokens - len(self.out)
         room = self.s.limits.max_seq_len - 2 - pos
         return max(0, min(drafted, self.p.max_drafts or drafted, remaining - 1, room))
-
-    async def _commit(self, rows, first_position: int, token_ids: Sequence[int], token_first: int,
-                      defer: bool = False) -> None:
-        """Send committed rows [R, row_width] of positions first_position.. and the tokens from
-        token_first on to the drafter. `defer`: hold them until the next draft (`_flush`), up to
-        MAX_DEFERRED_ROWS rows: a round the gate kept from drafting then costs a plain step alone,
-        not a plain step and a drafter round trip, and the drafter still sees every row before it
-        drafts again."""
-        self.committed[token_first:] = token_ids
-        if self.drafter is None:
-            return
-        self._pending.append((rows, first_position, list(token_ids), token_first))
-        if not defer or sum(r.shape[0] for r, *_ in self._pending) >= MAX_DEFERRED_ROWS:
-            await self._flush()
-
-    async def _flush(self) -> None:
-        """Commit the held rounds as one message; their positions are contiguous, so their rows
-        and tokens concatenate. A drafter failure here fails over as any commit does."""
-        pending, self._pending = self._pending, []
-        if not pending or self.drafter is None:
-            return
-        rows = pending[0][0] if len(pending) == 1 else torch.cat([r for r, *_ in pending])
-        tokens = [t for _, _, ids, _ in pending for t in ids]
-        try:
-            await self.drafter.commit(rows, pending[0][1], tokens, pending[0][3],
-                                      trace_context(trace.get_current_span()))
-        except BackendError as exc:
-            await self._drafter_failed(exc)  # a new session is primed with these rows too
-
-    async def _drafter_failed(self, exc: BackendError) -> bool:
-        """The drafter failed (`exc`: its error or an `InvalidDraftReply`). Re-prime a new
-        drafter session from the supply while it has one and the failure is one another
-        replica may cure; True when one took over. Otherwise plain decode for the rest of this
-        generation (False). Every failure is counted by reason and logged once.
-
-        Raises:
-            BackendError: the verifier failed to return its kept rows (ends the generation).
-        """
-        await _close_quietly(self.drafter)
-        self.drafter = None
-        self._pending.clear()  # a new session is primed from the verifier's rows instead
-        span = trace.get_current_span()
-        span.add_event("drafter_failed", {"error": str(exc), "reason": failure_reason(exc)})
-        while True:
-            new = self.drafters.open() if self.drafters is not None and may_fail_over(exc) else None
-            self._count_failure(exc, "trying a new drafter session" if new else "plain decode from here")
-            if new is None:
-                break
-            again = await self._prime(new, span)
-            if again is not None:
-                await _close_quietly(new)
-                exc = again
-                continue
-            self.drafter = new
-            self.counters.drafter_failovers += 1
-            self.s.drafter_faults.failover()
-            self.metrics.record_drafter_failover()
-            return True
-        self.counters.drafter_failed = True
-        self.s.drafter_faults.fell_back()
-        return False
-
-    async def _prime(self, new: DrafterSession, span) -> BackendError | None:
-        """Commit the verifier's kept rows (the last min(W, committed)) and the committed tokens
-        to `new`; returns the drafter's error when that commit failed, else None.
-
-        Raises:
-            BackendError: the verifier failed to return its rows (ends the generation).
-        """
-        tc = trace_context(span)
-        kept = await self.verifier.rows(0, tc)
-        last = kept.first_position + kept.rows.shape[0]
-        try:  # the oracle drafter needs every committed token; the DSpark one ignores them
-            await new.commit(kept.rows, kept.first_position, self.committed[:last], 0, tc)
-        except BackendError as exc:
-            return exc
-        span.add_event("drafter_failover", {"first_position": kept.first_position, "rows": kept.rows.shape[0]})
-        return None
-
-    def _count_failure(self, exc: BackendError, outcome: str) -> None:
-        """Count one drafter failure by reason (process stats, metrics) and log it once."""
-        reason = failure_reason(exc)
-        check = getattr(exc, "check", None)
-        self.s.drafter_faults.failure(reason, check)
-        self.metrics.record_drafter_failure(reason, check)
-        log.warning("drafter failure (%s%s): %s; %s", reason, f": {check}" if check else "", exc, outcome)
 
     def _record(self, span, r: RoundRecord) -> None:
         """Publish one round's record: the generation's stats, the round span, the metrics and
@@ -514,10 +413,3 @@ def _matched_stop_string(detok: Detokenizer) -> str:
     found = [(full.find(s), i) for i, s in enumerate(detok.stop) if s in full]
     return detok.stop[min(found)[1]]
 
-
-async def _close_quietly(session) -> None:
-    """Close a drafter session whose stream may already be broken (nothing more to free then)."""
-    try:
-        await session.close()
-    except Exception:
-        pass

@@ -20,10 +20,11 @@ runs the same `Trunk.forward_batch` on its shard, so the verifier's step loop
 command and one set of collectives per step, whatever the number of sessions in it.
 
 Start-up order (a short rendezvous loses ranks while rank 0 loads 167 GB, docs/architecture.md
-§12): rank 0 opens a TCP store, spawns the workers, every rank announces itself in the store and waits
-for the others (bounded by `DSV4_TP_INIT_TIMEOUT_S`, default 600 s), the process group is
-created, and only then does each rank load and shard its weights; rank 0 waits for every
-worker's "ready" within the same init deadline.
+§12): rank 0 opens a TCP store, spawns the workers, every rank announces itself in the store
+and waits for the others (bounded by `DSV4_TP_INIT_TIMEOUT_S`, default 600 s), the process
+group is created, and only then does each rank load and shard its weights; rank 0 waits for
+every worker's "ready" within the same init deadline. The process side of that order, with
+`TPSettings` and `TPWorkerError`, is `services.verifier.tp_start`'s (re-exported here).
 
 Failure policy: each collective fails after `DSV4_TP_CALL_TIMEOUT_S` (default 120 s, the
 process group's op timeout), a dead peer fails it at once (gloo sees the closed socket),
@@ -36,56 +37,31 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_ready
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-import torch.multiprocessing as mp
 
 from dsv4 import tp as dtp
 from dsv4.batch import BatchItem
 from dsv4.checkpoint import load_trunk_weights, read_config
 from dsv4.config import ModelConfig
 from dsv4.trunk import BlockOutput, ForwardOutput, Trunk, TrunkState
-from services.verifier.tp_worker import RankSpec, build_rank, rendezvous, send, worker_main
+from services.verifier.tp_start import (ENV_CALL_TIMEOUT, ENV_INIT_TIMEOUT, TPSettings, TPWorkerError, Worker,
+                                        spawn_workers, start_rank0, stop_workers)
+from services.verifier.tp_worker import RankSpec, send, worker_main
 from kernels.select import KernelConfig
 from services.verifier.topk_diag import TopKDiagSettings
 
-ENV_INIT_TIMEOUT = "DSV4_TP_INIT_TIMEOUT_S"  # the variables of TPSettings, named in its errors
-ENV_CALL_TIMEOUT = "DSV4_TP_CALL_TIMEOUT_S"
+# The settings, errors and variable names are imported from here by services.settings, the app and tests.
+__all__ = ["ENV_CALL_TIMEOUT", "ENV_INIT_TIMEOUT", "TPSettings", "TPState", "TPTrunk", "TPWorkerError",
+           "start_tp_trunk"]
+
 ACK_GRACE_S = 1.0  # extra wait for acks after rank 0's own part failed at the deadline
-POLL_S = 0.05  # liveness poll while waiting for the store rendezvous
-
-
-class TPWorkerError(RuntimeError):
-    """A TP worker died, stalled, failed to start or diverged from rank 0; the `TPTrunk` is
-    unusable afterwards (close it and start a new one)."""
-
-
-@dataclass(frozen=True)
-class TPSettings:
-    """TP timeouts in seconds (`services.settings`: `DSV4_TP_INIT_TIMEOUT_S`, `DSV4_TP_CALL_TIMEOUT_S`).
-
-    init_timeout_s: rendezvous plus weight loading of every rank.
-    call_timeout_s: one proxied call (the process group's per-collective timeout).
-    Raises:
-        ValueError: a value that is not a finite number > 0 (naming the field).
-    """
-
-    init_timeout_s: float = 600.0
-    call_timeout_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        for name in ("init_timeout_s", "call_timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name}={value!r}: must be a finite number of seconds > 0")
 
 
 # ---------------------------------------------------------------------------- rank 0
@@ -102,17 +78,11 @@ class TPState(TrunkState):
         self._driver = weakref.ref(driver)
 
     def reset(self) -> None:
+        """Reset every rank's copy. Raises TPWorkerError when the TPTrunk that made it is gone."""
         driver = self._driver()
         if driver is None:
             raise TPWorkerError("the TPTrunk that made this state is gone")
         driver.reset_state(self)
-
-
-@dataclass
-class _Worker:
-    rank: int
-    proc: Any
-    conn: Any
 
 
 class TPTrunk:
@@ -123,7 +93,7 @@ class TPTrunk:
     copy of the state). Thread safe; use as a context manager or call `close()`.
     """
 
-    def __init__(self, model: Trunk, workers: list[_Worker], store, settings: TPSettings, plan: dtp.ShardPlan):
+    def __init__(self, model: Trunk, workers: list[Worker], store, settings: TPSettings, plan: dtp.ShardPlan):
         self.model, self.cfg, self.plan, self.settings = model, model.cfg, plan, settings
         self.tp = plan.world_size
         self._workers, self._store = workers, store
@@ -357,7 +327,7 @@ class TPTrunk:
                 self._fail(self._describe(late, op, dead=False), local_error)
         return [acks[w.rank] for w in self._workers]
 
-    def _describe(self, w: _Worker, op: str, dead: bool) -> str:
+    def _describe(self, w: Worker, op: str, dead: bool) -> str:
         if dead or not w.proc.is_alive():
             w.proc.join(1.0)
             return f"TP worker rank {w.rank} (pid {w.proc.pid}) died with exit code {w.proc.exitcode} during {op!r}"
@@ -432,11 +402,11 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
     spec = RankSpec(cfg, weights, plan, dtype, quant_sim, deterministic_reduce,
                      "nccl" if device == "cuda" else "gloo", port, settings,
                      num_threads or torch.get_num_threads(), topk, kernels)
-    workers = _spawn(spec)
+    workers = spawn_workers(spec, _worker_entry)
     try:
-        model = _start_rank0(spec, store, workers)
+        model = start_rank0(spec, store, workers)
     except BaseException:
-        _stop(workers)  # no proxy yet: stop the workers directly
+        stop_workers(workers)  # no proxy yet: stop the workers directly
         raise
     return TPTrunk(model, workers, store, settings, plan)
 
@@ -445,58 +415,3 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
 # name (not a parameter) so tests can substitute a picklable wrapper that injects late starts
 # and stalls without production signatures carrying those knobs.
 _worker_entry: Callable[[int, RankSpec, Any], None] = worker_main
-
-
-def _spawn(spec: RankSpec) -> list[_Worker]:
-    ctx = mp.get_context("spawn")
-    workers = []
-    for rank in range(1, spec.plan.world_size):
-        ours, theirs = ctx.Pipe()
-        proc = ctx.Process(target=_worker_entry, args=(rank, spec, theirs), daemon=True, name=f"dsv4-tp-rank{rank}")
-        proc.start()
-        theirs.close()
-        workers.append(_Worker(rank, proc, ours))
-    return workers
-
-
-def _start_rank0(spec: RankSpec, store, workers: list[_Worker]) -> Trunk:
-    """Rendezvous (watching the workers), group, load rank 0, then wait for every "ready"."""
-    deadline = time.monotonic() + spec.settings.init_timeout_s
-    dtp.mark_joined(store, 0)
-    while missing := dtp.missing_ranks(store, spec.plan.world_size):
-        _check_starting(workers, "joining")
-        if time.monotonic() > deadline:
-            raise TPWorkerError(f"TP ranks {missing} did not join within {spec.settings.init_timeout_s:g} s "
-                                f"({ENV_INIT_TIMEOUT})")
-        time.sleep(POLL_S)
-    try:
-        model = build_rank(spec, rendezvous(store, spec, 0))
-    except Exception:
-        _check_starting(workers, "creating the process group")  # name a dead worker if there is one
-        raise
-    for w in workers:
-        while not w.conn.poll(POLL_S):
-            _check_starting([w], "loading")
-            if time.monotonic() > deadline:
-                raise TPWorkerError(f"TP worker rank {w.rank} did not load its weights within "
-                                    f"{spec.settings.init_timeout_s:g} s ({ENV_INIT_TIMEOUT})")
-        kind, text = w.conn.recv()
-        if kind != "ready":
-            raise TPWorkerError(f"TP worker rank {w.rank} failed to start:\n{text}")
-    return model
-
-
-def _check_starting(workers: list[_Worker], phase: str) -> None:
-    for w in workers:
-        if not w.proc.is_alive():
-            text = w.conn.recv()[1] if w.conn.poll() else "no message"
-            raise TPWorkerError(f"TP worker rank {w.rank} (pid {w.proc.pid}) exited with code "
-                                f"{w.proc.exitcode} while {phase}: {text}")
-
-
-def _stop(workers: list[_Worker]) -> None:
-    for w in workers:
-        if w.proc.is_alive():
-            w.proc.kill()
-        w.proc.join(5.0)
-        w.conn.close()

@@ -1,0 +1,176 @@
+"""One generation's link to its drafter: draft calls, committed rows, deferral and failover.
+
+Owns, for one generation, the current drafter session, the committed tokens (what a new
+session is primed with), the commits held back while the gate keeps rounds from drafting,
+and the failover path: a drafter failure that another replica may cure re-primes a new
+session from the generation's `DrafterSupply` with the verifier's kept rows; otherwise the
+generation goes on without a drafter (plain decode). Every failure is counted by reason
+(process `DrafterFaults`, the generation's metrics and `RoundStats`) and logged once.
+
+It must not choose draft lengths, judge drafts, time rounds or stream tokens (the scheduler,
+`services.gateway.scheduler`, does), and never talks gRPC itself (the backend sessions do).
+
+Dimension legend: R = committed rows in one message, V = vocab.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import torch
+from opentelemetry import trace
+
+from dsv4.sampling import SamplingParams
+from services.common.telemetry import trace_context
+from services.gateway.backends import (BackendError, DraftReply, DrafterSession, VerifierSession, failure_reason,
+                                       may_fail_over)
+from services.gateway.drafters import DraftCheck, DrafterFaults, DrafterSupply
+from services.gateway.metrics import GenerationMetrics, NoGenerationMetrics
+from services.gateway.record import RoundStats
+
+log = logging.getLogger("dspark.gateway")
+# Rows a generation may hold back from the drafter while the gate keeps it from drafting; the
+# bound keeps one commit message small (row_width 12288 bf16 rows: 32 rows = 768 KiB).
+MAX_DEFERRED_ROWS = 32
+
+
+class DrafterLink:
+    """The drafter side of one generation (see the module docstring).
+
+    Args:
+        supply: the generation's `DrafterSupply` (None: never a drafter); its first session
+            is opened here.
+        verifier: the generation's verifier session (its kept rows prime a new drafter).
+        faults: the process-wide failure counts (the Stats RPC).
+        metrics: the generation's metrics.
+        counters: the generation's `RoundStats` (drafter_failovers, drafter_failed).
+    """
+
+    def __init__(self, supply: DrafterSupply | None, verifier: VerifierSession, faults: DrafterFaults,
+                 metrics: GenerationMetrics | NoGenerationMetrics, counters: RoundStats):
+        self.supply, self.verifier, self.faults = supply, verifier, faults
+        self.metrics, self.counters = metrics, counters
+        self.session: DrafterSession | None = supply.open() if supply is not None else None
+        self.committed: list[int] = []  # tokens of the positions the verifier has committed
+        self._pending: list[tuple] = []  # deferred commits: (rows, first_position, token_ids, token_first)
+
+    async def draft(self, anchor: int, pos: int, tc, sampling: SamplingParams, check: DraftCheck,
+                    needs_probs: bool) -> tuple[DraftReply | None, float | None]:
+        """The drafter's reply for anchor position `pos` (seed position pos - 1), checked with
+        `check`, and the draft call's wall time (ms); (None, None) when it failed and no new
+        session took over. A reply that fails the check is discarded whole: its valid prefix
+        is not used either.
+
+        Raises:
+            BackendError: the verifier failed while a new drafter was being primed.
+        """
+        while True:
+            t0 = time.perf_counter()
+            try:
+                reply = await self.session.draft(anchor, pos - 1, tc, sampling)
+                check(reply, needs_probs)
+                break
+            except BackendError as exc:
+                if not await self.failed(exc):
+                    return None, None
+        return reply, (time.perf_counter() - t0) * 1e3
+
+    async def commit(self, rows: torch.Tensor, first_position: int, token_ids: Sequence[int], token_first: int,
+                     defer: bool = False) -> None:
+        """Send committed rows [R, row_width] of positions first_position.. and the tokens from
+        token_first on to the drafter. `defer`: hold them until the next draft (`flush`), up to
+        MAX_DEFERRED_ROWS rows: a round the gate kept from drafting then costs a plain step alone,
+        not a plain step and a drafter round trip, and the drafter still sees every row before it
+        drafts again.
+
+        Raises:
+            BackendError: the verifier failed while a new drafter was being primed.
+        """
+        self.committed[token_first:] = token_ids
+        if self.session is None:
+            return
+        self._pending.append((rows, first_position, list(token_ids), token_first))
+        if not defer or sum(r.shape[0] for r, *_ in self._pending) >= MAX_DEFERRED_ROWS:
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Commit the held rounds as one message; their positions are contiguous, so their rows
+        and tokens concatenate. A drafter failure here fails over as any commit does."""
+        pending, self._pending = self._pending, []
+        if not pending or self.session is None:
+            return
+        rows = pending[0][0] if len(pending) == 1 else torch.cat([r for r, *_ in pending])
+        tokens = [t for _, _, ids, _ in pending for t in ids]
+        try:
+            await self.session.commit(rows, pending[0][1], tokens, pending[0][3],
+                                      trace_context(trace.get_current_span()))
+        except BackendError as exc:
+            await self.failed(exc)  # a new session is primed with these rows too
+
+    async def failed(self, exc: BackendError) -> bool:
+        """The drafter failed (`exc`: its error or an `InvalidDraftReply`). Re-prime a new
+        drafter session from the supply while it has one and the failure is one another
+        replica may cure; True when one took over. Otherwise plain decode for the rest of this
+        generation (False). Every failure is counted by reason and logged once.
+
+        Raises:
+            BackendError: the verifier failed to return its kept rows (ends the generation).
+        """
+        await close_quietly(self.session)
+        self.session = None
+        self._pending.clear()  # a new session is primed from the verifier's rows instead
+        span = trace.get_current_span()
+        span.add_event("drafter_failed", {"error": str(exc), "reason": failure_reason(exc)})
+        while True:
+            new = self.supply.open() if self.supply is not None and may_fail_over(exc) else None
+            self._count_failure(exc, "trying a new drafter session" if new else "plain decode from here")
+            if new is None:
+                break
+            again = await self._prime(new, span)
+            if again is not None:
+                await close_quietly(new)
+                exc = again
+                continue
+            self.session = new
+            self.counters.drafter_failovers += 1
+            self.faults.failover()
+            self.metrics.record_drafter_failover()
+            return True
+        self.counters.drafter_failed = True
+        self.faults.fell_back()
+        return False
+
+    async def _prime(self, new: DrafterSession, span) -> BackendError | None:
+        """Commit the verifier's kept rows (the last min(W, committed)) and the committed tokens
+        to `new`; returns the drafter's error when that commit failed, else None.
+
+        Raises:
+            BackendError: the verifier failed to return its rows (ends the generation).
+        """
+        tc = trace_context(span)
+        kept = await self.verifier.rows(0, tc)
+        last = kept.first_position + kept.rows.shape[0]
+        try:  # the oracle drafter needs every committed token; the DSpark one ignores them
+            await new.commit(kept.rows, kept.first_position, self.committed[:last], 0, tc)
+        except BackendError as exc:
+            return exc
+        span.add_event("drafter_failover", {"first_position": kept.first_position, "rows": kept.rows.shape[0]})
+        return None
+
+    def _count_failure(self, exc: BackendError, outcome: str) -> None:
+        """Count one drafter failure by reason (process stats, metrics) and log it once."""
+        reason = failure_reason(exc)
+        check = getattr(exc, "check", None)
+        self.faults.failure(reason, check)
+        self.metrics.record_drafter_failure(reason, check)
+        log.warning("drafter failure (%s%s): %s; %s", reason, f": {check}" if check else "", exc, outcome)
+
+
+async def close_quietly(session) -> None:
+    """Close a drafter session whose stream may already be broken (nothing more to free then)."""
+    try:
+        await session.close()
+    except Exception:
+        pass
