@@ -93,7 +93,6 @@ async def await_idle(stubs) -> list[int]:
         await asyncio.sleep(0.05)
 
 
-@pytest.mark.slow
 def test_32_concurrent_generations_equal_their_solo_runs_and_stopped_ones_free_their_sessions():
     reqs = requests()
     assert len(reqs) == N_STREAMS == 32
