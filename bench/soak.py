@@ -5,7 +5,8 @@ runs for minutes). One stack of `dspark serve` processes (bench/service_procs.py
 on `--port-base`, verifier + 1, drafter + 2) on `--checkpoint` (default the bundled
 assets/dspark-small). `--streams` workers each run generations back to back for
 `--seconds`: a random workload prompt, spec off / always / gated, 8..`--max-tokens`
-tokens; a fraction `--cancel` of them is stopped after a random number of messages, half by
+tokens, greedy or (half of them) sampled at T 0.7-1.0 with top-p 0.9 under the coupled or
+the rejection rule; a fraction `--cancel` of them is stopped after a random number of messages, half by
 a client cancel and half by `Gateway.Abort`. Every few seconds (`--sample-s`) the resident
 set size of every service process is sampled.
 
@@ -64,6 +65,9 @@ async def one_generation(stub, rng: random.Random, args, counts: Counts, rid: st
     req = gateway_pb2.GenerateRequest(prompt=rng.choice(list(WORKLOADS.values())), ignore_eos=True,
                                       max_tokens=rng.randint(8, args.max_tokens), spec=rng.choice(SPECS),
                                       request_id=rid)
+    if rng.random() < 0.5:  # sampled: both acceptance rules, with q on the wire under rejection
+        req.temperature, req.top_p = rng.uniform(0.7, 1.0), 0.9
+        req.sampling_rule = rng.choice((common_pb2.SAMPLING_RULE_COUPLED, common_pb2.SAMPLING_RULE_REJECTION))
     stop_after = rng.randint(1, 4) if rng.random() < args.cancel else 0
     by_abort = rng.random() < 0.5
     call = stub.Generate(req, timeout=CALL_TIMEOUT_S)
