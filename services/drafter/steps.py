@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ import torch
 
 from dsv4.sampling import DraftSampler, SamplingParams
 from services.common.sessions import UnknownSessionError
+from services.common.step_queue import StepQueue
 from services.drafter.engine import DrafterEngine
 from services.drafter.interface import SampledDraft
 
@@ -87,7 +87,7 @@ class _Request:
     future: Future
 
 
-class DraftStepLoop:
+class DraftStepLoop(StepQueue):
     """The drafter loop: `submit_commit` / `submit_draft` from any thread, get a Future of a `StepReply`.
 
     Args:
@@ -102,20 +102,15 @@ class DraftStepLoop:
     def __init__(self, engine: DrafterEngine, on_step: Callable[[DraftStepRecord], None] | None = None):
         if not batchable(engine):
             raise ValueError(f"the drafter step loop drives a TP=1 DrafterEngine, got {type(engine).__name__}")
-        self.engine, self.module, self.on_step = engine, engine.module, on_step
-        self._cv = threading.Condition()
-        self._queue: list[_Request] = []
-        self._inflight: set[int] = set()
-        self._closed = False
-        self._stats = DraftStepStats()
-        self._thread = threading.Thread(target=self._run, name="drafter-steps", daemon=True)
-        self._thread.start()
+        super().__init__("drafter", DraftStepStats(), on_step, log)
+        self.engine, self.module = engine, engine.module
+        self._start()
 
     def submit_commit(self, sid: int, rows: torch.Tensor, positions: Sequence[int]) -> Future:
         """Queue a commit of rows [R, T*D] (fp32/bf16) at `positions` (see `DrafterEngine.commit`).
         The future fails with the ValueError / UnknownSessionError the engine would raise.
         Raises: as `submit_draft`."""
-        return self._submit(_Request(sid, "commit", (rows, positions), Future()))
+        return self._enqueue(_Request(sid, "commit", (rows, positions), Future()))
 
     def submit_draft(self, sid: int, anchor: int, seed_position: int, params: SamplingParams | None = None) -> Future:
         """Queue a draft (see `DrafterEngine.draft`); the future's `StepReply.value` is (tokens,
@@ -127,32 +122,7 @@ class DraftStepLoop:
             ValueError: the session already has a request in the loop (one at a time).
             RuntimeError: the loop is closed.
         """
-        return self._submit(_Request(sid, "draft", (anchor, seed_position, params), Future()))
-
-    def stats(self) -> DraftStepStats:
-        """The steps so far (a snapshot)."""
-        with self._cv:
-            return self._stats
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the loop after the step in flight; queued requests fail with RuntimeError.
-        Waits up to `timeout_s` (s) for the thread; closing twice is a no-op."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
-
-    def _submit(self, request: _Request) -> Future:
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("the drafter step loop is closed")
-            if request.sid in self._inflight:
-                raise ValueError(f"session {request.sid} already has a request in flight: send one at a time")
-            self._inflight.add(request.sid)
-            self._queue.append(request)
-            self._cv.notify()
-        return request.future
+        return self._enqueue(_Request(sid, "draft", (anchor, seed_position, params), Future()))
 
     # ------------------------------------------------------------------ the loop thread
     def _run(self) -> None:
@@ -234,25 +204,7 @@ class DraftStepLoop:
             done.append((r, value, None))
         return done
 
-    def _finish(self, r: _Request, result: object = None, error: BaseException | None = None) -> None:
-        self._release([r])
-        if error is not None:
-            r.future.set_exception(error)
-        else:
-            r.future.set_result(result)
-
-    def _release(self, requests: list[_Request]) -> None:
-        with self._cv:
-            for r in requests:
-                self._inflight.discard(r.sid)
-
     def _record(self, step: DraftStepRecord) -> None:
-        with self._cv:
-            st, n = self._stats, self._stats.steps + 1
-            self._stats = DraftStepStats(n, st.batch_mean + (step.sessions - st.batch_mean) / n,
-                                         max(st.batch_max, step.sessions), st.ms_mean + (step.ms - st.ms_mean) / n)
-        if self.on_step is not None:
-            try:
-                self.on_step(step)
-            except Exception:  # a metrics fault must not stop the loop that answers every session
-                log.exception("drafter step hook failed on %s", step)
+        st, n = self._stats, self._stats.steps + 1  # only this thread writes the stats
+        self._publish(DraftStepStats(n, st.batch_mean + (step.sessions - st.batch_mean) / n,
+                                     max(st.batch_max, step.sessions), st.ms_mean + (step.ms - st.ms_mean) / n), step)

@@ -41,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ import torch
 from dsv4.batch import BatchItem
 from dsv4.trunk import Trunk, as_int
 from services.common.sessions import UnknownSessionError
+from services.common.step_queue import StepQueue
 from services.verifier.engine import VerifierEngine, Work, abandon, absorb
 from services.verifier.tp import TPTrunk
 
@@ -103,8 +103,12 @@ class _Request:
     work: Work
     future: Future
 
+    @property
+    def sid(self) -> int:
+        return self.work.sid
 
-class StepLoop:
+
+class StepLoop(StepQueue):
     """The engine loop: `submit` admitted work from any thread, get a Future of its result.
 
     Args:
@@ -126,15 +130,10 @@ class StepLoop:
         self.prefill_chunk = as_int(prefill_chunk, "prefill_chunk")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be >= 1 (tokens per step)")
-        self.engine, self.on_step = engine, on_step
-        self._cv = threading.Condition()
-        self._queue: list[_Request] = []
+        super().__init__("verifier", StepStats(), on_step, log)
+        self.engine = engine
         self._carried: list[_Request] = []  # between steps: stepwise verifies, the prompt being prefilled
-        self._inflight: set[int] = set()
-        self._closed = False
-        self._stats = StepStats()
-        self._thread = threading.Thread(target=self._run, name="verifier-steps", daemon=True)
-        self._thread.start()
+        self._start()
 
     def submit(self, work: Work) -> Future:
         """Queue admitted `work`; returns a Future resolved with its StepResult / VerifyResult
@@ -144,30 +143,7 @@ class StepLoop:
             ValueError: the session already has a request in the loop (one at a time).
             RuntimeError: the loop is closed.
         """
-        future: Future = Future()
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("the verifier step loop is closed")
-            if work.sid in self._inflight:
-                raise ValueError(f"session {work.sid} already has a request in flight: send one at a time")
-            self._inflight.add(work.sid)
-            self._queue.append(_Request(work, future))
-            self._cv.notify()
-        return future
-
-    def stats(self) -> StepStats:
-        """The steps so far (a snapshot)."""
-        with self._cv:
-            return self._stats
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the loop after the step in flight; queued requests fail with RuntimeError.
-        Waits up to `timeout_s` (s) for the thread; closing twice is a no-op."""
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout_s)
+        return self._enqueue(_Request(work, Future()))
 
     # ------------------------------------------------------------------ the loop thread
     def _run(self) -> None:
@@ -245,32 +221,15 @@ class StepLoop:
         self._finish(r, dataclasses.replace(result, step_rows=rows))
         return int(r.work.op == "prefill"), getattr(result, "accepted", 0) + 1
 
-    def _finish(self, r: _Request, result: object = None, error: BaseException | None = None) -> None:
-        self._release([r])
-        if error is not None:
-            r.future.set_exception(error)
-        else:
-            r.future.set_result(result)
-
-    def _release(self, requests: list[_Request]) -> None:
-        with self._cv:
-            for r in requests:
-                self._inflight.discard(r.work.sid)
-
     def _record(self, step: StepRecord) -> None:
-        with self._cv:
-            st = self._stats
-            if step.kind == "batch":
-                n = st.steps + 1
-                self._stats = StepStats(n, step.sessions, st.batch_mean + (step.sessions - st.batch_mean) / n,
-                                        step.ms, st.ms_mean + (step.ms - st.ms_mean) / n, st.prefill_steps)
-            else:
-                self._stats = dataclasses.replace(st, prefill_steps=st.prefill_steps + 1)
-        if self.on_step is not None:
-            try:
-                self.on_step(step)
-            except Exception:  # a metrics fault must not stop the loop that answers every session
-                log.exception("verifier step hook failed on %s", step)
+        st = self._stats  # only this thread writes the stats
+        if step.kind == "batch":
+            n = st.steps + 1
+            st = StepStats(n, step.sessions, st.batch_mean + (step.sessions - st.batch_mean) / n,
+                           step.ms, st.ms_mean + (step.ms - st.ms_mean) / n, st.prefill_steps)
+        else:
+            st = dataclasses.replace(st, prefill_steps=st.prefill_steps + 1)
+        self._publish(st, step)
 
 
 def _item(state, work: Work, chunk: int) -> BatchItem:
