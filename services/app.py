@@ -146,10 +146,17 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
             await asyncio.to_thread(profile_steps, engine, load, step_profile)
         steps = StepLoop(engine, _step_hook(load, metrics), prefill_chunk)
     servicer = VerifierServicer(engine, default_mode, provider, tp, metrics, steps, load)
+    return await _serve_with_loop("dspark.v1.Verifier",
+                                  lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
+                                  steps, port, host, provider, credentials, max_connection_age_s)
+
+
+async def _serve_with_loop(service: str, add, steps, port: int, host: str, provider, credentials,
+                           max_connection_age_s: float) -> RunningServer:
+    """Start `service`'s server; the step loop `steps` (None: none) stops with it, and at once
+    when the server cannot start. Raises RuntimeError: port not bound."""
     try:
-        running = await start_server("dspark.v1.Verifier",
-                                     lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
-                                     port, host, provider, credentials=credentials,
+        running = await start_server(service, add, port, host, provider, credentials=credentials,
                                      max_connection_age_s=max_connection_age_s)
     except BaseException:
         if steps is not None:
@@ -183,18 +190,9 @@ async def start_drafter(engine, port: int = 0, provider: TracerProvider | None =
     if step_loop and drafter_batchable(engine):
         steps = DraftStepLoop(engine, None if metrics is None else metrics.record_step)
     servicer = DrafterServicer(engine, provider, metrics, steps)
-    try:
-        running = await start_server("dspark.v1.Drafter",
-                                     lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
-                                     port, host, provider, credentials=credentials,
-                                     max_connection_age_s=max_connection_age_s)
-    except BaseException:
-        if steps is not None:
-            steps.close()
-        raise
-    if steps is not None:
-        running.on_stop.append(steps.close)
-    return running
+    return await _serve_with_loop("dspark.v1.Drafter",
+                                  lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
+                                  steps, port, host, provider, credentials, max_connection_age_s)
 
 
 async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | None = None, port: int = 0,
