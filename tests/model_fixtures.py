@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 
 from dsv4.codecs import fp4_decode, fp4_encode, fp8_decode, fp8_encode
-from dsv4.config import ModelConfig
+from dsv4.config import ModelConfig, tiny_config
 from dsv4.init import random_weights
 from dsv4.inventory import trunk_params
+from dsv4.trunk import Trunk
 
 
 def varied_weights(cfg: ModelConfig, seed: int = 0, noise_seed: int | None = None) -> dict[str, torch.Tensor]:
@@ -47,3 +48,12 @@ def state_tensors(state):
         for c in (st.compressor, st.indexer):
             if c is not None:
                 yield from (c.kv, c.score, c.cache[: c.n_entries])
+
+
+def tiny_trunk_with(numerics: str) -> Trunk:
+    """The tiny config (max_seq_len 128) trunk with random weights (seed 3) and the given verify
+    numerics ("fast" | "exact"): the model of the step-loop and chunked-prefill tests."""
+    cfg = tiny_config(max_seq_len=128)
+    model = Trunk(cfg, verify_numerics=numerics)
+    model.load_weights(random_weights(cfg, "trunk", seed=3))
+    return model

@@ -28,8 +28,6 @@ import pytest
 import torch
 
 from dspark_proto.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from dsv4.config import tiny_config
-from dsv4.init import random_weights
 from dsv4.trunk import Trunk
 from services.app import drafter_engine, start_drafter, start_verifier, verifier_engine
 from services.common.limits import (FALLBACK_MAX_SESSIONS, MAX_SESSIONS_CAP, available_memory_bytes,
@@ -39,22 +37,16 @@ from services.common.settings import BackendSettings
 from services.settings import backend_settings
 from services.verifier.batcher import StepLoop
 from services.verifier.engine import VerifierEngine
+from model_fixtures import tiny_trunk_with
 from services_fixtures import service_loop, tiny_draft_module, tiny_trunk
 
 PROMPT_LEN = 75
 TIMEOUT_S = 120.0
 
 
-def make_trunk(numerics: str) -> Trunk:
-    cfg = tiny_config(max_seq_len=128)
-    model = Trunk(cfg, verify_numerics=numerics)
-    model.load_weights(random_weights(cfg, "trunk", seed=3))
-    return model
-
-
 @pytest.fixture(scope="module", params=["exact", "fast"])
 def trunk(request):
-    return make_trunk(request.param)
+    return tiny_trunk_with(request.param)
 
 
 def prompt(n: int = PROMPT_LEN, seed: int = 11) -> list[int]:
@@ -186,7 +178,7 @@ def test_chunked_prefill_interleaved_with_decodes_equals_solo(trunk):
 
 
 def test_a_session_closed_mid_prefill_is_dropped_and_freed():
-    engine = VerifierEngine(make_trunk("exact"), max_sessions=2)
+    engine = VerifierEngine(tiny_trunk_with("exact"), max_sessions=2)
     sid = engine.open_session()
     records = []
 

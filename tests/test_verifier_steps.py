@@ -29,15 +29,13 @@ import pytest
 import torch
 
 from dspark_proto.v1 import common_pb2, gateway_pb2_grpc, verifier_pb2_grpc
-from dsv4.config import tiny_config
-from dsv4.init import random_weights
-from dsv4.trunk import Trunk
 from services import app
 from services.common.sessions import UnknownSessionError
 from services.common.settings import BackendSettings, GatewaySettings
 from services.gateway.gate import GateConfig
 from services.verifier.batcher import StepLoop
 from services.verifier.engine import VerifierEngine
+from model_fixtures import tiny_trunk_with
 from services_fixtures import collect, gen_request
 
 N_SESSIONS = 8
@@ -45,16 +43,9 @@ ROUNDS = 12
 TIMEOUT_S = 60.0
 
 
-def make_trunk(numerics: str) -> Trunk:
-    cfg = tiny_config(max_seq_len=128)
-    model = Trunk(cfg, verify_numerics=numerics)
-    model.load_weights(random_weights(cfg, "trunk", seed=3))
-    return model
-
-
 @pytest.fixture(scope="module", params=["exact", "fast"])
 def trunk(request):
-    return make_trunk(request.param)
+    return tiny_trunk_with(request.param)
 
 
 def session_prompts() -> list[list[int]]:
@@ -159,7 +150,7 @@ def test_concurrent_sessions_through_the_loop_equal_their_solo_runs(trunk, capsy
 
 
 def test_closed_sessions_are_dropped_and_misuse_is_refused():
-    engine = VerifierEngine(make_trunk("exact"), max_sessions=4)
+    engine = VerifierEngine(tiny_trunk_with("exact"), max_sessions=4)
     records = []
     steps = StepLoop(engine, records.append)
     try:
