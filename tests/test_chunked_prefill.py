@@ -277,7 +277,10 @@ def test_sessions_beyond_the_memory_sized_limit_are_resource_exhausted():
                 info = await stub.Info(common_pb2.InfoRequest(), timeout=10)
                 v_err = await third_session(stub, v_engine, verifier_pb2.VerifierRequest(
                     prefill=verifier_pb2.PrefillRequest(token_ids=[5, 6, 7])))
-                after = await stub.Info(common_pb2.InfoRequest(), timeout=10)
+                deadline = time.monotonic() + 30.0  # a step's stats land just after its replies
+                while (after := await stub.Info(common_pb2.InfoRequest(), timeout=10)).prefill_steps < 2 \
+                        and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
             async with grpc.aio.insecure_channel(f"127.0.0.1:{drafter.port}") as ch:
                 d_err = await third_session(drafter_pb2_grpc.DrafterStub(ch), d_engine)
             return info, v_err, after, d_err
