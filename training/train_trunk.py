@@ -5,6 +5,7 @@ schedule, checkpoints and logs; it never writes the checkpoint folder (`training
 
     python -m training.train_trunk --run runs/trunk --steps 900            # fresh run
     python -m training.train_trunk --run runs/trunk --resume               # continue it
+    python -m training.train_trunk --run runs/trunk-v3 --init assets/dspark-small --steps 1800 --warmup 20
     nohup .venv/bin/python -m training.train_trunk --run runs/trunk --resume >> runs/trunk/train.log 2>&1 &
 
 Inputs: the corpus (`training.corpus`, runs/corpus) and tokenizer (`training.tokenizer`,
@@ -21,6 +22,14 @@ after each step the scored gates' biases move by the auxiliary-loss-free rule
 the training split's token counts. For the last `--qat-frac` of the steps the forward runs on
 the weights as the checkpoint will store them (fp8 / fp4 / bf16 round trip, straight-through
 gradients to the fp32 master weights), so export costs little.
+
+Starting point: random weights (`init_weights`), or with `--init DIR` the trunk of an
+exported checkpoint folder (`training.export`'s layout), read through the verifier's loader
+(`dsv4.checkpoint.load_trunk_weights`), which dequantises the fp8 / fp4 / bf16 tensors to
+fp32 master weights; gate biases and `tid2eid` tables come from the folder too. The optimizer
+starts fresh (zero moments), so a continued run wants a short warm-up. Such a run logs the
+loaded model's held-out loss as its step-0 evaluation, before any update. `tokens` in the log
+counts this run's tokens only.
 
 Outputs in `<run>/`: `config.json` (the run's arguments), `ckpt.pt` (model, optimizer, step;
 replaced atomically every `--ckpt-every-s` seconds, at each evaluation, on SIGTERM/SIGINT and
@@ -45,6 +54,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from dsv4.checkpoint import load_trunk_weights
 from dsv4.codecs import fp4_decode, fp4_encode, fp8_decode, fp8_encode
 from dsv4.config import ModelConfig
 from dsv4.init import random_weights
@@ -64,6 +74,7 @@ class TrainConfig:
     """Hyper-parameters of one run (saved as <run>/config.json; `--resume` reloads them)."""
 
     corpus: str = "runs/corpus"
+    init: str = ""
     tokenizer: str = "runs/tokenizer/tokenizer.json"
     steps: int = 900
     batch: int = 8
@@ -170,6 +181,24 @@ def init_weights(cfg: ModelConfig, counts: np.ndarray, seed: int) -> dict[str, t
     return w
 
 
+def exported_weights(folder: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Logical trunk weights (name -> fp32 tensor; `tid2eid` int64) of an exported checkpoint
+    folder, dequantised by the verifier's loader, to continue training from.
+
+    Raises:
+        ValueError: the folder's model config differs from `cfg` (both hashes and the first
+            differing fields named): the weights would not fit the run's model.
+        dsv4.checkpoint.CheckpointError: a missing, mis-typed or unreadable trunk tensor.
+    """
+    saved, weights = load_trunk_weights(folder, dtype=torch.float32)
+    if saved.config_hash() != cfg.config_hash():
+        a, b = saved.to_dict(), cfg.to_dict()
+        diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        raise ValueError(f"--init {folder}: its model config {saved.config_hash()} is not the run's "
+                         f"{cfg.config_hash()} (differing fields: {diff[:6]})")
+    return weights
+
+
 def make_optimizer(named: list[tuple[str, torch.nn.Parameter]], tc: TrainConfig) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices except the mHC mixing weights, none on vectors."""
     decay = [p for n, p in named if p.ndim == 2 and not n.split(".")[-1].startswith("hc_")]
@@ -231,9 +260,13 @@ def evaluate(trunk: Trunk, windows: dict[str, list[torch.Tensor]], mhc: MhcFns =
 
 # ----------------------------------------------------------------------------- loop
 class Run:
-    """One training run in a folder (see the module docstring for its files)."""
+    """One training run in a folder (see the module docstring for its files).
 
-    def __init__(self, folder: Path, tc: TrainConfig):
+    `resume`: the caller restores `ckpt.pt` next, so the starting weights are placeholders
+    and `tc.init` is not read again (its folder may have changed or gone since).
+    """
+
+    def __init__(self, folder: Path, tc: TrainConfig, resume: bool = False):
         self.folder, self.tc = folder, tc
         self.cfg = tc.model_config()
         data = folder / "data"
@@ -243,7 +276,8 @@ class Run:
         counts = sum(np.bincount(s, minlength=self.cfg.vocab_size) for s in self.train.values())
         torch.manual_seed(tc.seed)
         self.trunk = Trunk(self.cfg)
-        self.trunk.load_weights(init_weights(self.cfg, counts, tc.seed))
+        self.trunk.load_weights(exported_weights(Path(tc.init), self.cfg) if tc.init and not resume
+                                else init_weights(self.cfg, counts, tc.seed))
         self.named = trainable_parameters(self.trunk)
         self.opt = make_optimizer(self.named, tc)
         self.step = 0
@@ -323,6 +357,10 @@ class Run:
         first_step = self.step
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: setattr(self, "stop", True))
+        if tc.init and self.step == 0:  # the starting model's loss: the 'before' of a continued run
+            ev = evaluate(self.trunk, self.heldout, self.mhc)
+            self.log({"step": 0, "tokens": 0, "init": tc.init, "heldout": ev})
+            print(json.dumps({"step": 0, "init": tc.init, "heldout": ev}), flush=True)
         while self.step < tc.steps and not self.stop:
             rec = self.train_step()
             done = self.step - first_step
@@ -376,9 +414,11 @@ def main() -> None:
             raise SystemExit(f"{args.run}/ckpt.pt exists: pass --resume, or choose another --run folder")
         kw = {k: v for k, v in vars(args).items() if k in TrainConfig.__dataclass_fields__ and v is not None}
         tc = TrainConfig(**kw)
+        if tc.init:  # recorded absolute, so config.json names the folder whatever the working directory
+            tc.init = str(Path(tc.init).resolve())
     args.run.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps(asdict(tc), indent=2) + "\n")
-    run = Run(args.run, tc)
+    run = Run(args.run, tc, resume=args.resume)
     if args.resume:
         run.load(args.run / "ckpt.pt")
         print(f"resumed at step {run.step} of {tc.steps}", flush=True)
