@@ -9,8 +9,17 @@ their shard files; it reads the trunk only through the verifier's loader and nev
 The trunk is read through `dsv4.checkpoint.load_trunk_weights` (the verifier's loader), so the
 draft learns exactly the model the verifier runs. Per sequence: a prompt of `--prompt-min`..
 `--prompt-max` tokens cut at a random offset of one domain's tokenized stream (the domain
-drawn by `--mix`; no bos is added, as the gateway adds none), then `Trunk.prefill` of the
-prompt and `--new` greedy `Trunk.decode` steps. Stored per sequence:
+drawn by `--mix`; no bos is added, as the gateway adds none), then a prefill of the prompt
+and `--new` greedy decode steps.
+
+Generation runs `--batch` sequences at once (`continue_greedy_batch`): one
+`Trunk.forward_batch` pass prefills every prompt of the group, then each pass decodes the
+next token of every sequence, so the dense ops and experts run once per step over all rows
+instead of once per sequence. Under `--numerics exact` (the default) a row is bitwise the same
+alone or in any batch (`dsv4.numerics.ExactNumerics`), so a shard's contents do not depend on
+`--batch`: batched generation equals the one-at-a-time `continue_greedy` exactly (a test
+holds them equal). `--numerics fast` is equal to rounding only, and a near-tie may then pick
+another greedy token. Stored per sequence:
 
 * ids [S] int64: prompt + greedy continuation (S = P + new);
 * taps [S, T*D] fp32: the DSpark tap rows (lane mean of the target layers) of every
@@ -20,8 +29,9 @@ prompt and `--new` greedy `Trunk.decode` steps. Stored per sequence:
   P-1..S-2 (the distributions of the continuation tokens P..S-1; K = `--topk`), for the
   total-variation loss; the argmax is the next token (greedy).
 
-Output: `<out>/shard{i}of{n}.pt` = {"meta": ..., "seqs": [dict, ...]} rewritten every
-`--save-every` sequences, so a killed run keeps what it made and `--resume` continues it.
+Output: `<out>/{split}_shard{i}of{n}.pt` = {"meta": ..., "seqs": [dict, ...]} rewritten after
+every group of `--batch` sequences, so a killed run keeps what it made and `--resume`
+continues it.
 Sequence k of shard i is a pure function of (seed, split, i + k * n), so shards never overlap.
 """
 
@@ -36,6 +46,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dsv4.batch import BatchItem
 from dsv4.checkpoint import load_trunk_weights
 from dsv4.trunk import Trunk
 from training.tokenizer import BOS_ID as BOS, EOS_ID as EOS
@@ -44,10 +55,16 @@ DOMAINS = ("code", "prose", "math", "repeat")
 DEFAULT_MIX = {"code": 0.35, "prose": 0.15, "math": 0.2, "repeat": 0.3}
 
 
-def load_trunk(checkpoint: str | Path) -> Trunk:
-    """The verifier's trunk (fp32) from a checkpoint folder."""
+def load_trunk(checkpoint: str | Path, numerics: str = "fast") -> Trunk:
+    """The verifier's trunk (fp32) from a checkpoint folder, with verify numerics `numerics`
+    ("fast" | "exact"; exact pins the thread count current at this call).
+
+    Raises:
+        ValueError: numerics not "fast" / "exact" (from `Trunk`).
+        dsv4.checkpoint.CheckpointError: a missing or unreadable trunk tensor.
+    """
     cfg, weights = load_trunk_weights(checkpoint)
-    trunk = Trunk(cfg)
+    trunk = Trunk(cfg, verify_numerics=numerics)
     trunk.load_weights(weights)
     return trunk
 
@@ -106,13 +123,60 @@ def continue_greedy(trunk: Trunk, prompt: torch.Tensor, new: int, topk: int) -> 
     # The last token's tap row: one more decode step (its logits are not needed).
     out = trunk.decode(st, ids[-1], P + new - 1)
     taps.append(out.taps)
-    lp = torch.stack(lps)  # [new, V]
-    top_lp, top_ix = lp.topk(topk, dim=-1)
-    return {"ids": torch.tensor(ids, dtype=torch.int64), "prompt_len": P, "taps": torch.cat(taps).float(),
+    return _sequence(ids, P, taps, lps, topk)
+
+
+def _sequence(ids: list[int], prompt_len: int, taps: list[torch.Tensor], lps: list[torch.Tensor],
+              topk: int) -> dict[str, torch.Tensor | int]:
+    """One stored sequence (module docstring) from its ids, tap row blocks [*, T*D] and
+    per-step log-probabilities [V] fp32."""
+    top_lp, top_ix = torch.stack(lps).topk(topk, dim=-1)  # [new, K]
+    return {"ids": torch.tensor(ids, dtype=torch.int64), "prompt_len": prompt_len, "taps": torch.cat(taps).float(),
             "top_ix": top_ix.to(torch.int16), "top_lp": top_lp.to(torch.float32)}
 
 
-def main() -> None:
+@torch.no_grad()
+def continue_greedy_batch(trunk: Trunk, prompts: list[torch.Tensor], new: int,
+                          topk: int) -> list[dict[str, torch.Tensor | int]]:
+    """`continue_greedy` of every prompt [P_b] int64 at once, through `Trunk.forward_batch`.
+
+    One pass prefills every prompt (tap rows of all P_b positions), then `new` passes each
+    decode one token per sequence at its own position P_b + t (prompt lengths may differ).
+    Returns one dict per prompt, in order, with the fields of `continue_greedy`; under exact
+    verify numerics they are bitwise those of `continue_greedy`.
+    Raises:
+        ValueError: no prompts, new < 1, or a prompt + new past max_seq_len (the prompt's
+            index and length named); `Trunk.forward_batch` names bad token ids.
+    """
+    if not prompts or new < 1:
+        raise ValueError(f"need at least one prompt and new >= 1, got {len(prompts)} prompts, new={new}")
+    for b, p in enumerate(prompts):
+        if p.ndim != 1 or p.numel() == 0 or p.numel() + new > trunk.cfg.max_seq_len:
+            raise ValueError(f"prompt {b}: length {tuple(p.shape)} + new={new} must fit "
+                             f"1..max_seq_len={trunk.cfg.max_seq_len} positions")
+    states = [trunk.new_state() for _ in prompts]
+    outs = trunk.forward_batch([BatchItem.prefill_chunk(st, p, 0, p.shape[0]) for st, p in zip(states, prompts)])
+    ids = [p.tolist() for p in prompts]
+    taps: list[list[torch.Tensor]] = [[o.taps] for o in outs]
+    lps: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for t in range(new):
+        for b, o in enumerate(outs):
+            lps[b].append(torch.log_softmax(o.logits.float(), -1))
+            ids[b].append(int(o.logits.argmax()))
+        # The last pass only adds each sequence's last tap row; its logits go unused.
+        outs = trunk.forward_batch([BatchItem.decode(st, seq[-1], len(p) + t)
+                                    for st, seq, p in zip(states, ids, prompts)])
+        for b, o in enumerate(outs):
+            taps[b].append(o.taps)
+    return [_sequence(ids[b], len(p), taps[b], lps[b], topk) for b, p in enumerate(prompts)]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (see `--help`).
+
+    Raises:
+        SystemExit: a malformed option, or --batch / --sequences / --new below 1.
+    """
     ap = argparse.ArgumentParser(description="Greedy continuations + taps + top-K targets of the exported trunk.")
     ap.add_argument("--checkpoint", type=Path, default=Path("assets/dspark-small"))
     ap.add_argument("--data", type=Path, default=Path("runs/trunk/data"), help="tokenized streams (train_trunk)")
@@ -129,38 +193,54 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=96, help="greedy tokens per sequence")
     ap.add_argument("--topk", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--save-every", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=32,
+                    help="sequences generated at once; the shard file is rewritten after each group")
+    ap.add_argument("--numerics", choices=("fast", "exact"), default="exact",
+                    help="verify numerics of the trunk (exact: the shard does not depend on --batch)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--threads", type=int, default=1)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    from training.train_trunk import load_streams
+    args = ap.parse_args(argv)
+    for name in ("batch", "sequences", "new"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    return args
 
-    streams = load_streams(args.data, args.split)
+
+def write_shard(trunk: Trunk, streams: dict[str, np.ndarray], args: argparse.Namespace) -> Path:
+    """Generate (or, with --resume, complete) the shard file of `args` in groups of --batch
+    sequences, rewriting it atomically after each group; returns its path."""
     starts = document_starts(streams) if args.doc_start > 0 else None
     mix = args.mix or DEFAULT_MIX
-    trunk = load_trunk(args.checkpoint)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"{args.split}_shard{args.shard}of{args.of}.pt"
     meta = {"checkpoint": str(args.checkpoint), "split": args.split, "new": args.new, "topk": args.topk,
             "seed": args.seed, "config_hash": trunk.cfg.config_hash(), "mix": mix, "doc_start": args.doc_start,
-            "prompt_min": args.prompt_min, "prompt_max": args.prompt_max}
+            "prompt_min": args.prompt_min, "prompt_max": args.prompt_max, "numerics": args.numerics}
     seqs = torch.load(path, weights_only=False)["seqs"] if args.resume and path.is_file() else []
     t0, start = time.monotonic(), len(seqs)
-    for k in range(len(seqs), args.sequences):
-        index = args.shard + k * args.of
-        domain, prompt = sample_prompt(streams, mix, args.seed, args.split, index,
-                                       args.prompt_min, args.prompt_max, args.doc_start, starts)
-        seq = continue_greedy(trunk, prompt, args.new, args.topk)
-        seq["domain"] = domain
-        seqs.append(seq)
-        if len(seqs) % args.save_every == 0 or len(seqs) == args.sequences:
-            tmp = path.with_suffix(".tmp")
-            torch.save({"meta": meta, "seqs": seqs}, tmp)
-            os.replace(tmp, path)
-            made = k + 1 - start
-            print(f"{path.name}: {len(seqs)}/{args.sequences} sequences, "
-                  f"{made * args.new / (time.monotonic() - t0):.0f} tok/s", flush=True)
+    for k0 in range(len(seqs), args.sequences, args.batch):
+        group = [sample_prompt(streams, mix, args.seed, args.split, args.shard + k * args.of,
+                               args.prompt_min, args.prompt_max, args.doc_start, starts)
+                 for k in range(k0, min(k0 + args.batch, args.sequences))]
+        made = continue_greedy_batch(trunk, [prompt for _, prompt in group], args.new, args.topk)
+        for (domain, _), seq in zip(group, made):
+            seq["domain"] = domain
+        seqs.extend(made)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"meta": meta, "seqs": seqs}, tmp)
+        os.replace(tmp, path)
+        rate = (len(seqs) - start) / (time.monotonic() - t0)
+        print(f"{path.name}: {len(seqs)}/{args.sequences} sequences, {rate:.2f} seq/s, "
+              f"{rate * args.new:.0f} tok/s", flush=True)
+    return path
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    from training.train_trunk import load_streams
+
+    write_shard(load_trunk(args.checkpoint, args.numerics), load_streams(args.data, args.split), args)
 
 
 if __name__ == "__main__":
