@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from training.corpus import (Document, build, code_documents, man_to_text, math_documents, read_documents,
+from training.corpus import (KEPT_HEADING, Document, build, code_documents, man_to_text, math_documents, read_documents,
                              repeat_documents, split_of, stdlib_root, write_corpus_md)
 from training.tokenizer import BOS, BOS_ID, EOS, EOS_ID, TextTokenizer, train_tokenizer
 
@@ -88,6 +88,11 @@ def test_build_is_byte_identical_and_split_is_disjoint(tmp_path):
     write_corpus_md(m1, tmp_path / "CORPUS.md")
     md = (tmp_path / "CORPUS.md").read_text()
     assert "`latin1.py`" in md and "PSF-2.0" in md
+    # a rebuild keeps the hand-written section on the trained models, and only that
+    record = f"{KEPT_HEADING}\n\nv3 trunk: 2,000 steps.\n"
+    (tmp_path / "CORPUS.md").write_text(md.replace("## Sizes", "stale words\n## Sizes") + "\n" + record)
+    write_corpus_md(m1, tmp_path / "CORPUS.md")
+    assert (tmp_path / "CORPUS.md").read_text() == md + "\n" + record
 
 
 def test_a_different_seed_changes_only_generated_text(tmp_path):

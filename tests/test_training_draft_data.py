@@ -68,7 +68,8 @@ def test_shard_files_do_not_depend_on_the_batch_and_resume_completes(exact, tmp_
     part = parse_args(common + ["--batch", "2", "--out", str(tmp_path / "many")])
     part.sequences = 2
     write_shard(exact, streams, part)
-    many = write_shard(exact, streams, parse_args(common + ["--batch", "3", "--resume", "--out", str(tmp_path / "many")]))
+    rest = parse_args(common + ["--batch", "3", "--resume", "--out", str(tmp_path / "many")])
+    many = write_shard(exact, streams, rest)
     a, b = (torch.load(f, weights_only=False) for f in (one, many))
     assert len(a["seqs"]) == len(b["seqs"]) == 5
     assert a["meta"] == b["meta"] and a["meta"]["numerics"] == "exact"

@@ -365,8 +365,17 @@ def read_documents(path: Path, domains: Iterable[str] = DOMAINS) -> Iterator[Doc
                 yield Document(**d)
 
 
+KEPT_HEADING = "## Models trained on this corpus"  # CORPUS.md keeps this section across builds
+
+
 def write_corpus_md(m: Manifest, path: Path) -> None:
-    """Render a manifest as Markdown (provenance, licenses, sizes, skipped files)."""
+    """Render a manifest as Markdown (provenance, licenses, sizes, skipped files) into `path`.
+
+    A section of an existing `path` that starts at `KEPT_HEADING` is kept at the end: it holds
+    the hand-written record of the models trained on the corpus, which no build can derive.
+    """
+    old = path.read_text() if path.is_file() else ""
+    kept = old[old.index(KEPT_HEADING):] if KEPT_HEADING in old else ""
     rows = []
     for s in ("train", "heldout"):
         for d in DOMAINS:
@@ -412,7 +421,7 @@ def write_corpus_md(m: Manifest, path: Path) -> None:
         *[f"- `{k}`: `{v}`" for k, v in sorted(m.outputs.items())],
         "",
     ]
-    path.write_text("\n".join(lines))
+    path.write_text("\n".join(lines) + ("\n" + kept if kept else ""))
 
 
 def main() -> None:
