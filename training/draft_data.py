@@ -193,7 +193,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--new", type=int, default=96, help="greedy tokens per sequence")
     ap.add_argument("--topk", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch", type=int, default=32,
+    ap.add_argument("--batch", type=int, default=16,
                     help="sequences generated at once; the shard file is rewritten after each group")
     ap.add_argument("--numerics", choices=("fast", "exact"), default="exact",
                     help="verify numerics of the trunk (exact: the shard does not depend on --batch)")

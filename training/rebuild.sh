@@ -60,7 +60,7 @@ if [ "$RECIPE" = v3 ]; then
            --seed 1 --threads 2; fi
   fi >> runs/trunk-v3/train.log
   # Next (not yet run): export the trunk; draft data from it with the batched generator
-  # (training.draft_data --batch 32, exact numerics; >= 8,000 train + 256 held-out sequences,
+  # (training.draft_data --batch 16, exact numerics; >= 8,000 train + 256 held-out sequences,
   # the v2 prompts: --prompt-min 4 --prompt-max 64 --new 64 --doc-start 0.5); the draft.
   say "v3: the stages after the trunk are not written yet"
   exit 0
