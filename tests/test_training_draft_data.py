@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.model_fixtures import tiny_trunk_with
+from model_fixtures import tiny_trunk_with
 from training.draft_data import continue_greedy, continue_greedy_batch, parse_args, write_shard
 
 FIELDS = ("ids", "taps", "top_ix", "top_lp")

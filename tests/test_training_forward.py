@@ -198,6 +198,30 @@ def test_stored_weights_round_trip_inside_and_restore_masters():
     assert all(torch.equal(p, before[n]) for n, p in trunk.named_parameters())
 
 
+def test_init_reads_an_exported_folder_back_dequantised(tmp_path):
+    from dsv4.checkpoint import load_trunk_weights, save_checkpoint
+    from dsv4.init import random_weights
+    from training.train_trunk import exported_weights
+
+    cfg = tiny_config()
+    logical = random_weights(cfg, "all", seed=1)
+    save_checkpoint(tmp_path, cfg, logical)
+    got = exported_weights(tmp_path, cfg)
+    _, served = load_trunk_weights(tmp_path)
+    assert got.keys() == served.keys() and all(torch.equal(got[n], served[n]) for n in got)
+    fp8 = "layers.0.attn.wq_a.weight"
+    assert got[fp8].dtype == torch.float32 and not torch.equal(got[fp8], logical[fp8])  # the stored values
+    assert rel(got[fp8], logical[fp8]) < 0.1
+    trunk = Trunk(cfg)
+    trunk.load_weights(got)  # loads into the training model as is
+    ids = torch.tensor([5, 9, 2, 7, 7, 3])
+    served_trunk = Trunk(cfg)
+    served_trunk.load_weights(served)
+    assert rel(trunk_logits(trunk, ids)[-1], served_trunk.prefill(served_trunk.new_state(), ids).logits) < TOL
+    with pytest.raises(ValueError, match=f"its model config {cfg.config_hash()} is not the run's .*rope_theta"):
+        exported_weights(tmp_path, cfg.replace(rope_theta=5000.0))
+
+
 def test_draft_data_prompts_begin_documents_when_asked():
     import numpy as np
 
