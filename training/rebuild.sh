@@ -47,9 +47,11 @@ if [ "$RECIPE" = v3 ]; then
   # last 25 % of the steps train on the stored (fp8 / fp4) weights. Its log's step-0
   # evaluation is the v2 trunk's held-out loss per domain (the 'before').
   # Measured 2026-12-02, nice 19 with other jobs on both cores: see training/CORPUS.md.
-  # As run (resumable: the same command with --resume and no other flag continues it):
-  #   nohup nice -n 19 .venv/bin/python -m training.train_trunk --run runs/trunk-v3 \
-  #     --init <v2 folder> --steps 2000 --lr 1e-3 --warmup 20 --seed 1 --threads 2 >> runs/trunk-v3/train.log 2>&1 &
+  # As run, from a checkout of 645ad09's assets with runs/ -> /work/runs (resume: the same
+  # module with --run /work/runs/trunk-v3 --resume --threads 2, no other flag):
+  #   nohup nice -n 19 .venv/bin/python -m training.train_trunk --run /work/runs/trunk-v3 \
+  #     --init assets/dspark-small --corpus /work/runs/corpus --tokenizer /work/runs/tokenizer/tokenizer.json \
+  #     --steps 2000 --lr 1e-3 --warmup 20 --seed 1 --threads 2 >> /work/runs/trunk-v3/train.log 2>&1 &
   V2=runs/v2/assets/dspark-small
   [ -f $V2/config.json ] || { mkdir -p runs/v2 && git archive 645ad09 assets/dspark-small | tar -x -C runs/v2; }
   say "v3 trunk: the v2 trunk + 2,000 steps (6.55M tokens in all)"
