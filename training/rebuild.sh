@@ -46,7 +46,11 @@ if [ "$RECIPE" = v3 ]; then
   # (half of v2's), then cosine to 1e-4; seed 1 draws windows v2's steps did not see; the
   # last 25 % of the steps train on the stored (fp8 / fp4) weights. Its log's step-0
   # evaluation is the v2 trunk's held-out loss per domain (the 'before').
-  # Measured 2026-12-02, nice 19 with other jobs on both cores: see training/CORPUS.md.
+  # Step time, measured 2026-12-02 at nice 19 while other jobs kept both cores busy (load
+  # average ~8): 121-151 s wall per step (its first 212 s: compiling), i.e. days for the run
+  # at that load. On idle cores v2's compiled steps took 2.6 s (2 threads), so 2,000 steps
+  # plus 20 evaluations take ~1.5-2.5 h of idle CPU. Tokenizing the corpus into the run's
+  # data/ and the step-0 evaluation come first (a few minutes on idle cores).
   # As run, from a checkout of 645ad09's assets with runs/ -> /work/runs (resume: the same
   # module with --run /work/runs/trunk-v3 --resume --threads 2, no other flag):
   #   nohup nice -n 19 .venv/bin/python -m training.train_trunk --run /work/runs/trunk-v3 \
