@@ -67,10 +67,13 @@ FAILOVER_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLIN
 def failure_reason(exc: BackendError) -> str:
     """Why a drafter call failed, for logs and metrics: "timeout" (no reply within the round
     timeout, DEADLINE_EXCEEDED), "dead" (stream broken, unreachable, shutting down),
-    "invalid_reply" (`InvalidDraftReply`), "error" (any other status the drafter answered,
-    e.g. RESOURCE_EXHAUSTED at its session limit)."""
+    "invalid_reply" (`InvalidDraftReply`), "full" (RESOURCE_EXHAUSTED: the drafter is at its
+    session limit, a capacity condition that passes), "error" (any other status the drafter
+    answered, e.g. INTERNAL)."""
     if isinstance(exc, InvalidDraftReply):
         return "invalid_reply"
+    if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return "full"
     if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return "timeout"
     if exc.code in FAILOVER_CODES:
@@ -79,8 +82,9 @@ def failure_reason(exc: BackendError) -> str:
 
 
 def may_fail_over(exc: BackendError) -> bool:
-    """True when another drafter replica may cure the failure (dead, timeout, invalid reply)."""
-    return failure_reason(exc) != "error"
+    """True when another drafter replica may cure the failure at once (dead, timeout, invalid
+    reply). A full drafter is retried later instead (`DrafterLink`), an error never."""
+    return failure_reason(exc) not in ("error", "full")
 
 
 @dataclass(frozen=True)

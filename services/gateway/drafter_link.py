@@ -34,6 +34,12 @@ log = logging.getLogger("dspark.gateway")
 # Rows a generation may hold back from the drafter while the gate keeps it from drafting; the
 # bound keeps one commit message small (row_width 12288 bf16 rows: 32 rows = 768 KiB).
 MAX_DEFERRED_ROWS = 32
+# A drafter at its session limit (RESOURCE_EXHAUSTED) is full, not broken: the generation decodes
+# plainly and asks for a session again after FULL_RETRY_FIRST rounds, then after gaps doubling
+# up to FULL_RETRY_MAX rounds, so speculation resumes once a slot frees while a drafter that
+# stays full costs one refused stream per FULL_RETRY_MAX plain rounds.
+FULL_RETRY_FIRST = 4
+FULL_RETRY_MAX = 64
 
 
 class DrafterLink:
@@ -55,6 +61,8 @@ class DrafterLink:
         self.session: DrafterSession | None = supply.open() if supply is not None else None
         self.committed: list[int] = []  # tokens of the positions the verifier has committed
         self._pending: list[tuple] = []  # deferred commits: (rows, first_position, token_ids, token_first)
+        self._full_gap = 0  # rounds between asks while the drafter is full (0: it is not)
+        self._full_wait = 0  # plain rounds left before the next ask
 
     async def draft(self, anchor: int, pos: int, tc, sampling: SamplingParams, check: DraftCheck,
                     needs_probs: bool) -> tuple[DraftReply | None, float | None]:
@@ -112,7 +120,8 @@ class DrafterLink:
     async def failed(self, exc: BackendError) -> bool:
         """The drafter failed (`exc`: its error or an `InvalidDraftReply`). Re-prime a new
         drafter session from the supply while it has one and the failure is one another
-        replica may cure; True when one took over. Otherwise plain decode for the rest of this
+        replica may cure; True when one took over. A full drafter (RESOURCE_EXHAUSTED) is
+        asked again later (`retry_full`). Otherwise plain decode for the rest of this
         generation (False). Every failure is counted by reason and logged once.
 
         Raises:
@@ -123,6 +132,11 @@ class DrafterLink:
         self._pending.clear()  # a new session is primed from the verifier's rows instead
         span = trace.get_current_span()
         span.add_event("drafter_failed", {"error": str(exc), "reason": failure_reason(exc)})
+        if failure_reason(exc) == "full" and self.supply is not None:
+            self._full_gap = min(FULL_RETRY_MAX, 2 * self._full_gap) if self._full_gap else FULL_RETRY_FIRST
+            self._full_wait = self._full_gap
+            self._count_failure(exc, f"plain decode; asking again in {self._full_gap} rounds")
+            return False
         while True:
             new = self.supply.open() if self.supply is not None and may_fail_over(exc) else None
             self._count_failure(exc, "trying a new drafter session" if new else "plain decode from here")
@@ -141,6 +155,32 @@ class DrafterLink:
         self.counters.drafter_failed = True
         self.faults.fell_back()
         return False
+
+    async def retry_full(self) -> bool:
+        """One plain round of a generation whose drafter was full; on the round its wait ends,
+        open a new session and prime it with the verifier's kept rows. True when a session
+        took over (the next round may draft); a refusal doubles the wait (`failed`).
+
+        Raises:
+            BackendError: the verifier failed to return its kept rows (ends the generation).
+        """
+        if self.session is not None or self._full_gap == 0:
+            return self.session is not None
+        self._full_wait -= 1
+        if self._full_wait > 0:
+            return False
+        new = self.supply.retry()
+        if new is None:
+            self._full_gap = 0
+            return False
+        span = trace.get_current_span()
+        refused = await self._prime(new, span)
+        if refused is not None:
+            self.session = new  # closed by `failed`, which counts the refusal and backs off
+            return await self.failed(refused)
+        self.session, self._full_gap = new, 0
+        span.add_event("drafter_session_regained", {"first_position": len(self.committed)})
+        return True
 
     async def _prime(self, new: DrafterSession, span) -> BackendError | None:
         """Commit the verifier's kept rows (the last min(W, committed)) and the committed tokens

@@ -25,7 +25,7 @@ import torch
 
 from services.gateway.backends import DRAFT_CHECKS, DraftReply, DrafterSession, InvalidDraftReply
 
-FAILURE_REASONS = ("dead", "timeout", "invalid_reply", "error")
+FAILURE_REASONS = ("dead", "timeout", "invalid_reply", "full", "error")
 
 
 class DraftCheck:
@@ -152,6 +152,7 @@ class DrafterSupply:
             raise ValueError(f"drafter failovers={failovers}: must be >= 0")
         self._factory, self.failovers, self._close_sessions = factory, failovers, close_sessions
         self.opened: list[DrafterSession] = []
+        self._retries = 0  # sessions opened by `retry` (not counted against `failovers`)
 
     @classmethod
     def of(cls, session: DrafterSession) -> "DrafterSupply":
@@ -160,8 +161,18 @@ class DrafterSupply:
 
     def open(self) -> DrafterSession | None:
         """The next session, or None once the first one and `failovers` replacements are used."""
-        if len(self.opened) > self.failovers:
+        if len(self.opened) - self._retries > self.failovers:
             return None
+        self.opened.append(self._factory())
+        return self.opened[-1]
+
+    def retry(self) -> DrafterSession | None:
+        """A new session after the drafter refused one for capacity (RESOURCE_EXHAUSTED): it
+        does not spend the failover budget, since no replica failed. None for a supply of one
+        caller-owned session (`of`), which cannot open another."""
+        if not self._close_sessions:
+            return None
+        self._retries += 1
         self.opened.append(self._factory())
         return self.opened[-1]
 

@@ -27,7 +27,7 @@ The gate and the rounds (names of `SpecStats`):
   spec_decode_skipped_after_draft_rounds, spec_decode_plain_rounds (k = 0),
   spec_decode_drafter_failures (generations that fell back to plain decode).
 Drafter faults (each failed drafter call or rejected reply once; `docs/services.md` §3):
-  spec_decode_drafter_faults                {reason = dead | timeout | invalid_reply | error,
+  spec_decode_drafter_faults                {reason = dead | timeout | invalid_reply | full | error,
                                              check = the failed `DRAFT_CHECKS` rule, or none}
   spec_decode_drafter_failovers             new drafter sessions that took over after a fault
 GenAI server histograms (semantic conventions, seconds, their ExplicitBucketBoundaries),

@@ -335,7 +335,7 @@ class _Generation:
     async def _plan(self, anchor: int, pos: int, margin: float, tc) -> _Plan:
         """What this round submits and why: the pre-draft checks, the draft, then the length
         (`always` submits the cap, `gated` asks the gate; without confidences, the cap)."""
-        if self.link.session is None:
+        if self.link.session is None and not await self.link.retry_full():
             return _Plan(Reason.NO_DRAFTER)
         if self._max_drafts(self.s.limits.block_size, pos) == 0:
             return _Plan(Reason.NO_ROOM)  # one token left (or no room): a draft could not be submitted
