@@ -91,7 +91,7 @@ class VerifierOccupancy:
     """How many of one gateway's generations are inside a verifier call (prefill, decode or
     verify) right now. Process-wide and used from the event loop's thread only (no lock).
     Generations of other gateways sharing the verifier are not counted, so with several
-    gateways the cover it gives is too low and the pricing errs towards today's alone rule."""
+    gateways the cover it gives is too low and the pricing errs towards the alone rule."""
 
     def __init__(self) -> None:
         self.inside = 0
