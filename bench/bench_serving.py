@@ -63,8 +63,10 @@ CALL_TIMEOUT_S = 900.0   # deadline of one Generate (s): a hang guard for the sl
 INFO_TIMEOUT_S = 10.0
 
 
-async def generate(stub, prompt: str, arm: str, max_tokens: int) -> GenerationTrace:
-    """One Generate call of `arm`; the arrival time and token count of every message.
+async def generate(stub, prompt: str, arm: str, max_tokens: int,
+                   rounds: list[tuple[int, int, int]] | None = None) -> GenerationTrace:
+    """One Generate call of `arm`; the arrival time and token count of every message. With
+    `rounds`, appends the final message's (rounds, drafts submitted, plain rounds).
     Raises grpc.aio.AioRpcError on a failed call."""
     spec, k = ARMS[arm]
     req = gateway_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, spec=spec, max_draft_tokens=k,
@@ -73,6 +75,9 @@ async def generate(stub, prompt: str, arm: str, max_tokens: int) -> GenerationTr
     async for msg in stub.Generate(req, timeout=CALL_TIMEOUT_S):
         if msg.token_ids:
             trace.arrivals.append((time.perf_counter(), len(msg.token_ids)))
+        if msg.finished and rounds is not None:
+            st = msg.spec_stats
+            rounds.append((st.rounds, st.submitted, st.plain_rounds))
     return trace
 
 
@@ -84,8 +89,9 @@ def stream_prompts(streams: int, index: int) -> list[str]:
     return [WORKLOADS[names[(index + j * streams) % len(names)]] for j in range(per)]
 
 
-async def run_stream(stub, prompts: list[str], arm: str, max_tokens: int) -> list[GenerationTrace]:
-    return [await generate(stub, p, arm, max_tokens) for p in prompts]
+async def run_stream(stub, prompts: list[str], arm: str, max_tokens: int,
+                     rounds: list[tuple[int, int, int]]) -> list[GenerationTrace]:
+    return [await generate(stub, p, arm, max_tokens, rounds) for p in prompts]
 
 
 async def verifier_steps(stub) -> tuple[int, float]:
@@ -94,15 +100,38 @@ async def verifier_steps(stub) -> tuple[int, float]:
     return info.steps, info.batch_size_mean * info.steps
 
 
+def cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) each service process has used so far, from
+    /proc/<pid>/stat (Linux). Raises OSError when a process is gone."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (stat fields 14, 15)
+    return out
+
+
 async def run_cell(stack: dict, streams: int, arm: str, max_tokens: int) -> dict:
-    """One cell: `streams` concurrent streams of `arm`; its figures and the verifier's mean
-    sessions per batch step over the cell."""
+    """One cell: `streams` concurrent streams of `arm`; its figures, the verifier's mean
+    sessions per batch step over the cell, and the generations' drafts submitted per round
+    and share of plain rounds (from each final message's SpecStats), and the three services'
+    CPU ms per completion token."""
     steps0, sessions0 = await verifier_steps(stack["verifier"])
-    traces = await asyncio.gather(*(run_stream(stack["gateway"], stream_prompts(streams, i), arm, max_tokens)
-                                    for i in range(streams)))
+    cpu0 = cpu_s(stack["procs"].pids())
+    rounds: list[tuple[int, int, int]] = []
+    traces = await asyncio.gather(*(run_stream(stack["gateway"], stream_prompts(streams, i), arm, max_tokens,
+                                               rounds) for i in range(streams)))
+    cpu1 = cpu_s(stack["procs"].pids())
     steps1, sessions1 = await verifier_steps(stack["verifier"])
     out = cell_figures(traces).as_dict()
+    # The services' CPU per token: what a policy costs the shared cores, whatever else runs on the machine.
+    out["cpu_ms_per_token"] = sum(cpu1.values()) - sum(cpu0.values())
+    out["cpu_ms_per_token"] *= 1e3 / max(out["tokens"], 1)
     out["sessions_per_step"] = (sessions1 - sessions0) / max(steps1 - steps0, 1)
+    total = max(sum(r for r, _, _ in rounds), 1)
+    out["drafts_per_round"] = sum(s for _, s, _ in rounds) / total
+    out["plain_round_share"] = sum(p for _, _, p in rounds) / total
     return out
 
 
@@ -146,7 +175,7 @@ def cell_table(numerics: str, med: dict, args) -> Table:
     t = Table(title=escape(f"{numerics} numerics: median [min-max] of {args.repeats}, "
                            f"{args.max_tokens} tokens per generation"))
     for col in ("streams", "arm", "aggregate tok/s", "per-stream tok/s", "TTFT p50 ms", "TTFT p99 ms",
-                "ITL p50 ms", "ITL p99 ms", "sessions/step"):
+                "ITL p50 ms", "ITL p99 ms", "sessions/step", "drafts/round", "plain rounds", "CPU ms/token"):
         t.add_column(col, justify="right")
     for streams in args.streams:
         for arm in args.arms:
@@ -154,8 +183,14 @@ def cell_table(numerics: str, med: dict, args) -> Table:
             t.add_row(str(streams), arm, fmt(f["aggregate_tok_s"]), fmt(f["per_stream_tok_s"]),
                       f"{f['ttft_p50_ms'].median:.0f}", f"{f['ttft_p99_ms'].median:.0f}",
                       f"{f['itl_p50_ms'].median:.1f}", f"{f['itl_p99_ms'].median:.1f}",
-                      f"{f['sessions_per_step'].median:.2f}")
+                      f"{f['sessions_per_step'].median:.2f}", _median(f, "drafts_per_round", "{:.2f}"),
+                      _median(f, "plain_round_share", "{:.0%}"), _median(f, "cpu_ms_per_token", "{:.1f}"))
     return t
+
+
+def _median(figures: dict, name: str, form: str) -> str:
+    """A figure's median in `form`, or "-" for runs saved before the figure existed."""
+    return form.format(figures[name].median) if name in figures else "-"
 
 
 def paired(reps: int, numerator, denominator) -> Spread:
@@ -283,7 +318,7 @@ def load_run(path: str, args) -> tuple[dict, float]:
 
 
 async def run(args, env: dict[str, str]) -> int:
-    console = Console(width=170)  # the cell table's nine columns stay unwrapped in a log file
+    console = Console(width=200)  # the cell table's nine columns stay unwrapped in a log file
     if args.from_json:
         raw, grid_s = load_run(args.from_json, args)
         report(raw, args, grid_s, console)

@@ -13,16 +13,18 @@ generation priced at load streams the tokens of plain decode.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import random
 
 import pytest
 
-from dspark_proto.v1 import common_pb2, verifier_pb2
+from dspark_proto.v1 import common_pb2, gateway_pb2, verifier_pb2
 from services.app import drafter_engine, start_drafter, start_verifier, verifier_engine
 from services.common.settings import BackendSettings
-from services.gateway.decision import CostModel, decide_length
+from services.gateway.decision import CostModel, decide_length, draft_advantage
 from services.gateway.gate import BUCKET_EDGES, Gate, GateConfig, bucket_index
-from services.gateway.load import LoadSeen, StepTimes, priced_at_load
+from services.gateway.load import COVER_ALPHA, LoadSeen, StepTimes, VerifierOccupancy, priced_at_load
 from services.settings import backend_settings, gateway_settings
 from services.verifier.batcher import StepRecord
 from services.verifier.step_profile import StepProfileSettings, profile_steps, row_targets, split_rows
@@ -146,6 +148,69 @@ def test_a_loaded_step_prices_drafts_dearer_and_the_gate_chooses_a_shorter_block
     assert priced_at_load(COST, TABLE, same_rate, 0.1, 5).verify_table == pytest.approx((13.0, 16.0, 19.0, 22.0, 25.0))
 
 
+# verify(n) = plain + 5n: beside the table's 2 ms per row, 3n ms of the round are its own
+OWN_COST = CostModel(draft_ms=10.0, verify_base_ms=0.0, verify_slope_ms=0.0, plain_ms=10.0, commit_ms=4.0,
+                     verify_table=(15.0, 20.0, 25.0, 30.0, 35.0))
+
+
+def _seen(cover_samples: list[int]) -> LoadSeen:
+    seen = LoadSeen()
+    seen.observe(step_rows=24, own_rows=4, tokens_per_ms=0.2)   # 20 other rows, lambda_sys twice the own rate
+    for others in cover_samples:
+        seen.observe_cover(others)
+    return seen
+
+
+def test_cover_prices_the_own_wait_only_when_the_verifier_would_idle():
+    uncovered = priced_at_load(OWN_COST, TABLE, _seen([0]), own_rate=0.1, max_k=5)
+    # w = 1: plain + 3n own + 2 * 3n shared; draft and commit kept
+    assert uncovered.verify_table == pytest.approx((19.0, 28.0, 37.0, 46.0, 55.0))
+    assert (uncovered.draft_ms, uncovered.commit_ms) == (10.0, 4.0)
+    covered = priced_at_load(OWN_COST, TABLE, _seen([3]), own_rate=0.1, max_k=5)
+    # w = 0: only the shared step ms remain; the draft keeps CostModel's 1e-3 ms floor
+    assert covered.verify_table == pytest.approx((16.0, 22.0, 28.0, 34.0, 40.0))
+    assert covered.draft_ms == pytest.approx(1e-3) and covered.commit_ms == 0.0
+    half = _seen([1, 0, 0])    # 1, then two idle samples: 1 -> 0.7 -> 0.49
+    assert half.cover == pytest.approx((1 - COVER_ALPHA) ** 2)
+    priced = priced_at_load(OWN_COST, TABLE, half, own_rate=0.1, max_k=5)
+    w = 1 - half.cover
+    assert priced.verify_table == pytest.approx(tuple(10.0 + w * 3 * n + 6 * n for n in range(1, 6)))
+    assert priced.draft_ms == pytest.approx(10.0 * w) and priced.commit_ms == pytest.approx(4.0 * w)
+
+
+def test_a_covered_wait_turns_a_skipped_draft_into_a_drafted_round():
+    # value(n) = E[tokens(n)] - 0.1 * (draft + verify'(n) + commit), plain 1 - 0.1 * 10 = 0
+    uncovered = priced_at_load(OWN_COST, TABLE, _seen([0]), 0.1, 5)
+    assert draft_advantage(PROBS, uncovered, 0.1) == pytest.approx(-1.4)     # best: 1.9 - 3.3 at n = 1
+    covered = priced_at_load(OWN_COST, TABLE, _seen([2]), 0.1, 5)
+    assert draft_advantage(PROBS, covered, 0.1) == pytest.approx(2.62 - 2.2 - 1e-4)  # n = 2 beats plain
+    assert decide_length(PROBS, 5, covered, margin=1.0, rate=0.1) == 2
+    alone = LoadSeen()
+    alone.observe_cover(1)   # covered, but alone in its steps at its own rate: only the wait is cheaper
+    assert priced_at_load(OWN_COST, TABLE, alone, 0.1, 5).verify_table == pytest.approx((12.0, 14.0, 16.0, 18.0, 20.0))
+
+
+def test_cover_follows_the_samples_and_occupancy_counts_calls():
+    seen = LoadSeen()
+    assert seen.cover == 0.0 and priced_at_load(COST, TABLE, seen, 0.1, 5) is COST
+    seen.observe_cover(4)
+    assert (seen.cover, seen.cover_samples) == (1.0, 1)
+    seen.observe_cover(0)
+    assert seen.cover == pytest.approx(1 - COVER_ALPHA)
+    with pytest.raises(ValueError, match="others_inside=-1"):
+        seen.observe_cover(-1)
+    occ = VerifierOccupancy()
+    with occ.call():
+        with occ.call():
+            assert occ.inside == 2
+        with pytest.raises(RuntimeError):
+            with occ.call():
+                assert occ.inside == 2
+                raise RuntimeError("a failed verifier call")
+        assert occ.inside == 1
+    assert occ.inside == 0
+
+
 def test_load_seen_follows_replies_and_ignores_replies_without_a_step():
     seen = LoadSeen()
     seen.observe(0, 1, 5.0)
@@ -176,6 +241,23 @@ def test_the_decision_is_a_function_of_confidences_estimates_and_load_only():
         expect = decide_length([est[bucket_index(c)] for c in conf], 5, gate.pricing, 1.0, 0, gate.rate())
         assert gate.choose(conf, 5).k == expect
     assert len(BUCKET_EDGES) == 5
+
+
+def test_with_cover_the_decision_is_still_a_function_of_confidences_estimates_and_load_only():
+    rng = random.Random(7)
+    cfg = GateConfig(enabled=True, margin=1.0)
+    for _ in range(200):
+        gate = Gate(cfg)
+        gate.cost = OWN_COST
+        seen = LoadSeen()
+        seen.observe(rng.randrange(1, 40), 1, rng.uniform(0.01, 0.5))
+        for _ in range(rng.randrange(1, 5)):
+            seen.observe_cover(rng.randrange(3))
+        gate.pricing = priced_at_load(OWN_COST, TABLE, seen, gate.rate(), 5)
+        conf = [rng.uniform(-2, 8) for _ in range(5)]
+        est = gate.estimates()
+        expect = decide_length([est[bucket_index(c)] for c in conf], 5, gate.pricing, 1.0, 0, gate.rate())
+        assert gate.choose(conf, 5).k == expect
 
 
 # ---------------------------------------------------------------------------- service level
@@ -222,6 +304,36 @@ def test_info_and_responses_carry_the_load_and_a_priced_generation_streams_plain
             assert samples["draft_ms"]["online"] > 0 and samples["plain_ms"]["online"] > 0
             after = loop.run(info())
             assert after.step_table_source == ONLINE and after.committed_tokens >= 48
+        finally:
+            loop.run(gw.close())
+    finally:
+        stack.close()
+
+
+def test_concurrent_priced_generations_see_each_other_and_stream_plain_tokens():
+    """Three gated generations at once through in-process services (sequential verify, so
+    their tokens are plain decode's whatever they draft): rounds are priced with the cover
+    the others give, and every verifier call has left the count when they end."""
+    loop = service_loop()
+    stack = loop.run(_profiled_stack())
+    prompts = ("load-aware cover", "three at once", "the verifier stays busy")
+    try:
+        gw = loop.run(stack.start_gateway("sequential", cost_mode="measured"))
+        try:
+            async def together(spec):
+                return await asyncio.gather(*(collect(gw.stub, gen_request(p, max_tokens=20, spec=spec))
+                                              for p in prompts))
+            gated = loop.run(together("gated"))
+            plain = loop.run(together("off"))
+            assert [g.token_ids for g in gated] == [p.token_ids for p in plain]
+            assert all(len(g.token_ids) == 20 for g in gated)
+            priced = gw.scheduler.pricing_stats.to_dict()
+            assert priced["rounds"] >= 3 and 0.0 < priced["cover_mean"] <= 1.0
+            assert gw.scheduler.occupancy.inside == 0
+            async def stats_json():
+                return (await gw.stub.Stats(gateway_pb2.StatsRequest(), timeout=10)).json
+            stats = loop.run(stats_json())
+            assert json.loads(stats)["load_pricing"]["rounds"] == priced["rounds"]
         finally:
             loop.run(gw.close())
     finally:

@@ -59,7 +59,7 @@ from services.gateway.drafter_link import MAX_DEFERRED_ROWS, DrafterLink
 from services.gateway.drafters import DraftCheck, DrafterFaults, DrafterSupply
 from services.gateway.events import FinalEvent, GenerationParams, ModelLimits, ProcessStats, TokenEvent
 from services.gateway.gate import Gate, GateConfig, LengthChoice
-from services.gateway.load import LoadSeen, VerifierLoad, priced_at_load
+from services.gateway.load import LoadSeen, PricingStats, VerifierLoad, VerifierOccupancy, priced_at_load
 from services.gateway.metrics import GenerationMetrics, NoGenerationMetrics
 from services.gateway.record import Reason, RoundRecord, RoundStats, drafted_reason
 from services.gateway.rounds import Round, check_workload
@@ -107,6 +107,8 @@ class Scheduler:
         self.recorder = recorder
         self.metrics = metrics
         self.load = load
+        self.occupancy = VerifierOccupancy()  # generations inside a verifier call (the cover of load pricing)
+        self.pricing_stats = PricingStats()  # the rounds priced at load (the Stats RPC)
         self.stats = ProcessStats()
         self.draft_check = DraftCheck(limits.vocab_size, limits.block_size, limits.reserved_token_ids)
         self.drafter_faults = DrafterFaults()  # process-wide, by reason (the Stats RPC)
@@ -250,7 +252,7 @@ class _Generation:
         """Prefill, then rounds until a stop condition; yields a TokenEvent per round (the first
         anchor's first), then one FinalEvent. Raises BackendError when the verifier fails."""
         p = self.p
-        with self.s.tracer.start_as_current_span("gateway.prefill") as span:
+        with self.s.tracer.start_as_current_span("gateway.prefill") as span, self.s.occupancy.call():
             first = await self.verifier.prefill(p.prompt_ids, trace_context(span), p.sampling)
         self.ttft_ms = (time.perf_counter() - self.t0) * 1e3
         await self.link.commit(first.rows, first.first_position, p.prompt_ids, 0)
@@ -303,7 +305,8 @@ class _Generation:
             t0 = time.perf_counter()
             if k > 0:
                 q = None if plan.probs is None else plan.probs[:k]
-                res = await self.verifier.verify(anchor, drafts[:k], pos, s.verify_mode, tc, q)
+                with s.occupancy.call():
+                    res = await self.verifier.verify(anchor, drafts[:k], pos, s.verify_mode, tc, q)
                 verify_ms = (time.perf_counter() - t0) * 1e3
                 own_rows = k + 1 if s.verify_mode == "batched" else 1  # sequential: one position per step
                 alone = self._alone(res, own_rows)
@@ -312,7 +315,8 @@ class _Generation:
                 if plan.conf is not None:
                     self.gate.observe(plan.conf, k, res.accepted)
             else:
-                res = await self.verifier.decode(anchor, pos, tc)
+                with s.occupancy.call():
+                    res = await self.verifier.decode(anchor, pos, tc)
                 verify_ms = (time.perf_counter() - t0) * 1e3
                 own_rows = 1
                 alone = self._alone(res, own_rows)
@@ -339,7 +343,9 @@ class _Generation:
             return _Plan(Reason.NO_DRAFTER)
         if self._max_drafts(self.s.limits.block_size, pos) == 0:
             return _Plan(Reason.NO_ROOM)  # one token left (or no room): a draft could not be submitted
-        if self.step_table is not None:  # priced before the pre-draft decision, from replies already seen
+        if self.step_table is not None:  # priced before the pre-draft decision, from what came before it
+            self.seen.observe_cover(self.s.occupancy.inside)  # this generation is outside the verifier now
+            self.s.pricing_stats.add(self.seen)
             self.gate.pricing = priced_at_load(self.cost, self.step_table, self.seen, self.gate.rate(),
                                                self.s.limits.block_size)
         if not self.gate.should_draft(margin):
