@@ -5,7 +5,7 @@ schedule, checkpoints and logs; it never writes the checkpoint folder (`training
 
     python -m training.train_trunk --run runs/trunk --steps 900            # fresh run
     python -m training.train_trunk --run runs/trunk --resume               # continue it
-    python -m training.train_trunk --run runs/trunk-v3 --init assets/dspark-small --steps 2000 --lr 1e-3 --warmup 20
+    python -m training.train_trunk --run runs/trunk-v3 --init assets/dspark-small --steps 2000 --lr 5e-4 --warmup 50
     nohup .venv/bin/python -m training.train_trunk --run runs/trunk --resume >> runs/trunk/train.log 2>&1 &
 
 Inputs: the corpus (`training.corpus`, runs/corpus) and tokenizer (`training.tokenizer`,
