@@ -35,6 +35,13 @@ MAX_TIMEOUT_S = 1e8
 # grpc.max_connection_age_ms is a C int: at most 2^31 - 1 ms (~24.8 days), at least 1 ms.
 MAX_CONNECTION_AGE_S = (2**31 - 1) / 1000
 DEFAULT_MAX_CONNECTION_AGE_S = 300.0
+# The step loops' gather window (ms): the served default, and the most a setting may ask.
+# At 16 plain streams on the 2-core CPU box the last of a step's sessions came back about
+# 10-20 ms after the first (each reply crosses the gateway's one event loop in turn); a
+# second step for the late ones costs a whole step's fixed part (about 20 ms of a 27 ms
+# one-row step in fast numerics), so waiting up to that long is the cheaper side.
+DEFAULT_STEP_GATHER_MS = 20
+MAX_STEP_GATHER_MS = 1000
 # span exporters a service can have ("none": no exporter)
 EXPORTERS = ("otlp", "console", "none")
 # how a service writes its log lines: plain text, or one JSON object per line (log shippers)
@@ -191,6 +198,10 @@ class BackendSettings:
     step loop forwards in one step (`services.verifier.batcher`). step_profile: the verifier
     times batch steps over dummy sessions before it serves, seeding its step-time table
     (False here, so embeddings and tests start at once; `services.settings` defaults it to True).
+    step_gather_ms: the longest wait (ms, 0..1000) of the verifier's and the drafter's step
+    loops, before a step, for the sessions the previous step answered to send again
+    (`services.common.step_queue`); 0 here (steps start as soon as work is queued),
+    `services.settings` defaults it to DEFAULT_STEP_GATHER_MS.
     Raises:
         ValueError: a field outside its range (named with its value).
     """
@@ -200,11 +211,15 @@ class BackendSettings:
     verify_numerics: str = "fast"
     prefill_chunk: int = 64
     step_profile: bool = False
+    step_gather_ms: int = 0
 
     def __post_init__(self) -> None:
         if self.max_sessions is not None:
             check_count("max_sessions", self.max_sessions, 1)
         check_count("prefill_chunk", self.prefill_chunk, 1)
+        check_count("step_gather_ms", self.step_gather_ms, 0)
+        if self.step_gather_ms > MAX_STEP_GATHER_MS:
+            raise ValueError(f"step_gather_ms={self.step_gather_ms}: must be <= {MAX_STEP_GATHER_MS}")
         if not isinstance(self.step_profile, bool):
             raise ValueError(f"step_profile={self.step_profile!r}: must be a bool")
         check_choice("verify_mode", self.verify_mode, VERIFY_MODES)

@@ -5,12 +5,24 @@ The verifier's step loop (`services.verifier.batcher`) and the drafter's
 (`services.drafter.steps`) differ in what a step is; this module owns only what they have in
 common, so admission, release and shutdown behave the same in both. It never forwards a model
 and knows nothing of what a request asks.
+
+Gathering. A session answered by a step usually sends its next request a few milliseconds
+later (its client turns the reply around), and on a CPU a step's cost is mostly per step,
+not per row. A loop that started the next step the moment any request was queued would
+therefore split the sessions into cohorts that alternate steps, each paying the whole
+per-step cost. So before a step the loop waits, up to `gather_s`, for the sessions the
+previous step answered to queue again; it stops waiting as soon as all of them have (or
+have closed, `forget`), so a lone session never waits, and a session that is busy elsewhere
+(drafting, streaming its end) delays the others by at most `gather_s`. What a step computes
+never depends on this: only which requests share it.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable, Protocol
 
@@ -35,11 +47,21 @@ class StepQueue:
         on_step: called on the loop thread with each step's record (metrics; None: nothing);
             what it raises is logged, never raised: the loop answers every session.
         log: where a failing hook is logged.
-    Thread safety: `_enqueue`, `stats` and `close` may be called from any thread.
+        gather_s: the longest wait (s, >= 0; 0: none) before a step for the sessions the
+            previous step answered (module docstring).
+    Raises:
+        ValueError: gather_s negative, not finite or not a number (named with its value).
+    Thread safety: `_enqueue`, `stats`, `forget` and `close` may be called from any thread.
     """
 
-    def __init__(self, role: str, stats: Any, on_step: Callable[[Any], None] | None, log: logging.Logger):
+    def __init__(self, role: str, stats: Any, on_step: Callable[[Any], None] | None, log: logging.Logger,
+                 gather_s: float = 0.0):
+        if isinstance(gather_s, bool) or not isinstance(gather_s, (int, float)) \
+                or not (math.isfinite(gather_s) and gather_s >= 0):
+            raise ValueError(f"gather_s={gather_s!r}: must be a finite number of seconds >= 0")
         self.on_step, self._role, self._log = on_step, role, log
+        self.gather_s = float(gather_s)
+        self._returning: set[int] = set()  # sessions the last step answered, expected back soon
         self._cv = threading.Condition()
         self._queue: list = []
         self._inflight: set[int] = set()
@@ -70,6 +92,27 @@ class StepQueue:
             self._cv.notify()
         return request.future
 
+    def _wait_for_work(self, pending: Callable[[], bool]) -> None:
+        """With `_cv` held: wait until `pending()` or the loop closes, then gather (module
+        docstring): up to `gather_s` more for the sessions the last step answered to queue
+        again. `pending` is re-evaluated on every wake-up."""
+        while not (pending() or self._closed):
+            self._cv.wait()
+        deadline = time.monotonic() + self.gather_s
+        while self.gather_s and not self._closed and self._returning - self._inflight:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._cv.wait(left)
+        self._returning.clear()
+
+    def forget(self, sid: int) -> None:
+        """Session `sid` closed: the next step does not wait for it. Unknown ids are ignored."""
+        with self._cv:
+            if sid in self._returning:
+                self._returning.discard(sid)
+                self._cv.notify()
+
     def stats(self) -> Any:
         """The steps so far (a snapshot)."""
         with self._cv:
@@ -85,18 +128,21 @@ class StepQueue:
             self._thread.join(timeout_s)
 
     def _finish(self, r: QueuedRequest, result: object = None, error: BaseException | None = None) -> None:
-        """Release r's session and resolve its future with `result` or `error`."""
-        self._release([r])
+        """Release r's session and resolve its future with `result` or `error`; an answered
+        session is expected back by the next step (`_wait_for_work`)."""
+        self._release([r], returning=error is None)
         if error is not None:
             r.future.set_exception(error)
         else:
             r.future.set_result(result)
 
-    def _release(self, requests: list) -> None:
-        """Their sessions may send again."""
+    def _release(self, requests: list, returning: bool = False) -> None:
+        """Their sessions may send again; `returning`: and the next step waits for them."""
         with self._cv:
             for r in requests:
                 self._inflight.discard(r.sid)
+                if returning:
+                    self._returning.add(r.sid)
 
     def _publish(self, stats: Any, step: Any) -> None:
         """Store the new stats snapshot, then call the step hook with `step`."""

@@ -116,21 +116,23 @@ class StepLoop(StepQueue):
         on_step: called on the loop thread with a `StepRecord` after every step (metrics;
             None: nothing); what it raises is logged.
         prefill_chunk: C, the most prompt tokens one step forwards (an integer >= 1).
+        gather_s: the longest wait (s) before a step for the sessions the previous step
+            answered (`services.common.step_queue`; 0: start a step as soon as work is queued).
     Raises:
-        ValueError: the engine's model is not batchable (a top-k dump wrapper), or
-            prefill_chunk not an integer >= 1 (named with its value).
+        ValueError: the engine's model is not batchable (a top-k dump wrapper), prefill_chunk
+            not an integer >= 1, or gather_s negative or not finite (named with its value).
     Thread safety: `submit`, `stats` and `close` may be called from any thread.
     """
 
     def __init__(self, engine: VerifierEngine, on_step: Callable[[StepRecord], None] | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, gather_s: float = 0.0):
         if not batchable(engine.model):
             raise ValueError(f"the step loop drives a plain Trunk or a TPTrunk over plain trunks, "
                              f"got {type(engine.model).__name__}")
         self.prefill_chunk = as_int(prefill_chunk, "prefill_chunk")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be >= 1 (tokens per step)")
-        super().__init__("verifier", StepStats(), on_step, log)
+        super().__init__("verifier", StepStats(), on_step, log, gather_s)
         self.engine = engine
         self._carried: list[_Request] = []  # between steps: stepwise verifies, the prompt being prefilled
         self._start()
@@ -162,8 +164,7 @@ class StepLoop(StepQueue):
         """Wait for work and take the next step's requests (None: closed): every decode and
         verify, and the one prompt that holds the chunk slot (module docstring)."""
         with self._cv:
-            while not (self._queue or self._carried or self._closed):
-                self._cv.wait()
+            self._wait_for_work(lambda: bool(self._queue or self._carried))
             if self._closed:
                 failed, self._queue = self._queue + self._carried, []
                 for r in failed:
