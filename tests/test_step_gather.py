@@ -2,9 +2,10 @@
 (services/common/step_queue.py, services/verifier/batcher.py):
   * on the smallest loop over `StepQueue` (a step answers what is queued): with a gather
     window, a session answered by a step that sends its next request late still shares the
-    next step with the one that sent at once; without one, the early session steps alone;
-    a closed session is forgotten, so the next step does not wait for it even with a window
-    far longer than the test's deadline;
+    next step with the one that sent at once; without one, or when the previous step took
+    no time (the window's other bound), the early session steps alone; a closed session
+    is forgotten, so the next step does not wait for it even with a window far longer
+    than the test's deadline;
   * through a real `StepLoop` on the random tiny model in exact numerics:
     short prompts queued behind a long one complete in the steps the long one's last chunk
     leaves room in (two prompts completed by one step), never more than C prompt tokens
@@ -52,11 +53,13 @@ class _Req:
 
 class RecordingLoop(StepQueue):
     """The smallest step loop: a step answers every queued request with the step's index
-    and records which sessions shared it. It takes its first step once `go` is set, so the
-    requests queued before that share it."""
+    and records which sessions shared it; it reports each step as taking `step_s` (the
+    bound of the next gather, with gather_s). It takes its first step once `go` is set, so
+    the requests queued before that share it."""
 
-    def __init__(self, gather_s: float):
+    def __init__(self, gather_s: float, step_s: float = 1e6):
         super().__init__("verifier", None, None, logging.getLogger("test"), gather_s)
+        self.step_s = step_s
         self.steps: list[list[int]] = []
         self.go = threading.Event()
         self._start()
@@ -73,15 +76,16 @@ class RecordingLoop(StepQueue):
                     return
                 taken, self._queue = self._queue, []
             self.steps.append(sorted(r.sid for r in taken))
+            self._last_step_s = self.step_s
             for r in taken:
                 r.future.set_running_or_notify_cancel()
                 self._finish(r, len(self.steps))
 
 
-def two_sessions_one_late(gather_s: float) -> list[list[int]]:
+def two_sessions_one_late(gather_s: float, step_s: float = 1e6) -> list[list[int]]:
     """Sessions 1 and 2 share a first step; then session 1 sends again at once and session 2
     LATE_S later. Returns the steps' sessions."""
-    loop = RecordingLoop(gather_s)
+    loop = RecordingLoop(gather_s, step_s)
     try:
         first = [loop.submit(1), loop.submit(2)]
         loop.go.set()
@@ -101,6 +105,10 @@ def test_a_late_session_shares_the_next_step_with_a_window():
 
 def test_without_a_window_the_early_session_steps_alone():
     assert two_sessions_one_late(0.0) == [[1, 2], [1], [2]]
+
+
+def test_the_window_is_at_most_the_previous_steps_duration():
+    assert two_sessions_one_late(30.0, step_s=0.0) == [[1, 2], [1], [2]]
 
 
 def test_a_closed_session_is_not_waited_for():
@@ -162,4 +170,4 @@ def test_a_bad_step_gather_variable_is_refused_naming_it(raw):
     with pytest.raises(ValueError, match=f"DSPARK_STEP_GATHER_MS={raw!r}"):
         backend_settings({"DSPARK_STEP_GATHER_MS": raw})
     assert backend_settings({"DSPARK_STEP_GATHER_MS": "0"}).step_gather_ms == 0
-    assert backend_settings({}).step_gather_ms == 20 and BackendSettings().step_gather_ms == 0
+    assert backend_settings({}).step_gather_ms == 50 and BackendSettings().step_gather_ms == 0

@@ -36,11 +36,12 @@ MAX_TIMEOUT_S = 1e8
 MAX_CONNECTION_AGE_S = (2**31 - 1) / 1000
 DEFAULT_MAX_CONNECTION_AGE_S = 300.0
 # The step loops' gather window (ms): the served default, and the most a setting may ask.
-# At 16 plain streams on the 2-core CPU box the last of a step's sessions came back about
-# 10-20 ms after the first (each reply crosses the gateway's one event loop in turn); a
-# second step for the late ones costs a whole step's fixed part (about 20 ms of a 27 ms
-# one-row step in fast numerics), so waiting up to that long is the cheaper side.
-DEFAULT_STEP_GATHER_MS = 20
+# The loop never waits longer than its previous step took (services.common.step_queue), so
+# this cap matters only where steps are slow: at 16 plain streams on the shared 2-core CPU
+# box a 20 ms cap gathered 11-12 of 16 sessions per verifier step and 50 ms 14-15 (each
+# reply crosses the gateway's one event loop in turn, so the last one comes back tens of ms
+# after the first), for 25-30 % less verifier CPU per token (bench/README.md "CPU per token").
+DEFAULT_STEP_GATHER_MS = 50
 MAX_STEP_GATHER_MS = 1000
 # span exporters a service can have ("none": no exporter)
 EXPORTERS = ("otlp", "console", "none")
@@ -198,9 +199,9 @@ class BackendSettings:
     step loop forwards in one step (`services.verifier.batcher`). step_profile: the verifier
     times batch steps over dummy sessions before it serves, seeding its step-time table
     (False here, so embeddings and tests start at once; `services.settings` defaults it to True).
-    step_gather_ms: the longest wait (ms, 0..1000) of the verifier's and the drafter's step
-    loops, before a step, for the sessions the previous step answered to send again
-    (`services.common.step_queue`); 0 here (steps start as soon as work is queued),
+    step_gather_ms: the longest wait (ms, 0..MAX_STEP_GATHER_MS) of the verifier's and the
+    drafter's step loops, before a step, for the sessions the previous step answered to send
+    again, never longer than that step took (`services.common.step_queue`); 0 here (steps start as soon as work is queued),
     `services.settings` defaults it to DEFAULT_STEP_GATHER_MS.
     Raises:
         ValueError: a field outside its range (named with its value).

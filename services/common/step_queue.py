@@ -10,11 +10,13 @@ Gathering. A session answered by a step usually sends its next request a few mil
 later (its client turns the reply around), and on a CPU a step's cost is mostly per step,
 not per row. A loop that started the next step the moment any request was queued would
 therefore split the sessions into cohorts that alternate steps, each paying the whole
-per-step cost. So before a step the loop waits, up to `gather_s`, for the sessions the
-previous step answered to queue again; it stops waiting as soon as all of them have (or
-have closed, `forget`), so a lone session never waits, and a session that is busy elsewhere
-(drafting, streaming its end) delays the others by at most `gather_s`. What a step computes
-never depends on this: only which requests share it.
+per-step cost. So before a step the loop waits for the sessions the previous step answered
+to queue again, at most the shorter of `gather_s` and the previous step's duration (a
+subclass reports it in `_last_step_s`): a second step would cost about that much again, so
+waiting longer never pays, and on fast hardware the wait shrinks with the steps. It stops
+waiting as soon as all of them have queued (or closed, `forget`), so a lone session never
+waits, and a session busy elsewhere (drafting, streaming its end) delays the others by at
+most that bound. What a step computes never depends on this: only which requests share it.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class StepQueue:
         self.on_step, self._role, self._log = on_step, role, log
         self.gather_s = float(gather_s)
         self._returning: set[int] = set()  # sessions the last step answered, expected back soon
+        self._last_step_s = 0.0  # the previous step's duration (s); set by the subclass on the loop thread
         self._cv = threading.Condition()
         self._queue: list = []
         self._inflight: set[int] = set()
@@ -94,12 +97,13 @@ class StepQueue:
 
     def _wait_for_work(self, pending: Callable[[], bool]) -> None:
         """With `_cv` held: wait until `pending()` or the loop closes, then gather (module
-        docstring): up to `gather_s` more for the sessions the last step answered to queue
-        again. `pending` is re-evaluated on every wake-up."""
+        docstring): up to min(gather_s, `_last_step_s`) more for the sessions the last step
+        answered to queue again. `pending` is re-evaluated on every wake-up."""
         while not (pending() or self._closed):
             self._cv.wait()
-        deadline = time.monotonic() + self.gather_s
-        while self.gather_s and not self._closed and self._returning - self._inflight:
+        window = min(self.gather_s, self._last_step_s)
+        deadline = time.monotonic() + window
+        while window > 0 and not self._closed and self._returning - self._inflight:
             left = deadline - time.monotonic()
             if left <= 0:
                 break

@@ -167,6 +167,7 @@ class DraftStepLoop(StepQueue):
             drafts = [(r, s) for r, s in live if r.op == "draft"]
             done = self._commits(commits) + self._drafts(drafts)
             ms = (time.perf_counter() - t0) * 1e3
+            self._last_step_s = ms / 1e3  # bounds the next gather (services.common.step_queue)
         self._record(DraftStepRecord(len(live), len(commits), len(drafts), ms))  # before any caller sees its reply
         for r, value, error in done:
             self._finish(r, StepReply(value, ms), error)

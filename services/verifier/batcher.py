@@ -220,6 +220,7 @@ class StepLoop(StepQueue):
                     self._finish(r, error=exc)
                 return
             ms = (time.perf_counter() - t0) * 1e3
+            self._last_step_s = ms / 1e3  # bounds the next gather (services.common.step_queue)
             rows = sum(len(it.tokens) if (it.verify or it.prefill) else 1 for it in items)
             done = [self._absorb(r, s, out, ms, rows) for (r, s), out in zip(live, outs)]
         chunk = sum(len(it.tokens) for it in items if it.prefill)
