@@ -22,9 +22,9 @@ the code, or two settings, are compared under the same machine load. Without it:
 named "this".
 
 `--profile DIR` runs `py-spy record` (when on PATH or beside this Python) on every service
-during the last repetition's cell at the highest concurrency and writes DIR/<service>.svg
-(flame graphs) and DIR/<service>.txt (the hottest functions, by own samples), for the
-first stack.
+of every stack during the last repetition's cell at the highest concurrency and writes
+DIR/<stack>/<service>.svg (flame graphs), .raw (collapsed stacks) and .txt (the hottest
+functions, by own samples).
 """
 
 from __future__ import annotations
@@ -151,9 +151,9 @@ async def run_grid(args, stacks: dict[str, dict]) -> dict[str, dict[int, list[di
     for rep in range(args.repeats):
         for streams in args.streams:
             for name in names[rep % len(names):] + names[:rep % len(names)]:
+                last = rep == args.repeats - 1 and streams == max(args.streams)
                 cell = await profiled_cell(args, stacks[name], streams,
-                                           args.profile and name == names[0] and rep == args.repeats - 1
-                                           and streams == max(args.streams))
+                                           Path(args.profile, name) if args.profile and last else None)
                 raw[name][streams].append(cell)
                 print(f"rep {rep + 1}/{args.repeats} {name} streams {streams:>2}: {cell['aggregate_tok_s']:6.1f} tok/s,"
                       f" {cell['sessions_per_step']:.1f} sessions/step, "
@@ -162,20 +162,21 @@ async def run_grid(args, stacks: dict[str, dict]) -> dict[str, dict[int, list[di
     return raw
 
 
-async def profiled_cell(args, stack: dict, streams: int, profile: bool) -> dict:
-    """`run_cell`, with every service under py-spy when `profile` (module docstring)."""
+async def profiled_cell(args, stack: dict, streams: int, profile: Path | None) -> dict:
+    """`run_cell`, with every service under py-spy writing into folder `profile` (None: no
+    profile; module docstring)."""
     spies = []
-    if profile:
+    if profile is not None:
         exe = py_spy()
         if exe is None:
             print("--profile: py-spy not found; profiling skipped")
         else:
-            spies = start_profiles(exe, stack["procs"].pids, Path(args.profile), args.profile_s)
+            spies = start_profiles(exe, stack["procs"].pids, profile, args.profile_s)
     cell = await run_cell(stack, streams, args.arm, args.max_tokens, args.generations)
     for p in spies:
         p.wait(timeout=args.profile_s + 60)
     if spies:
-        write_hottest(Path(args.profile), stack["procs"].pids)
+        write_hottest(profile, stack["procs"].pids)
     return cell
 
 
