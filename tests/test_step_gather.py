@@ -3,9 +3,11 @@
   * on the smallest loop over `StepQueue` (a step answers what is queued): with a gather
     window, a session answered by a step that sends its next request late still shares the
     next step with the one that sent at once; without one, or when the previous step took
-    no time (the window's other bound), the early session steps alone; a closed session
-    is forgotten, so the next step does not wait for it even with a window far longer
-    than the test's deadline;
+    no time (the window's other bound), the early session steps alone; a session that took
+    longer than the window to come back after an answer of one kind is not waited for
+    after the next such answer (and is after another kind's); a closed session is
+    forgotten, so the next step does not wait for it even with a window far longer than
+    the test's deadline;
   * through a real `StepLoop` on the random tiny model in exact numerics:
     short prompts queued behind a long one complete in the steps the long one's last chunk
     leaves room in (two prompts completed by one step), never more than C prompt tokens
@@ -49,6 +51,7 @@ def ids(n: int, seed: int) -> list[int]:
 class _Req:
     sid: int
     future: Future
+    kind: str = ""
 
 
 class RecordingLoop(StepQueue):
@@ -64,8 +67,11 @@ class RecordingLoop(StepQueue):
         self.go = threading.Event()
         self._start()
 
-    def submit(self, sid: int) -> Future:
-        return self._enqueue(_Req(sid, Future()))
+    def submit(self, sid: int, kind: str = "") -> Future:
+        return self._enqueue(_Req(sid, Future(), kind))
+
+    def _kind(self, request: _Req) -> str:
+        return request.kind
 
     def _run(self) -> None:
         self.go.wait(TIMEOUT_S)
@@ -109,6 +115,27 @@ def test_without_a_window_the_early_session_steps_alone():
 
 def test_the_window_is_at_most_the_previous_steps_duration():
     assert two_sessions_one_late(30.0, step_s=0.0) == [[1, 2], [1], [2]]
+
+
+@pytest.mark.parametrize("kind, steps", [("slow", [[1, 2], [1, 2], [1], [2]]), ("other", [[1, 2], [1, 2], [1, 2]])])
+def test_a_session_slow_to_return_after_such_an_answer_is_not_waited_for(kind, steps):
+    loop = RecordingLoop(30.0)
+    try:
+        first = [loop.submit(1), loop.submit(2, "slow")]
+        loop.go.set()
+        [f.result(TIMEOUT_S) for f in first]
+        loop.step_s = LATE_S / 2  # from the second step on, the window is shorter than LATE_S
+        early = loop.submit(1)
+        time.sleep(LATE_S)  # session 2 takes LATE_S after a "slow" answer: the loop learns it
+        late = loop.submit(2, kind)
+        early.result(TIMEOUT_S), late.result(TIMEOUT_S)
+        early = loop.submit(1)
+        time.sleep(LATE_S / 4)  # back within the window, but a "slow" answer's gap is LATE_S
+        late = loop.submit(2)
+        early.result(TIMEOUT_S), late.result(TIMEOUT_S)
+    finally:
+        loop.close()
+    assert loop.steps == steps
 
 
 def test_a_closed_session_is_not_waited_for():

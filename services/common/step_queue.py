@@ -13,10 +13,14 @@ therefore split the sessions into cohorts that alternate steps, each paying the 
 per-step cost. So before a step the loop waits for the sessions the previous step answered
 to queue again, at most the shorter of `gather_s` and the previous step's duration (a
 subclass reports it in `_last_step_s`): a second step would cost about that much again, so
-waiting longer never pays, and on fast hardware the wait shrinks with the steps. It stops
-waiting as soon as all of them have queued (or closed, `forget`), so a lone session never
-waits, and a session busy elsewhere (drafting, streaming its end) delays the others by at
-most that bound. What a step computes never depends on this: only which requests share it.
+waiting longer never pays, and on fast hardware the wait shrinks with the steps. It waits
+only for sessions expected back within that window: per session and per kind of answer
+(`_kind`: a verifier decode, a drafter commit, ...) the loop keeps how long the session
+took to send again (`ReturnGaps`), so a speculative session whose verify reply sends it to
+the drafter first, or whose draft reply sends it to the verifier, is not waited for, while
+a plain decode's session, or a commit's (its draft follows at once), is. It stops waiting as
+soon as those have queued (or closed, `forget`), so a lone session never waits. What a step
+computes never depends on this: only which requests share it.
 """
 
 from __future__ import annotations
@@ -37,6 +41,39 @@ class QueuedRequest(Protocol):
 
     @property
     def future(self) -> Future: ...
+
+
+class ReturnGaps:
+    """How long each session takes to send its next request after an answer, per kind of
+    answer: an exponential average (weight GAP_WEIGHT on the newest gap) of seconds from the
+    answer to the next request. Not thread-safe: the step loop calls it under its lock."""
+
+    GAP_WEIGHT = 0.5  # sessions change phase (a gated generation drafting again): follow them fast
+
+    def __init__(self) -> None:
+        self._answered: dict[int, tuple[str, float]] = {}  # sid -> (kind, monotonic s of the answer)
+        self._gaps: dict[int, dict[str, float]] = {}  # sid -> {kind: mean gap s}
+
+    def answered(self, sid: int, kind: str, now: float) -> None:
+        self._answered[sid] = (kind, now)
+
+    def sent(self, sid: int, now: float) -> None:
+        """Session `sid` sent a request at `now` (monotonic s): fold the gap since its answer."""
+        last = self._answered.pop(sid, None)
+        if last is not None:
+            kind, t = last
+            gaps = self._gaps.setdefault(sid, {})
+            old = gaps.get(kind)
+            gaps[kind] = now - t if old is None else old + self.GAP_WEIGHT * (now - t - old)
+
+    def expected(self, sid: int) -> float:
+        """The gap (s) expected before `sid` sends again after its last answer (0 when unknown)."""
+        kind, _ = self._answered.get(sid, ("", 0.0))
+        return self._gaps.get(sid, {}).get(kind, 0.0)
+
+    def forget(self, sid: int) -> None:
+        self._answered.pop(sid, None)
+        self._gaps.pop(sid, None)
 
 
 class StepQueue:
@@ -64,6 +101,7 @@ class StepQueue:
         self.on_step, self._role, self._log = on_step, role, log
         self.gather_s = float(gather_s)
         self._returning: set[int] = set()  # sessions the last step answered, expected back soon
+        self._gaps = ReturnGaps()
         self._last_step_s = 0.0  # the previous step's duration (s); set by the subclass on the loop thread
         self._cv = threading.Condition()
         self._queue: list = []
@@ -91,6 +129,7 @@ class StepQueue:
             if request.sid in self._inflight:
                 raise ValueError(f"session {request.sid} already has a request in flight: send one at a time")
             self._inflight.add(request.sid)
+            self._gaps.sent(request.sid, time.monotonic())
             self._queue.append(request)
             self._cv.notify()
         return request.future
@@ -98,21 +137,29 @@ class StepQueue:
     def _wait_for_work(self, pending: Callable[[], bool]) -> None:
         """With `_cv` held: wait until `pending()` or the loop closes, then gather (module
         docstring): up to min(gather_s, `_last_step_s`) more for the sessions the last step
-        answered to queue again. `pending` is re-evaluated on every wake-up."""
+        answered that are expected back within that window. `pending` is re-evaluated on
+        every wake-up."""
         while not (pending() or self._closed):
             self._cv.wait()
         window = min(self.gather_s, self._last_step_s)
+        awaited = {sid for sid in self._returning if self._gaps.expected(sid) < window} if window > 0 else set()
         deadline = time.monotonic() + window
-        while window > 0 and not self._closed and self._returning - self._inflight:
+        while not self._closed and awaited - self._inflight:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             self._cv.wait(left)
+            awaited &= self._returning  # `forget` drops closed sessions
         self._returning.clear()
+
+    def _kind(self, request: QueuedRequest) -> str:
+        """The kind of answer `request` gets, for `ReturnGaps` (a subclass names its ops)."""
+        return ""
 
     def forget(self, sid: int) -> None:
         """Session `sid` closed: the next step does not wait for it. Unknown ids are ignored."""
         with self._cv:
+            self._gaps.forget(sid)
             if sid in self._returning:
                 self._returning.discard(sid)
                 self._cv.notify()
@@ -142,11 +189,13 @@ class StepQueue:
 
     def _release(self, requests: list, returning: bool = False) -> None:
         """Their sessions may send again; `returning`: and the next step waits for them."""
+        now = time.monotonic()
         with self._cv:
             for r in requests:
                 self._inflight.discard(r.sid)
                 if returning:
                     self._returning.add(r.sid)
+                    self._gaps.answered(r.sid, self._kind(r), now)
 
     def _publish(self, stats: Any, step: Any) -> None:
         """Store the new stats snapshot, then call the step hook with `step`."""

@@ -128,6 +128,9 @@ class DraftStepLoop(StepQueue):
         """
         return self._enqueue(_Request(sid, "draft", (anchor, seed_position, params), Future()))
 
+    def _kind(self, request: _Request) -> str:
+        return request.op  # a commit's session drafts at once, a draft's goes to the verifier first
+
     # ------------------------------------------------------------------ the loop thread
     def _run(self) -> None:
         while True:

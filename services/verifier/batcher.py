@@ -152,6 +152,9 @@ class StepLoop(StepQueue):
         """
         return self._enqueue(_Request(work, Future()))
 
+    def _kind(self, request: _Request) -> str:
+        return request.work.op  # a decode's session comes back at once, a verify's after its drafter
+
     # ------------------------------------------------------------------ the loop thread
     def _run(self) -> None:
         while True:
