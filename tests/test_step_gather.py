@@ -5,7 +5,8 @@
     next step with the one that sent at once; without one, or when the previous step took
     no time (the window's other bound), the early session steps alone; a session that took
     longer than the window to come back after an answer of one kind is not waited for
-    after the next such answer (and is after another kind's); a closed session is
+    after the next such answer (and is after another kind's), nor is one whose answer
+    sends it to the other backend first (`AWAY_KINDS`); a closed session is
     forgotten, so the next step does not wait for it even with a window far longer than
     the test's deadline;
   * through a real `StepLoop` on the random tiny model in exact numerics:
@@ -69,6 +70,8 @@ class RecordingLoop(StepQueue):
 
     def submit(self, sid: int, kind: str = "") -> Future:
         return self._enqueue(_Req(sid, Future(), kind))
+
+    AWAY_KINDS = frozenset({"away"})
 
     def _kind(self, request: _Req) -> str:
         return request.kind
@@ -136,6 +139,21 @@ def test_a_session_slow_to_return_after_such_an_answer_is_not_waited_for(kind, s
     finally:
         loop.close()
     assert loop.steps == steps
+
+
+def test_a_session_sent_to_the_other_backend_is_not_waited_for():
+    loop = RecordingLoop(30.0)
+    try:
+        first = [loop.submit(1), loop.submit(2, "away")]
+        loop.go.set()
+        [f.result(TIMEOUT_S) for f in first]
+        early = loop.submit(1)
+        time.sleep(LATE_S)
+        late = loop.submit(2)
+        early.result(TIMEOUT_S), late.result(TIMEOUT_S)
+    finally:
+        loop.close()
+    assert loop.steps == [[1, 2], [1], [2]]
 
 
 def test_a_closed_session_is_not_waited_for():

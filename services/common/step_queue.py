@@ -14,13 +14,16 @@ per-step cost. So before a step the loop waits for the sessions the previous ste
 to queue again, at most the shorter of `gather_s` and the previous step's duration (a
 subclass reports it in `_last_step_s`): a second step would cost about that much again, so
 waiting longer never pays, and on fast hardware the wait shrinks with the steps. It waits
-only for sessions expected back within that window: per session and per kind of answer
-(`_kind`: a verifier decode, a drafter commit, ...) the loop keeps how long the session
-took to send again (`ReturnGaps`), so a speculative session whose verify reply sends it to
-the drafter first, or whose draft reply sends it to the verifier, is not waited for, while
-a plain decode's session, or a commit's (its draft follows at once), is. It stops waiting as
-soon as those have queued (or closed, `forget`), so a lone session never waits. What a step
-computes never depends on this: only which requests share it.
+only for sessions expected back within that window. An answer of a kind in `AWAY_KINDS`
+sends its session to the other backend first by the round protocol (a verify reply: the
+drafter commits and drafts before the next verify; a draft reply: the verifier verifies
+before the next commit), so it is never waited for; after other answers (`_kind`: a
+decode, a prefill, a commit, whose draft follows at once) the loop keeps, per session and
+kind, how long the session took to send again (`ReturnGaps`) and waits only for those
+expected back within the window (a gated generation's decode may be followed by a draft
+round on the drafter). It stops waiting as soon as those have queued (or closed,
+`forget`), so a lone session never waits. What a step computes never depends on this:
+only which requests share it.
 """
 
 from __future__ import annotations
@@ -152,6 +155,9 @@ class StepQueue:
             awaited &= self._returning  # `forget` drops closed sessions
         self._returning.clear()
 
+    # kinds of answer after which a session goes to the other backend first (a subclass's)
+    AWAY_KINDS: frozenset[str] = frozenset()
+
     def _kind(self, request: QueuedRequest) -> str:
         """The kind of answer `request` gets, for `ReturnGaps` (a subclass names its ops)."""
         return ""
@@ -193,9 +199,10 @@ class StepQueue:
         with self._cv:
             for r in requests:
                 self._inflight.discard(r.sid)
-                if returning:
+                kind = self._kind(r)
+                if returning and kind not in self.AWAY_KINDS:
                     self._returning.add(r.sid)
-                    self._gaps.answered(r.sid, self._kind(r), now)
+                    self._gaps.answered(r.sid, kind, now)
 
     def _publish(self, stats: Any, step: Any) -> None:
         """Store the new stats snapshot, then call the step hook with `step`."""

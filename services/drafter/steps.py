@@ -128,8 +128,10 @@ class DraftStepLoop(StepQueue):
         """
         return self._enqueue(_Request(sid, "draft", (anchor, seed_position, params), Future()))
 
+    AWAY_KINDS = frozenset({"draft"})  # its session is verified before its next commit
+
     def _kind(self, request: _Request) -> str:
-        return request.op  # a commit's session drafts at once, a draft's goes to the verifier first
+        return request.op  # a commit's session drafts at once
 
     # ------------------------------------------------------------------ the loop thread
     def _run(self) -> None:

@@ -152,8 +152,10 @@ class StepLoop(StepQueue):
         """
         return self._enqueue(_Request(work, Future()))
 
+    AWAY_KINDS = frozenset({"verify"})  # its session commits and drafts on the drafter before the next verify
+
     def _kind(self, request: _Request) -> str:
-        return request.work.op  # a decode's session comes back at once, a verify's after its drafter
+        return request.work.op
 
     # ------------------------------------------------------------------ the loop thread
     def _run(self) -> None:
