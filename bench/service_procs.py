@@ -44,6 +44,9 @@ class StackSpec:
     max_sessions: DSPARK_MAX_SESSIONS of verifier and drafter (>= 1).
     threads: torch intra-op threads per process (OMP_NUM_THREADS, >= 1).
     log_dir: folder of each child's combined stdout/stderr (`<name>-<port>.log`).
+    root: the source tree the children run (default this checkout; another tree lets a
+        benchmark compare two versions of the code side by side).
+    env: settings laid over the caller's environment last (e.g. DSPARK_STEP_GATHER_MS).
     Raises:
         ValueError: a field outside its range, named with its value.
     """
@@ -54,6 +57,8 @@ class StackSpec:
     verify_numerics: str = "fast"
     max_sessions: int = 64
     threads: int = 1
+    root: Path = REPO_ROOT
+    env: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not 1 <= self.port_base <= 65533:
@@ -97,14 +102,15 @@ class ServiceProcesses:
         env.update(DSPARK_VERIFY_NUMERICS=spec.verify_numerics, DSPARK_MAX_SESSIONS=str(spec.max_sessions),
                    DSPARK_VERIFIER_TARGET=spec.verifier_target, DSPARK_DRAFTER_TARGET=spec.drafter_target,
                    DSPARK_STARTUP_TIMEOUT_S="300", OMP_NUM_THREADS=str(spec.threads),
-                   PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p))
+                   PYTHONPATH=os.pathsep.join(p for p in (str(spec.root), env.get("PYTHONPATH", "")) if p))
+        env.update(spec.env)
         ckpt = ["--checkpoint", spec.checkpoint] if spec.checkpoint else []
         try:
             for name in SERVICES:  # the gateway last: it asks both backends for their identity at start
                 log = open(self.log_path(name), "wb")
                 cmd = [sys.executable, "-m", "services.cli", "serve", name, "--port", str(spec.ports[name]), *ckpt]
                 with log:
-                    self.procs[name] = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, stdout=log,
+                    self.procs[name] = subprocess.Popen(cmd, env=env, cwd=spec.root, stdout=log,
                                                         stderr=subprocess.STDOUT, start_new_session=True)
         except BaseException:
             self.stop()

@@ -123,7 +123,7 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
                          credentials: grpc.ServerCredentials | None = None, tp: int = 1,
                          max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S, metrics=None,
                          step_loop: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                         step_profile: StepProfileSettings | None = None) -> RunningServer:
+                         step_profile: StepProfileSettings | None = None, gather_s: float = 0.0) -> RunningServer:
     """Serve the Verifier over `engine` on host:port (0 = any free port); `default_mode` is the
     verify path of requests that name none; credentials: TLS (None = plaintext);
     max_connection_age_s: clients reconnect after it (s); metrics: a
@@ -134,17 +134,18 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
     step. The loop stops with the server; it keeps the load figures the gate prices drafts
     with (a step-time table and the committed tokens per ms, `services.verifier.step_table`).
     step_profile: time batch steps over dummy sessions before serving, seeding the step table
-    (None: live steps alone fill it).
+    (None: live steps alone fill it). gather_s: the loop's longest wait (s) before a step for
+    the sessions the previous step answered (`services.common.step_queue`; 0: none).
     Raises:
         RuntimeError: port not bound.
-        ValueError: prefill_chunk not an integer >= 1 (named); what the model raises in the
-            profile."""
+        ValueError: prefill_chunk not an integer >= 1, gather_s negative or not finite
+            (named); what the model raises in the profile."""
     steps, load = None, None
     if step_loop and batchable(engine.model):
         load = LoadTracker()
         if step_profile is not None:
             await asyncio.to_thread(profile_steps, engine, load, step_profile)
-        steps = StepLoop(engine, _step_hook(load, metrics), prefill_chunk)
+        steps = StepLoop(engine, _step_hook(load, metrics), prefill_chunk, gather_s)
     servicer = VerifierServicer(engine, default_mode, provider, tp, metrics, steps, load)
     return await _serve_with_loop("dspark.v1.Verifier",
                                   lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
@@ -179,16 +180,16 @@ def _step_hook(load: LoadTracker, metrics) -> Callable[[StepRecord], None]:
 async def start_drafter(engine, port: int = 0, provider: TracerProvider | None = None,
                         host: str = "127.0.0.1", credentials: grpc.ServerCredentials | None = None,
                         max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S, metrics=None,
-                        step_loop: bool = True) -> RunningServer:
+                        step_loop: bool = True, gather_s: float = 0.0) -> RunningServer:
     """Serve the Drafter over `engine` (a `DrafterEngine` or an oracle drafter), as
     `start_verifier`; metrics: a `services.common.metrics.DrafterMetrics` (None: none).
     step_loop: run every session's commits and drafts in one batched step loop
     (`services.drafter.steps`) when the engine is a TP=1 `DrafterEngine`; False, or an
-    oracle: one thread per call. The loop stops with the server.
-    Raises RuntimeError: port not bound."""
+    oracle: one thread per call. The loop stops with the server. gather_s: as `start_verifier`'s.
+    Raises RuntimeError: port not bound; ValueError: gather_s negative or not finite."""
     steps = None
     if step_loop and drafter_batchable(engine):
-        steps = DraftStepLoop(engine, None if metrics is None else metrics.record_step)
+        steps = DraftStepLoop(engine, None if metrics is None else metrics.record_step, gather_s)
     servicer = DrafterServicer(engine, provider, metrics, steps)
     return await _serve_with_loop("dspark.v1.Drafter",
                                   lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),

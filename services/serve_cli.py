@@ -241,7 +241,8 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
         profile = app.StepProfileSettings() if s.backend.step_profile else None
         return await app.start_verifier(engine, port, s.backend.verify_mode, provider, args.host, credentials=tls,
                                         tp=tp, max_connection_age_s=age, metrics=metrics,
-                                        prefill_chunk=s.backend.prefill_chunk, step_profile=profile)
+                                        prefill_chunk=s.backend.prefill_chunk, step_profile=profile,
+                                        gather_s=s.backend.step_gather_ms / 1e3)
     if s.service == "drafter":
         model = app.load_trunk(s.checkpoint, model=s.model) if args.oracle else app.load_drafter(s.checkpoint,
                                                                                                   model=s.model)
@@ -249,7 +250,7 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
                                     available_memory_bytes())
         metrics = _serve_metrics(m.DrafterMetrics(engine), s, args.host, endpoints) if want else None
         return await app.start_drafter(engine, port, provider, args.host, credentials=tls, max_connection_age_s=age,
-                                       metrics=metrics)
+                                       metrics=metrics, gather_s=s.backend.step_gather_ms / 1e3)
     from services.gateway.metrics import GatewayMetrics
     metrics = (_serve_metrics(GatewayMetrics(model=m.served_model_name(s.checkpoint)), s, args.host, endpoints)
                if want else None)

@@ -37,6 +37,7 @@ Unset means the default; the "empty" column says what an empty value means.
 | DSPARK_PREFILL_CHUNK | 64 | error | backend: prefill_chunk (prompt tokens per verifier step, 1..1048576) |
 | DSPARK_VERIFY_NUMERICS | fast | error | backend: verify_numerics (fast, exact) |
 | DSPARK_STEP_PROFILE | 1 | default | backend: step_profile (0, 1: the verifier's start-up step-time profile) |
+| DSPARK_STEP_GATHER_MS | 50 | error | backend: step_gather_ms (0..1000: the longest a verifier or drafter step waits for the sessions the previous step answered, never longer than that step took; 0 = not at all) |
 | DSV4_MOE_DETERMINISTIC_REDUCE | 1 | default | model: moe_deterministic_reduce |
 | DSV4_KERNELS | torch | default | model: kernels (torch, triton) |
 | DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4 | 0 | default | model: moe_multi_token_fp4 |
@@ -69,8 +70,8 @@ from typing import TYPE_CHECKING, Mapping
 
 from dsv4.settings import (ENV_KERNELS, ENV_MOE_DETERMINISTIC_REDUCE, ENV_MOE_MULTI_TOKEN_FP4, KERNEL_BACKENDS,
                            Settings as ModelSettings)
-from services.common.settings import (COST_MODES, EXPORTERS, LOG_FORMATS, MAX_CONNECTION_AGE_S, MAX_TIMEOUT_S,
-                                      PINNABLE_COSTS, SAMPLING_RULES, VERIFY_MODES, VERIFY_NUMERICS, BackendSettings,
+from services.common.settings import (COST_MODES, DEFAULT_STEP_GATHER_MS, EXPORTERS, LOG_FORMATS, MAX_CONNECTION_AGE_S,
+                                      MAX_STEP_GATHER_MS, MAX_TIMEOUT_S, PINNABLE_COSTS, SAMPLING_RULES, VERIFY_MODES, VERIFY_NUMERICS, BackendSettings,
                                       GatewaySettings, ServeSettings,
                                       TelemetrySettings, backend_target, valid_token)
 from services.common.tls import PemFile, TlsFiles, load_tls
@@ -268,7 +269,9 @@ def backend_settings(environ: Environ) -> BackendSettings:
                                                VERIFY_MODES),
                            verify_numerics=_choice(environ, "DSPARK_VERIFY_NUMERICS", BackendSettings.verify_numerics,
                                                    VERIFY_NUMERICS),
-                           step_profile=_switch(environ, "DSPARK_STEP_PROFILE", True))
+                           step_profile=_switch(environ, "DSPARK_STEP_PROFILE", True),
+                           step_gather_ms=_int(environ, "DSPARK_STEP_GATHER_MS", DEFAULT_STEP_GATHER_MS, low=0,
+                                               high=MAX_STEP_GATHER_MS))
 
 
 def serve_settings(environ: Environ) -> ServeSettings:

@@ -202,7 +202,8 @@ def test_concurrent_sessions_through_the_loop_at_tp2_equal_tp1_solo(tp2, ref):
     accepted = {res.accepted for run in solo for res in run[1:-1] if hasattr(res, "accepted")}
     assert accepted >= {0, 1, 2, 3}  # rejections at every slot, and whole blocks accepted
     batch = [r for r in records if r.kind == "batch"]
-    assert sum(r.kind == "prefill" for r in records) == N_SESSIONS
+    # every prompt completed in a prefill step; prompts that arrive together may share one
+    assert sum(r.prefills_done for r in records if r.kind == "prefill") == N_SESSIONS
     assert max(r.sessions for r in batch) > 1  # sessions shared TP steps
     assert steps.stats().steps == len(batch) and steps.stats().batch_mean > 1.0
     for sid in sids:

@@ -61,14 +61,24 @@ async def serve_session(requests: AsyncIterable[Req], context: grpc.aio.Servicer
 class SessionStreamServicer:
     """Mixin giving a backend servicer its `Session` bidi stream over `serve_session`.
 
-    The servicer provides `engine` (with `open_session() -> int` and `close_session(sid)`)
-    and `_handle(sid, request, received_s) -> response`; list this class before the
-    generated servicer base so its `Session` replaces the UNIMPLEMENTED one.
+    The servicer provides `engine` (with `open_session() -> int` and `close_session(sid)`),
+    `steps` (its step loop, or None) and `_handle(sid, request, received_s) -> response`;
+    list this class before the generated servicer base so its `Session` replaces the
+    UNIMPLEMENTED one. A closed session is forgotten by the step loop, whose next step then
+    does not wait for it (`services.common.step_queue`).
     """
 
     async def Session(self, request_iterator, context):
-        engine = self.engine
-        stream = serve_session(request_iterator, context, engine.open_session, engine.close_session, self._handle)
+        engine, steps = self.engine, self.steps
+
+        def close(sid: int) -> None:
+            try:
+                engine.close_session(sid)
+            finally:
+                if steps is not None:
+                    steps.forget(sid)
+
+        stream = serve_session(request_iterator, context, engine.open_session, close, self._handle)
         async with contextlib.aclosing(stream):  # a cancelled stream frees its session now, not at GC
             async for response in stream:
                 yield response

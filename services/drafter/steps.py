@@ -94,15 +94,19 @@ class DraftStepLoop(StepQueue):
         engine: the DSpark drafter engine whose module the loop drives (TP = 1).
         on_step: called on the loop thread with a `DraftStepRecord` after every step (metrics;
             None: nothing); what it raises is logged.
+        gather_s: the longest wait (s) before a step for the sessions the previous step
+            answered (`services.common.step_queue`; 0: none).
     Raises:
-        ValueError: the engine is not batchable (an oracle drafter, or a TP > 1 shard).
+        ValueError: the engine is not batchable (an oracle drafter, or a TP > 1 shard), or
+            gather_s negative or not finite (named with its value).
     Thread safety: submit_*, `stats` and `close` may be called from any thread.
     """
 
-    def __init__(self, engine: DrafterEngine, on_step: Callable[[DraftStepRecord], None] | None = None):
+    def __init__(self, engine: DrafterEngine, on_step: Callable[[DraftStepRecord], None] | None = None,
+                 gather_s: float = 0.0):
         if not batchable(engine):
             raise ValueError(f"the drafter step loop drives a TP=1 DrafterEngine, got {type(engine).__name__}")
-        super().__init__("drafter", DraftStepStats(), on_step, log)
+        super().__init__("drafter", DraftStepStats(), on_step, log, gather_s)
         self.engine, self.module = engine, engine.module
         self._start()
 
@@ -124,6 +128,11 @@ class DraftStepLoop(StepQueue):
         """
         return self._enqueue(_Request(sid, "draft", (anchor, seed_position, params), Future()))
 
+    AWAY_KINDS = frozenset({"draft"})  # its session is verified before its next commit
+
+    def _kind(self, request: _Request) -> str:
+        return request.op  # a commit's session drafts at once
+
     # ------------------------------------------------------------------ the loop thread
     def _run(self) -> None:
         while True:
@@ -138,8 +147,7 @@ class DraftStepLoop(StepQueue):
     def _next_step(self) -> list[_Request] | None:
         """Wait for work and take all of it (None: closed)."""
         with self._cv:
-            while not (self._queue or self._closed):
-                self._cv.wait()
+            self._wait_for_work(lambda: bool(self._queue))
             taken, self._queue = self._queue, []
             if self._closed:
                 for r in taken:
@@ -164,6 +172,7 @@ class DraftStepLoop(StepQueue):
             drafts = [(r, s) for r, s in live if r.op == "draft"]
             done = self._commits(commits) + self._drafts(drafts)
             ms = (time.perf_counter() - t0) * 1e3
+            self._last_step_s = ms / 1e3  # bounds the next gather (services.common.step_queue)
         self._record(DraftStepRecord(len(live), len(commits), len(drafts), ms))  # before any caller sees its reply
         for r, value, error in done:
             self._finish(r, StepReply(value, ms), error)

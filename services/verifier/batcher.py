@@ -7,15 +7,19 @@ session), so a bad request never reaches a step. Every step is one `Trunk.forwar
 
 * every pending decode and verify: a batched verify's whole block; a sequential verify one
   position per step, carried between steps until its first mismatch;
-* at most one chunk of at most `prefill_chunk` (C) tokens of one prompt
-  (`BatchItem.prefill_chunk`, committed as it runs, never rolled back). The prompt being
-  prefilled keeps the chunk slot until its last chunk; then the oldest queued prompt gets it.
+* at most `prefill_chunk` (C) prompt tokens in all, as chunks of prompts
+  (`BatchItem.prefill_chunk`, committed as they run, never rolled back): first the next
+  chunk of the prompt part way through, then the oldest queued prompts, each taking what is
+  left of the C tokens, so several short prompts share one step and at most one prompt is
+  ever part way (the last one taken, which goes first in the next step).
 
 Fairness. A decode or verify waits for the step in flight and then runs in the next one,
 which holds at most C prompt rows besides the generations' own, so a running generation is
-never stalled for more than one chunk's forward, however long a prompt arrives; a prompt
-advances by one chunk in every step, so no number of running generations can starve it.
-Prompts are served oldest first (a queued prompt waits for the prompts before it).
+never stalled for more than one chunk's forward, however long a prompt arrives; the oldest
+prompt advances in every step, so no number of running generations can starve it.
+Prompts are served oldest first (a queued prompt waits for the prompts before it). A burst
+of short prompts (many clients connecting at once) is prefilled C tokens per step, not one
+prompt per step.
 
 Results. Only the chunk that ends a prompt resolves its request, with what
 `VerifierEngine.prefill` returns (next token, margin, the last min(n, keep_rows) tap rows):
@@ -70,7 +74,7 @@ def batchable(model: object) -> bool:
 class StepRecord:
     """One step: kind in STEP_KINDS ("prefill" when it carried a prompt chunk), sessions in
     it, rows forwarded (tokens, the chunk's included), wall time (ms); prefill_rows: the
-    prompt chunk's rows (tokens, 0 without one); prefills_done: prompts it completed (0/1);
+    prompt chunks' rows (tokens, 0 without one); prefills_done: prompts it completed;
     tokens: tokens committed by the requests it completed (a decode 1, a verify accepted + 1,
     a prefill its first anchor 1)."""
 
@@ -116,23 +120,26 @@ class StepLoop(StepQueue):
         on_step: called on the loop thread with a `StepRecord` after every step (metrics;
             None: nothing); what it raises is logged.
         prefill_chunk: C, the most prompt tokens one step forwards (an integer >= 1).
+        gather_s: the longest wait (s) before a step for the sessions the previous step
+            answered (`services.common.step_queue`; 0: start a step as soon as work is queued).
     Raises:
-        ValueError: the engine's model is not batchable (a top-k dump wrapper), or
-            prefill_chunk not an integer >= 1 (named with its value).
+        ValueError: the engine's model is not batchable (a top-k dump wrapper), prefill_chunk
+            not an integer >= 1, or gather_s negative or not finite (named with its value).
     Thread safety: `submit`, `stats` and `close` may be called from any thread.
     """
 
     def __init__(self, engine: VerifierEngine, on_step: Callable[[StepRecord], None] | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, gather_s: float = 0.0):
         if not batchable(engine.model):
             raise ValueError(f"the step loop drives a plain Trunk or a TPTrunk over plain trunks, "
                              f"got {type(engine.model).__name__}")
         self.prefill_chunk = as_int(prefill_chunk, "prefill_chunk")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be >= 1 (tokens per step)")
-        super().__init__("verifier", StepStats(), on_step, log)
+        super().__init__("verifier", StepStats(), on_step, log, gather_s)
         self.engine = engine
         self._carried: list[_Request] = []  # between steps: stepwise verifies, the prompt being prefilled
+        self._chunks: dict[_Request, int] = {}  # the prompt tokens each prompt of the next step forwards
         self._start()
 
     def submit(self, work: Work) -> Future:
@@ -144,6 +151,11 @@ class StepLoop(StepQueue):
             RuntimeError: the loop is closed.
         """
         return self._enqueue(_Request(work, Future()))
+
+    AWAY_KINDS = frozenset({"verify"})  # its session commits and drafts on the drafter before the next verify
+
+    def _kind(self, request: _Request) -> str:
+        return request.work.op
 
     # ------------------------------------------------------------------ the loop thread
     def _run(self) -> None:
@@ -160,24 +172,37 @@ class StepLoop(StepQueue):
 
     def _next_step(self) -> list[_Request] | None:
         """Wait for work and take the next step's requests (None: closed): every decode and
-        verify, and the one prompt that holds the chunk slot (module docstring)."""
+        verify, and the prompts that fit in the step's C prompt tokens (module docstring),
+        whose token counts it leaves in `_chunks`."""
         with self._cv:
-            while not (self._queue or self._carried or self._closed):
-                self._cv.wait()
+            self._wait_for_work(lambda: bool(self._queue or self._carried))
             if self._closed:
                 failed, self._queue = self._queue + self._carried, []
                 for r in failed:
                     if r in self._carried or r.future.set_running_or_notify_cancel():
                         r.future.set_exception(RuntimeError("the verifier step loop closed"))
                 return None
-            prompt = [r for r in self._carried if r.work.op == "prefill"]  # part way: keeps the slot
+            part_way = [r for r in self._carried if r.work.op == "prefill"]
             waiting = [r for r in self._queue if r.work.op == "prefill"]
-            if not prompt and waiting:
-                prompt = waiting[:1]  # oldest first
+            prompt, self._chunks = self._fill_chunks(part_way + waiting)
             others = [r for r in self._carried if r.work.op != "prefill"]
             others += [r for r in self._queue if r.work.op != "prefill"]
             self._queue = [r for r in waiting if r not in prompt]
             return others + prompt
+
+    def _fill_chunks(self, prompts: list[_Request]) -> tuple[list[_Request], dict[_Request, int]]:
+        """The prompts (the part-way one first, then oldest first) that the step's
+        prefill_chunk tokens reach, and the tokens each forwards: all it has left while the
+        budget lasts, the last one taken possibly only part."""
+        taken, chunks, budget = [], {}, self.prefill_chunk
+        for r in prompts:
+            if budget == 0:
+                break
+            n = min(budget, len(r.work.ids) - r.work.done)
+            taken.append(r)
+            chunks[r] = n
+            budget -= n
+        return taken, chunks
 
     def _step(self, requests: list[_Request]) -> None:
         """One forward over every request's rows; resolve the complete ones, carry the rest."""
@@ -190,7 +215,7 @@ class StepLoop(StepQueue):
                     self._finish(r, error=exc)
             if not live:
                 return
-            items = [_item(s.state, r.work, self.prefill_chunk) for r, s in live]
+            items = [_item(s.state, r.work, self._chunks.get(r, 0)) for r, s in live]
             t0 = time.perf_counter()
             try:
                 outs = self.engine.model.forward_batch(items)
@@ -200,6 +225,7 @@ class StepLoop(StepQueue):
                     self._finish(r, error=exc)
                 return
             ms = (time.perf_counter() - t0) * 1e3
+            self._last_step_s = ms / 1e3  # bounds the next gather (services.common.step_queue)
             rows = sum(len(it.tokens) if (it.verify or it.prefill) else 1 for it in items)
             done = [self._absorb(r, s, out, ms, rows) for (r, s), out in zip(live, outs)]
         chunk = sum(len(it.tokens) for it in items if it.prefill)
@@ -234,8 +260,8 @@ class StepLoop(StepQueue):
 
 def _item(state, work: Work, chunk: int) -> BatchItem:
     """The batch item of `work`'s next forward: its decode, the next position of a stepwise
-    verify, its whole verify block, or the next chunk of at most `chunk` tokens of its prompt
-    (from position work.done, with the tap rows the prefill can still return)."""
+    verify, its whole verify block, or the next `chunk` tokens of its prompt (from position
+    work.done, with the tap rows the prefill can still return)."""
     if work.op == "prefill":
         return BatchItem.prefill_chunk(state, work.ids[work.done:work.done + chunk], work.done, work.keep)
     if work.op == "decode":
