@@ -179,8 +179,7 @@ def layer(block: Any, num: FastNumerics, h: torch.Tensor, ids: torch.Tensor, pos
         return x, qr, q, attn.project_kv(x, pos), post, comb
 
     x, qr, q, kv, post, comb = num.dense(pre_attn, h, pos)
-    o = torch.cat([num.attend(attn, x[lo:hi], qr[lo:hi], q[lo:hi], kv[lo:hi], call, st)
-                   for call, st, (lo, hi) in calls])  # [N, H, Dh]
+    o = num.attend(attn, x, qr, q, kv, calls)  # [N, H, Dh]
 
     h, y, post, comb, weights, experts = num.dense(
         lambda *rows: _post_attn(block, *rows, eps), o, pos, h, post, comb, ids)

@@ -12,7 +12,8 @@ own state. Every place where the recipes differ is one method of the strategy:
   head) over the concatenated rows of every call: fast runs it once on all rows, exact on
   fixed tiles of EXACT_ROWS rows, so a row's result never depends on how many rows, or
   which, share the pass;
-- `attend(attn, x, qr, q, kv, call, st)`: one call's key lists and attention reduction;
+- `attend(attn, x, qr, q, kv, calls)`: every call's key lists (each on its own state) and
+  the attention reductions;
 - `route(moe, x, weights, experts, small_m)`: grouped expert calls, or fixed expert tiles;
 - `scope()`: the intra-op thread count a forward runs under.
 """
@@ -25,7 +26,9 @@ from typing import Callable, ContextManager, Iterator
 
 import torch
 
-from dsv4.attention import Attention, AttentionState, AttentionUndo
+import torch.nn.functional as F
+
+from dsv4.attention import EXACT_KEY_CHUNK, Attention, AttentionState, AttentionUndo, sparse_attn_tiled
 from dsv4.moe import MoE
 
 EXACT_ROWS = 8  # exact mode: rows of every dense tile, and the most tokens a verify block holds
@@ -54,6 +57,7 @@ class Call:
 
 
 Rows = Callable[..., "torch.Tensor | tuple[torch.Tensor, ...]"]
+CallRows = tuple[Call, AttentionState, tuple[int, int]]  # a call, its layer state, its rows (lo, hi) of the pass
 
 
 class FastNumerics:
@@ -74,10 +78,13 @@ class FastNumerics:
         return fn(*rows)
 
     def attend(self, attn: Attention, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
-               call: Call, st: AttentionState) -> torch.Tensor:
-        """One call's projected rows (x [S, D], qr [S, Lq], q [S, H, Dh], kv [S, Dh]) ->
-        o [S, H, Dh]: its prefill, prompt piece, decode or verify-block attention (`Attention.core`)."""
-        return attn.core(x, qr, q, kv, call.start_pos, st, call.undo)
+               calls: list[CallRows]) -> torch.Tensor:
+        """Attention of every call of the pass: the projected rows of the whole pass (x [N, D],
+        qr [N, Lq], q [N, H, Dh], kv [N, Dh]) -> o [N, H, Dh]. `calls`: per call, (call, its
+        layer `AttentionState`, its rows (lo, hi)); each call's prefill, prompt piece, decode
+        or verify block runs on its own rows and state (`Attention.core`), in order."""
+        return torch.cat([attn.core(x[lo:hi], qr[lo:hi], q[lo:hi], kv[lo:hi], call.start_pos, st, call.undo)
+                          for call, st, (lo, hi) in calls])
 
     def route(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
               small_m: bool) -> torch.Tensor:
@@ -124,11 +131,23 @@ class ExactNumerics(FastNumerics):
         return torch.cat(outs)[:n]
 
     def attend(self, attn: Attention, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
-               call: Call, st: AttentionState) -> torch.Tensor:
-        """As `FastNumerics.attend`, on the call's rows zero-padded to one EXACT_ROWS tile."""
-        S = call.n_tokens
-        tile = [pad_rows(t, EXACT_ROWS) for t in (x, qr, q, kv)]
-        return attn.core_exact(*tile, call.start_pos, S, st, call.undo)[:S]
+               calls: list[CallRows]) -> torch.Tensor:
+        """As `FastNumerics.attend`. Each call builds its keys and index lists on its rows
+        zero-padded to one EXACT_ROWS tile (`Attention.exact_keys`, in call order, so pieces
+        of one prompt see each other); then the query rows of every call are reduced together
+        on fixed EXACT_ROWS-row tiles (`sparse_attn_tiled`), each row over its own list: one
+        reduction per 8 rows of the pass rather than one padded tile per call."""
+        keys, lists, offset = [], [], 0
+        for call, st, (lo, hi) in calls:
+            tile = [pad_rows(t[lo:hi], EXACT_ROWS) for t in (x, qr, kv)]
+            k, idx = attn.exact_keys(*tile, call.start_pos, call.n_tokens, st, call.undo)
+            lists.append(torch.where(idx[:call.n_tokens] >= 0, idx[:call.n_tokens] + offset, -1))
+            keys.append(k)
+            offset += k.shape[0]
+        width = max(t.shape[1] for t in lists)
+        idx = torch.cat([F.pad(t, (0, width - t.shape[1]), value=-1) for t in lists])  # [N, width]
+        return sparse_attn_tiled(q, torch.cat(keys), attn.attn_sink, idx, attn.softmax_scale, EXACT_KEY_CHUNK,
+                                 EXACT_ROWS)
 
     def route(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
               small_m: bool) -> torch.Tensor:
