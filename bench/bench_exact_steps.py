@@ -28,19 +28,28 @@ from typing import Callable
 import torch
 
 from dsv4.batch import BatchItem
-from dsv4.numerics import ExactNumerics
+from dsv4.numerics import EXACT_ROWS, PROMPT_ROWS, ExactNumerics
 from dsv4.trunk import Trunk
 from services.app import load_trunk
 
+EXPERT_ROWS = EXACT_ROWS  # rows of a routed-expert tile (`ExactNumerics.route`)
 VERIFY_ROWS = (3, 4, 5, 6)  # verify block sizes (anchor + drafts), cycled over the sessions
+
+
+def padded_rows(n: int, calls: list | None) -> tuple[int, int]:
+    """(real rows, rows computed) of a row-wise op over n rows under exact numerics: prompt
+    rows (of `calls`' prompt pieces) on PROMPT_ROWS tiles, the rest on EXACT_ROWS tiles."""
+    prompt = sum(hi - lo for call, _, (lo, hi) in calls or [] if call.prefill)
+    up = lambda k, t: -(-k // t) * t  # noqa: E731
+    return n, up(prompt, PROMPT_ROWS) + up(n - prompt, EXACT_ROWS)
 
 
 class TimedExact(ExactNumerics):
     """ExactNumerics that adds each family's wall time (ms) and rows (real, computed) to `acc`."""
 
-    def __init__(self, threads: int, acc: dict, tiles: dict):
+    def __init__(self, threads: int, acc: dict):
         super().__init__(threads)
-        self.acc, self.tiles = acc, tiles
+        self.acc = acc
 
     def _timed(self, family: str, real: int, computed: int, fn: Callable[[], torch.Tensor]):
         t0 = time.perf_counter()
@@ -51,21 +60,19 @@ class TimedExact(ExactNumerics):
         entry[2] += computed
         return out
 
-    def dense(self, fn, *rows):
-        n = rows[0].shape[0]
-        tile = self.tiles["dense"]
-        return self._timed("dense", n, -(-n // tile) * tile, lambda: super(TimedExact, self).dense(fn, *rows))
+    def dense(self, fn, *rows, calls=None):
+        real, computed = padded_rows(rows[0].shape[0], calls)
+        return self._timed("dense", real, computed,
+                           lambda: super(TimedExact, self).dense(fn, *rows, calls=calls))
 
     def attend(self, attn, x, qr, q, kv, calls):
-        real = sum(call.n_tokens for call, _, _ in calls)
-        tile = self.tiles["attend"]
-        return self._timed("attention", real, -(-real // tile) * tile,
+        real, computed = padded_rows(x.shape[0], calls)
+        return self._timed("attention", real, computed,
                            lambda: super(TimedExact, self).attend(attn, x, qr, q, kv, calls))
 
     def route(self, moe, x, weights, experts, small_m):
-        tile = self.tiles["experts"]
         counts = torch.bincount(experts.flatten(), minlength=len(moe.experts))
-        computed = int((-(-counts // tile) * tile).sum())
+        computed = int((-(-counts // EXPERT_ROWS) * EXPERT_ROWS).sum())
         return self._timed("experts", experts.numel(), computed,
                            lambda: super(TimedExact, self).route(moe, x, weights, experts, small_m))
 
@@ -132,19 +139,12 @@ def breakdown(model: Trunk, run: Callable[[], float]) -> tuple[float, dict]:
     real rows, computed rows]})."""
     acc: dict = defaultdict(lambda: [0.0, 0, 0])
     plain = model.numerics
-    model.numerics = TimedExact(plain.threads, acc, tile_sizes(plain))
+    model.numerics = TimedExact(plain.threads, acc)
     try:
         total = run()
     finally:
         model.numerics = plain
     return total, acc
-
-
-def tile_sizes(num: ExactNumerics) -> dict:
-    """Rows per tile of each op family in `num` (the padding arithmetic of the breakdown)."""
-    from dsv4 import numerics as nm
-    dense = getattr(nm, "EXACT_ROWS")
-    return {"dense": dense, "attend": dense, "experts": getattr(nm, "EXPERT_ROWS", dense)}
 
 
 def main() -> None:

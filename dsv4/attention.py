@@ -311,7 +311,8 @@ class Attention(nn.Module):
         The same lists for a position whether it is decoded alone or inside a block: window
         positions in descending order, then the indexer's top-k (exactly index_topk columns)
         or the plain compressor's visible entries in ascending order. Compressors step token by
-        token; with `undo` (a verify block) every change is journaled as in `_block_keys`.
+        token on projections of the whole tile (`Compressor.step_tile`); with `undo` (a verify
+        block) every change is journaled as in `_block_keys`.
         """
         R, W, r, dev = x.shape[0], self.window, self.ratio, x.device
         slots = torch.arange(n, n + S, device=dev)[-W:] % W
@@ -323,7 +324,12 @@ class Attention(nn.Module):
                 record.indexer = self.indexer.compressor.open_journal(st.indexer, n, S)
             top = self.indexer.exact_topk(x, qr, n, S, st.indexer, EXACT_KEY_CHUNK)  # [R, index_topk]
             lists.append(torch.where(top >= 0, top + W + R, top))
-        keys = self._step_compressor(x, n, S, st, record, torch.cat((st.ring, kv)))
+        keys = torch.cat((st.ring, kv))
+        if r:  # the tokens' projections on the whole tile, in one fixed-shape GEMM
+            if record is not None:
+                record.compressor = self.compressor.open_journal(st.compressor, n, S)
+            self.compressor.step_tile(x, n, S, st.compressor)
+            keys = torch.cat((keys, st.compressor.entries()))
         if r and r != 4:
             lists.append(self._plain_entry_list(q_pos, st.compressor.n_entries, W + R))
         idx = torch.cat(lists, dim=1)

@@ -180,6 +180,17 @@ class Compressor(nn.Module):
             st.journal.steps.append((pos, v[0], g[0]))
         return self._write_token(v[0], g[0], pos, st)
 
+    def step_tile(self, x: torch.Tensor, start: int, n_real: int, st: CompressorState) -> None:
+        """Exact mode: feed tokens start..start+n_real-1, the first n_real rows of a tile
+        x [R, D] (`dsv4.numerics`), as `step` feeds them one by one (journaled likewise), but
+        with the tile's projections computed in one fixed-shape GEMM, so a token's projection
+        is the same whichever row of a tile of R rows holds it. Padding rows never reach `st`."""
+        v, g = self._project(x, torch.arange(start, start + x.shape[0], device=x.device))
+        for i in range(n_real):
+            if st.journal is not None:
+                st.journal.steps.append((start + i, v[i], g[i]))
+            self._write_token(v[i], g[i], start + i, st)
+
     def _write_token(self, v: torch.Tensor, g: torch.Tensor, pos: int, st: CompressorState) -> bool:
         """Write one token's projections v, g [k*d] at `pos` into `st`; pool at a block boundary."""
         r, d, i = self.ratio, self.head_dim, pos % self.ratio

@@ -84,13 +84,13 @@ class Indexer(nn.Module):
                    chunk: int) -> torch.Tensor:
         """Exact mode (see `dsv4.attention`): x [R, D], qr [R, Lq] tile whose first n_real rows
         are tokens at start_pos.. -> [R, index_topk] int64, exactly index_topk columns (-1 = none;
-        padding rows all -1). Steps the compressor over the n_real tokens, then scores fixed
-        chunks of entries (`index_scores_chunked`), so the selection of a position is the same
-        in a decode and inside a verify block."""
+        padding rows all -1). Steps the compressor over the n_real tokens (projected on the
+        tile, `Compressor.step_tile`), then scores fixed chunks of entries
+        (`index_scores_chunked`), so the selection of a position is the same in a decode and
+        inside a verify block."""
         R = x.shape[0]
         pos = torch.arange(start_pos, start_pos + R, device=x.device)
-        for s in range(n_real):
-            self.compressor.step(x[s:s + 1], start_pos + s, st)
+        self.compressor.step_tile(x, start_pos, n_real, st)
         scores = index_scores_chunked(self.project_q(qr, pos), self.head_weights(x), st.entries(), chunk, self.topk)
         if self.reduce_scores is not None:
             scores = self.reduce_scores(scores)
