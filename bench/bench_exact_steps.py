@@ -157,6 +157,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=64, help="prompt tokens of each decode / verify session")
     ap.add_argument("--prompt", type=int, default=900, help="tokens of the prefilled prompt")
     ap.add_argument("--chunk", type=int, default=64, help="prompt tokens per step")
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the instrumented run by op family")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     models = {arm: load_trunk(args.checkpoint, verify_numerics=arm) for arm in ("fast", "exact")}
@@ -174,6 +175,8 @@ def main() -> None:
         med = {arm: statistics.median(t) for arm, t in times.items()}
         cells = [f"{med[a]:9.1f} [{min(times[a]):.1f}-{max(times[a]):.1f}]" for a in ("fast", "exact")]
         print(f"{name:<28} {cells[0]:>22} {cells[1]:>22} {med['exact'] / med['fast']:9.2f}x")
+    if args.no_breakdown:
+        return
     print("\nexact, by op family (one instrumented run): ms (share), rows computed / real rows")
     for name, arms in work.items():
         total, acc = breakdown(models["exact"], arms["exact"])

@@ -128,6 +128,8 @@ class ExactNumerics(FastNumerics):
     name = "exact"
     max_tokens = EXACT_ROWS
     prompt_tokens = PROMPT_ROWS
+    prompt_rows = PROMPT_ROWS  # rows of a prompt tile (a constant: never chosen by the load)
+    key_chunk = EXACT_KEY_CHUNK  # keys per step of the attention fold (a constant likewise)
 
     def __init__(self, threads: int):
         self.threads = threads
@@ -139,7 +141,7 @@ class ExactNumerics(FastNumerics):
               calls: list[CallRows] | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """fn over the rows of each kind (`calls` given: rows of prompt calls are prompt rows;
         None: all rows are decode / verify rows) on that kind's tiles, put back in row order."""
-        return by_kind(lambda tile, *part: tiled(fn, tile, *part), rows, calls)
+        return by_kind(lambda tile, *part: tiled(fn, tile, *part), rows, calls, self.prompt_rows)
 
     def attend(self, attn: Attention, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
                calls: list[CallRows]) -> torch.Tensor:
@@ -150,7 +152,7 @@ class ExactNumerics(FastNumerics):
         reduction per tile of the pass rather than one padded tile per call."""
         keys, lists, offset = [], [], 0
         for call, st, (lo, hi) in calls:
-            tile = [pad_rows(t[lo:hi], tile_rows(call)) for t in (x, qr, kv)]
+            tile = [pad_rows(t[lo:hi], self.prompt_rows if call.prefill else EXACT_ROWS) for t in (x, qr, kv)]
             k, idx = attn.exact_keys(*tile, call.start_pos, call.n_tokens, st, call.undo)
             lists.append(torch.where(idx[:call.n_tokens] >= 0, idx[:call.n_tokens] + offset, -1))
             keys.append(k)
@@ -159,7 +161,8 @@ class ExactNumerics(FastNumerics):
         idx = torch.cat([F.pad(t, (0, width - t.shape[1]), value=-1) for t in lists])  # [N, width]
         keys = torch.cat(keys)
         return by_kind(lambda tile, qt, it: sparse_attn_tiled(qt, keys, attn.attn_sink, it, attn.softmax_scale,
-                                                              EXACT_KEY_CHUNK, tile), (q, idx), calls)
+                                                              self.key_chunk, tile), (q, idx), calls,
+                       self.prompt_rows)
 
     def route(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
               small_m: bool) -> torch.Tensor:
@@ -167,15 +170,10 @@ class ExactNumerics(FastNumerics):
         return moe.combine_tiled(x, weights, experts, EXACT_ROWS)
 
 
-def tile_rows(call: Call) -> int:
-    """Rows of the exact tile a call's rows run on: PROMPT_ROWS for a piece of a prompt,
-    EXACT_ROWS for a decode or a verify block."""
-    return PROMPT_ROWS if call.prefill else EXACT_ROWS
-
-
 def by_kind(fn: Callable[..., "torch.Tensor | tuple[torch.Tensor, ...]"], rows: tuple | list,
-            calls: list[CallRows] | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """fn(tile, *part) on the rows of each kind apart, results put back in row order.
+            calls: list[CallRows] | None, prompt_rows: int = PROMPT_ROWS) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """fn(tile, *part) on the rows of each kind apart, results put back in row order: prompt
+    rows with tile = prompt_rows, decode / verify rows with tile = EXACT_ROWS.
 
     rows: tensors with the same leading dim N; calls: the pass's calls and their row spans
     (None: every row is a decode / verify row). `part` holds one kind's rows in order; fn
@@ -183,11 +181,11 @@ def by_kind(fn: Callable[..., "torch.Tensor | tuple[torch.Tensor, ...]"], rows: 
     prompt = [] if calls is None else [(lo, hi) for call, _, (lo, hi) in calls if call.prefill]
     n, n_prompt = rows[0].shape[0], sum(hi - lo for lo, hi in prompt)
     if n_prompt == 0 or n_prompt == n:
-        return fn(PROMPT_ROWS if n_prompt else EXACT_ROWS, *rows)
+        return fn(prompt_rows if n_prompt else EXACT_ROWS, *rows)
     is_prompt = torch.zeros(n, dtype=torch.bool, device=rows[0].device)
     for lo, hi in prompt:
         is_prompt[lo:hi] = True
-    kinds = [(PROMPT_ROWS, is_prompt.nonzero().squeeze(1)), (EXACT_ROWS, (~is_prompt).nonzero().squeeze(1))]
+    kinds = [(prompt_rows, is_prompt.nonzero().squeeze(1)), (EXACT_ROWS, (~is_prompt).nonzero().squeeze(1))]
     parts = [(sel, fn(tile, *(t[sel] for t in rows))) for tile, sel in kinds]
     single = not isinstance(parts[0][1], tuple)
     outs = []
