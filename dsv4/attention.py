@@ -209,15 +209,25 @@ class Attention(nn.Module):
             keys, idx = self._decode_keys(x, qr, kv, start_pos, st)
         return self.attend(q, keys, self.attn_sink, idx, self.softmax_scale)
 
-    def exact_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, start_pos: int, n_real: int,
+    def exact_rows(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Exact mode: the row-wise projections the key building needs, of tokens x [S, D],
+        qr [S, Lq] at pos [S]: the attention compressor's v, g [S, k*d] fp32 (ratio > 0), then
+        the indexer's `Indexer.exact_rows` (ratio 4); () for ratio 0. Row-wise, so the
+        caller computes them on its fixed row tiles over every call of the pass at once."""
+        if not self.ratio:
+            return ()
+        rows = self.compressor.project(x, pos)
+        return (*rows, *self.indexer.exact_rows(x, qr, pos)) if self.indexer is not None else rows
+
+    def exact_keys(self, kv: torch.Tensor, rows: tuple[torch.Tensor, ...], start_pos: int, n_real: int,
                    st: AttentionState, undo: list[AttentionUndo] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact mode (module docstring): the key rows and index lists of a tile of R rows
-        (x [R, D], qr [R, Lq], kv [R, Dh]) whose rows < n_real are tokens at start_pos.. (a
-        decode or a piece of a prompt when `undo` is None, else a verify block) -> keys
-        [W + R + E, Dh] in kv's dtype and idx [R, W + Kc] int64 (-1 = masked; padding rows
-        all -1). Reads and updates `st` (padding rows never reach it); the reduction is the
-        caller's (`sparse_attn_tiled`), so several calls' rows can share its tiles."""
-        return self._exact_keys(x, qr, kv, start_pos, n_real, st, undo)
+        (kv [R, Dh] and `rows`, the tile's `exact_rows`) whose rows < n_real are tokens at
+        start_pos.. (a decode or a piece of a prompt when `undo` is None, else a verify block)
+        -> keys [W + R + E, Dh] in kv's dtype and idx [R, W + Kc] int64 (-1 = masked; padding
+        rows all -1). Reads and updates `st` (padding rows never reach it); the reduction is
+        the caller's (`sparse_attn_tiled`), so several calls' rows can share its tiles."""
+        return self._exact_keys(kv, rows, start_pos, n_real, st, undo)
 
     def rollback(self, st: AttentionState, record: AttentionUndo, keep: int, ring: bool = True,
                  compressor: bool = True) -> int:
@@ -303,7 +313,7 @@ class Attention(nn.Module):
             self.compressor.step(x[i:i + 1], n + i, st.compressor)
         return torch.cat((keys, st.compressor.entries()))
 
-    def _exact_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, n: int, S: int,
+    def _exact_keys(self, kv: torch.Tensor, rows: tuple[torch.Tensor, ...], n: int, S: int,
                     st: AttentionState, undo: list[AttentionUndo] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact mode: keys [W + R + E, Dh] = [ring before the call | the tile's kv | entries] and
         index lists [R, W + Kc] (padding rows all -1) for tokens n..n+S-1 of an R-row tile.
@@ -311,10 +321,10 @@ class Attention(nn.Module):
         The same lists for a position whether it is decoded alone or inside a block: window
         positions in descending order, then the indexer's top-k (exactly index_topk columns)
         or the plain compressor's visible entries in ascending order. Compressors step token by
-        token on projections of the whole tile (`Compressor.step_tile`); with `undo` (a verify
-        block) every change is journaled as in `_block_keys`.
+        token on the tile's projections (`Compressor.write_tile`); with `undo` (a verify block)
+        every change is journaled as in `_block_keys`.
         """
-        R, W, r, dev = x.shape[0], self.window, self.ratio, x.device
+        R, W, r, dev = kv.shape[0], self.window, self.ratio, kv.device
         slots = torch.arange(n, n + S, device=dev)[-W:] % W
         record = AttentionUndo(n, S, slots, st.ring[slots].clone(), kv[:S]) if undo is not None else None
         q_pos = torch.arange(n, n + R, device=dev)
@@ -322,13 +332,13 @@ class Attention(nn.Module):
         if r == 4:
             if record is not None:
                 record.indexer = self.indexer.compressor.open_journal(st.indexer, n, S)
-            top = self.indexer.exact_topk(x, qr, n, S, st.indexer, EXACT_KEY_CHUNK)  # [R, index_topk]
+            top = self.indexer.exact_topk(rows[2:], n, S, st.indexer, EXACT_KEY_CHUNK)  # [R, index_topk]
             lists.append(torch.where(top >= 0, top + W + R, top))
         keys = torch.cat((st.ring, kv))
-        if r:  # the tokens' projections on the whole tile, in one fixed-shape GEMM
+        if r:
             if record is not None:
                 record.compressor = self.compressor.open_journal(st.compressor, n, S)
-            self.compressor.step_tile(x, n, S, st.compressor)
+            self.compressor.write_tile(rows[0], rows[1], n, S, st.compressor)
             keys = torch.cat((keys, st.compressor.entries()))
         if r and r != 4:
             lists.append(self._plain_entry_list(q_pos, st.compressor.n_entries, W + R))

@@ -145,15 +145,19 @@ class ExactNumerics(FastNumerics):
 
     def attend(self, attn: Attention, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
                calls: list[CallRows]) -> torch.Tensor:
-        """As `FastNumerics.attend`. Each call builds its keys and index lists on its rows
-        zero-padded to one tile of its kind (`Attention.exact_keys`, in call order, so pieces
-        of one prompt see each other); then the query rows of every call of a kind are reduced
-        together on that kind's tiles (`sparse_attn_tiled`), each row over its own list: one
-        reduction per tile of the pass rather than one padded tile per call."""
+        """As `FastNumerics.attend`. The row-wise projections of the key building (compressor
+        and indexer, `Attention.exact_rows`) run over the whole pass on the dense tiles; each
+        call then builds its keys and index lists on its rows zero-padded to one tile of its
+        kind (`Attention.exact_keys`, in call order, so pieces of one prompt see each other);
+        then the query rows of every call of a kind are reduced together on that kind's tiles
+        (`sparse_attn_tiled`), each row over its own list: one projection and one reduction
+        per tile of the pass rather than one padded tile per call."""
+        pos = torch.cat([torch.arange(c.start_pos, c.start_pos + c.n_tokens, device=x.device) for c, _, _ in calls])
+        rows = self.dense(attn.exact_rows, x, qr, pos, calls=calls) if attn.ratio else ()  # per-row projections
         keys, lists, offset = [], [], 0
         for call, st, (lo, hi) in calls:
-            tile = [pad_rows(t[lo:hi], self.prompt_rows if call.prefill else EXACT_ROWS) for t in (x, qr, kv)]
-            k, idx = attn.exact_keys(*tile, call.start_pos, call.n_tokens, st, call.undo)
+            kv_tile, *tile = [pad_rows(t[lo:hi], self.prompt_rows if call.prefill else EXACT_ROWS) for t in (kv, *rows)]
+            k, idx = attn.exact_keys(kv_tile, tuple(tile), call.start_pos, call.n_tokens, st, call.undo)
             lists.append(torch.where(idx[:call.n_tokens] >= 0, idx[:call.n_tokens] + offset, -1))
             keys.append(k)
             offset += k.shape[0]
