@@ -12,7 +12,8 @@ Dh = head_dim, V = vocab, T = len(dspark_target_layer_ids).
 Per layer, the dense ops (mHC, norms, q / kv / output projections, gate, shared expert) run
 once over all N rows through the numerics strategy's `dense`, the routed experts through its
 `route`, and only attention (ring, compressors, indexer, key lists) runs per call on its own
-slice of rows and its own state. A row's computation is the one it would get alone: fast
+slice of rows and its own state (its strategy's `attend`; exact mode then reduces the rows of
+all calls together on fixed tiles). A row's computation is the one it would get alone: fast
 mode to rounding, exact mode bitwise (`dsv4.numerics.ExactNumerics`).
 """
 

@@ -109,8 +109,9 @@ class ExactNumerics(FastNumerics):
     the load: decode and verify rows on tiles of EXACT_ROWS rows, prompt rows on tiles of
     PROMPT_ROWS rows. Every dense op runs on the pass's rows of one kind, in order, cut into
     that kind's tiles (the last one zero-padded): each GEMM has one shape per kind, and within
-    it a row's result depends on that row only. Attention builds each call's keys on one tile
-    of the call's kind (`Attention.exact_keys`), with the same key list for a position in a
+    it a row's result depends on that row only. Attention computes the key building's row-wise
+    projections the same way (`Attention.exact_rows`), builds each call's keys on one tile of
+    the call's kind (`Attention.exact_keys`), with the same key list for a position in a
     decode and in a verify block; the query rows of all calls of a kind are then reduced
     together on that kind's tiles over fixed key chunks (`sparse_attn_tiled`). Routed experts
     run on fixed tiles of the rows routed to them (`MoE.combine_tiled`); intra-op threads are
