@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator
 
 import torch
-
 import torch.nn.functional as F
 
 from dsv4.attention import EXACT_KEY_CHUNK, Attention, AttentionState, AttentionUndo, sparse_attn_tiled
