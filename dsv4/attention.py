@@ -19,14 +19,16 @@ slot p % W first and attends over [ring (W rows) | cached entries]. A later chun
 prompt (start_pos > 0, S > 1 tokens, no undo list) takes the verify block's keys
 (`_block_keys`) without its journal: the chunk is committed as it runs.
 
-Exact mode (`core_exact`; `Trunk(verify_numerics="exact")`): the call is a fixed tile of R rows
-(`dsv4.numerics.EXACT_ROWS`) whose first `n_real` are the tokens, for a decode (n_real == 1)
-and a verify block alike. Every query gets the same key list in both: window positions
-p, p-1, .., p-W+1 (ring before the call, then the call's own rows), then its compressed
-entries (indexer: exactly index_topk columns; plain compressor: ascending entries), padded
-with -1; attention folds over fixed chunks of EXACT_KEY_CHUNK keys (`sparse_attn_chunked`)
-and the indexer scores fixed chunks of entries, so no reduction's shape depends on how many
-tokens the call holds or how many entries exist yet.
+Exact mode (`exact_keys`; `Trunk(verify_numerics="exact")`): the call's keys are built on a
+fixed tile of R rows whose first `n_real` are the tokens (`dsv4.numerics`: EXACT_ROWS for a
+decode, n_real == 1, and a verify block alike; PROMPT_ROWS for a piece of a prompt). Every
+query gets the same key list in decode and verify: window positions p, p-1, .., p-W+1 (ring
+before the call, then the call's own rows), then its compressed entries (indexer: exactly
+index_topk columns; plain compressor: ascending entries), padded with -1. The indexer scores
+fixed chunks of entries, and the reduction (`sparse_attn_tiled`) runs every call's query rows
+together on fixed tiles of rows, each folding over fixed chunks of EXACT_KEY_CHUNK keys, so no
+reduction's shape depends on how many tokens a call holds, which other calls share the pass
+or how many entries exist yet.
 """
 
 from __future__ import annotations
@@ -207,14 +209,25 @@ class Attention(nn.Module):
             keys, idx = self._decode_keys(x, qr, kv, start_pos, st)
         return self.attend(q, keys, self.attn_sink, idx, self.softmax_scale)
 
-    def core_exact(self, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, start_pos: int,
-                   n_real: int, st: AttentionState, undo: list[AttentionUndo] | None) -> torch.Tensor:
-        """Exact mode (module docstring): `core` on a tile of R rows (x [R, D], qr [R, Lq],
-        q [R, H, Dh], kv [R, Dh]) whose rows < n_real are tokens at start_pos.. (a decode or a
-        piece of a prompt when `undo` is None, else a verify block) -> o [R, H, Dh]; padding
-        rows (any values) get 0 and never reach the state."""
-        keys, idx = self._exact_keys(x, qr, kv, start_pos, n_real, st, undo)
-        return sparse_attn_chunked(q, keys, self.attn_sink, idx, self.softmax_scale, EXACT_KEY_CHUNK)
+    def exact_rows(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Exact mode: the row-wise projections the key building needs, of tokens x [S, D],
+        qr [S, Lq] at pos [S]: the attention compressor's v, g [S, k*d] fp32 (ratio > 0), then
+        the indexer's `Indexer.exact_rows` (ratio 4); () for ratio 0. Row-wise, so the
+        caller computes them on its fixed row tiles over every call of the pass at once."""
+        if not self.ratio:
+            return ()
+        rows = self.compressor.project(x, pos)
+        return (*rows, *self.indexer.exact_rows(x, qr, pos)) if self.indexer is not None else rows
+
+    def exact_keys(self, kv: torch.Tensor, rows: tuple[torch.Tensor, ...], start_pos: int, n_real: int,
+                   st: AttentionState, undo: list[AttentionUndo] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exact mode (module docstring): the key rows and index lists of a tile of R rows
+        (kv [R, Dh] and `rows`, the tile's `exact_rows`) whose rows < n_real are tokens at
+        start_pos.. (a decode or a piece of a prompt when `undo` is None, else a verify block)
+        -> keys [W + R + E, Dh] in kv's dtype and idx [R, W + Kc] int64 (-1 = masked; padding
+        rows all -1). Reads and updates `st` (padding rows never reach it); the reduction is
+        the caller's (`sparse_attn_tiled`), so several calls' rows can share its tiles."""
+        return self._exact_keys(kv, rows, start_pos, n_real, st, undo)
 
     def rollback(self, st: AttentionState, record: AttentionUndo, keep: int, ring: bool = True,
                  compressor: bool = True) -> int:
@@ -300,7 +313,7 @@ class Attention(nn.Module):
             self.compressor.step(x[i:i + 1], n + i, st.compressor)
         return torch.cat((keys, st.compressor.entries()))
 
-    def _exact_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, n: int, S: int,
+    def _exact_keys(self, kv: torch.Tensor, rows: tuple[torch.Tensor, ...], n: int, S: int,
                     st: AttentionState, undo: list[AttentionUndo] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact mode: keys [W + R + E, Dh] = [ring before the call | the tile's kv | entries] and
         index lists [R, W + Kc] (padding rows all -1) for tokens n..n+S-1 of an R-row tile.
@@ -308,9 +321,10 @@ class Attention(nn.Module):
         The same lists for a position whether it is decoded alone or inside a block: window
         positions in descending order, then the indexer's top-k (exactly index_topk columns)
         or the plain compressor's visible entries in ascending order. Compressors step token by
-        token; with `undo` (a verify block) every change is journaled as in `_block_keys`.
+        token on the tile's projections (`Compressor.write_tile`); with `undo` (a verify block)
+        every change is journaled as in `_block_keys`.
         """
-        R, W, r, dev = x.shape[0], self.window, self.ratio, x.device
+        R, W, r, dev = kv.shape[0], self.window, self.ratio, kv.device
         slots = torch.arange(n, n + S, device=dev)[-W:] % W
         record = AttentionUndo(n, S, slots, st.ring[slots].clone(), kv[:S]) if undo is not None else None
         q_pos = torch.arange(n, n + R, device=dev)
@@ -318,9 +332,14 @@ class Attention(nn.Module):
         if r == 4:
             if record is not None:
                 record.indexer = self.indexer.compressor.open_journal(st.indexer, n, S)
-            top = self.indexer.exact_topk(x, qr, n, S, st.indexer, EXACT_KEY_CHUNK)  # [R, index_topk]
+            top = self.indexer.exact_topk(rows[2:], n, S, st.indexer, EXACT_KEY_CHUNK)  # [R, index_topk]
             lists.append(torch.where(top >= 0, top + W + R, top))
-        keys = self._step_compressor(x, n, S, st, record, torch.cat((st.ring, kv)))
+        keys = torch.cat((st.ring, kv))
+        if r:
+            if record is not None:
+                record.compressor = self.compressor.open_journal(st.compressor, n, S)
+            self.compressor.write_tile(rows[0], rows[1], n, S, st.compressor)
+            keys = torch.cat((keys, st.compressor.entries()))
         if r and r != 4:
             lists.append(self._plain_entry_list(q_pos, st.compressor.n_entries, W + R))
         idx = torch.cat(lists, dim=1)
@@ -413,3 +432,22 @@ def sparse_attn_chunked(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, i
         den, out = (part, pv) if den is None else (den + part, out + pv)
     den = den + torch.exp(sink[None, :, None] - m)
     return (out / den).to(q.dtype)
+
+
+def sparse_attn_tiled(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, idx: torch.Tensor,
+                      scale: float, chunk: int, tile: int) -> torch.Tensor:
+    """`sparse_attn_chunked` on fixed tiles of `tile` query rows (exact mode): q [S, H, Dh],
+    kv [N, Dh], sink [H] fp32, idx [S, K] int64 (-1 = masked) -> [S, H, Dh] in q.dtype.
+
+    The rows are cut into tiles of `tile` rows in order (the last one padded with zero
+    queries whose lists are all masked, output 0), so every reduction has the shape
+    (tile, H, chunk) whatever S is: a row's output depends on its own query and key list only,
+    not on which rows share its tile, nor on how many masked columns pad the lists to K.
+    """
+    S = q.shape[0]
+    n = -(-S // tile) * tile
+    if n != S:
+        q = torch.cat((q, q.new_zeros(n - S, *q.shape[1:])))
+        idx = torch.cat((idx, idx.new_full((n - S, idx.shape[1]), -1)))
+    outs = [sparse_attn_chunked(q[i:i + tile], kv, sink, idx[i:i + tile], scale, chunk) for i in range(0, n, tile)]
+    return torch.cat(outs)[:S]

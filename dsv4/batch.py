@@ -12,7 +12,8 @@ Dh = head_dim, V = vocab, T = len(dspark_target_layer_ids).
 Per layer, the dense ops (mHC, norms, q / kv / output projections, gate, shared expert) run
 once over all N rows through the numerics strategy's `dense`, the routed experts through its
 `route`, and only attention (ring, compressors, indexer, key lists) runs per call on its own
-slice of rows and its own state. A row's computation is the one it would get alone: fast
+slice of rows and its own state (its strategy's `attend`; exact mode then reduces the rows of
+all calls together on fixed tiles). A row's computation is the one it would get alone: fast
 mode to rounding, exact mode bitwise (`dsv4.numerics.ExactNumerics`).
 """
 
@@ -105,7 +106,8 @@ def run_pass(model: Any, num: FastNumerics, jobs: list[Job]) -> list[tuple[torch
     small_m = all(j.call.small_m for j in jobs)
     taps = []
     with num.scope():
-        h = num.dense(lambda i: model.embed(i).unsqueeze(1).repeat(1, cfg.hc_mult, 1), ids)  # [N, C, D]
+        rows = [(j.call, None, s) for j, s in zip(jobs, spans)]
+        h = num.dense(lambda i: model.embed(i).unsqueeze(1).repeat(1, cfg.hc_mult, 1), ids, calls=rows)  # [N, C, D]
         for i, block in enumerate(model.layers):
             h = block(h, ids, pos, [(j.call, j.state.layers[i], s) for j, s in zip(jobs, spans)], num, small_m)
             if want_taps and i in cfg.dspark_target_layer_ids:
@@ -135,8 +137,8 @@ def finish(job: Job, logits: torch.Tensor, taps: torch.Tensor | None) -> Forward
 def prompt_pieces(state: TrunkState, start: int, ids: torch.Tensor, keep: int | None,
                   max_tokens: int | None) -> list[Job]:
     """A validated prompt chunk, ids [S] int64 at start.. on `state`, as its jobs: one, or
-    (exact numerics, `max_tokens` = EXACT_ROWS) consecutive pieces of at most max_tokens
-    tokens, each one exact tile. Logits are asked of the last piece only (position
+    (exact numerics, `max_tokens` = PROMPT_ROWS) consecutive pieces of at most max_tokens
+    tokens, each one exact prompt tile. Logits are asked of the last piece only (position
     start + S - 1); the tap rows of the chunk's last `keep` positions (None: no taps) are
     spread over the pieces that hold them, so `join_pieces` returns them in order."""
     S = ids.shape[0]
@@ -178,12 +180,11 @@ def layer(block: Any, num: FastNumerics, h: torch.Tensor, ids: torch.Tensor, pos
         q, qr = attn.project_q(x, pos)
         return x, qr, q, attn.project_kv(x, pos), post, comb
 
-    x, qr, q, kv, post, comb = num.dense(pre_attn, h, pos)
-    o = torch.cat([num.attend(attn, x[lo:hi], qr[lo:hi], q[lo:hi], kv[lo:hi], call, st)
-                   for call, st, (lo, hi) in calls])  # [N, H, Dh]
+    x, qr, q, kv, post, comb = num.dense(pre_attn, h, pos, calls=calls)
+    o = num.attend(attn, x, qr, q, kv, calls)  # [N, H, Dh]
 
     h, y, post, comb, weights, experts = num.dense(
-        lambda *rows: _post_attn(block, *rows, eps), o, pos, h, post, comb, ids)
+        lambda *rows: _post_attn(block, *rows, eps), o, pos, h, post, comb, ids, calls=calls)
     routed = num.route(moe, y, weights, experts, small_m)  # [N, D] fp32
     if moe.reduce_routed is not None:
         routed = moe.reduce_routed(routed)
@@ -192,7 +193,7 @@ def layer(block: Any, num: FastNumerics, h: torch.Tensor, ids: torch.Tensor, pos
         out = (routed + moe.shared_experts(y).float()).to(y.dtype)
         return hc_post(out, h, post, comb)
 
-    return num.dense(ffn_out, y, routed, h, post, comb)
+    return num.dense(ffn_out, y, routed, h, post, comb, calls=calls)
 
 
 def _post_attn(block: Any, o: torch.Tensor, pos: torch.Tensor, h: torch.Tensor, post: torch.Tensor,

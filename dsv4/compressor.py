@@ -180,6 +180,20 @@ class Compressor(nn.Module):
             st.journal.steps.append((pos, v[0], g[0]))
         return self._write_token(v[0], g[0], pos, st)
 
+    def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A token's projections: x [S, D], pos [S] -> v, g [S, k*d] fp32 (g includes
+        ape[pos mod r]); row-wise, so exact mode computes them on its fixed row tiles."""
+        return self._project(x, pos)
+
+    def write_tile(self, v: torch.Tensor, g: torch.Tensor, start: int, n_real: int, st: CompressorState) -> None:
+        """Exact mode: feed tokens start..start+n_real-1 whose projections (`project`) are the
+        first n_real rows of v, g [R, k*d] fp32, as `step` feeds tokens one by one (journaled
+        likewise). Padding rows never reach `st`."""
+        for i in range(n_real):
+            if st.journal is not None:
+                st.journal.steps.append((start + i, v[i], g[i]))
+            self._write_token(v[i], g[i], start + i, st)
+
     def _write_token(self, v: torch.Tensor, g: torch.Tensor, pos: int, st: CompressorState) -> bool:
         """Write one token's projections v, g [k*d] at `pos` into `st`; pool at a block boundary."""
         r, d, i = self.ratio, self.head_dim, pos % self.ratio

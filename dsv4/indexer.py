@@ -80,18 +80,25 @@ class Indexer(nn.Module):
             scores = self.reduce_scores(scores)
         return select_topk(scores, (pos + 1) // INDEX_RATIO, self.topk)
 
-    def exact_topk(self, x: torch.Tensor, qr: torch.Tensor, start_pos: int, n_real: int, st: CompressorState,
+    def exact_rows(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Exact mode: the indexer's row-wise projections of tokens x [S, D], qr [S, Lq] at
+        pos [S] -> (compressor v, g [S, Di*2] fp32, qi [S, Hi, Di], head weights [S, Hi] fp32),
+        computed on the caller's fixed row tiles (`dsv4.numerics.ExactNumerics.attend`)."""
+        return (*self.compressor.project(x, pos), self.project_q(qr, pos), self.head_weights(x))
+
+    def exact_topk(self, rows: tuple[torch.Tensor, ...], start_pos: int, n_real: int, st: CompressorState,
                    chunk: int) -> torch.Tensor:
-        """Exact mode (see `dsv4.attention`): x [R, D], qr [R, Lq] tile whose first n_real rows
-        are tokens at start_pos.. -> [R, index_topk] int64, exactly index_topk columns (-1 = none;
-        padding rows all -1). Steps the compressor over the n_real tokens, then scores fixed
-        chunks of entries (`index_scores_chunked`), so the selection of a position is the same
-        in a decode and inside a verify block."""
-        R = x.shape[0]
-        pos = torch.arange(start_pos, start_pos + R, device=x.device)
-        for s in range(n_real):
-            self.compressor.step(x[s:s + 1], start_pos + s, st)
-        scores = index_scores_chunked(self.project_q(qr, pos), self.head_weights(x), st.entries(), chunk, self.topk)
+        """Exact mode (see `dsv4.attention`): `rows`, the `exact_rows` of an R-row tile whose
+        first n_real rows are tokens at start_pos.. -> [R, index_topk] int64, exactly
+        index_topk columns (-1 = none; padding rows all -1). Steps the compressor over the
+        n_real tokens (`Compressor.write_tile`), then scores fixed chunks of entries
+        (`index_scores_chunked`), so the selection of a position is the same in a decode and
+        inside a verify block."""
+        v, g, qi, w = rows
+        R = qi.shape[0]
+        pos = torch.arange(start_pos, start_pos + R, device=qi.device)
+        self.compressor.write_tile(v, g, start_pos, n_real, st)
+        scores = index_scores_chunked(qi, w, st.entries(), chunk, self.topk)
         if self.reduce_scores is not None:
             scores = self.reduce_scores(scores)
         n_visible = torch.where(pos < start_pos + n_real, (pos + 1) // INDEX_RATIO, 0)

@@ -8,11 +8,12 @@ and verify alike, and for one session or many: a pass holds several `Call`s whos
 concatenated for the dense ops while attention runs per call on its slice of rows and its
 own state. Every place where the recipes differ is one method of the strategy:
 
-- `dense(fn, *rows)`: a row-wise op (projections, mHC, norms, gate, shared expert, taps,
-  head) over the concatenated rows of every call: fast runs it once on all rows, exact on
-  fixed tiles of EXACT_ROWS rows, so a row's result never depends on how many rows, or
-  which, share the pass;
-- `attend(attn, x, qr, q, kv, call, st)`: one call's key lists and attention reduction;
+- `dense(fn, *rows, calls=)`: a row-wise op (projections, mHC, norms, gate, shared expert,
+  taps, head) over the concatenated rows of every call: fast runs it once on all rows, exact
+  on fixed tiles (EXACT_ROWS rows for decode / verify rows, PROMPT_ROWS for prompt rows), so
+  a row's result never depends on how many rows, or which, share the pass;
+- `attend(attn, x, qr, q, kv, calls)`: every call's key lists (each on its own state) and
+  the attention reductions;
 - `route(moe, x, weights, experts, small_m)`: grouped expert calls, or fixed expert tiles;
 - `scope()`: the intra-op thread count a forward runs under.
 """
@@ -24,11 +25,16 @@ from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator
 
 import torch
+import torch.nn.functional as F
 
-from dsv4.attention import Attention, AttentionState, AttentionUndo
+from dsv4.attention import EXACT_KEY_CHUNK, Attention, AttentionState, AttentionUndo, sparse_attn_tiled
 from dsv4.moe import MoE
 
-EXACT_ROWS = 8  # exact mode: rows of every dense tile, and the most tokens a verify block holds
+EXACT_ROWS = 8  # exact mode: rows of a decode / verify tile, and the most tokens a verify block holds
+# Exact mode: rows of a prompt tile, and the most tokens of a prompt one call holds. A prompt's
+# rows depend on its own session only, so they may run on a larger tile than a decode's; 64 is
+# the default prefill chunk (services/verifier/batcher.py), so a default chunk is one tile.
+PROMPT_ROWS = 64
 VERIFY_NUMERICS = ("fast", "exact")
 
 
@@ -54,6 +60,7 @@ class Call:
 
 
 Rows = Callable[..., "torch.Tensor | tuple[torch.Tensor, ...]"]
+CallRows = tuple[Call, AttentionState, tuple[int, int]]  # a call, its layer state, its rows (lo, hi) of the pass
 
 
 class FastNumerics:
@@ -63,21 +70,28 @@ class FastNumerics:
 
     name = "fast"
     max_tokens: int | None = None  # no limit on a verify block's size
+    prompt_tokens: int | None = None  # no limit on a prompt call's size
     threads: int | None = None
 
     def scope(self) -> ContextManager[None]:
         return nullcontext()
 
-    def dense(self, fn: Rows, *rows: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def dense(self, fn: Rows, *rows: torch.Tensor,
+              calls: list[CallRows] | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """fn(*rows): every tensor in `rows` has the same leading dim N (one entry per row);
-        fn returns one tensor or a tuple of tensors, each with leading dim N."""
+        fn returns one tensor or a tuple of tensors, each with leading dim N. `calls` (the
+        pass's calls and their row spans, when the rows are the whole pass's) lets the exact
+        recipe tell prompt rows from the rest; fast mode ignores it."""
         return fn(*rows)
 
     def attend(self, attn: Attention, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
-               call: Call, st: AttentionState) -> torch.Tensor:
-        """One call's projected rows (x [S, D], qr [S, Lq], q [S, H, Dh], kv [S, Dh]) ->
-        o [S, H, Dh]: its prefill, prompt piece, decode or verify-block attention (`Attention.core`)."""
-        return attn.core(x, qr, q, kv, call.start_pos, st, call.undo)
+               calls: list[CallRows]) -> torch.Tensor:
+        """Attention of every call of the pass: the projected rows of the whole pass (x [N, D],
+        qr [N, Lq], q [N, H, Dh], kv [N, Dh]) -> o [N, H, Dh]. `calls`: per call, (call, its
+        layer `AttentionState`, its rows (lo, hi)); each call's prefill, prompt piece, decode
+        or verify block runs on its own rows and state (`Attention.core`), in order."""
+        return torch.cat([attn.core(x[lo:hi], qr[lo:hi], q[lo:hi], kv[lo:hi], call.start_pos, st, call.undo)
+                          for call, st, (lo, hi) in calls])
 
     def route(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
               small_m: bool) -> torch.Tensor:
@@ -90,21 +104,32 @@ class ExactNumerics(FastNumerics):
     verify block, alone or among other sessions' rows, so a batched speculative chain equals
     the plain greedy chain token for token at any concurrency.
 
-    Dense ops run on fixed tiles of EXACT_ROWS rows filled with the pass's rows in order
-    (the last tile zero-padded): every GEMM has one shape, and within it a row's result
-    depends on that row only. Attention runs per call on its own EXACT_ROWS-row tile, with
-    the same key list for a position in a decode and in a verify block, reduced in fixed
-    chunks (`Attention.core_exact`); routed experts run on fixed tiles of the rows routed to
-    them (`MoE.combine_tiled`); intra-op threads are pinned to `threads` (a GEMM may split
-    its work, and so its sums, differently with another thread count). Blocks hold at most
-    EXACT_ROWS tokens. A prompt runs as consecutive calls of at most EXACT_ROWS tokens on
-    one state (`dsv4.trunk.Trunk.forward_batch`), each one of these tiles: its rows are then
-    bitwise the rows the prompt would get decoded token by token, so a prefill's result
-    depends neither on how the prompt is cut into chunks nor on what shares its passes.
+    Rows come in two kinds, each computed on its own fixed tile size, never one chosen by
+    the load: decode and verify rows on tiles of EXACT_ROWS rows, prompt rows on tiles of
+    PROMPT_ROWS rows. Every dense op runs on the pass's rows of one kind, in order, cut into
+    that kind's tiles (the last one zero-padded): each GEMM has one shape per kind, and within
+    it a row's result depends on that row only. Attention computes the key building's row-wise
+    projections the same way (`Attention.exact_rows`), builds each call's keys on one tile of
+    the call's kind (`Attention.exact_keys`), with the same key list for a position in a
+    decode and in a verify block; the query rows of all calls of a kind are then reduced
+    together on that kind's tiles over fixed key chunks (`sparse_attn_tiled`). Routed experts
+    run on fixed tiles of the rows routed to them (`MoE.combine_tiled`); intra-op threads are
+    pinned to `threads` (a GEMM may split its work, and so its sums, differently with another
+    thread count). Blocks hold at most EXACT_ROWS tokens.
+
+    A prompt runs as consecutive calls of at most PROMPT_ROWS tokens on one state
+    (`dsv4.trunk.Trunk.forward_batch`), each on one prompt tile. Its rows are a function of
+    the prompt alone: they depend neither on how it is cut into chunks (a row's tile shape is
+    PROMPT_ROWS whichever piece holds it) nor on what shares its passes. They are not bitwise
+    the rows of decoding the prompt token by token (another GEMM shape), which nothing needs:
+    a generation's decodes and verify blocks are the rows that must agree.
     """
 
     name = "exact"
     max_tokens = EXACT_ROWS
+    prompt_tokens = PROMPT_ROWS
+    prompt_rows = PROMPT_ROWS  # rows of a prompt tile (a constant: never chosen by the load)
+    key_chunk = EXACT_KEY_CHUNK  # keys per step of the attention fold (a constant likewise)
 
     def __init__(self, threads: int):
         self.threads = threads
@@ -112,28 +137,82 @@ class ExactNumerics(FastNumerics):
     def scope(self) -> ContextManager[None]:
         return pinned_threads(self.threads)
 
-    def dense(self, fn: Rows, *rows: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
-        """fn over tiles of EXACT_ROWS rows of `rows` (zero-padded), concatenated and cut back to N."""
-        n = rows[0].shape[0]
-        if n == 0:  # nothing asked of this op (no tap rows): no tile to run
-            return fn(*rows)
-        padded = [pad_rows(t, -(-n // EXACT_ROWS) * EXACT_ROWS) for t in rows]
-        outs = [fn(*(t[i:i + EXACT_ROWS] for t in padded)) for i in range(0, padded[0].shape[0], EXACT_ROWS)]
-        if isinstance(outs[0], tuple):
-            return tuple(torch.cat(parts)[:n] for parts in zip(*outs))
-        return torch.cat(outs)[:n]
+    def dense(self, fn: Rows, *rows: torch.Tensor,
+              calls: list[CallRows] | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """fn over the rows of each kind (`calls` given: rows of prompt calls are prompt rows;
+        None: all rows are decode / verify rows) on that kind's tiles, put back in row order."""
+        return by_kind(lambda tile, *part: tiled(fn, tile, *part), rows, calls, self.prompt_rows)
 
     def attend(self, attn: Attention, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
-               call: Call, st: AttentionState) -> torch.Tensor:
-        """As `FastNumerics.attend`, on the call's rows zero-padded to one EXACT_ROWS tile."""
-        S = call.n_tokens
-        tile = [pad_rows(t, EXACT_ROWS) for t in (x, qr, q, kv)]
-        return attn.core_exact(*tile, call.start_pos, S, st, call.undo)[:S]
+               calls: list[CallRows]) -> torch.Tensor:
+        """As `FastNumerics.attend`. The row-wise projections of the key building (compressor
+        and indexer, `Attention.exact_rows`) run over the whole pass on the dense tiles; each
+        call then builds its keys and index lists on its rows zero-padded to one tile of its
+        kind (`Attention.exact_keys`, in call order, so pieces of one prompt see each other);
+        then the query rows of every call of a kind are reduced together on that kind's tiles
+        (`sparse_attn_tiled`), each row over its own list: one projection and one reduction
+        per tile of the pass rather than one padded tile per call."""
+        pos = torch.cat([torch.arange(c.start_pos, c.start_pos + c.n_tokens, device=x.device) for c, _, _ in calls])
+        rows = self.dense(attn.exact_rows, x, qr, pos, calls=calls) if attn.ratio else ()  # per-row projections
+        keys, lists, offset = [], [], 0
+        for call, st, (lo, hi) in calls:
+            kv_tile, *tile = [pad_rows(t[lo:hi], self.prompt_rows if call.prefill else EXACT_ROWS) for t in (kv, *rows)]
+            k, idx = attn.exact_keys(kv_tile, tuple(tile), call.start_pos, call.n_tokens, st, call.undo)
+            lists.append(torch.where(idx[:call.n_tokens] >= 0, idx[:call.n_tokens] + offset, -1))
+            keys.append(k)
+            offset += k.shape[0]
+        width = max(t.shape[1] for t in lists)
+        idx = torch.cat([F.pad(t, (0, width - t.shape[1]), value=-1) for t in lists])  # [N, width]
+        keys = torch.cat(keys)
+        return by_kind(lambda tile, qt, it: sparse_attn_tiled(qt, keys, attn.attn_sink, it, attn.softmax_scale,
+                                                              self.key_chunk, tile), (q, idx), calls,
+                       self.prompt_rows)
 
     def route(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
               small_m: bool) -> torch.Tensor:
         """Each expert on fixed EXACT_ROWS-row tiles of the rows routed to it."""
         return moe.combine_tiled(x, weights, experts, EXACT_ROWS)
+
+
+def by_kind(fn: Callable[..., "torch.Tensor | tuple[torch.Tensor, ...]"], rows: tuple | list,
+            calls: list[CallRows] | None, prompt_rows: int = PROMPT_ROWS) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """fn(tile, *part) on the rows of each kind apart, results put back in row order: prompt
+    rows with tile = prompt_rows, decode / verify rows with tile = EXACT_ROWS.
+
+    rows: tensors with the same leading dim N; calls: the pass's calls and their row spans
+    (None: every row is a decode / verify row). `part` holds one kind's rows in order; fn
+    returns one tensor or a tuple, each with part's leading dim."""
+    prompt = [] if calls is None else [(lo, hi) for call, _, (lo, hi) in calls if call.prefill]
+    n, n_prompt = rows[0].shape[0], sum(hi - lo for lo, hi in prompt)
+    if n_prompt == 0 or n_prompt == n:
+        return fn(prompt_rows if n_prompt else EXACT_ROWS, *rows)
+    is_prompt = torch.zeros(n, dtype=torch.bool, device=rows[0].device)
+    for lo, hi in prompt:
+        is_prompt[lo:hi] = True
+    kinds = [(prompt_rows, is_prompt.nonzero().squeeze(1)), (EXACT_ROWS, (~is_prompt).nonzero().squeeze(1))]
+    parts = [(sel, fn(tile, *(t[sel] for t in rows))) for tile, sel in kinds]
+    single = not isinstance(parts[0][1], tuple)
+    outs = []
+    for i in range(1 if single else len(parts[0][1])):
+        pieces = [(sel, out if single else out[i]) for sel, out in parts]
+        full = pieces[0][1].new_empty(n, *pieces[0][1].shape[1:])
+        for sel, piece in pieces:
+            full[sel] = piece
+        outs.append(full)
+    return outs[0] if single else tuple(outs)
+
+
+def tiled(fn: Rows, tile: int, *rows: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """fn over consecutive tiles of `tile` rows of `rows` (each [N, ...]; the last tile
+    zero-padded), concatenated and cut back to N rows. N == 0: fn(*rows) as it is."""
+    n = rows[0].shape[0]
+    if n == 0:  # nothing asked of this op (no tap rows): no tile to run
+        return fn(*rows)
+    padded = [pad_rows(t, -(-n // tile) * tile) for t in rows]
+    outs = [fn(*(t[i:i + tile] for t in padded)) for i in range(0, padded[0].shape[0], tile)]
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(parts)[:n] for parts in zip(*outs))
+    return torch.cat(outs)[:n]
 
 
 def pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:

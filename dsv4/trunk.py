@@ -133,8 +133,9 @@ class Trunk(nn.Module):
 
     Verify numerics (`dsv4.numerics`): "fast" (default) computes rows in the pass's own
     shape, equal to rounding; "exact" makes a decode or verify row bitwise the same alone,
-    in a block or in any batch (fixed 8-row tiles, fixed key lists and reductions, fixed
-    expert tiles, pinned threads), at most EXACT_ROWS tokens per block.
+    in a block or in any batch (fixed 8-row tiles, prompt rows on their own fixed 64-row
+    tiles, fixed key lists and reductions, fixed expert tiles, pinned threads), at most
+    EXACT_ROWS tokens per block.
 
     Args:
         cfg: the model config.
@@ -287,7 +288,7 @@ class Trunk(nn.Module):
         [min(keep_rows, S), T*D] of positions S-keep..S-1 (keep_rows default: window_size;
         T = 0 target layers gives [rows, 0]). This is `forward_batch` of one
         `BatchItem.prefill_chunk` holding the whole prompt: in fast mode one pass over the
-        prompt's rows; in exact mode pieces of EXACT_ROWS tokens, bitwise what any chunking
+        prompt's rows; in exact mode pieces of PROMPT_ROWS tokens, bitwise what any chunking
         of the prompt inside any batch gives (`dsv4.numerics.ExactNumerics`).
         Raises:
             ValueError: state not empty, from another model or with an open block, a prompt

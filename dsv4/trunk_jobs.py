@@ -138,7 +138,7 @@ def chunk_jobs(model: Trunk, item: BatchItem) -> list[Job]:
     keep = None if item.keep_rows is None else as_int(item.keep_rows, "keep_rows")
     if keep is not None and keep < 0:
         raise ValueError(f"keep_rows={keep}: must be >= 0")
-    return prompt_pieces(state, start, ids, keep, model.numerics.max_tokens)
+    return prompt_pieces(state, start, ids, keep, model.numerics.prompt_tokens)
 
 
 def decode_job(model: Trunk, item: BatchItem) -> Job:

@@ -113,7 +113,7 @@ class GroupedExperts(ExactNumerics):
 class WholeBatchTiles(ExactNumerics):
     """Batch-dependent: the dense ops run on one tile of all the batch's rows."""
 
-    def dense(self, fn, *rows):
+    def dense(self, fn, *rows, calls=None):
         return fn(*rows)
 
 
