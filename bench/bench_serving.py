@@ -118,11 +118,11 @@ async def run_cell(stack: dict, streams: int, arm: str, max_tokens: int) -> dict
     and share of plain rounds (from each final message's SpecStats), and the three services'
     CPU ms per completion token."""
     steps0, sessions0 = await verifier_steps(stack["verifier"])
-    cpu0 = cpu_s(stack["procs"].pids())
+    cpu0 = cpu_s(stack["procs"].pids)
     rounds: list[tuple[int, int, int]] = []
     traces = await asyncio.gather(*(run_stream(stack["gateway"], stream_prompts(streams, i), arm, max_tokens,
                                                rounds) for i in range(streams)))
-    cpu1 = cpu_s(stack["procs"].pids())
+    cpu1 = cpu_s(stack["procs"].pids)
     steps1, sessions1 = await verifier_steps(stack["verifier"])
     out = cell_figures(traces).as_dict()
     # The services' CPU per token: what a policy costs the shared cores, whatever else runs on the machine.
