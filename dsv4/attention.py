@@ -200,14 +200,23 @@ class Attention(nn.Module):
         `project_out`; reads and updates `st` (and journals into `undo` for a verify block).
         The batched forward (`dsv4.batch`) runs the projections over every session's rows at
         once and this per session."""
+        keys, idx = self.keys(x, qr, kv, start_pos, st, undo)
+        return self.attend(q, keys, self.attn_sink, idx, self.softmax_scale)
+
+    def keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, start_pos: int,
+             st: AttentionState, undo: list[AttentionUndo] | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The state half of `core` (fast numerics): tokens x [S, D], qr [S, Lq], kv [S, Dh] at
+        start_pos.. -> (keys [N, Dh] in kv's dtype, idx [S, K] int64 rows of keys, -1 = masked);
+        writes the ring, steps the compressors (journaled into `undo` for a verify block).
+        The reduction over them (`self.attend`) is the caller's, so a batched pass can run one
+        reduction over several calls' lists. `keys` may be a view of `st.ring`: use it before
+        `st` changes again."""
         S = x.shape[0]
         if start_pos == 0:
-            keys, idx = self._prefill_keys(x, qr, kv, st)
-        elif undo is not None or S > 1:  # a verify block, or a prompt chunk (no journal)
-            keys, idx = self._block_keys(x, qr, kv, start_pos, st, undo)
-        else:
-            keys, idx = self._decode_keys(x, qr, kv, start_pos, st)
-        return self.attend(q, keys, self.attn_sink, idx, self.softmax_scale)
+            return self._prefill_keys(x, qr, kv, st)
+        if undo is not None or S > 1:  # a verify block, or a prompt chunk (no journal)
+            return self._block_keys(x, qr, kv, start_pos, st, undo)
+        return self._decode_keys(x, qr, kv, start_pos, st)
 
     def exact_rows(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Exact mode: the row-wise projections the key building needs, of tokens x [S, D],

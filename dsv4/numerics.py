@@ -87,11 +87,27 @@ class FastNumerics:
     def attend(self, attn: Attention, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
                calls: list[CallRows]) -> torch.Tensor:
         """Attention of every call of the pass: the projected rows of the whole pass (x [N, D],
-        qr [N, Lq], q [N, H, Dh], kv [N, Dh]) -> o [N, H, Dh]. `calls`: per call, (call, its
-        layer `AttentionState`, its rows (lo, hi)); each call's prefill, prompt piece, decode
-        or verify block runs on its own rows and state (`Attention.core`), in order."""
-        return torch.cat([attn.core(x[lo:hi], qr[lo:hi], q[lo:hi], kv[lo:hi], call.start_pos, st, call.undo)
-                          for call, st, (lo, hi) in calls])
+        qr [N, Lq], q [N, H, Dh], kv [N, Dh]) -> o [N, H, Dh] in q's dtype. `calls`: per call,
+        (call, its layer `AttentionState`, its rows (lo, hi)), each state in at most one call.
+
+        A prompt piece runs alone on its rows and state (`Attention.core`): its lists are
+        long and would pad every decode row to their width. Decodes and verify blocks build
+        their keys and lists each on its own state (`Attention.keys`: ring write, indexer
+        top-k, compressor step), then ONE reduction (`attn.attend`) runs over all their query
+        rows, on their key tensors concatenated, each list offset into its own call's keys
+        and padded with -1 to the longest; a masked column adds nothing, so a row agrees with
+        its per-call result to rounding. One reduction per layer instead of one per session
+        is what makes a wide decode step cheaper per row."""
+        out = q.new_empty(q.shape)
+        step = [(call, st, span) for call, st, span in calls if not call.prefill]
+        for call, st, (lo, hi) in calls:
+            if call.prefill or len(step) == 1:
+                out[lo:hi] = attn.core(x[lo:hi], qr[lo:hi], q[lo:hi], kv[lo:hi], call.start_pos, st, call.undo)
+        if len(step) > 1:
+            rows = torch.cat([torch.arange(lo, hi, device=q.device) for _, _, (lo, hi) in step])
+            keys, idx = joined_keys(attn, x, qr, kv, step)
+            out[rows] = attn.attend(q[rows], keys, attn.attn_sink, idx, attn.softmax_scale)
+        return out
 
     def route(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
               small_m: bool) -> torch.Tensor:
@@ -172,6 +188,28 @@ class ExactNumerics(FastNumerics):
               small_m: bool) -> torch.Tensor:
         """Each expert on fixed EXACT_ROWS-row tiles of the rows routed to it."""
         return moe.combine_tiled(x, weights, experts, EXACT_ROWS)
+
+
+def joined_keys(attn: Attention, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor,
+                calls: list[CallRows]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fast mode: every call's keys and index lists (`Attention.keys`, in call order, each on
+    its own state) joined for one reduction. x [N, D], qr [N, Lq], kv [N, Dh]: the pass's
+    projected rows; `calls`: (call, layer state, rows (lo, hi)), no prompt pieces.
+
+    Returns keys [sum of the calls' key rows, Dh] in kv's dtype (the calls' keys stacked in
+    call order) and idx [M, K] int64, M = the calls' rows in call order, each row's list
+    shifted by its call's first key row and padded with -1 (masked) to the longest list K.
+    """
+    keys, lists, offset = [], [], 0
+    for call, st, (lo, hi) in calls:
+        k, idx = attn.keys(x[lo:hi], qr[lo:hi], kv[lo:hi], call.start_pos, st, call.undo)
+        lists.append(torch.where(idx >= 0, idx + offset, -1))
+        keys.append(k)
+        offset += k.shape[0]
+    width = max(t.shape[1] for t in lists)
+    idx = torch.cat([F.pad(t, (0, width - t.shape[1]), value=-1) for t in lists])
+    # torch.cat copies: a call's keys may be a view of its ring, and are taken as they are now
+    return torch.cat(keys), idx
 
 
 def by_kind(fn: Callable[..., "torch.Tensor | tuple[torch.Tensor, ...]"], rows: tuple | list,
