@@ -91,9 +91,10 @@ class FastNumerics:
         (call, its layer `AttentionState`, its rows (lo, hi)), each state in at most one call.
 
         A prompt piece runs alone on its rows and state (`Attention.core`): its lists are
-        long and would pad every decode row to their width. Decodes and verify blocks build
+        long and would pad every decode row to their width. Decodes and verify blocks (when
+        there are two or more) run their compressor and indexer projections together, build
         their keys and lists each on its own state (`Attention.keys`: ring write, indexer
-        top-k, compressor step), then ONE reduction (`attn.attend`) runs over all their query
+        top-k, compressor step; `joined_keys`), then ONE reduction (`attn.attend`) runs over all their query
         rows, on their key tensors concatenated, each list offset into its own call's keys
         and padded with -1 to the longest; a masked column adds nothing, so a row agrees with
         its per-call result to rounding. One reduction per layer instead of one per session
@@ -105,7 +106,7 @@ class FastNumerics:
                 out[lo:hi] = attn.core(x[lo:hi], qr[lo:hi], q[lo:hi], kv[lo:hi], call.start_pos, st, call.undo)
         if len(step) > 1:
             rows = torch.cat([torch.arange(lo, hi, device=q.device) for _, _, (lo, hi) in step])
-            keys, idx = joined_keys(attn, x, qr, kv, step)
+            keys, idx = joined_keys(attn, x[rows], qr[rows], kv[rows], step)
             out[rows] = attn.attend(q[rows], keys, attn.attn_sink, idx, attn.softmax_scale)
         return out
 
@@ -192,20 +193,25 @@ class ExactNumerics(FastNumerics):
 
 def joined_keys(attn: Attention, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor,
                 calls: list[CallRows]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fast mode: every call's keys and index lists (`Attention.keys`, in call order, each on
-    its own state) joined for one reduction. x [N, D], qr [N, Lq], kv [N, Dh]: the pass's
-    projected rows; `calls`: (call, layer state, rows (lo, hi)), no prompt pieces.
+    """Fast mode: every call's keys and index lists joined for one reduction. x [M, D],
+    qr [M, Lq], kv [M, Dh]: the calls' projected rows, in call order; `calls`: (call, layer
+    state, rows (lo, hi) of the pass), decodes and verify blocks only (start_pos > 0).
 
-    Returns keys [sum of the calls' key rows, Dh] in kv's dtype (the calls' keys stacked in
-    call order) and idx [M, K] int64, M = the calls' rows in call order, each row's list
-    shifted by its call's first key row and padded with -1 (masked) to the longest list K.
+    The compressor and indexer projections (`Attention.exact_rows`, row-wise) run once over
+    all M rows; then each call builds its keys on its own state (`Attention.keys`, in call
+    order). Returns keys [sum of the calls' key rows, Dh] in kv's dtype (the calls' keys
+    stacked in call order) and idx [M, K] int64: each row's list shifted by its call's first
+    key row and padded with -1 (masked) to the longest list K.
     """
-    keys, lists, offset = [], [], 0
-    for call, st, (lo, hi) in calls:
-        k, idx = attn.keys(x[lo:hi], qr[lo:hi], kv[lo:hi], call.start_pos, st, call.undo)
+    pos = torch.cat([torch.arange(c.start_pos, c.start_pos + c.n_tokens, device=x.device) for c, _, _ in calls])
+    rows = attn.exact_rows(x, qr, pos)  # () for ratio 0
+    keys, lists, offset, a = [], [], 0, 0
+    for call, st, _ in calls:
+        b = a + call.n_tokens
+        k, idx = attn.keys(x[a:b], qr[a:b], kv[a:b], call.start_pos, st, call.undo, tuple(t[a:b] for t in rows))
         lists.append(torch.where(idx >= 0, idx + offset, -1))
         keys.append(k)
-        offset += k.shape[0]
+        offset, a = offset + k.shape[0], b
     width = max(t.shape[1] for t in lists)
     idx = torch.cat([F.pad(t, (0, width - t.shape[1]), value=-1) for t in lists])
     # torch.cat copies: a call's keys may be a view of its ring, and are taken as they are now

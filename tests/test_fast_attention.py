@@ -6,8 +6,9 @@ prompt piece, decodes before the first ring wrap (5), across it (8, 9), at ratio
 boundaries ((p + 1) % r == 0: 15, 23, 31) and past them, and verify blocks of 1..7 tokens
 crossing those boundaries, on sessions of different lengths. The joined path (one reduction
 over every decode and verify row) must match the per-call path (`Attention.core` per call)
-within TOL on every row, and leave every state (ring, compressor and indexer states) and every
-verify journal bitwise as the per-call path does: the key building is the same per-call code.
+within TOL on every row, and leave every state as the per-call path does: the ring and every
+journal's saved ring rows bitwise, the compressor and indexer states (whose projections the
+joined path computes over all rows at once) within TOL, with the same entry counts.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def pass_calls(states: list[AttentionState]) -> list:
 
 
 def state_tensors(st: AttentionState) -> list[torch.Tensor]:
-    parts = [st.ring]
+    parts = []
     for cst in (st.compressor, st.indexer):
         if cst is not None:
             parts += [v for v in vars(cst).values() if isinstance(v, torch.Tensor)]
@@ -92,7 +93,11 @@ def test_joined_attention_matches_the_per_call_path(layers, layer):
         err = float((joined[lo:hi] - ref[lo:hi]).abs().max() / ref[lo:hi].abs().max())
         assert err < TOL, f"call at {c.start_pos} ({hi - lo} rows): rel. error {err:.2e}"
     for a, b in zip(states, per_call_states):
-        assert all(torch.equal(s, t) for s, t in zip(state_tensors(a), state_tensors(b)))
+        assert torch.equal(a.ring, b.ring)
+        for s, t in zip(state_tensors(a), state_tensors(b)):
+            torch.testing.assert_close(s, t, rtol=TOL, atol=TOL)
+        for s, t in ((a.compressor, b.compressor), (a.indexer, b.indexer)):
+            assert s is None and t is None or s.n_entries == t.n_entries
     for (c, _, _), (r, _, _) in zip(joined_calls, per_calls):
         if c.undo is not None:
             assert len(c.undo) == len(r.undo) == 1
