@@ -118,3 +118,12 @@ def test_a_single_decode_runs_as_before(layers):
     kv = attn.project_kv(x, pos)
     out = FastNumerics().attend(attn, x, qr, q, kv, [(Call(23, 1), st, (0, 1))])
     assert torch.equal(out, attn.core(x, qr, q, kv, 23, other, None))
+
+
+def test_precomputed_rows_are_refused_for_a_prefill(layers):
+    attn = layers[1]
+    x = torch.randn(4, CFG.dim, generator=torch.Generator().manual_seed(8))
+    pos = torch.arange(4)
+    q, qr = attn.project_q(x, pos)
+    with pytest.raises(ValueError, match="start_pos 0"):
+        attn.keys(x, qr, attn.project_kv(x, pos), 0, attn.new_state(), None, attn.exact_rows(x, qr, pos))
