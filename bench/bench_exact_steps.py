@@ -8,6 +8,10 @@ tokens (default 900) prefilled in chunks of `--chunk` (default 64) tokens, one c
 step. It prints figures and never asserts them (figures of record: bench/README.md,
 "Exact numerics per step").
 
+`--per-call` adds a third arm, "per-call": fast numerics with attention run call by call
+(`Attention.core` per session, the recipe before `FastNumerics.attend` joined the decode and
+verify calls), interleaved with the others, and prints fast / per-call.
+
 Each workload runs `--repeats` times with the arms interleaved (fast, exact, fast, ...), so
 both see the same machine load; printed: the median ms per step [min-max] per arm and the
 exact / fast ratio. Exact's time is then broken down by op family from one extra,
@@ -28,7 +32,7 @@ from typing import Callable
 import torch
 
 from dsv4.batch import BatchItem
-from dsv4.numerics import EXACT_ROWS, PROMPT_ROWS, ExactNumerics
+from dsv4.numerics import EXACT_ROWS, PROMPT_ROWS, ExactNumerics, FastNumerics
 from dsv4.trunk import Trunk
 from services.app import load_trunk
 
@@ -81,6 +85,15 @@ class TimedExact(ExactNumerics):
         computed = int((-(-counts // EXPERT_ROWS) * EXPERT_ROWS).sum())
         return self._timed("experts", experts.numel(), computed,
                            lambda: super(TimedExact, self).route(moe, x, weights, experts, small_m))
+
+
+class PerCallFast(FastNumerics):
+    """Fast numerics with attention per call on its own rows and state (`Attention.core`):
+    the baseline of the joined fast attention (`FastNumerics.attend`)."""
+
+    def attend(self, attn, x, qr, q, kv, calls):
+        return torch.cat([attn.core(x[lo:hi], qr[lo:hi], q[lo:hi], kv[lo:hi], call.start_pos, st, call.undo)
+                          for call, st, (lo, hi) in calls])
 
 
 def prefilled(model: Trunk, n_sessions: int, prompt_len: int, seed: int) -> list:
@@ -164,13 +177,18 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=900, help="tokens of the prefilled prompt")
     ap.add_argument("--chunk", type=int, default=64, help="prompt tokens per step")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the instrumented run by op family")
+    ap.add_argument("--per-call", action="store_true", help="add the per-call fast attention arm")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     models = {arm: load_trunk(args.checkpoint, verify_numerics=arm) for arm in ("fast", "exact")}
+    if args.per_call:
+        models["per-call"] = load_trunk(args.checkpoint, verify_numerics="fast")
+        models["per-call"].numerics = PerCallFast()
     work = workloads(models, args)
     print(f"{args.checkpoint}: {args.threads} thread(s), medians of {args.repeats} interleaved repetitions "
           f"[min-max], ms per step (prefill: all its steps)")
-    print(f"{'workload':<28} {'fast ms':>22} {'exact ms':>22} {'exact/fast':>10}")
+    extra = f" {'per-call ms':>22} {'fast/per-call':>13}" if args.per_call else ""
+    print(f"{'workload':<28} {'fast ms':>22} {'exact ms':>22} {'exact/fast':>10}{extra}")
     for name, arms in work.items():
         for fn in arms.values():
             fn()  # warm-up
@@ -179,8 +197,9 @@ def main() -> None:
             for arm, fn in arms.items():
                 times[arm].append(fn())
         med = {arm: statistics.median(t) for arm, t in times.items()}
-        cells = [f"{med[a]:9.1f} [{min(times[a]):.1f}-{max(times[a]):.1f}]" for a in ("fast", "exact")]
-        print(f"{name:<28} {cells[0]:>22} {cells[1]:>22} {med['exact'] / med['fast']:9.2f}x")
+        cells = {a: f"{med[a]:9.1f} [{min(times[a]):.1f}-{max(times[a]):.1f}]" for a in arms}
+        extra = f" {cells['per-call']:>22} {med['fast'] / med['per-call']:12.2f}x" if args.per_call else ""
+        print(f"{name:<28} {cells['fast']:>22} {cells['exact']:>22} {med['exact'] / med['fast']:9.2f}x{extra}")
     if args.no_breakdown:
         return
     print("\nexact, by op family (one instrumented run): ms (share), rows computed / real rows "

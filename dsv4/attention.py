@@ -200,14 +200,33 @@ class Attention(nn.Module):
         `project_out`; reads and updates `st` (and journals into `undo` for a verify block).
         The batched forward (`dsv4.batch`) runs the projections over every session's rows at
         once and this per session."""
+        keys, idx = self.keys(x, qr, kv, start_pos, st, undo)
+        return self.attend(q, keys, self.attn_sink, idx, self.softmax_scale)
+
+    def keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, start_pos: int,
+             st: AttentionState, undo: list[AttentionUndo] | None,
+             rows: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The state half of `core` (fast numerics): tokens x [S, D], qr [S, Lq], kv [S, Dh] at
+        start_pos.. -> (keys [N, Dh] in kv's dtype, idx [S, K] int64 rows of keys, -1 = masked);
+        writes the ring, steps the compressors (journaled into `undo` for a verify block).
+        The reduction over them (`self.attend`) is the caller's, so a batched pass can run one
+        reduction over several calls' lists. `keys` may be a view of `st.ring`: use it before
+        `st` changes again.
+
+        rows: for start_pos > 0, the tokens' compressor / indexer projections (`exact_rows`,
+        S rows each) when the caller computed them over a whole pass; None computes them here.
+
+        Raises:
+            ValueError: `rows` given for a prefill (start_pos == 0), which projects its own.
+        """
         S = x.shape[0]
         if start_pos == 0:
-            keys, idx = self._prefill_keys(x, qr, kv, st)
-        elif undo is not None or S > 1:  # a verify block, or a prompt chunk (no journal)
-            keys, idx = self._block_keys(x, qr, kv, start_pos, st, undo)
-        else:
-            keys, idx = self._decode_keys(x, qr, kv, start_pos, st)
-        return self.attend(q, keys, self.attn_sink, idx, self.softmax_scale)
+            if rows is not None:
+                raise ValueError("Attention.keys: rows are for start_pos > 0, got a prefill (start_pos 0)")
+            return self._prefill_keys(x, qr, kv, st)
+        if undo is not None or S > 1:  # a verify block, or a prompt chunk (no journal)
+            return self._block_keys(x, qr, kv, start_pos, st, undo, rows)
+        return self._decode_keys(x, qr, kv, start_pos, st, rows)
 
     def exact_rows(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Exact mode: the row-wise projections the key building needs, of tokens x [S, D],
@@ -255,8 +274,9 @@ class Attention(nn.Module):
                 cst.journal = None
         return copied
 
-    def _block_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, n: int,
-                    st: AttentionState, undo: list[AttentionUndo] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _block_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, n: int, st: AttentionState,
+                    undo: list[AttentionUndo] | None,
+                    rows: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [W + S + E, Dh] = [ring before the block | block kv | entries] and per-query
         index lists [S, W + Kc] for a verify block at positions n..n+S-1 (docs/architecture.md §4).
 
@@ -264,7 +284,8 @@ class Attention(nn.Module):
         before the block (the block's writes evict positions still in earlier queries'
         windows) and positions >= n from the block's own rows; (2) it sees only the
         compressed entries complete at n+i (plain: j < (n+i+1)//r; indexer top-k restricted
-        per query); (3) the compressors step token by token and may emit entries mid-block.
+        per query); (3) the compressors step token by token and may emit entries mid-block
+        (on `rows`, the tokens' precomputed projections, when given: see `keys`).
         Every state change is journaled in an `AttentionUndo` appended to `undo`; with `undo`
         None (a later chunk of a prompt, never rolled back) nothing is journaled.
         """
@@ -277,9 +298,9 @@ class Attention(nn.Module):
         if r == 4:
             if record is not None:
                 record.indexer = self.indexer.compressor.open_journal(st.indexer, n, S)
-            top = self.indexer(x, qr, n, st.indexer)  # [S, K], steps the indexer compressor per token
+            top = self._index_topk(x, qr, n, st, rows)  # [S, K], steps the indexer compressor per token
             lists.append(torch.where(top >= 0, top + W + S, top))
-        keys = self._step_compressor(x, n, S, st, record, torch.cat((st.ring, kv)))
+        keys = self._step_compressor(x, n, S, st, record, torch.cat((st.ring, kv)), rows)
         if r and r != 4:
             lists.append(self._plain_entry_list(q_pos, st.compressor.n_entries, W + S))
         st.ring[slots] = kv[-W:]
@@ -301,17 +322,29 @@ class Attention(nn.Module):
         j = torch.arange(n_entries, device=q_pos.device)
         return torch.where(j[None, :] < ((q_pos + 1) // self.ratio)[:, None], j[None, :] + offset, -1)
 
-    def _step_compressor(self, x: torch.Tensor, n: int, S: int, st: AttentionState,
-                         record: AttentionUndo | None, keys: torch.Tensor) -> torch.Tensor:
+    def _step_compressor(self, x: torch.Tensor, n: int, S: int, st: AttentionState, record: AttentionUndo | None,
+                         keys: torch.Tensor, rows: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
         """Feed tokens n..n+S-1 to the attention compressor one by one (journaled into `record`
-        when given) and return `keys` with its entries appended (unchanged for ratio 0)."""
+        when given; on `rows[:2]`, their precomputed v, g, when given) and return `keys` with
+        its entries appended (unchanged for ratio 0)."""
         if not self.ratio:
             return keys
         if record is not None:
             record.compressor = self.compressor.open_journal(st.compressor, n, S)
-        for i in range(S):
-            self.compressor.step(x[i:i + 1], n + i, st.compressor)
+        if rows is not None:
+            self.compressor.write_tile(rows[0], rows[1], n, S, st.compressor)
+        else:
+            for i in range(S):
+                self.compressor.step(x[i:i + 1], n + i, st.compressor)
         return torch.cat((keys, st.compressor.entries()))
+
+    def _index_topk(self, x: torch.Tensor, qr: torch.Tensor, n: int, st: AttentionState,
+                    rows: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+        """The indexer's top-k [S, K] int64 for tokens n.. (ratio 4), stepping its compressor:
+        on the precomputed projections `rows[2:]` when given, else projecting x, qr here."""
+        if rows is not None:
+            return self.indexer.topk_from_rows(rows[2:], n, st.indexer)
+        return self.indexer(x, qr, n, st.indexer)
 
     def _exact_keys(self, kv: torch.Tensor, rows: tuple[torch.Tensor, ...], n: int, S: int,
                     st: AttentionState, undo: list[AttentionUndo] | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,19 +402,19 @@ class Attention(nn.Module):
         st.ring[(t[-keep:] % W)] = kv[-keep:]
         return keys, torch.cat(lists, dim=1)
 
-    def _decode_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, p: int,
-                     st: AttentionState) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys [W + n, Dh] = [ring | entries] and the index list [1, Kw + Kc] for position p (docs/model.md §5.4)."""
+    def _decode_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, p: int, st: AttentionState,
+                     rows: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [W + n, Dh] = [ring | entries] and the index list [1, Kw + Kc] for position p
+        (docs/model.md §5.4); `rows`: the token's precomputed projections (see `keys`) or None."""
         W, r = self.window, self.ratio
         lists = [torch.arange(min(p + 1, W), device=x.device)]  # ring slots holding positions p-W+1..p
         if r == 4:
-            top = self.indexer(x, qr, p, st.indexer)[0]  # [K]
+            top = self._index_topk(x, qr, p, st, rows)[0]  # [K]
             lists.append(torch.where(top >= 0, top + W, top))
         st.ring[p % W] = kv[0]
         keys = st.ring
         if r:
-            self.compressor.step(x, p, st.compressor)
-            keys = torch.cat((st.ring, st.compressor.entries()))
+            keys = self._step_compressor(x, p, 1, st, None, st.ring, rows)
         if r and r != 4:
             lists.append(W + torch.arange(st.compressor.n_entries, device=x.device))
         return keys, torch.cat(lists)[None, :]

@@ -80,6 +80,21 @@ class Indexer(nn.Module):
             scores = self.reduce_scores(scores)
         return select_topk(scores, (pos + 1) // INDEX_RATIO, self.topk)
 
+    def topk_from_rows(self, rows: tuple[torch.Tensor, ...], start_pos: int, st: CompressorState) -> torch.Tensor:
+        """`forward` for S >= 1 tokens at start_pos > 0 whose row-wise projections the caller
+        computed (`exact_rows`: compressor v, g [S, Di*2] fp32, qi [S, Hi, Di], head weights
+        [S, Hi] fp32), so a batched pass projects every session's rows at once
+        -> [S, K] int64 (-1 = none). Feeds the tokens to the compressor in order (journaled
+        while `st.journal` is open), as `forward` does."""
+        v, g, qi, w = rows
+        S = qi.shape[0]
+        pos = torch.arange(start_pos, start_pos + S, device=qi.device)
+        self.compressor.write_tile(v, g, start_pos, S, st)
+        scores = index_scores(qi, w, st.entries())  # [S, E]
+        if self.reduce_scores is not None:
+            scores = self.reduce_scores(scores)
+        return select_topk(scores, (pos + 1) // INDEX_RATIO, self.topk)
+
     def exact_rows(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Exact mode: the indexer's row-wise projections of tokens x [S, D], qr [S, Lq] at
         pos [S] -> (compressor v, g [S, Di*2] fp32, qi [S, Hi, Di], head weights [S, Hi] fp32),

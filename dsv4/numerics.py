@@ -5,8 +5,8 @@ state, and it never validates arguments (`dsv4.trunk.Trunk` and the serving engi
 
 `dsv4.batch.run_pass` is the one loop, embed -> blocks -> taps -> head, for prefill, decode
 and verify alike, and for one session or many: a pass holds several `Call`s whose rows are
-concatenated for the dense ops while attention runs per call on its slice of rows and its
-own state. Every place where the recipes differ is one method of the strategy:
+concatenated for the dense ops while attention's state work (ring, compressors, indexer
+top-k) runs per call on its slice of rows and its own state. Every place where the recipes differ is one method of the strategy:
 
 - `dense(fn, *rows, calls=)`: a row-wise op (projections, mHC, norms, gate, shared expert,
   taps, head) over the concatenated rows of every call: fast runs it once on all rows, exact
@@ -87,11 +87,28 @@ class FastNumerics:
     def attend(self, attn: Attention, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
                calls: list[CallRows]) -> torch.Tensor:
         """Attention of every call of the pass: the projected rows of the whole pass (x [N, D],
-        qr [N, Lq], q [N, H, Dh], kv [N, Dh]) -> o [N, H, Dh]. `calls`: per call, (call, its
-        layer `AttentionState`, its rows (lo, hi)); each call's prefill, prompt piece, decode
-        or verify block runs on its own rows and state (`Attention.core`), in order."""
-        return torch.cat([attn.core(x[lo:hi], qr[lo:hi], q[lo:hi], kv[lo:hi], call.start_pos, st, call.undo)
-                          for call, st, (lo, hi) in calls])
+        qr [N, Lq], q [N, H, Dh], kv [N, Dh]) -> o [N, H, Dh] in q's dtype. `calls`: per call,
+        (call, its layer `AttentionState`, its rows (lo, hi)), each state in at most one call.
+
+        A prompt piece runs alone on its rows and state (`Attention.core`): its lists are
+        long and would pad every decode row to their width. Decodes and verify blocks (when
+        there are two or more) run their compressor and indexer projections together, build
+        their keys and lists each on its own state (`Attention.keys`: ring write, indexer
+        top-k, compressor step; `joined_keys`), then ONE reduction (`attn.attend`) runs over all their query
+        rows, on their key tensors concatenated, each list offset into its own call's keys
+        and padded with -1 to the longest; a masked column adds nothing, so a row agrees with
+        its per-call result to rounding. One reduction per layer instead of one per session
+        is what makes a wide decode step cheaper per row."""
+        out = q.new_empty(q.shape)
+        step = [(call, st, span) for call, st, span in calls if not call.prefill]
+        for call, st, (lo, hi) in calls:
+            if call.prefill or len(step) == 1:
+                out[lo:hi] = attn.core(x[lo:hi], qr[lo:hi], q[lo:hi], kv[lo:hi], call.start_pos, st, call.undo)
+        if len(step) > 1:
+            rows = torch.cat([torch.arange(lo, hi, device=q.device) for _, _, (lo, hi) in step])
+            keys, idx = joined_keys(attn, x[rows], qr[rows], kv[rows], step)
+            out[rows] = attn.attend(q[rows], keys, attn.attn_sink, idx, attn.softmax_scale)
+        return out
 
     def route(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
               small_m: bool) -> torch.Tensor:
@@ -172,6 +189,33 @@ class ExactNumerics(FastNumerics):
               small_m: bool) -> torch.Tensor:
         """Each expert on fixed EXACT_ROWS-row tiles of the rows routed to it."""
         return moe.combine_tiled(x, weights, experts, EXACT_ROWS)
+
+
+def joined_keys(attn: Attention, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor,
+                calls: list[CallRows]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fast mode: every call's keys and index lists joined for one reduction. x [M, D],
+    qr [M, Lq], kv [M, Dh]: the calls' projected rows, in call order; `calls`: (call, layer
+    state, rows (lo, hi) of the pass), decodes and verify blocks only (start_pos > 0).
+
+    The compressor and indexer projections (`Attention.exact_rows`, row-wise) run once over
+    all M rows; then each call builds its keys on its own state (`Attention.keys`, in call
+    order). Returns keys [sum of the calls' key rows, Dh] in kv's dtype (the calls' keys
+    stacked in call order) and idx [M, K] int64: each row's list shifted by its call's first
+    key row and padded with -1 (masked) to the longest list K.
+    """
+    pos = torch.cat([torch.arange(c.start_pos, c.start_pos + c.n_tokens, device=x.device) for c, _, _ in calls])
+    rows = attn.exact_rows(x, qr, pos)  # () for ratio 0
+    keys, lists, offset, a = [], [], 0, 0
+    for call, st, _ in calls:
+        b = a + call.n_tokens
+        k, idx = attn.keys(x[a:b], qr[a:b], kv[a:b], call.start_pos, st, call.undo, tuple(t[a:b] for t in rows))
+        lists.append(torch.where(idx >= 0, idx + offset, -1))
+        keys.append(k)
+        offset, a = offset + k.shape[0], b
+    width = max(t.shape[1] for t in lists)
+    idx = torch.cat([F.pad(t, (0, width - t.shape[1]), value=-1) for t in lists])
+    # torch.cat copies: a call's keys may be a view of its ring, and are taken as they are now
+    return torch.cat(keys), idx
 
 
 def by_kind(fn: Callable[..., "torch.Tensor | tuple[torch.Tensor, ...]"], rows: tuple | list,
