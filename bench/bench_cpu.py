@@ -34,6 +34,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -287,6 +288,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     env = dict(os.environ)  # the entry point's one read of the environment, passed down
+    # SIGTERM stops the run as Ctrl-C does, so `run`'s clean-up stops the service processes
+    # (they run in their own sessions and would otherwise outlive a killed benchmark).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     sys.exit(asyncio.run(run(args, env)))
 
 

@@ -33,6 +33,7 @@ import asyncio
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -375,6 +376,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     env = dict(os.environ)  # the entry point's one read of the environment, passed down
+    # SIGTERM stops the run as Ctrl-C does, so `run`'s clean-up stops the service processes
+    # (they run in their own sessions and would otherwise outlive a killed benchmark).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     sys.exit(asyncio.run(run(args, env)))
 
 
