@@ -41,6 +41,13 @@ def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
                           timeout=CLI_TIMEOUT_S, env=_env(**env), stdin=subprocess.DEVNULL)
 
 
+def _ctrl_c_reaches_it() -> None:
+    """Popen preexec_fn: SIGINT's default disposition in the child. A shell that starts a job
+    in the background without job control (`make test &`, CI runners) makes it ignore SIGINT,
+    and Python then keeps ignoring it, so the Ctrl-C these tests send would never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _listening() -> socket.socket:
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -71,7 +78,7 @@ def test_ctrl_c_in_generate_prints_one_line_and_no_traceback():
         port = silent.getsockname()[1]
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "generate", "hi", "--target",
                                  f"127.0.0.1:{port}"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+                                stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_reaches_it)
         time.sleep(3.0)  # past the imports, inside the call
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=CLI_TIMEOUT_S)
@@ -227,7 +234,7 @@ def test_up_says_ctrl_c_stops_only_once_the_gateway_serves_and_all_three_serve_m
     base, metrics = ports
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port-base", str(base),
                              "--metrics-port", str(metrics)], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+                            stderr=subprocess.DEVNULL, text=True, preexec_fn=_ctrl_c_reaches_it)
     try:
         first = proc.stdout.readline()
         assert first.startswith("dspark up: starting") and "Ctrl-C" not in first
