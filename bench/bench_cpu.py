@@ -34,7 +34,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -45,7 +44,7 @@ from pathlib import Path
 import grpc
 
 from bench.bench_serving import ARMS, WORKLOADS, generate, stream_prompts, verifier_steps
-from bench.service_procs import REPO_ROOT, ServiceProcesses, StackSpec
+from bench.service_procs import REPO_ROOT, ServiceProcesses, StackSpec, run_bench
 from bench.serving_stats import Spread
 from dspark_proto.v1 import gateway_pb2_grpc, verifier_pb2_grpc
 from services.common.server import channel_options
@@ -286,12 +285,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> None:
-    args = parse_args()
-    env = dict(os.environ)  # the entry point's one read of the environment, passed down
-    # SIGTERM stops the run as Ctrl-C does, so `run`'s clean-up stops the service processes
-    # (they run in their own sessions and would otherwise outlive a killed benchmark).
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    sys.exit(asyncio.run(run(args, env)))
+    run_bench(run, parse_args())
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ import asyncio
 import json
 import math
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from bench.service_procs import ServiceProcesses, StackSpec
+from bench.service_procs import ServiceProcesses, StackSpec, run_bench
 from bench.serving_stats import GenerationTrace, Spread, cell_figures
 from dspark_proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
 from services.common.server import channel_options
@@ -374,12 +373,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> None:
-    args = parse_args()
-    env = dict(os.environ)  # the entry point's one read of the environment, passed down
-    # SIGTERM stops the run as Ctrl-C does, so `run`'s clean-up stops the service processes
-    # (they run in their own sessions and would otherwise outlive a killed benchmark).
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    sys.exit(asyncio.run(run(args, env)))
+    run_bench(run, parse_args())
 
 
 if __name__ == "__main__":

@@ -197,3 +197,13 @@ def rss_bytes(pid: int) -> int:
     except FileNotFoundError:
         raise ProcessLookupError(f"pid {pid}: no such process") from None
     raise ProcessLookupError(f"pid {pid}: no VmRSS line (a zombie)")
+
+
+def run_bench(run, args) -> None:
+    """A benchmark's entry: `run(args, env)` (a coroutine returning the exit code) on a new
+    event loop, with the environment read once here and passed down. SIGTERM stops it as
+    Ctrl-C does, so `run`'s clean-up stops the service processes (they run in their own
+    sessions and would otherwise outlive a killed benchmark). Exits with run's code."""
+    env = dict(os.environ)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    sys.exit(asyncio.run(run(args, env)))

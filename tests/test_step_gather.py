@@ -91,12 +91,12 @@ class RecordingLoop(StepQueue):
                 self._finish(r, len(self.steps))
 
 
-def two_sessions_one_late(gather_s: float, step_s: float = 1e6) -> list[list[int]]:
-    """Sessions 1 and 2 share a first step; then session 1 sends again at once and session 2
-    LATE_S later. Returns the steps' sessions."""
+def two_sessions_one_late(gather_s: float, step_s: float = 1e6, *kind: str) -> list[list[int]]:
+    """Sessions 1 and 2 share a first step (session 2's answer of `kind`, if given); then
+    session 1 sends again at once and session 2 LATE_S later. Returns the steps' sessions."""
     loop = RecordingLoop(gather_s, step_s)
     try:
-        first = [loop.submit(1), loop.submit(2)]
+        first = [loop.submit(1), loop.submit(2, *kind)]
         loop.go.set()
         assert [f.result(TIMEOUT_S) for f in first] == [1, 1]
         early = loop.submit(1)
@@ -142,18 +142,7 @@ def test_a_session_slow_to_return_after_such_an_answer_is_not_waited_for(kind, s
 
 
 def test_a_session_sent_to_the_other_backend_is_not_waited_for():
-    loop = RecordingLoop(30.0)
-    try:
-        first = [loop.submit(1), loop.submit(2, "away")]
-        loop.go.set()
-        [f.result(TIMEOUT_S) for f in first]
-        early = loop.submit(1)
-        time.sleep(LATE_S)
-        late = loop.submit(2)
-        early.result(TIMEOUT_S), late.result(TIMEOUT_S)
-    finally:
-        loop.close()
-    assert loop.steps == [[1, 2], [1], [2]]
+    assert two_sessions_one_late(30.0, 1e6, "away") == [[1, 2], [1], [2]]
 
 
 def test_a_closed_session_is_not_waited_for():

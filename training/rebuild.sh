@@ -52,12 +52,12 @@ if [ "$RECIPE" = v3 ]; then
   # at that load. On idle cores v2's compiled steps took 2.6 s (2 threads), so 2,000 steps
   # plus 20 evaluations take ~1.5-2.5 h of idle CPU. Tokenizing the corpus into the run's
   # data/ and the step-0 evaluation come first (a few minutes on idle cores).
-  # As run, from a checkout of 645ad09's assets with runs/ -> /work/runs (resume: the same
-  # module with --run /work/runs/trunk-v3 --resume --threads 2, no other flag):
+  # As run, from a checkout of 645ad09's assets (runs/ a link to a folder that outlives the
+  # checkout; resume: the same module with --run runs/trunk-v3 --resume --threads 2, no other flag):
   #   OMP_WAIT_POLICY=PASSIVE setsid nohup nice -n 19 .venv/bin/python -m training.train_trunk \
-  #     --run /work/runs/trunk-v3 --init assets/dspark-small --corpus /work/runs/corpus \
-  #     --tokenizer /work/runs/tokenizer/tokenizer.json --steps 2000 --lr 5e-4 --warmup 50 --seed 1 \
-  #     --threads 2 >> /work/runs/trunk-v3/train.log 2>&1 < /dev/null &
+  #     --run runs/trunk-v3 --init assets/dspark-small --corpus runs/corpus \
+  #     --tokenizer runs/tokenizer/tokenizer.json --steps 2000 --lr 5e-4 --warmup 50 --seed 1 \
+  #     --threads 2 >> runs/trunk-v3/train.log 2>&1 < /dev/null &
   # (setsid: the run must outlive the shell that started it; PASSIVE: idle OpenMP threads
   # sleep instead of spinning on a shared machine.)
   V2=runs/v2/assets/dspark-small
