@@ -114,7 +114,7 @@ def test_verifier_session_limit_is_resource_exhausted():
         stack.close()
 
 
-def test_full_drafter_degrades_the_generation_to_plain_decode_with_the_same_output():
+def test_full_drafter_keeps_the_generation_on_plain_rounds_with_the_same_output():
     stack = start_stack("oracle", drafter_max_sessions=1)
     try:
         async def run():
@@ -128,7 +128,9 @@ def test_full_drafter_degrades_the_generation_to_plain_decode_with_the_same_outp
         second, rest = stack.loop.run(run())
         off = stack.generate(gen_request("abc", max_tokens=12, spec="off"))
         assert second.token_ids == off.token_ids
-        assert second.stats.drafter_failed and second.stats.submitted == 0
+        # A full drafter is asked again later (tests/test_drafter_full.py), never given up on;
+        # its refusals leave the generation on plain rounds with plain decode's tokens.
+        assert not second.stats.drafter_failed and second.stats.plain_rounds >= 1
         assert rest[-1].finished and not rest[-1].spec_stats.drafter_failed
         assert_idle(stack)
     finally:
