@@ -42,6 +42,7 @@ from services.gateway.auth import BearerTokenInterceptor
 from services.gateway.costs import CostTracker
 from services.gateway.gate import ENV_VARS as GATE_ENV_VARS, GateConfig
 from services.gateway.load import VerifierLoad
+from services.gateway.regime import RegimePolicy
 from services.gateway.profile import PROFILE_PROMPT
 from services.gateway.scheduler import Scheduler
 from services.gateway.servicer import Backends, GatewayServicer, connect_backends, measure_costs
@@ -238,8 +239,9 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
     if settings.load_aware and settings.cost_mode == "measured":
         load = VerifierLoad(backends.verifier, settings.round_timeout_s)
         load.update(identity)
+    regime = RegimePolicy() if settings.regime else None
     scheduler = Scheduler(limits, tokenizer, gate_config, settings.verify_mode, settings.cost_mode,
-                          provider, recorder, metrics, costs, load)
+                          provider, recorder, metrics, costs, load, regime)
     servicer = GatewayServicer(scheduler, backends)
     auth = [BearerTokenInterceptor(settings.token)] if settings.token else []
     running = await start_server("dspark.v1.Gateway",

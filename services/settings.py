@@ -19,6 +19,7 @@ Unset means the default; the "empty" column says what an empty value means.
 | DSPARK_DRAFTER_FAILOVERS | 2 | error | gateway: drafter_failovers |
 | DSPARK_SAMPLING_RULE | coupled | error | gateway: sampling_rule (coupled, rejection: sampled requests that leave theirs unset) |
 | DSPARK_GATE_LOAD | 1 | default | gateway: load_aware (0, 1: price gated drafts at the verifier's load) |
+| DSPARK_GATE_REGIME | 1 | default | gateway: regime (0, 1: run gated rounds plain at a concurrency where the gateway measures more tokens per ms without drafting) |
 | DSPARK_GATEWAY_TOKEN | unset | unset | gateway: token; `dspark generate`'s token |
 | DSPARK_GATEWAY_TLS_CERT, _KEY | unset | unset | gateway_tls (a pair) |
 | DSPARK_METRICS_PORT | unset | unset | metrics_port (every service; `--metrics-port` wins) |
@@ -234,7 +235,8 @@ def gateway_settings(environ: Environ) -> GatewaySettings:
         drafter_failovers=_int(environ, "DSPARK_DRAFTER_FAILOVERS", GatewaySettings.drafter_failovers, low=0),
         token=token, pinned_costs=tuple(f for f in PINNABLE_COSTS if GATE_ENV_VARS[f] in environ),
         sampling_rule=_choice(environ, "DSPARK_SAMPLING_RULE", GatewaySettings.sampling_rule, SAMPLING_RULES),
-        load_aware=_switch(environ, "DSPARK_GATE_LOAD", True))
+        load_aware=_switch(environ, "DSPARK_GATE_LOAD", True),
+        regime=_switch(environ, "DSPARK_GATE_REGIME", True))
 
 
 def client_token(flag: str | None, environ: Environ) -> tuple[str, str]:

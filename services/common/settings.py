@@ -117,6 +117,11 @@ class GatewaySettings:
     pinned_costs: the PINNABLE_COSTS fields a variable set; measured costs never replace them.
     load_aware: under cost_mode "measured", price gated drafts at the verifier's load (its
     step-time table and committed tokens per ms, docs/gate.md §13); no effect otherwise.
+    regime: let the gateway's regime policy run gated rounds plain at a concurrency where the
+    gateway's measured throughput is higher without drafting (docs/gate.md §14). Off here, as
+    cost_mode is "configured" here: the policy learns from wall times, so an embedding or a
+    test keeps gated decisions repeatable; `services.settings` reads DSPARK_GATE_REGIME with
+    1 as its default.
     round_timeout_s: deadline of one backend reply. generation_timeout_s: deadline of one
     generation's backend streams. startup_timeout_s: deadline of the backends' Info at start.
     drafter_failovers: drafter re-primes a generation may make after a drafter failure.
@@ -139,6 +144,7 @@ class GatewaySettings:
     pinned_costs: tuple[str, ...] = ()
     sampling_rule: str = "coupled"
     load_aware: bool = True
+    regime: bool = False
 
     def __post_init__(self) -> None:
         check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
@@ -146,6 +152,8 @@ class GatewaySettings:
         check_choice("cost_mode", self.cost_mode, COST_MODES)
         if not isinstance(self.load_aware, bool):
             raise ValueError(f"load_aware={self.load_aware!r}: must be a bool")
+        if not isinstance(self.regime, bool):
+            raise ValueError(f"regime={self.regime!r}: must be a bool")
         if isinstance(self.pinned_costs, str):
             raise ValueError(f"pinned_costs={self.pinned_costs!r}: must be a tuple of field names")
         object.__setattr__(self, "pinned_costs", tuple(self.pinned_costs))

@@ -36,14 +36,16 @@ class Reason(enum.Enum):
     DRAFTER_FAILED = "drafter_failed"  # the draft call failed (or gave nothing): plain step
     NO_ROOM = "no_room"                # max_tokens / max_seq_len leave no draft to submit: not drafted
     ANCHOR_MARGIN = "anchor_margin"    # the pre-draft margin gate skipped drafting
+    REGIME = "regime"                  # the gateway ran gated rounds plain at this concurrency (not drafted)
     BUDGET = "budget"                  # drafted, then cut by max_tokens / max_seq_len
     COST = "cost"                      # drafted, then cut by the gate's cost rule (to 0 included)
 
 
 _DECISION = {Reason.FULL: "full", Reason.NO_DRAFTER: "plain", Reason.DRAFTER_FAILED: "plain",
-             Reason.NO_ROOM: "capped", Reason.ANCHOR_MARGIN: "margin_skipped", Reason.BUDGET: "capped"}
+             Reason.NO_ROOM: "capped", Reason.ANCHOR_MARGIN: "margin_skipped", Reason.BUDGET: "capped",
+             Reason.REGIME: "plain"}
 # Rounds decided before the pre-draft margin gate was asked (it is asked in every other round).
-_BEFORE_MARGIN_GATE = (Reason.NO_DRAFTER, Reason.NO_ROOM)
+_BEFORE_MARGIN_GATE = (Reason.NO_DRAFTER, Reason.NO_ROOM, Reason.REGIME)
 
 
 def drafted_reason(drafted: int, choice: LengthChoice) -> Reason:

@@ -10,8 +10,10 @@ and max_seq_len), never counts rounds outside the record fold (each round is one
 Round protocol (docs/architecture.md §3). After prefill of x[0..n-1] the verifier returns the first
 anchor x[n] (streamed as the first completion token) and the prompt's last min(n, W) rows,
 which prime the drafter. Each round, with the anchor x[p] at position p:
-  1. pre-draft margin gate (`Gate.should_draft`): skip drafting when the anchor's margin is
-     below DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD;
+  1. gated only: the gateway's regime policy (`RegimePolicy.may_draft`, docs/gate.md §14) may
+     run the round plain when the gateway measures more tokens per ms without drafting at its
+     concurrency; then the pre-draft margin gate (`Gate.should_draft`): skip drafting when the
+     anchor's margin is below DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD;
   2. draft d1..dB and confidence logits from anchor x[p], seed position p-1;
   3. length choice k <= B: `always` submits max_n, `gated` asks the gate; max_n caps k by the
      request's max_draft_tokens, the remaining max_tokens (a round adds k+1 tokens at most)
@@ -61,6 +63,7 @@ from services.gateway.events import FinalEvent, GenerationParams, ModelLimits, P
 from services.gateway.gate import Gate, GateConfig, LengthChoice
 from services.gateway.load import LoadSeen, PricingStats, VerifierLoad, VerifierOccupancy, priced_at_load
 from services.gateway.metrics import GenerationMetrics, NoGenerationMetrics
+from services.gateway.regime import RegimePolicy
 from services.gateway.record import Reason, RoundRecord, RoundStats, drafted_reason
 from services.gateway.rounds import Round, check_workload
 from services.gateway.tokenizer import Detokenizer, Tokenizer
@@ -91,12 +94,15 @@ class Scheduler:
             under cost_mode "measured", a gated generation prices its drafts at the load its
             replies report (docs/gate.md §13), and the verify / plain costs are sampled only
             from rounds alone in their verifier step (None: no load pricing).
+        regime: the gateway's regime policy (`services.gateway.regime.RegimePolicy`): it sees
+            every finished round and may run gated rounds plain (None: the gates alone decide).
     """
 
     def __init__(self, limits: ModelLimits, tokenizer: Tokenizer, gate_config: GateConfig,
                  verify_mode: str = "batched", cost_mode: str = "configured",
                  provider: TracerProvider | None = None, recorder: list[Round] | None = None, metrics=None,
-                 costs: CostTracker | None = None, load: VerifierLoad | None = None):
+                 costs: CostTracker | None = None, load: VerifierLoad | None = None,
+                 regime: RegimePolicy | None = None):
         if verify_mode not in VERIFY_MODES:
             raise ValueError(f"verify mode={verify_mode!r}: must be one of {VERIFY_MODES}")
         self.limits, self.tokenizer, self.gate_config = limits, tokenizer, gate_config
@@ -107,6 +113,8 @@ class Scheduler:
         self.recorder = recorder
         self.metrics = metrics
         self.load = load
+        self.regime = regime
+        self.in_flight = 0  # generations inside `generate` (the regime policy's concurrency)
         self.occupancy = VerifierOccupancy()  # generations inside a verifier call (the cover of load pricing)
         self.pricing_stats = PricingStats()  # the rounds priced at load (the Stats RPC)
         self.stats = ProcessStats()
@@ -177,6 +185,7 @@ class Scheduler:
         # `yield`: the caller may close this generator from another task (a client cancel),
         # and a context attached in one task cannot be detached in another.
         span = self.tracer.start_span("gateway.generate")
+        self.in_flight += 1
         try:
             span.set_attribute("gen_ai.operation.name", "text_completion")
             span.set_attribute("gen_ai.request.max_tokens", p.max_tokens)
@@ -204,6 +213,9 @@ class Scheduler:
             raise
         finally:
             track.close("abort")  # no-op after the final message or an error
+            self.in_flight -= 1
+            if self.in_flight == 0 and self.regime is not None:
+                self.regime.idle()
             span.end()
 
     def _finished(self, span, event: FinalEvent, t0: float, track) -> None:
@@ -326,10 +338,13 @@ class _Generation:
                 s.costs.add_draft(plan.draft_ms)
             self.seen.observe(res.step_rows, own_rows, res.committed_tokens_per_ms)
             a, drafter, t0 = res.accepted, self.link.session, time.perf_counter()
-            defer = plan.reason is Reason.ANCHOR_MARGIN  # the gate kept this round from drafting
+            # the gate or the regime kept this round from drafting: its rows wait for the next draft
+            defer = plan.reason in (Reason.ANCHOR_MARGIN, Reason.REGIME)
             await self.link.commit(res.rows, pos, [anchor, *drafts[:a]], pos, defer)
             if alone and not defer and drafter is not None and self.link.session is drafter:  # a re-prime is no commit cost
                 s.costs.add_commit((time.perf_counter() - t0) * 1e3)
+            if s.regime is not None:
+                s.regime.record(max(s.in_flight, 1), a + 1, time.perf_counter(), self.p.spec == "gated")
             self._record(span, RoundRecord(
                 plan.reason, len(drafts), k, a, self.cost,
                 confidence_logits=None if plan.conf is None else tuple(plan.conf), anchor_margin=margin,
@@ -337,7 +352,8 @@ class _Generation:
             return a, [*drafts[:a], res.next_token], res.margin, res.logprobs
 
     async def _plan(self, anchor: int, pos: int, margin: float, tc) -> _Plan:
-        """What this round submits and why: the pre-draft checks, the draft, then the length
+        """What this round submits and why: the pre-draft checks (for gated, the gateway's
+        regime, then the margin gate), the draft, then the length
         (`always` submits the cap, `gated` asks the gate; without confidences, the cap)."""
         if self.link.session is None and not await self.link.retry_full():
             return _Plan(Reason.NO_DRAFTER)
@@ -348,6 +364,9 @@ class _Generation:
             self.s.pricing_stats.add(self.seen)
             self.gate.pricing = priced_at_load(self.cost, self.step_table, self.seen, self.gate.rate(),
                                                self.s.limits.block_size)
+        regime = self.s.regime if self.p.spec == "gated" else None
+        if regime is not None and not regime.may_draft(max(self.s.in_flight, 1)):
+            return _Plan(Reason.REGIME)
         if not self.gate.should_draft(margin):
             return _Plan(Reason.ANCHOR_MARGIN)
         await self.link.flush()  # the rows of rounds that did not draft, before the drafter drafts

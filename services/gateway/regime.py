@@ -1,0 +1,279 @@
+"""The gateway's speculation regime per concurrency bucket, chosen by measured throughput.
+
+A gated generation's gate prices a draft by what the round costs (draft, verify, commit, at the
+verifier's load: docs/gate.md §13). What no single generation sees is the rate of the whole
+system. Where drafter and verifier share compute (every service on one CPU box), or where
+drafting splits the verifier's batch steps, the tokens all generations commit per ms can fall
+while each generation's own drafted rounds still look profitable. This module measures that
+rate instead of modelling it (docs/gate.md §14).
+
+Per bucket of generations in flight at the gateway, `RegimePolicy` runs the gated generations
+in one regime for a window of wall time: "gate" (each gate decides as usual) or "plain" (gated
+rounds do not draft). It counts the tokens every generation commits in the window, whatever its
+spec mode, and keeps per regime a decayed tokens-per-ms rate. It then runs the regime with the
+higher rate, and now and then a probe window of the other one, so both rates stay current.
+One generation alone is always left to its gate: then the verifier idles while the drafter
+drafts, so the gate's own costs are the system's.
+
+Windows are coherent: one window is open at a time, every gated round asks the open window's
+regime, and the first rounds after a change of regime (those that may have started under the
+previous one) are not measured. The policy decides only whether a gated round may draft, from
+finished rounds: it is non-anticipating, and under exact numerics or sequential verify the
+tokens a generation streams do not depend on it. Event-loop use only (no locking).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+from services.gateway.values import short_repr
+
+# Upper bounds (generations in flight) of the buckets; the last bucket is everything above.
+BUCKET_UPPER = (1, 2, 4, 8, 16, 32)
+REGIMES = ("gate", "plain")
+
+
+def bucket_of(in_flight: int) -> int:
+    """The bucket index (0..len(BUCKET_UPPER)) of `in_flight` generations (an int >= 1).
+    Raises ValueError naming the value when it is not an int >= 1."""
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+        raise ValueError(f"in_flight={short_repr(in_flight)}: must be an int >= 1")
+    return bisect.bisect_left(BUCKET_UPPER, in_flight)
+
+
+def bucket_name(index: int) -> str:
+    """The label of bucket `index`: "1", "2", "3-4", "5-8", "9-16", "17-32", "33+"."""
+    if index >= len(BUCKET_UPPER):
+        return f"{BUCKET_UPPER[-1] + 1}+"
+    low = BUCKET_UPPER[index - 1] + 1 if index else 1
+    high = BUCKET_UPPER[index]
+    return str(high) if low == high else f"{low}-{high}"
+
+
+def _positive(name: str, value, low_ok: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < 0 or (value == 0 and not low_ok):
+        raise ValueError(f"{name}={short_repr(value)}: must be a finite number {'>=' if low_ok else '>'} 0")
+
+
+@dataclass(frozen=True)
+class RegimeConfig:
+    """How windows are measured and regimes chosen.
+
+    window_ms: measured wall ms per window (> 0); a window also needs as many measured rounds
+        as generations were in flight when it opened.
+    decay: each new window of a regime multiplies that regime's earlier sums by it (in (0, 1]).
+    margin: "plain" is chosen only when its rate beats "gate"'s by this fraction (>= 0): on a
+        tie the generations' own gates decide.
+    probe_min, probe_max: windows between probes of the other regime (ints, 1 <= min <= max);
+        the interval doubles from probe_min after every probe that confirms the choice, up to
+        probe_max, and falls back to probe_min when a probe changes it.
+    Raises ValueError naming the field and value when one is out of range.
+    """
+
+    window_ms: float = 1000.0
+    decay: float = 0.5
+    margin: float = 0.02
+    probe_min: int = 4
+    probe_max: int = 32
+
+    def __post_init__(self) -> None:
+        _positive("window_ms", self.window_ms)
+        _positive("margin", self.margin, low_ok=True)
+        if not (isinstance(self.decay, (int, float)) and 0 < self.decay <= 1):
+            raise ValueError(f"decay={short_repr(self.decay)}: must be in (0, 1]")
+        for name in ("probe_min", "probe_max"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={short_repr(value)}: must be an int >= 1")
+        if self.probe_max < self.probe_min:
+            raise ValueError(f"probe_max={self.probe_max}: must be >= probe_min={self.probe_min}")
+
+
+@dataclass
+class _Rate:
+    """Decayed sums of one regime in one bucket (tokens, wall ms) and its raw window count."""
+
+    tokens: float = 0.0
+    ms: float = 0.0
+    windows: int = 0
+
+    def add(self, tokens: int, ms: float, decay: float) -> None:
+        self.tokens, self.ms = self.tokens * decay + tokens, self.ms * decay + ms
+        self.windows += 1
+
+    @property
+    def tok_per_ms(self) -> float | None:
+        """Committed tokens per wall ms (None before any window)."""
+        return self.tokens / self.ms if self.windows else None
+
+
+@dataclass
+class _Bucket:
+    """One concurrency bucket: both regimes' rates and the probe schedule."""
+
+    rates: dict[str, _Rate] = field(default_factory=lambda: {r: _Rate() for r in REGIMES})
+    since_probe: int = 0
+    probe_every: int = 0  # set from the config on first use
+    probes: int = 0
+
+
+@dataclass
+class _Window:
+    """The open window: its bucket and regime, whether it probes, the rounds still to settle,
+    the measured rounds it needs, when measuring began and ended (s, the caller's clock), the
+    rounds recorded and how many of them ran outside its bucket (a change of load), and the
+    tokens, rounds, off-bucket rounds and gated rounds it measured."""
+
+    bucket: int
+    regime: str
+    settle: int
+    probe: bool = False
+    min_rounds: int = 1
+    t_start: float | None = None
+    t_end: float | None = None
+    recorded: int = 0
+    off_bucket: int = 0
+    tokens: int = 0
+    rounds: int = 0
+    off_measured: int = 0
+    gated_measured: int = 0
+
+
+class RegimePolicy:
+    """The regime gated rounds run in, per bucket of generations in flight (one per gateway).
+
+    The scheduler asks `may_draft` before each gated round's pre-draft decision, reports every
+    finished round of every generation to `record`, and calls `idle` when its last generation
+    leaves (an idle gap is no throughput). Times are the caller's monotonic clock in seconds.
+
+    Args:
+        config: the windows and the choice rule (default `RegimeConfig()`).
+    """
+
+    def __init__(self, config: RegimeConfig | None = None):
+        self.config = RegimeConfig() if config is None else config
+        self.buckets = [_Bucket(probe_every=self.config.probe_min) for _ in range(len(BUCKET_UPPER) + 1)]
+        self.window: _Window | None = None
+        self.discarded = 0  # windows dropped: the load left their bucket, or the gateway went idle
+
+    def may_draft(self, in_flight: int) -> bool:
+        """Whether a gated round starting with `in_flight` generations in flight (>= 1) may
+        draft: True when the open window's regime is "gate" (its gate then decides as
+        usual), False in a "plain" window. Opens a window when none is. Raises ValueError
+        for a bad in_flight."""
+        bucket = bucket_of(in_flight)
+        if self.window is None:
+            self._open(bucket, in_flight, None)
+        return self.window.regime == "gate"
+
+    def record(self, in_flight: int, committed: int, now_s: float, gated: bool = True) -> None:
+        """One finished round of any generation: `committed` tokens (an int >= 1) at time
+        `now_s` (s), with `in_flight` generations in flight (>= 1); `gated`: the round's
+        generation is gated (the regime decides its rounds). Settles, measures or closes the
+        open window. Raises ValueError naming a bad value."""
+        bucket = bucket_of(in_flight)
+        if isinstance(committed, bool) or not isinstance(committed, int) or committed < 1:
+            raise ValueError(f"committed={short_repr(committed)}: must be an int >= 1")
+        _positive("now_s", now_s, low_ok=True)
+        w = self.window
+        if w is None:
+            self._open(bucket, in_flight, None)
+            w = self.window
+        off = bucket != w.bucket
+        w.recorded += 1
+        w.off_bucket += off
+        if w.off_bucket > w.recorded - w.off_bucket + w.min_rounds:  # the load moved on: measure its bucket
+            self.discarded += 1
+            self._open(bucket, in_flight, None)
+            return
+        if w.settle > 0:
+            w.settle -= 1
+            if w.settle == 0:
+                w.t_start = now_s  # rounds finishing from here on ran in this window's regime
+            return
+        w.tokens += committed
+        w.rounds += 1
+        w.off_measured += off
+        w.gated_measured += bool(gated)
+        if (now_s - w.t_start) * 1e3 >= self.config.window_ms and w.rounds >= w.min_rounds:
+            self._close((now_s - w.t_start) * 1e3)
+            self._open(bucket, in_flight, w)
+
+    def idle(self) -> None:
+        """No generation is in flight: drop the open window, whose wall time would count the
+        idle gap as if the regime had produced nothing in it."""
+        if self.window is not None:
+            self.discarded += 1
+            self.window = None
+
+    def choice(self, bucket: int) -> str:
+        """The regime bucket `bucket` exploits: "plain" when both regimes have a window there
+        and plain's rate beats gate's by the margin; without evidence, the choice of the
+        nearest lower bucket that has both (more load never favours drafting on its own);
+        else "gate"."""
+        for index in range(bucket, 0, -1):
+            gate, plain = (self.buckets[index].rates[r].tok_per_ms for r in REGIMES)
+            if gate is not None and plain is not None:
+                return "plain" if plain > gate * (1.0 + self.config.margin) else "gate"
+        return "gate"
+
+    def _open(self, bucket: int, in_flight: int, previous: _Window | None) -> None:
+        regime, probe = self._next(bucket)
+        # Rounds in flight when the regime or the load changes started under the old one.
+        same = previous is not None and previous.regime == regime and previous.bucket == bucket
+        self.window = _Window(bucket, regime, settle=0 if same else in_flight, probe=probe,
+                              min_rounds=in_flight, t_start=previous and previous.t_end)
+
+    def _next(self, bucket: int) -> tuple[str, bool]:
+        """The next window's regime in `bucket` and whether it is a probe."""
+        if bucket == 0:
+            return "gate", False
+        b = self.buckets[bucket]
+        missing = [r for r in REGIMES if b.rates[r].windows == 0]
+        if missing:  # explore: the prior's regime first, then the other
+            prior = self.choice(bucket)
+            return (prior if prior in missing else missing[0]), False
+        choice = self.choice(bucket)
+        b.since_probe += 1
+        if b.since_probe < b.probe_every:
+            return choice, False
+        b.since_probe, b.probes = 0, b.probes + 1
+        return REGIMES[1 - REGIMES.index(choice)], True
+
+    def _close(self, ms: float) -> None:
+        """Add the open window's tokens over `ms` to its regime's rate, unless more than a
+        quarter of its rounds ran outside its bucket or fewer than half were gated (the
+        regime decided too little of the traffic for the window to say what it does); after
+        a probe, double the probe interval when the choice held, else go back to probe_min."""
+        w, cfg = self.window, self.config
+        w.t_end = w.t_start + ms / 1e3
+        if w.bucket == 0 or 4 * w.off_measured > w.rounds or 2 * w.gated_measured < w.rounds:
+            self.discarded += w.bucket != 0
+            return
+        b = self.buckets[w.bucket]
+        before = self.choice(w.bucket)
+        b.rates[w.regime].add(w.tokens, ms, cfg.decay)
+        if w.probe:
+            held = self.choice(w.bucket) == before
+            b.probe_every = min(2 * b.probe_every, cfg.probe_max) if held else cfg.probe_min
+
+    def to_dict(self) -> dict:
+        """Plain-JSON view (the Stats RPC's `regime`): the config, the open window (bucket
+        label, regime, probe, settling) or None, windows discarded, and per bucket with any
+        window its label, choice, probes, probe interval and per regime windows and
+        tok_per_ms (None before any)."""
+        c, w = self.config, self.window
+        out = {"window_ms": c.window_ms, "decay": c.decay, "margin": c.margin, "probe_min": c.probe_min,
+               "probe_max": c.probe_max, "discarded_windows": self.discarded, "buckets": [],
+               "window": None if w is None else {"in_flight": bucket_name(w.bucket), "regime": w.regime,
+                                                 "probe": w.probe, "settling": w.settle > 0}}
+        for i, b in enumerate(self.buckets):
+            if any(r.windows for r in b.rates.values()):
+                out["buckets"].append({
+                    "in_flight": bucket_name(i), "choice": self.choice(i), "probes": b.probes,
+                    "probe_every": b.probe_every,
+                    **{r: {"windows": rate.windows, "tok_per_ms": rate.tok_per_ms} for r, rate in b.rates.items()}})
+        return out

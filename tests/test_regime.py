@@ -1,0 +1,230 @@
+"""The gateway's regime policy: gated rounds run plain where the gateway measures more tokens
+per ms without drafting (docs/gate.md §14).
+
+Unit level, on a hand-driven clock: the buckets, the window (settle, measure, close), the
+exploration of a new bucket, the choice with its margin, the probe schedule, the prior from a
+lower bucket, a change of load, idleness, one generation alone, the Stats view and the errors.
+Service level (in process, port 0, real channels, sequential verify): a policy whose evidence
+says plain runs gated rounds plain, Stats reports it, and the tokens are plain decode's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from dspark_proto.v1 import gateway_pb2
+from services.gateway.gate import GateConfig
+from services.gateway.regime import RegimeConfig, RegimePolicy, bucket_name, bucket_of
+from services_fixtures import collect, gen_request, service_loop, start_stack
+
+CFG = RegimeConfig(window_ms=99.5, decay=1.0, margin=0.1, probe_min=2, probe_max=8)
+
+
+class Clock:
+    """Feeds rounds to a policy on a hand-driven clock (s)."""
+
+    def __init__(self, policy: RegimePolicy):
+        self.policy, self.t = policy, 0.0
+
+    def rounds(self, in_flight: int, committed: int, n: int, dt_s: float) -> None:
+        for _ in range(n):
+            self.t += dt_s
+            self.policy.record(in_flight, committed, self.t)
+
+
+def _rate(policy: RegimePolicy, bucket: int, regime: str) -> float | None:
+    return policy.buckets[bucket].rates[regime].tok_per_ms
+
+
+def test_buckets_cover_every_concurrency_and_name_their_range():
+    assert [bucket_of(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 1000)] == [0, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6]
+    assert [bucket_name(i) for i in range(7)] == ["1", "2", "3-4", "5-8", "9-16", "17-32", "33+"]
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="in_flight="):
+            bucket_of(bad)
+
+
+def test_a_new_bucket_measures_gate_then_plain_and_chooses_the_faster():
+    """Window 1 (gate, prior of an empty bucket): 4 rounds settle, then 3 tokens every 10 ms
+    until 100 ms: 0.3 tok/ms. Window 2 (plain, the regime without evidence): 4 rounds settle,
+    then 1 token every 2 ms: 0.5 tok/ms. Plain beats gate by more than the 10 % margin."""
+    policy = RegimePolicy(CFG)
+    clock = Clock(policy)
+    assert policy.may_draft(4) is True and policy.window.regime == "gate" and policy.window.settle == 4
+    clock.rounds(4, 3, 4, 0.01)
+    assert policy.window.settle == 0 and policy.window.t_start == pytest.approx(0.04)
+    clock.rounds(4, 3, 10, 0.01)
+    assert _rate(policy, 2, "gate") == pytest.approx(30 / 100)
+    assert policy.window.regime == "plain" and policy.may_draft(4) is False and policy.window.settle == 4
+    clock.rounds(4, 1, 4 + 50, 0.002)
+    assert _rate(policy, 2, "plain") == pytest.approx(50 / 100)
+    assert policy.choice(2) == "plain"
+    # The same regime continues without settling: measuring resumes where the last window ended.
+    assert policy.window.regime == "plain" and policy.window.settle == 0
+    assert policy.window.t_start == pytest.approx(clock.t)
+
+
+def test_plain_needs_the_margin_to_win():
+    for plain_tokens, expected in ((109, "gate"), (111, "plain")):  # against 1.00 tok/ms, margin 10 %
+        policy = RegimePolicy(CFG)
+        policy.buckets[3].rates["gate"].add(100, 100.0, 1.0)
+        policy.buckets[3].rates["plain"].add(plain_tokens, 100.0, 1.0)
+        assert policy.choice(3) == expected
+
+
+def test_probe_schedule_doubles_while_probes_confirm_and_resets_when_one_changes_the_choice():
+    policy = RegimePolicy(CFG)
+    clock = Clock(policy)
+    policy.may_draft(2)
+    clock.rounds(2, 3, 2 + 10, 0.01)      # gate window: 0.3 tok/ms
+    clock.rounds(2, 1, 2 + 50, 0.002)     # plain window: 0.5 tok/ms -> plain
+    regimes = []
+    for _ in range(8):                    # each window: a regime at its rate, recorded as it runs
+        regimes.append((policy.window.regime, policy.window.probe))
+        if policy.window.regime == "plain":
+            clock.rounds(2, 1, policy.window.settle + 50, 0.002)
+        else:
+            clock.rounds(2, 3, policy.window.settle + 10, 0.01)
+    # probe_min 2: plain, probe; then every 4th; then every 8th (probe_max).
+    assert regimes == [("plain", False), ("gate", True), ("plain", False), ("plain", False), ("plain", False),
+                       ("gate", True), ("plain", False), ("plain", False)]
+    assert policy.buckets[1].probes == 2 and policy.buckets[1].probe_every == 8
+    # A probe that finds gate faster now changes the choice and resets the interval.
+    b = policy.buckets[1]
+    b.since_probe = b.probe_every - 1
+    while policy.window.regime == "plain":
+        clock.rounds(2, 1, policy.window.settle + 50, 0.002)
+    assert policy.window.probe
+    clock.rounds(2, 30, policy.window.settle + 10, 0.01)  # gate now 3.0 tok/ms in its window
+    assert policy.choice(1) == "gate" and b.probe_every == CFG.probe_min
+
+
+def test_an_unexplored_bucket_starts_in_the_choice_of_the_nearest_lower_bucket():
+    policy = RegimePolicy(CFG)
+    policy.buckets[2].rates["gate"].add(1, 10.0, 1.0)
+    policy.buckets[2].rates["plain"].add(10, 10.0, 1.0)
+    assert policy.choice(4) == "plain"
+    assert policy.may_draft(16) is False and policy.window.bucket == 4 and policy.window.regime == "plain"
+
+
+def test_one_generation_alone_is_left_to_its_gate():
+    policy = RegimePolicy(CFG)
+    clock = Clock(policy)
+    for _ in range(5):
+        assert policy.may_draft(1) is True
+        clock.rounds(1, 1, 60, 0.01)
+    assert all(r.windows == 0 for b in policy.buckets for r in b.rates.values())
+
+
+def test_a_change_of_load_opens_a_window_in_the_new_bucket_and_idle_drops_the_window():
+    policy = RegimePolicy(CFG)
+    clock = Clock(policy)
+    policy.may_draft(4)
+    clock.rounds(4, 1, 6, 0.001)           # 4 settle, 2 measured: 6 rounds in the bucket
+    clock.rounds(16, 1, 10, 0.001)         # 10 off-bucket rounds: not more than 6 + 4 min rounds
+    assert policy.window.bucket == 2 and policy.discarded == 0
+    clock.rounds(16, 1, 1, 0.001)          # 11: the load moved on
+    assert policy.window.bucket == 4 and policy.discarded == 1 and policy.window.settle == 16
+    policy.idle()
+    assert policy.window is None and policy.discarded == 2
+    assert all(r.windows == 0 for b in policy.buckets for r in b.rates.values())
+
+
+def test_a_window_mostly_outside_its_bucket_adds_no_evidence():
+    policy = RegimePolicy(CFG)
+    clock = Clock(policy)
+    policy.may_draft(8)                    # bucket 3, min_rounds 8
+    clock.rounds(8, 1, 8, 0.01)            # settle
+    clock.rounds(8, 1, 6, 0.01)
+    clock.rounds(4, 1, 3, 0.01)            # 3 measured rounds off-bucket
+    clock.rounds(8, 1, 2, 0.01)            # past 99.5 ms: closes with 3 of 10 or 11 off (> a quarter)
+    assert policy.buckets[3].rates["gate"].windows == 0 and policy.discarded == 1
+
+
+def test_a_window_of_mostly_ungated_rounds_adds_no_evidence():
+    """Plain-mode or fixed-k generations run as they asked whatever the regime: a window
+    they dominate measures them, not the regime."""
+    policy = RegimePolicy(CFG)
+    policy.may_draft(2)
+    for i in range(2 + 10):
+        policy.record(2, 1, 0.01 * (i + 1), gated=i % 3 == 0)  # 3 or 4 of 10 measured rounds gated
+    assert policy.buckets[1].rates["gate"].windows == 0 and policy.discarded == 1
+    for i in range(12, 12 + 10):
+        policy.record(2, 1, 0.01 * (i + 1), gated=i % 2 == 0)  # half gated: kept
+    assert policy.buckets[1].rates["gate"].windows == 1
+
+
+def test_bad_values_are_named():
+    policy = RegimePolicy(CFG)
+    for kwargs, match in (({"committed": 0}, "committed="), ({"committed": True}, "committed="),
+                          ({"now_s": float("nan")}, "now_s="), ({"in_flight": 0}, "in_flight=")):
+        args = {"in_flight": 2, "committed": 1, "now_s": 1.0, **kwargs}
+        with pytest.raises(ValueError, match=match):
+            policy.record(**args)
+    for field, value in (("window_ms", 0), ("decay", 0), ("decay", 1.5), ("margin", -0.1),
+                         ("probe_min", 0), ("probe_max", 1.5)):
+        with pytest.raises(ValueError, match=f"{field}="):
+            RegimeConfig(**{field: value})
+    with pytest.raises(ValueError, match="probe_max=2"):
+        RegimeConfig(probe_min=4, probe_max=2)
+
+
+def test_stats_view_lists_measured_buckets_and_the_open_window():
+    policy = RegimePolicy(CFG)
+    clock = Clock(policy)
+    policy.may_draft(2)
+    clock.rounds(2, 3, 2 + 10, 0.01)
+    view = json.loads(json.dumps(policy.to_dict()))
+    assert view["window"] == {"in_flight": "2", "regime": "plain", "probe": False, "settling": True}
+    assert view["buckets"] == [{"in_flight": "2", "choice": "gate", "probes": 0, "probe_every": 2,
+                                "gate": {"windows": 1, "tok_per_ms": pytest.approx(0.3)},
+                                "plain": {"windows": 0, "tok_per_ms": None}}]
+
+
+# ---------------------------------------------------------------------------- services
+def test_a_plain_regime_runs_gated_rounds_plain_and_the_tokens_stay_plain_decodes():
+    """Through real in-process services under sequential verify: with evidence that plain is
+    faster at 2 and 3-4 generations in flight, three gated generations at once run rounds plain
+    (reason `regime`) until one is left alone, Stats reports the policy, and every
+    generation's tokens equal plain decode's."""
+    loop = service_loop()
+    stack = start_stack("dspark", gate_config=GateConfig(enabled=True))
+    prompts = ("regime policy", "three at once", "plain or draft")
+    try:
+        gw = loop.run(stack.start_gateway("sequential", regime=True))
+        try:
+            policy = gw.scheduler.regime = RegimePolicy(RegimeConfig(window_ms=60_000.0))
+            for bucket in (1, 2):
+                policy.buckets[bucket].rates["gate"].add(1, 1000.0, 1.0)
+                policy.buckets[bucket].rates["plain"].add(1000, 1000.0, 1.0)
+
+            async def together(spec):
+                return await asyncio.gather(*(collect(gw.stub, gen_request(p, max_tokens=16, spec=spec))
+                                              for p in prompts))
+            plain = loop.run(together("off"))
+            gated = loop.run(together("gated"))
+            assert [g.token_ids for g in gated] == [p.token_ids for p in plain]
+            assert sum(g.stats.plain_rounds for g in gated) > 0
+            assert gw.scheduler.in_flight == 0 and policy.window is None  # idle dropped it
+
+            async def stats_json():
+                return (await gw.stub.Stats(gateway_pb2.StatsRequest(), timeout=10)).json
+            view = json.loads(loop.run(stats_json()))["regime"]
+            assert view["enabled"] is True
+            assert [b["choice"] for b in view["buckets"]] == ["plain", "plain"]
+        finally:
+            loop.run(gw.close())
+        off = loop.run(stack.start_gateway("sequential", regime=False))
+        try:
+            assert off.scheduler.regime is None
+
+            async def off_stats():
+                return (await off.stub.Stats(gateway_pb2.StatsRequest(), timeout=10)).json
+            assert json.loads(loop.run(off_stats()))["regime"] == {"enabled": False}
+        finally:
+            loop.run(off.close())
+    finally:
+        stack.close()
