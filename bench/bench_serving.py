@@ -13,8 +13,12 @@ Arms (`--arms`): plain (spec off), k1..k5 (spec always with `max_draft_tokens` =
 round submits k drafts, fewer only at the token budget's end) and gated (spec gated: the
 confidence gate picks k per round, up to the block size). Prompts: four workloads (code,
 prose, math, repeat); a cell at concurrency c runs c streams, and each stream runs
-ceil(4 / c) generations one after another, so every cell covers all four workloads.
-Generations ignore eos, so each yields exactly `--max-tokens` tokens.
+max(`--per-stream`, ceil(4 / c)) generations one after another, so every cell covers all
+four workloads. Generations ignore eos, so each yields exactly `--max-tokens` tokens.
+Aggregate tok/s is a cell's tokens over its wall time, first request to last token: with one
+generation per stream (`--per-stream 1`, the default) that is the makespan of a closed batch,
+whose slowest stream sets the figure; several per stream bring it towards the steady rate a
+server with a queue of requests sees (a stream that finishes early starts its next one).
 
 Order: each repetition runs every concurrency, and within it every numerics and every arm,
 the arms in an order rotated per repetition, so all arms see the same machine load. The
@@ -81,12 +85,13 @@ async def generate(stub, prompt: str, arm: str, max_tokens: int,
     return trace
 
 
-def stream_prompts(streams: int, index: int) -> list[str]:
-    """The prompts stream `index` of `streams` runs in turn: ceil(4 / streams) of them, so
-    that the cell's streams together cover every workload."""
+def stream_prompts(streams: int, index: int, per_stream: int = 1) -> list[str]:
+    """The prompts stream `index` of `streams` runs in turn: max(per_stream, ceil(4 /
+    streams)) of them, consecutive in the workload cycle, so that the cell's streams
+    together cover every workload and a stream of four or more runs every workload."""
     names = list(WORKLOADS)
-    per = math.ceil(len(names) / streams)
-    return [WORKLOADS[names[(index + j * streams) % len(names)]] for j in range(per)]
+    per = max(per_stream, math.ceil(len(names) / streams))
+    return [WORKLOADS[names[(index * per + j) % len(names)]] for j in range(per)]
 
 
 async def run_stream(stub, prompts: list[str], arm: str, max_tokens: int,
@@ -112,7 +117,7 @@ def cpu_s(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-async def run_cell(stack: dict, streams: int, arm: str, max_tokens: int) -> dict:
+async def run_cell(stack: dict, streams: int, arm: str, max_tokens: int, per_stream: int = 1) -> dict:
     """One cell: `streams` concurrent streams of `arm`; its figures, the verifier's mean
     sessions per batch step over the cell, and the generations' drafts submitted per round
     and share of plain rounds (from each final message's SpecStats), and the three services'
@@ -120,7 +125,7 @@ async def run_cell(stack: dict, streams: int, arm: str, max_tokens: int) -> dict
     steps0, sessions0 = await verifier_steps(stack["verifier"])
     cpu0 = cpu_s(stack["procs"].pids)
     rounds: list[tuple[int, int, int]] = []
-    traces = await asyncio.gather(*(run_stream(stack["gateway"], stream_prompts(streams, i), arm, max_tokens,
+    traces = await asyncio.gather(*(run_stream(stack["gateway"], stream_prompts(streams, i, per_stream), arm, max_tokens,
                                                rounds) for i in range(streams)))
     cpu1 = cpu_s(stack["procs"].pids)
     steps1, sessions1 = await verifier_steps(stack["verifier"])
@@ -147,7 +152,7 @@ async def run_grid(args, stacks: dict[str, dict], console: Console) -> dict:
         for streams in args.streams:
             for numerics, stack in stacks.items():
                 for arm in rotated(args.arms, rep):
-                    cell = await run_cell(stack, streams, arm, args.max_tokens)
+                    cell = await run_cell(stack, streams, arm, args.max_tokens, args.per_stream)
                     raw[numerics][streams][arm].append(cell)
                     console.print(f"rep {rep + 1}/{args.repeats} streams {streams:>2} {numerics:<5} {arm:<5} "
                                   f"{cell['aggregate_tok_s']:7.1f} tok/s  ({cell['wall_s']:.1f} s)", highlight=False)
@@ -173,7 +178,7 @@ def fmt(s: Spread, digits: int = 1) -> str:
 
 def cell_table(numerics: str, med: dict, args) -> Table:
     t = Table(title=escape(f"{numerics} numerics: median [min-max] of {args.repeats}, "
-                           f"{args.max_tokens} tokens per generation"))
+                           f"{args.max_tokens} tokens per generation, {args.per_stream} per stream"))
     for col in ("streams", "arm", "aggregate tok/s", "per-stream tok/s", "TTFT p50 ms", "TTFT p99 ms",
                 "ITL p50 ms", "ITL p99 ms", "sessions/step", "drafts/round", "plain rounds", "CPU ms/token"):
         t.add_column(col, justify="right")
@@ -276,6 +281,21 @@ async def start_stacks(args, env: dict[str, str], console: Console, stacks: dict
             await generate(st["gateway"], WORKLOADS["code"], arm, 8)
 
 
+async def gateway_regimes(stacks: dict[str, dict], console: Console) -> dict:
+    """{numerics: the gateway's regime policy (Stats `regime`, docs/gate.md §14)}, printed one
+    line per measured bucket: what the gated arm ran in at each concurrency."""
+    out = {}
+    for numerics, st in stacks.items():
+        stats = await st["gateway"].Stats(gateway_pb2.StatsRequest(), timeout=INFO_TIMEOUT_S)
+        out[numerics] = json.loads(stats.json).get("regime", {"enabled": False})
+        for b in out[numerics].get("buckets", []):
+            rates = "  ".join(f"{r} {b[r]['windows']} windows {b[r]['tok_per_ms'] or 0:.3f} tok/ms"
+                              for r in ("gate", "plain"))
+            console.print(f"regime {numerics} in flight {b['in_flight']:>5}: {b['choice']:<5}  {rates}  "
+                          f"probes {b['probes']}", highlight=False)
+    return out
+
+
 async def stop_stacks(stacks: dict[str, dict]) -> None:
     for st in stacks.values():
         for ch in st.get("channels", []):
@@ -283,9 +303,9 @@ async def stop_stacks(stacks: dict[str, dict]) -> None:
         st["procs"].stop()
 
 
-def report(raw: dict, args, grid_s: float, console: Console) -> None:
+def report(raw: dict, args, grid_s: float, console: Console, regimes: dict | None = None) -> None:
     """Print the tables and the aims of `raw` ({numerics: {streams: {arm: [cell per repetition]}}});
-    with `args.json`, write them there too."""
+    with `args.json`, write them there too, with the gateways' regime policies (`regimes`)."""
     med = medians(raw)
     for numerics in raw:
         console.print(cell_table(numerics, med[numerics], args))
@@ -300,7 +320,7 @@ def report(raw: dict, args, grid_s: float, console: Console) -> None:
                                for s, by_arm in v.items()} for n, v in med.items()},
                "summary": {"rows": {st: {k: v.as_dict() for k, v in r.items() if v is not None}
                                     for st, r in summ["rows"].items()}, "aims": summ["aims"]},
-               "grid_s": grid_s}
+               "grid_s": grid_s, "regime": regimes}
         Path(args.json).write_text(json.dumps(out, indent=1))
         console.print(f"wrote {args.json}")
 
@@ -311,6 +331,7 @@ def load_run(path: str, args) -> tuple[dict, float]:
     saved = json.loads(Path(path).read_text())
     if not {"raw", "args", "grid_s"} <= set(saved):
         raise ValueError(f"{path}: not a bench_serving --json file (no raw / args / grid_s)")
+    args.per_stream = saved["args"].get("per_stream", 1)
     for key in ("streams", "arms", "max_tokens", "repeats"):
         setattr(args, key, saved["args"][key])
     raw = {n: {int(s): by_arm for s, by_arm in v.items()} for n, v in saved["raw"].items()}
@@ -332,9 +353,10 @@ async def run(args, env: dict[str, str]) -> int:
         t0 = time.monotonic()
         raw = await run_grid(args, stacks, console)
         grid_s = time.monotonic() - t0
+        regimes = await gateway_regimes(stacks, console)
     finally:
         await stop_stacks(stacks)
-    report(raw, args, grid_s, console)
+    report(raw, args, grid_s, console, regimes)
     return 0
 
 
@@ -347,6 +369,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--numerics", nargs="+", default=["fast", "exact"], choices=["fast", "exact"])
     ap.add_argument("--max-tokens", type=int, default=32, help="completion tokens per generation")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (median, min-max)")
+    ap.add_argument("--per-stream", type=int, default=1,
+                    help="generations each stream runs in turn (at least ceil(4 / streams); default 1)")
     ap.add_argument("--port-base", type=int, default=50250,
                     help="first stack's gateway port (verifier +1, drafter +2; the next stack +10)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per service process")
@@ -362,7 +386,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for key, value in QUICK.items():
             if f"--{key.replace('_', '-')}" not in given:
                 setattr(args, key, value)
-    for name in ("max_tokens", "repeats", "threads"):
+    for name in ("max_tokens", "repeats", "threads", "per_stream"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
     if any(s < 1 for s in args.streams):

@@ -66,6 +66,9 @@ def test_every_cell_covers_every_workload():
         prompts = [p for i in range(streams) for p in stream_prompts(streams, i)]
         assert set(prompts) == set(WORKLOADS.values()), streams
     assert len(stream_prompts(1, 0)) == 4 and len(stream_prompts(16, 5)) == 1
+    for streams in (2, 3, 8, 16):  # several per stream: each stream runs every workload
+        for i in range(streams):
+            assert sorted(stream_prompts(streams, i, 4)) == sorted(WORKLOADS.values()), (streams, i)
 
 
 def test_arguments_quick_and_validation():

@@ -63,6 +63,7 @@ class DrafterLink:
         self._pending: list[tuple] = []  # deferred commits: (rows, first_position, token_ids, token_first)
         self._full_gap = 0  # rounds between asks while the drafter is full (0: it is not)
         self._full_wait = 0  # plain rounds left before the next ask
+        self.asleep = False  # the session was let go while the regime keeps rounds plain (`sleep`)
 
     async def draft(self, anchor: int, pos: int, tc, sampling: SamplingParams, check: DraftCheck,
                     needs_probs: bool) -> tuple[DraftReply | None, float | None]:
@@ -155,6 +156,37 @@ class DrafterLink:
         self.counters.drafter_failed = True
         self.faults.fell_back()
         return False
+
+    async def sleep(self) -> None:
+        """Let the drafter session go while the gateway's regime keeps this generation's rounds
+        plain (docs/gate.md §14): the drafter then spends nothing on it, not even the commits a
+        deferral would batch, and its slot is free. `wake` primes a new session from the
+        verifier's kept rows. A no-op without a session, or when the supply cannot open
+        another (a caller-owned session): then rounds defer their commits as usual."""
+        if self.session is None or self.supply is None or not self.supply.can_reopen:
+            return
+        session, self.session, self.asleep = self.session, None, True
+        self._pending.clear()
+        await close_quietly(session)
+
+    async def wake(self) -> bool:
+        """Before the first draft after `sleep`: open a new session and prime it with the
+        verifier's kept rows (the last min(W, committed)), not counted as a failover. True
+        when a session took over; a refusal is handled as any drafter failure (`failed`).
+        True without a nap when a session is there.
+
+        Raises:
+            BackendError: the verifier failed to return its kept rows (ends the generation).
+        """
+        if not self.asleep:
+            return self.session is not None
+        self.asleep = False
+        new = self.supply.retry()
+        refused = await self._prime(new, trace.get_current_span())
+        self.session = new
+        if refused is not None:  # `failed` closes it, counts the refusal and fails over or backs off
+            return await self.failed(refused)
+        return True
 
     async def retry_full(self) -> bool:
         """One plain round of a generation whose drafter was full; on the round its wait ends,

@@ -166,8 +166,14 @@ class DrafterSupply:
         self.opened.append(self._factory())
         return self.opened[-1]
 
+    @property
+    def can_reopen(self) -> bool:
+        """Whether `retry` can open another session (False for a caller-owned one, `of`)."""
+        return self._close_sessions
+
     def retry(self) -> DrafterSession | None:
-        """A new session after the drafter refused one for capacity (RESOURCE_EXHAUSTED): it
+        """A new session after the drafter refused one for capacity (RESOURCE_EXHAUSTED), or
+        after the generation let its session go while the gateway's regime kept it plain: it
         does not spend the failover budget, since no replica failed. None for a supply of one
         caller-owned session (`of`), which cannot open another."""
         if not self._close_sessions:

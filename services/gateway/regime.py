@@ -161,13 +161,13 @@ class RegimePolicy:
 
     def may_draft(self, in_flight: int) -> bool:
         """Whether a gated round starting with `in_flight` generations in flight (>= 1) may
-        draft: True when the open window's regime is "gate" (its gate then decides as
-        usual), False in a "plain" window. Opens a window when none is. Raises ValueError
-        for a bad in_flight."""
+        draft: True for a generation alone, else True when the open window's regime is
+        "gate" (its gate then decides as usual) and False in a "plain" window. Opens a window
+        when none is. Raises ValueError for a bad in_flight."""
         bucket = bucket_of(in_flight)
         if self.window is None:
             self._open(bucket, in_flight, None)
-        return self.window.regime == "gate"
+        return bucket == 0 or self.window.regime == "gate"
 
     def record(self, in_flight: int, committed: int, now_s: float, gated: bool = True) -> None:
         """One finished round of any generation: `committed` tokens (an int >= 1) at time

@@ -267,6 +267,8 @@ class _Generation:
         with self.s.tracer.start_as_current_span("gateway.prefill") as span, self.s.occupancy.call():
             first = await self.verifier.prefill(p.prompt_ids, trace_context(span), p.sampling)
         self.ttft_ms = (time.perf_counter() - self.t0) * 1e3
+        if not self._regime_drafts():
+            await self.link.sleep()  # no prime now: a drafter is primed when this generation drafts
         await self.link.commit(first.rows, first.first_position, p.prompt_ids, 0)
         pos, anchor, margin = len(p.prompt_ids), first.next_token, first.margin
         yield self._emit([anchor], first.logprobs)
@@ -355,18 +357,20 @@ class _Generation:
         """What this round submits and why: the pre-draft checks (for gated, the gateway's
         regime, then the margin gate), the draft, then the length
         (`always` submits the cap, `gated` asks the gate; without confidences, the cap)."""
-        if self.link.session is None and not await self.link.retry_full():
+        if self.link.session is None and not self.link.asleep and not await self.link.retry_full():
             return _Plan(Reason.NO_DRAFTER)
         if self._max_drafts(self.s.limits.block_size, pos) == 0:
             return _Plan(Reason.NO_ROOM)  # one token left (or no room): a draft could not be submitted
+        if not self._regime_drafts():
+            await self.link.sleep()  # the drafter does nothing for this generation until it drafts again
+            return _Plan(Reason.REGIME)
+        if not await self.link.wake():
+            return _Plan(Reason.NO_DRAFTER)
         if self.step_table is not None:  # priced before the pre-draft decision, from what came before it
             self.seen.observe_cover(self.s.occupancy.inside)  # this generation is outside the verifier now
             self.s.pricing_stats.add(self.seen)
             self.gate.pricing = priced_at_load(self.cost, self.step_table, self.seen, self.gate.rate(),
                                                self.s.limits.block_size)
-        regime = self.s.regime if self.p.spec == "gated" else None
-        if regime is not None and not regime.may_draft(max(self.s.in_flight, 1)):
-            return _Plan(Reason.REGIME)
         if not self.gate.should_draft(margin):
             return _Plan(Reason.ANCHOR_MARGIN)
         await self.link.flush()  # the rows of rounds that did not draft, before the drafter drafts
@@ -379,6 +383,12 @@ class _Generation:
         choice = LengthChoice(max_n, max_n) if conf is None else self.gate.choose(conf, max_n)
         probs = reply.probs if self._needs_probs else None
         return _Plan(drafted_reason(len(drafts), choice), drafts, conf, draft_ms, choice.k, probs)
+
+    def _regime_drafts(self) -> bool:
+        """Whether the gateway's regime lets this generation draft now (always, unless it is
+        gated and the regime at the gateway's concurrency is plain: docs/gate.md §14)."""
+        regime = self.s.regime if self.p.spec == "gated" else None
+        return regime is None or regime.may_draft(max(self.s.in_flight, 1))
 
     @property
     def _needs_probs(self) -> bool:
