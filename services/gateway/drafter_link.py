@@ -52,18 +52,22 @@ class DrafterLink:
         faults: the process-wide failure counts (the Stats RPC).
         metrics: the generation's metrics.
         counters: the generation's `RoundStats` (drafter_failovers, drafter_failed).
+        awake: open the first session now; False starts the link asleep (`sleep`), so a
+            generation the gateway's regime keeps plain from its start never opens one
+            unless it drafts (ignored when the supply cannot open sessions on demand).
     """
 
     def __init__(self, supply: DrafterSupply | None, verifier: VerifierSession, faults: DrafterFaults,
-                 metrics: GenerationMetrics | NoGenerationMetrics, counters: RoundStats):
+                 metrics: GenerationMetrics | NoGenerationMetrics, counters: RoundStats, awake: bool = True):
         self.supply, self.verifier, self.faults = supply, verifier, faults
         self.metrics, self.counters = metrics, counters
-        self.session: DrafterSession | None = supply.open() if supply is not None else None
+        # the session was let go (or never opened) while the regime keeps rounds plain (`sleep`)
+        self.asleep = not awake and supply is not None and supply.can_reopen
+        self.session: DrafterSession | None = supply.open() if supply is not None and not self.asleep else None
         self.committed: list[int] = []  # tokens of the positions the verifier has committed
         self._pending: list[tuple] = []  # deferred commits: (rows, first_position, token_ids, token_first)
         self._full_gap = 0  # rounds between asks while the drafter is full (0: it is not)
         self._full_wait = 0  # plain rounds left before the next ask
-        self.asleep = False  # the session was let go while the regime keeps rounds plain (`sleep`)
 
     async def draft(self, anchor: int, pos: int, tc, sampling: SamplingParams, check: DraftCheck,
                     needs_probs: bool) -> tuple[DraftReply | None, float | None]:
@@ -170,8 +174,9 @@ class DrafterLink:
         await close_quietly(session)
 
     async def wake(self) -> bool:
-        """Before the first draft after `sleep`: open a new session and prime it with the
-        verifier's kept rows (the last min(W, committed)), not counted as a failover. True
+        """Before the first draft after `sleep` (or of a link started asleep): open a session
+        and prime it with the verifier's kept rows (the last min(W, committed)), not counted
+        as a failover. True
         when a session took over; a refusal is handled as any drafter failure (`failed`).
         True without a nap when a session is there.
 
@@ -181,7 +186,7 @@ class DrafterLink:
         if not self.asleep:
             return self.session is not None
         self.asleep = False
-        new = self.supply.retry()
+        new = self.supply.retry() if self.supply.opened else self.supply.open()
         refused = await self._prime(new, trace.get_current_span())
         self.session = new
         if refused is not None:  # `failed` closes it, counts the refusal and fails over or backs off

@@ -74,10 +74,10 @@ class RegimeConfig:
     """
 
     window_ms: float = 1000.0
-    decay: float = 0.5
+    decay: float = 0.8
     margin: float = 0.02
-    probe_min: int = 4
-    probe_max: int = 32
+    probe_min: int = 8
+    probe_max: int = 64
 
     def __post_init__(self) -> None:
         _positive("window_ms", self.window_ms)

@@ -241,7 +241,7 @@ class _Generation:
         can_draft = p.max_tokens - 2 > 0 and sched.limits.max_seq_len - 2 - len(p.prompt_ids) > 0
         self.counters = RoundStats()  # folded from this generation's round records
         self.link = DrafterLink(drafters if can_draft else None, verifier, sched.drafter_faults, metrics,
-                                self.counters)
+                                self.counters, awake=self._regime_drafts())
         gate_cfg = sched.gate_config
         if p.spec == "gated":
             gate_cfg = dataclasses.replace(gate_cfg, enabled=sched.limits.confidence_head)
