@@ -18,7 +18,7 @@ import pytest
 
 from dspark_proto.v1 import gateway_pb2
 from services.gateway.gate import GateConfig
-from services.gateway.regime import RegimeConfig, RegimePolicy, bucket_name, bucket_of
+from services.gateway.regime import REGIMES, RegimeConfig, RegimePolicy, bucket_name, bucket_of
 from services_fixtures import collect, gen_request, service_loop, start_stack
 
 CFG = RegimeConfig(window_ms=99.5, decay=1.0, margin=0.1, probe_min=2, probe_max=8)
@@ -74,6 +74,19 @@ def test_plain_needs_the_margin_to_win():
         policy.buckets[3].rates["gate"].add(100, 100.0, 1.0)
         policy.buckets[3].rates["plain"].add(plain_tokens, 100.0, 1.0)
         assert policy.choice(3) == expected
+
+
+def test_a_choice_changes_only_when_the_other_regime_beats_it_by_the_margin():
+    policy = RegimePolicy(CFG)             # margin 10 %
+    b = policy.buckets[2]
+    b.rates["gate"].add(105, 100.0, 1.0)   # 1.05 tok/ms
+    b.rates["plain"].add(100, 100.0, 1.0)  # 1.00
+    for chosen in REGIMES:                 # 5 % apart: whichever is chosen stays
+        b.chosen = chosen
+        assert policy.choice(2) == chosen
+    b.rates["gate"].add(20, 0.0, 1.0)      # gate 1.25: past the margin
+    b.chosen = "plain"
+    assert policy.choice(2) == "gate"
 
 
 def test_probe_schedule_doubles_while_probes_confirm_and_resets_when_one_changes_the_choice():

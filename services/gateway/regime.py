@@ -65,8 +65,10 @@ class RegimeConfig:
     window_ms: measured wall ms per window (> 0); a window also needs as many measured rounds
         as generations were in flight when it opened.
     decay: each new window of a regime multiplies that regime's earlier sums by it (in (0, 1]).
-    margin: "plain" is chosen only when its rate beats "gate"'s by this fraction (>= 0): on a
-        tie the generations' own gates decide.
+    margin: a bucket's choice changes only when the other regime's rate beats the chosen
+        one's by this fraction (>= 0), and its first choice is "plain" only when plain beats
+        gate by it: a switch costs (drafter sessions let go and primed again), so noise must
+        not flip it, and on a tie the generations' own gates decide.
     probe_min, probe_max: windows between probes of the other regime (ints, 1 <= min <= max);
         the interval doubles from probe_min after every probe that confirms the choice, up to
         probe_max, and falls back to probe_min when a probe changes it.
@@ -75,7 +77,7 @@ class RegimeConfig:
 
     window_ms: float = 1000.0
     decay: float = 0.8
-    margin: float = 0.02
+    margin: float = 0.05
     probe_min: int = 8
     probe_max: int = 64
 
@@ -112,9 +114,11 @@ class _Rate:
 
 @dataclass
 class _Bucket:
-    """One concurrency bucket: both regimes' rates and the probe schedule."""
+    """One concurrency bucket: both regimes' rates, the choice (None until both are measured)
+    and the probe schedule."""
 
     rates: dict[str, _Rate] = field(default_factory=lambda: {r: _Rate() for r in REGIMES})
+    chosen: str | None = None
     since_probe: int = 0
     probe_every: int = 0  # set from the config on first use
     probes: int = 0
@@ -210,15 +214,26 @@ class RegimePolicy:
             self.window = None
 
     def choice(self, bucket: int) -> str:
-        """The regime bucket `bucket` exploits: "plain" when both regimes have a window there
-        and plain's rate beats gate's by the margin; without evidence, the choice of the
-        nearest lower bucket that has both (more load never favours drafting on its own);
-        else "gate"."""
+        """The regime bucket `bucket` exploits: its choice once both regimes have a window
+        there (`_choose`); before that, the choice of the nearest lower bucket that has one
+        (more load never favours drafting on its own); else "gate"."""
         for index in range(bucket, 0, -1):
-            gate, plain = (self.buckets[index].rates[r].tok_per_ms for r in REGIMES)
-            if gate is not None and plain is not None:
-                return "plain" if plain > gate * (1.0 + self.config.margin) else "gate"
+            chosen = self._choose(index)
+            if chosen is not None:
+                return chosen
         return "gate"
+
+    def _choose(self, index: int) -> str | None:
+        """Bucket `index`'s choice from its rates: None until both regimes have a window; the
+        first is "plain" when plain beats gate by the margin, else "gate"; later the other
+        regime takes over only when it beats the chosen one by the margin."""
+        b = self.buckets[index]
+        rates = {r: b.rates[r].tok_per_ms for r in REGIMES}
+        if None in rates.values():
+            return None
+        current = b.chosen or "gate"
+        other = REGIMES[1 - REGIMES.index(current)]
+        return other if rates[other] > rates[current] * (1.0 + self.config.margin) else current
 
     def _open(self, bucket: int, in_flight: int, previous: _Window | None) -> None:
         regime, probe = self._next(bucket)
@@ -254,10 +269,11 @@ class RegimePolicy:
             self.discarded += w.bucket != 0
             return
         b = self.buckets[w.bucket]
-        before = self.choice(w.bucket)
+        before = b.chosen
         b.rates[w.regime].add(w.tokens, ms, cfg.decay)
+        b.chosen = self._choose(w.bucket)
         if w.probe:
-            held = self.choice(w.bucket) == before
+            held = b.chosen == before
             b.probe_every = min(2 * b.probe_every, cfg.probe_max) if held else cfg.probe_min
 
     def to_dict(self) -> dict:
