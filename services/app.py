@@ -47,6 +47,7 @@ from services.gateway.profile import PROFILE_PROMPT
 from services.gateway.scheduler import Scheduler
 from services.gateway.servicer import Backends, GatewayServicer, connect_backends, measure_costs
 from services.gateway.tokenizer import load_tokenizer
+from services.gateway.warm import WarmStart
 from services.verifier.batcher import DEFAULT_PREFILL_CHUNK, StepLoop, StepRecord, batchable
 from services.verifier.engine import VerifierEngine, per_session_bytes
 from services.verifier.step_profile import StepProfileSettings, profile_steps
@@ -240,8 +241,9 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
         load = VerifierLoad(backends.verifier, settings.round_timeout_s)
         load.update(identity)
     regime = RegimePolicy() if settings.regime else None
+    warm = WarmStart(settings.warm_max_weight) if settings.warm_start else None
     scheduler = Scheduler(limits, tokenizer, gate_config, settings.verify_mode, settings.cost_mode,
-                          provider, recorder, metrics, costs, load, regime)
+                          provider, recorder, metrics, costs, load, regime, warm)
     servicer = GatewayServicer(scheduler, backends)
     auth = [BearerTokenInterceptor(settings.token)] if settings.token else []
     running = await start_server("dspark.v1.Gateway",

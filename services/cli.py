@@ -33,6 +33,7 @@ from services.gateway.replay import (
 from services.gateway.rounds import decode_rounds_json, load_rounds
 from services.gateway.synthetic import DEFAULT_ROUNDS, DEFAULT_SEED, generate
 from services.gateway.values import parse_setting
+from services.gateway.warm import DEFAULT_MAX_WEIGHT, parse_warm_start
 from services.settings import gate_config
 
 # GateConfig fields settable by flag (--draft-ms ...); each overrides its DEEPSEEK_DSPARK_GATE_* env value.
@@ -96,6 +97,14 @@ def _add_replay(subparsers: argparse._SubParsersAction) -> None:
         help="policy to replay besides plain and always-k (repeatable, a repeat counts once; default: "
         "every policy that applies). A requested policy that cannot run is an error",
     )
+    p.add_argument(
+        "--warm",
+        default=None,
+        metavar="W",
+        help="warm-start each workload's gated policies from the OTHER workloads' calibration "
+        "(leave-one-workload-out), lending at most W observations per confidence bucket "
+        f"(the gateway's default is {DEFAULT_MAX_WEIGHT:g}); without it every workload starts cold",
+    )
     for name in _OVERRIDES:
         p.add_argument(_flag(name), default=None, metavar="X", help=f"override {name} (ASCII decimal)")
     p.set_defaults(func=_run_replay)
@@ -140,7 +149,9 @@ def _heading(report: ReplayReport) -> Text:
     cfg = report.config
     return Text(f"Replay of {printable(report.source)}\ncosts {printable(report.costs)}: draft {cfg.draft_ms:g} ms"
                 f" + verify {cfg.verify_base_ms:g} + {cfg.verify_slope_ms:g}·n ms, plain {cfg.plain_ms:g} ms; "
-                f"margin {cfg.margin:g}, decay {cfg.decay:g}, min_draft {cfg.min_draft}")
+                f"margin {cfg.margin:g}, decay {cfg.decay:g}, min_draft {cfg.min_draft}\ngate "
+                + ("cold at the start of each workload" if report.warm is None else
+                   f"warm-started from the other workloads (at most {report.warm.max_weight:g} observations per bucket)"))
 
 
 def _policy_table(report: ReplayReport) -> Table:
@@ -273,7 +284,8 @@ def _run_replay(args: argparse.Namespace) -> int:
             log, source = generate(), f"synthetic rounds (seed {DEFAULT_SEED}, {DEFAULT_ROUNDS}/workload)"
         else:
             log, source = load_rounds(args.file), args.file
-        reports = [replay_log(log, config, args.policy, source, costs=label) for label, config in configs]
+        warm = None if args.warm is None else parse_warm_start(args.warm, "--warm")
+        reports = [replay_log(log, config, args.policy, source, costs=label, warm=warm) for label, config in configs]
     except (ValueError, OSError) as exc:
         return _error(str(exc))
     if reports[0].skipped:

@@ -20,6 +20,8 @@ Unset means the default; the "empty" column says what an empty value means.
 | DSPARK_SAMPLING_RULE | coupled | error | gateway: sampling_rule (coupled, rejection: sampled requests that leave theirs unset) |
 | DSPARK_GATE_LOAD | 1 | default | gateway: load_aware (0, 1: price gated drafts at the verifier's load) |
 | DSPARK_GATE_REGIME | 1 | default | gateway: regime (0, 1: run gated rounds plain at a concurrency where the gateway measures more tokens per ms without drafting) |
+| DSPARK_GATE_WARM_START | 1 | default | gateway: warm_start (0, 1: gated generations start from their sampling band's calibration) |
+| DSPARK_GATE_WARM_WEIGHT | 10 | error | gateway: warm_max_weight (observations per bucket a warm start lends, in (0, 1e6]) |
 | DSPARK_GATEWAY_TOKEN | unset | unset | gateway: token; `dspark generate`'s token |
 | DSPARK_GATEWAY_TLS_CERT, _KEY | unset | unset | gateway_tls (a pair) |
 | DSPARK_METRICS_PORT | unset | unset | metrics_port (every service; `--metrics-port` wins) |
@@ -78,6 +80,7 @@ from services.common.settings import (COST_MODES, DEFAULT_STEP_GATHER_MS, EXPORT
 from services.common.tls import PemFile, TlsFiles, load_tls
 from services.gateway.gate import ENV_VARS as GATE_ENV_VARS, GateConfig
 from services.gateway.values import parse_setting
+from services.gateway.warm import DEFAULT_MAX_WEIGHT, parse_warm_start
 
 if TYPE_CHECKING:  # both import torch: loaded only by the sections that need them
     from services.verifier.topk_diag import TopKDiagSettings
@@ -236,7 +239,18 @@ def gateway_settings(environ: Environ) -> GatewaySettings:
         token=token, pinned_costs=tuple(f for f in PINNABLE_COSTS if GATE_ENV_VARS[f] in environ),
         sampling_rule=_choice(environ, "DSPARK_SAMPLING_RULE", GatewaySettings.sampling_rule, SAMPLING_RULES),
         load_aware=_switch(environ, "DSPARK_GATE_LOAD", True),
-        regime=_switch(environ, "DSPARK_GATE_REGIME", True))
+        regime=_switch(environ, "DSPARK_GATE_REGIME", True),
+        warm_start=_switch(environ, "DSPARK_GATE_WARM_START", True),
+        warm_max_weight=_warm_weight(environ))
+
+
+def _warm_weight(environ: Environ) -> float:
+    """DSPARK_GATE_WARM_WEIGHT (the gate settings' number rules); the default when unset.
+    Raises ValueError naming the variable and value."""
+    raw = environ.get("DSPARK_GATE_WARM_WEIGHT")
+    if raw is None:
+        return DEFAULT_MAX_WEIGHT
+    return parse_warm_start(raw, "DSPARK_GATE_WARM_WEIGHT").max_weight
 
 
 def client_token(flag: str | None, environ: Environ) -> tuple[str, str]:

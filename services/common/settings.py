@@ -122,6 +122,11 @@ class GatewaySettings:
     cost_mode is "configured" here: the policy learns from wall times, so an embedding or a
     test keeps gated decisions repeatable; `services.settings` reads DSPARK_GATE_REGIME with
     1 as its default.
+    warm_start: a gated generation's gate starts from the calibration of the finished
+    generations of its sampling band (docs/gate.md §6); False here (every gate cold, so an
+    embedding or a test gets the same draft lengths whatever ran before), while
+    `services.settings` reads DSPARK_GATE_WARM_START with True as its default.
+    warm_max_weight: the most observations per confidence bucket a warm start lends, in (0, 1e6].
     round_timeout_s: deadline of one backend reply. generation_timeout_s: deadline of one
     generation's backend streams. startup_timeout_s: deadline of the backends' Info at start.
     drafter_failovers: drafter re-primes a generation may make after a drafter failure.
@@ -145,15 +150,19 @@ class GatewaySettings:
     sampling_rule: str = "coupled"
     load_aware: bool = True
     regime: bool = False
+    warm_start: bool = False
+    warm_max_weight: float = 10.0
 
     def __post_init__(self) -> None:
         check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
         check_choice("sampling_rule", self.sampling_rule, SAMPLING_RULES)
         check_choice("cost_mode", self.cost_mode, COST_MODES)
-        if not isinstance(self.load_aware, bool):
-            raise ValueError(f"load_aware={self.load_aware!r}: must be a bool")
-        if not isinstance(self.regime, bool):
-            raise ValueError(f"regime={self.regime!r}: must be a bool")
+        for name in ("load_aware", "regime", "warm_start"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
+        weight = self.warm_max_weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight <= 1e6:
+            raise ValueError(f"warm_max_weight={weight!r}: must be a number in (0, 1e6]")
         if isinstance(self.pinned_costs, str):
             raise ValueError(f"pinned_costs={self.pinned_costs!r}: must be a tuple of field names")
         object.__setattr__(self, "pinned_costs", tuple(self.pinned_costs))

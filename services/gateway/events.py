@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from dsv4.sampling import GREEDY, SamplingParams, TokenLogprob
 from services.gateway.record import RoundStats
+from services.gateway.warm import WarmBands, sampling_band
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,10 @@ class FinalEvent:
     time_to_first_token_ms: float
     # finish "stop": the stop token id (eos included) or stop string that ended it; else None
     matched_stop: int | str | None = None
+    # What the warm start of later generations learns from this one: its sampling parameters
+    # (they pick the band) and the confidence logits of its last drafted rounds, oldest first.
+    sampling: SamplingParams = GREEDY
+    recent_confidences: tuple[tuple[float, ...], ...] = ()
 
 
 @dataclass
@@ -77,26 +82,34 @@ class ProcessStats:
     """Process-wide totals over finished generations (the `Gateway.Stats` RPC). Thread-safe.
 
     `totals` merges each finished generation's `RoundStats`; a generation still running or one
-    that failed adds nothing.
+    that failed adds nothing. `warm`: the warm start's sampling bands (None: warm start off),
+    which merge each finished generation's gate counters into its band.
     """
 
     generations: int = 0
     completion_tokens: int = 0
     totals: RoundStats = field(default_factory=RoundStats)
+    warm: WarmBands | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, final: FinalEvent) -> None:
-        """Count one finished generation and merge its round counters."""
+        """Count one finished generation, merge its round counters and, with a warm start, its
+        gate counters into its sampling band."""
         with self._lock:
             self.generations += 1
             self.completion_tokens += final.completion_tokens
             self.totals.merge(final.counters)
+        if self.warm is not None:
+            self.warm.add(sampling_band(final.sampling), final.counters.gate, final.recent_confidences)
 
     def to_dict(self) -> dict:
-        """JSON-ready: generations, completion_tokens, `speculation` (the summed counters) and
-        `gate` (the gate's view, per-bucket counts included)."""
+        """JSON-ready: generations, completion_tokens, `speculation` (the summed counters),
+        `gate` (the gate's view, per-bucket counts included) and `warm_start` (per sampling
+        band what a new gate borrows, `WarmBands.to_dict`; None when off)."""
         with self._lock:
             speculation = self.totals.speculation_dict()
             speculation.pop("drafter_failed")  # a per-generation flag; drafter failures are counted apart
-            return {"generations": self.generations, "completion_tokens": self.completion_tokens,
-                    "speculation": speculation, "gate": self.totals.gate.to_dict()}
+            out = {"generations": self.generations, "completion_tokens": self.completion_tokens,
+                   "speculation": speculation, "gate": self.totals.gate.to_dict()}
+        out["warm_start"] = None if self.warm is None else self.warm.to_dict()
+        return out

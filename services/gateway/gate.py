@@ -145,10 +145,20 @@ class GateConfig:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Frozen per-bucket counts (matched, observed; decayed weights) used to warm-start a Gate."""
+    """Frozen state used to warm-start a Gate (docs/gate.md §6).
+
+    matched, observed: per-bucket counts (NUM_BUCKETS floats each, decayed or scaled weights
+    in observations, 0 <= matched <= observed). recent: confidence logits of up to
+    RECENT_ROUNDS recently drafted rounds (one tuple of floats per round, oldest first), which
+    the new gate's first pre-draft decisions re-price as if it had drafted them itself; empty:
+    the gate drafts its first round. Raises ValueError naming the bucket or round when a count
+    is not finite, matched > observed, a bucket is missing, or a recent logit is NaN or not a
+    number.
+    """
 
     matched: tuple[float, ...]
     observed: tuple[float, ...]
+    recent: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.matched) != NUM_BUCKETS or len(self.observed) != NUM_BUCKETS:
@@ -158,6 +168,12 @@ class Calibration:
             if fm is None or fo is None or not 0.0 <= fm <= fo:
                 shown = f"matched={short_repr(m)} <= observed={short_repr(o)}"
                 raise ValueError(f"calibration bucket {i}: need finite 0 <= {shown}")
+        if isinstance(self.recent, (str, bytes)):
+            raise ValueError(f"calibration recent={short_repr(self.recent)} must be a sequence of rounds")
+        # Only the rounds the gate will re-price are kept, as plain float tuples.
+        rounds = tuple(self.recent)[-RECENT_ROUNDS:]
+        checked = tuple(tuple(_logits(conf)) for conf in rounds)
+        object.__setattr__(self, "recent", checked)
 
 
 @dataclass(frozen=True)
@@ -196,7 +212,9 @@ class Gate:
                                          calibration.observed if calibration else None)
         self.margin_gain = MarginGain(config.decay)
         self._tokens = self._ms = 0.0  # decayed sums behind rate()
-        self._recent: list[list[float]] = []  # confidences of the last RECENT_ROUNDS drafted rounds
+        # Confidences of the last RECENT_ROUNDS drafted rounds; a warm start lends it the band's
+        # recent rounds, so the first pre-draft decision already prices what the band drafts.
+        self._recent: list[list[float]] = [list(c) for c in calibration.recent] if calibration else []
         self._since = 0  # rounds asked since the last verified draft
         self._gap = PROBE_FIRST  # rounds from one probe of a losing streak to the next
         self._probe = False  # this round must verify at least one draft
@@ -219,8 +237,13 @@ class Gate:
         return max(floor, self._tokens / self._ms) if self._ms > 0 else floor
 
     def calibration(self) -> Calibration:
-        """Frozen copy of the current (decayed) bucket counts."""
-        return Calibration(tuple(self.estimator.matched), tuple(self.estimator.observed))
+        """Frozen copy of the current (decayed) bucket counts and recent drafted confidences."""
+        return Calibration(tuple(self.estimator.matched), tuple(self.estimator.observed), self.recent_confidences())
+
+    def recent_confidences(self) -> tuple[tuple[float, ...], ...]:
+        """Confidence logits of the last RECENT_ROUNDS drafted rounds (oldest first), one tuple
+        of floats per round: what the pre-draft decision re-prices."""
+        return tuple(tuple(c) for c in self._recent)
 
     def match_probs(self, confidence_logits: Sequence[float]) -> list[float]:
         """P(match) per draft position from its confidence bucket alone.

@@ -11,8 +11,9 @@ gain over always-k as a fraction of the calibrated-in-hindsight gain.
 
 Policies: plain (no draft), always-k (submit what was recorded), threshold (cut at the first
 confidence below t, t chosen leave-one-workload-out), gated (the Gate, cold at the start of each
-workload) and gated+margin (the Gate with the pre-draft margin gate; only when the rounds carry
-anchor margins and the margin threshold is > 0). The gated policies always run the gate enabled,
+workload, or with `warm` warm-started from the other workloads' calibration, `replay_warm.py`)
+and gated+margin (the Gate with the pre-draft margin gate; only when the rounds carry anchor
+margins and the margin threshold is > 0). The gated policies always run the gate enabled,
 whatever GateConfig.enabled (DEEPSEEK_DSPARK_GATE) says.
 
 A policy can submit at most the recorded `submitted` length, because only those positions were
@@ -32,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from services.analysis.calibration import expected_calibration_error
-from services.gateway.gate import CostModel, Gate, GateConfig
+from services.gateway.gate import Calibration, CostModel, Gate, GateConfig
 from services.gateway.record import RoundStats
 from services.gateway.references import (  # noqa: F401 - replayed_round is re-exported
     EstimateTally,
@@ -42,7 +43,9 @@ from services.gateway.references import (  # noqa: F401 - replayed_round is re-e
     replay_through_gate,
     replayed_round,
 )
+from services.gateway.replay_warm import lowo_calibrations
 from services.gateway.rounds import Round, RoundLog
+from services.gateway.warm import WarmStart
 
 POLICIES = ("plain", "always-k", "threshold", "gated", "gated+margin")
 
@@ -83,15 +86,17 @@ def replay_fixed(rounds: Sequence[Round], cost: CostModel, policy: str, threshol
 
 
 def replay_gated(
-    rounds: Sequence[Round], config: GateConfig, use_margin: bool, tally: EstimateTally | None = None
+    rounds: Sequence[Round], config: GateConfig, use_margin: bool, tally: EstimateTally | None = None,
+    calibration: Calibration | None = None,
 ) -> RoundStats:
-    """Causal replay through a cold Gate (enabled regardless of config.enabled).
+    """Causal replay through a Gate (enabled regardless of config.enabled), cold unless
+    `calibration` warm-starts it.
 
     use_margin=False zeroes the margin threshold; True keeps config.margin_threshold. `tally`
     (optional) collects the gate's estimates against the recorded matches (for the ECE).
     """
     gate_config = replace(config, enabled=True, margin_threshold=config.margin_threshold if use_margin else 0.0)
-    return replay_through_gate(rounds, Gate(gate_config), tally)
+    return replay_through_gate(rounds, Gate(gate_config, calibration), tally)
 
 
 def _cut_points(rounds: Sequence[Round]) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
@@ -197,6 +202,7 @@ class ReplayReport:
     source: str
     skipped: dict[str, str] = field(default_factory=dict)
     costs: str = "configured"  # which cost shape the config's *_ms fields are (seed, cheap, a file ...)
+    warm: WarmStart | None = None  # the gated policies warm-start leave-one-workload-out; None: cold
 
 
 def skipped_policies(log: RoundLog, config: GateConfig) -> dict[str, str]:
@@ -245,9 +251,12 @@ def replay_log(
     source: str = "",
     references: bool = True,
     costs: str = "configured",
+    warm: WarmStart | None = None,
 ) -> ReplayReport:
     """Replay every workload of `log` through plain, always-k and `policies`, and (references=True)
     the reference policies. `costs` names the cost shape of config's *_ms fields for the report.
+    `warm`: the gated policies of each workload warm-start from the other workloads' calibration
+    (`replay_warm.lowo_calibrations`); None keeps every workload cold.
 
     policies=None: every policy that applies to `log` (the rest are listed in report.skipped).
     An explicit list is replayed as given, a repeated name once. Raises ValueError on a log
@@ -259,7 +268,8 @@ def replay_log(
     cost, groups = config.cost_model(), log.workloads()
     thresholds = lowo_thresholds(groups, cost) if "threshold" in chosen else {}
     overall = WorkloadReport("overall", len(log.rounds), _accept_rate(log.rounds), {p: RoundStats() for p in chosen})
-    reports = [_replay_workload(name, rounds, config, chosen, thresholds.get(name), references)
+    warm_from = lowo_calibrations(groups, config, warm) if warm is not None else {}
+    reports = [_replay_workload(name, rounds, config, chosen, thresholds.get(name), references, warm_from.get(name))
                for name, rounds in groups.items()]
     for report in reports:
         for policy in chosen:
@@ -272,18 +282,20 @@ def replay_log(
             overall.references.merge(report.references)
     if overall.references is not None and len({r.references.best_k for r in reports}) > 1:
         overall.references.best_k = None  # each workload has its own k
-    return ReplayReport(reports, overall, config, source, skipped, costs)
+    return ReplayReport(reports, overall, config, source, skipped, costs, warm)
 
 
 def _replay_workload(name: str, rounds: list[Round], config: GateConfig, chosen: Sequence[str],
-                     threshold: float | None, references: bool) -> WorkloadReport:
-    """One workload's report: every chosen policy, and the reference policies when asked."""
+                     threshold: float | None, references: bool, calibration: Calibration | None) -> WorkloadReport:
+    """One workload's report: every chosen policy (the gated ones warm-started from
+    `calibration` when given), and the reference policies when asked."""
     report = WorkloadReport(name, len(rounds), _accept_rate(rounds), threshold=threshold)
     cost = config.cost_model()
     for policy in chosen:
         if policy.startswith("gated"):
             tally = EstimateTally() if policy == "gated" else None
-            report.results[policy] = replay_gated(rounds, config, use_margin=policy == "gated+margin", tally=tally)
+            report.results[policy] = replay_gated(rounds, config, use_margin=policy == "gated+margin", tally=tally,
+                                                  calibration=calibration)
             if tally is not None:
                 report.tally = tally
         else:
@@ -363,6 +375,8 @@ def report_to_dict(report: ReplayReport) -> dict:
     return {
         "source": report.source,
         "costs": report.costs,
+        "warm_start": None if report.warm is None else {"mode": "leave-one-workload-out",
+                                                         "max_weight": report.warm.max_weight},
         "config": config,
         "gated_policies_gate_enabled": True,
         "note": "the gated policies always run the gate enabled; config.gate_env_enabled is "

@@ -67,6 +67,7 @@ from services.gateway.regime import RegimePolicy
 from services.gateway.record import Reason, RoundRecord, RoundStats, drafted_reason
 from services.gateway.rounds import Round, check_workload
 from services.gateway.tokenizer import Detokenizer, Tokenizer
+from services.gateway.warm import WarmBands, WarmStart, sampling_band
 
 SPEC_MODES = ("off", "always", "gated")
 
@@ -96,13 +97,16 @@ class Scheduler:
             from rounds alone in their verifier step (None: no load pricing).
         regime: the gateway's regime policy (`services.gateway.regime.RegimePolicy`): it sees
             every finished round and may run gated rounds plain (None: the gates alone decide).
+        warm: warm-start settings: each gated generation's gate starts from the calibration
+            of the finished generations of its sampling band (`services.gateway.warm`;
+            None: every gate starts cold).
     """
 
     def __init__(self, limits: ModelLimits, tokenizer: Tokenizer, gate_config: GateConfig,
                  verify_mode: str = "batched", cost_mode: str = "configured",
                  provider: TracerProvider | None = None, recorder: list[Round] | None = None, metrics=None,
                  costs: CostTracker | None = None, load: VerifierLoad | None = None,
-                 regime: RegimePolicy | None = None):
+                 regime: RegimePolicy | None = None, warm: WarmStart | None = None):
         if verify_mode not in VERIFY_MODES:
             raise ValueError(f"verify mode={verify_mode!r}: must be one of {VERIFY_MODES}")
         self.limits, self.tokenizer, self.gate_config = limits, tokenizer, gate_config
@@ -117,7 +121,7 @@ class Scheduler:
         self.in_flight = 0  # generations inside `generate` (the regime policy's concurrency)
         self.occupancy = VerifierOccupancy()  # generations inside a verifier call (the cover of load pricing)
         self.pricing_stats = PricingStats()  # the rounds priced at load (the Stats RPC)
-        self.stats = ProcessStats()
+        self.stats = ProcessStats(warm=None if warm is None else WarmBands(warm))
         self.draft_check = DraftCheck(limits.vocab_size, limits.block_size, limits.reserved_token_ids)
         self.drafter_faults = DrafterFaults()  # process-wide, by reason (the Stats RPC)
 
@@ -248,7 +252,8 @@ class _Generation:
         elif p.spec == "always":
             gate_cfg = dataclasses.replace(gate_cfg, enabled=False)
         self.cost = sched.costs.model(sched.cost_mode)  # snapshot: decisions and records of this generation
-        self.gate = Gate(gate_cfg)
+        bands = sched.stats.warm if p.spec == "gated" else None
+        self.gate = Gate(gate_cfg, None if bands is None else bands.calibration(sampling_band(p.sampling)))
         self.gate.cost = self.cost
         priced = sched.load is not None and sched.cost_mode == "measured" and p.spec == "gated"
         self.step_table = sched.load.table if priced else None  # snapshot, as the costs
@@ -277,7 +282,8 @@ class _Generation:
             pos, anchor = pos + a + 1, new[-1]
             yield self._emit(new, logprobs)
         yield FinalEvent(self.finish, len(p.prompt_ids), len(self.out), self.detok.text,
-                         self.detok.finish(), self.counters, self._gate_report(), self.ttft_ms, self.matched_stop)
+                         self.detok.finish(), self.counters, self._gate_report(), self.ttft_ms, self.matched_stop,
+                         p.sampling, self.gate.recent_confidences())
 
     def _gate_report(self) -> dict:
         """The gate's counters of this generation with the gate's current estimate and weight per bucket."""
