@@ -74,11 +74,14 @@ def test_every_cell_covers_every_workload():
 def test_arguments_quick_and_validation():
     args = parse_args(["--quick", "--repeats", "2"])
     assert args.streams == [1, 4] and args.arms == ["plain", "k5", "gated"] and args.repeats == 2
+    assert args.per_stream == 1 and parse_args([]).per_stream == 4
     full = parse_args(["--arms", "gated", "plain", "--checkpoint", ""])
     assert full.arms == ["plain", "gated"] and full.checkpoint is None and full.streams == [1, 2, 4, 8, 16, 32]
     assert ARMS["k3"][1] == 3 and ARMS["plain"][1] == 0
     with pytest.raises(SystemExit):
         parse_args(["--max-tokens", "0"])
+    with pytest.raises(SystemExit):
+        parse_args(["--per-stream", "0"])
 
 
 def test_rss_report_starts_after_the_warm_up():
