@@ -154,3 +154,133 @@ def test_a_generation_arriving_into_a_plain_window_opens_no_drafter_session(dspa
     assert isinstance(final, FinalEvent) and final.counters.plain_rounds > 0 and final.counters.drafted == 0
     assert opened == [], f"{len(opened)} drafter session(s) opened by a generation that never drafted"
     assert sched.in_flight == 0
+
+
+def test_a_full_drafter_while_generations_sleep_and_wake_keeps_plain_tokens_and_leaks_nothing():
+    """A drafter with 2 slots and 10 gated generations whose regime switches every window:
+    wakes are refused (RESOURCE_EXHAUSTED, reason "full"), the refused generations decode
+    plainly and ask again later, never give up (no drafter_failed), stream plain decode's
+    tokens, and every session closes."""
+    loop = service_loop()
+    stack = start_stack("dspark", gate_config=GateConfig(enabled=True), drafter_max_sessions=2)
+    try:
+        gw = loop.run(stack.start_gateway("sequential", regime=True))
+        try:
+            gw.scheduler.regime = _forced({3: "plain", 4: "gate", 2: "gate", 1: "plain"})
+            refs = _references(loop, gw, PROMPTS, 40)
+
+            async def run():
+                return await asyncio.gather(*(collect(gw.stub, gen_request(PROMPTS[i % len(PROMPTS)], max_tokens=40,
+                                                                         spec="gated"))
+                                              for i in range(10)))
+            gens = loop.run(run(), 300)
+            for i, g in enumerate(gens):
+                assert g.token_ids == refs[PROMPTS[i % len(PROMPTS)]], i
+                assert not g.stats.drafter_failed and g.stats.drafter_failovers == 0, i
+            view = loop.run(_stats(gw))["drafter_failures"]
+            assert view["failures"]["full"] > 0
+            assert view["plain_generations"] == 0 and view["failovers"] == 0
+            assert sum(view["failures"].values()) == view["failures"]["full"]
+            assert not any(loop.run(stack.await_idle()).values())
+            assert gw.scheduler.in_flight == 0
+        finally:
+            loop.run(gw.close())
+    finally:
+        stack.close()
+
+
+def test_a_drafter_that_dies_while_generations_sleep_leaves_them_on_plain_decode():
+    """The drafter stops while gated generations sleep in a plain window; when they wake, the
+    priming fails (dead), the failover budget is spent on sessions that fail too, and each
+    goes on with plain decode: plain decode's tokens, drafter_failed, Stats counting one
+    plain generation each, and no verifier session left open."""
+    loop = service_loop()
+    stack = start_stack("dspark", gate_config=GateConfig(enabled=True))
+    try:
+        gw = loop.run(stack.start_gateway("sequential", regime=True, drafter_failovers=1, round_timeout_s=5.0))
+        try:
+            policy = _forced({1: "plain", 2: "plain"}, window_ms=60_000.0, probe_min=64, probe_max=64)
+            gw.scheduler.regime = policy
+            refs = _references(loop, gw, PROMPTS[:3], 48)
+
+            async def run():
+                calls = [gw.stub.Generate(gen_request(p, max_tokens=48, spec="gated"), timeout=60) for p in PROMPTS[:3]]
+                gens = [Generation() for _ in calls]
+                for call, g in zip(calls, gens):  # all three in flight, rounds plain
+                    for _ in range(3):
+                        g.add(await call.read())
+                await stack.drafter.stop(0)
+                policy.buckets[2] = _forced({2: "gate"}).buckets[2]  # now gate wins by far: they wake
+                policy.window = None
+
+                async def rest(call, g):
+                    while (msg := await call.read()) is not grpc.aio.EOF:
+                        g.add(msg)
+                    return g
+                return await asyncio.gather(*(rest(c, g) for c, g in zip(calls, gens)))
+            gens = loop.run(run(), 300)
+            for p, g in zip(PROMPTS[:3], gens):
+                assert g.token_ids == refs[p]
+                assert g.stats.drafter_failed
+            view = loop.run(_stats(gw))["drafter_failures"]
+            assert view["plain_generations"] == 3 and view["failovers"] == 0
+            assert view["failures"]["dead"] + view["failures"]["timeout"] + view["failures"]["error"] == 6
+            assert gw.scheduler.in_flight == 0
+            async def engines_idle():  # the stopped drafter answers no Info: ask the engines
+                for _ in range(300):
+                    if stack.verifier_engine.num_sessions == 0 and stack.drafter_engine.num_sessions == 0:
+                        return True
+                    await asyncio.sleep(0.05)
+                return False
+            assert loop.run(engines_idle())
+        finally:
+            loop.run(gw.close())
+    finally:
+        loop.run(stack.verifier.stop(0))
+
+
+def test_the_policy_survives_odd_sequences():
+    """Load jumping between buckets, time going backwards, idle while a window settles, a
+    record before any may_draft: no error, windows stay coherent and every rate finite."""
+    policy = RegimePolicy(RegimeConfig(window_ms=1.0, decay=0.5, probe_min=1, probe_max=2))
+    t = 100.0
+    for i in range(3000):
+        in_flight = (1, 40, 2, 17, 3, 9, 5)[i % 7] if i % 50 < 25 else 1 + i % 64
+        t += (-0.002 if i % 11 == 0 else 0.001)  # now and then the clock steps back
+        if i % 97 == 0:
+            policy.idle()
+        if i % 3 == 0:
+            policy.may_draft(in_flight)
+        policy.record(in_flight, 1 + i % 5, max(t, 0.0), gated=i % 4 != 0)
+    view = json.loads(json.dumps(policy.to_dict()))
+    for b in view["buckets"]:
+        for r in REGIMES:
+            rate = b[r]["tok_per_ms"]
+            assert rate is None or (math.isfinite(rate) and rate >= 0)
+    assert policy.window is None or policy.window.regime in REGIMES
+
+
+def test_warm_bands_stay_bounded_over_many_generations_and_threads():
+    """100 000 finished generations merged from 8 threads: the lent weight per bucket stays
+    at most max_weight and finite, generations that verified nothing are left out."""
+    import threading
+    from services.gateway.record import GateStats, Reason, RoundRecord
+    from services.gateway.warm import GREEDY_BAND, WarmBands, WarmStart
+    cost = GateConfig().cost_model()
+    drafted = GateStats()
+    drafted.add(RoundRecord(Reason.FULL, 3, 3, 2, cost, confidence_logits=(8.0, 2.0, -3.0)))
+    bands = WarmBands(WarmStart(max_weight=7.0))
+
+    def merge():
+        for i in range(12_500):
+            bands.add(GREEDY_BAND, drafted if i % 2 else GateStats(), [(8.0, 2.0, -3.0)])
+    threads = [threading.Thread(target=merge) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    view = bands.to_dict()["bands"][GREEDY_BAND]
+    assert view["generations"] == 50_000 and view["verified_rounds"] == 50_000
+    cal = bands.calibration(GREEDY_BAND)
+    assert all(math.isfinite(o) and 0 <= m <= o <= 7.0 for m, o in zip(cal.matched, cal.observed))
+    assert max(view["lent_observed"]) == pytest.approx(7.0)
