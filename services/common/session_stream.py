@@ -8,6 +8,7 @@ the messages: the servicers turn requests into engine calls and results into res
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, TypeVar
@@ -15,6 +16,9 @@ from typing import AsyncIterable, AsyncIterator, Awaitable, Callable, TypeVar
 import grpc
 
 from services.common.errors import message_for, status_for
+
+# The longest a refused stream waits for its first request before the refusal is sent (s).
+REFUSE_WAIT_S = 1.0
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -32,7 +36,8 @@ async def serve_session(requests: AsyncIterable[Req], context: grpc.aio.Servicer
         requests: the stream's request iterator.
         context: the stream's servicer context (used to abort with a status).
         open_session: opens an engine session and returns its id (may raise
-            SessionLimitError, which aborts the stream with RESOURCE_EXHAUSTED).
+            SessionLimitError, which aborts the stream with RESOURCE_EXHAUSTED once its first
+            request came: `_first_request`).
         close_session: frees the session; called exactly once after a successful open.
         handle: answers one request; ValueError / TypeError (bad input) abort the stream
             with the status `services.common.errors.status_for` gives and the message.
@@ -45,6 +50,7 @@ async def serve_session(requests: AsyncIterable[Req], context: grpc.aio.Servicer
     try:
         sid = open_session()
     except Exception as exc:  # the session limit, or an engine that cannot open one
+        await _first_request(requests)
         await context.abort(status_for(exc), message_for(exc))
     try:
         async for request in requests:
@@ -56,6 +62,20 @@ async def serve_session(requests: AsyncIterable[Req], context: grpc.aio.Servicer
             yield response
     finally:
         close_session(sid)
+
+
+async def _first_request(requests: AsyncIterable[Req]) -> None:
+    """Wait for the refused stream's first request (or its end), at most REFUSE_WAIT_S.
+
+    A client that opens a stream writes its first request at once (the gateway primes a new
+    session with a commit). When the status arrives before the client's write was issued,
+    grpcio's asyncio client fails the write and reports INTERNAL "Internal error from Core"
+    instead of the status (grpc/grpc#36066): a full drafter (RESOURCE_EXHAUSTED: ask again
+    later) then looked broken (INTERNAL: plain decode for good). Read first, then refuse."""
+    try:
+        await asyncio.wait_for(anext(aiter(requests), None), REFUSE_WAIT_S)
+    except (asyncio.TimeoutError, StopAsyncIteration, grpc.RpcError):
+        pass
 
 
 class SessionStreamServicer:

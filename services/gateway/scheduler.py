@@ -184,13 +184,15 @@ class Scheduler:
         """
         supply = drafter if drafter is None or isinstance(drafter, DrafterSupply) else DrafterSupply.of(drafter)
         track = self.metrics.generation(p.spec) if self.metrics is not None else NoGenerationMetrics()
-        gen = _Generation(self, p, verifier, supply if p.spec != "off" else None, track)
         # The span is made current only around each step of the generation, never across a
         # `yield`: the caller may close this generator from another task (a client cancel),
         # and a context attached in one task cannot be detached in another.
         span = self.tracer.start_span("gateway.generate")
+        # Counted before the generation's link asks the regime whether to start awake: the
+        # regime of the concurrency this generation makes, not of the one before it came.
         self.in_flight += 1
         try:
+            gen = _Generation(self, p, verifier, supply if p.spec != "off" else None, track)
             span.set_attribute("gen_ai.operation.name", "text_completion")
             span.set_attribute("gen_ai.request.max_tokens", p.max_tokens)
             span.set_attribute("gen_ai.usage.input_tokens", len(p.prompt_ids))

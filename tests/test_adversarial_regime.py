@@ -1,0 +1,286 @@
+"""Adversarial checks of the regime policy (docs/gate.md §14) and the gate warm start (§6).
+
+Through real in-process services (port 0, real channels, sequential verify, where drafting
+never changes a token): many concurrent gated generations under a policy that switches
+regime every window, clients cancelling mid-stream, a full or dead drafter while generations
+sleep; afterwards no backend session is left open, nothing is in flight, and every finished
+generation streamed plain decode's tokens. Unit level: the policy fed odd sequences (load
+jumps, time going backwards, idle while settling) and the warm bands fed many generations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import grpc
+import pytest
+
+from dspark_proto.v1 import gateway_pb2
+from services.gateway.gate import GateConfig
+from services.gateway.regime import REGIMES, RegimeConfig, RegimePolicy
+from services_fixtures import Generation, collect, gen_request, service_loop, start_stack
+
+PROMPTS = ("the regime policy", "a short neighbour", "speculative decoding", "xyz", "windows close")
+
+
+def _forced(bucket_choice: dict[int, str], **config) -> RegimePolicy:
+    """A policy whose evidence in each listed bucket says `bucket_choice[bucket]` by a mile
+    (decay 1: new windows cannot move it); probes every 2nd window keep regimes switching."""
+    cfg = dict(window_ms=5.0, decay=1.0, margin=0.05, probe_min=2, probe_max=2)
+    cfg.update(config)
+    policy = RegimePolicy(RegimeConfig(**cfg))
+    for bucket, choice in bucket_choice.items():
+        fast, slow = (choice, REGIMES[1 - REGIMES.index(choice)])
+        policy.buckets[bucket].rates[fast].add(10**9, 1.0, 1.0)
+        policy.buckets[bucket].rates[slow].add(1, 10.0**9, 1.0)
+        policy.buckets[bucket].chosen = choice
+    return policy
+
+
+async def _partial(stub, req, cancel_after: int) -> list[int]:
+    """Stream `req`, cancel the call after `cancel_after` messages; the tokens seen."""
+    call = stub.Generate(req, timeout=60)
+    tokens: list[int] = []
+    n = 0
+    async for msg in call:
+        tokens.extend(msg.token_ids)
+        n += 1
+        if n >= cancel_after:
+            call.cancel()
+            break
+    return tokens
+
+
+async def _stats(gw) -> dict:
+    return json.loads((await gw.stub.Stats(gateway_pb2.StatsRequest(), timeout=10)).json)
+
+
+@pytest.fixture(scope="module")
+def dspark():
+    stack = start_stack("dspark", gate_config=GateConfig(enabled=True), drafter_max_sessions=64,
+                        verifier_max_sessions=64)
+    yield stack
+    stack.close()
+
+
+def _references(loop, gw, prompts, max_tokens) -> dict[str, list[int]]:
+    async def run():
+        gens = await asyncio.gather(*(collect(gw.stub, gen_request(p, max_tokens=max_tokens, spec="off"))
+                                      for p in prompts))
+        return {p: g.token_ids for p, g in zip(prompts, gens)}
+    return loop.run(run())
+
+
+def test_many_concurrent_gated_generations_with_cancels_leave_nothing_open(dspark):
+    """28 gated generations (and 4 plain ones) at once under a policy that is plain at 17-32
+    and 3-4 in flight, gate at 9-16 and 5-8, probing every second window of 5 ms: rounds
+    switch between sleeping and waking all the time. Every third client cancels after a few
+    messages. The others stream plain decode's tokens; then no session is open anywhere, no
+    generation is in flight, and Stats still answers."""
+    loop = service_loop()
+    gw = loop.run(dspark.start_gateway("sequential", regime=True))
+    try:
+        gw.scheduler.regime = _forced({5: "plain", 4: "gate", 3: "gate", 2: "plain", 1: "plain"})
+        refs = _references(loop, gw, PROMPTS, 40)
+
+        async def run():
+            jobs = []
+            for i in range(32):
+                prompt = PROMPTS[i % len(PROMPTS)]
+                spec = "off" if i % 8 == 7 else "gated"
+                req = gen_request(prompt, max_tokens=40 - (i % 5) * 6, spec=spec)
+                jobs.append(_partial(gw.stub, req, 1 + i % 7) if i % 3 == 0 else collect(gw.stub, req))
+            return await asyncio.gather(*jobs, return_exceptions=True)
+        results = loop.run(run(), 300)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert not errors, errors[:3]
+        for i, r in enumerate(results):
+            want = refs[PROMPTS[i % len(PROMPTS)]][:40 - (i % 5) * 6]
+            if isinstance(r, Generation):
+                assert r.token_ids == want, i
+                assert not r.stats.drafter_failed, i
+            else:
+                assert r == want[:len(r)], i
+        assert not any(loop.run(dspark.await_idle()).values())
+        assert gw.scheduler.in_flight == 0 and gw.scheduler.occupancy.inside == 0
+        view = loop.run(_stats(gw))
+        assert view["regime"]["enabled"] is True and view["regime"]["window"] is None
+        assert view["drafter_failures"]["plain_generations"] == 0
+    finally:
+        loop.run(gw.close())
+
+
+def test_a_generation_arriving_into_a_plain_window_opens_no_drafter_session(dspark):
+    """A gated generation that joins one already in flight, at a concurrency (2) whose
+    regime is plain, runs all its rounds plain beside it and must never open a drafter
+    session: the regime is asked at the concurrency the generation itself makes, not the
+    one before it arrived (else every arrival takes a drafter slot during its prefill)."""
+    from services.gateway.backends import LocalDrafterSession, LocalVerifierSession
+    from services.gateway.drafters import DrafterSupply
+    from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler
+    from services_fixtures import tiny_tokenizer
+    loop = service_loop()
+    cfg = dspark.verifier_engine.cfg
+    limits = ModelLimits(cfg.vocab_size, cfg.max_seq_len, cfg.eos_token_id, cfg.dspark_block_size, True)
+    sched = Scheduler(limits, tiny_tokenizer(), GateConfig(enabled=True), "sequential", "configured",
+                      regime=_forced({1: "plain"}, window_ms=60_000.0, probe_min=64, probe_max=64))
+    opened = []
+
+    def factory():
+        opened.append(LocalDrafterSession(dspark.drafter_engine))
+        return opened[-1]
+
+    async def run():
+        tok = tiny_tokenizer()
+        first = sched.generate(sched.params("a long neighbour", tok.encode("a long neighbour"), 64, "off"),
+                               LocalVerifierSession(dspark.verifier_engine))
+        await first.__anext__()  # in flight, paused at its first token
+        supply = DrafterSupply(factory, 2)
+        verifier = LocalVerifierSession(dspark.verifier_engine)
+        events = []
+        try:
+            async for ev in sched.generate(sched.params("joins it", tok.encode("joins it"), 12, "gated"),
+                                           verifier, supply):
+                events.append(ev)
+        finally:
+            await verifier.close()
+            await supply.close()
+            await first.aclose()
+        return events
+    events = loop.run(run())
+    final = events[-1]
+    assert isinstance(final, FinalEvent) and final.counters.plain_rounds > 0 and final.counters.drafted == 0
+    assert opened == [], f"{len(opened)} drafter session(s) opened by a generation that never drafted"
+    assert sched.in_flight == 0
+
+
+def test_a_full_drafter_while_generations_sleep_and_wake_keeps_plain_tokens_and_leaks_nothing():
+    """A drafter with 2 slots and 10 gated generations whose regime switches every window:
+    wakes are refused (RESOURCE_EXHAUSTED, reason "full"), the refused generations decode
+    plainly and ask again later, never give up (no drafter_failed), stream plain decode's
+    tokens, and every session closes."""
+    loop = service_loop()
+    stack = start_stack("dspark", gate_config=GateConfig(enabled=True), drafter_max_sessions=2)
+    try:
+        gw = loop.run(stack.start_gateway("sequential", regime=True))
+        try:
+            gw.scheduler.regime = _forced({3: "plain", 4: "gate", 2: "gate", 1: "plain"})
+            refs = _references(loop, gw, PROMPTS, 40)
+
+            async def run():
+                return await asyncio.gather(*(collect(gw.stub, gen_request(PROMPTS[i % len(PROMPTS)], max_tokens=40,
+                                                                         spec="gated"))
+                                              for i in range(10)))
+            gens = loop.run(run(), 300)
+            for i, g in enumerate(gens):
+                assert g.token_ids == refs[PROMPTS[i % len(PROMPTS)]], i
+                assert not g.stats.drafter_failed and g.stats.drafter_failovers == 0, i
+            view = loop.run(_stats(gw))["drafter_failures"]
+            assert view["failures"]["full"] > 0
+            assert view["plain_generations"] == 0 and view["failovers"] == 0
+            assert sum(view["failures"].values()) == view["failures"]["full"]
+            assert not any(loop.run(stack.await_idle()).values())
+            assert gw.scheduler.in_flight == 0
+        finally:
+            loop.run(gw.close())
+    finally:
+        stack.close()
+
+
+def test_a_drafter_that_dies_while_generations_sleep_leaves_them_on_plain_decode():
+    """The drafter stops while gated generations sleep in a plain window; when they wake, the
+    priming fails (dead), the failover budget is spent on sessions that fail too, and each
+    goes on with plain decode: plain decode's tokens, drafter_failed, Stats counting one
+    plain generation each, and no verifier session left open."""
+    loop = service_loop()
+    stack = start_stack("dspark", gate_config=GateConfig(enabled=True))
+    try:
+        gw = loop.run(stack.start_gateway("sequential", regime=True, drafter_failovers=1, round_timeout_s=5.0))
+        try:
+            policy = _forced({1: "plain", 2: "plain"}, window_ms=60_000.0, probe_min=64, probe_max=64)
+            gw.scheduler.regime = policy
+            refs = _references(loop, gw, PROMPTS[:3], 48)
+
+            async def run():
+                calls = [gw.stub.Generate(gen_request(p, max_tokens=48, spec="gated"), timeout=60) for p in PROMPTS[:3]]
+                gens = [Generation() for _ in calls]
+                for call, g in zip(calls, gens):  # all three in flight, rounds plain
+                    for _ in range(3):
+                        g.add(await call.read())
+                await stack.drafter.stop(0)
+                policy.buckets[2] = _forced({2: "gate"}).buckets[2]  # now gate wins by far: they wake
+                policy.window = None
+
+                async def rest(call, g):
+                    while (msg := await call.read()) is not grpc.aio.EOF:
+                        g.add(msg)
+                    return g
+                return await asyncio.gather(*(rest(c, g) for c, g in zip(calls, gens)))
+            gens = loop.run(run(), 300)
+            for p, g in zip(PROMPTS[:3], gens):
+                assert g.token_ids == refs[p]
+                assert g.stats.drafter_failed
+            view = loop.run(_stats(gw))["drafter_failures"]
+            assert view["plain_generations"] == 3 and view["failovers"] == 0
+            assert view["failures"]["dead"] + view["failures"]["timeout"] + view["failures"]["error"] == 6
+            assert gw.scheduler.in_flight == 0
+            async def engines_idle():  # the stopped drafter answers no Info: ask the engines
+                for _ in range(300):
+                    if stack.verifier_engine.num_sessions == 0 and stack.drafter_engine.num_sessions == 0:
+                        return True
+                    await asyncio.sleep(0.05)
+                return False
+            assert loop.run(engines_idle())
+        finally:
+            loop.run(gw.close())
+    finally:
+        loop.run(stack.verifier.stop(0))
+
+
+def test_the_policy_survives_odd_sequences():
+    """Load jumping between buckets, time going backwards, idle while a window settles, a
+    record before any may_draft: no error, windows stay coherent and every rate finite."""
+    policy = RegimePolicy(RegimeConfig(window_ms=1.0, decay=0.5, probe_min=1, probe_max=2))
+    t = 100.0
+    for i in range(3000):
+        in_flight = (1, 40, 2, 17, 3, 9, 5)[i % 7] if i % 50 < 25 else 1 + i % 64
+        t += (-0.002 if i % 11 == 0 else 0.001)  # now and then the clock steps back
+        if i % 97 == 0:
+            policy.idle()
+        if i % 3 == 0:
+            policy.may_draft(in_flight)
+        policy.record(in_flight, 1 + i % 5, max(t, 0.0), gated=i % 4 != 0)
+    view = json.loads(json.dumps(policy.to_dict()))
+    for b in view["buckets"]:
+        for r in REGIMES:
+            rate = b[r]["tok_per_ms"]
+            assert rate is None or (math.isfinite(rate) and rate >= 0)
+    assert policy.window is None or policy.window.regime in REGIMES
+
+
+def test_warm_bands_stay_bounded_over_many_generations_and_threads():
+    """100 000 finished generations merged from 8 threads: the lent weight per bucket stays
+    at most max_weight and finite, generations that verified nothing are left out."""
+    import threading
+    from services.gateway.record import GateStats, Reason, RoundRecord
+    from services.gateway.warm import GREEDY_BAND, WarmBands, WarmStart
+    cost = GateConfig().cost_model()
+    drafted = GateStats()
+    drafted.add(RoundRecord(Reason.FULL, 3, 3, 2, cost, confidence_logits=(8.0, 2.0, -3.0)))
+    bands = WarmBands(WarmStart(max_weight=7.0))
+
+    def merge():
+        for i in range(12_500):
+            bands.add(GREEDY_BAND, drafted if i % 2 else GateStats(), [(8.0, 2.0, -3.0)])
+    threads = [threading.Thread(target=merge) for _ in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    view = bands.to_dict()["bands"][GREEDY_BAND]
+    assert view["generations"] == 50_000 and view["verified_rounds"] == 50_000
+    cal = bands.calibration(GREEDY_BAND)
+    assert all(math.isfinite(o) and 0 <= m <= o <= 7.0 for m, o in zip(cal.matched, cal.observed))
+    assert max(view["lent_observed"]) == pytest.approx(7.0)
