@@ -133,8 +133,8 @@ def test_one_generation_alone_is_left_to_its_gate():
     assert all(r.windows == 0 for b in policy.buckets for r in b.rates.values())
     policy.buckets[1].rates["gate"].add(1, 10.0, 1.0)
     policy.buckets[1].rates["plain"].add(10, 10.0, 1.0)
-    policy.idle()
-    assert policy.may_draft(2) is False and policy.window.regime == "plain"  # a plain window for 2 in flight
+    assert policy.window.bucket == 0 and policy.may_draft(2) is False  # others arrived: a window for 2 at once
+    assert policy.window.bucket == 1 and policy.window.regime == "plain"
     assert policy.may_draft(1) is True     # alone again: drafting at once, whatever window is open
 
 
@@ -183,7 +183,7 @@ def test_bad_values_are_named():
         args = {"in_flight": 2, "committed": 1, "now_s": 1.0, **kwargs}
         with pytest.raises(ValueError, match=match):
             policy.record(**args)
-    for field, value in (("window_ms", 0), ("decay", 0), ("decay", 1.5), ("margin", -0.1),
+    for field, value in (("window_ms", 0), ("decay", 0), ("decay", 1.5), ("decay", True), ("margin", -0.1),
                          ("probe_min", 0), ("probe_max", 1.5)):
         with pytest.raises(ValueError, match=f"{field}="):
             RegimeConfig(**{field: value})

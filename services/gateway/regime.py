@@ -84,7 +84,7 @@ class RegimeConfig:
     def __post_init__(self) -> None:
         _positive("window_ms", self.window_ms)
         _positive("margin", self.margin, low_ok=True)
-        if not (isinstance(self.decay, (int, float)) and 0 < self.decay <= 1):
+        if isinstance(self.decay, bool) or not (isinstance(self.decay, (int, float)) and 0 < self.decay <= 1):
             raise ValueError(f"decay={short_repr(self.decay)}: must be in (0, 1]")
         for name in ("probe_min", "probe_max"):
             value = getattr(self, name)
@@ -167,9 +167,11 @@ class RegimePolicy:
         """Whether a gated round starting with `in_flight` generations in flight (>= 1) may
         draft: True for a generation alone, else True when the open window's regime is
         "gate" (its gate then decides as usual) and False in a "plain" window. Opens a window
-        when none is. Raises ValueError for a bad in_flight."""
+        when none is, or when the open one was a lone generation's and others have arrived (it
+        measures nothing, and a burst after an idle spell must not draft on its say-so).
+        Raises ValueError for a bad in_flight."""
         bucket = bucket_of(in_flight)
-        if self.window is None:
+        if self.window is None or (self.window.bucket == 0 and bucket > 0):
             self._open(bucket, in_flight, None)
         return bucket == 0 or self.window.regime == "gate"
 
