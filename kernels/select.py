@@ -5,7 +5,9 @@ reads a project setting from the environment (the entry point builds the config 
 
 `backend="torch"` picks the plain-torch `<op>_ref` (CPU or GPU, the default); `"triton"`
 picks the Triton kernel wrapper (CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1`).
-The triton modules are imported only when picked, so the torch backend never imports triton.
+An op's module is imported only when the op is picked, for either backend; each module holds
+the reference beside the kernel and imports triton when it is installed (the `dev` and
+`kernels` extras install it), so the torch backend imports triton there but never runs it.
 The entry point builds the config from its `dsv4.settings.Settings` (`from_settings`); the
 model takes it as a constructor argument and never reads a module global or the environment.
 """
