@@ -194,23 +194,54 @@ class Compressor(nn.Module):
                 st.journal.steps.append((start + i, v[i], g[i]))
             self._write_token(v[i], g[i], start + i, st)
 
+    def write_decodes(self, v: torch.Tensor, g: torch.Tensor, positions: list[int],
+                      states: list[CompressorState]) -> None:
+        """Fast numerics: one decode token in each of B sessions, v, g [B, k*d] fp32 (`project`)
+        of the token at positions[b] (int) for states[b] (B distinct states), fed as `step`
+        feeds one (journaled likewise). The blocks these tokens complete are pooled and
+        finalised together (`_complete`), one batch per call rather than one per session."""
+        done = []  # (state, position) of every token that completes a block
+        for st, pos, vb, gb in zip(states, positions, v.unbind(0), g.unbind(0)):
+            if st.journal is not None:
+                st.journal.steps.append((pos, vb, gb))
+            if self._put_row(vb, gb, pos, st):
+                done.append((st, pos))
+        if done:
+            self._complete(done)
+
     def _write_token(self, v: torch.Tensor, g: torch.Tensor, pos: int, st: CompressorState) -> bool:
         """Write one token's projections v, g [k*d] at `pos` into `st`; pool at a block boundary."""
-        r, d, i = self.ratio, self.head_dim, pos % self.ratio
-        row = r + i if self.overlap else i
-        st.kv[row], st.score[row] = v, g
-        if (pos + 1) % r:
+        if not self._put_row(v, g, pos, st):
             return False
-        if self.overlap:
-            vs = torch.cat((st.kv[:r, :d], st.kv[r:, d:]))  # (2r, d)
-            gs = torch.cat((st.score[:r, :d], st.score[r:, d:]))  # (2r, d)
-            st.kv[:r], st.score[:r] = st.kv[r:].clone(), st.score[r:].clone()
-        else:
-            vs, gs = st.kv, st.score
-        j = pos // r
-        st.cache[j] = self.finalize(pool(vs[None], gs[None]), torch.tensor([j * r], device=st.cache.device))[0]
-        st.n_entries = j + 1
+        self._complete([(st, pos)])
         return True
+
+    def _put_row(self, v: torch.Tensor, g: torch.Tensor, pos: int, st: CompressorState) -> bool:
+        """Store the token at `pos` (v, g [k*d] fp32) in its row of `st`; True when it is
+        the last token of its block (the block is then ready for `_complete`)."""
+        i = pos % self.ratio
+        row = self.ratio + i if self.overlap else i
+        st.kv[row], st.score[row] = v, g
+        return (pos + 1) % self.ratio == 0
+
+    def _complete(self, done: list[tuple[CompressorState, int]]) -> None:
+        """Pool the block each (state, pos) just completed (pos: its last position) into entry
+        pos // r of that state, all m blocks in one pool / finalize over [m, slots, d]; the
+        overlapped layout then shifts each state's current half into its previous half."""
+        r, d = self.ratio, self.head_dim
+        kv = torch.stack([st.kv for st, _ in done])  # (m, k*r, k*d)
+        score = torch.stack([st.score for st, _ in done])
+        if self.overlap:  # slots: the previous block's first half, then the current block's second
+            kv = torch.cat((kv[:, :r, :d], kv[:, r:, d:]), dim=1)  # (m, 2r, d)
+            score = torch.cat((score[:, :r, :d], score[:, r:, d:]), dim=1)
+            for st, _ in done:  # rows [0, r) and [r, 2r) are disjoint: a plain copy is safe
+                st.kv[:r].copy_(st.kv[r:])
+                st.score[:r].copy_(st.score[r:])
+        first = torch.tensor([pos // r * r for _, pos in done], device=kv.device)
+        entries = self.finalize(pool(kv, score), first)  # (m, d)
+        for (st, pos), entry in zip(done, entries.unbind(0)):
+            st.cache[pos // r] = entry
+            st.n_entries = pos // r + 1
 
     def open_journal(self, st: CompressorState, start_pos: int, n_tokens: int) -> CompressorJournal:
         """Open `st.journal`: save the rows tokens start_pos..start_pos+n_tokens-1 may modify.

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from dsv4.codecs import act_quant_fp4, hadamard_rotate
 from dsv4.compressor import FP4_QUANT_BLOCK, Compressor, CompressorState
@@ -94,6 +95,25 @@ class Indexer(nn.Module):
         if self.reduce_scores is not None:
             scores = self.reduce_scores(scores)
         return select_topk(scores, (pos + 1) // INDEX_RATIO, self.topk)
+
+    def topk_decodes(self, qi: torch.Tensor, w: torch.Tensor, positions: list[int],
+                     states: list[CompressorState]) -> torch.Tensor:
+        """Fast numerics: the top-k of B decode tokens of B sessions at once, each over its own
+        session's entries (their compressors already stepped, `Compressor.write_decodes`):
+        qi [B, Hi, Di], w [B, Hi] fp32 (`exact_rows`), positions[b] (int) the token of
+        states[b] -> [B, K] int64 with K = min(index_topk, the most entries of any session),
+        -1 = none. Each session's entries are zero-padded to the longest and scored in one
+        batched product; the padding columns are invisible, so a row selects what
+        `topk_from_rows` selects for its session alone (scores agree to rounding)."""
+        dev = qi.device
+        kc = pad_sequence([st.entries() for st in states], batch_first=True)  # [B, Emax, Di]
+        dots = torch.einsum("bhd,bed->bhe", qi.float(), kc.float())  # [B, Hi, Emax]
+        scores = (torch.relu(dots) * w.unsqueeze(-1)).sum(1)  # [B, Emax]
+        if self.reduce_scores is not None:
+            scores = self.reduce_scores(scores)
+        n_entries = torch.tensor([st.n_entries for st in states], device=dev)
+        visible = torch.minimum((torch.tensor(positions, device=dev) + 1) // INDEX_RATIO, n_entries)
+        return select_topk(scores, visible, self.topk)
 
     def exact_rows(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Exact mode: the indexer's row-wise projections of tokens x [S, D], qr [S, Lq] at
