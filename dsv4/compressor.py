@@ -86,6 +86,12 @@ class CompressorJournal:
         return self.kv_rows.numel() * self.kv_rows.element_size() * 2
 
 
+# A block pooled but not yet stored (fast numerics, `Compressor.finalize_pending`): its state,
+# its entry index j, and its slots' values and scores v, g [slots, d] fp32 (slots = 2r
+# overlapped, else r), copied out before later tokens overwrite the state's rows.
+PendingBlock = tuple[CompressorState, int, torch.Tensor, torch.Tensor]
+
+
 class Compressor(nn.Module):
     """Attention or indexer compressor of one layer (docs/model.md §5.6).
 
@@ -185,63 +191,69 @@ class Compressor(nn.Module):
         ape[pos mod r]); row-wise, so exact mode computes them on its fixed row tiles."""
         return self._project(x, pos)
 
-    def write_tile(self, v: torch.Tensor, g: torch.Tensor, start: int, n_real: int, st: CompressorState) -> None:
+    def write_tile(self, v: torch.Tensor, g: torch.Tensor, start: int, n_real: int, st: CompressorState,
+                   pending: list[PendingBlock] | None = None) -> None:
         """Exact mode: feed tokens start..start+n_real-1 whose projections (`project`) are the
         first n_real rows of v, g [R, k*d] fp32, as `step` feeds tokens one by one (journaled
-        likewise). Padding rows never reach `st`."""
+        likewise). Padding rows never reach `st`. `pending` (fast numerics): completed blocks
+        are appended to it and their entries written by `finalize_pending`; None writes each
+        at once."""
         for i in range(n_real):
             if st.journal is not None:
                 st.journal.steps.append((start + i, v[i], g[i]))
-            self._write_token(v[i], g[i], start + i, st)
+            self._write_token(v[i], g[i], start + i, st, pending)
 
     def write_decodes(self, v: torch.Tensor, g: torch.Tensor, positions: list[int],
-                      states: list[CompressorState]) -> None:
+                      states: list[CompressorState], pending: list[PendingBlock]) -> None:
         """Fast numerics: one decode token in each of B sessions, v, g [B, k*d] fp32 (`project`)
         of the token at positions[b] (int) for states[b] (B distinct states), fed as `step`
-        feeds one (journaled likewise). The blocks these tokens complete are pooled and
-        finalised together (`_complete`), one batch per call rather than one per session."""
-        done = []  # (state, position) of every token that completes a block
+        feeds one (journaled likewise); the blocks they complete go to `pending`."""
         for st, pos, vb, gb in zip(states, positions, v.unbind(0), g.unbind(0)):
             if st.journal is not None:
                 st.journal.steps.append((pos, vb, gb))
-            if self._put_row(vb, gb, pos, st):
-                done.append((st, pos))
-        if done:
-            self._complete(done)
+            self._write_token(vb, gb, pos, st, pending)
 
-    def _write_token(self, v: torch.Tensor, g: torch.Tensor, pos: int, st: CompressorState) -> bool:
-        """Write one token's projections v, g [k*d] at `pos` into `st`; pool at a block boundary."""
-        if not self._put_row(v, g, pos, st):
+    def finalize_pending(self, pending: list[PendingBlock]) -> None:
+        """Write the entries of the m blocks in `pending` (then emptied): one pool and one
+        `finalize` over [m, slots, d], rather than one per block. Until then those entries'
+        cache rows are stale, though n_entries already counts them."""
+        if not pending:
+            return
+        first = torch.tensor([j * self.ratio for _, j, _, _ in pending], device=pending[0][2].device)
+        entries = self.finalize(pool(torch.stack([b[2] for b in pending]), torch.stack([b[3] for b in pending])),
+                                first)  # (m, d)
+        for (st, j, _, _), entry in zip(pending, entries.unbind(0)):
+            st.cache[j] = entry
+        pending.clear()
+
+    def _write_token(self, v: torch.Tensor, g: torch.Tensor, pos: int, st: CompressorState,
+                     pending: list[PendingBlock] | None = None) -> bool:
+        """Write one token's projections v, g [k*d] at `pos` into `st`; pool at a block
+        boundary: at once (pending None), or into `pending` for `finalize_pending`."""
+        r, i = self.ratio, pos % self.ratio
+        row = r + i if self.overlap else i
+        st.kv[row], st.score[row] = v, g
+        if (pos + 1) % r:
             return False
-        self._complete([(st, pos)])
+        block = self._take_block(st, pos // r)
+        if pending is None:
+            self.finalize_pending([block])
+        else:
+            pending.append(block)
         return True
 
-    def _put_row(self, v: torch.Tensor, g: torch.Tensor, pos: int, st: CompressorState) -> bool:
-        """Store the token at `pos` (v, g [k*d] fp32) in its row of `st`; True when it is
-        the last token of its block (the block is then ready for `_complete`)."""
-        i = pos % self.ratio
-        row = self.ratio + i if self.overlap else i
-        st.kv[row], st.score[row] = v, g
-        return (pos + 1) % self.ratio == 0
-
-    def _complete(self, done: list[tuple[CompressorState, int]]) -> None:
-        """Pool the block each (state, pos) just completed (pos: its last position) into entry
-        pos // r of that state, all m blocks in one pool / finalize over [m, slots, d]; the
-        overlapped layout then shifts each state's current half into its previous half."""
+    def _take_block(self, st: CompressorState, j: int) -> PendingBlock:
+        """The slots of block j, just completed in `st`: (st, j, v, g [slots, d] fp32, copies);
+        counts the entry and, overlapped, shifts the current half into the previous half."""
         r, d = self.ratio, self.head_dim
-        kv = torch.stack([st.kv for st, _ in done])  # (m, k*r, k*d)
-        score = torch.stack([st.score for st, _ in done])
-        if self.overlap:  # slots: the previous block's first half, then the current block's second
-            kv = torch.cat((kv[:, :r, :d], kv[:, r:, d:]), dim=1)  # (m, 2r, d)
-            score = torch.cat((score[:, :r, :d], score[:, r:, d:]), dim=1)
-            for st, _ in done:  # rows [0, r) and [r, 2r) are disjoint: a plain copy is safe
-                st.kv[:r].copy_(st.kv[r:])
-                st.score[:r].copy_(st.score[r:])
-        first = torch.tensor([pos // r * r for _, pos in done], device=kv.device)
-        entries = self.finalize(pool(kv, score), first)  # (m, d)
-        for (st, pos), entry in zip(done, entries.unbind(0)):
-            st.cache[pos // r] = entry
-            st.n_entries = pos // r + 1
+        if self.overlap:
+            vs = torch.cat((st.kv[:r, :d], st.kv[r:, d:]))  # (2r, d)
+            gs = torch.cat((st.score[:r, :d], st.score[r:, d:]))  # (2r, d)
+            st.kv[:r], st.score[:r] = st.kv[r:].clone(), st.score[r:].clone()
+        else:
+            vs, gs = st.kv.clone(), st.score.clone()
+        st.n_entries = j + 1
+        return st, j, vs, gs
 
     def open_journal(self, st: CompressorState, start_pos: int, n_tokens: int) -> CompressorJournal:
         """Open `st.journal`: save the rows tokens start_pos..start_pos+n_tokens-1 may modify.

@@ -76,10 +76,7 @@ class Indexer(nn.Module):
         else:
             for s in range(S):
                 self.compressor.step(x[s:s + 1], start_pos + s, st)
-        scores = index_scores(self.project_q(qr, pos), self.head_weights(x), st.entries())  # [S, E]
-        if self.reduce_scores is not None:
-            scores = self.reduce_scores(scores)
-        return select_topk(scores, (pos + 1) // INDEX_RATIO, self.topk)
+        return self.topk_stepped(self.project_q(qr, pos), self.head_weights(x), start_pos, st)
 
     def topk_from_rows(self, rows: tuple[torch.Tensor, ...], start_pos: int, st: CompressorState) -> torch.Tensor:
         """`forward` for S >= 1 tokens at start_pos > 0 whose row-wise projections the caller
@@ -88,30 +85,38 @@ class Indexer(nn.Module):
         -> [S, K] int64 (-1 = none). Feeds the tokens to the compressor in order (journaled
         while `st.journal` is open), as `forward` does."""
         v, g, qi, w = rows
-        S = qi.shape[0]
-        pos = torch.arange(start_pos, start_pos + S, device=qi.device)
-        self.compressor.write_tile(v, g, start_pos, S, st)
+        self.compressor.write_tile(v, g, start_pos, qi.shape[0], st)
+        return self.topk_stepped(qi, w, start_pos, st)
+
+    def topk_stepped(self, qi: torch.Tensor, w: torch.Tensor, start_pos: int, st: CompressorState) -> torch.Tensor:
+        """The top-k of S tokens at start_pos.. once their steps are in `st`: qi [S, Hi, Di],
+        w [S, Hi] fp32 -> [S, K] int64 (-1 = none), each token seeing the entries complete at
+        its own position."""
+        pos = torch.arange(start_pos, start_pos + qi.shape[0], device=qi.device)
         scores = index_scores(qi, w, st.entries())  # [S, E]
         if self.reduce_scores is not None:
             scores = self.reduce_scores(scores)
         return select_topk(scores, (pos + 1) // INDEX_RATIO, self.topk)
 
-    def topk_decodes(self, qi: torch.Tensor, w: torch.Tensor, positions: list[int],
-                     states: list[CompressorState]) -> torch.Tensor:
-        """Fast numerics: the top-k of B decode tokens of B sessions at once, each over its own
-        session's entries (their compressors already stepped, `Compressor.write_decodes`):
-        qi [B, Hi, Di], w [B, Hi] fp32 (`exact_rows`), positions[b] (int) the token of
-        states[b] -> [B, K] int64 with K = min(index_topk, the most entries of any session),
-        -1 = none. Each session's entries are zero-padded to the longest and scored in one
-        batched product; the padding columns are invisible, so a row selects what
-        `topk_from_rows` selects for its session alone (scores agree to rounding)."""
+    def topk_joined(self, qi: torch.Tensor, w: torch.Tensor, positions: list[int], states: list[CompressorState],
+                    owner: list[int]) -> torch.Tensor:
+        """Fast numerics: the top-k of M tokens of several calls at once, each over its own
+        session's entries, once every call's compressor steps are in its state: qi [M, Hi, Di],
+        w [M, Hi] fp32 (`exact_rows`); token m at positions[m] (int, > 0) belongs to
+        states[owner[m]] -> [M, K] int64 with K = min(index_topk, the most entries of any
+        state), -1 = none. The states' entries are zero-padded to the longest and scored in one
+        batched product; the padding columns are invisible, as are entries not yet complete at
+        a token's position, so a row selects what `topk_stepped` selects for its call alone
+        (scores agree to rounding)."""
         dev = qi.device
-        kc = pad_sequence([st.entries() for st in states], batch_first=True)  # [B, Emax, Di]
-        dots = torch.einsum("bhd,bed->bhe", qi.float(), kc.float())  # [B, Hi, Emax]
-        scores = (torch.relu(dots) * w.unsqueeze(-1)).sum(1)  # [B, Emax]
+        kc = pad_sequence([st.entries() for st in states], batch_first=True)  # [C, Emax, Di]
+        if owner != list(range(len(states))):  # not one row per state: each row its state's entries
+            kc = kc[torch.tensor(owner, device=dev)]  # [M, Emax, Di]
+        dots = torch.einsum("mhd,med->mhe", qi.float(), kc.float())  # [M, Hi, Emax]
+        scores = (torch.relu(dots) * w.unsqueeze(-1)).sum(1)  # [M, Emax]
         if self.reduce_scores is not None:
             scores = self.reduce_scores(scores)
-        n_entries = torch.tensor([st.n_entries for st in states], device=dev)
+        n_entries = torch.tensor([states[o].n_entries for o in owner], device=dev)
         visible = torch.minimum((torch.tensor(positions, device=dev) + 1) // INDEX_RATIO, n_entries)
         return select_topk(scores, visible, self.topk)
 

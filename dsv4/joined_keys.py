@@ -31,73 +31,106 @@ def joined_keys(attn: Attention, x: torch.Tensor, qr: torch.Tensor, kv: torch.Te
     (lo, hi) of the pass) of decodes and verify blocks only (start_pos > 0), each state in
     one call.
 
-    The compressor and indexer projections (`Attention.exact_rows`, row-wise) run once over
-    all M rows; the decodes (one token, no journal) then build their keys together
-    (`decode_keys`), and each other call on its own state (`Attention.keys`). Returns keys
-    [sum of the calls' key rows, Dh] in kv's dtype (the decodes' keys first, then the other
-    calls' in call order) and idx [M, K] int64: row i's list, offset into its own call's
-    keys, padded with -1 (masked) to the longest list K.
+    Three phases, so that what is not per state runs once for the whole step: (1) the
+    compressor and indexer projections (`Attention.exact_rows`, row-wise) of all M rows, then
+    each call's state steps (decodes: ring row and compressor rows; verify blocks:
+    `Attention.block_step`, journaled), the blocks they complete pooled but not stored;
+    (2) those entries finalised and stored, one batch per compressor
+    (`Compressor.finalize_pending`), and the indexer's top-k of all M rows in one padded op
+    (`Indexer.topk_joined`); (3) the keys and lists: the decodes' together (`decode_keys`),
+    each verify block's on its own state (`Attention.block_finish`). Returns keys [sum of
+    the calls' key rows, Dh] in kv's dtype (the decodes' keys first, then the blocks' in call
+    order) and idx [M, K] int64: row i's list, offset into its own call's keys, padded with
+    -1 (masked) to the longest list K.
     """
     dev = x.device
-    starts = [c.start_pos + i for c, _, _ in calls for i in range(c.n_tokens)]
-    rows = attn.exact_rows(x, qr, torch.tensor(starts, device=dev))  # () for ratio 0
+    positions = [c.start_pos + i for c, _, _ in calls for i in range(c.n_tokens)]
+    rows = attn.exact_rows(x, qr, torch.tensor(positions, device=dev))  # () for ratio 0
     spans, a = [], 0
     for c, _, _ in calls:
         spans.append((a, a + c.n_tokens))
         a += c.n_tokens
     decodes = [i for i, (c, _, _) in enumerate(calls) if c.n_tokens == 1 and c.undo is None]
+    blocks = [i for i in range(len(calls)) if i not in set(decodes)]
+    every = len(decodes) == len(calls)  # the usual plain-decode step: no gather needed
+    sel = slice(None) if every else torch.tensor([spans[i][0] for i in decodes], device=dev, dtype=torch.long)
+    pending: tuple[list, list] = ([], [])  # completed blocks of the attention / indexer compressor
+    if decodes:
+        step_decodes(attn, kv[sel], tuple(t[sel] for t in rows), [calls[i][0].start_pos for i in decodes],
+                     [calls[i][1] for i in decodes], pending)
+    records = {}
+    for i in blocks:
+        (call, st, _), (a, b) = calls[i], spans[i]
+        records[i] = attn.block_step(x[a:b], kv[a:b], call.start_pos, st, call.undo,
+                                     tuple(t[a:b] for t in rows), pending)
+    if attn.ratio:
+        attn.compressor.finalize_pending(pending[0])
+    top = None
+    if attn.ratio == 4:
+        attn.indexer.compressor.finalize_pending(pending[1])
+        owner = [i for i, (c, _, _) in enumerate(calls) for _ in range(c.n_tokens)]
+        top = attn.indexer.topk_joined(rows[4], rows[5], positions, [st.indexer for _, st, _ in calls], owner)
+    return _join(attn, kv, calls, spans, decodes, blocks, sel, records, top)
+
+
+def _join(attn: Attention, kv: torch.Tensor, calls: list, spans: list[tuple[int, int]], decodes: list[int],
+          blocks: list[int], sel: slice | torch.Tensor, records: dict, top: torch.Tensor | None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Phase (3) of `joined_keys`, on stepped states with their entries stored: the decodes'
+    keys and lists (rows `sel` of the step), then each block's (`Attention.block_finish`,
+    `records` its journal or None), laid side by side -> (keys, idx [M, K]) as there."""
     keys, parts, offset = [], [], 0  # parts: (rows of idx, their lists shifted by their keys' offset)
     if decodes:
-        every = len(decodes) == len(calls)  # the usual plain-decode step: no gather needed
-        sel = slice(None) if every else torch.tensor([spans[i][0] for i in decodes], device=dev)
-        k, idx = decode_keys(attn, kv[sel], tuple(t[sel] for t in rows),
-                             [calls[i][0].start_pos for i in decodes], [calls[i][1] for i in decodes])
+        k, idx = decode_keys(attn, [calls[i][1] for i in decodes], [calls[i][0].start_pos for i in decodes],
+                             None if top is None else top[sel])
         keys.append(k)
         parts.append((sel, idx))
         offset = k.shape[0]
-    built = set(decodes)
-    for i, (call, st, _) in enumerate(calls):
-        if i in built:
-            continue
-        a, b = spans[i]
-        k, idx = attn.keys(x[a:b], qr[a:b], kv[a:b], call.start_pos, st, call.undo, tuple(t[a:b] for t in rows))
+    for i in blocks:
+        (call, st, _), (a, b) = calls[i], spans[i]
+        k, idx = attn.block_finish(kv[a:b], call.start_pos, st, call.undo, records[i],
+                                   None if top is None else top[a:b])
         parts.append((slice(a, b), torch.where(idx >= 0, idx + offset, -1)))
-        keys.append(k)  # may be a view of the call's ring: the cat below copies it as it is now
+        keys.append(k)
         offset += k.shape[0]
     if len(parts) == 1:
         return torch.cat(keys), parts[0][1]
     width = max(t.shape[1] for _, t in parts)
-    idx = torch.full((x.shape[0], width), -1, dtype=torch.int64, device=dev)
+    idx = torch.full((kv.shape[0], width), -1, dtype=torch.int64, device=kv.device)
     for where, t in parts:
         idx[where, :t.shape[1]] = t
     return torch.cat(keys), idx
 
 
-def decode_keys(attn: Attention, kv: torch.Tensor, rows: tuple[torch.Tensor, ...], positions: list[int],
-                states: list[AttentionState]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys of B decodes of B sessions, built together: decode b is one token at
-    positions[b] (int, > 0) on states[b], kv [B, Dh] its key row, `rows` its
-    `Attention.exact_rows` (each [B, ...]; () for ratio 0).
-
-    Leaves every state as `Attention.keys` leaves it for that decode alone: ring slot p % W
-    written, the compressors stepped (`Compressor.write_decodes`), the indexer's top-k taken
-    over the session's own entries (`Indexer.topk_decodes`). Returns keys [sum_b (W + E_b),
-    Dh] in the ring's dtype (per session: its ring, then its entries) and idx [B, W + Kc]
-    int64: the ring slots holding positions p-W+1..p, then the selected (ratio 4) or all
-    (other ratios) entries, each offset into the session's own keys; -1 = masked. A row's
-    columns may be ordered differently from the per-call list (masked columns sit among
-    them), which changes its reduction only by rounding.
-    """
-    W, r, dev = attn.window, attn.ratio, kv.device
+def step_decodes(attn: Attention, kv: torch.Tensor, rows: tuple[torch.Tensor, ...], positions: list[int],
+                 states: list[AttentionState], pending: tuple[list, list]) -> None:
+    """The state steps of B decodes of B sessions: decode b is one token at positions[b]
+    (int, > 0) on states[b], kv [B, Dh] its key row, `rows` its `Attention.exact_rows` (each
+    [B, ...]; () for ratio 0). Writes ring slot p % W and steps the compressors
+    (`Compressor.write_decodes`), the blocks completed going to `pending` (attention
+    compressor's, indexer compressor's) for `Compressor.finalize_pending`."""
+    W, r = attn.window, attn.ratio
     for st, p, k in zip(states, positions, kv.unbind(0)):
         st.ring[p % W] = k
-    top = None
     if r == 4:
-        index_states = [st.indexer for st in states]
-        attn.indexer.compressor.write_decodes(rows[2], rows[3], positions, index_states)
-        top = attn.indexer.topk_decodes(rows[4], rows[5], positions, index_states)  # [B, K]
+        attn.indexer.compressor.write_decodes(rows[2], rows[3], positions, [st.indexer for st in states], pending[1])
     if r:
-        attn.compressor.write_decodes(rows[0], rows[1], positions, [st.compressor for st in states])
+        attn.compressor.write_decodes(rows[0], rows[1], positions, [st.compressor for st in states], pending[0])
+
+
+def decode_keys(attn: Attention, states: list[AttentionState], positions: list[int],
+                top: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and lists of B decodes once `step_decodes` ran and their entries are stored:
+    decode b at positions[b] on states[b]; top [B, K] int64 the indexer's selection (ratio 4,
+    else None). Returns keys [sum_b (W + E_b), Dh] in the ring's dtype (per session: its
+    ring, then its entries) and idx [B, W + Kc] int64: the ring slots holding positions
+    p-W+1..p, then the selected (ratio 4) or all (other ratios) entries, each offset into the
+    session's own keys; -1 = masked. A row's columns may be ordered differently from
+    `Attention.keys`' list (masked columns sit among them), which changes its reduction only
+    by rounding.
+    """
+    W, r, dev = attn.window, attn.ratio, states[0].ring.device
+    if r:
         keys = torch.cat([t for st in states for t in (st.ring, st.compressor.entries())])
         n_entries = [st.compressor.n_entries for st in states]
     else:
