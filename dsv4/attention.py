@@ -335,12 +335,12 @@ class Attention(nn.Module):
         appends `record` (when not None) to `undo`."""
         S, W, r = kv.shape[0], self.window, self.ratio
         q_pos = torch.arange(n, n + S, device=kv.device)
-        lists = [self._window_list(q_pos, n)]
+        lists = [self.window_list(q_pos, n)]
         if r == 4:
             lists.append(torch.where(top >= 0, top + W + S, top))
         keys = torch.cat((st.ring, kv, st.compressor.entries()) if r else (st.ring, kv))
         if r and r != 4:
-            lists.append(self._plain_entry_list(q_pos, st.compressor.n_entries, W + S))
+            lists.append(self.plain_entry_list(q_pos, st.compressor.n_entries, W + S))
         st.ring[self._block_slots(n, S, kv.device)] = kv[-W:]
         if record is not None:
             undo.append(record)
@@ -350,17 +350,19 @@ class Attention(nn.Module):
         """Ring slots [min(S, W)] of a call's tokens n..n+S-1 that stay in the ring (its last W)."""
         return torch.arange(n, n + S, device=dev)[-self.window:] % self.window
 
-    def _window_list(self, q_pos: torch.Tensor, n: int) -> torch.Tensor:
-        """Window index lists [Q, W] for queries at q_pos [Q] of a call starting at n: positions
-        q, q-1, .. q-W+1; those >= n are the call's own rows (W + offset), earlier ones are ring
-        slots as they were before the call (pos % W), negative positions -1."""
+    def window_list(self, q_pos: torch.Tensor, n: int | torch.Tensor) -> torch.Tensor:
+        """Window index lists [Q, W] for queries at q_pos [Q] of a call starting at n (an int,
+        or [Q, 1] int64: each query's own call's start): positions q, q-1, .. q-W+1; those >= n
+        are the call's own rows (W + offset), earlier ones are ring slots as they were before
+        the call (pos % W), negative positions -1."""
         W = self.window
         win_pos = q_pos[:, None] - torch.arange(W, device=q_pos.device)[None, :]  # [Q, W]
         win = torch.where(win_pos >= n, W + win_pos - n, win_pos % W)
         return torch.where(win_pos >= 0, win, -1)
 
-    def _plain_entry_list(self, q_pos: torch.Tensor, n_entries: int, offset: int) -> torch.Tensor:
-        """Plain-compressor lists [Q, n_entries]: entry j (at key row offset + j) for j < (q+1)//r, else -1."""
+    def plain_entry_list(self, q_pos: torch.Tensor, n_entries: int, offset: int | torch.Tensor) -> torch.Tensor:
+        """Plain-compressor lists [Q, n_entries]: entry j (at key row offset + j) for j < (q+1)//r,
+        else -1; `offset` an int or [Q, 1] int64 (each query's own)."""
         j = torch.arange(n_entries, device=q_pos.device)
         return torch.where(j[None, :] < ((q_pos + 1) // self.ratio)[:, None], j[None, :] + offset, -1)
 
@@ -400,7 +402,7 @@ class Attention(nn.Module):
         slots = torch.arange(n, n + S, device=dev)[-W:] % W
         record = AttentionUndo(n, S, slots, st.ring[slots].clone(), kv[:S]) if undo is not None else None
         q_pos = torch.arange(n, n + R, device=dev)
-        lists = [self._window_list(q_pos, n)]
+        lists = [self.window_list(q_pos, n)]
         if r == 4:
             if record is not None:
                 record.indexer = self.indexer.compressor.open_journal(st.indexer, n, S)
@@ -413,7 +415,7 @@ class Attention(nn.Module):
             self.compressor.write_tile(rows[0], rows[1], n, S, st.compressor)
             keys = torch.cat((keys, st.compressor.entries()))
         if r and r != 4:
-            lists.append(self._plain_entry_list(q_pos, st.compressor.n_entries, W + R))
+            lists.append(self.plain_entry_list(q_pos, st.compressor.n_entries, W + R))
         idx = torch.cat(lists, dim=1)
         idx[S:] = -1  # padding rows attend to nothing (output 0)
         st.ring[slots] = kv[:S][-W:]
@@ -436,7 +438,7 @@ class Attention(nn.Module):
             self.compressor.prefill(x, st.compressor)
             keys = torch.cat((kv, st.compressor.entries()))
         if r and r != 4:
-            lists.append(self._plain_entry_list(t, S // r, S))  # [S, S//r]
+            lists.append(self.plain_entry_list(t, S // r, S))  # [S, S//r]
         keep = min(S, W)
         st.ring[(t[-keep:] % W)] = kv[-keep:]
         return keys, torch.cat(lists, dim=1)

@@ -198,10 +198,10 @@ class Compressor(nn.Module):
         likewise). Padding rows never reach `st`. `pending` (fast numerics): completed blocks
         are appended to it and their entries written by `finalize_pending`; None writes each
         at once."""
-        for i in range(n_real):
+        for i, (vi, gi) in enumerate(zip(v[:n_real].unbind(0), g[:n_real].unbind(0))):
             if st.journal is not None:
-                st.journal.steps.append((start + i, v[i], g[i]))
-            self._write_token(v[i], g[i], start + i, st, pending)
+                st.journal.steps.append((start + i, vi, gi))
+            self._write_token(vi, gi, start + i, st, pending)
 
     def write_decodes(self, v: torch.Tensor, g: torch.Tensor, positions: list[int],
                       states: list[CompressorState], pending: list[PendingBlock]) -> None:
@@ -249,7 +249,8 @@ class Compressor(nn.Module):
         if self.overlap:
             vs = torch.cat((st.kv[:r, :d], st.kv[r:, d:]))  # (2r, d)
             gs = torch.cat((st.score[:r, :d], st.score[r:, d:]))  # (2r, d)
-            st.kv[:r], st.score[:r] = st.kv[r:].clone(), st.score[r:].clone()
+            st.kv[:r].copy_(st.kv[r:])  # rows [0, r) and [r, 2r) are disjoint: no clone needed
+            st.score[:r].copy_(st.score[r:])
         else:
             vs, gs = st.kv.clone(), st.score.clone()
         st.n_entries = j + 1
@@ -261,13 +262,13 @@ class Compressor(nn.Module):
         Each token writes row (r + pos % r) if overlapped else (pos % r); a block boundary of
         the overlapped layout also shifts rows [r, 2r) into [0, r).
         """
-        r = self.ratio
-        pos = torch.arange(start_pos, start_pos + n_tokens)
-        rows = (pos % r + (r if self.overlap else 0)).tolist()
-        if self.overlap and bool(((pos + 1) % r == 0).any()):
-            rows += list(range(r))
-        idx = torch.tensor(sorted(set(rows)), device=st.kv.device)
-        st.journal = CompressorJournal(idx, st.kv[idx].clone(), st.score[idx].clone(), st.n_entries, [])
+        r, span = self.ratio, range(start_pos, start_pos + n_tokens)
+        rows = {p % r + (r if self.overlap else 0) for p in span}
+        if self.overlap and any((p + 1) % r == 0 for p in span):
+            rows.update(range(r))
+        idx = torch.tensor(sorted(rows), device=st.kv.device)
+        # indexing with a tensor copies: the saved rows do not follow later writes
+        st.journal = CompressorJournal(idx, st.kv[idx], st.score[idx], st.n_entries, [])
         return st.journal
 
     def rollback(self, st: CompressorState, journal: CompressorJournal, keep: int) -> int:
