@@ -215,6 +215,7 @@ class Attention(nn.Module):
 
         rows: for start_pos > 0, the tokens' compressor / indexer projections (`exact_rows`,
         S rows each) when the caller computed them over a whole pass; None computes them here.
+        With rows, a decode takes a one-token block's keys without a journal (`_block_keys`).
 
         Raises:
             ValueError: `rows` given for a prefill (start_pos == 0), which projects its own.
@@ -224,9 +225,9 @@ class Attention(nn.Module):
             if rows is not None:
                 raise ValueError("Attention.keys: rows are for start_pos > 0, got a prefill (start_pos 0)")
             return self._prefill_keys(x, qr, kv, st)
-        if undo is not None or S > 1:  # a verify block, or a prompt chunk (no journal)
+        if undo is not None or S > 1 or rows is not None:  # a verify block, or a prompt chunk (no journal)
             return self._block_keys(x, qr, kv, start_pos, st, undo, rows)
-        return self._decode_keys(x, qr, kv, start_pos, st, rows)
+        return self._decode_keys(x, qr, kv, start_pos, st)
 
     def exact_rows(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Exact mode: the row-wise projections the key building needs, of tokens x [S, D],
@@ -366,27 +367,6 @@ class Attention(nn.Module):
         j = torch.arange(n_entries, device=q_pos.device)
         return torch.where(j[None, :] < ((q_pos + 1) // self.ratio)[:, None], j[None, :] + offset, -1)
 
-    def _step_compressor(self, x: torch.Tensor, n: int, st: AttentionState, keys: torch.Tensor,
-                         rows: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """Feed the decode token at n to the attention compressor (on `rows[:2]`, its
-        precomputed v, g, when given) and return `keys` with its entries appended
-        (unchanged for ratio 0)."""
-        if not self.ratio:
-            return keys
-        if rows is not None:
-            self.compressor.write_tile(rows[0], rows[1], n, 1, st.compressor)
-        else:
-            self.compressor.step(x[:1], n, st.compressor)
-        return torch.cat((keys, st.compressor.entries()))
-
-    def _index_topk(self, x: torch.Tensor, qr: torch.Tensor, n: int, st: AttentionState,
-                    rows: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
-        """The indexer's top-k [S, K] int64 for tokens n.. (ratio 4), stepping its compressor:
-        on the precomputed projections `rows[2:]` when given, else projecting x, qr here."""
-        if rows is not None:
-            return self.indexer.topk_from_rows(rows[2:], n, st.indexer)
-        return self.indexer(x, qr, n, st.indexer)
-
     def _exact_keys(self, kv: torch.Tensor, rows: tuple[torch.Tensor, ...], n: int, S: int,
                     st: AttentionState, undo: list[AttentionUndo] | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Exact mode: keys [W + R + E, Dh] = [ring before the call | the tile's kv | entries] and
@@ -443,19 +423,20 @@ class Attention(nn.Module):
         st.ring[(t[-keep:] % W)] = kv[-keep:]
         return keys, torch.cat(lists, dim=1)
 
-    def _decode_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, p: int, st: AttentionState,
-                     rows: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, p: int,
+                     st: AttentionState) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [W + n, Dh] = [ring | entries] and the index list [1, Kw + Kc] for position p
-        (docs/model.md §5.4); `rows`: the token's precomputed projections (see `keys`) or None."""
+        (docs/model.md §5.4)."""
         W, r = self.window, self.ratio
         lists = [torch.arange(min(p + 1, W), device=x.device)]  # ring slots holding positions p-W+1..p
         if r == 4:
-            top = self._index_topk(x, qr, p, st, rows)[0]  # [K]
+            top = self.indexer(x, qr, p, st.indexer)[0]  # [K], stepping the indexer's compressor
             lists.append(torch.where(top >= 0, top + W, top))
         st.ring[p % W] = kv[0]
         keys = st.ring
         if r:
-            keys = self._step_compressor(x, p, st, st.ring, rows)
+            self.compressor.step(x, p, st.compressor)
+            keys = torch.cat((keys, st.compressor.entries()))
         if r and r != 4:
             lists.append(W + torch.arange(st.compressor.n_entries, device=x.device))
         return keys, torch.cat(lists)[None, :]

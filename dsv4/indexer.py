@@ -78,16 +78,6 @@ class Indexer(nn.Module):
                 self.compressor.step(x[s:s + 1], start_pos + s, st)
         return self.topk_stepped(self.project_q(qr, pos), self.head_weights(x), start_pos, st)
 
-    def topk_from_rows(self, rows: tuple[torch.Tensor, ...], start_pos: int, st: CompressorState) -> torch.Tensor:
-        """`forward` for S >= 1 tokens at start_pos > 0 whose row-wise projections the caller
-        computed (`exact_rows`: compressor v, g [S, Di*2] fp32, qi [S, Hi, Di], head weights
-        [S, Hi] fp32), so a batched pass projects every session's rows at once
-        -> [S, K] int64 (-1 = none). Feeds the tokens to the compressor in order (journaled
-        while `st.journal` is open), as `forward` does."""
-        v, g, qi, w = rows
-        self.compressor.write_tile(v, g, start_pos, qi.shape[0], st)
-        return self.topk_stepped(qi, w, start_pos, st)
-
     def topk_stepped(self, qi: torch.Tensor, w: torch.Tensor, start_pos: int, st: CompressorState) -> torch.Tensor:
         """The top-k of S tokens at start_pos.. once their steps are in `st`: qi [S, Hi, Di],
         w [S, Hi] fp32 -> [S, K] int64 (-1 = none), each token seeing the entries complete at
