@@ -6,7 +6,8 @@ state, and it never validates arguments (`dsv4.trunk.Trunk` and the serving engi
 `dsv4.batch.run_pass` is the one loop, embed -> blocks -> taps -> head, for prefill, decode
 and verify alike, and for one session or many: a pass holds several `Call`s whose rows are
 concatenated for the dense ops while attention's state work (ring, compressors, indexer
-top-k) runs per call on its slice of rows and its own state. Every place where the recipes differ is one method of the strategy:
+top-k) runs on each call's own state (fast mode batches what is not per state across the
+calls, `dsv4.joined_keys`). Every place where the recipes differ is one method of the strategy:
 
 - `dense(fn, *rows, calls=)`: a row-wise op (projections, mHC, norms, gate, shared expert,
   taps, head) over the concatenated rows of every call: fast runs it once on all rows, exact
