@@ -11,9 +11,10 @@ positions with different numbers of compressed entries. It prints figures and ne
 them (figures of record: bench/README.md, "Exact numerics per step").
 
 `--fast-only` runs the fast arm alone (no exact arm, no breakdown), for comparing fast
-numerics across two checkouts. `--per-call` adds a third arm, "per-call": fast numerics with attention run call by call
-(`Attention.core` per session, the recipe before `FastNumerics.attend` joined the decode and
-verify calls), interleaved with the others, and prints fast / per-call.
+numerics across two checkouts. `--per-call` adds a third arm, "per-call": fast numerics with
+attention run call by call (`Attention.core` per session, the recipe before
+`FastNumerics.attend` joined the decode and verify calls), interleaved with the others, and
+prints fast / per-call.
 
 Each workload runs `--repeats` times with the arms interleaved (fast, exact, fast, ...), so
 both see the same machine load; printed: the median ms per step [min-max] per arm and the

@@ -88,11 +88,11 @@ class Indexer(nn.Module):
             scores = self.reduce_scores(scores)
         return select_topk(scores, (pos + 1) // INDEX_RATIO, self.topk)
 
-    def topk_joined(self, qi: torch.Tensor, w: torch.Tensor, positions: list[int], states: list[CompressorState],
+    def topk_joined(self, qi: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, states: list[CompressorState],
                     owner: list[int]) -> torch.Tensor:
         """Fast numerics: the top-k of M tokens of several calls at once, each over its own
         session's entries, once every call's compressor steps are in its state: qi [M, Hi, Di],
-        w [M, Hi] fp32 (`exact_rows`); token m at positions[m] (int, > 0) belongs to
+        w [M, Hi] fp32 (`exact_rows`); token m at positions[m] (positions [M] int64, > 0) belongs to
         states[owner[m]] -> [M, K] int64 with K = min(index_topk, the most entries of any
         state), -1 = none. The states' entries are zero-padded to the longest and scored in one
         batched product; the padding columns are invisible, as are entries not yet complete at
@@ -107,7 +107,7 @@ class Indexer(nn.Module):
         if self.reduce_scores is not None:
             scores = self.reduce_scores(scores)
         n_entries = torch.tensor([states[o].n_entries for o in owner], device=dev)
-        visible = torch.minimum((torch.tensor(positions, device=dev) + 1) // INDEX_RATIO, n_entries)
+        visible = torch.minimum((positions + 1) // INDEX_RATIO, n_entries)
         return select_topk(scores, visible, self.topk)
 
     def exact_rows(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -45,8 +45,8 @@ def joined_keys(attn: Attention, x: torch.Tensor, qr: torch.Tensor, kv: torch.Te
     """
     W, r = attn.window, attn.ratio
     sizes = [c.n_tokens for c, _, _ in calls]
-    positions = [c.start_pos + i for c, _, _ in calls for i in range(c.n_tokens)]
-    rows = attn.exact_rows(x, qr, torch.tensor(positions, device=x.device))  # () for ratio 0
+    pos = torch.tensor([c.start_pos + i for c, _, _ in calls for i in range(c.n_tokens)], device=x.device)  # [M]
+    rows = attn.exact_rows(x, qr, pos)  # () for ratio 0
     kv_calls = kv.split(sizes)
     pending: tuple[list, list] = ([], [])  # completed blocks of the attention / indexer compressor
     records = _step_calls(attn, x, kv_calls, rows, calls, pending)
@@ -56,10 +56,10 @@ def joined_keys(attn: Attention, x: torch.Tensor, qr: torch.Tensor, kv: torch.Te
     if r == 4:
         attn.indexer.compressor.finalize_pending(pending[1])
         owner = [i for i, n in enumerate(sizes) for _ in range(n)]
-        top = attn.indexer.topk_joined(rows[4], rows[5], positions, [st.indexer for _, st, _ in calls], owner)
+        top = attn.indexer.topk_joined(rows[4], rows[5], pos, [st.indexer for _, st, _ in calls], owner)
     keys = torch.cat([t for (_, st, _), k in zip(calls, kv_calls)
                       for t in ((st.ring, k, st.compressor.entries()) if r else (st.ring, k))])
-    idx = _lists(attn, calls, positions, top)
+    idx = _lists(attn, calls, pos, top)
     for (call, st, _), k, record in zip(calls, kv_calls, records):  # the keys above hold the rings before
         if record is not None:
             st.ring[record.slots] = k[-W:]
@@ -105,21 +105,20 @@ def _step_calls(attn: Attention, x: torch.Tensor, kv: tuple, rows: tuple, calls:
     return records
 
 
-def _lists(attn: Attention, calls: list, positions: list[int], top: torch.Tensor | None) -> torch.Tensor:
-    """Index lists [M, W + Kc] int64 of every row of the joined calls, whose call c has keys
-    [ring (W) | its S_c rows | its E_c entries] at key row offset sum_{c' < c} (W + S_c' +
-    E_c'): the window (`Attention.window_list`: ring slots before the call, the call's own
-    rows), then top [M, K] + W + S_c (ratio 4; -1 kept) or the plain compressor's entries
-    complete at the row's position (`Attention.plain_entry_list`; none for ratio 0), each
-    shifted by its call's offset; -1 = masked. Built once for all M rows."""
+def _lists(attn: Attention, calls: list, p: torch.Tensor, top: torch.Tensor | None) -> torch.Tensor:
+    """Index lists [M, W + Kc] int64 of the joined calls' rows at positions p [M] int64, call c
+    having keys [ring (W) | its S_c rows | its E_c entries] at key row offset sum_{c' < c}
+    (W + S_c' + E_c'): the window (`Attention.window_list`: ring slots before the call, the
+    call's own rows), then top [M, K] + W + S_c (ratio 4; -1 kept) or the plain compressor's
+    entries complete at the row's position (`Attention.plain_entry_list`; none for ratio 0),
+    each shifted by its call's offset; -1 = masked. Built once for all M rows."""
     W, r, dev = attn.window, attn.ratio, attn.attn_sink.device
     n_entries = [st.compressor.n_entries if r else 0 for _, st, _ in calls]
-    per_row, first = [], 0
+    per_row, offset = [], 0  # per row: its call's start, size and first key row
     for (call, _, _), e in zip(calls, n_entries):
-        per_row += [(call.start_pos, call.n_tokens, first)] * call.n_tokens
-        first += W + call.n_tokens + e
+        per_row += [(call.start_pos, call.n_tokens, offset)] * call.n_tokens
+        offset += W + call.n_tokens + e
     start, size, first = torch.tensor(per_row, device=dev).unbind(1)  # [M] each
-    p = torch.tensor(positions, device=dev)
     lists = [attn.window_list(p, start[:, None])]  # [M, W]
     if r == 4:
         lists.append(torch.where(top >= 0, top + (W + size)[:, None], -1))
