@@ -193,11 +193,11 @@ class Compressor(nn.Module):
 
     def write_tile(self, v: torch.Tensor, g: torch.Tensor, start: int, n_real: int, st: CompressorState,
                    pending: list[PendingBlock] | None = None) -> None:
-        """Exact mode: feed tokens start..start+n_real-1 whose projections (`project`) are the
-        first n_real rows of v, g [R, k*d] fp32, as `step` feeds tokens one by one (journaled
-        likewise). Padding rows never reach `st`. `pending` (fast numerics): completed blocks
-        are appended to it and their entries written by `finalize_pending`; None writes each
-        at once."""
+        """Feed tokens start..start+n_real-1 whose projections (`project`, computed over a whole
+        pass: exact mode's tiles, fast mode's joined step) are the first n_real rows of v, g
+        [R, k*d] fp32, as `step` feeds tokens one by one (journaled likewise). Padding rows
+        never reach `st`. `pending` (fast numerics): completed blocks are appended to it and
+        their entries written by `finalize_pending`; None writes each at once."""
         for i, (vi, gi) in enumerate(zip(v[:n_real].unbind(0), g[:n_real].unbind(0))):
             if st.journal is not None:
                 st.journal.steps.append((start + i, vi, gi))

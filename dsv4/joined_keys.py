@@ -60,15 +60,22 @@ def joined_keys(attn: Attention, x: torch.Tensor, qr: torch.Tensor, kv: torch.Te
     keys = torch.cat([t for (_, st, _), k in zip(calls, kv_calls)
                       for t in ((st.ring, k, st.compressor.entries()) if r else (st.ring, k))])
     idx = _lists(attn, calls, pos, top)
-    for (call, st, _), k, record in zip(calls, kv_calls, records):  # the keys above hold the rings before
+    _write_rings(W, calls, kv_calls, records)  # after the cat above: the keys hold the rings before
+    return keys, idx
+
+
+def _write_rings(W: int, calls: list, kv: tuple, records: list) -> None:
+    """Each call's last min(S_c, W) key rows (kv split per call, [S_c, Dh] each) into its
+    ring's slots p % W, and each verify block's journal (`records`, from `_step_calls`) onto
+    its undo list."""
+    for (call, st, _), k, record in zip(calls, kv, records):
         if record is not None:
             st.ring[record.slots] = k[-W:]
             call.undo.append(record)
         elif call.n_tokens == 1:
             st.ring[call.start_pos % W] = k[0]
-        else:
+        else:  # several tokens without a journal (a prompt chunk; `FastNumerics.attend` sends none here)
             st.ring[torch.arange(call.start_pos, call.start_pos + call.n_tokens)[-W:] % W] = k[-W:]
-    return keys, idx
 
 
 def _step_calls(attn: Attention, x: torch.Tensor, kv: tuple, rows: tuple, calls: list,
