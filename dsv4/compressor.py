@@ -198,10 +198,10 @@ class Compressor(nn.Module):
         [R, k*d] fp32, as `step` feeds tokens one by one (journaled likewise). Padding rows
         never reach `st`. `pending` (fast numerics): completed blocks are appended to it and
         their entries written by `finalize_pending`; None writes each at once."""
-        for i, (vi, gi) in enumerate(zip(v[:n_real].unbind(0), g[:n_real].unbind(0))):
+        for i in range(n_real):
             if st.journal is not None:
-                st.journal.steps.append((start + i, vi, gi))
-            self._write_token(vi, gi, start + i, st, pending)
+                st.journal.steps.append((start + i, v[i], g[i]))
+            self._write_token(v[i], g[i], start + i, st, pending)
 
     def write_decodes(self, v: torch.Tensor, g: torch.Tensor, positions: list[int],
                       states: list[CompressorState], pending: list[PendingBlock]) -> None:
@@ -217,6 +217,10 @@ class Compressor(nn.Module):
         """Write the entries of the m blocks in `pending` (then emptied): one pool and one
         `finalize` over [m, slots, d], rather than one per block. Until then those entries'
         cache rows are stale, though n_entries already counts them."""
+        if len(pending) == 1:  # the store of `_write_token` without `pending`: views, no stacking
+            st, j, v, g = pending.pop()
+            st.cache[j] = self.finalize(pool(v[None], g[None]), torch.tensor([j * self.ratio], device=v.device))[0]
+            return
         if not pending:
             return
         first = torch.tensor([j * self.ratio for _, j, _, _ in pending], device=pending[0][2].device)
@@ -251,7 +255,7 @@ class Compressor(nn.Module):
             gs = torch.cat((st.score[:r, :d], st.score[r:, d:]))  # (2r, d)
             st.kv[:r].copy_(st.kv[r:])  # rows [0, r) and [r, 2r) are disjoint: no clone needed
             st.score[:r].copy_(st.score[r:])
-        else:
+        else:  # later tokens overwrite these rows before a deferred store reads them: copy
             vs, gs = st.kv.clone(), st.score.clone()
         st.n_entries = j + 1
         return st, j, vs, gs
