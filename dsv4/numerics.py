@@ -94,13 +94,13 @@ class FastNumerics:
 
         A prompt piece runs alone on its rows and state (`Attention.core`): its lists are
         long and would pad every decode row to their width. Decodes and verify blocks (when
-        there are two or more) run their compressor and indexer projections together and
-        build their keys and lists on their own states (`dsv4.joined_keys.joined_keys`: the
-        decodes together, pooling, scoring and selecting in one op each; a verify block on
-        its own, `Attention.keys`), then ONE reduction (`attn.attend`) runs over all their
-        query rows, on their key tensors concatenated, each list offset into its own call's
+        there are two or more) build their keys together (`dsv4.joined_keys.joined_keys`:
+        each call's ring and compressor rows written on its own state, while the projections,
+        the finalisation of completed blocks, the indexer's scoring and top-k and every row's
+        list run once for the whole step), then ONE reduction (`attn.attend`) runs over all
+        their query rows, on their keys concatenated, each list offset into its own call's
         keys and padded with -1; a masked column adds nothing, so a row agrees with its
-        per-call result to rounding. One reduction and one key build per layer instead of
+        per-call result to rounding. One key build and one reduction per layer instead of
         one per session is what makes a wide decode step cheaper per row."""
         step = [(call, st, span) for call, st, span in calls if not call.prefill]
         if len(step) > 1 and len(step) == len(calls):  # no prompt piece: the step is every row
