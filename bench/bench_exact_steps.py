@@ -3,14 +3,18 @@
 
 Owns the measurement of one `Trunk.forward_batch` step in fast vs exact numerics (no
 services, no gRPC), for the step shapes the verifier's step loop builds: 1, 4, 16 and 32
-decode sessions, 16 sessions' verify blocks of 3..6 rows, and one prompt of `--prompt`
-tokens (default 900) prefilled in chunks of `--chunk` (default 64) tokens, one chunk per
-step. It prints figures and never asserts them (figures of record: bench/README.md,
-"Exact numerics per step").
+decode sessions, 16 sessions' verify blocks of 3..6 rows (`--verify-rows`), and one prompt
+of `--prompt` tokens (default 900) prefilled in chunks of `--chunk` (default 64) tokens,
+one chunk per step. Each decode / verify session is prefilled with `--context` tokens, plus
+0..`--spread` more (session i: (7 i) mod (spread + 1)), so sessions may sit at different
+positions with different numbers of compressed entries. It prints figures and never asserts
+them (figures of record: bench/README.md, "Exact numerics per step").
 
-`--per-call` adds a third arm, "per-call": fast numerics with attention run call by call
-(`Attention.core` per session, the recipe before `FastNumerics.attend` joined the decode and
-verify calls), interleaved with the others, and prints fast / per-call.
+`--fast-only` runs the fast arm alone (no exact arm, no breakdown), for comparing fast
+numerics across two checkouts. `--per-call` adds a third arm, "per-call": fast numerics with
+attention run call by call (`Attention.core` per session, the recipe before
+`FastNumerics.attend` joined the decode and verify calls), interleaved with the others, and
+prints fast / per-call.
 
 Each workload runs `--repeats` times with the arms interleaved (fast, exact, fast, ...), so
 both see the same machine load; printed: the median ms per step [min-max] per arm and the
@@ -96,13 +100,15 @@ class PerCallFast(FastNumerics):
                           for call, st, (lo, hi) in calls])
 
 
-def prefilled(model: Trunk, n_sessions: int, prompt_len: int, seed: int) -> list:
-    """n_sessions fresh states, each prefilled with its own random prompt of prompt_len tokens."""
+def prefilled(model: Trunk, n_sessions: int, prompt_len: int, seed: int, spread: int = 0) -> list:
+    """n_sessions fresh states, session i prefilled with its own random prompt of prompt_len
+    + (7 i) mod (spread + 1) tokens."""
     g = torch.Generator().manual_seed(seed)
     states = []
-    for _ in range(n_sessions):
+    for i in range(n_sessions):
         st = model.new_state()
-        model.prefill(st, torch.randint(2, model.cfg.vocab_size - 1, (prompt_len,), generator=g))
+        n = prompt_len + (7 * i) % (spread + 1)
+        model.prefill(st, torch.randint(2, model.cfg.vocab_size - 1, (n,), generator=g))
         states.append(st)
     return states
 
@@ -115,10 +121,10 @@ def decode_step(model: Trunk, states: list) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def verify_step(model: Trunk, states: list) -> float:
-    """One step of one verify block per session, VERIFY_ROWS rows cycled (ms); each block is
+def verify_step(model: Trunk, states: list, sizes: tuple[int, ...] = VERIFY_ROWS) -> float:
+    """One step of one verify block per session, of `sizes` rows cycled (ms); each block is
     rolled back to its anchor after the step (outside the timing)."""
-    items = [BatchItem.block(st, [7] * VERIFY_ROWS[i % len(VERIFY_ROWS)], st.next_position)
+    items = [BatchItem.block(st, [7] * sizes[i % len(sizes)], st.next_position)
              for i, st in enumerate(states)]
     t0 = time.perf_counter()
     outs = model.forward_batch(items)
@@ -143,14 +149,42 @@ def workloads(models: dict, args) -> dict:
     prompt = torch.randint(2, 4000, (args.prompt,), generator=torch.Generator().manual_seed(5))
     out = {}
     for n in args.decodes:
-        states = {arm: prefilled(m, n, args.context, seed=n) for arm, m in models.items()}
+        states = {arm: prefilled(m, n, args.context, n, args.spread) for arm, m in models.items()}
         out[f"decode x{n}"] = {arm: (lambda m=m, s=states[arm]: decode_step(m, s)) for arm, m in models.items()}
-    states = {arm: prefilled(m, args.verify_sessions, args.context, seed=99) for arm, m in models.items()}
-    out[f"verify x{args.verify_sessions} (3-6 rows)"] = {
-        arm: (lambda m=m, s=states[arm]: verify_step(m, s)) for arm, m in models.items()}
-    out[f"prefill {args.prompt} / {args.chunk}"] = {
-        arm: (lambda m=m: prefill_steps(m, prompt, args.chunk)) for arm, m in models.items()}
+    states = {arm: prefilled(m, args.verify_sessions, args.context, 99, args.spread) for arm, m in models.items()}
+    sizes = tuple(args.verify_rows)
+    rows = f"{min(sizes)}-{max(sizes)}" if len(set(sizes)) > 1 else f"{sizes[0]}"
+    out[f"verify x{args.verify_sessions} ({rows} rows)"] = {
+        arm: (lambda m=m, s=states[arm]: verify_step(m, s, sizes)) for arm, m in models.items()}
+    if args.prompt:
+        out[f"prefill {args.prompt} / {args.chunk}"] = {
+            arm: (lambda m=m: prefill_steps(m, prompt, args.chunk)) for arm, m in models.items()}
     return out
+
+
+def table(work: dict, repeats: int) -> None:
+    """Run every workload's arms `repeats` times interleaved (after one warm-up each) and print
+    one row per workload: median ms [min-max] per arm, exact / fast and fast / per-call."""
+    arms_of = list(next(iter(work.values())))
+    head = f"{'workload':<28} {'fast ms':>22}"
+    head += f" {'exact ms':>22} {'exact/fast':>10}" if "exact" in arms_of else ""
+    head += f" {'per-call ms':>22} {'fast/per-call':>13}" if "per-call" in arms_of else ""
+    print(head)
+    for name, arms in work.items():
+        for fn in arms.values():
+            fn()  # warm-up
+        times: dict = {arm: [] for arm in arms}
+        for _ in range(repeats):
+            for arm, fn in arms.items():
+                times[arm].append(fn())
+        med = {arm: statistics.median(t) for arm, t in times.items()}
+        cells = {a: f"{med[a]:9.1f} [{min(times[a]):.1f}-{max(times[a]):.1f}]" for a in arms}
+        row = f"{name:<28} {cells['fast']:>22}"
+        if "exact" in arms:
+            row += f" {cells['exact']:>22} {med['exact'] / med['fast']:9.2f}x"
+        if "per-call" in arms:
+            row += f" {cells['per-call']:>22} {med['fast'] / med['per-call']:12.2f}x"
+        print(row)
 
 
 def breakdown(model: Trunk, run: Callable[[], float]) -> tuple[float, dict]:
@@ -174,33 +208,30 @@ def main() -> None:
     ap.add_argument("--decodes", type=int, nargs="+", default=[1, 4, 16, 32], help="decode sessions per step")
     ap.add_argument("--verify-sessions", type=int, default=16)
     ap.add_argument("--context", type=int, default=64, help="prompt tokens of each decode / verify session")
-    ap.add_argument("--prompt", type=int, default=900, help="tokens of the prefilled prompt")
+    ap.add_argument("--spread", type=int, default=0,
+                    help="session i gets (7 i) mod (spread + 1) more prompt tokens (default 0: all alike)")
+    ap.add_argument("--verify-rows", type=int, nargs="+", default=list(VERIFY_ROWS),
+                    help="rows of the verify blocks, cycled over the sessions (default 3 4 5 6)")
+    ap.add_argument("--prompt", type=int, default=900, help="tokens of the prefilled prompt (0: no prompt workload)")
     ap.add_argument("--chunk", type=int, default=64, help="prompt tokens per step")
     ap.add_argument("--no-breakdown", action="store_true", help="skip the instrumented run by op family")
     ap.add_argument("--per-call", action="store_true", help="add the per-call fast attention arm")
+    ap.add_argument("--fast-only", action="store_true", help="skip the exact arm (and its breakdown)")
     args = ap.parse_args()
+    if args.spread < 0 or min(args.verify_rows) < 1 or args.prompt < 0:
+        ap.error(f"--spread {args.spread} and --prompt {args.prompt} must be >= 0, --verify-rows "
+                 f"{args.verify_rows} each >= 1")
     torch.set_num_threads(args.threads)
-    models = {arm: load_trunk(args.checkpoint, verify_numerics=arm) for arm in ("fast", "exact")}
+    arms = ("fast",) if args.fast_only else ("fast", "exact")
+    models = {arm: load_trunk(args.checkpoint, verify_numerics=arm) for arm in arms}
     if args.per_call:
         models["per-call"] = load_trunk(args.checkpoint, verify_numerics="fast")
         models["per-call"].numerics = PerCallFast()
     work = workloads(models, args)
     print(f"{args.checkpoint}: {args.threads} thread(s), medians of {args.repeats} interleaved repetitions "
           f"[min-max], ms per step (prefill: all its steps)")
-    extra = f" {'per-call ms':>22} {'fast/per-call':>13}" if args.per_call else ""
-    print(f"{'workload':<28} {'fast ms':>22} {'exact ms':>22} {'exact/fast':>10}{extra}")
-    for name, arms in work.items():
-        for fn in arms.values():
-            fn()  # warm-up
-        times: dict = {arm: [] for arm in arms}
-        for _ in range(args.repeats):
-            for arm, fn in arms.items():
-                times[arm].append(fn())
-        med = {arm: statistics.median(t) for arm, t in times.items()}
-        cells = {a: f"{med[a]:9.1f} [{min(times[a]):.1f}-{max(times[a]):.1f}]" for a in arms}
-        extra = f" {cells['per-call']:>22} {med['fast'] / med['per-call']:12.2f}x" if args.per_call else ""
-        print(f"{name:<28} {cells['fast']:>22} {cells['exact']:>22} {med['exact'] / med['fast']:9.2f}x{extra}")
-    if args.no_breakdown:
+    table(work, args.repeats)
+    if args.no_breakdown or args.fast_only:
         return
     print("\nexact, by op family (one instrumented run): ms (share), rows computed / real rows "
           "(attention: the query rows; its key projections' dense tiles count as attention)")

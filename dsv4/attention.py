@@ -215,6 +215,7 @@ class Attention(nn.Module):
 
         rows: for start_pos > 0, the tokens' compressor / indexer projections (`exact_rows`,
         S rows each) when the caller computed them over a whole pass; None computes them here.
+        With rows, a decode takes a one-token block's keys without a journal (`_block_keys`).
 
         Raises:
             ValueError: `rows` given for a prefill (start_pos == 0), which projects its own.
@@ -224,9 +225,9 @@ class Attention(nn.Module):
             if rows is not None:
                 raise ValueError("Attention.keys: rows are for start_pos > 0, got a prefill (start_pos 0)")
             return self._prefill_keys(x, qr, kv, st)
-        if undo is not None or S > 1:  # a verify block, or a prompt chunk (no journal)
+        if undo is not None or S > 1 or rows is not None:  # a verify block, or a prompt chunk (no journal)
             return self._block_keys(x, qr, kv, start_pos, st, undo, rows)
-        return self._decode_keys(x, qr, kv, start_pos, st, rows)
+        return self._decode_keys(x, qr, kv, start_pos, st)
 
     def exact_rows(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Exact mode: the row-wise projections the key building needs, of tokens x [S, D],
@@ -289,62 +290,82 @@ class Attention(nn.Module):
         Every state change is journaled in an `AttentionUndo` appended to `undo`; with `undo`
         None (a later chunk of a prompt, never rolled back) nothing is journaled.
         """
-        S, W, r, dev = x.shape[0], self.window, self.ratio, x.device
-        written = torch.arange(n, n + S, device=dev)[-W:]  # only the last W positions stay in the ring
-        slots = written % W
+        record = self.block_step(x, kv, n, st, undo, rows)
+        top = None
+        if self.ratio == 4:
+            pos = torch.arange(n, n + x.shape[0], device=x.device)
+            qi, w = rows[4:6] if rows is not None else (self.indexer.project_q(qr, pos), self.indexer.head_weights(x))
+            top = self.indexer.topk_stepped(qi, w, n, st.indexer)  # [S, K]
+        return self.block_finish(kv, n, st, undo, record, top)
+
+    def block_step(self, x: torch.Tensor, kv: torch.Tensor, n: int, st: AttentionState,
+                   undo: list[AttentionUndo] | None, rows: tuple[torch.Tensor, ...] | None,
+                   pending: tuple[list, list] | None = None) -> AttentionUndo | None:
+        """The state half of `_block_keys` before the lists: tokens x [S, D], kv [S, Dh] at
+        n..n+S-1 (a verify block with `undo`, else a later prompt chunk). Saves the ring slots
+        the block will write and opens the compressors' journals (undo given; returns that
+        `AttentionUndo`, else None), then steps the indexer's compressor and the attention
+        compressor token by token, on `rows` (`exact_rows`) when given, else on x.
+
+        pending (with `rows`; fast numerics' joined step): the (attention compressor's,
+        indexer compressor's) lists completed blocks go to, stored later by
+        `Compressor.finalize_pending`; None stores each at once."""
+        S, r = kv.shape[0], self.ratio
+        slots = self._block_slots(n, S, kv.device)
         record = AttentionUndo(n, S, slots, st.ring[slots].clone(), kv) if undo is not None else None
-        q_pos = torch.arange(n, n + S, device=dev)
-        lists = [self._window_list(q_pos, n)]
-        if r == 4:
+        parts = ((self.indexer.compressor if r == 4 else None, "indexer", 2, 1),
+                 (self.compressor if r else None, "compressor", 0, 0))
+        for module, name, at, which in parts:
+            if module is None:
+                continue
+            cst = getattr(st, name)
             if record is not None:
-                record.indexer = self.indexer.compressor.open_journal(st.indexer, n, S)
-            top = self._index_topk(x, qr, n, st, rows)  # [S, K], steps the indexer compressor per token
+                setattr(record, name, module.open_journal(cst, n, S))
+            if rows is not None:
+                module.write_tile(rows[at], rows[at + 1], n, S, cst, None if pending is None else pending[which])
+            else:
+                for i in range(S):
+                    module.step(x[i:i + 1], n + i, cst)
+        return record
+
+    def block_finish(self, kv: torch.Tensor, n: int, st: AttentionState, undo: list[AttentionUndo] | None,
+                     record: AttentionUndo | None, top: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of `_block_keys` once `block_step` ran and the entries are stored: kv
+        [S, Dh] of tokens n.., top [S, K] int64 the indexer's selection (ratio 4, else None)
+        -> (keys [W + S + E, Dh], idx [S, W + Kc] int64); writes the block's ring slots and
+        appends `record` (when not None) to `undo`."""
+        S, W, r = kv.shape[0], self.window, self.ratio
+        q_pos = torch.arange(n, n + S, device=kv.device)
+        lists = [self.window_list(q_pos, n)]
+        if r == 4:
             lists.append(torch.where(top >= 0, top + W + S, top))
-        keys = self._step_compressor(x, n, S, st, record, torch.cat((st.ring, kv)), rows)
+        keys = torch.cat((st.ring, kv, st.compressor.entries()) if r else (st.ring, kv))
         if r and r != 4:
-            lists.append(self._plain_entry_list(q_pos, st.compressor.n_entries, W + S))
-        st.ring[slots] = kv[-W:]
+            lists.append(self.plain_entry_list(q_pos, st.compressor.n_entries, W + S))
+        st.ring[self._block_slots(n, S, kv.device)] = kv[-W:]
         if record is not None:
             undo.append(record)
         return keys, torch.cat(lists, dim=1)
 
-    def _window_list(self, q_pos: torch.Tensor, n: int) -> torch.Tensor:
-        """Window index lists [Q, W] for queries at q_pos [Q] of a call starting at n: positions
-        q, q-1, .. q-W+1; those >= n are the call's own rows (W + offset), earlier ones are ring
-        slots as they were before the call (pos % W), negative positions -1."""
+    def _block_slots(self, n: int, S: int, dev: torch.device) -> torch.Tensor:
+        """Ring slots [min(S, W)] of a call's tokens n..n+S-1 that stay in the ring (its last W)."""
+        return torch.arange(n, n + S, device=dev)[-self.window:] % self.window
+
+    def window_list(self, q_pos: torch.Tensor, n: int | torch.Tensor) -> torch.Tensor:
+        """Window index lists [Q, W] for queries at q_pos [Q] of a call starting at n (an int,
+        or [Q, 1] int64: each query's own call's start): positions q, q-1, .. q-W+1; those >= n
+        are the call's own rows (W + offset), earlier ones are ring slots as they were before
+        the call (pos % W), negative positions -1."""
         W = self.window
         win_pos = q_pos[:, None] - torch.arange(W, device=q_pos.device)[None, :]  # [Q, W]
         win = torch.where(win_pos >= n, W + win_pos - n, win_pos % W)
         return torch.where(win_pos >= 0, win, -1)
 
-    def _plain_entry_list(self, q_pos: torch.Tensor, n_entries: int, offset: int) -> torch.Tensor:
-        """Plain-compressor lists [Q, n_entries]: entry j (at key row offset + j) for j < (q+1)//r, else -1."""
+    def plain_entry_list(self, q_pos: torch.Tensor, n_entries: int, offset: int | torch.Tensor) -> torch.Tensor:
+        """Plain-compressor lists [Q, n_entries]: entry j (at key row offset + j) for j < (q+1)//r,
+        else -1; `offset` an int or [Q, 1] int64 (each query's own)."""
         j = torch.arange(n_entries, device=q_pos.device)
         return torch.where(j[None, :] < ((q_pos + 1) // self.ratio)[:, None], j[None, :] + offset, -1)
-
-    def _step_compressor(self, x: torch.Tensor, n: int, S: int, st: AttentionState, record: AttentionUndo | None,
-                         keys: torch.Tensor, rows: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
-        """Feed tokens n..n+S-1 to the attention compressor one by one (journaled into `record`
-        when given; on `rows[:2]`, their precomputed v, g, when given) and return `keys` with
-        its entries appended (unchanged for ratio 0)."""
-        if not self.ratio:
-            return keys
-        if record is not None:
-            record.compressor = self.compressor.open_journal(st.compressor, n, S)
-        if rows is not None:
-            self.compressor.write_tile(rows[0], rows[1], n, S, st.compressor)
-        else:
-            for i in range(S):
-                self.compressor.step(x[i:i + 1], n + i, st.compressor)
-        return torch.cat((keys, st.compressor.entries()))
-
-    def _index_topk(self, x: torch.Tensor, qr: torch.Tensor, n: int, st: AttentionState,
-                    rows: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
-        """The indexer's top-k [S, K] int64 for tokens n.. (ratio 4), stepping its compressor:
-        on the precomputed projections `rows[2:]` when given, else projecting x, qr here."""
-        if rows is not None:
-            return self.indexer.topk_from_rows(rows[2:], n, st.indexer)
-        return self.indexer(x, qr, n, st.indexer)
 
     def _exact_keys(self, kv: torch.Tensor, rows: tuple[torch.Tensor, ...], n: int, S: int,
                     st: AttentionState, undo: list[AttentionUndo] | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -361,7 +382,7 @@ class Attention(nn.Module):
         slots = torch.arange(n, n + S, device=dev)[-W:] % W
         record = AttentionUndo(n, S, slots, st.ring[slots].clone(), kv[:S]) if undo is not None else None
         q_pos = torch.arange(n, n + R, device=dev)
-        lists = [self._window_list(q_pos, n)]
+        lists = [self.window_list(q_pos, n)]
         if r == 4:
             if record is not None:
                 record.indexer = self.indexer.compressor.open_journal(st.indexer, n, S)
@@ -374,7 +395,7 @@ class Attention(nn.Module):
             self.compressor.write_tile(rows[0], rows[1], n, S, st.compressor)
             keys = torch.cat((keys, st.compressor.entries()))
         if r and r != 4:
-            lists.append(self._plain_entry_list(q_pos, st.compressor.n_entries, W + R))
+            lists.append(self.plain_entry_list(q_pos, st.compressor.n_entries, W + R))
         idx = torch.cat(lists, dim=1)
         idx[S:] = -1  # padding rows attend to nothing (output 0)
         st.ring[slots] = kv[:S][-W:]
@@ -397,24 +418,25 @@ class Attention(nn.Module):
             self.compressor.prefill(x, st.compressor)
             keys = torch.cat((kv, st.compressor.entries()))
         if r and r != 4:
-            lists.append(self._plain_entry_list(t, S // r, S))  # [S, S//r]
+            lists.append(self.plain_entry_list(t, S // r, S))  # [S, S//r]
         keep = min(S, W)
         st.ring[(t[-keep:] % W)] = kv[-keep:]
         return keys, torch.cat(lists, dim=1)
 
-    def _decode_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, p: int, st: AttentionState,
-                     rows: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_keys(self, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, p: int,
+                     st: AttentionState) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [W + n, Dh] = [ring | entries] and the index list [1, Kw + Kc] for position p
-        (docs/model.md §5.4); `rows`: the token's precomputed projections (see `keys`) or None."""
+        (docs/model.md §5.4)."""
         W, r = self.window, self.ratio
         lists = [torch.arange(min(p + 1, W), device=x.device)]  # ring slots holding positions p-W+1..p
         if r == 4:
-            top = self._index_topk(x, qr, p, st, rows)[0]  # [K]
+            top = self.indexer(x, qr, p, st.indexer)[0]  # [K], stepping the indexer's compressor
             lists.append(torch.where(top >= 0, top + W, top))
         st.ring[p % W] = kv[0]
         keys = st.ring
         if r:
-            keys = self._step_compressor(x, p, 1, st, None, st.ring, rows)
+            self.compressor.step(x, p, st.compressor)
+            keys = torch.cat((keys, st.compressor.entries()))
         if r and r != 4:
             lists.append(W + torch.arange(st.compressor.n_entries, device=x.device))
         return keys, torch.cat(lists)[None, :]

@@ -86,6 +86,12 @@ class CompressorJournal:
         return self.kv_rows.numel() * self.kv_rows.element_size() * 2
 
 
+# A block pooled but not yet stored (fast numerics, `Compressor.finalize_pending`): its state,
+# its entry index j, and its slots' values and scores v, g [slots, d] fp32 (slots = 2r
+# overlapped, else r), copied out before later tokens overwrite the state's rows.
+PendingBlock = tuple[CompressorState, int, torch.Tensor, torch.Tensor]
+
+
 class Compressor(nn.Module):
     """Attention or indexer compressor of one layer (docs/model.md §5.6).
 
@@ -185,32 +191,74 @@ class Compressor(nn.Module):
         ape[pos mod r]); row-wise, so exact mode computes them on its fixed row tiles."""
         return self._project(x, pos)
 
-    def write_tile(self, v: torch.Tensor, g: torch.Tensor, start: int, n_real: int, st: CompressorState) -> None:
-        """Exact mode: feed tokens start..start+n_real-1 whose projections (`project`) are the
-        first n_real rows of v, g [R, k*d] fp32, as `step` feeds tokens one by one (journaled
-        likewise). Padding rows never reach `st`."""
+    def write_tile(self, v: torch.Tensor, g: torch.Tensor, start: int, n_real: int, st: CompressorState,
+                   pending: list[PendingBlock] | None = None) -> None:
+        """Feed tokens start..start+n_real-1 whose projections (`project`, computed over a whole
+        pass: exact mode's tiles, fast mode's joined step) are the first n_real rows of v, g
+        [R, k*d] fp32, as `step` feeds tokens one by one (journaled likewise). Padding rows
+        never reach `st`. `pending` (fast numerics): completed blocks are appended to it and
+        their entries written by `finalize_pending`; None writes each at once."""
         for i in range(n_real):
             if st.journal is not None:
                 st.journal.steps.append((start + i, v[i], g[i]))
-            self._write_token(v[i], g[i], start + i, st)
+            self._write_token(v[i], g[i], start + i, st, pending)
 
-    def _write_token(self, v: torch.Tensor, g: torch.Tensor, pos: int, st: CompressorState) -> bool:
-        """Write one token's projections v, g [k*d] at `pos` into `st`; pool at a block boundary."""
-        r, d, i = self.ratio, self.head_dim, pos % self.ratio
+    def write_decodes(self, v: torch.Tensor, g: torch.Tensor, positions: list[int],
+                      states: list[CompressorState], pending: list[PendingBlock]) -> None:
+        """Fast numerics: one decode token in each of B sessions, v, g [B, k*d] fp32 (`project`)
+        of the token at positions[b] (int) for states[b] (B distinct states), fed as `step`
+        feeds one (journaled likewise); the blocks they complete go to `pending`."""
+        for st, pos, vb, gb in zip(states, positions, v.unbind(0), g.unbind(0)):
+            if st.journal is not None:
+                st.journal.steps.append((pos, vb, gb))
+            self._write_token(vb, gb, pos, st, pending)
+
+    def finalize_pending(self, pending: list[PendingBlock]) -> None:
+        """Write the entries of the m blocks in `pending` (then emptied): one pool and one
+        `finalize` over [m, slots, d], rather than one per block. Until then those entries'
+        cache rows are stale, though n_entries already counts them."""
+        if len(pending) == 1:  # the store of `_write_token` without `pending`: views, no stacking
+            st, j, v, g = pending.pop()
+            st.cache[j] = self.finalize(pool(v[None], g[None]), torch.tensor([j * self.ratio], device=v.device))[0]
+            return
+        if not pending:
+            return
+        first = torch.tensor([j * self.ratio for _, j, _, _ in pending], device=pending[0][2].device)
+        entries = self.finalize(pool(torch.stack([b[2] for b in pending]), torch.stack([b[3] for b in pending])),
+                                first)  # (m, d)
+        for (st, j, _, _), entry in zip(pending, entries.unbind(0)):
+            st.cache[j] = entry
+        pending.clear()
+
+    def _write_token(self, v: torch.Tensor, g: torch.Tensor, pos: int, st: CompressorState,
+                     pending: list[PendingBlock] | None = None) -> bool:
+        """Write one token's projections v, g [k*d] at `pos` into `st`; pool at a block
+        boundary: at once (pending None), or into `pending` for `finalize_pending`."""
+        r, i = self.ratio, pos % self.ratio
         row = r + i if self.overlap else i
         st.kv[row], st.score[row] = v, g
         if (pos + 1) % r:
             return False
+        block = self._take_block(st, pos // r)
+        if pending is None:
+            self.finalize_pending([block])
+        else:
+            pending.append(block)
+        return True
+
+    def _take_block(self, st: CompressorState, j: int) -> PendingBlock:
+        """The slots of block j, just completed in `st`: (st, j, v, g [slots, d] fp32, copies);
+        counts the entry and, overlapped, shifts the current half into the previous half."""
+        r, d = self.ratio, self.head_dim
         if self.overlap:
             vs = torch.cat((st.kv[:r, :d], st.kv[r:, d:]))  # (2r, d)
             gs = torch.cat((st.score[:r, :d], st.score[r:, d:]))  # (2r, d)
-            st.kv[:r], st.score[:r] = st.kv[r:].clone(), st.score[r:].clone()
-        else:
-            vs, gs = st.kv, st.score
-        j = pos // r
-        st.cache[j] = self.finalize(pool(vs[None], gs[None]), torch.tensor([j * r], device=st.cache.device))[0]
+            st.kv[:r].copy_(st.kv[r:])  # rows [0, r) and [r, 2r) are disjoint: no clone needed
+            st.score[:r].copy_(st.score[r:])
+        else:  # later tokens overwrite these rows before a deferred store reads them: copy
+            vs, gs = st.kv.clone(), st.score.clone()
         st.n_entries = j + 1
-        return True
+        return st, j, vs, gs
 
     def open_journal(self, st: CompressorState, start_pos: int, n_tokens: int) -> CompressorJournal:
         """Open `st.journal`: save the rows tokens start_pos..start_pos+n_tokens-1 may modify.
@@ -218,13 +266,13 @@ class Compressor(nn.Module):
         Each token writes row (r + pos % r) if overlapped else (pos % r); a block boundary of
         the overlapped layout also shifts rows [r, 2r) into [0, r).
         """
-        r = self.ratio
-        pos = torch.arange(start_pos, start_pos + n_tokens)
-        rows = (pos % r + (r if self.overlap else 0)).tolist()
-        if self.overlap and bool(((pos + 1) % r == 0).any()):
-            rows += list(range(r))
-        idx = torch.tensor(sorted(set(rows)), device=st.kv.device)
-        st.journal = CompressorJournal(idx, st.kv[idx].clone(), st.score[idx].clone(), st.n_entries, [])
+        r, span = self.ratio, range(start_pos, start_pos + n_tokens)
+        rows = {p % r + (r if self.overlap else 0) for p in span}
+        if self.overlap and any((p + 1) % r == 0 for p in span):
+            rows.update(range(r))
+        idx = torch.tensor(sorted(rows), device=st.kv.device)
+        # indexing with a tensor copies: the saved rows do not follow later writes
+        st.journal = CompressorJournal(idx, st.kv[idx], st.score[idx], st.n_entries, [])
         return st.journal
 
     def rollback(self, st: CompressorState, journal: CompressorJournal, keep: int) -> int:

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 
 from dsv4.codecs import act_quant_fp4, hadamard_rotate
 from dsv4.compressor import FP4_QUANT_BLOCK, Compressor, CompressorState
@@ -75,25 +76,39 @@ class Indexer(nn.Module):
         else:
             for s in range(S):
                 self.compressor.step(x[s:s + 1], start_pos + s, st)
-        scores = index_scores(self.project_q(qr, pos), self.head_weights(x), st.entries())  # [S, E]
-        if self.reduce_scores is not None:
-            scores = self.reduce_scores(scores)
-        return select_topk(scores, (pos + 1) // INDEX_RATIO, self.topk)
+        return self.topk_stepped(self.project_q(qr, pos), self.head_weights(x), start_pos, st)
 
-    def topk_from_rows(self, rows: tuple[torch.Tensor, ...], start_pos: int, st: CompressorState) -> torch.Tensor:
-        """`forward` for S >= 1 tokens at start_pos > 0 whose row-wise projections the caller
-        computed (`exact_rows`: compressor v, g [S, Di*2] fp32, qi [S, Hi, Di], head weights
-        [S, Hi] fp32), so a batched pass projects every session's rows at once
-        -> [S, K] int64 (-1 = none). Feeds the tokens to the compressor in order (journaled
-        while `st.journal` is open), as `forward` does."""
-        v, g, qi, w = rows
-        S = qi.shape[0]
-        pos = torch.arange(start_pos, start_pos + S, device=qi.device)
-        self.compressor.write_tile(v, g, start_pos, S, st)
+    def topk_stepped(self, qi: torch.Tensor, w: torch.Tensor, start_pos: int, st: CompressorState) -> torch.Tensor:
+        """The top-k of S tokens at start_pos.. once their steps are in `st`: qi [S, Hi, Di],
+        w [S, Hi] fp32 -> [S, K] int64 (-1 = none), each token seeing the entries complete at
+        its own position."""
+        pos = torch.arange(start_pos, start_pos + qi.shape[0], device=qi.device)
         scores = index_scores(qi, w, st.entries())  # [S, E]
         if self.reduce_scores is not None:
             scores = self.reduce_scores(scores)
         return select_topk(scores, (pos + 1) // INDEX_RATIO, self.topk)
+
+    def topk_joined(self, qi: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, states: list[CompressorState],
+                    owner: list[int]) -> torch.Tensor:
+        """Fast numerics: the top-k of M tokens of several calls at once, each over its own
+        session's entries, once every call's compressor steps are in its state: qi [M, Hi, Di],
+        w [M, Hi] fp32 (`exact_rows`); token m at positions[m] (positions [M] int64, > 0) belongs to
+        states[owner[m]] -> [M, K] int64 with K = min(index_topk, the most entries of any
+        state), -1 = none. The states' entries are zero-padded to the longest and scored in one
+        batched product; the padding columns are invisible, as are entries not yet complete at
+        a token's position, so a row selects what `topk_stepped` selects for its call alone
+        (scores agree to rounding)."""
+        dev = qi.device
+        kc = pad_sequence([st.entries() for st in states], batch_first=True)  # [C, Emax, Di]
+        if owner != list(range(len(states))):  # not one row per state: each row its state's entries
+            kc = kc[torch.tensor(owner, device=dev)]  # [M, Emax, Di]
+        dots = torch.einsum("mhd,med->mhe", qi.float(), kc.float())  # [M, Hi, Emax]
+        scores = (torch.relu(dots) * w.unsqueeze(-1)).sum(1)  # [M, Emax]
+        if self.reduce_scores is not None:
+            scores = self.reduce_scores(scores)
+        n_entries = torch.tensor([states[o].n_entries for o in owner], device=dev)
+        visible = torch.minimum((positions + 1) // INDEX_RATIO, n_entries)
+        return select_topk(scores, visible, self.topk)
 
     def exact_rows(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Exact mode: the indexer's row-wise projections of tokens x [S, D], qr [S, Lq] at

@@ -6,7 +6,8 @@ state, and it never validates arguments (`dsv4.trunk.Trunk` and the serving engi
 `dsv4.batch.run_pass` is the one loop, embed -> blocks -> taps -> head, for prefill, decode
 and verify alike, and for one session or many: a pass holds several `Call`s whose rows are
 concatenated for the dense ops while attention's state work (ring, compressors, indexer
-top-k) runs per call on its slice of rows and its own state. Every place where the recipes differ is one method of the strategy:
+top-k) runs on each call's own state (fast mode batches what is not per state across the
+calls, `dsv4.joined_keys`). Every place where the recipes differ is one method of the strategy:
 
 - `dense(fn, *rows, calls=)`: a row-wise op (projections, mHC, norms, gate, shared expert,
   taps, head) over the concatenated rows of every call: fast runs it once on all rows, exact
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4.attention import EXACT_KEY_CHUNK, Attention, AttentionState, AttentionUndo, sparse_attn_tiled
+from dsv4.joined_keys import joined_keys
 from dsv4.moe import MoE
 
 EXACT_ROWS = 8  # exact mode: rows of a decode / verify tile, and the most tokens a verify block holds
@@ -92,20 +94,24 @@ class FastNumerics:
 
         A prompt piece runs alone on its rows and state (`Attention.core`): its lists are
         long and would pad every decode row to their width. Decodes and verify blocks (when
-        there are two or more) run their compressor and indexer projections together, build
-        their keys and lists each on its own state (`Attention.keys`: ring write, indexer
-        top-k, compressor step; `joined_keys`), then ONE reduction (`attn.attend`) runs over all their query
-        rows, on their key tensors concatenated, each list offset into its own call's keys
-        and padded with -1 to the longest; a masked column adds nothing, so a row agrees with
-        its per-call result to rounding. One reduction per layer instead of one per session
-        is what makes a wide decode step cheaper per row."""
-        out = q.new_empty(q.shape)
+        there are two or more) build their keys together (`dsv4.joined_keys.joined_keys`:
+        each call's ring and compressor rows written on its own state, while the projections,
+        the finalisation of completed blocks, the indexer's scoring and top-k and every row's
+        list run once for the whole step), then ONE reduction (`attn.attend`) runs over all
+        their query rows, on their keys concatenated, each list offset into its own call's
+        keys and padded with -1; a masked column adds nothing, so a row agrees with its
+        per-call result to rounding. One key build and one reduction per layer instead of
+        one per session is what makes a wide decode step cheaper per row."""
         step = [(call, st, span) for call, st, span in calls if not call.prefill]
+        if len(step) > 1 and len(step) == len(calls):  # no prompt piece: the step is every row
+            keys, idx = joined_keys(attn, x, qr, kv, step)
+            return attn.attend(q, keys, attn.attn_sink, idx, attn.softmax_scale)
+        out = q.new_empty(q.shape)
         for call, st, (lo, hi) in calls:
             if call.prefill or len(step) == 1:
                 out[lo:hi] = attn.core(x[lo:hi], qr[lo:hi], q[lo:hi], kv[lo:hi], call.start_pos, st, call.undo)
         if len(step) > 1:
-            rows = torch.cat([torch.arange(lo, hi, device=q.device) for _, _, (lo, hi) in step])
+            rows = torch.tensor([i for _, _, (lo, hi) in step for i in range(lo, hi)], device=q.device)
             keys, idx = joined_keys(attn, x[rows], qr[rows], kv[rows], step)
             out[rows] = attn.attend(q[rows], keys, attn.attn_sink, idx, attn.softmax_scale)
         return out
@@ -189,33 +195,6 @@ class ExactNumerics(FastNumerics):
               small_m: bool) -> torch.Tensor:
         """Each expert on fixed EXACT_ROWS-row tiles of the rows routed to it."""
         return moe.combine_tiled(x, weights, experts, EXACT_ROWS)
-
-
-def joined_keys(attn: Attention, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor,
-                calls: list[CallRows]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fast mode: every call's keys and index lists joined for one reduction. x [M, D],
-    qr [M, Lq], kv [M, Dh]: the calls' projected rows, in call order; `calls`: (call, layer
-    state, rows (lo, hi) of the pass), decodes and verify blocks only (start_pos > 0).
-
-    The compressor and indexer projections (`Attention.exact_rows`, row-wise) run once over
-    all M rows; then each call builds its keys on its own state (`Attention.keys`, in call
-    order). Returns keys [sum of the calls' key rows, Dh] in kv's dtype (the calls' keys
-    stacked in call order) and idx [M, K] int64: each row's list shifted by its call's first
-    key row and padded with -1 (masked) to the longest list K.
-    """
-    pos = torch.cat([torch.arange(c.start_pos, c.start_pos + c.n_tokens, device=x.device) for c, _, _ in calls])
-    rows = attn.exact_rows(x, qr, pos)  # () for ratio 0
-    keys, lists, offset, a = [], [], 0, 0
-    for call, st, _ in calls:
-        b = a + call.n_tokens
-        k, idx = attn.keys(x[a:b], qr[a:b], kv[a:b], call.start_pos, st, call.undo, tuple(t[a:b] for t in rows))
-        lists.append(torch.where(idx >= 0, idx + offset, -1))
-        keys.append(k)
-        offset, a = offset + k.shape[0], b
-    width = max(t.shape[1] for t in lists)
-    idx = torch.cat([F.pad(t, (0, width - t.shape[1]), value=-1) for t in lists])
-    # torch.cat copies: a call's keys may be a view of its ring, and are taken as they are now
-    return torch.cat(keys), idx
 
 
 def by_kind(fn: Callable[..., "torch.Tensor | tuple[torch.Tensor, ...]"], rows: tuple | list,
