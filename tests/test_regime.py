@@ -171,7 +171,11 @@ def test_a_window_of_mostly_ungated_rounds_adds_no_evidence():
     for i in range(2 + 10):
         policy.record(2, 1, 0.01 * (i + 1), gated=i % 3 == 0)  # 3 or 4 of 10 measured rounds gated
     assert policy.buckets[1].rates["gate"].windows == 0 and policy.discarded == 1
-    for i in range(12, 12 + 10):
+    assert policy.window is None           # ungated rounds open no window and spend no probe
+    policy.record(2, 1, 0.125)
+    assert policy.window is None and policy.buckets[1].since_probe == 0
+    policy.may_draft(2)
+    for i in range(13, 13 + 2 + 10):
         policy.record(2, 1, 0.01 * (i + 1), gated=i % 2 == 0)  # half gated: kept
     assert policy.buckets[1].rates["gate"].windows == 1
 

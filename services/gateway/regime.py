@@ -179,15 +179,16 @@ class RegimePolicy:
         """One finished round of any generation: `committed` tokens (an int >= 1) at time
         `now_s` (s), with `in_flight` generations in flight (>= 1); `gated`: the round's
         generation is gated (the regime decides its rounds). Settles, measures or closes the
-        open window. Raises ValueError naming a bad value."""
+        open window; without one it only checks its arguments, since windows open when a
+        gated round asks (`may_draft`): traffic the regime does not decide must not spend
+        windows, or the probe schedule. Raises ValueError naming a bad value."""
         bucket = bucket_of(in_flight)
         if isinstance(committed, bool) or not isinstance(committed, int) or committed < 1:
             raise ValueError(f"committed={short_repr(committed)}: must be an int >= 1")
         _positive("now_s", now_s, low_ok=True)
         w = self.window
         if w is None:
-            self._open(bucket, in_flight, None)
-            w = self.window
+            return
         off = bucket != w.bucket
         w.recorded += 1
         w.off_bucket += off
@@ -206,7 +207,10 @@ class RegimePolicy:
         w.gated_measured += bool(gated)
         if (now_s - w.t_start) * 1e3 >= self.config.window_ms and w.rounds >= w.min_rounds:
             self._close((now_s - w.t_start) * 1e3)
-            self._open(bucket, in_flight, w)
+            if 2 * w.gated_measured >= w.rounds:
+                self._open(bucket, in_flight, w)
+            else:  # mostly other traffic: the next gated round opens the next window
+                self.window = None
 
     def idle(self) -> None:
         """No generation is in flight: drop the open window, whose wall time would count the
