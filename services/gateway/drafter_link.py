@@ -176,9 +176,8 @@ class DrafterLink:
     async def wake(self) -> bool:
         """Before the first draft after `sleep` (or of a link started asleep): open a session
         and prime it with the verifier's kept rows (the last min(W, committed)), not counted
-        as a failover. True
-        when a session took over; a refusal is handled as any drafter failure (`failed`).
-        True without a nap when a session is there.
+        as a failover (`_adopt`). True when a session took over, or when the link was not
+        asleep and has one.
 
         Raises:
             BackendError: the verifier failed to return its kept rows (ends the generation).
@@ -186,12 +185,7 @@ class DrafterLink:
         if not self.asleep:
             return self.session is not None
         self.asleep = False
-        new = self.supply.retry() if self.supply.opened else self.supply.open()
-        refused = await self._prime(new, trace.get_current_span())
-        self.session = new
-        if refused is not None:  # `failed` closes it, counts the refusal and fails over or backs off
-            return await self.failed(refused)
-        return True
+        return await self._adopt(self.supply.retry() if self.supply.opened else self.supply.open())
 
     async def retry_full(self) -> bool:
         """One plain round of a generation whose drafter was full; on the round its wait ends,
@@ -210,13 +204,24 @@ class DrafterLink:
         if new is None:
             self._full_gap = 0
             return False
-        span = trace.get_current_span()
-        refused = await self._prime(new, span)
+        if not await self._adopt(new):
+            return False
+        self._full_gap = 0
+        trace.get_current_span().add_event("drafter_session_regained", {"first_position": len(self.committed)})
+        return True
+
+    async def _adopt(self, new: DrafterSession) -> bool:
+        """Prime `new` with the verifier's kept rows and make it the session. True when it took
+        over; a refusal is handled as any drafter failure (`failed` closes it, counts it, and
+        fails over or backs off) and its answer returned.
+
+        Raises:
+            BackendError: the verifier failed to return its kept rows (ends the generation).
+        """
+        refused = await self._prime(new, trace.get_current_span())
+        self.session = new
         if refused is not None:
-            self.session = new  # closed by `failed`, which counts the refusal and backs off
             return await self.failed(refused)
-        self.session, self._full_gap = new, 0
-        span.add_event("drafter_session_regained", {"first_position": len(self.committed)})
         return True
 
     async def _prime(self, new: DrafterSession, span) -> BackendError | None:

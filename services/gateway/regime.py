@@ -25,10 +25,10 @@ tokens a generation streams do not depend on it. Event-loop use only (no locking
 from __future__ import annotations
 
 import bisect
-import math
 from dataclasses import dataclass, field
 
-from services.gateway.values import short_repr
+from services.common.settings import check_count
+from services.gateway.values import finite_float, is_integer, short_repr
 
 # Upper bounds (generations in flight) of the buckets; the last bucket is everything above.
 BUCKET_UPPER = (1, 2, 4, 8, 16, 32)
@@ -38,7 +38,7 @@ REGIMES = ("gate", "plain")
 def bucket_of(in_flight: int) -> int:
     """The bucket index (0..len(BUCKET_UPPER)) of `in_flight` generations (an int >= 1).
     Raises ValueError naming the value when it is not an int >= 1."""
-    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+    if not is_integer(in_flight) or in_flight < 1:
         raise ValueError(f"in_flight={short_repr(in_flight)}: must be an int >= 1")
     return bisect.bisect_left(BUCKET_UPPER, in_flight)
 
@@ -53,8 +53,9 @@ def bucket_name(index: int) -> str:
 
 
 def _positive(name: str, value, low_ok: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or (value == 0 and not low_ok):
+    """Raises ValueError naming `name` unless `value` is a finite number > 0 (>= 0 with low_ok)."""
+    number = finite_float(value)
+    if number is None or number < 0 or (number == 0 and not low_ok):
         raise ValueError(f"{name}={short_repr(value)}: must be a finite number {'>=' if low_ok else '>'} 0")
 
 
@@ -84,12 +85,11 @@ class RegimeConfig:
     def __post_init__(self) -> None:
         _positive("window_ms", self.window_ms)
         _positive("margin", self.margin, low_ok=True)
-        if isinstance(self.decay, bool) or not (isinstance(self.decay, (int, float)) and 0 < self.decay <= 1):
+        decay = finite_float(self.decay)
+        if decay is None or not 0 < decay <= 1:
             raise ValueError(f"decay={short_repr(self.decay)}: must be in (0, 1]")
         for name in ("probe_min", "probe_max"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={short_repr(value)}: must be an int >= 1")
+            check_count(name, getattr(self, name), 1)
         if self.probe_max < self.probe_min:
             raise ValueError(f"probe_max={self.probe_max}: must be >= probe_min={self.probe_min}")
 
@@ -183,7 +183,7 @@ class RegimePolicy:
         gated round asks (`may_draft`): traffic the regime does not decide must not spend
         windows, or the probe schedule. Raises ValueError naming a bad value."""
         bucket = bucket_of(in_flight)
-        if isinstance(committed, bool) or not isinstance(committed, int) or committed < 1:
+        if not is_integer(committed) or committed < 1:
             raise ValueError(f"committed={short_repr(committed)}: must be an int >= 1")
         _positive("now_s", now_s, low_ok=True)
         w = self.window
