@@ -52,6 +52,11 @@ def bucket_name(index: int) -> str:
     return str(high) if low == high else f"{low}-{high}"
 
 
+def _other(regime: str) -> str:
+    """The regime that is not `regime`."""
+    return REGIMES[1 - REGIMES.index(regime)]
+
+
 def _positive(name: str, value, low_ok: bool = False) -> None:
     """Raises ValueError naming `name` unless `value` is a finite number > 0 (>= 0 with low_ok)."""
     number = finite_float(value)
@@ -238,7 +243,7 @@ class RegimePolicy:
         if None in rates.values():
             return None
         current = b.chosen or "gate"
-        other = REGIMES[1 - REGIMES.index(current)]
+        other = _other(current)
         return other if rates[other] > rates[current] * (1.0 + self.config.margin) else current
 
     def _open(self, bucket: int, in_flight: int, previous: _Window | None) -> None:
@@ -262,7 +267,7 @@ class RegimePolicy:
         if b.since_probe < b.probe_every:
             return choice, False
         b.since_probe, b.probes = 0, b.probes + 1
-        return REGIMES[1 - REGIMES.index(choice)], True
+        return _other(choice), True
 
     def _close(self, ms: float) -> None:
         """Add the open window's tokens over `ms` to its regime's rate, unless more than a
