@@ -21,7 +21,7 @@ from services.gateway.gate import GateConfig
 from services.gateway.regime import REGIMES, RegimeConfig, RegimePolicy, bucket_name, bucket_of
 from services_fixtures import collect, gen_request, service_loop, start_stack
 
-CFG = RegimeConfig(window_ms=99.5, decay=1.0, margin=0.1, probe_min=2, probe_max=8)
+CFG = RegimeConfig(window_ms=99.5, decay=1.0, margin=0.1, explore=1, probe_min=2, probe_max=8)
 
 
 class Clock:
@@ -116,6 +116,50 @@ def test_probe_schedule_doubles_while_probes_confirm_and_resets_when_one_changes
     assert policy.choice(1) == "gate" and b.probe_every == CFG.probe_min
 
 
+def _run_window(policy: RegimePolicy, clock: Clock, in_flight: int, rate: dict[str, tuple[int, float]]) -> tuple:
+    """Feed the open window until it closes, at `rate[regime]` = (tokens per round, s per round);
+    returns (regime, probe) of the window fed."""
+    w = policy.window
+    tokens, dt = rate[w.regime]
+    while policy.window is w:
+        clock.rounds(in_flight, tokens, 1, dt)
+    return w.regime, w.probe
+
+
+def test_exploration_measures_each_regime_twice_in_mirrored_order_before_choosing():
+    """explore=2: gate, plain, plain, gate (prior first), and no choice of the bucket's own
+    until the fourth window closes. Gate is faster but only its mean decides: its first
+    window is slow (a burst), and with explore=1 that one window would have chosen plain."""
+    policy = RegimePolicy(RegimeConfig(window_ms=99.5, decay=1.0, margin=0.1, explore=2, probe_min=2, probe_max=8))
+    clock = Clock(policy)
+    policy.may_draft(2)
+    order = [_run_window(policy, clock, 2, {"gate": (1, 0.01), "plain": (1, 0.005)})]  # gate 0.1 tok/ms
+    assert policy.buckets[1].chosen is None and policy.choice(1) == "gate"  # the prior until explored
+    for _ in range(3):
+        order.append(_run_window(policy, clock, 2, {"gate": (6, 0.01), "plain": (1, 0.005)}))  # gate 0.6
+        if len(order) < 4:
+            assert policy.buckets[1].chosen is None
+    assert [r for r, _ in order] == ["gate", "plain", "plain", "gate"] and not any(p for _, p in order)
+    assert _rate(policy, 1, "gate") == pytest.approx(0.35, rel=0.05) and _rate(policy, 1, "plain") == pytest.approx(0.2)
+    assert policy.choice(1) == "gate" and policy.window.regime == "gate"
+
+
+def test_a_dropped_probe_window_is_run_again_at_the_bucket_s_next_window():
+    policy = RegimePolicy(CFG)             # explore 1, probe_min 2
+    clock = Clock(policy)
+    policy.may_draft(2)
+    rates = {"gate": (3, 0.01), "plain": (1, 0.002)}   # plain 0.5 vs gate 0.3 tok/ms
+    _run_window(policy, clock, 2, rates)
+    _run_window(policy, clock, 2, rates)
+    _run_window(policy, clock, 2, rates)   # plain, chosen
+    assert policy.window.probe and policy.window.regime == "gate"
+    clock.rounds(2, 3, 3, 0.01)            # the burst ends under the probe
+    policy.idle()
+    assert policy.window is None and policy.discarded == 1
+    assert policy.may_draft(2) is True and policy.window.probe and policy.window.regime == "gate"
+    assert policy.buckets[1].probes == 2   # the probe, asked again
+
+
 def test_an_unexplored_bucket_starts_in_the_choice_of_the_nearest_lower_bucket():
     policy = RegimePolicy(CFG)
     policy.buckets[2].rates["gate"].add(1, 10.0, 1.0)
@@ -187,7 +231,7 @@ def test_bad_values_are_named():
         args = {"in_flight": 2, "committed": 1, "now_s": 1.0, **kwargs}
         with pytest.raises(ValueError, match=match):
             policy.record(**args)
-    for field, value in (("window_ms", 0), ("decay", 0), ("decay", 1.5), ("decay", True), ("margin", -0.1),
+    for field, value in (("window_ms", 0), ("decay", 0), ("decay", 1.5), ("decay", True), ("margin", -0.1), ("explore", 0),
                          ("probe_min", 0), ("probe_max", 1.5)):
         with pytest.raises(ValueError, match=f"{field}="):
             RegimeConfig(**{field: value})
@@ -219,7 +263,7 @@ def test_a_plain_regime_lets_the_drafter_go_and_a_lone_generation_wakes_it():
     try:
         gw = loop.run(stack.start_gateway("sequential", regime=True))
         try:
-            policy = gw.scheduler.regime = RegimePolicy(RegimeConfig(window_ms=60_000.0))
+            policy = gw.scheduler.regime = RegimePolicy(RegimeConfig(window_ms=60_000.0, explore=1))
             policy.buckets[1].rates["gate"].add(1, 1000.0, 1.0)
             policy.buckets[1].rates["plain"].add(1000, 1000.0, 1.0)
             reference = loop.run(collect(gw.stub, gen_request("the regime policy", max_tokens=32, spec="off")))

@@ -75,15 +75,22 @@ class RegimeConfig:
         one's by this fraction (>= 0), and its first choice is "plain" only when plain beats
         gate by it: a switch costs (drafter sessions let go and primed again), so noise must
         not flip it, and on a tie the generations' own gates decide.
+    explore: windows of each regime a bucket measures before its first choice (an int >= 1),
+        in the order prior, other, other, prior, ...: one window can be unlucky (a burst of
+        long prompts, a noisy neighbour), and the mirrored order cancels a steady drift of
+        the load across the exploration with two switches of regime instead of three.
     probe_min, probe_max: windows between probes of the other regime (ints, 1 <= min <= max);
         the interval doubles from probe_min after every probe that confirms the choice, up to
-        probe_max, and falls back to probe_min when a probe changes it.
+        probe_max, and falls back to probe_min when a probe changes it. A probe window that
+        is dropped (the load left its bucket, the gateway went idle) is run again the next
+        time the bucket opens a window.
     Raises ValueError naming the field and value when one is out of range.
     """
 
     window_ms: float = 1000.0
     decay: float = 0.8
     margin: float = 0.05
+    explore: int = 2
     probe_min: int = 8
     probe_max: int = 64
 
@@ -93,7 +100,7 @@ class RegimeConfig:
         decay = finite_float(self.decay)
         if decay is None or not 0 < decay <= 1:
             raise ValueError(f"decay={short_repr(self.decay)}: must be in (0, 1]")
-        for name in ("probe_min", "probe_max"):
+        for name in ("explore", "probe_min", "probe_max"):
             check_count(name, getattr(self, name), 1)
         if self.probe_max < self.probe_min:
             raise ValueError(f"probe_max={self.probe_max}: must be >= probe_min={self.probe_min}")
@@ -198,7 +205,7 @@ class RegimePolicy:
         w.recorded += 1
         w.off_bucket += off
         if w.off_bucket > w.recorded - w.off_bucket + w.min_rounds:  # the load moved on: measure its bucket
-            self.discarded += 1
+            self._drop()
             self._open(bucket, in_flight, None)
             return
         if w.settle > 0:
@@ -221,7 +228,7 @@ class RegimePolicy:
         """No generation is in flight: drop the open window, whose wall time would count the
         idle gap as if the regime had produced nothing in it."""
         if self.window is not None:
-            self.discarded += 1
+            self._drop()
             self.window = None
 
     def choice(self, bucket: int) -> str:
@@ -235,13 +242,13 @@ class RegimePolicy:
         return "gate"
 
     def _choose(self, index: int) -> str | None:
-        """Bucket `index`'s choice from its rates: None until both regimes have a window; the
-        first is "plain" when plain beats gate by the margin, else "gate"; later the other
-        regime takes over only when it beats the chosen one by the margin."""
+        """Bucket `index`'s choice from its rates: None until both regimes have `explore`
+        windows; the first is "plain" when plain beats gate by the margin, else "gate"; later
+        the other regime takes over only when it beats the chosen one by the margin."""
         b = self.buckets[index]
-        rates = {r: b.rates[r].tok_per_ms for r in REGIMES}
-        if None in rates.values():
+        if min(b.rates[r].windows for r in REGIMES) < self.config.explore:
             return None
+        rates = {r: b.rates[r].tok_per_ms for r in REGIMES}
         current = b.chosen or "gate"
         other = _other(current)
         return other if rates[other] > rates[current] * (1.0 + self.config.margin) else current
@@ -258,16 +265,32 @@ class RegimePolicy:
         if bucket == 0:
             return "gate", False
         b = self.buckets[bucket]
-        missing = [r for r in REGIMES if b.rates[r].windows == 0]
-        if missing:  # explore: the prior's regime first, then the other
-            prior = self.choice(bucket)
-            return (prior if prior in missing else missing[0]), False
+        if self._choose(bucket) is None:
+            return self._explore(bucket), False
         choice = self.choice(bucket)
         b.since_probe += 1
         if b.since_probe < b.probe_every:
             return choice, False
         b.since_probe, b.probes = 0, b.probes + 1
         return _other(choice), True
+
+    def _explore(self, bucket: int) -> str:
+        """The regime of an exploring bucket's next window: prior, other, other, prior, ...
+        (the prior: the nearest lower bucket's choice, else "gate"), the regime behind on
+        windows first, so a dropped window is measured again."""
+        b, prior = self.buckets[bucket], self.choice(bucket)
+        counts = {r: b.rates[r].windows for r in REGIMES}
+        if counts[prior] != counts[_other(prior)]:
+            return min(REGIMES, key=counts.__getitem__)
+        return prior if counts[prior] % 2 == 0 else _other(prior)
+
+    def _drop(self) -> None:
+        """Count the open window as discarded; a probe's bucket probes again at its next window."""
+        w = self.window
+        self.discarded += w.bucket != 0
+        if w.probe:
+            b = self.buckets[w.bucket]
+            b.since_probe = b.probe_every
 
     def _close(self, ms: float) -> None:
         """Add the open window's tokens over `ms` to its regime's rate, unless more than a
@@ -277,7 +300,7 @@ class RegimePolicy:
         w, cfg = self.window, self.config
         w.t_end = w.t_start + ms / 1e3
         if w.bucket == 0 or 4 * w.off_measured > w.rounds or 2 * w.gated_measured < w.rounds:
-            self.discarded += w.bucket != 0
+            self._drop()
             return
         b = self.buckets[w.bucket]
         before = b.chosen
@@ -293,7 +316,8 @@ class RegimePolicy:
         window its label, choice, probes, probe interval and per regime windows and
         tok_per_ms (None before any)."""
         c, w = self.config, self.window
-        out = {"window_ms": c.window_ms, "decay": c.decay, "margin": c.margin, "probe_min": c.probe_min,
+        out = {"window_ms": c.window_ms, "decay": c.decay, "margin": c.margin, "explore": c.explore,
+               "probe_min": c.probe_min,
                "probe_max": c.probe_max, "discarded_windows": self.discarded, "buckets": [],
                "window": None if w is None else {"in_flight": bucket_name(w.bucket), "regime": w.regime,
                                                  "probe": w.probe, "settling": w.settle > 0}}
