@@ -168,6 +168,25 @@ def test_an_unexplored_bucket_starts_in_the_choice_of_the_nearest_lower_bucket()
     assert policy.may_draft(16) is False and policy.window.bucket == 4 and policy.window.regime == "plain"
 
 
+def test_above_a_bucket_that_chose_plain_no_gate_window_runs_until_that_choice_turns():
+    """More load never favours drafting: while bucket 3-4 chooses plain, bucket 9-16 runs
+    plain windows only (no exploration of gate, no probe); once 3-4 turns to gate, 9-16
+    explores, the regime behind on windows (gate) first."""
+    policy = RegimePolicy(CFG)
+    clock = Clock(policy)
+    low = policy.buckets[2]
+    low.rates["gate"].add(1, 10.0, 1.0)
+    low.rates["plain"].add(10, 10.0, 1.0)
+    policy.may_draft(16)
+    seen = [_run_window(policy, clock, 16, {"gate": (1, 0.001), "plain": (1, 0.01)}) for _ in range(6)]
+    assert seen == [("plain", False)] * 6
+    assert policy.buckets[4].rates["gate"].windows == 0 and policy.buckets[4].rates["plain"].windows == 6
+    low.rates["gate"].add(1000, 10.0, 1.0)   # 3-4 now measures gate far ahead: its choice turns
+    assert policy.choice(2) == "gate"
+    seen = [_run_window(policy, clock, 16, {"gate": (1, 0.001), "plain": (1, 0.01)}) for _ in range(2)]
+    assert seen == [("plain", False), ("gate", False)]  # the open window, then exploration
+
+
 def test_one_generation_alone_is_left_to_its_gate():
     policy = RegimePolicy(CFG)
     clock = Clock(policy)

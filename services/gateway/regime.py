@@ -266,6 +266,11 @@ class RegimePolicy:
             return "gate", False
         b = self.buckets[bucket]
         if self._choose(bucket) is None:
+            if self.choice(bucket) == "plain":
+                # A lower bucket chose plain, and more load never favours drafting: no gate
+                # window here (at 16 streams one cost 43 % of a plain window's tokens) until
+                # that choice turns to gate.
+                return "plain", False
             return self._explore(bucket), False
         choice = self.choice(bucket)
         b.since_probe += 1
