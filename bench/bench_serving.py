@@ -28,7 +28,8 @@ repetitions, with min-max. Summary, as paired ratios (each repetition's own rati
 median [min-max] of those, so load that drifts between repetitions cancels): gated / best of
 the other arms and exact / fast per concurrency, and the issue's three aims (plain 16 streams
 >= 6x 1 stream; gated >= 0.97x the best other arm everywhere; exact within 1.3x of fast at 16
-streams). `--from-json FILE` prints the tables of an earlier run's `--json` again.
+streams). `--from-json FILE` prints the tables of an earlier run's `--json` again. `--warmup` (default
+1) first runs the gated arm once over every concurrency, unmeasured (`run_warmup` says why).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ WORKLOADS = {
 ARMS = {"plain": (gateway_pb2.SPEC_MODE_OFF, 0), **{f"k{k}": (gateway_pb2.SPEC_MODE_ALWAYS, k) for k in range(1, 6)},
         "gated": (gateway_pb2.SPEC_MODE_GATED, 0)}
 STREAMS = (1, 2, 4, 8, 16, 32)
-QUICK = {"streams": [1, 4], "arms": ["plain", "k5", "gated"], "max_tokens": 16, "repeats": 1, "per_stream": 1}
+QUICK = {"streams": [1, 4], "arms": ["plain", "k5", "gated"], "max_tokens": 16, "repeats": 1, "per_stream": 1,
+         "warmup": 0}
 CALL_TIMEOUT_S = 900.0   # deadline of one Generate (s): a hang guard for the slowest cell
 INFO_TIMEOUT_S = 10.0
 
@@ -144,6 +146,29 @@ async def run_cell(stack: dict, streams: int, arm: str, max_tokens: int, per_str
 def rotated(arms: list[str], rep: int) -> list[str]:
     r = rep % len(arms)
     return arms[r:] + arms[:r]
+
+
+async def run_warmup(args, stacks: dict[str, dict], console: Console) -> dict:
+    """`--warmup` unmeasured passes of the gated arm over every concurrency, before the grid:
+    {numerics: {streams: [cell dict per pass]}} ({} without a gated arm or with --warmup 0).
+
+    A gateway's regime (docs/gate.md §14) explores each concurrency bucket once in its life
+    (two windows of each regime, about 4 s) and then probes now and then. A served gateway
+    has long passed that; a benchmark cell of 5-30 s has not, so without a warm-up the gated
+    figures would charge a one-time exploration to every repetition's first pass. The
+    warm-up's own figures are printed and kept (`--json` key "warmup"): they are the cold cost.
+    """
+    if "gated" not in args.arms or args.warmup == 0:
+        return {}
+    out = {n: {s: [] for s in args.streams} for n in stacks}
+    for rep in range(args.warmup):
+        for streams in args.streams:
+            for numerics, stack in stacks.items():
+                cell = await run_cell(stack, streams, "gated", args.max_tokens, args.per_stream)
+                out[numerics][streams].append(cell)
+                console.print(f"warm-up {rep + 1}/{args.warmup} streams {streams:>2} {numerics:<5} gated "
+                              f"{cell['aggregate_tok_s']:7.1f} tok/s  ({cell['wall_s']:.1f} s)", highlight=False)
+    return out
 
 
 async def run_grid(args, stacks: dict[str, dict], console: Console) -> dict:
@@ -304,9 +329,11 @@ async def stop_stacks(stacks: dict[str, dict]) -> None:
         st["procs"].stop()
 
 
-def report(raw: dict, args, grid_s: float, console: Console, regimes: dict | None = None) -> None:
+def report(raw: dict, args, grid_s: float, console: Console, regimes: dict | None = None,
+           warmup: dict | None = None) -> None:
     """Print the tables and the aims of `raw` ({numerics: {streams: {arm: [cell per repetition]}}});
-    with `args.json`, write them there too, with the gateways' regime policies (`regimes`)."""
+    with `args.json`, write them there too, with the gateways' regime policies (`regimes`) and
+    the warm-up's gated cells (`warmup`, see `run_warmup`)."""
     med = medians(raw)
     for numerics in raw:
         console.print(cell_table(numerics, med[numerics], args))
@@ -321,7 +348,7 @@ def report(raw: dict, args, grid_s: float, console: Console, regimes: dict | Non
                                for s, by_arm in v.items()} for n, v in med.items()},
                "summary": {"rows": {st: {k: v.as_dict() for k, v in r.items() if v is not None}
                                     for st, r in summ["rows"].items()}, "aims": summ["aims"]},
-               "grid_s": grid_s, "regime": regimes}
+               "grid_s": grid_s, "regime": regimes, "warmup": warmup or {}}
         Path(args.json).write_text(json.dumps(out, indent=1))
         console.print(f"wrote {args.json}")
 
@@ -351,13 +378,14 @@ async def run(args, env: dict[str, str]) -> int:
     stacks: dict[str, dict] = {}
     try:
         await start_stacks(args, env, console, stacks)
+        warmup = await run_warmup(args, stacks, console)
         t0 = time.monotonic()
         raw = await run_grid(args, stacks, console)
         grid_s = time.monotonic() - t0
         regimes = await gateway_regimes(stacks, console)
     finally:
         await stop_stacks(stacks)
-    report(raw, args, grid_s, console, regimes)
+    report(raw, args, grid_s, console, regimes, warmup)
     return 0
 
 
@@ -372,6 +400,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (median, min-max)")
     ap.add_argument("--per-stream", type=int, default=4,
                     help="generations each stream runs in turn (at least ceil(4 / streams); default 4)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="unmeasured passes of the gated arm over every concurrency first (the regime's "
+                         "one-time exploration; printed, and kept in --json; default %(default)s)")
     ap.add_argument("--port-base", type=int, default=50250,
                     help="first stack's gateway port (verifier +1, drafter +2; the next stack +10)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per service process")
@@ -387,6 +418,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for key, value in QUICK.items():
             if f"--{key.replace('_', '-')}" not in given:
                 setattr(args, key, value)
+    if args.warmup < 0:
+        ap.error(f"--warmup={args.warmup}: must be >= 0")
     for name in ("max_tokens", "repeats", "threads", "per_stream"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")

@@ -75,6 +75,9 @@ def test_arguments_quick_and_validation():
     args = parse_args(["--quick", "--repeats", "2"])
     assert args.streams == [1, 4] and args.arms == ["plain", "k5", "gated"] and args.repeats == 2
     assert args.per_stream == 1 and parse_args([]).per_stream == 4
+    assert args.warmup == 0 and parse_args([]).warmup == 1 and parse_args(["--quick", "--warmup", "2"]).warmup == 2
+    with pytest.raises(SystemExit):
+        parse_args(["--warmup", "-1"])
     full = parse_args(["--arms", "gated", "plain", "--checkpoint", ""])
     assert full.arms == ["plain", "gated"] and full.checkpoint is None and full.streams == [1, 2, 4, 8, 16, 32]
     assert ARMS["k3"][1] == 3 and ARMS["plain"][1] == 0
