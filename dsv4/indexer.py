@@ -110,6 +110,36 @@ class Indexer(nn.Module):
         visible = torch.minimum((positions + 1) // INDEX_RATIO, n_entries)
         return select_topk(scores, visible, self.topk)
 
+    def topk_tiled(self, qi: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, states: list[CompressorState],
+                   owner: list[int], tile: int, chunk: int) -> torch.Tensor:
+        """Exact numerics: the top-k of M tokens of several calls at once, each over its own
+        session's entries, once every call's compressor steps are in its state: qi [M, Hi, Di],
+        w [M, Hi] fp32 (`exact_rows`), token m at positions[m] (int64 [M]) of states[owner[m]]
+        -> [M, index_topk] int64, exactly index_topk columns, -1 = none.
+
+        The rows are cut into fixed tiles of `tile` rows (the last zero-padded), each row's
+        entries zero-padded to Ep columns, a multiple of `chunk` >= index_topk; every tile
+        scores every chunk of `chunk` entries with one product of the fixed shape (tile, Hi,
+        Di) x (tile, Di, chunk), a row against its own session's entries only, so an entry's
+        score depends on that row and that entry alone: not on which rows share the tile, nor
+        on Ep (how many entries the step's longest session has). The selection (`select_topk`)
+        only compares scores and is exact. Padding entries and entries not yet complete at a
+        row's position are invisible."""
+        dev, M = qi.device, qi.shape[0]
+        kc = pad_sequence([st.entries() for st in states], batch_first=True)  # [C, Emax, Di]
+        Ep = -(-max(kc.shape[1], self.topk, 1) // chunk) * chunk
+        Mp = -(-M // tile) * tile
+        kc = torch.nn.functional.pad(kc, (0, 0, 0, Ep - kc.shape[1]))  # [C, Ep, Di]
+        kc = kc[torch.tensor(owner + [0] * (Mp - M), device=dev)].float()  # [Mp, Ep, Di]: each row its session's
+        qi = torch.cat((qi, qi.new_zeros(Mp - M, *qi.shape[1:]))).float()
+        w = torch.cat((w, w.new_zeros(Mp - M, w.shape[1])))
+        scores = torch.cat([torch.cat([(torch.relu(torch.einsum("mhd,med->mhe", qi[t:t + tile], kc[t:t + tile, c:c + chunk]))
+                                        * w[t:t + tile, :, None]).sum(1) for c in range(0, Ep, chunk)], dim=1)
+                            for t in range(0, Mp, tile)])[:M]  # [M, Ep]
+        if self.reduce_scores is not None:
+            scores = self.reduce_scores(scores)
+        return select_topk(scores, (positions + 1) // INDEX_RATIO, self.topk)
+
     def exact_rows(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Exact mode: the indexer's row-wise projections of tokens x [S, D], qr [S, Lq] at
         pos [S] -> (compressor v, g [S, Di*2] fp32, qi [S, Hi, Di], head weights [S, Hi] fp32),
