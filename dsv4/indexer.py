@@ -130,12 +130,8 @@ class Indexer(nn.Module):
         Ep = -(-max(kc.shape[1], self.topk, 1) // chunk) * chunk
         Mp = -(-M // tile) * tile
         kc = torch.nn.functional.pad(kc, (0, 0, 0, Ep - kc.shape[1]))  # [C, Ep, Di]
-        kc = kc[torch.tensor(owner + [0] * (Mp - M), device=dev)].float()  # [Mp, Ep, Di]: each row its session's
-        qi = torch.cat((qi, qi.new_zeros(Mp - M, *qi.shape[1:]))).float()
-        w = torch.cat((w, w.new_zeros(Mp - M, w.shape[1])))
-        scores = torch.cat([torch.cat([(torch.relu(torch.einsum("mhd,med->mhe", qi[t:t + tile], kc[t:t + tile, c:c + chunk]))
-                                        * w[t:t + tile, :, None]).sum(1) for c in range(0, Ep, chunk)], dim=1)
-                            for t in range(0, Mp, tile)])[:M]  # [M, Ep]
+        kc = kc[torch.tensor(owner + [0] * (Mp - M), device=dev)]  # [Mp, Ep, Di]: each row its session's
+        scores = index_scores_tiled(pad_first(qi, Mp), pad_first(w, Mp), kc, tile, chunk)[:M]  # [M, Ep]
         if self.reduce_scores is not None:
             scores = self.reduce_scores(scores)
         return select_topk(scores, (positions + 1) // INDEX_RATIO, self.topk)
@@ -178,6 +174,25 @@ def index_scores_chunked(qi: torch.Tensor, w: torch.Tensor, kc: torch.Tensor, ch
     kp = kc.new_zeros(Ep, kc.shape[1])
     kp[:E] = kc
     return torch.cat([index_scores(qi, w, kp[c:c + chunk]) for c in range(0, Ep, chunk)], dim=1)
+
+
+def index_scores_tiled(qi: torch.Tensor, w: torch.Tensor, kc: torch.Tensor, tile: int, chunk: int) -> torch.Tensor:
+    """Exact numerics' scores of rows against their own entries: qi [M, Hi, Di], w [M, Hi] fp32,
+    kc [M, Ep, Di] (row m's entries, zero-padded), M a multiple of `tile` and Ep of `chunk`
+    -> scores [M, Ep] fp32 (`index_scores` per row).
+
+    One product of the fixed shape (tile, Hi, Di) x (tile, Di, chunk) per tile of rows and
+    chunk of entries, then relu, the head weights and the sum over heads: row m's score of
+    entry e depends on qi[m], w[m] and kc[m, e] alone, not on M, Ep or the other rows."""
+    qi, kc = qi.float(), kc.float()
+    return torch.cat([torch.cat([(torch.relu(torch.einsum("mhd,med->mhe", qi[t:t + tile], kc[t:t + tile, c:c + chunk]))
+                                  * w[t:t + tile, :, None]).sum(1) for c in range(0, kc.shape[1], chunk)], dim=1)
+                      for t in range(0, qi.shape[0], tile)])
+
+
+def pad_first(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t [N, ...] -> [n, ...] (n >= N), the extra rows zero."""
+    return torch.cat((t, t.new_zeros(n - t.shape[0], *t.shape[1:]))) if n > t.shape[0] else t
 
 
 def index_scores(qi: torch.Tensor, w: torch.Tensor, kc: torch.Tensor) -> torch.Tensor:
