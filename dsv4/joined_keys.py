@@ -1,9 +1,12 @@
-"""Fast numerics' key building for one layer of a batch step: the keys and index lists of every
-decode and verify block of the step, joined so that ONE attention reduction serves them all
-(`dsv4.numerics.FastNumerics.attend`, docs/architecture.md §4). This module owns how the calls'
-keys are laid side by side and which of their key work runs once for the whole step; each
-call's state semantics (ring slots, compressor rows and entries, indexer selection, journals)
-stay those of `dsv4.attention.Attention.keys`. It never runs the reduction and never validates.
+"""Key building for one layer of a batch step: the keys and index lists of every decode and
+verify block of the step, joined so that ONE attention reduction serves them all
+(`dsv4.numerics.FastNumerics.attend` and `ExactNumerics.attend`, docs/architecture.md §4).
+Fast numerics projects the rows here and selects with `Indexer.topk_joined`; exact numerics
+passes the rows it projected on its dense tiles and selects with `Indexer.topk_tiled`. This
+module owns how the calls' keys are laid side by side and which of their key work runs once
+for the whole step; each call's state semantics (ring slots, compressor rows and entries,
+indexer selection, journals) stay those of `dsv4.attention.Attention.keys`. It never runs the
+reduction and never validates.
 
 Dimension legend: M = rows of the joined calls, C = calls, W = window_size, Dh = head_dim,
 S_c = tokens of call c, E_c = compressed entries of call c's session, K = index columns per

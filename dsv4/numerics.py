@@ -131,10 +131,12 @@ class ExactNumerics(FastNumerics):
     PROMPT_ROWS rows. Every dense op runs on the pass's rows of one kind, in order, cut into
     that kind's tiles (the last one zero-padded): each GEMM has one shape per kind, and within
     it a row's result depends on that row only. Attention computes the key building's row-wise
-    projections the same way (`Attention.exact_rows`), builds each call's keys on one tile of
-    the call's kind (`Attention.exact_keys`), with the same key list for a position in a
-    decode and in a verify block; the query rows of all calls of a kind are then reduced
-    together on that kind's tiles over fixed key chunks (`sparse_attn_tiled`). Routed experts
+    projections the same way (`Attention.exact_rows`); a prompt piece builds its keys on one
+    prompt tile (`Attention.exact_keys`), the decodes and verify blocks of the pass together
+    (`dsv4.joined_keys`, finalising on fixed block tiles and scoring on fixed row tiles and
+    entry chunks), with the same key list for a position in a decode and in a verify block;
+    the query rows of all calls of a kind are then reduced together on that kind's tiles over
+    fixed key chunks (`sparse_attn_tiled`). Routed experts
     run on fixed tiles of the rows routed to them (`MoE.combine_tiled`); intra-op threads are
     pinned to `threads` (a GEMM may split its work, and so its sums, differently with another
     thread count). Blocks hold at most EXACT_ROWS tokens.
