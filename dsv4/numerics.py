@@ -31,7 +31,7 @@ from dsv4.attention import EXACT_KEY_CHUNK, Attention, AttentionState, Attention
 from dsv4.joined_keys import Select, joined_keys
 from dsv4.moe import MoE
 
-EXACT_ROWS = 8  # exact mode: rows of a decode / verify tile, and the most tokens a verify block holds
+EXACT_ROWS = 16  # exact mode: rows of a decode / verify tile, and the most tokens a verify block holds
 # Exact mode: rows of a prompt tile, and the most tokens of a prompt one call holds. A prompt's
 # rows depend on its own session only, so they may run on a larger tile than a decode's; 64 is
 # the default prefill chunk (services/verifier/batcher.py), so a default chunk is one tile.
