@@ -19,16 +19,17 @@ slot p % W first and attends over [ring (W rows) | cached entries]. A later chun
 prompt (start_pos > 0, S > 1 tokens, no undo list) takes the verify block's keys
 (`_block_keys`) without its journal: the chunk is committed as it runs.
 
-Exact mode (`exact_keys`; `Trunk(verify_numerics="exact")`): the call's keys are built on a
-fixed tile of R rows whose first `n_real` are the tokens (`dsv4.numerics`: EXACT_ROWS for a
-decode, n_real == 1, and a verify block alike; PROMPT_ROWS for a piece of a prompt). Every
-query gets the same key list in decode and verify: window positions p, p-1, .., p-W+1 (ring
-before the call, then the call's own rows), then its compressed entries (indexer: exactly
-index_topk columns; plain compressor: ascending entries), padded with -1. The indexer scores
-fixed chunks of entries, and the reduction (`sparse_attn_tiled`) runs every call's query rows
-together on fixed tiles of rows, each folding over fixed chunks of EXACT_KEY_CHUNK keys, so no
-reduction's shape depends on how many tokens a call holds, which other calls share the pass
-or how many entries exist yet.
+Exact mode (`Trunk(verify_numerics="exact")`): a prompt piece's keys are built on a fixed
+tile of R = PROMPT_ROWS rows whose first `n_real` are the tokens (`exact_keys`); the decodes
+and verify blocks of a pass build theirs together (`dsv4.joined_keys`, on `exact_rows`
+computed over the pass's dense tiles). Every query gets the same key list in decode and
+verify: window positions p, p-1, .., p-W+1 (ring before the call, then the call's own rows),
+then its compressed entries (indexer: exactly index_topk columns; plain compressor: ascending
+entries), padded with -1. The indexer scores fixed chunks of entries on fixed row tiles, and
+the reduction (`sparse_attn_tiled`) runs every call's query rows together on fixed tiles of
+rows, each folding over fixed chunks of EXACT_KEY_CHUNK keys, so no reduction's shape depends
+on how many tokens a call holds, which other calls share the pass or how many entries exist
+yet.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from dsv4.mhc import hc_post, hc_pre
+from dsv4.mhc import hc_post, hc_pre, sinkhorn_pairs
 from dsv4.numerics import Call, FastNumerics
 from dsv4.trunk_state import BlockOutput, BlockUndo, ForwardOutput, TrunkState
 
@@ -172,7 +172,10 @@ def layer(block: Any, num: FastNumerics, h: torch.Tensor, ids: torch.Tensor, pos
     math is `Block.forward`'s, cut where attention needs the per-call state.
     """
     cfg, attn, moe = block.cfg, block.attn, block.ffn
-    eps = (cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
+    # The dense ops stop the Sinkhorn normalisation after its first column step (iters 1); its
+    # remaining pairs run once over all N rows (`sinkhorn_pairs`), not once per exact tile:
+    # they are most of mHC's ops, and their arithmetic is per row whatever the rows' count.
+    eps, pairs = (cfg.norm_eps, cfg.hc_eps, 1), cfg.hc_sinkhorn_iters - 1
 
     def pre_attn(h, pos):
         x, post, comb = hc_pre(h, block.hc_attn_fn, block.hc_attn_scale, block.hc_attn_base, *eps)
@@ -181,10 +184,12 @@ def layer(block: Any, num: FastNumerics, h: torch.Tensor, ids: torch.Tensor, pos
         return x, qr, q, attn.project_kv(x, pos), post, comb
 
     x, qr, q, kv, post, comb = num.dense(pre_attn, h, pos, calls=calls)
+    comb = sinkhorn_pairs(comb, cfg.hc_eps, pairs)
     o = num.attend(attn, x, qr, q, kv, calls)  # [N, H, Dh]
 
     h, y, post, comb, weights, experts = num.dense(
         lambda *rows: _post_attn(block, *rows, eps), o, pos, h, post, comb, ids, calls=calls)
+    comb = sinkhorn_pairs(comb, cfg.hc_eps, pairs)
     routed = num.route(moe, y, weights, experts, small_m)  # [N, D] fp32
     if moe.reduce_routed is not None:
         routed = moe.reduce_routed(routed)
@@ -199,8 +204,9 @@ def layer(block: Any, num: FastNumerics, h: torch.Tensor, ids: torch.Tensor, pos
 def _post_attn(block: Any, o: torch.Tensor, pos: torch.Tensor, h: torch.Tensor, post: torch.Tensor,
                comb: torch.Tensor, ids: torch.Tensor, eps: tuple) -> tuple[torch.Tensor, ...]:
     """Rows after attention up to the routed experts: o [n, H, Dh] -> h [n, C, D] after the
-    attention residual, y [n, D] the normed MoE input, post / comb of the ffn sublayer, and
-    the gate's weights [n, k] fp32 / experts [n, k]."""
+    attention residual, y [n, D] the normed MoE input, post / comb of the ffn sublayer (comb
+    before its remaining Sinkhorn pairs when eps says iters 1, as `layer` passes), and the
+    gate's weights [n, k] fp32 / experts [n, k]."""
     h = hc_post(block.attn.project_out(o, pos), h, post, comb)
     y, post, comb = hc_pre(h, block.hc_ffn_fn, block.hc_ffn_scale, block.hc_ffn_base, *eps)
     y = block.ffn_norm(y)

@@ -32,6 +32,9 @@ from dsv4.layers import Linear, RMSNorm, frozen_param
 from dsv4.rope import Rope
 
 FP4_QUANT_BLOCK = 32  # fp4 sim block of indexer vectors (docs/model.md §5.7)
+# Blocks per finalisation tile (`Compressor.finalize_pending`): a constant, never chosen by the load,
+# so an entry's arithmetic has one shape however many blocks complete in a step.
+FINALIZE_BLOCKS = 8
 
 
 @dataclass
@@ -214,18 +217,25 @@ class Compressor(nn.Module):
             self._write_token(vb, gb, pos, st, pending)
 
     def finalize_pending(self, pending: list[PendingBlock]) -> None:
-        """Write the entries of the m blocks in `pending` (then emptied): one pool and one
-        `finalize` over [m, slots, d], rather than one per block. Until then those entries'
-        cache rows are stale, though n_entries already counts them."""
-        if len(pending) == 1:  # the store of `_write_token` without `pending`: views, no stacking
-            st, j, v, g = pending.pop()
-            st.cache[j] = self.finalize(pool(v[None], g[None]), torch.tensor([j * self.ratio], device=v.device))[0]
-            return
+        """Write the entries of the m blocks in `pending` (then emptied), pooled and finalised
+        on fixed tiles of FINALIZE_BLOCKS blocks (the last one zero-padded), rather than one op
+        per block. Until then those entries' cache rows are stale, though n_entries already
+        counts them.
+
+        Every entry, whichever path completes it (a decode, a verify block, a rollback's replay,
+        the blocks of a whole batch step together), is computed on a tile of that one shape,
+        and pooling and `finalize` are row-wise on it, so an entry does not depend on how many
+        blocks, or which, are finalised with it: exact numerics' batch invariance needs that."""
         if not pending:
             return
-        first = torch.tensor([j * self.ratio for _, j, _, _ in pending], device=pending[0][2].device)
-        entries = self.finalize(pool(torch.stack([b[2] for b in pending]), torch.stack([b[3] for b in pending])),
-                                first)  # (m, d)
+        dev, T = pending[0][2].device, FINALIZE_BLOCKS
+        m = len(pending)
+        mp = -(-m // T) * T
+        v = torch.stack([b[2] for b in pending] + [pending[0][2].new_zeros(pending[0][2].shape)] * (mp - m))
+        g = torch.stack([b[3] for b in pending] + [pending[0][3].new_zeros(pending[0][3].shape)] * (mp - m))
+        first = torch.tensor([j * self.ratio for _, j, _, _ in pending] + [0] * (mp - m), device=dev)
+        entries = torch.cat([self.finalize(pool(v[i:i + T], g[i:i + T]), first[i:i + T])
+                             for i in range(0, mp, T)])  # (mp, d)
         for (st, j, _, _), entry in zip(pending, entries.unbind(0)):
             st.cache[j] = entry
         pending.clear()

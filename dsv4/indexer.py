@@ -110,6 +110,32 @@ class Indexer(nn.Module):
         visible = torch.minimum((positions + 1) // INDEX_RATIO, n_entries)
         return select_topk(scores, visible, self.topk)
 
+    def topk_tiled(self, qi: torch.Tensor, w: torch.Tensor, positions: torch.Tensor, states: list[CompressorState],
+                   owner: list[int], tile: int, chunk: int) -> torch.Tensor:
+        """Exact numerics: the top-k of M tokens of several calls at once, each over its own
+        session's entries, once every call's compressor steps are in its state: qi [M, Hi, Di],
+        w [M, Hi] fp32 (`exact_rows`), token m at positions[m] (int64 [M]) of states[owner[m]]
+        -> [M, index_topk] int64, exactly index_topk columns, -1 = none.
+
+        The rows are cut into fixed tiles of `tile` rows (the last zero-padded), each row's
+        entries zero-padded to Ep columns, a multiple of `chunk` >= index_topk; every tile
+        scores every chunk of `chunk` entries with one product of the fixed shape (tile, Hi,
+        Di) x (tile, Di, chunk), a row against its own session's entries only, so an entry's
+        score depends on that row and that entry alone: not on which rows share the tile, nor
+        on Ep (how many entries the step's longest session has). The selection (`select_topk`)
+        only compares scores and is exact. Padding entries and entries not yet complete at a
+        row's position are invisible."""
+        dev, M = qi.device, qi.shape[0]
+        kc = pad_sequence([st.entries() for st in states], batch_first=True)  # [C, Emax, Di]
+        Ep = -(-max(kc.shape[1], self.topk, 1) // chunk) * chunk
+        Mp = -(-M // tile) * tile
+        kc = torch.nn.functional.pad(kc, (0, 0, 0, Ep - kc.shape[1]))  # [C, Ep, Di]
+        kc = kc[torch.tensor(owner + [0] * (Mp - M), device=dev)]  # [Mp, Ep, Di]: each row its session's
+        scores = index_scores_tiled(pad_first(qi, Mp), pad_first(w, Mp), kc, tile, chunk)[:M]  # [M, Ep]
+        if self.reduce_scores is not None:
+            scores = self.reduce_scores(scores)
+        return select_topk(scores, (positions + 1) // INDEX_RATIO, self.topk)
+
     def exact_rows(self, x: torch.Tensor, qr: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Exact mode: the indexer's row-wise projections of tokens x [S, D], qr [S, Lq] at
         pos [S] -> (compressor v, g [S, Di*2] fp32, qi [S, Hi, Di], head weights [S, Hi] fp32),
@@ -148,6 +174,25 @@ def index_scores_chunked(qi: torch.Tensor, w: torch.Tensor, kc: torch.Tensor, ch
     kp = kc.new_zeros(Ep, kc.shape[1])
     kp[:E] = kc
     return torch.cat([index_scores(qi, w, kp[c:c + chunk]) for c in range(0, Ep, chunk)], dim=1)
+
+
+def index_scores_tiled(qi: torch.Tensor, w: torch.Tensor, kc: torch.Tensor, tile: int, chunk: int) -> torch.Tensor:
+    """Exact numerics' scores of rows against their own entries: qi [M, Hi, Di], w [M, Hi] fp32,
+    kc [M, Ep, Di] (row m's entries, zero-padded), M a multiple of `tile` and Ep of `chunk`
+    -> scores [M, Ep] fp32 (`index_scores` per row).
+
+    One product of the fixed shape (tile, Hi, Di) x (tile, Di, chunk) per tile of rows and
+    chunk of entries, then relu, the head weights and the sum over heads: row m's score of
+    entry e depends on qi[m], w[m] and kc[m, e] alone, not on M, Ep or the other rows."""
+    qi, kc = qi.float(), kc.float()
+    return torch.cat([torch.cat([(torch.relu(torch.einsum("mhd,med->mhe", qi[t:t + tile], kc[t:t + tile, c:c + chunk]))
+                                  * w[t:t + tile, :, None]).sum(1) for c in range(0, kc.shape[1], chunk)], dim=1)
+                      for t in range(0, qi.shape[0], tile)])
+
+
+def pad_first(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t [N, ...] -> [n, ...] (n >= N), the extra rows zero."""
+    return torch.cat((t, t.new_zeros(n - t.shape[0], *t.shape[1:]))) if n > t.shape[0] else t
 
 
 def index_scores(qi: torch.Tensor, w: torch.Tensor, kc: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,12 @@
-"""Fast numerics' key building for one layer of a batch step: the keys and index lists of every
-decode and verify block of the step, joined so that ONE attention reduction serves them all
-(`dsv4.numerics.FastNumerics.attend`, docs/architecture.md §4). This module owns how the calls'
-keys are laid side by side and which of their key work runs once for the whole step; each
-call's state semantics (ring slots, compressor rows and entries, indexer selection, journals)
-stay those of `dsv4.attention.Attention.keys`. It never runs the reduction and never validates.
+"""Key building for one layer of a batch step: the keys and index lists of every decode and
+verify block of the step, joined so that ONE attention reduction serves them all
+(`dsv4.numerics.FastNumerics.attend` and `ExactNumerics.attend`, docs/architecture.md §4).
+Fast numerics projects the rows here and selects with `Indexer.topk_joined`; exact numerics
+passes the rows it projected on its dense tiles and selects with `Indexer.topk_tiled`. This
+module owns how the calls' keys are laid side by side and which of their key work runs once
+for the whole step; each call's state semantics (ring slots, compressor rows and entries,
+indexer selection, journals) stay those of `dsv4.attention.Attention.keys`. It never runs the
+reduction and never validates.
 
 Dimension legend: M = rows of the joined calls, C = calls, W = window_size, Dh = head_dim,
 S_c = tokens of call c, E_c = compressed entries of call c's session, K = index columns per
@@ -21,13 +24,18 @@ in one op each for the whole step. Every call, a decode included, attends over k
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from dsv4.attention import Attention
 
+Select = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, list, list[int]], torch.Tensor]
 
-def joined_keys(attn: Attention, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor,
-                calls: list) -> tuple[torch.Tensor, torch.Tensor]:
+
+def joined_keys(attn: Attention, x: torch.Tensor, qr: torch.Tensor, kv: torch.Tensor, calls: list,
+                rows: tuple[torch.Tensor, ...] | None = None,
+                select: Select | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every call's keys and index lists joined for one reduction. x [M, D], qr [M, Lq],
     kv [M, Dh]: the calls' projected rows, in call order; `calls`: (call, layer state, rows
     (lo, hi) of the pass) of decodes and verify blocks only (start_pos > 0), each state in
@@ -37,16 +45,21 @@ def joined_keys(attn: Attention, x: torch.Tensor, qr: torch.Tensor, kv: torch.Te
     row-wise) of all M rows, then each call's compressor steps (`_step_calls`; a verify
     block's journaled), the blocks they complete pooled but not stored; (2) those entries
     finalised and stored, one batch per compressor (`Compressor.finalize_pending`), and the
-    indexer's top-k of all M rows in one padded op (`Indexer.topk_joined`); (3) the keys, every
-    list (`_lists`), then each call's ring write and journal. Returns keys [sum_c (W + S_c +
-    E_c), Dh] in kv's dtype (per call, in call order: its ring as before the call, its rows,
-    its entries) and idx [M, K] int64: row i's list offset into its own call's keys, padded
-    with -1 (masked).
+    indexer's top-k of all M rows in one op (`select`); (3) the keys, every list (`_lists`),
+    then each call's ring write and journal. Returns keys [sum_c (W + S_c + E_c), Dh] in kv's
+    dtype (per call, in call order: its ring as before the call, its rows, its entries) and
+    idx [M, K] int64: row i's list offset into its own call's keys, padded with -1 (masked).
+
+    rows: the M rows' `exact_rows`, when the caller computed them (exact numerics: on its
+    fixed tiles); None computes them here in one op (fast). select(qi [M, Hi, Di], w [M, Hi],
+    positions [M], indexer states [C], owner [M]) -> top [M, K] int64: the indexer's selection
+    (exact: `Indexer.topk_tiled`); None: `Indexer.topk_joined` (fast).
     """
     W, r = attn.window, attn.ratio
     sizes = [c.n_tokens for c, _, _ in calls]
     pos = torch.tensor([c.start_pos + i for c, _, _ in calls for i in range(c.n_tokens)], device=x.device)  # [M]
-    rows = attn.exact_rows(x, qr, pos)  # () for ratio 0
+    if rows is None:
+        rows = attn.exact_rows(x, qr, pos)  # () for ratio 0
     kv_calls = kv.split(sizes)
     pending: tuple[list, list] = ([], [])  # completed blocks of the attention / indexer compressor
     records = _step_calls(attn, x, kv_calls, rows, calls, pending)
@@ -56,7 +69,7 @@ def joined_keys(attn: Attention, x: torch.Tensor, qr: torch.Tensor, kv: torch.Te
     if r == 4:
         attn.indexer.compressor.finalize_pending(pending[1])
         owner = [i for i, n in enumerate(sizes) for _ in range(n)]
-        top = attn.indexer.topk_joined(rows[4], rows[5], pos, [st.indexer for _, st, _ in calls], owner)
+        top = (select or attn.indexer.topk_joined)(rows[4], rows[5], pos, [st.indexer for _, st, _ in calls], owner)
     keys = torch.cat([t for (_, st, _), k in zip(calls, kv_calls)
                       for t in ((st.ring, k, st.compressor.entries()) if r else (st.ring, k))])
     idx = _lists(attn, calls, pos, top)

@@ -36,10 +36,21 @@ def split_sinkhorn(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
     logits = (mixes[..., 2 * C:] * scale[2] + base[2 * C:]).unflatten(-1, (C, C))  # [..., C(j), C(k)]
     comb = torch.softmax(logits, dim=-1) + hc_eps
     comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    for _ in range(iters - 1):
+    return pre, post, sinkhorn_pairs(comb, hc_eps, iters - 1)
+
+
+def sinkhorn_pairs(comb: torch.Tensor, hc_eps: float, n: int) -> torch.Tensor:
+    """n (row, column) normalisation pairs of comb [..., C, C] fp32 (the tail of
+    `split_sinkhorn`; n <= 0: comb as it is).
+
+    Each element's arithmetic is divisions, additions and sums over the C lanes of its own
+    row: no GEMM and no transcendental function, so the result of a row is the same
+    whatever the leading shape (the batched forward runs these pairs once over every row of
+    a pass, exact numerics included, `dsv4.batch.layer`)."""
+    for _ in range(n):
         comb = comb / (comb.sum(-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(-2, keepdim=True) + hc_eps)
-    return pre, post, comb
+    return comb
 
 
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,

@@ -178,25 +178,36 @@ class MoE(nn.Module):
         """Exact-mode routed sum: like `combine`, but each expert runs on fixed tiles of `tile`
         rows (the tokens routed to it in ascending order, the last tile zero-padded), so a
         token's expert output is computed by the same-shaped GEMM whichever other tokens share
-        the expert. x [N, D], weights [N, k] fp32, experts [N, k] -> [N, D] fp32."""
+        the expert. x [N, D], weights [N, k] fp32, experts [N, k] -> [N, D] fp32.
+
+        The tiles' rows and weights are gathered in one op each (padding rows read a zero row
+        and weight 0, their output discarded) and the outputs scattered back in one op."""
         if self.fp4_weights is not None:  # the small-batch path: one program per token
             return self._reduce(self._routed_fp4(x, weights, experts, True), experts)
         N, k = experts.shape
         lo, hi = self.expert_offset, self.expert_offset + len(self.experts)
-        partial = x.new_zeros(N, k, x.shape[1], dtype=torch.float32)  # [N, k, D] one row per route
-        for e in torch.unique(experts).tolist():  # ascending expert id
-            if not lo <= e < hi:
-                continue  # another TP rank's expert
-            tok, slot = torch.nonzero(experts == e, as_tuple=True)  # ascending token
-            for c in range(0, tok.numel(), tile):
-                t, s = tok[c:c + tile], slot[c:c + tile]
-                n = t.numel()
-                xt = x.new_zeros(tile, x.shape[1])
-                xt[:n] = x[t]
-                wt = weights.new_zeros(tile)  # padding rows: weight 0, output discarded
-                wt[:n] = weights[t, s]
-                partial[t, s] = self.experts[e - lo](xt, wt)[:n].float()
-        return self._reduce(partial, experts)
+        flat = experts.flatten()  # [N*k], route r = token r // k, slot r % k
+        order = torch.argsort(flat, stable=True).tolist()  # by expert, ascending token within one
+        counts = torch.bincount(flat, minlength=hi).tolist()
+        routes, tiles, at = [], [], 0  # routes: every tile's route ids, N*k = padding
+        for e in range(hi):
+            mine, at = order[at:at + counts[e]], at + counts[e]
+            if not mine or e < lo:
+                continue  # no token, or another TP rank's expert
+            for c in range(0, len(mine), tile):
+                part = mine[c:c + tile]
+                tiles.append((e - lo, len(routes), len(part)))
+                routes += part + [N * k] * (tile - len(part))
+        partial = x.new_zeros(N * k, x.shape[1], dtype=torch.float32)  # one row per route
+        if not tiles:
+            return self._reduce(partial.view(N, k, -1), experts)
+        idx = torch.tensor(routes, device=x.device)
+        xs = torch.cat((x, x.new_zeros(1, x.shape[1])))[idx // k]  # [T*tile, D]
+        ws = torch.cat((weights.flatten(), weights.new_zeros(1)))[idx]  # [T*tile]
+        outs = [self.experts[e](xs[a:a + tile], ws[a:a + tile])[:n] for e, a, n in tiles]
+        real = torch.tensor([r for _, a, n in tiles for r in routes[a:a + n]], device=x.device)
+        partial[real] = torch.cat(outs).float()
+        return self._reduce(partial.view(N, k, -1), experts)
 
     # ------------------------------------------------------------------ fp4 expert kernel
     def use_fp4_gemm(self, gemm: Callable[..., torch.Tensor], multi_token: bool) -> None:

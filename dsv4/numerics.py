@@ -26,13 +26,12 @@ from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from dsv4.attention import EXACT_KEY_CHUNK, Attention, AttentionState, AttentionUndo, sparse_attn_tiled
-from dsv4.joined_keys import joined_keys
+from dsv4.joined_keys import Select, joined_keys
 from dsv4.moe import MoE
 
-EXACT_ROWS = 8  # exact mode: rows of a decode / verify tile, and the most tokens a verify block holds
+EXACT_ROWS = 16  # exact mode: rows of a decode / verify tile, and the most tokens a verify block holds
 # Exact mode: rows of a prompt tile, and the most tokens of a prompt one call holds. A prompt's
 # rows depend on its own session only, so they may run on a larger tile than a decode's; 64 is
 # the default prefill chunk (services/verifier/batcher.py), so a default chunk is one tile.
@@ -132,10 +131,12 @@ class ExactNumerics(FastNumerics):
     PROMPT_ROWS rows. Every dense op runs on the pass's rows of one kind, in order, cut into
     that kind's tiles (the last one zero-padded): each GEMM has one shape per kind, and within
     it a row's result depends on that row only. Attention computes the key building's row-wise
-    projections the same way (`Attention.exact_rows`), builds each call's keys on one tile of
-    the call's kind (`Attention.exact_keys`), with the same key list for a position in a
-    decode and in a verify block; the query rows of all calls of a kind are then reduced
-    together on that kind's tiles over fixed key chunks (`sparse_attn_tiled`). Routed experts
+    projections the same way (`Attention.exact_rows`); a prompt piece builds its keys on one
+    prompt tile (`Attention.exact_keys`), the decodes and verify blocks of the pass together
+    (`dsv4.joined_keys`, finalising on fixed block tiles and scoring on fixed row tiles and
+    entry chunks), with the same key list for a position in a decode and in a verify block;
+    the query rows of all calls of a kind are then reduced together on that kind's tiles over
+    fixed key chunks (`sparse_attn_tiled`). Routed experts
     run on fixed tiles of the rows routed to them (`MoE.combine_tiled`); intra-op threads are
     pinned to `threads` (a GEMM may split its work, and so its sums, differently with another
     thread count). Blocks hold at most EXACT_ROWS tokens.
@@ -169,27 +170,49 @@ class ExactNumerics(FastNumerics):
     def attend(self, attn: Attention, x: torch.Tensor, qr: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
                calls: list[CallRows]) -> torch.Tensor:
         """As `FastNumerics.attend`. The row-wise projections of the key building (compressor
-        and indexer, `Attention.exact_rows`) run over the whole pass on the dense tiles; each
-        call then builds its keys and index lists on its rows zero-padded to one tile of its
-        kind (`Attention.exact_keys`, in call order, so pieces of one prompt see each other);
-        then the query rows of every call of a kind are reduced together on that kind's tiles
-        (`sparse_attn_tiled`), each row over its own list: one projection and one reduction
-        per tile of the pass rather than one padded tile per call."""
+        and indexer, `Attention.exact_rows`) run over the whole pass on the dense tiles. Each
+        prompt piece builds its keys and lists on its rows zero-padded to one prompt tile
+        (`Attention.exact_keys`, in call order, so pieces of one prompt see each other). The
+        decodes and verify blocks, one or many, build theirs together (`joined_keys`: each
+        call's compressors stepped on its own state, the completed blocks finalised on fixed
+        tiles, the indexer scoring every row on fixed row tiles and key chunks,
+        `Indexer.topk_tiled`, every row's list from one set of ops), the same way whether a
+        call is alone or not. Then the query rows of every call of a kind are reduced together
+        on that kind's tiles (`sparse_attn_tiled`), each row over its own list, whose columns
+        are the same whatever shares the pass."""
         pos = torch.cat([torch.arange(c.start_pos, c.start_pos + c.n_tokens, device=x.device) for c, _, _ in calls])
         rows = self.dense(attn.exact_rows, x, qr, pos, calls=calls) if attn.ratio else ()  # per-row projections
-        keys, lists, offset = [], [], 0
+        parts, keys, offset = [], [], 0  # parts: (row index or span, its lists offset into the pass's keys)
         for call, st, (lo, hi) in calls:
-            kv_tile, *tile = [pad_rows(t[lo:hi], self.prompt_rows if call.prefill else EXACT_ROWS) for t in (kv, *rows)]
-            k, idx = attn.exact_keys(kv_tile, tuple(tile), call.start_pos, call.n_tokens, st, call.undo)
-            lists.append(torch.where(idx[:call.n_tokens] >= 0, idx[:call.n_tokens] + offset, -1))
+            if call.prefill:
+                kv_tile, *tile = [pad_rows(t[lo:hi], self.prompt_rows) for t in (kv, *rows)]
+                k, idx = attn.exact_keys(kv_tile, tuple(tile), call.start_pos, call.n_tokens, st, call.undo)
+                parts.append((slice(lo, hi), torch.where(idx[:call.n_tokens] >= 0, idx[:call.n_tokens] + offset, -1)))
+                keys.append(k)
+                offset += k.shape[0]
+        step = [(call, st, span) for call, st, span in calls if not call.prefill]
+        if step:
+            sel = slice(None) if len(step) == len(calls) else torch.tensor(
+                [i for _, _, (lo, hi) in step for i in range(lo, hi)], device=x.device)
+            k, idx = joined_keys(attn, x[sel], None, kv[sel], step, tuple(t[sel] for t in rows), self._select(attn))
+            parts.append((sel, torch.where(idx >= 0, idx + offset, -1)))
             keys.append(k)
-            offset += k.shape[0]
-        width = max(t.shape[1] for t in lists)
-        idx = torch.cat([F.pad(t, (0, width - t.shape[1]), value=-1) for t in lists])  # [N, width]
+        width = max(t.shape[1] for _, t in parts)
+        idx = torch.full((x.shape[0], width), -1, dtype=torch.long, device=x.device)  # [N, width]
+        for at, t in parts:
+            idx[at, :t.shape[1]] = t
         keys = torch.cat(keys)
         return by_kind(lambda tile, qt, it: sparse_attn_tiled(qt, keys, attn.attn_sink, it, attn.softmax_scale,
                                                               self.key_chunk, tile), (q, idx), calls,
                        self.prompt_rows)
+
+    def _select(self, attn: Attention) -> Select | None:
+        """The indexer's joined top-k for `joined_keys`: rows on EXACT_ROWS tiles, entries in
+        key_chunk chunks (`Indexer.topk_tiled`); None for a layer without an indexer."""
+        if attn.indexer is None:
+            return None
+        return lambda qi, w, p, states, owner: attn.indexer.topk_tiled(qi, w, p, states, owner, EXACT_ROWS,
+                                                                      self.key_chunk)
 
     def route(self, moe: MoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
               small_m: bool) -> torch.Tensor:

@@ -133,7 +133,7 @@ class Trunk(nn.Module):
 
     Verify numerics (`dsv4.numerics`): "fast" (default) computes rows in the pass's own
     shape, equal to rounding; "exact" makes a decode or verify row bitwise the same alone,
-    in a block or in any batch (fixed 8-row tiles, prompt rows on their own fixed 64-row
+    in a block or in any batch (fixed 16-row tiles, prompt rows on their own fixed 64-row
     tiles, fixed key lists and reductions, fixed expert tiles, pinned threads), at most
     EXACT_ROWS tokens per block.
 
