@@ -124,7 +124,7 @@ async def run_cell(stack: dict, streams: int, arm: str, max_tokens: int, per_str
     """One cell: `streams` concurrent streams of `arm`; its figures, the verifier's mean
     sessions per batch step over the cell, and the generations' drafts submitted per round
     and share of plain rounds (from each final message's SpecStats), and the three services'
-    CPU ms per completion token."""
+    CPU ms per completion token (summed, and per service under `cpu_ms_per_token_by_service`)."""
     steps0, sessions0 = await verifier_steps(stack["verifier"])
     cpu0 = cpu_s(stack["procs"].pids)
     rounds: list[tuple[int, int, int]] = []
@@ -134,8 +134,9 @@ async def run_cell(stack: dict, streams: int, arm: str, max_tokens: int, per_str
     steps1, sessions1 = await verifier_steps(stack["verifier"])
     out = cell_figures(traces).as_dict()
     # The services' CPU per token: what a policy costs the shared cores, whatever else runs on the machine.
-    out["cpu_ms_per_token"] = sum(cpu1.values()) - sum(cpu0.values())
-    out["cpu_ms_per_token"] *= 1e3 / max(out["tokens"], 1)
+    per_token = 1e3 / max(out["tokens"], 1)
+    out["cpu_ms_per_token"] = (sum(cpu1.values()) - sum(cpu0.values())) * per_token
+    out["cpu_ms_per_token_by_service"] = {name: (cpu1[name] - cpu0[name]) * per_token for name in cpu1}
     out["sessions_per_step"] = (sessions1 - sessions0) / max(steps1 - steps0, 1)
     total = max(sum(r for r, _, _ in rounds), 1)
     out["drafts_per_round"] = sum(s for _, s, _ in rounds) / total
@@ -193,7 +194,10 @@ def medians(raw: dict) -> dict:
         for streams, by_arm in by_streams.items():
             out[numerics][streams] = {}
             for arm, cells in by_arm.items():
-                figs = {k: Spread.of(c[k] for c in cells) for k in cells[0]}
+                figs = {k: Spread.of(c[k] for c in cells) for k, v in cells[0].items() if not isinstance(v, dict)}
+                for service in cells[0].get("cpu_ms_per_token_by_service", {}):
+                    figs[f"cpu_ms_per_token_{service}"] = Spread.of(c["cpu_ms_per_token_by_service"][service]
+                                                                    for c in cells)
                 out[numerics][streams][arm] = figs
     return out
 
