@@ -215,6 +215,30 @@ def test_a_change_of_load_opens_a_window_in_the_new_bucket_and_idle_drops_the_wi
     assert all(r.windows == 0 for b in policy.buckets for r in b.rates.values())
 
 
+def test_a_draining_burst_runs_the_lower_bucket_s_choice_and_measures_it_only_once_the_load_holds():
+    """A 16-generation window whose load falls to 4 (a burst's tail): the 3-4 bucket's window
+    is a transit one, running its choice (plain here) and adding no evidence even when it runs
+    its whole length; the window after it, the load having held, measures."""
+    policy = RegimePolicy(CFG)
+    clock = Clock(policy)
+    low = policy.buckets[2]
+    low.rates["gate"].add(1, 10.0, 1.0)
+    low.rates["plain"].add(10, 10.0, 1.0)
+    low.chosen = "plain"
+    policy.may_draft(16)
+    clock.rounds(16, 1, 16 + 5, 0.001)     # settle, 5 measured
+    clock.rounds(4, 1, 21 + 16 + 1, 0.001)  # the tail: off-bucket rounds outnumber in-bucket ones + 16
+    w = policy.window
+    assert w.bucket == 2 and w.transit and w.regime == "plain" and not w.probe
+    assert policy.discarded == 1
+    _run_window(policy, clock, 4, {"gate": (1, 0.001), "plain": (1, 0.01)})
+    assert low.rates["plain"].windows == 1 and low.rates["gate"].windows == 1  # nothing added
+    assert policy.window.bucket == 2 and not policy.window.transit
+    _run_window(policy, clock, 4, {"gate": (1, 0.001), "plain": (1, 0.01)})
+    assert low.rates["plain"].windows == 2   # the load held: measured
+    assert policy.to_dict()["window"]["transit"] is False
+
+
 def test_a_window_mostly_outside_its_bucket_adds_no_evidence():
     policy = RegimePolicy(CFG)
     clock = Clock(policy)
@@ -264,7 +288,7 @@ def test_stats_view_lists_measured_buckets_and_the_open_window():
     policy.may_draft(2)
     clock.rounds(2, 3, 2 + 10, 0.01)
     view = json.loads(json.dumps(policy.to_dict()))
-    assert view["window"] == {"in_flight": "2", "regime": "plain", "probe": False, "settling": True}
+    assert view["window"] == {"in_flight": "2", "regime": "plain", "probe": False, "transit": False, "settling": True}
     assert view["buckets"] == [{"in_flight": "2", "choice": "gate", "probes": 0, "probe_every": 2,
                                 "gate": {"windows": 1, "tok_per_ms": pytest.approx(0.3)},
                                 "plain": {"windows": 0, "tok_per_ms": None}}]

@@ -138,7 +138,8 @@ class _Bucket:
 
 @dataclass
 class _Window:
-    """The open window: its bucket and regime, whether it probes, the rounds still to settle,
+    """The open window: its bucket and regime, whether it probes, whether it is a drain's
+    transit window (`RegimePolicy._open`), the rounds still to settle,
     the measured rounds it needs, when measuring began and ended (s, the caller's clock), the
     rounds recorded and how many of them ran outside its bucket (a change of load), and the
     tokens, rounds, off-bucket rounds and gated rounds it measured."""
@@ -147,6 +148,7 @@ class _Window:
     regime: str
     settle: int
     probe: bool = False
+    transit: bool = False
     min_rounds: int = 1
     t_start: float | None = None
     t_end: float | None = None
@@ -206,7 +208,7 @@ class RegimePolicy:
         w.off_bucket += off
         if w.off_bucket > w.recorded - w.off_bucket + w.min_rounds:  # the load moved on: measure its bucket
             self._drop()
-            self._open(bucket, in_flight, None)
+            self._open(bucket, in_flight, None, transit=bucket < w.bucket)
             return
         if w.settle > 0:
             w.settle -= 1
@@ -253,12 +255,18 @@ class RegimePolicy:
         other = _other(current)
         return other if rates[other] > rates[current] * (1.0 + self.config.margin) else current
 
-    def _open(self, bucket: int, in_flight: int, previous: _Window | None) -> None:
-        regime, probe = self._next(bucket)
+    def _open(self, bucket: int, in_flight: int, previous: _Window | None, transit: bool = False) -> None:
+        """Open the next window of `bucket`. `transit`: the load fell into it from a higher
+        bucket (a burst draining): the window runs the bucket's choice and measures nothing,
+        and only if the load then holds for a whole window does the next one measure. A
+        drain's rounds say little about a steady load of that size (the generations left are
+        ending, nothing replaces them), and measuring them let the tails of large bursts
+        decide the small buckets."""
+        regime, probe = (self.choice(bucket), False) if transit else self._next(bucket)
         # Rounds in flight when the regime or the load changes started under the old one.
         same = previous is not None and previous.regime == regime and previous.bucket == bucket
         self.window = _Window(bucket, regime, settle=0 if same else in_flight, probe=probe,
-                              min_rounds=in_flight, t_start=previous and previous.t_end)
+                              min_rounds=in_flight, t_start=previous and previous.t_end, transit=transit)
 
     def _next(self, bucket: int) -> tuple[str, bool]:
         """The next window's regime in `bucket` and whether it is a probe."""
@@ -304,6 +312,8 @@ class RegimePolicy:
         a probe, double the probe interval when the choice held, else go back to probe_min."""
         w, cfg = self.window, self.config
         w.t_end = w.t_start + ms / 1e3
+        if w.transit:  # the load held for a whole window: the next one measures
+            return
         if w.bucket == 0 or 4 * w.off_measured > w.rounds or 2 * w.gated_measured < w.rounds:
             self._drop()
             return
@@ -317,7 +327,7 @@ class RegimePolicy:
 
     def to_dict(self) -> dict:
         """Plain-JSON view (the Stats RPC's `regime`): the config, the open window (bucket
-        label, regime, probe, settling) or None, windows discarded, and per bucket with any
+        label, regime, probe, transit, settling) or None, windows discarded, and per bucket with any
         window its label, choice, probes, probe interval and per regime windows and
         tok_per_ms (None before any)."""
         c, w = self.config, self.window
@@ -325,7 +335,8 @@ class RegimePolicy:
                "probe_min": c.probe_min,
                "probe_max": c.probe_max, "discarded_windows": self.discarded, "buckets": [],
                "window": None if w is None else {"in_flight": bucket_name(w.bucket), "regime": w.regime,
-                                                 "probe": w.probe, "settling": w.settle > 0}}
+                                                 "probe": w.probe, "transit": w.transit,
+                                                 "settling": w.settle > 0}}
         for i, b in enumerate(self.buckets):
             if any(r.windows for r in b.rates.values()):
                 out["buckets"].append({
