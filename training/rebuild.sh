@@ -69,9 +69,14 @@ if [ "$RECIPE" = v3 ]; then
     else $PY -m training.train_trunk --run runs/trunk-v3 --init $V2 --steps 2000 --lr 5e-4 --warmup 50 \
            --seed 1 --threads 2; fi
   fi >> runs/trunk-v3/train.log
+  # On idle cores (third session of 2026-12-02, 2 threads, nice 19, paused while benchmarks
+  # ran) a step took 4-5 s: steps 638 -> 1,400 in about an hour of training time. Held-out
+  # 'all' loss 3.07 (step 0) -> 2.81 nats (step 1,300).
   # Next (not yet run): export the trunk; draft data from it with the batched generator
-  # (training.draft_data --batch 16, exact numerics; >= 8,000 train + 256 held-out sequences,
-  # the v2 prompts: --prompt-min 4 --prompt-max 64 --new 64 --doc-start 0.5); the draft.
+  # (training.draft_data, exact numerics; >= 8,000 train + 256 held-out sequences, the v2
+  # prompts: --prompt-min 4 --prompt-max 64 --new 64 --doc-start 0.5); the draft. Measured
+  # on the v2 trunk (1 thread, 64 new tokens, a loaded box): --batch 32 exact 2.42 seq/s,
+  # --batch 64 fast 9.39 seq/s, so 8,256 exact sequences take about an hour per process.
   say "v3: the stages after the trunk are not written yet"
   exit 0
 fi
