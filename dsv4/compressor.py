@@ -28,7 +28,7 @@ from torch import nn
 
 from dsv4.codecs import act_quant_fp4, act_quant_fp8, hadamard_rotate
 from dsv4.config import KV_QUANT_BLOCK  # fp8 sim block of the no-rope part of K/V (docs/model.md §5.2)
-from dsv4.layers import Linear, RMSNorm, frozen_param
+from dsv4.layers import Linear, RMSNorm, frozen_param, pad_rows
 from dsv4.rope import Rope
 
 FP4_QUANT_BLOCK = 32  # fp4 sim block of indexer vectors (docs/model.md §5.7)
@@ -231,8 +231,8 @@ class Compressor(nn.Module):
         dev, T = pending[0][2].device, FINALIZE_BLOCKS
         m = len(pending)
         mp = -(-m // T) * T
-        v = torch.stack([b[2] for b in pending] + [pending[0][2].new_zeros(pending[0][2].shape)] * (mp - m))
-        g = torch.stack([b[3] for b in pending] + [pending[0][3].new_zeros(pending[0][3].shape)] * (mp - m))
+        v = pad_rows(torch.stack([b[2] for b in pending]), mp)
+        g = pad_rows(torch.stack([b[3] for b in pending]), mp)
         first = torch.tensor([j * self.ratio for _, j, _, _ in pending] + [0] * (mp - m), device=dev)
         entries = torch.cat([self.finalize(pool(v[i:i + T], g[i:i + T]), first[i:i + T])
                              for i in range(0, mp, T)])  # (mp, d)

@@ -25,7 +25,7 @@ from torch.nn.utils.rnn import pad_sequence
 from dsv4.codecs import act_quant_fp4, hadamard_rotate
 from dsv4.compressor import FP4_QUANT_BLOCK, Compressor, CompressorState
 from dsv4.config import ModelConfig
-from dsv4.layers import Linear
+from dsv4.layers import Linear, pad_rows
 from dsv4.rope import Rope
 
 INDEX_RATIO = 4
@@ -131,7 +131,7 @@ class Indexer(nn.Module):
         Mp = -(-M // tile) * tile
         kc = torch.nn.functional.pad(kc, (0, 0, 0, Ep - kc.shape[1]))  # [C, Ep, Di]
         kc = kc[torch.tensor(owner + [0] * (Mp - M), device=dev)]  # [Mp, Ep, Di]: each row its session's
-        scores = index_scores_tiled(pad_first(qi, Mp), pad_first(w, Mp), kc, tile, chunk)[:M]  # [M, Ep]
+        scores = index_scores_tiled(pad_rows(qi, Mp), pad_rows(w, Mp), kc, tile, chunk)[:M]  # [M, Ep]
         if self.reduce_scores is not None:
             scores = self.reduce_scores(scores)
         return select_topk(scores, (positions + 1) // INDEX_RATIO, self.topk)
@@ -188,11 +188,6 @@ def index_scores_tiled(qi: torch.Tensor, w: torch.Tensor, kc: torch.Tensor, tile
     return torch.cat([torch.cat([(torch.relu(torch.einsum("mhd,med->mhe", qi[t:t + tile], kc[t:t + tile, c:c + chunk]))
                                   * w[t:t + tile, :, None]).sum(1) for c in range(0, kc.shape[1], chunk)], dim=1)
                       for t in range(0, qi.shape[0], tile)])
-
-
-def pad_first(t: torch.Tensor, n: int) -> torch.Tensor:
-    """t [N, ...] -> [n, ...] (n >= N), the extra rows zero."""
-    return torch.cat((t, t.new_zeros(n - t.shape[0], *t.shape[1:]))) if n > t.shape[0] else t
 
 
 def index_scores(qi: torch.Tensor, w: torch.Tensor, kc: torch.Tensor) -> torch.Tensor:

@@ -28,6 +28,13 @@ from dsv4.codecs import act_quant_fp8, fp8_decode, fp8_encode
 from dsv4.config import ACT_QUANT_BLOCK  # fp8 activation block of the reference's fp8/fp4 GEMMs (docs/model.md §2.4)
 
 
+def pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t [N, ...] -> [n, ...] (n >= N), the extra rows zero (a fixed tile's padding)."""
+    if t.shape[0] == n:
+        return t
+    return torch.cat((t, t.new_zeros(n - t.shape[0], *t.shape[1:])))
+
+
 def frozen_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     """An uninitialised parameter without grad (weights come from `load_weights`)."""
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)

@@ -29,6 +29,7 @@ import torch
 
 from dsv4.attention import EXACT_KEY_CHUNK, Attention, AttentionState, AttentionUndo, sparse_attn_tiled
 from dsv4.joined_keys import Select, joined_keys
+from dsv4.layers import pad_rows
 from dsv4.moe import MoE
 
 EXACT_ROWS = 16  # exact mode: rows of a decode / verify tile, and the most tokens a verify block holds
@@ -259,13 +260,6 @@ def tiled(fn: Rows, tile: int, *rows: torch.Tensor) -> torch.Tensor | tuple[torc
     if isinstance(outs[0], tuple):
         return tuple(torch.cat(parts)[:n] for parts in zip(*outs))
     return torch.cat(outs)[:n]
-
-
-def pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
-    """t [N, ...] -> [n, ...] (n >= N), the extra rows zero."""
-    if t.shape[0] == n:
-        return t
-    return torch.cat((t, t.new_zeros(n - t.shape[0], *t.shape[1:])))
 
 
 def numerics_for(verify_numerics: str) -> FastNumerics:

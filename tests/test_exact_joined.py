@@ -19,7 +19,8 @@ import torch
 from dsv4.attention import EXACT_KEY_CHUNK
 from dsv4.compressor import FINALIZE_BLOCKS
 from dsv4.config import tiny_config
-from dsv4.indexer import index_scores, index_scores_tiled, pad_first, select_topk
+from dsv4.indexer import index_scores, index_scores_tiled, select_topk
+from dsv4.layers import pad_rows
 from dsv4.init import random_weights
 from dsv4.mhc import sinkhorn_pairs
 from dsv4.numerics import EXACT_ROWS
@@ -49,7 +50,7 @@ def step_scores(scorer, members: list[int]) -> dict[int, torch.Tensor]:
     kc = torch.stack([torch.nn.functional.pad(entries(o), (0, 0, 0, ep - ENTRIES[o])) for o in owner])
     qi = torch.stack([query(ROWS[i][1] + 3 * ROWS[i][0])[0] for i in members])
     w = torch.stack([query(ROWS[i][1] + 3 * ROWS[i][0])[1] for i in members])
-    out = scorer(pad_first(qi, mp), pad_first(w, mp), pad_first(kc, mp), EXACT_ROWS, EXACT_KEY_CHUNK)
+    out = scorer(pad_rows(qi, mp), pad_rows(w, mp), pad_rows(kc, mp), EXACT_ROWS, EXACT_KEY_CHUNK)
     return {i: out[j, :ENTRIES[ROWS[i][0]]] for j, i in enumerate(members)}
 
 

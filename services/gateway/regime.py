@@ -274,12 +274,11 @@ class RegimePolicy:
             return "gate", False
         b = self.buckets[bucket]
         if self._choose(bucket) is None:
-            if self.choice(bucket) == "plain":
-                # A lower bucket chose plain, and more load never favours drafting: no gate
-                # window here (at 16 streams one cost 43 % of a plain window's tokens) until
-                # that choice turns to gate.
-                return "plain", False
-            return self._explore(bucket), False
+            prior = self.choice(bucket)  # the nearest lower bucket's choice, else "gate"
+            # A lower bucket chose plain, and more load never favours drafting: no gate window
+            # here (at 16 streams one cost 43 % of a plain window's tokens) until that choice
+            # turns to gate.
+            return (prior if prior == "plain" else self._explore(bucket, prior)), False
         choice = self.choice(bucket)
         b.since_probe += 1
         if b.since_probe < b.probe_every:
@@ -287,11 +286,10 @@ class RegimePolicy:
         b.since_probe, b.probes = 0, b.probes + 1
         return _other(choice), True
 
-    def _explore(self, bucket: int) -> str:
-        """The regime of an exploring bucket's next window: prior, other, other, prior, ...
-        (the prior: the nearest lower bucket's choice, else "gate"), the regime behind on
-        windows first, so a dropped window is measured again."""
-        b, prior = self.buckets[bucket], self.choice(bucket)
+    def _explore(self, bucket: int, prior: str) -> str:
+        """The regime of an exploring bucket's next window: prior, other, other, prior, ...,
+        the regime behind on windows first, so a dropped window is measured again."""
+        b = self.buckets[bucket]
         counts = {r: b.rates[r].windows for r in REGIMES}
         if counts[prior] != counts[_other(prior)]:
             return min(REGIMES, key=counts.__getitem__)
