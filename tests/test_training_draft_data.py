@@ -77,3 +77,14 @@ def test_shard_files_do_not_depend_on_the_batch_and_resume_completes(exact, tmp_
         assert same(x, y) and x["domain"] == y["domain"]
     with pytest.raises(SystemExit):
         parse_args(["--batch", "0"])
+    with pytest.raises(SystemExit):
+        parse_args(["--save-every-s", "-1"])
+
+
+def test_a_shard_is_saved_every_interval_and_at_its_end(exact, tmp_path):
+    """Saves are throttled by --save-every-s, but the last group is always written."""
+    streams = {d: np.array([0, *range(2, 80), 1], dtype=np.uint16) for d in ("code", "prose", "math", "repeat")}
+    args = parse_args(["--sequences", "3", "--new", "2", "--topk", "2", "--prompt-min", "3", "--prompt-max", "6",
+                       "--batch", "1", "--save-every-s", "3600", "--out", str(tmp_path)])
+    path = write_shard(exact, streams, args)
+    assert path.stat().st_mtime_ns > 0 and len(torch.load(path, weights_only=False)["seqs"]) == 3

@@ -29,9 +29,10 @@ another greedy token. Stored per sequence:
   P-1..S-2 (the distributions of the continuation tokens P..S-1; K = `--topk`), for the
   total-variation loss; the argmax is the next token (greedy).
 
-Output: `<out>/{split}_shard{i}of{n}.pt` = {"meta": ..., "seqs": [dict, ...]} rewritten after
-every group of `--batch` sequences, so a killed run keeps what it made and `--resume`
-continues it.
+Output: `<out>/{split}_shard{i}of{n}.pt` = {"meta": ..., "seqs": [dict, ...]} rewritten
+atomically at most every `--save-every-s` seconds (and at the end), so a killed run keeps what
+it made and `--resume` continues it. (A shard of thousands of sequences is gigabytes of tap
+rows; rewriting it after every group would write tens of gigabytes.)
 Sequence k of shard i is a pure function of (seed, split, i + k * n), so shards never overlap.
 """
 
@@ -198,8 +199,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--numerics", choices=("fast", "exact"), default="exact",
                     help="verify numerics of the trunk (exact: the shard does not depend on --batch)")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--save-every-s", type=float, default=60.0,
+                    help="rewrite the shard file at most this often, in seconds (default 60)")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
+    if args.save_every_s < 0:
+        ap.error(f"--save-every-s must be >= 0, got {args.save_every_s}")
     for name in ("batch", "sequences", "new"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -218,6 +223,7 @@ def write_shard(trunk: Trunk, streams: dict[str, np.ndarray], args: argparse.Nam
             "prompt_min": args.prompt_min, "prompt_max": args.prompt_max, "numerics": args.numerics}
     seqs = torch.load(path, weights_only=False)["seqs"] if args.resume and path.is_file() else []
     t0, start = time.monotonic(), len(seqs)
+    saved = t0
     for k0 in range(len(seqs), args.sequences, args.batch):
         group = [sample_prompt(streams, mix, args.seed, args.split, args.shard + k * args.of,
                                args.prompt_min, args.prompt_max, args.doc_start, starts)
@@ -226,9 +232,11 @@ def write_shard(trunk: Trunk, streams: dict[str, np.ndarray], args: argparse.Nam
         for (domain, _), seq in zip(group, made):
             seq["domain"] = domain
         seqs.extend(made)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"meta": meta, "seqs": seqs}, tmp)
-        os.replace(tmp, path)
+        if len(seqs) >= args.sequences or time.monotonic() - saved >= args.save_every_s:
+            tmp = path.with_suffix(".tmp")
+            torch.save({"meta": meta, "seqs": seqs}, tmp)
+            os.replace(tmp, path)
+            saved = time.monotonic()
         rate = (len(seqs) - start) / (time.monotonic() - t0)
         print(f"{path.name}: {len(seqs)}/{args.sequences} sequences, {rate:.2f} seq/s, "
               f"{rate * args.new:.0f} tok/s", flush=True)

@@ -69,15 +69,46 @@ if [ "$RECIPE" = v3 ]; then
     else $PY -m training.train_trunk --run runs/trunk-v3 --init $V2 --steps 2000 --lr 5e-4 --warmup 50 \
            --seed 1 --threads 2; fi
   fi >> runs/trunk-v3/train.log
-  # On idle cores (third session of 2026-12-02, 2 threads, nice 19, paused while benchmarks
-  # ran) a step took 4-5 s: steps 638 -> 1,400 in about an hour of training time. Held-out
-  # 'all' loss 3.07 (step 0) -> 2.81 nats (step 1,300).
-  # Next (not yet run): export the trunk; draft data from it with the batched generator
-  # (training.draft_data, exact numerics; >= 8,000 train + 256 held-out sequences, the v2
-  # prompts: --prompt-min 4 --prompt-max 64 --new 64 --doc-start 0.5); the draft. Measured
-  # on the v2 trunk (1 thread, 64 new tokens, a loaded box): --batch 32 exact 2.42 seq/s,
-  # --batch 64 fast 9.39 seq/s, so 8,256 exact sequences take about an hour per process.
-  say "v3: the stages after the trunk are not written yet"
+  # On idle cores (2 threads, nice 19, paused while benchmarks ran) a step took 4-7 s.
+  S3=runs/stage/dspark-small-v3          # the v3 trunk with placeholder mtp.* weights
+  D3=runs/draft/data/v3
+  SEQS3=${SEQS3:-4128}                   # greedy sequences per train shard (2 shards: 8,256)
+  DRAFT3_MINUTES=${DRAFT3_MINUTES:-45}
+  say "v3: export the trunk (placeholder draft) for the draft data"
+  [ -f $S3/config.json ] || $PY -m training.export --trunk runs/trunk-v3/final.pt --out $S3 \
+      --data runs/trunk-v3/data --threads 2
+  # Batched generation (64 sequences per trunk pass, fast numerics: a near-tie may pick another
+  # greedy token than one-at-a-time generation would, which does not matter for training data).
+  # The v2 prompts: domain mix, lengths and document starts as above; seed 0, v3 sequences.
+  say "v3: draft data, 2 train shards of $SEQS3 + 256 held-out (batched, 64 sequences a pass)"
+  mkdir -p $D3
+  gen3() {  # split sequences shard of
+    $PY -m training.draft_data --checkpoint $S3 --data runs/trunk-v3/data --out $D3 --split "$1" \
+        --sequences "$2" --shard "$3" --of "$4" --prompt-min 4 --prompt-max 64 --new 64 --doc-start 0.5 \
+        --batch 64 --numerics fast --resume >> $D3/$1$3.log 2>&1
+  }
+  gen3 train "$SEQS3" 0 2 & gen3 train "$SEQS3" 1 2 & wait
+  gen3 heldout 256 0 1
+  # The draft starts from the committed (v2) draft: the v3 trunk continues the v2 trunk, so
+  # its tap rows are close to the ones that draft learnt. Step 0's held-out evaluation is that
+  # draft against the v3 trunk (the 'before').
+  say "v3: DSpark draft from the v2 draft, ${DRAFT3_MINUTES} min; then the confidence head"
+  if [ ! -f runs/draft/v3/final.pt ]; then
+    if [ -f runs/draft/v3/ckpt.pt ]; then $PY -m training.train_draft --run runs/draft/v3 --resume --threads 2
+    else $PY -m training.train_draft --run runs/draft/v3 --checkpoint $S3 --data "$D3/train_*.pt" \
+           --heldout "$D3/heldout_*.pt" --init $V2 --lr 5e-4 --warmup 50 --steps 1000000 \
+           --minutes "$DRAFT3_MINUTES" --eval-every 1000 --threads 2; fi
+  fi >> runs/draft/v3.log
+  if [ ! -f runs/draft/v3conf/final.pt ]; then
+    if [ -f runs/draft/v3conf/ckpt.pt ]; then $PY -m training.train_draft --run runs/draft/v3conf --resume
+    else $PY -m training.train_draft --run runs/draft/v3conf --checkpoint $S3 --data "$D3/train_*.pt" \
+           --heldout "$D3/heldout_*.pt" --init runs/draft/v3/final.pt --only mtp.2.confidence_head \
+           --conf-target match --conf-weight 1.0 --lr 0.003 --warmup 10 --steps 100000 --minutes 1.5 \
+           --eval-every 100000 --threads 2; fi
+  fi >> runs/draft/v3conf.log
+  say "v3: export trunk + draft to $OUT"
+  $PY -m training.export --trunk runs/trunk-v3/final.pt --draft runs/draft/v3conf/final.pt --out "$OUT" \
+      --data runs/trunk-v3/data --threads 2
   exit 0
 fi
 

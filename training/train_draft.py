@@ -13,7 +13,8 @@ Data: `training.draft_data` shards (the exported trunk's greedy continuations, t
 top-K log-probabilities). Model: `DSparkDraft` of the checkpoint's config; embed and head
 come from the checkpoint (the trunk's, frozen and shared); only `mtp.*` trains (gate
 biases excepted), initialised randomly (`dsv4.init.random_weights`) or from `--init` (a
-previous run's final.pt, e.g. a draft trained against an earlier trunk checkpoint).
+previous run's final.pt or an exported checkpoint folder, e.g. a draft trained against an
+earlier trunk). A run with held-out data evaluates once before its first step.
 
 Step: `--seqs` sequences; per sequence every seed p whose whole block lies in the greedy
 continuation (P-2 <= p <= S-2-B: slot j predicts ids[p+2+j], a trunk greedy token, from the
@@ -90,6 +91,19 @@ class DraftTrainConfig:
     only: str = ""
 
 
+def init_weights(source: str) -> dict[str, torch.Tensor]:
+    """The `mtp.*` weights (fp32, logical names) to start from: a run's final.pt, or an exported
+    checkpoint folder read through the drafter's loader (a draft trained against an earlier
+    trunk, e.g. the committed one). Raises FileNotFoundError naming `source` if it is neither."""
+    path = Path(source)
+    if path.is_dir():
+        _, weights, _ = load_drafter_weights(str(path))
+        return {n: t.float() for n, t in weights.items() if n.startswith("mtp.")}
+    if not path.is_file():
+        raise FileNotFoundError(f"--init {source!r}: neither a final.pt nor a checkpoint folder")
+    return torch.load(path, map_location="cpu", weights_only=False)["mtp"]
+
+
 def load_sequences(pattern: str) -> list[dict]:
     """Every sequence of the draft_data shards matching `pattern` (sorted by file name)."""
     out = []
@@ -155,8 +169,7 @@ class Run:
         cfg, weights, _ = load_drafter_weights(tc.checkpoint)
         self.cfg = cfg
         if tc.init:
-            init = torch.load(tc.init, map_location="cpu", weights_only=False)["mtp"]
-            weights = {**weights, **init}
+            weights = {**weights, **init_weights(tc.init)}
         else:
             rnd = random_weights(cfg, "all", seed=tc.seed)
             weights = {**weights, **{n: rnd[n] for n in weights if n.startswith("mtp.")}}
@@ -276,6 +289,10 @@ class Run:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, request_stop)
         last_save = time.monotonic()
+        if self.heldout and self.step == 0:  # the starting point: random or --init weights
+            ev = self.evaluate()
+            self.log({"step": 0, "heldout": ev})
+            print(json.dumps({"step": 0, "heldout": ev}), flush=True)
         while self.step < tc.steps and not self.stop and not (tc.minutes > 0 and self.elapsed() > tc.minutes * 60):
             rec = self.train_step()
             self.log(rec)
