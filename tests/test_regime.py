@@ -12,6 +12,7 @@ new one and drafts, Stats reports the policy, and the tokens are plain decode's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import pytest
@@ -21,7 +22,8 @@ from services.gateway.gate import GateConfig
 from services.gateway.regime import REGIMES, RegimeConfig, RegimePolicy, bucket_name, bucket_of
 from services_fixtures import collect, gen_request, service_loop, start_stack
 
-CFG = RegimeConfig(window_ms=99.5, decay=1.0, margin=0.1, explore=1, probe_min=2, probe_max=8)
+# probe_budget 1.0: a gap never lengthens the probe interval (its own test sets one).
+CFG = RegimeConfig(window_ms=99.5, decay=1.0, margin=0.1, explore=1, probe_min=2, probe_max=8, probe_budget=1.0)
 
 
 class Clock:
@@ -114,6 +116,22 @@ def test_probe_schedule_doubles_while_probes_confirm_and_resets_when_one_changes
     assert policy.window.probe
     clock.rounds(2, 30, policy.window.settle + 10, 0.01)  # gate now 3.0 tok/ms in its window
     assert policy.choice(1) == "gate" and b.probe_every == CFG.probe_min
+
+
+def test_a_wide_gap_lengthens_the_probe_interval_to_keep_probes_within_their_budget():
+    """Gate measured 0.3 tok/ms against plain's 0.5 (a 40 % gap): with probe_budget 0.1 every
+    ceil(0.4 / 0.1) = 4th window probes, not every probe_min = 2nd; the Stats view reports
+    that interval. A near tie (plain 0.31) keeps the doubling schedule's 2."""
+    for plain_dt, first_probe in ((0.002, 4), (0.0032, 2)):
+        policy = RegimePolicy(dataclasses.replace(CFG, probe_budget=0.1, margin=0.0))
+        clock = Clock(policy)
+        policy.may_draft(2)
+        rates = {"gate": (3, 0.01), "plain": (1, plain_dt)}  # 0.3 and 0.5 (or 0.31) tok/ms
+        seen = [_run_window(policy, clock, 2, rates) for _ in range(2)]
+        assert seen == [("gate", False), ("plain", False)] and policy.choice(1) == "plain"
+        assert policy.to_dict()["buckets"][0]["probe_every"] == first_probe
+        seen = [_run_window(policy, clock, 2, rates) for _ in range(first_probe + 1)]
+        assert [probe for _, probe in seen].index(True) == first_probe - 1, seen  # every n-th window
 
 
 def _run_window(policy: RegimePolicy, clock: Clock, in_flight: int, rate: dict[str, tuple[int, float]]) -> tuple:
@@ -275,7 +293,8 @@ def test_bad_values_are_named():
         with pytest.raises(ValueError, match=match):
             policy.record(**args)
     for field, value in (("window_ms", 0), ("decay", 0), ("decay", 1.5), ("decay", True), ("margin", -0.1), ("explore", 0),
-                         ("probe_min", 0), ("probe_max", 1.5)):
+                         ("probe_min", 0), ("probe_max", 1.5), ("probe_budget", 0), ("probe_budget", 1.5),
+                         ("probe_budget", float("nan"))):
         with pytest.raises(ValueError, match=f"{field}="):
             RegimeConfig(**{field: value})
     with pytest.raises(ValueError, match="probe_max=2"):

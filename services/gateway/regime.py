@@ -25,6 +25,7 @@ tokens a generation streams do not depend on it. Event-loop use only (no locking
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass, field
 
 from services.common.settings import check_count
@@ -84,6 +85,11 @@ class RegimeConfig:
         probe_max, and falls back to probe_min when a probe changes it. A probe window that
         is dropped (the load left its bucket, the gateway went idle) is run again the next
         time the bucket opens a window.
+    probe_budget: the share of a bucket's throughput its probes may cost (in (0, 1]): a probe
+        window gives up the measured gap g between the regimes (1 - other / chosen rate), so
+        the interval is never shorter than g / probe_budget windows (capped at probe_max).
+        Where the other regime is far behind, a probe costs much and is unlikely to change
+        the choice, so it comes rarely; a near tie is probed at the doubling schedule.
     Raises ValueError naming the field and value when one is out of range.
     """
 
@@ -91,8 +97,9 @@ class RegimeConfig:
     decay: float = 0.8
     margin: float = 0.05
     explore: int = 2
-    probe_min: int = 8
+    probe_min: int = 16
     probe_max: int = 64
+    probe_budget: float = 0.02
 
     def __post_init__(self) -> None:
         _positive("window_ms", self.window_ms)
@@ -102,6 +109,9 @@ class RegimeConfig:
             raise ValueError(f"decay={short_repr(self.decay)}: must be in (0, 1]")
         for name in ("explore", "probe_min", "probe_max"):
             check_count(name, getattr(self, name), 1)
+        budget = finite_float(self.probe_budget)
+        if budget is None or not 0 < budget <= 1:
+            raise ValueError(f"probe_budget={short_repr(self.probe_budget)}: must be in (0, 1]")
         if self.probe_max < self.probe_min:
             raise ValueError(f"probe_max={self.probe_max}: must be >= probe_min={self.probe_min}")
 
@@ -281,10 +291,19 @@ class RegimePolicy:
             return (prior if prior == "plain" else self._explore(bucket, prior)), False
         choice = self.choice(bucket)
         b.since_probe += 1
-        if b.since_probe < b.probe_every:
+        if b.since_probe < max(b.probe_every, self._gap_windows(b, choice)):
             return choice, False
         b.since_probe, b.probes = 0, b.probes + 1
         return _other(choice), True
+
+    def _gap_windows(self, b: _Bucket, choice: str) -> int:
+        """The fewest windows between probes that keep their cost within `probe_budget`:
+        ceil(gap / probe_budget), gap = 1 - other / chosen rate (0 on a tie or reversal),
+        capped at probe_max."""
+        chosen, other = b.rates[choice].tok_per_ms, b.rates[_other(choice)].tok_per_ms
+        if not chosen or other is None or other >= chosen:
+            return 0
+        return min(self.config.probe_max, math.ceil((1.0 - other / chosen) / self.config.probe_budget))
 
     def _explore(self, bucket: int, prior: str) -> str:
         """The regime of an exploring bucket's next window: prior, other, other, prior, ...,
@@ -301,7 +320,7 @@ class RegimePolicy:
         self.discarded += w.bucket != 0
         if w.probe:
             b = self.buckets[w.bucket]
-            b.since_probe = b.probe_every
+            b.since_probe = self.config.probe_max  # past any interval: the next window probes
 
     def _close(self, ms: float) -> None:
         """Add the open window's tokens over `ms` to its regime's rate, unless more than a
@@ -326,12 +345,13 @@ class RegimePolicy:
     def to_dict(self) -> dict:
         """Plain-JSON view (the Stats RPC's `regime`): the config, the open window (bucket
         label, regime, probe, transit, settling) or None, windows discarded, and per bucket with any
-        window its label, choice, probes, probe interval and per regime windows and
+        window its label, choice, probes, probe interval (the doubling schedule's, or the gap's
+        floor when longer) and per regime windows and
         tok_per_ms (None before any)."""
         c, w = self.config, self.window
         out = {"window_ms": c.window_ms, "decay": c.decay, "margin": c.margin, "explore": c.explore,
-               "probe_min": c.probe_min,
-               "probe_max": c.probe_max, "discarded_windows": self.discarded, "buckets": [],
+               "probe_min": c.probe_min, "probe_max": c.probe_max, "probe_budget": c.probe_budget,
+               "discarded_windows": self.discarded, "buckets": [],
                "window": None if w is None else {"in_flight": bucket_name(w.bucket), "regime": w.regime,
                                                  "probe": w.probe, "transit": w.transit,
                                                  "settling": w.settle > 0}}
@@ -339,6 +359,6 @@ class RegimePolicy:
             if any(r.windows for r in b.rates.values()):
                 out["buckets"].append({
                     "in_flight": bucket_name(i), "choice": self.choice(i), "probes": b.probes,
-                    "probe_every": b.probe_every,
+                    "probe_every": max(b.probe_every, self._gap_windows(b, self.choice(i))),
                     **{r: {"windows": rate.windows, "tok_per_ms": rate.tok_per_ms} for r, rate in b.rates.items()}})
         return out
