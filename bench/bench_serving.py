@@ -25,10 +25,11 @@ Order: each repetition runs every concurrency, and within it every numerics and 
 the arms in an order rotated per repetition, so all arms see the same machine load. The
 figures (bench/serving_stats.py has their definitions) are the medians over `--repeats`
 repetitions, with min-max. Summary, as paired ratios (each repetition's own ratio, then the
-median [min-max] of those, so load that drifts between repetitions cancels): gated / best of
-the other arms and exact / fast per concurrency, and the issue's three aims (plain 16 streams
->= 6x 1 stream; gated >= 0.97x the best other arm everywhere; exact within 1.3x of fast at 16
-streams). `--from-json FILE` prints the tables of an earlier run's `--json` again. `--warmup` (default
+median [min-max] of those, so load that drifts between repetitions cancels): gated / the best
+fixed arm (the other arm with the highest median, `best_fixed_arm`; gated / each repetition's
+maximum beside it) and exact / fast per concurrency, and the issue's three aims (plain 16
+streams >= 6x 1 stream; gated >= 0.97x the best fixed arm everywhere; exact within 1.3x of
+fast at 16 streams). `--from-json FILE` prints the tables of an earlier run's `--json` again. `--warmup` (default
 1) first runs the gated arm once over every concurrency, unmeasured (`run_warmup` says why).
 """
 
@@ -236,18 +237,40 @@ def paired(reps: int, numerator, denominator) -> Spread:
     return Spread.of(numerator(r) / denominator(r) for r in range(reps))
 
 
+def best_fixed_arm(cells: dict[str, list[dict]], arms: list[str]) -> str:
+    """The arm among `arms` with the highest median aggregate tok/s over its repetitions
+    (`cells`: arm -> the repetitions' figures): the one fixed policy a user would pick from
+    the table. Raises ValueError when `arms` is empty."""
+    if not arms:
+        raise ValueError("best_fixed_arm: no arms to choose from")
+    return max(arms, key=lambda a: Spread.of(c["aggregate_tok_s"] for c in cells[a]).median)
+
+
 def summary(raw: dict, args) -> dict:
-    """Per concurrency, as paired ratios of aggregate tok/s (`paired`): gated / best other arm
-    of the same repetition (per numerics), and exact / fast of plain, gated and each side's
-    best arm; then the issue's aims. {"rows": {streams: {name: Spread}}, "aims": {...}}."""
+    """Per concurrency, as paired ratios of aggregate tok/s (`paired`): gated / the best fixed
+    arm (`best_fixed_arm`, per numerics; which one in "best_arm"), gated / the best other arm
+    of each repetition (an upper bound: see below), and exact / fast of plain, gated and each
+    side's best arm; then the issue's aims.
+    {"rows": {streams: {name: Spread}}, "best_arm": {streams: {numerics: arm}}, "aims": {...}}.
+
+    The aim compares gated with the best of the fixed arms, one policy. The maximum over
+    arms taken afresh in each repetition instead picks whichever arm was lucky in that
+    repetition: with six arms whose cells scatter by +-10 % (this 2-core box) that maximum
+    sits about 1.3 standard deviations above the best arm's own rate, so even an arm equal to
+    the best scores below 1 against it. It is kept as `gated/rep-max` for comparison."""
     agg = lambda n, s, a, r: raw[n][s][a][r]["aggregate_tok_s"]  # noqa: E731
-    rows = {}
+    rows, best_arm = {}, {}
     for streams in args.streams:
         row = {}
         for n in raw:
             if "gated" in args.arms and len(args.arms) > 1:
-                row[f"gated/best {n}"] = paired(args.repeats, lambda r: agg(n, streams, "gated", r), lambda r: max(
-                    agg(n, streams, a, r) for a in args.arms if a != "gated"))
+                others = [a for a in args.arms if a != "gated"]
+                fixed = best_fixed_arm(raw[n][streams], others)
+                best_arm.setdefault(streams, {})[n] = fixed
+                row[f"gated/best {n}"] = paired(args.repeats, lambda r: agg(n, streams, "gated", r),
+                                                lambda r: agg(n, streams, fixed, r))
+                row[f"gated/rep-max {n}"] = paired(args.repeats, lambda r: agg(n, streams, "gated", r), lambda r: max(
+                    agg(n, streams, a, r) for a in others))
         if "fast" in raw and "exact" in raw:
             for arm in ("plain", "gated"):
                 if arm in args.arms:
@@ -256,7 +279,7 @@ def summary(raw: dict, args) -> dict:
             best = lambda n, r: max(agg(n, streams, a, r) for a in args.arms)  # noqa: E731
             row["exact/fast best"] = paired(args.repeats, lambda r: best("exact", r), lambda r: best("fast", r))
         rows[streams] = row
-    return {"rows": rows, "aims": aims(raw, rows, args, agg)}
+    return {"rows": rows, "best_arm": best_arm, "aims": aims(raw, rows, args, agg)}
 
 
 def aims(raw: dict, rows: dict, args, agg) -> dict[str, str]:
@@ -269,7 +292,7 @@ def aims(raw: dict, rows: dict, args, agg) -> dict[str, str]:
         gb = [rows[s].get(f"gated/best {n}") for s in args.streams]
         if all(g is not None for g in gb):
             worst = min(g.median for g in gb)
-            out[f"gated >= 0.97x best other arm at every concurrency ({n})"] = \
+            out[f"gated >= 0.97x best fixed arm at every concurrency ({n})"] = \
                 f"{'met' if worst >= 0.97 else 'missed'} (lowest {worst:.2f}x)"
     if 16 in rows and "exact/fast best" in rows[16]:
         r = rows[16]["exact/fast best"].median
@@ -284,8 +307,14 @@ def summary_table(summ: dict) -> Table:
     t.add_column("streams", justify="right")
     for k in keys:
         t.add_column(k, justify="right")
+    best = summ.get("best_arm", {})  # absent from runs saved before it existed
+    numerics = sorted({n for arms in best.values() for n in arms})
+    for n in numerics:
+        t.add_column(f"best fixed arm {n}", justify="right")
     for streams, r in summ["rows"].items():
-        t.add_row(str(streams), *(fmt(r[k], 2) if r.get(k) is not None else "-" for k in keys))
+        chosen = best.get(streams, best.get(str(streams), {}))
+        t.add_row(str(streams), *(fmt(r[k], 2) if r.get(k) is not None else "-" for k in keys),
+                  *(chosen.get(n, "-") for n in numerics))
     return t
 
 

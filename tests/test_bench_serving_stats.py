@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.bench_serving import ARMS, WORKLOADS, paired, parse_args, stream_prompts
+from bench.bench_serving import ARMS, WORKLOADS, best_fixed_arm, paired, parse_args, stream_prompts, summary
 from bench.serving_stats import GenerationTrace, Spread, cell_figures, percentile
 from bench.soak import rss_report
 
@@ -59,6 +59,22 @@ def test_spreads_and_paired_ratios():
     gated, best = [10.0, 20.0, 40.0], [20.0, 40.0, 80.0]
     r = paired(3, lambda i: gated[i], lambda i: best[i])
     assert r == Spread(0.5, 0.5, 0.5)
+
+
+def test_gated_is_compared_with_the_best_fixed_arm_not_each_repetition_s_luckiest():
+    """plain and k1 each lead one repetition by luck (110 against 90); k2 gives 100 every
+    time and is the best fixed arm (median 100 against 90). Gated, equal to k2, scores 1.0
+    against it; against each repetition's maximum it would score 0.91 in the median."""
+    cells = {"plain": [110.0, 90.0, 90.0], "k1": [90.0, 110.0, 90.0], "k2": [100.0] * 3, "gated": [100.0] * 3}
+    raw = {"fast": {4: {a: [{"aggregate_tok_s": x} for x in xs] for a, xs in cells.items()}}}
+    args = parse_args(["--streams", "4", "--arms", *cells, "--repeats", "3", "--numerics", "fast"])
+    assert best_fixed_arm(raw["fast"][4], ["plain", "k1", "k2"]) == "k2"
+    summ = summary(raw, args)
+    assert summ["best_arm"] == {4: {"fast": "k2"}}
+    assert summ["rows"][4]["gated/best fast"] == Spread(1.0, 1.0, 1.0)
+    assert summ["rows"][4]["gated/rep-max fast"] == Spread(100 / 110, 100 / 110, 1.0)
+    with pytest.raises(ValueError, match="no arms"):
+        best_fixed_arm(raw["fast"][4], [])
 
 
 def test_every_cell_covers_every_workload():
