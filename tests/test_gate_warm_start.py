@@ -118,7 +118,7 @@ def test_borrowed_losing_rounds_skip_the_first_draft_and_probes_still_come():
     gate = Gate(GateConfig(enabled=True), cal)
     decisions = [gate.should_draft(None) for _ in range(PROBE_FIRST)]
     assert decisions == [False] * (PROBE_FIRST - 1) + [True]
-    assert gate.choose([0.0] * 5, 5).k == 5  # the probe verifies the whole block
+    assert gate.choose([0.0] * 5, 5).k == 1  # the probe verifies one draft
     cold = Gate(GateConfig(enabled=True), Calibration(cal.matched, cal.observed))
     assert cold.should_draft(None)  # counts alone: the first round drafts ...
     assert cold.choose([0.0] * 5, 5).k == 0  # ... and the lent estimates cut it before verify

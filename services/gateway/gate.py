@@ -262,7 +262,7 @@ class Gate:
         (3) with the length gate enabled, the recent drafted rounds, re-priced with the current
         estimates, say drafting is worth less than its cost (`draft_advantage` < 0). (2) and (3)
         draft anyway on the losing streak's probe rounds (PROBE_FIRST rounds in, then gaps
-        doubling up to PROBE_PERIOD), and a probe verifies the whole block. (1) and (2) apply whether or not the gate is enabled. None (margin
+        doubling up to PROBE_PERIOD), and a probe verifies at least one draft. (1) and (2) apply whether or not the gate is enabled. None (margin
         unknown) passes (1) and (2). Raises ValueError on NaN or a non-number.
         """
         margin = None if anchor_margin is None else _logit(anchor_margin, "anchor margin")
@@ -302,7 +302,7 @@ class Gate:
         `confidence_logits`: one per drafted position. `max_n` (tokens) is the caller's cap:
         min(drafted, remaining max_tokens budget, room before max_seq_len). Disabled gate: k =
         max_n. A probe round (see should_draft; also due when every draft of a losing streak
-        was cut to 0) submits the whole block. Raises ValueError, before any state changes and
+        was cut to 0) submits at least one draft. Raises ValueError, before any state changes and
         whether or not the gate is enabled, when a confidence is NaN or not a number, or max_n
         is not an integer in [0, len(confidence_logits)].
         """
@@ -313,9 +313,9 @@ class Gate:
             est = self.estimates()
             probs = [est[bisect.bisect_right(BUCKET_EDGES, c)] for c in logits[:max_n]]
             probe = self._probe or self._probe_due()
-            # A probe verifies the whole block: a miss at position 0 costs little more than one
-            # draft would, and a hit teaches every position, so the gate recovers in fewer probes.
-            floor = max_n if probe else self.config.min_draft
+            # A probe verifies at least one draft, the cheapest test of whether the drafter came
+            # back: where verify is dear per draft, a whole block would cost most of the probe.
+            floor = min(1, max_n) if probe else self.config.min_draft
             n = decide_length(probs, max_n, self.pricing or self.cost, self.config.margin, floor, self.rate())
         if probe or self._probe:
             self._gap = min(PROBE_PERIOD, 2 * self._gap)  # still losing: the next probe comes later
