@@ -27,8 +27,10 @@ Markov head). Losses (DSpark paper as a guide), slot j weighted by `--slot-decay
   `--conf-target match` uses the slot's greedy match instead (what a greedy verify decides),
   and `--only PREFIX` trains only the parameters under PREFIX (e.g. a confidence-head pass).
 AdamW, linear warm-up then cosine decay to `--min-lr-frac`, global grad-norm clip. With
-`--minutes M` the run also ends after M minutes of training wall time (kept across resumes)
-and the cosine follows whichever of steps and time is further along.
+`--minutes M` the run also ends after M minutes of training time (the wall time of its steps
+and evaluations, kept across resumes; a run paused with SIGSTOP does not spend it) and the
+cosine follows whichever of steps and time is further along. A resume may change `--steps`
+and `--minutes`.
 
 While a `training.draft_data` generator still writes the shards, every `--reload-every` steps
 the run re-reads them if they changed (more sequences; the batch draw depends on the count).
@@ -190,7 +192,7 @@ class Run:
         B = cfg.dspark_block_size
         self.weights = tc.slot_decay ** torch.arange(B, dtype=torch.float32)
         self.step, self.stop = 0, False
-        self.started, self.elapsed_before = time.monotonic(), 0.0
+        self.trained_s = 0.0  # seconds spent in steps and evaluations, this run's and the resumed ones
 
     def progress(self) -> float:
         """Fraction of the run done: by steps, or by wall time when `minutes` is set (whichever is further)."""
@@ -201,7 +203,9 @@ class Run:
         return min(1.0, t)
 
     def elapsed(self) -> float:
-        return self.elapsed_before + time.monotonic() - self.started
+        """Training time so far (s): the wall time of steps and evaluations only, so a run
+        paused with SIGSTOP (to free the cores for a benchmark) keeps its time budget."""
+        return self.trained_s
 
     def lr_at(self, step: int) -> float:
         tc = self.tc
@@ -228,7 +232,7 @@ class Run:
                 own[n].copy_(t)
         self.opt.load_state_dict(ck["optimizer"])
         self.step = ck["step"]
-        self.elapsed_before = ck.get("elapsed_s", 0.0)
+        self.trained_s = ck.get("elapsed_s", 0.0)
 
     def log(self, record: dict) -> None:
         with open(self.folder / "log.jsonl", "a") as f:
@@ -260,7 +264,10 @@ class Run:
         gn = torch.nn.utils.clip_grad_norm_([p for _, p in self.named], tc.clip)
         self.opt.step()
         self.step += 1
-        rec = {"step": self.step, "elapsed_s": round(self.elapsed(), 1), "lr": lr, "grad_norm": float(gn), "step_s": round(time.monotonic() - t0, 3)}
+        step_s = time.monotonic() - t0
+        self.trained_s += step_s
+        rec = {"step": self.step, "elapsed_s": round(self.elapsed(), 1), "lr": lr, "grad_norm": float(gn),
+               "step_s": round(step_s, 3)}
         rec.update({k: round(float(np.mean([p[k] for p in parts])), 5) for k in parts[0]})
         rec.update(acceptance(torch.cat(matches)))
         return rec
@@ -268,6 +275,13 @@ class Run:
     @torch.no_grad()
     def evaluate(self) -> dict:
         """Held-out CE / TV / conf and acceptance per domain and over all sequences."""
+        t0 = time.monotonic()
+        try:
+            return self._evaluate()
+        finally:
+            self.trained_s += time.monotonic() - t0
+
+    def _evaluate(self) -> dict:
         by: dict[str, list] = {}
         for seq in self.heldout:
             ls = self.forward(seq)
@@ -332,7 +346,9 @@ def main() -> None:
     given = {k: v for k, v in vars(args).items() if k in DraftTrainConfig.__dataclass_fields__ and v is not None}
     if args.resume:
         saved = json.loads((args.run / "config.json").read_text())
-        tc = DraftTrainConfig(**{**saved, **{k: v for k, v in given.items() if k == "steps"}})
+        # steps and minutes may change on a resume (extend or shorten a run; the cosine then
+        # follows the new length, a warm restart when it grows)
+        tc = DraftTrainConfig(**{**saved, **{k: v for k, v in given.items() if k in ("steps", "minutes")}})
     else:
         if (args.run / "ckpt.pt").exists():
             raise SystemExit(f"{args.run}/ckpt.pt exists: pass --resume, or choose another --run folder")
