@@ -72,7 +72,15 @@ if [ "$RECIPE" = v3 ]; then
     else $PY -m training.train_trunk --run runs/trunk-v3 --init $V2 --steps 2000 --lr 5e-4 --warmup 50 \
            --seed 1 --threads 2; fi
   fi >> runs/trunk-v3/train.log
-  # On idle cores (2 threads, nice 19, paused while benchmarks ran) a step took 4-7 s.
+  # On idle cores (2 threads, nice 19, paused while benchmarks ran) a step took 4-7 s; the
+  # last 434 steps (1,386 -> 1,820) ran in 44 min. Held-out 'all' loss 3.069 -> 2.768 nats.
+  # Stage times of the rest (fourth session of 2026-12-02, 2-core box): export 15 s; draft
+  # data 14.7 min for the 8,256 train sequences (two processes at 4.7 sequences/s each, part
+  # of the time beside a test run) and 40 s for the 256 held-out ones (6.5/s alone);
+  # confidence head 1.5 min; export 18 s. The draft: 45 min (10,978 steps) reached a
+  # held-out accept rate of 0.683 (h = 0.855 0.865 0.894 0.916 0.922), still rising about a
+  # point per 1,000 steps; it was then resumed with --minutes 120 (a warm restart of its
+  # time-based cosine, lr back to 3.6e-4), which the default below does not reproduce.
   S3=runs/stage/dspark-small-v3          # the v3 trunk with placeholder mtp.* weights
   D3=runs/draft/data/v3
   SEQS3=${SEQS3:-4128}                   # greedy sequences per train shard (2 shards: 8,256)
