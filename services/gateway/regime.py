@@ -357,8 +357,9 @@ class RegimePolicy:
                                                  "settling": w.settle > 0}}
         for i, b in enumerate(self.buckets):
             if any(r.windows for r in b.rates.values()):
+                choice = self.choice(i)
                 out["buckets"].append({
-                    "in_flight": bucket_name(i), "choice": self.choice(i), "probes": b.probes,
-                    "probe_every": max(b.probe_every, self._gap_windows(b, self.choice(i))),
+                    "in_flight": bucket_name(i), "choice": choice, "probes": b.probes,
+                    "probe_every": max(b.probe_every, self._gap_windows(b, choice)),
                     **{r: {"windows": rate.windows, "tok_per_ms": rate.tok_per_ms} for r, rate in b.rates.items()}})
         return out
