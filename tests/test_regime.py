@@ -162,6 +162,31 @@ def test_exploration_measures_each_regime_twice_in_mirrored_order_before_choosin
     assert policy.choice(1) == "gate" and policy.window.regime == "gate"
 
 
+def test_a_gate_window_after_a_plain_one_leaves_the_waking_rounds_unmeasured():
+    """4 in flight. Gate (0.3 tok/ms), then plain (0.5) is chosen; its probe of gate comes
+    after a plain window, so it settles 8 rounds: 4 started under plain, and 4 more, each
+    generation's first drafted round, which primes a new drafter session (slow here: 1 token
+    in 50 ms). The steady rounds that follow (0.6 tok/ms) turn the bucket to gate. Settling
+    only 4 rounds would have measured the 4 priming rounds alone (0.02 tok/ms: the window
+    reaches its length and its 4 rounds with them), and plain would have held."""
+    policy = RegimePolicy(dataclasses.replace(CFG, decay=0.01))
+    clock = Clock(policy)
+    assert policy.may_draft(4) is True and policy.window.settle == 4
+    rates = {"gate": (3, 0.01), "plain": (1, 0.002)}
+    assert [_run_window(policy, clock, 4, rates)[0] for _ in range(3)] == ["gate", "plain", "plain"]
+    assert policy.choice(2) == "plain"
+    w = policy.window
+    assert w.regime == "gate" and w.probe and w.settle == 8
+    clock.rounds(4, 1, 4, 0.002)      # rounds that started under plain
+    clock.rounds(4, 1, 4, 0.05)       # each generation wakes and primes its drafter
+    assert w.settle == 0
+    _run_window(policy, clock, 4, {"gate": (6, 0.01)})
+    assert _rate(policy, 2, "gate") == pytest.approx(0.6, rel=0.01) and policy.choice(2) == "gate"
+    assert policy.window.regime == "gate" and policy.window.settle == 0   # gate runs on: no settling
+    policy.idle()
+    assert policy.last_regime is None       # nobody in flight, so nobody asleep
+
+
 def test_a_dropped_probe_window_is_run_again_at_the_bucket_s_next_window():
     policy = RegimePolicy(CFG)             # explore 1, probe_min 2
     clock = Clock(policy)

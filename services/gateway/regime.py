@@ -58,6 +58,19 @@ def _other(regime: str) -> str:
     return REGIMES[1 - REGIMES.index(regime)]
 
 
+def _settle(previous: "_Window | None", bucket: int, regime: str, in_flight: int, waking: bool) -> int:
+    """Finished rounds a new window leaves unmeasured: none when the same regime continues in
+    the same bucket; else the `in_flight` rounds that may have started under the old regime or
+    load, and, when `waking` (gate follows a plain window, so generations are asleep),
+    `in_flight` more: each sleeping generation's first round then opens and primes a drafter
+    session (`DrafterLink.wake`: a verifier call for the kept rows, a drafter commit of them),
+    a switch cost that a gate regime running on does not pay. Measured with those rounds, a
+    gate window would read the transition, not the regime."""
+    if previous is not None and previous.regime == regime and previous.bucket == bucket:
+        return 0
+    return 2 * in_flight if waking else in_flight
+
+
 def _positive(name: str, value, low_ok: bool = False) -> None:
     """Raises ValueError naming `name` unless `value` is a finite number > 0 (>= 0 with low_ok)."""
     number = finite_float(value)
@@ -186,6 +199,9 @@ class RegimePolicy:
         self.buckets = [_Bucket(probe_every=self.config.probe_min) for _ in range(len(BUCKET_UPPER) + 1)]
         self.window: _Window | None = None
         self.discarded = 0  # windows dropped: the load left their bucket, or the gateway went idle
+        # The regime of the last window opened (None after idleness): a plain one leaves the
+        # generations still in flight with their drafter sessions let go.
+        self.last_regime: str | None = None
 
     def may_draft(self, in_flight: int) -> bool:
         """Whether a gated round starting with `in_flight` generations in flight (>= 1) may
@@ -242,6 +258,7 @@ class RegimePolicy:
         if self.window is not None:
             self._drop()
             self.window = None
+        self.last_regime = None
 
     def choice(self, bucket: int) -> str:
         """The regime bucket `bucket` exploits: its choice once both regimes have a window
@@ -273,10 +290,11 @@ class RegimePolicy:
         ending, nothing replaces them), and measuring them let the tails of large bursts
         decide the small buckets."""
         regime, probe = (self.choice(bucket), False) if transit else self._next(bucket)
-        # Rounds in flight when the regime or the load changes started under the old one.
-        same = previous is not None and previous.regime == regime and previous.bucket == bucket
-        self.window = _Window(bucket, regime, settle=0 if same else in_flight, probe=probe,
-                              min_rounds=in_flight, t_start=previous and previous.t_end, transit=transit)
+        waking = self.last_regime == "plain" and regime == "gate"
+        self.last_regime = regime
+        self.window = _Window(bucket, regime, settle=_settle(previous, bucket, regime, in_flight, waking),
+                              probe=probe, min_rounds=in_flight, t_start=previous and previous.t_end,
+                              transit=transit)
 
     def _next(self, bucket: int) -> tuple[str, bool]:
         """The next window's regime in `bucket` and whether it is a probe."""
