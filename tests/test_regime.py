@@ -282,6 +282,25 @@ def test_a_draining_burst_runs_the_lower_bucket_s_choice_and_measures_it_only_on
     assert policy.to_dict()["window"]["transit"] is False
 
 
+def test_a_drain_that_reaches_a_lower_bucket_as_the_window_closes_opens_a_transit_window():
+    """90 rounds measured at 16 in flight, then the burst drains to 4 just before the window
+    closes (too few rounds to give it up): the 3-4 window that follows is a transit one and
+    the drain's next window adds no evidence to 3-4."""
+    policy = RegimePolicy(CFG)
+    clock = Clock(policy)
+    low = policy.buckets[2]
+    low.rates["gate"].add(1, 10.0, 1.0)
+    low.rates["plain"].add(10, 10.0, 1.0)
+    low.chosen = "plain"
+    policy.may_draft(16)
+    clock.rounds(16, 1, 16 + 90, 0.001)    # settle, then 90 measured rounds (90 ms)
+    clock.rounds(4, 1, 12, 0.001)          # the drain: the window closes under it
+    w = policy.window
+    assert w.bucket == 2 and w.transit and w.regime == "plain"
+    clock.rounds(4, 1, 4 + 120, 0.001)     # the drain goes on for a whole window
+    assert low.rates["plain"].windows == 1 and low.rates["gate"].windows == 1   # nothing added
+
+
 def test_a_window_mostly_outside_its_bucket_adds_no_evidence():
     policy = RegimePolicy(CFG)
     clock = Clock(policy)

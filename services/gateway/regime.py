@@ -248,7 +248,10 @@ class RegimePolicy:
         if (now_s - w.t_start) * 1e3 >= self.config.window_ms and w.rounds >= w.min_rounds:
             self._close((now_s - w.t_start) * 1e3)
             if 2 * w.gated_measured >= w.rounds:
-                self._open(bucket, in_flight, w)
+                # A window that closes as the load drains into a lower bucket opens a transit
+                # window there, as a window given up for the drain does: the drain's rounds
+                # must not become that bucket's evidence.
+                self._open(bucket, in_flight, w, transit=bucket < w.bucket)
             else:  # mostly other traffic: the next gated round opens the next window
                 self.window = None
 
