@@ -258,17 +258,23 @@ def test_a_change_of_load_opens_a_window_in_the_new_bucket_and_idle_drops_the_wi
     assert all(r.windows == 0 for b in policy.buckets for r in b.rates.values())
 
 
-def test_a_draining_burst_runs_the_lower_bucket_s_choice_and_measures_it_only_once_the_load_holds():
-    """A 16-generation window whose load falls to 4 (a burst's tail): the 3-4 bucket's window
-    is a transit one, running its choice (plain here) and adding no evidence even when it runs
-    its whole length; the window after it, the load having held, measures."""
+def _burst_over_a_plain_bucket() -> tuple[RegimePolicy, Clock, object]:
+    """A policy whose 3-4 bucket chose plain on evidence (gate 0.1, plain 1.0 tok/ms), with a
+    16-generation window open: (policy, its clock, the 3-4 bucket)."""
     policy = RegimePolicy(CFG)
-    clock = Clock(policy)
     low = policy.buckets[2]
     low.rates["gate"].add(1, 10.0, 1.0)
     low.rates["plain"].add(10, 10.0, 1.0)
     low.chosen = "plain"
     policy.may_draft(16)
+    return policy, Clock(policy), low
+
+
+def test_a_draining_burst_runs_the_lower_bucket_s_choice_and_measures_it_only_once_the_load_holds():
+    """A 16-generation window whose load falls to 4 (a burst's tail): the 3-4 bucket's window
+    is a transit one, running its choice (plain here) and adding no evidence even when it runs
+    its whole length; the window after it, the load having held, measures."""
+    policy, clock, low = _burst_over_a_plain_bucket()
     clock.rounds(16, 1, 16 + 5, 0.001)     # settle, 5 measured
     clock.rounds(4, 1, 21 + 16 + 1, 0.001)  # the tail: off-bucket rounds outnumber in-bucket ones + 16
     w = policy.window
@@ -286,13 +292,7 @@ def test_a_drain_that_reaches_a_lower_bucket_as_the_window_closes_opens_a_transi
     """90 rounds measured at 16 in flight, then the burst drains to 4 just before the window
     closes (too few rounds to give it up): the 3-4 window that follows is a transit one and
     the drain's next window adds no evidence to 3-4."""
-    policy = RegimePolicy(CFG)
-    clock = Clock(policy)
-    low = policy.buckets[2]
-    low.rates["gate"].add(1, 10.0, 1.0)
-    low.rates["plain"].add(10, 10.0, 1.0)
-    low.chosen = "plain"
-    policy.may_draft(16)
+    policy, clock, low = _burst_over_a_plain_bucket()
     clock.rounds(16, 1, 16 + 90, 0.001)    # settle, then 90 measured rounds (90 ms)
     clock.rounds(4, 1, 12, 0.001)          # the drain: the window closes under it
     w = policy.window
