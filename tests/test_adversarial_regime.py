@@ -284,3 +284,57 @@ def test_warm_bands_stay_bounded_over_many_generations_and_threads():
     cal = bands.calibration(GREEDY_BAND)
     assert all(math.isfinite(o) and 0 <= m <= o <= 7.0 for m, o in zip(cal.matched, cal.observed))
     assert max(view["lent_observed"]) == pytest.approx(7.0)
+
+
+def test_a_generation_backed_off_from_a_full_drafter_opens_no_session_in_a_plain_window():
+    """A drafter with 2 slots and 6 gated generations started in a gate window: 4 are refused
+    (full) and back off. The regime then turns plain: the backed-off generations must not ask
+    the drafter again (open a session, prime it, let it go in the same round) while their
+    rounds cannot draft; all 6 stream plain decode's tokens and nothing stays open."""
+    loop = service_loop()
+    stack = start_stack("dspark", gate_config=GateConfig(enabled=True), drafter_max_sessions=2)
+    opened = []
+    engine = stack.drafter_engine
+    open_session = engine.open_session
+    phase = ["gate"]
+
+    def counted_open():
+        sid = open_session()  # raises at the limit: only sessions that opened are counted
+        opened.append(phase[0])
+        return sid
+    engine.open_session = counted_open
+    try:
+        gw = loop.run(stack.start_gateway("sequential", regime=True))
+        try:
+            refs = _references(loop, gw, PROMPTS, 60)
+            policy = _forced({b: "gate" for b in range(1, 7)}, window_ms=60_000.0, probe_min=64, probe_max=64)
+            gw.scheduler.regime = policy
+
+            async def run():
+                reqs = [gen_request(PROMPTS[i % len(PROMPTS)], max_tokens=60, spec="gated") for i in range(6)]
+                calls = [gw.stub.Generate(r, timeout=120) for r in reqs]
+                gens = [Generation() for _ in calls]
+                for call, g in zip(calls, gens):  # every generation past its first round, in a gate window
+                    for _ in range(2):
+                        g.add(await call.read())
+                phase[0] = "plain"
+                for b in range(1, 7):
+                    policy.buckets[b] = _forced({b: "plain"}).buckets[b]
+                policy.window = None
+
+                async def rest(call, g):
+                    while (msg := await call.read()) is not grpc.aio.EOF:
+                        g.add(msg)
+                    return g
+                return await asyncio.gather(*(rest(c, g) for c, g in zip(calls, gens)))
+            gens = loop.run(run(), 300)
+            for i, g in enumerate(gens):
+                assert g.token_ids == refs[PROMPTS[i % len(PROMPTS)]], i
+            assert loop.run(_stats(gw))["drafter_failures"]["failures"]["full"] >= 1
+            assert opened.count("plain") == 0, opened
+            assert not any(loop.run(stack.await_idle()).values())
+            assert gw.scheduler.in_flight == 0
+        finally:
+            loop.run(gw.close())
+    finally:
+        stack.close()

@@ -187,6 +187,11 @@ class DrafterLink:
         self.asleep = False
         return await self._adopt(self.supply.retry() if self.supply.opened else self.supply.open())
 
+    @property
+    def backing_off(self) -> bool:
+        """The drafter refused a session as full and `retry_full` is waiting to ask again."""
+        return self.session is None and self._full_gap > 0
+
     async def retry_full(self) -> bool:
         """One plain round of a generation whose drafter was full; on the round its wait ends,
         open a new session and prime it with the verifier's kept rows. True when a session

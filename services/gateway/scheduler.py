@@ -365,8 +365,11 @@ class _Generation:
         """What this round submits and why: the pre-draft checks (for gated, the gateway's
         regime, then the margin gate), the draft, then the length
         (`always` submits the cap, `gated` asks the gate; without confidences, the cap)."""
-        if self.link.session is None and not self.link.asleep and not await self.link.retry_full():
-            return _Plan(Reason.NO_DRAFTER)
+        if self.link.session is None and not self.link.asleep:
+            if self.link.backing_off and not self._regime_drafts():
+                return _Plan(Reason.REGIME)  # a full drafter is retried only in a round that may draft
+            if not await self.link.retry_full():
+                return _Plan(Reason.NO_DRAFTER)
         if self._max_drafts(self.s.limits.block_size, pos) == 0:
             return _Plan(Reason.NO_ROOM)  # one token left (or no room): a draft could not be submitted
         if not self._regime_drafts():
