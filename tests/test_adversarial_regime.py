@@ -57,6 +57,31 @@ async def _stats(gw) -> dict:
     return json.loads((await gw.stub.Stats(gateway_pb2.StatsRequest(), timeout=10)).json)
 
 
+def _assert_nothing_open(loop, stack, gw) -> None:
+    """No verifier or drafter session left open, and no generation in flight at the gateway."""
+    assert not any(loop.run(stack.await_idle()).values())
+    assert gw.scheduler.in_flight == 0
+
+
+async def _first_messages(calls, n: int) -> list[Generation]:
+    """Read the first `n` messages of every Generate call (each generation then past its prefill
+    and first rounds, all in flight together); one Generation per call."""
+    gens = [Generation() for _ in calls]
+    for call, g in zip(calls, gens):
+        for _ in range(n):
+            g.add(await call.read())
+    return gens
+
+
+async def _finish(calls, gens: list[Generation]) -> list[Generation]:
+    """Read every call to its end into its Generation."""
+    async def rest(call, g):
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            g.add(msg)
+        return g
+    return await asyncio.gather(*(rest(c, g) for c, g in zip(calls, gens)))
+
+
 @pytest.fixture(scope="module")
 def dspark():
     stack = start_stack("dspark", gate_config=GateConfig(enabled=True), drafter_max_sessions=64,
@@ -181,8 +206,7 @@ def test_a_full_drafter_while_generations_sleep_and_wake_keeps_plain_tokens_and_
             assert view["failures"]["full"] > 0
             assert view["plain_generations"] == 0 and view["failovers"] == 0
             assert sum(view["failures"].values()) == view["failures"]["full"]
-            assert not any(loop.run(stack.await_idle()).values())
-            assert gw.scheduler.in_flight == 0
+            _assert_nothing_open(loop, stack, gw)
         finally:
             loop.run(gw.close())
     finally:
@@ -205,19 +229,11 @@ def test_a_drafter_that_dies_while_generations_sleep_leaves_them_on_plain_decode
 
             async def run():
                 calls = [gw.stub.Generate(gen_request(p, max_tokens=48, spec="gated"), timeout=60) for p in PROMPTS[:3]]
-                gens = [Generation() for _ in calls]
-                for call, g in zip(calls, gens):  # all three in flight, rounds plain
-                    for _ in range(3):
-                        g.add(await call.read())
+                gens = await _first_messages(calls, 3)  # all three in flight, rounds plain
                 await stack.drafter.stop(0)
                 policy.buckets[2] = _forced({2: "gate"}).buckets[2]  # now gate wins by far: they wake
                 policy.window = None
-
-                async def rest(call, g):
-                    while (msg := await call.read()) is not grpc.aio.EOF:
-                        g.add(msg)
-                    return g
-                return await asyncio.gather(*(rest(c, g) for c, g in zip(calls, gens)))
+                return await _finish(calls, gens)
             gens = loop.run(run(), 300)
             for p, g in zip(PROMPTS[:3], gens):
                 assert g.token_ids == refs[p]
@@ -313,27 +329,18 @@ def test_a_generation_backed_off_from_a_full_drafter_opens_no_session_in_a_plain
             async def run():
                 reqs = [gen_request(PROMPTS[i % len(PROMPTS)], max_tokens=60, spec="gated") for i in range(6)]
                 calls = [gw.stub.Generate(r, timeout=120) for r in reqs]
-                gens = [Generation() for _ in calls]
-                for call, g in zip(calls, gens):  # every generation past its first round, in a gate window
-                    for _ in range(2):
-                        g.add(await call.read())
+                gens = await _first_messages(calls, 2)  # every generation past its first round, in a gate window
                 phase[0] = "plain"
                 for b in range(1, 7):
                     policy.buckets[b] = _forced({b: "plain"}).buckets[b]
                 policy.window = None
-
-                async def rest(call, g):
-                    while (msg := await call.read()) is not grpc.aio.EOF:
-                        g.add(msg)
-                    return g
-                return await asyncio.gather(*(rest(c, g) for c, g in zip(calls, gens)))
+                return await _finish(calls, gens)
             gens = loop.run(run(), 300)
             for i, g in enumerate(gens):
                 assert g.token_ids == refs[PROMPTS[i % len(PROMPTS)]], i
             assert loop.run(_stats(gw))["drafter_failures"]["failures"]["full"] >= 1
             assert opened.count("plain") == 0, opened
-            assert not any(loop.run(stack.await_idle()).values())
-            assert gw.scheduler.in_flight == 0
+            _assert_nothing_open(loop, stack, gw)
         finally:
             loop.run(gw.close())
     finally:
