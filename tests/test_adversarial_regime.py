@@ -18,6 +18,7 @@ import grpc
 import pytest
 
 from dspark_proto.v1 import gateway_pb2
+from services.gateway.drafter_link import DrafterLink
 from services.gateway.gate import GateConfig
 from services.gateway.regime import REGIMES, RegimeConfig, RegimePolicy
 from services_fixtures import Generation, collect, gen_request, service_loop, start_stack
@@ -302,35 +303,49 @@ def test_warm_bands_stay_bounded_over_many_generations_and_threads():
     assert max(view["lent_observed"]) == pytest.approx(7.0)
 
 
-def test_a_generation_backed_off_from_a_full_drafter_opens_no_session_in_a_plain_window():
+def test_a_generation_backed_off_from_a_full_drafter_opens_no_session_in_a_plain_window(monkeypatch):
     """A drafter with 2 slots and 6 gated generations started in a gate window: 4 are refused
-    (full) and back off. The regime then turns plain: the backed-off generations must not ask
-    the drafter again (open a session, prime it, let it go in the same round) while their
-    rounds cannot draft; all 6 stream plain decode's tokens and nothing stays open."""
+    (full) and back off. The regime then turns plain: a backed-off generation may reopen a
+    session only in a round whose regime decision let it draft, never in a plain round (open a
+    session, prime it, let it go); all 6 stream plain decode's tokens and nothing stays open.
+
+    Each reopening is attributed to its own round's decision, not to the moment the test
+    turns the regime: a round decided in the gate window may still be waiting on its reopen
+    when the switch lands, and that reopening is legitimate."""
     loop = service_loop()
     stack = start_stack("dspark", gate_config=GateConfig(enabled=True), drafter_max_sessions=2)
-    opened = []
-    engine = stack.drafter_engine
-    open_session = engine.open_session
-    phase = ["gate"]
+    decided: dict[object, bool] = {}  # generation task -> its current round's regime decision
+    reopened: list[bool | None] = []  # per reopened session: the decision of its round (None: none made)
+    retry_full = DrafterLink.retry_full
 
-    def counted_open():
-        sid = open_session()  # raises at the limit: only sessions that opened are counted
-        opened.append(phase[0])
-        return sid
-    engine.open_session = counted_open
+    async def attributed_retry(link):
+        before = link.session
+        ok = await retry_full(link)
+        if link.session is not None and link.session is not before:
+            reopened.append(decided.get(asyncio.current_task()))
+        return ok
+    monkeypatch.setattr(DrafterLink, "retry_full", attributed_retry)
     try:
         gw = loop.run(stack.start_gateway("sequential", regime=True))
         try:
             refs = _references(loop, gw, PROMPTS, 60)
             policy = _forced({b: "gate" for b in range(1, 7)}, window_ms=60_000.0, probe_min=64, probe_max=64)
+            may_draft, record = policy.may_draft, policy.record
+
+            def deciding(in_flight):
+                decided[asyncio.current_task()] = answer = may_draft(in_flight)
+                return answer
+
+            def finishing(*args):
+                decided.pop(asyncio.current_task(), None)  # the round is over
+                return record(*args)
+            policy.may_draft, policy.record = deciding, finishing
             gw.scheduler.regime = policy
 
             async def run():
                 reqs = [gen_request(PROMPTS[i % len(PROMPTS)], max_tokens=60, spec="gated") for i in range(6)]
                 calls = [gw.stub.Generate(r, timeout=120) for r in reqs]
                 gens = await _first_messages(calls, 2)  # every generation past its first round, in a gate window
-                phase[0] = "plain"
                 for b in range(1, 7):
                     policy.buckets[b] = _forced({b: "plain"}).buckets[b]
                 policy.window = None
@@ -339,7 +354,7 @@ def test_a_generation_backed_off_from_a_full_drafter_opens_no_session_in_a_plain
             for i, g in enumerate(gens):
                 assert g.token_ids == refs[PROMPTS[i % len(PROMPTS)]], i
             assert loop.run(_stats(gw))["drafter_failures"]["failures"]["full"] >= 1
-            assert opened.count("plain") == 0, opened
+            assert all(d is True for d in reopened), reopened
             _assert_nothing_open(loop, stack, gw)
         finally:
             loop.run(gw.close())

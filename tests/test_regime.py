@@ -14,7 +14,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+from fractions import Fraction
 
+import numpy as np
 import pytest
 
 from dspark_proto.v1 import gateway_pb2
@@ -343,6 +345,44 @@ def test_bad_values_are_named():
             RegimeConfig(**{field: value})
     with pytest.raises(ValueError, match="probe_max=2"):
         RegimeConfig(probe_min=4, probe_max=2)
+    with pytest.raises(ValueError, match="probe_max=604801: must be <= 604800"):
+        RegimeConfig(probe_max=604_801)
+
+
+def test_a_bad_bucket_or_config_is_named():
+    policy = RegimePolicy(CFG)
+    for bucket, match in ((-1, "bucket=-1"), (len(policy.buckets), f"bucket={len(policy.buckets)}: must be <="),
+                          (1.0, "bucket=1.0"), (True, "bucket=True")):
+        with pytest.raises(ValueError, match=match):
+            policy.choice(bucket)
+    with pytest.raises(TypeError, match="config='fast': must be a RegimeConfig"):
+        RegimePolicy("fast")
+
+
+def test_config_floats_of_other_number_types_become_plain_floats():
+    cfg = RegimeConfig(window_ms=np.float32(250.0), decay=Fraction(1, 2), margin=np.float64(0.1), probe_budget=1)
+    values = (cfg.window_ms, cfg.decay, cfg.margin, cfg.probe_budget)
+    assert values == (250.0, 0.5, 0.1, 1.0) and all(type(v) is float for v in values)
+    json.dumps(dataclasses.asdict(cfg))  # what Stats carries must serialise
+
+
+def test_ungated_traffic_that_moves_the_load_up_opens_no_window_and_spends_no_probe():
+    """A window given up because the load moved to a higher bucket: when ungated rounds moved
+    it, no window opens there (the next gated round opens one), and the bucket's probe
+    schedule is untouched; a gated round that moves it opens the window at once."""
+    for gated, opened in ((False, False), (True, True)):
+        policy = RegimePolicy(CFG)
+        target = policy.buckets[3]                # "5-8", explored: gate leads by a mile
+        target.rates["gate"].add(100, 1.0, 1.0)
+        target.rates["plain"].add(1, 1.0, 1.0)
+        policy.may_draft(2)                       # a window of bucket 1 ("2")
+        for i in range(40):
+            policy.record(8, 1, 0.001 * (i + 1), gated=gated)  # bucket 3 ("5-8")
+            if policy.window is None or policy.window.bucket != 1:
+                break
+        assert policy.discarded == 1
+        assert (policy.window is not None) == opened, gated
+        assert target.since_probe == int(opened)  # a window opened in an explored bucket counts one
 
 
 def test_stats_view_lists_measured_buckets_and_the_open_window():

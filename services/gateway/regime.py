@@ -78,6 +78,11 @@ def _positive(name: str, value, low_ok: bool = False) -> None:
         raise ValueError(f"{name}={short_repr(value)}: must be a finite number {'>=' if low_ok else '>'} 0")
 
 
+# A bound on the window counts of RegimeConfig: a week of 1-s windows. More would make a
+# bucket never explore or probe in any run, which is a configuration mistake, not a choice.
+MAX_WINDOWS = 604_800
+
+
 @dataclass(frozen=True)
 class RegimeConfig:
     """How windows are measured and regimes chosen.
@@ -122,11 +127,17 @@ class RegimeConfig:
             raise ValueError(f"decay={short_repr(self.decay)}: must be in (0, 1]")
         for name in ("explore", "probe_min", "probe_max"):
             check_count(name, getattr(self, name), 1)
+            if getattr(self, name) > MAX_WINDOWS:
+                raise ValueError(f"{name}={getattr(self, name)}: must be <= {MAX_WINDOWS}")
         budget = finite_float(self.probe_budget)
         if budget is None or not 0 < budget <= 1:
             raise ValueError(f"probe_budget={short_repr(self.probe_budget)}: must be in (0, 1]")
         if self.probe_max < self.probe_min:
             raise ValueError(f"probe_max={self.probe_max}: must be >= probe_min={self.probe_min}")
+        # Plain floats from here on: a numpy or Fraction value would pass the checks above but
+        # reach Stats, whose JSON has no encoding for it.
+        for name in ("window_ms", "decay", "margin", "probe_budget"):
+            object.__setattr__(self, name, finite_float(getattr(self, name)))
 
 
 @dataclass
@@ -195,6 +206,8 @@ class RegimePolicy:
     """
 
     def __init__(self, config: RegimeConfig | None = None):
+        if config is not None and not isinstance(config, RegimeConfig):
+            raise TypeError(f"config={short_repr(config)}: must be a RegimeConfig or None")
         self.config = RegimeConfig() if config is None else config
         self.buckets = [_Bucket(probe_every=self.config.probe_min) for _ in range(len(BUCKET_UPPER) + 1)]
         self.window: _Window | None = None
@@ -234,7 +247,11 @@ class RegimePolicy:
         w.off_bucket += off
         if w.off_bucket > w.recorded - w.off_bucket + w.min_rounds:  # the load moved on: measure its bucket
             self._drop()
-            self._open(bucket, in_flight, None, transit=bucket < w.bucket)
+            transit = bucket < w.bucket
+            if gated or transit:  # a transit window measures nothing and spends no probe
+                self._open(bucket, in_flight, None, transit=transit)
+            else:  # other traffic: the next gated round opens the next window
+                self.window = None
             return
         if w.settle > 0:
             w.settle -= 1
@@ -266,7 +283,11 @@ class RegimePolicy:
     def choice(self, bucket: int) -> str:
         """The regime bucket `bucket` exploits: its choice once both regimes have a window
         there (`_choose`); before that, the choice of the nearest lower bucket that has one
-        (more load never favours drafting on its own); else "gate"."""
+        (more load never favours drafting on its own); else "gate". Raises ValueError naming
+        `bucket` unless it is an int in [0, len(BUCKET_UPPER)] (a `bucket_of` result)."""
+        check_count("bucket", bucket, 0)
+        if bucket >= len(self.buckets):
+            raise ValueError(f"bucket={bucket}: must be <= {len(self.buckets) - 1}")
         for index in range(bucket, 0, -1):
             chosen = self._choose(index)
             if chosen is not None:

@@ -365,14 +365,19 @@ class _Generation:
         """What this round submits and why: the pre-draft checks (for gated, the gateway's
         regime, then the margin gate), the draft, then the length
         (`always` submits the cap, `gated` asks the gate; without confidences, the cap)."""
+        # One regime decision per round: a round that reopened a drafter session under one
+        # window must not let it go under the next.
+        may_draft: bool | None = None
         if self.link.session is None and not self.link.asleep:
-            if self.link.backing_off and not self._regime_drafts():
-                return _Plan(Reason.REGIME)  # a full drafter is retried only in a round that may draft
+            if self.link.backing_off:
+                may_draft = self._regime_drafts()
+                if not may_draft:
+                    return _Plan(Reason.REGIME)  # a full drafter is retried only in a round that may draft
             if not await self.link.retry_full():
                 return _Plan(Reason.NO_DRAFTER)
         if self._max_drafts(self.s.limits.block_size, pos) == 0:
             return _Plan(Reason.NO_ROOM)  # one token left (or no room): a draft could not be submitted
-        if not self._regime_drafts():
+        if not (self._regime_drafts() if may_draft is None else may_draft):
             await self.link.sleep()  # the drafter does nothing for this generation until it drafts again
             return _Plan(Reason.REGIME)
         if not await self.link.wake():
