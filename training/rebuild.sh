@@ -105,7 +105,7 @@ if [ "$RECIPE" = v3 ]; then
 import json
 def last(run):
     evals = [json.loads(l) for l in open(f"runs/draft/{run}/log.jsonl") if '"heldout"' in l]
-    return evals[-1]["heldout"]["accept_rate"]
+    return evals[-1]["heldout"]["all"]["accept_rate"]
 print(max(["v3a", "v3b"], key=last))
 PY
 )
