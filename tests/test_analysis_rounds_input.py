@@ -63,7 +63,7 @@ def test_trace_report_json_of_a_rounds_file(capsys, rounds_path):
 def test_trace_report_text_of_the_bundled_rounds(capsys):
     code, out, _ = run(capsys, "trace-report", str(BUNDLED))
     assert code == 0
-    assert "0 spans and 1030 recorded rounds from 1 file(s)" in out
+    assert "0 spans and 1224 recorded rounds from 1 file(s)" in out
     assert "Round time split" not in out  # nothing to split without spans
 
 
@@ -94,4 +94,4 @@ def test_recorded_round_mirrors_the_file():
         rec.submitted, rec.accepted, rec.verify_ms, rec.draft_ms, rec.workload)
     assert row.wall_ms is None and row.residual_ms is None
     report = build_report([], ["x"], load_rounds(BUNDLED).rounds)
-    assert report.recorded_rounds == len(report.rounds) == 1030
+    assert report.recorded_rounds == len(report.rounds) == 1224

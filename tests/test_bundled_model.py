@@ -6,12 +6,13 @@ services' loaders (`services.app.load_trunk` / `load_drafter`, i.e. `dsv4.checkp
 same path as the real checkpoint. CPU, one process, a few seconds.
 
 * Draft acceptance (an absolute bar on prompts the trunk is near-certain about,
-  docs/architecture.md §12): on cyclic prompts (a counting run, the demo's repeat prompt, and
-  a cycle of three words), greedy speculative rounds with the whole block verified (always-k)
-  accept >= 80% of the drafted tokens. The bar is on the draft following the target: the
-  prompts are ones whose target continuation is periodic. ("red, green, blue" x 6 is not such
-  a prompt for this trunk: it continues ", sigr, sigr, ... sig, sig", and the draft accepts
-  32/70 = 46% of it.) Rounds are simulated exactly: the target's greedy continuation is decoded once
+  docs/architecture.md §12): on cyclic prompts (a counting run and a repeated import line),
+  greedy speculative rounds with the whole block verified (always-k) accept >= 80% of the
+  drafted tokens. The bar is on the draft following the target: the prompts are ones whose
+  target continuation is periodic (the counting run goes on counting; the import line
+  continues as "import sys" lines). ("alpha, beta, gamma" x 6 is not such a prompt for this
+  trunk: it continues ", gst, gst, gst, cir, gst, cir, cir, ...", and the draft accepts 31/80
+  = 39% of it.) Rounds are simulated exactly: the target's greedy continuation is decoded once
   (its tap rows committed as the verifier would), and a round at seed p accepts the drafts
   that equal that continuation, then commits the bonus token.
 * A fixed prompt's greedy continuation is pinned (expected ids below; regenerate them only
@@ -36,15 +37,14 @@ pytestmark = pytest.mark.skipif(not (BUNDLED / "config.json").is_file(),
                                        "(rebuild: bash training/rebuild.sh)")
 
 CYCLIC_PROMPTS = ["0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
-                  "alpha, beta, gamma, alpha, beta, gamma, alpha, beta, gamma, alpha, beta, gamma, alpha, beta, gamma, "
-                  "alpha, beta, gamma"]
+                  "import os\nimport os\nimport os\nimport os\nimport os\n"]
 PINNED_PROMPT = "0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"
 PINNED_NEW = 16
-# Greedy ids of PINNED_PROMPT from the exported model: " 13, 14, 15, 16, 17, 1" (smallest
-# top-1/top-2 logit margin 0.94, far from a tie).
+# Greedy ids of PINNED_PROMPT from the exported model: ' 13, 14, 15, 16, 17, 1' (smallest
+# top-1/top-2 logit margin 3.00, far from a tie).
 PINNED_IDS: list[int] = [285, 20, 13, 285, 21, 13, 285, 22, 13, 285, 23, 13, 285, 24, 13, 285]
 # dspark replay tests/data/bundled_rounds.json under the default gate config (tok/s, 2 decimals).
-PINNED_REPLAY: dict[str, dict[str, float]] = {'repeat': {'plain': 3.3, 'always-k': 5.33, 'threshold': 5.33, 'gated': 5.38}, 'code': {'plain': 3.3, 'always-k': 4.95, 'threshold': 4.88, 'gated': 5.12}, 'prose': {'plain': 3.3, 'always-k': 4.98, 'threshold': 4.99, 'gated': 5.15}, 'math': {'plain': 3.3, 'always-k': 4.83, 'threshold': 4.83, 'gated': 4.84}, 'overall': {'plain': 3.3, 'always-k': 5.01, 'threshold': 5.0, 'gated': 5.13}}
+PINNED_REPLAY: dict[str, dict[str, float]] = {'repeat': {'plain': 3.3, 'always-k': 4.94, 'threshold': 4.54, 'gated': 5.0}, 'code': {'plain': 3.3, 'always-k': 3.97, 'threshold': 4.08, 'gated': 4.24}, 'prose': {'plain': 3.3, 'always-k': 3.57, 'threshold': 3.56, 'gated': 3.24}, 'math': {'plain': 3.3, 'always-k': 4.66, 'threshold': 4.36, 'gated': 3.85}, 'overall': {'plain': 3.3, 'always-k': 4.21, 'threshold': 4.05, 'gated': 4.22}}
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def always_k_rounds(draft, prompt: list[int], gen: list[int], taps: torch.Tensor
     return accepted, submitted, per_round
 
 
-@pytest.mark.parametrize("text", CYCLIC_PROMPTS, ids=["counting", "three-words"])
+@pytest.mark.parametrize("text", CYCLIC_PROMPTS, ids=["counting", "repeated-line"])
 def test_bundled_draft_accepts_80_percent_on_a_cyclic_prompt(models, text):
     trunk, draft, tok = models
     prompt = tok.encode(text)
