@@ -35,6 +35,8 @@ SEQS=${SEQS:-432}                         # greedy sequences per train shard (2 
 DRAFT_MINUTES=${DRAFT_MINUTES:-70}
 RECIPE=${RECIPE:-v3}                      # v3: the committed assets (its section below); v2: the ones before
 
+case "$RECIPE" in v2|v3) ;; *) echo "rebuild.sh: RECIPE=$RECIPE: must be v2 or v3" >&2; exit 2;; esac
+
 say() { printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
 
 say corpus
@@ -86,7 +88,8 @@ if [ "$RECIPE" = v3 ]; then
         --sequences "$2" --shard "$3" --of "$4" --prompt-min 4 --prompt-max 64 --new 64 --doc-start 0.5 \
         --batch 64 --numerics fast --resume >> $D3/$1$3.log 2>&1
   }
-  gen3 train "$SEQS3" 0 2 & gen3 train "$SEQS3" 1 2 & wait
+  # wait on each job by pid: a bare `wait` returns 0 even when a job failed
+  gen3 train "$SEQS3" 0 2 & g0=$!; gen3 train "$SEQS3" 1 2 & g1=$!; wait $g0; wait $g1
   gen3 heldout 256 0 1
   # The draft starts from the committed (v2) draft: the v3 trunk continues the v2 trunk, so
   # its tap rows are close to the ones that draft learnt. Step 0's held-out evaluation is that
@@ -108,7 +111,7 @@ if [ "$RECIPE" = v3 ]; then
     fi >> runs/draft/$1.log 2>&1
   }
   mkdir -p runs/draft
-  draft3 v3a 1.0 & draft3 v3b 0.25 & wait
+  draft3 v3a 1.0 & d0=$!; draft3 v3b 0.25 & d1=$!; wait $d0; wait $d1
   BEST=$($PY - <<'PY'
 import json
 def last(run):
