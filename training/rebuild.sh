@@ -38,6 +38,16 @@ RECIPE=${RECIPE:-v3}                      # v3: the committed assets (its sectio
 case "$RECIPE" in v2|v3) ;; *) echo "rebuild.sh: RECIPE=$RECIPE: must be v2 or v3" >&2; exit 2;; esac
 
 say() { printf '\n== %s (%s)\n' "$1" "$(date -u +%H:%M:%S)"; }
+# A draft-training stage: skipped when runs/draft/RUN/final.pt exists, resumed from its
+# checkpoint when one does, else started with the remaining arguments. Log: runs/draft/RUN.log.
+draft_stage() {  # RUN ARGS...
+  local run=$1; shift
+  mkdir -p runs/draft
+  if [ ! -f runs/draft/$run/final.pt ]; then
+    if [ -f runs/draft/$run/ckpt.pt ]; then $PY -m training.train_draft --run runs/draft/$run --resume
+    else $PY -m training.train_draft --run runs/draft/$run "$@"; fi
+  fi >> runs/draft/$run.log 2>&1
+}
 
 say corpus
 [ -f runs/corpus/manifest.json ] || $PY -m training.corpus --out runs/corpus
@@ -53,7 +63,7 @@ if [ "$RECIPE" = v3 ]; then
   # in all, 2.52x v2. Continuing was chosen over a fresh start because it reaches that count
   # 1,200 steps sooner. Batch 16 rather than v2's 8: on this CPU a step is partly fixed cost,
   # so 16 rows run at ~820 tokens/s against ~490 for 8 (measured 2026-12-05, 2 threads), which
-  # brings the stage from ~2.5 h to ~80 min. Fresh AdamW moments, hence a 50-step warm-up to a
+  # brings the stage from ~2.7 h to 90 min (measured, held-out evaluations included). Fresh AdamW moments, hence a 50-step warm-up to a
   # peak lr of 5e-4 (a first try at 1e-3 / 20 warm-up steps, batch 8, rose from 3.1 to 4.4 nats
   # training loss over its first 7 steps), then cosine to 5e-5; seed 1 draws windows v2's
   # steps did not see; the last 25 % of the steps train on the stored (fp8 / fp4) weights.
@@ -103,14 +113,9 @@ if [ "$RECIPE" = v3 ]; then
   # 1,000-3,000).
   say "v3: DSpark drafts from the v2 draft, lr 5e-4, ${DRAFT3_MINUTES} min, two variants side by side"
   draft3() {  # run tv-weight
-    if [ ! -f runs/draft/$1/final.pt ]; then
-      if [ -f runs/draft/$1/ckpt.pt ]; then $PY -m training.train_draft --run runs/draft/$1 --resume
-      else $PY -m training.train_draft --run runs/draft/$1 --checkpoint $S3 --data "$D3/train_*.pt" \
-             --heldout "$D3/heldout_*.pt" --init $V2 --lr 5e-4 --tv-weight "$2" --warmup 50 --steps 1000000 \
-             --minutes "$DRAFT3_MINUTES" --eval-every 1000; fi
-    fi >> runs/draft/$1.log 2>&1
+    draft_stage "$1" --checkpoint $S3 --data "$D3/train_*.pt" --heldout "$D3/heldout_*.pt" --init $V2 \
+        --lr 5e-4 --tv-weight "$2" --warmup 50 --steps 1000000 --minutes "$DRAFT3_MINUTES" --eval-every 1000
   }
-  mkdir -p runs/draft
   draft3 v3a 1.0 & d0=$!; draft3 v3b 0.25 & d1=$!; wait $d0; wait $d1
   BEST=$($PY - <<'PY'
 import json
@@ -124,20 +129,13 @@ PY
   # the end of its cosine), so it continues: a warm restart at lr 3e-4, another data order
   # (seed 1), both threads, 40 min.
   say "v3: kept runs/draft/$BEST; it continues 40 min at lr 3e-4 (v3c)"
-  if [ ! -f runs/draft/v3c/final.pt ]; then
-    if [ -f runs/draft/v3c/ckpt.pt ]; then $PY -m training.train_draft --run runs/draft/v3c --resume
-    else $PY -m training.train_draft --run runs/draft/v3c --checkpoint $S3 --data "$D3/train_*.pt" \
-           --heldout "$D3/heldout_*.pt" --init runs/draft/$BEST/final.pt --lr 3e-4 --warmup 50 --seed 1 \
-           --steps 1000000 --minutes 40 --eval-every 2000 --threads 2; fi
-  fi >> runs/draft/v3c.log 2>&1
+  draft_stage v3c --checkpoint $S3 --data "$D3/train_*.pt" --heldout "$D3/heldout_*.pt" \
+      --init runs/draft/$BEST/final.pt --lr 3e-4 --warmup 50 --seed 1 --steps 1000000 --minutes 40 \
+      --eval-every 2000 --threads 2
   say "v3: the confidence head toward the greedy match, 1.5 min"
-  if [ ! -f runs/draft/v3conf/final.pt ]; then
-    if [ -f runs/draft/v3conf/ckpt.pt ]; then $PY -m training.train_draft --run runs/draft/v3conf --resume
-    else $PY -m training.train_draft --run runs/draft/v3conf --checkpoint $S3 --data "$D3/train_*.pt" \
-           --heldout "$D3/heldout_*.pt" --init runs/draft/v3c/final.pt --only mtp.2.confidence_head \
-           --conf-target match --conf-weight 1.0 --lr 0.003 --warmup 10 --steps 100000 --minutes 1.5 \
-           --eval-every 100000 --threads 2; fi
-  fi >> runs/draft/v3conf.log
+  draft_stage v3conf --checkpoint $S3 --data "$D3/train_*.pt" --heldout "$D3/heldout_*.pt" \
+      --init runs/draft/v3c/final.pt --only mtp.2.confidence_head --conf-target match --conf-weight 1.0 \
+      --lr 0.003 --warmup 10 --steps 100000 --minutes 1.5 --eval-every 100000 --threads 2
   say "v3: export trunk + draft to $OUT"
   $PY -m training.export --trunk runs/trunk-v3/final.pt --draft runs/draft/v3conf/final.pt --out "$OUT" \
       --data runs/trunk-v3/data --threads 2
