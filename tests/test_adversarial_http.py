@@ -86,6 +86,20 @@ def test_client_faults_outside_the_status_table_are_typed_as_the_clients(front, 
     assert reply["error"]["message"].startswith(message)
 
 
+@pytest.mark.parametrize("path, body, field", [
+    ("/v1/completions", {"prompt": "ab\udcff", "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": "ab", "max_tokens": 4, "stop": ["x\ud800"]}, "stop"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\udfff"}]}, "messages"),
+])
+def test_a_lone_surrogate_in_any_text_field_is_a_400_naming_the_field(front, path, body, field):
+    # json.dumps writes the surrogate as an escape, which JSON allows and UTF-8 cannot encode
+    code, reply = _request(front.http_port, "POST", path, json.dumps(body).encode())
+    assert code == 400, reply
+    assert reply["error"]["type"] == "invalid_request_error"
+    assert field in reply["error"]["message"] and "lone surrogate" in reply["error"]["message"]
+    assert not any(front.wait_idle(TIMEOUT_S).values())
+
+
 def test_models_lists_the_name_the_metrics_label_carries(front):
     code, reply = _request(front.http_port, "GET", "/v1/models")
     assert code == 200 and [m["id"] for m in reply["data"]] == [served_model_name(None)]

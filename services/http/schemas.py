@@ -20,10 +20,10 @@ Extensions beyond OpenAI (vLLM spells the last three the same way): `spec` ("off
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from dspark_proto.v1 import common_pb2, gateway_pb2
 from dsv4.sampling import SamplingParams
@@ -41,6 +41,30 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 FLOAT32_TINY = float(np.finfo(np.float32).smallest_subnormal)
 
 
+def _unicode_text(value: str) -> str:
+    """Refuse a string the gRPC request cannot carry: JSON may spell a lone UTF-16 surrogate
+    (an escaped half of a pair), which is not a Unicode scalar value and has no UTF-8 form.
+    Raises ValueError (a 400 naming the field)."""
+    for i, ch in enumerate(value):
+        if 0xD800 <= ord(ch) <= 0xDFFF:
+            raise ValueError(f"character {i} is a lone surrogate (U+{ord(ch):04X}); send valid Unicode text")
+    return value
+
+
+def _unicode_texts(value):
+    """`_unicode_text` on a field whose value is text, a list of texts, or no text at all
+    (token ids, None); checked after the union has matched, so the error names the surrogate
+    rather than a union member's type. Raises ValueError."""
+    for item in value if isinstance(value, list) else [value]:
+        if isinstance(item, str):
+            _unicode_text(item)
+    return value
+
+
+# Text fields of a request body: valid Unicode, so the protobuf string field can encode them.
+Text = Annotated[str, AfterValidator(_unicode_text)]
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
@@ -52,7 +76,7 @@ class GenerationFields(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
-    model: str | None = None
+    model: Text | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     temperature: float | None = None
     top_p: float | None = None
@@ -60,7 +84,7 @@ class GenerationFields(BaseModel):
     top_k: int | None = Field(default=None, le=INT32_MAX)
     min_p: float | None = None
     sampling_rule: Literal["coupled", "rejection"] | None = None
-    stop: Union[str, list[str], None] = None
+    stop: Annotated[Union[str, list[str], None], AfterValidator(_unicode_texts)] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
@@ -162,11 +186,11 @@ class CompletionRequest(GenerationFields):
     either; `logprobs`: null or 0..20 alternatives per token; `echo` false; `best_of` null or
     1; `suffix` null."""
 
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Annotated[Union[str, list[int], list[str], list[list[int]]], AfterValidator(_unicode_texts)]
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
     def checked(self) -> tuple[str, list[int]]:
         """(prompt text, prompt token ids): exactly one of them non-empty.
@@ -207,7 +231,7 @@ class CompletionRequest(GenerationFields):
 class TextPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
@@ -215,7 +239,7 @@ class ChatMessage(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Annotated[Union[str, list[TextPart], None], AfterValidator(_unicode_texts)] = None
 
     def as_template_input(self) -> dict:
         """{"role", "content"} with the content as one string, as chat templates expect."""
