@@ -42,7 +42,9 @@ mean acceptance length E[accepted] = sum_j prod_{i<=j} h(i) (a bonus token not c
 Outputs in `<run>/`: config.json, ckpt.pt (every `--ckpt-every-s`, at each evaluation, on
 SIGTERM/SIGINT, at the end), log.jsonl (one JSON line per step and per evaluation),
 final.pt ({"mtp": logical mtp.* weights, "config": model config}) at the end, which
-`training.export --draft` writes into the checkpoint folder.
+`training.export --draft` writes into the checkpoint folder. A run stopped by SIGTERM/SIGINT
+writes no final.pt and exits 1, so a pipeline (training/rebuild.sh) neither takes the
+half-trained draft as done nor carries on; `--resume` continues it.
 """
 
 from __future__ import annotations
@@ -328,6 +330,8 @@ class Run:
             self.log({"step": self.step, "heldout": ev})
             print(json.dumps({"step": self.step, "heldout": ev}), flush=True)
         self.save(ckpt)
+        if self.stop:
+            raise SystemExit(f"stopped by a signal at step {self.step}: {ckpt} saved, no final.pt; --resume continues")
         torch.save({"mtp": self.mtp_weights(), "config": self.cfg.to_dict(), "step": self.step},
                    self.folder / "final.pt")
         print(json.dumps({"done": self.step}), flush=True)
