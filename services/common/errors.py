@@ -18,6 +18,7 @@ import logging
 import secrets
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from services.common.sessions import SessionLimitError, UnknownSessionError
 
@@ -63,8 +64,23 @@ def safe_status(exc: Exception, method: str) -> tuple[grpc.StatusCode, str]:
     return code, f"internal error in {method} ({type(exc).__name__}); see the server log, ref {ref}"
 
 
+class UndecodableRequestError(ValueError):
+    """A request whose bytes are not a valid message of the method's request type (corrupt wire
+    format, or a string field holding bytes that are not UTF-8): a client fault, so
+    INVALID_ARGUMENT naming the method, the type and the parser's reason."""
+
+
+class _Undecodable:
+    """What the guarded deserializer hands on in place of a message it could not parse, so the
+    handler (not grpcio, which would answer UNKNOWN or INTERNAL) ends the call."""
+
+    def __init__(self, error: UndecodableRequestError) -> None:
+        self.error = error
+
+
 class StatusInterceptor(grpc.aio.ServerInterceptor):
-    """Wrap every handler so an exception escaping it ends the call with `safe_status`.
+    """Wrap every handler so an exception escaping it ends the call with `safe_status`, and a
+    request that does not parse ends it INVALID_ARGUMENT (`UndecodableRequestError`).
     Aborts the servicer made itself (`context.abort`) and cancellations pass through as they are."""
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -87,7 +103,7 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
 
     async def unary(request, context):
         try:
-            result = behaviour(request, context)
+            result = behaviour(_parsed(request, streaming_in), context)
             return await result if inspect.isawaitable(result) else result
         except grpc.aio.AbortError:
             raise
@@ -96,7 +112,7 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
 
     async def streaming(request, context):
         try:
-            result = behaviour(request, context)
+            result = behaviour(_parsed(request, streaming_in), context)
             if hasattr(result, "__aiter__"):
                 async for response in result:
                     yield response
@@ -113,5 +129,37 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
     kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
              (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
     return kinds[(streaming_in, streaming_out)](streaming if streaming_out else unary,
-                                               request_deserializer=handler.request_deserializer,
+                                               request_deserializer=_tolerant(handler.request_deserializer, method),
                                                response_serializer=handler.response_serializer)
+
+
+def _tolerant(deserializer, method: str):
+    """`deserializer` (bytes -> message), returning an `_Undecodable` instead of raising
+    DecodeError: grpcio would end such a call UNKNOWN (unary request) or let the error escape
+    the handler's request loop (streamed requests)."""
+    if deserializer is None:
+        return None
+
+    def parse(data: bytes):
+        try:
+            return deserializer(data)
+        except DecodeError as exc:
+            return _Undecodable(UndecodableRequestError(f"{method}: the request does not parse: {exc}"))
+    return parse
+
+
+def _parsed(request, streaming_in: bool):
+    """The request (or, for streamed requests, an async iterator of them) with every
+    `_Undecodable` raised as its UndecodableRequestError; a streamed session then ends there,
+    its earlier requests answered."""
+    if not streaming_in:
+        if isinstance(request, _Undecodable):
+            raise request.error
+        return request
+
+    async def messages():
+        async for message in request:
+            if isinstance(message, _Undecodable):
+                raise message.error
+            yield message
+    return messages()
