@@ -87,7 +87,8 @@ def misses(rows: list[dict]) -> tuple[list[str], float]:
         for mode, pre in (("cold", ""), ("warm", "warm_")):
             plain, always, head = r[pre + "vs_plain"], r[pre + "vs_always"], r[pre + "headline"]
             short += max(0.0, 1 - plain) + max(0.0, 1 - always) + max(0.0, HEADLINE_AIM - (head or HEADLINE_AIM))
-            bad = ([f"x plain {plain:.3f}"] if plain < 1 else []) + ([f"x always-k {always:.3f}"] if always < 1 else [])
+            # four decimals: a ratio just under 1 must not print as the 1.000 it misses
+            bad = ([f"x plain {plain:.4f}"] if plain < 1 else []) + ([f"x always-k {always:.4f}"] if always < 1 else [])
             bad += [f"headline {_pct(head)}"] if head is not None and head < HEADLINE_AIM else []
             if bad:
                 out.append(f"{r['file']:17}{r['shape']:6}{r['workload']:8}{mode}: {', '.join(bad)}")
@@ -103,15 +104,17 @@ def _ece(x: float | None) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap.add_argument("--json", action="store_true",
+                    help="print the rows (with --summary: the misses, their count and shortfall) as JSON")
     ap.add_argument("--max-weight", default=str(DEFAULT_MAX_WEIGHT),
                     help="observations per bucket the warm start lends (default %(default)s)")
     ap.add_argument("--files", nargs="+", default=list(FILES), metavar="FILE",
                     help="recorded round files to replay (default: the two committed ones)")
     ap.add_argument("--synthetic-seeds", nargs="+", type=int, default=[], metavar="SEED",
                     help="also replay synthetic rounds drawn with each seed")
-    ap.add_argument("--summary", action="store_true", help="print only the missed aims and their count")
+    ap.add_argument("--summary", action="store_true",
+                    help="print only the missed aims, their count and the summed shortfall")
     args = ap.parse_args()
     try:
         warm = parse_warm_start(args.max_weight, "--max-weight")
@@ -121,6 +124,9 @@ def main() -> None:
         ap.error(str(exc))
     if args.summary:
         lines, short = misses(rows)
+        if args.json:
+            print(json.dumps({"misses": lines, "pairs": 2 * len(rows), "shortfall": short}, indent=1))
+            return
         print("\n".join(lines))
         print(f"{len(lines)} of {2 * len(rows)} (row, cold/warm) pairs miss an aim; summed shortfall {short:.3f}")
         return

@@ -41,7 +41,7 @@ def _flatten(prefix: str, value: dict, rows: list[tuple[str, object]], lists: di
 
 def _pairs(title: str, rows: list[tuple[str, object]]) -> Table:
     table = Table(title=Text(title), title_justify="left", show_header=False, box=None, pad_edge=False)
-    table.add_column("field", style="bold")
+    table.add_column("field", style="bold", overflow="fold")  # long keys wrap, never cut
     table.add_column("value", justify="right")
     for key, value in rows:
         table.add_row(Text(key), Text(fmt(key, value)))

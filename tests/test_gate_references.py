@@ -189,7 +189,7 @@ def test_gate_shapes_names_each_missed_aim_and_sums_the_shortfall():
     row = {"file": "f", "shape": "seed", "workload": "math", "vs_plain": 0.9, "vs_always": 1.2, "headline": 0.5,
            "warm_vs_plain": 1.1, "warm_vs_always": 1.0, "warm_headline": None}
     lines, short = misses([row])
-    assert lines == ["f                seed  math    cold: x plain 0.900, headline 50%"]
+    assert lines == ["f                seed  math    cold: x plain 0.9000, headline 50%"]
     assert short == pytest.approx(0.1 + 0.3)
     rows = shape_rows("synthetic:3", "cheap")  # drawn in memory, labelled by its seed
     assert [(r["file"], r["workload"]) for r in rows] == [("synthetic:3", w) for w in ("repeat", "code", "prose", "math")]
