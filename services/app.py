@@ -125,7 +125,8 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
                          credentials: grpc.ServerCredentials | None = None, tp: int = 1,
                          max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S, metrics=None,
                          step_loop: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-                         step_profile: StepProfileSettings | None = None, gather_s: float = 0.0) -> RunningServer:
+                         step_profile: StepProfileSettings | None = None, gather_s: float = 0.0,
+                         torch_threads: int | None = None) -> RunningServer:
     """Serve the Verifier over `engine` on host:port (0 = any free port); `default_mode` is the
     verify path of requests that name none; credentials: TLS (None = plaintext);
     max_connection_age_s: clients reconnect after it (s); metrics: a
@@ -138,6 +139,8 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
     step_profile: time batch steps over dummy sessions before serving, seeding the step table
     (None: live steps alone fill it). gather_s: the loop's longest wait (s) before a step for
     the sessions the previous step answered (`services.common.step_queue`; 0: none).
+    torch_threads: torch intra-op threads of the step loop's thread (None: torch's default;
+    `dspark serve` passes DSPARK_TORCH_THREADS, `services.common.threads`).
     Raises:
         RuntimeError: port not bound.
         ValueError: prefill_chunk not an integer >= 1, gather_s negative or not finite
@@ -147,7 +150,7 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
         load = LoadTracker()
         if step_profile is not None:
             await asyncio.to_thread(profile_steps, engine, load, step_profile)
-        steps = StepLoop(engine, _step_hook(load, metrics), prefill_chunk, gather_s)
+        steps = StepLoop(engine, _step_hook(load, metrics), prefill_chunk, gather_s, torch_threads)
     servicer = VerifierServicer(engine, default_mode, provider, tp, metrics, steps, load)
     return await _serve_with_loop("dspark.v1.Verifier",
                                   lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
@@ -182,16 +185,18 @@ def _step_hook(load: LoadTracker, metrics) -> Callable[[StepRecord], None]:
 async def start_drafter(engine, port: int = 0, provider: TracerProvider | None = None,
                         host: str = "127.0.0.1", credentials: grpc.ServerCredentials | None = None,
                         max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S, metrics=None,
-                        step_loop: bool = True, gather_s: float = 0.0) -> RunningServer:
+                        step_loop: bool = True, gather_s: float = 0.0,
+                        torch_threads: int | None = None) -> RunningServer:
     """Serve the Drafter over `engine` (a `DrafterEngine` or an oracle drafter), as
     `start_verifier`; metrics: a `services.common.metrics.DrafterMetrics` (None: none).
     step_loop: run every session's commits and drafts in one batched step loop
     (`services.drafter.steps`) when the engine is a TP=1 `DrafterEngine`; False, or an
-    oracle: one thread per call. The loop stops with the server. gather_s: as `start_verifier`'s.
+    oracle: one thread per call. The loop stops with the server. gather_s, torch_threads: as
+    `start_verifier`'s.
     Raises RuntimeError: port not bound; ValueError: gather_s negative or not finite."""
     steps = None
     if step_loop and drafter_batchable(engine):
-        steps = DraftStepLoop(engine, None if metrics is None else metrics.record_step, gather_s)
+        steps = DraftStepLoop(engine, None if metrics is None else metrics.record_step, gather_s, torch_threads)
     servicer = DrafterServicer(engine, provider, metrics, steps)
     return await _serve_with_loop("dspark.v1.Drafter",
                                   lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),

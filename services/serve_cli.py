@@ -246,6 +246,10 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
     tls = s.tls.server_credentials() if s.tls is not None else None
     age = s.serve.max_connection_age_s
     want = s.metrics_port is not None
+    threads = s.backend.torch_threads if s.service in ("verifier", "drafter") else None
+    if threads is not None:  # the gateway runs no model
+        from services.common.threads import use_torch_threads
+        use_torch_threads(threads, asyncio.get_running_loop())  # before the model: exact mode pins it
     if s.service == "verifier":
         tp = getattr(args, "tp", 1)
         trunk = app.load_trunk(s.checkpoint, tp=tp, device=getattr(args, "device", "cpu"),
@@ -257,7 +261,7 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
         return await app.start_verifier(engine, port, s.backend.verify_mode, provider, args.host, credentials=tls,
                                         tp=tp, max_connection_age_s=age, metrics=metrics,
                                         prefill_chunk=s.backend.prefill_chunk, step_profile=profile,
-                                        gather_s=s.backend.step_gather_ms / 1e3)
+                                        gather_s=s.backend.step_gather_ms / 1e3, torch_threads=threads)
     if s.service == "drafter":
         model = app.load_trunk(s.checkpoint, model=s.model) if args.oracle else app.load_drafter(s.checkpoint,
                                                                                                   model=s.model)
@@ -265,7 +269,8 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
                                     available_memory_bytes())
         metrics = _serve_metrics(m.DrafterMetrics(engine), s, args.host, endpoints) if want else None
         return await app.start_drafter(engine, port, provider, args.host, credentials=tls, max_connection_age_s=age,
-                                       metrics=metrics, gather_s=s.backend.step_gather_ms / 1e3)
+                                       metrics=metrics, gather_s=s.backend.step_gather_ms / 1e3,
+                                       torch_threads=threads)
     from services.gateway.metrics import GatewayMetrics
     metrics = (_serve_metrics(GatewayMetrics(model=m.served_model_name(s.checkpoint)), s, args.host, endpoints)
                if want else None)

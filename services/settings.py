@@ -73,8 +73,9 @@ from typing import TYPE_CHECKING, Mapping
 
 from dsv4.settings import (ENV_KERNELS, ENV_MOE_DETERMINISTIC_REDUCE, ENV_MOE_MULTI_TOKEN_FP4, KERNEL_BACKENDS,
                            Settings as ModelSettings)
-from services.common.settings import (COST_MODES, DEFAULT_STEP_GATHER_MS, EXPORTERS, LOG_FORMATS, MAX_CONNECTION_AGE_S,
-                                      MAX_STEP_GATHER_MS, MAX_TIMEOUT_S, PINNABLE_COSTS, SAMPLING_RULES, VERIFY_MODES, VERIFY_NUMERICS, BackendSettings,
+from services.common.settings import (COST_MODES, DEFAULT_STEP_GATHER_MS, DEFAULT_TORCH_THREADS, EXPORTERS,
+                                      LOG_FORMATS, MAX_CONNECTION_AGE_S, MAX_STEP_GATHER_MS, MAX_TIMEOUT_S,
+                                      MAX_TORCH_THREADS, PINNABLE_COSTS, SAMPLING_RULES, VERIFY_MODES, VERIFY_NUMERICS, BackendSettings,
                                       GatewaySettings, ServeSettings,
                                       TelemetrySettings, backend_target, valid_token)
 from services.common.tls import PemFile, TlsFiles, load_tls
@@ -287,7 +288,9 @@ def backend_settings(environ: Environ) -> BackendSettings:
                                                    VERIFY_NUMERICS),
                            step_profile=_switch(environ, "DSPARK_STEP_PROFILE", True),
                            step_gather_ms=_int(environ, "DSPARK_STEP_GATHER_MS", DEFAULT_STEP_GATHER_MS, low=0,
-                                               high=MAX_STEP_GATHER_MS))
+                                               high=MAX_STEP_GATHER_MS),
+                           torch_threads=_int(environ, "DSPARK_TORCH_THREADS", DEFAULT_TORCH_THREADS, low=1,
+                                              high=MAX_TORCH_THREADS))
 
 
 def serve_settings(environ: Environ) -> ServeSettings:

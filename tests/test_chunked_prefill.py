@@ -295,3 +295,20 @@ def test_sessions_beyond_the_memory_sized_limit_are_resource_exhausted():
     for err in (v_err, d_err):
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "session limit reached: 2 sessions open (max_sessions=2)" in err.details(), err.details()
+
+
+def test_the_step_loop_thread_runs_with_the_configured_torch_threads(trunk):
+    """A thread other than the main one starts with torch's default team (one worker per core),
+    which made every served forward about twice as slow on the 2-core box
+    (services.common.threads); the loop pins the count it is given on its own thread."""
+    engine = VerifierEngine(trunk, max_sessions=2)
+    for threads in (1, 2):
+        seen = []
+        steps = StepLoop(engine, lambda record: seen.append(torch.get_num_threads()), torch_threads=threads)
+        try:
+            sid = engine.open_session()
+            steps.submit(engine.admit_prefill(sid, prompt(6))).result(TIMEOUT_S)
+        finally:
+            steps.close()
+            engine.close_session(sid)
+        assert seen == [threads]

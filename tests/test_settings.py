@@ -48,6 +48,8 @@ def test_flags_win_over_variables():
     (lambda: GatewaySettings(token="two words"), "token: must be printable ASCII without spaces (value not shown)"),
     (lambda: BackendSettings(max_sessions=0), "max_sessions=0: must be an integer >= 1"),
     (lambda: BackendSettings(verify_numerics="bitwise"), "verify_numerics='bitwise': must be one of"),
+    (lambda: BackendSettings(torch_threads=0), "torch_threads=0: must be an integer >= 1"),
+    (lambda: BackendSettings(torch_threads=1025), "torch_threads=1025: must be <= 1024"),
     (lambda: ServeSettings(health_port=70000), "health_port=70000: must be a port in 1..65535"),
     (lambda: ServeSettings(max_connection_age_s=1e7), "max_connection_age_s=10000000.0: must be a number"),
 ])
@@ -72,3 +74,10 @@ def test_only_the_settings_module_and_the_entry_points_read_the_environment():
     readers = sorted(str(p.relative_to(REPO)) for folder in ("services", "dsv4") for p in (REPO / folder).rglob("*.py")
                      if re.search(r"os\.environ|os\.getenv", p.read_text(encoding="utf-8")))
     assert [r for r in readers if r not in allowed] == []
+
+
+def test_torch_threads_come_from_the_environment_naming_a_bad_value():
+    assert read_settings({}, "verifier").backend.torch_threads == 1
+    assert read_settings({"DSPARK_TORCH_THREADS": "4"}, "drafter").backend.torch_threads == 4
+    with pytest.raises(ValueError, match=r"DSPARK_TORCH_THREADS='two': must be an integer >= 1 and <= 1024"):
+        read_settings({"DSPARK_TORCH_THREADS": "two"}, "verifier")

@@ -43,6 +43,11 @@ DEFAULT_MAX_CONNECTION_AGE_S = 300.0
 # after the first), for 25-30 % less verifier CPU per token (bench/README.md "CPU per token").
 DEFAULT_STEP_GATHER_MS = 50
 MAX_STEP_GATHER_MS = 1000
+# Torch intra-op threads of a backend's model threads (DSPARK_TORCH_THREADS). 1 by default: the
+# bundled model's forwards are hundreds of small ops, each of which a team of workers would
+# wake and wait for (services.common.threads); a large model on a many-core host sets more.
+DEFAULT_TORCH_THREADS = 1
+MAX_TORCH_THREADS = 1024
 # span exporters a service can have ("none": no exporter)
 EXPORTERS = ("otlp", "console", "none")
 # how a service writes its log lines: plain text, or one JSON object per line (log shippers)
@@ -220,6 +225,8 @@ class BackendSettings:
     drafter's step loops, before a step, for the sessions the previous step answered to send
     again, never longer than that step took (`services.common.step_queue`); 0 here (steps start as soon as work is queued),
     `services.settings` defaults it to DEFAULT_STEP_GATHER_MS.
+    torch_threads: torch intra-op threads of every thread of the process that runs the model
+    (1..MAX_TORCH_THREADS; `services.common.threads`).
     Raises:
         ValueError: a field outside its range (named with its value).
     """
@@ -230,10 +237,14 @@ class BackendSettings:
     prefill_chunk: int = 64
     step_profile: bool = False
     step_gather_ms: int = 0
+    torch_threads: int = DEFAULT_TORCH_THREADS
 
     def __post_init__(self) -> None:
         if self.max_sessions is not None:
             check_count("max_sessions", self.max_sessions, 1)
+        check_count("torch_threads", self.torch_threads, 1)
+        if self.torch_threads > MAX_TORCH_THREADS:
+            raise ValueError(f"torch_threads={self.torch_threads}: must be <= {MAX_TORCH_THREADS}")
         check_count("prefill_chunk", self.prefill_chunk, 1)
         check_count("step_gather_ms", self.step_gather_ms, 0)
         if self.step_gather_ms > MAX_STEP_GATHER_MS:

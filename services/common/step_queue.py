@@ -91,13 +91,15 @@ class StepQueue:
         log: where a failing hook is logged.
         gather_s: the longest wait (s, >= 0; 0: none) before a step for the sessions the
             previous step answered (module docstring).
+        torch_threads: torch intra-op threads of the loop's thread (>= 1; None: torch's
+            default for a new thread; `services.common.threads` says why it matters).
     Raises:
         ValueError: gather_s negative, not finite or not a number (named with its value).
     Thread safety: `_enqueue`, `stats`, `forget` and `close` may be called from any thread.
     """
 
     def __init__(self, role: str, stats: Any, on_step: Callable[[Any], None] | None, log: logging.Logger,
-                 gather_s: float = 0.0):
+                 gather_s: float = 0.0, torch_threads: int | None = None):
         if isinstance(gather_s, bool) or not isinstance(gather_s, (int, float)) \
                 or not (math.isfinite(gather_s) and gather_s >= 0):
             raise ValueError(f"gather_s={gather_s!r}: must be a finite number of seconds >= 0")
@@ -111,10 +113,17 @@ class StepQueue:
         self._inflight: set[int] = set()
         self._closed = False
         self._stats = stats
-        self._thread = threading.Thread(target=self._run, name=f"{role}-steps", daemon=True)
+        self._torch_threads = torch_threads
+        self._thread = threading.Thread(target=self._loop, name=f"{role}-steps", daemon=True)
 
     def _start(self) -> None:
         self._thread.start()
+
+    def _loop(self) -> None:
+        if self._torch_threads is not None:
+            from services.common.threads import pin_torch_threads  # torch only where a model runs
+            pin_torch_threads(self._torch_threads)
+        self._run()
 
     def _run(self) -> None:  # the loop thread's body
         raise NotImplementedError

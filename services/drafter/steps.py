@@ -96,6 +96,7 @@ class DraftStepLoop(StepQueue):
             None: nothing); what it raises is logged.
         gather_s: the longest wait (s) before a step for the sessions the previous step
             answered (`services.common.step_queue`; 0: none).
+        torch_threads: torch intra-op threads of the loop's thread (None: torch's default).
     Raises:
         ValueError: the engine is not batchable (an oracle drafter, or a TP > 1 shard), or
             gather_s negative or not finite (named with its value).
@@ -103,10 +104,10 @@ class DraftStepLoop(StepQueue):
     """
 
     def __init__(self, engine: DrafterEngine, on_step: Callable[[DraftStepRecord], None] | None = None,
-                 gather_s: float = 0.0):
+                 gather_s: float = 0.0, torch_threads: int | None = None):
         if not batchable(engine):
             raise ValueError(f"the drafter step loop drives a TP=1 DrafterEngine, got {type(engine).__name__}")
-        super().__init__("drafter", DraftStepStats(), on_step, log, gather_s)
+        super().__init__("drafter", DraftStepStats(), on_step, log, gather_s, torch_threads)
         self.engine, self.module = engine, engine.module
         self._start()
 

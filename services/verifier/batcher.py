@@ -122,6 +122,7 @@ class StepLoop(StepQueue):
         prefill_chunk: C, the most prompt tokens one step forwards (an integer >= 1).
         gather_s: the longest wait (s) before a step for the sessions the previous step
             answered (`services.common.step_queue`; 0: start a step as soon as work is queued).
+        torch_threads: torch intra-op threads of the loop's thread (None: torch's default).
     Raises:
         ValueError: the engine's model is not batchable (a top-k dump wrapper), prefill_chunk
             not an integer >= 1, or gather_s negative or not finite (named with its value).
@@ -129,14 +130,15 @@ class StepLoop(StepQueue):
     """
 
     def __init__(self, engine: VerifierEngine, on_step: Callable[[StepRecord], None] | None = None,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, gather_s: float = 0.0):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, gather_s: float = 0.0,
+                 torch_threads: int | None = None):
         if not batchable(engine.model):
             raise ValueError(f"the step loop drives a plain Trunk or a TPTrunk over plain trunks, "
                              f"got {type(engine.model).__name__}")
         self.prefill_chunk = as_int(prefill_chunk, "prefill_chunk")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be >= 1 (tokens per step)")
-        super().__init__("verifier", StepStats(), on_step, log, gather_s)
+        super().__init__("verifier", StepStats(), on_step, log, gather_s, torch_threads)
         self.engine = engine
         self._carried: list[_Request] = []  # between steps: stepwise verifies, the prompt being prefilled
         self._chunks: dict[_Request, int] = {}  # the prompt tokens each prompt of the next step forwards
