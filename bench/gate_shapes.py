@@ -20,16 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from services.gateway.gate import GateConfig
 from services.gateway.replay import ReplayReport, calibration_of, headline_of, replay_log
-from services.gateway.rounds import RoundLog, parse_rounds
+from services.gateway.rounds import RoundLog, load_rounds
 from services.gateway.synthetic import generate
 from services.gateway.warm import DEFAULT_MAX_WEIGHT, WarmStart, parse_warm_start
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ("tests/data/bundled_rounds.json", "tests/data/synthetic_rounds.json")
+FILES = tuple(str(ROOT / f) for f in ("tests/data/bundled_rounds.json", "tests/data/synthetic_rounds.json"))
 # (draft, verify base, verify slope, plain) in ms. "cpu": the bundled model behind the services
 # on the 2-core CPU box (the gateway's start-up profile, a line fitted through verify(1..5)).
 SHAPES = {"seed": (196.0, 300.0, 109.0, 303.0), "cheap": (24.0, 71.0, 16.0, 73.0),
@@ -51,15 +52,16 @@ def _figures(report: ReplayReport) -> dict[str, dict]:
 
 
 def load(source: str) -> tuple[str, RoundLog]:
-    """(row label, rounds) of `source`: a path (relative to the repository root or absolute) of
-    recorded rounds, or `synthetic:SEED` for synthetic rounds drawn with that seed.
-    Raises ValueError (bad seed or file content) or OSError (unreadable file)."""
+    """(row label, rounds) of `source`: a path of recorded rounds (read and checked by
+    `services.gateway.rounds.load_rounds`), or `synthetic:SEED` for synthetic rounds drawn with
+    that seed. Raises ValueError (a bad seed, a file that is not a rounds file) or OSError
+    (an unreadable file), naming it."""
     if source.startswith("synthetic:"):
         seed = source.split(":", 1)[1]
         if not seed.isdigit():
             raise ValueError(f"{source!r}: the seed must be a non-negative integer")
         return f"synthetic:{seed}", generate(int(seed))
-    return Path(source).stem, parse_rounds(json.loads((ROOT / source).read_text(encoding="utf-8")))
+    return Path(source).stem, load_rounds(source)
 
 
 def shape_rows(path: str, shape: str, config: GateConfig | None = None,
@@ -120,8 +122,9 @@ def main() -> None:
         warm = parse_warm_start(args.max_weight, "--max-weight")
         sources = [*args.files, *(f"synthetic:{seed}" for seed in args.synthetic_seeds)]
         rows = [r for f in sources for s in SHAPES for r in shape_rows(f, s, warm=warm)]
-    except (ValueError, OSError) as exc:
-        ap.error(str(exc))
+    except (ValueError, OSError) as exc:  # one line naming the file or the seed, as dspark replay
+        print(f"gate_shapes: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     if args.summary:
         lines, short = misses(rows)
         if args.json:

@@ -128,3 +128,46 @@ def test_a_count_beyond_int32_is_refused_at_start_naming_the_variable(name, serv
     assert str(err.value) == f"{name}='{2**31}': must be an integer >= {0 if 'FAILOVERS' in name else 1} and <= {2**31 - 1}"
     environ[name] = str(2**31 - 1)
     read_settings(environ, service)  # the largest count still accepted
+
+
+def _with_id(request_id: str) -> gateway_pb2.GenerateRequest:
+    req = gen_request("held up", max_tokens=4, spec="off")
+    req.request_id = request_id
+    return req
+
+
+def test_a_call_that_ends_during_the_load_refresh_frees_its_session_and_its_id(stack):
+    """The first await after a Generate registers its id and opens its verifier stream is the
+    load table's refresh (an Info call to the verifier). A deadline or cancel that lands there
+    used to skip the cleanup: the verifier kept the session until the generation deadline
+    (600 s) and the id answered ALREADY_EXISTS for good. The refresh is held up here (as a
+    busy verifier's Info would be) so the deadline lands inside it every time."""
+    async def scenario():
+        gw = await stack.start_gateway("sequential", cost_mode="measured")
+        try:
+            real, release = gw.scheduler.load.refresh, asyncio.Event()
+
+            async def slow_refresh():
+                await release.wait()
+                await real()
+            gw.scheduler.load.refresh = slow_refresh
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(gw.stub, _with_id("held-up-1"), 0.5)
+            cancelled = gw.stub.Generate(_with_id("held-up-2"), timeout=30)
+            reader = asyncio.ensure_future(cancelled.read())
+            await asyncio.sleep(0.3)
+            cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+            await asyncio.sleep(0.5)  # the gateway's side of both calls ends
+            opened = await stack.aopen_sessions()
+            release.set()
+            again = [await collect(gw.stub, _with_id(rid)) for rid in ("held-up-1", "held-up-2")]
+            return err.value.code(), opened, again
+        finally:
+            await gw.close()
+
+    code, opened, again = service_loop().run(scenario())
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert opened["verifier_engine"] == opened["verifier_info"] == 0, opened
+    assert [len(g.token_ids) for g in again] == [4, 4]  # both ids are free again

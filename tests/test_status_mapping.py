@@ -156,3 +156,15 @@ def test_a_request_that_does_not_parse_is_invalid_argument_and_frees_the_session
     assert errors[2].details().startswith("/dspark.v1.Verifier/Session: the request does not parse:")
     assert len(good.token_ids) == 3 and verifier_pb2.VerifierResponse.FromString(first).next_position == 2
     assert v_engine.num_sessions == 0  # the refused stream's session is freed
+
+
+def test_the_pure_python_runtimes_unicode_error_is_a_parse_failure_too():
+    """protobuf's pure-Python runtime (PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python) reports
+    bad UTF-8 in a string field as UnicodeDecodeError, not DecodeError."""
+    from services.common.errors import UndecodableRequestError, _parsed, _tolerant
+
+    parse = _tolerant(lambda data: data.decode("utf-8"), "/dspark.v1.Gateway/Abort")
+    assert parse(b"ok") == "ok"
+    with pytest.raises(UndecodableRequestError, match=r"^/dspark.v1.Gateway/Abort: the request does not parse: "
+                                                      r"'utf-8' codec can't decode byte 0xff"):
+        _parsed(parse(b"\xff"), streaming_in=False)

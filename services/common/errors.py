@@ -135,7 +135,7 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
 
 def _tolerant(deserializer, method: str):
     """`deserializer` (bytes -> message), returning an `_Undecodable` instead of raising
-    DecodeError: grpcio would end such a call UNKNOWN (unary request) or let the error escape
+    DecodeError (or UnicodeDecodeError, from protobuf's pure-Python runtime): grpcio would end such a call UNKNOWN (unary request) or let the error escape
     the handler's request loop (streamed requests)."""
     if deserializer is None:
         return None
@@ -143,7 +143,7 @@ def _tolerant(deserializer, method: str):
     def parse(data: bytes):
         try:
             return deserializer(data)
-        except DecodeError as exc:
+        except (DecodeError, UnicodeDecodeError) as exc:  # the pure-Python runtime raises the latter
             return _Undecodable(UndecodableRequestError(f"{method}: the request does not parse: {exc}"))
     return parse
 

@@ -29,6 +29,7 @@ the start-up cost profile of `DSPARK_GATE_COSTS=measured` (docs/gate.md §12) af
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -192,10 +193,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             drafters = DrafterSupply(lambda: GrpcDrafterSession(self.backends.drafter, s.round_timeout_s,
                                                                 s.generation_timeout_s),
                                      s.drafter_failovers)
+        events = None
+        # Everything from the id's registration on sits in this try: a cancel or deadline can land
+        # at any await (the load refresh below is the first), and must still free the id and
+        # close the backend streams, or the verifier keeps the session until the generation
+        # deadline and the id stays taken.
+        try:
+            if self.scheduler.load is not None:  # the step table the new generation snapshots
+                await self.scheduler.load.refresh()
+            events = self.scheduler.generate(dataclasses.replace(params, request_id=rid), verifier, drafters)
+            stream = self._stream(rid, params, running, events, verifier, drafters, context)
+            async with contextlib.aclosing(stream):  # its log line is written now, not at GC
+                async for response in stream:
+                    yield response
+        finally:
+            self.running.remove(running)
+            # A client's cancel may arrive again while these close: every stream must still be
+            # closed or cancelled, or its backend session stays open until the generation deadline.
+            try:
+                await close_generation(verifier, drafters)
+            finally:
+                if events is not None:
+                    await events.aclose()  # a no-op unless this stream was closed at a yield
+
+    async def _stream(self, rid: str, params, running, events, verifier, drafters, context):
+        """The responses of one generation's `events`: its tokens, then its end (finished,
+        aborted, or the call aborted with the backend's status); one log line per request."""
         out = ResponseStream(rid, len(params.prompt_ids), params.sampling.seed)
-        if self.scheduler.load is not None:  # the step table the new generation snapshots
-            await self.scheduler.load.refresh()
-        events = self.scheduler.generate(dataclasses.replace(params, request_id=rid), verifier, drafters)
         with RequestLine(rid, params) as line:  # one log line per request, however it ends
             try:
                 while (event := await running.next(events)) is not None:
@@ -213,14 +237,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 code = exc.code if exc.code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED,
                                                  grpc.StatusCode.INVALID_ARGUMENT) else grpc.StatusCode.UNAVAILABLE
                 await context.abort(code, str(exc))
-            finally:
-                self.running.remove(running)
-                # A client's cancel may arrive again while these close: every stream must still be
-                # closed or cancelled, or its backend session stays open until the generation deadline.
-                try:
-                    await close_generation(verifier, drafters)
-                finally:
-                    await events.aclose()  # a no-op unless this stream was closed at a yield
 
     async def _admit(self, request, context):
         """(request id, validated `GenerationParams`, registry entry) of a Generate call; the
