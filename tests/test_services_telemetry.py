@@ -339,3 +339,26 @@ def test_configured_costs_keep_gated_decisions_deterministic():
     assert second.token_ids == first.token_ids
     assert spec_counts(second.stats) == spec_counts(first.stats)
     assert first.stats.truncated_rounds + first.stats.skipped_after_draft > 0  # the gate made choices
+
+
+def test_a_foreign_context_detach_is_not_logged_but_other_context_errors_are(caplog):
+    """A token reset from another contextvars Context (what a cancelled traced stream does) is
+    the one "Failed to detach context" the filter drops; a detach failing another way stays."""
+    import contextvars
+    import logging
+
+    from opentelemetry import context
+    from services.common.telemetry import ForeignContextDetachFilter
+
+    log = logging.getLogger("opentelemetry.context")
+    log.addFilter(detach_filter := ForeignContextDetachFilter())
+    try:
+        with caplog.at_level(logging.ERROR, logger="opentelemetry.context"):
+            foreign = contextvars.Context().run(lambda: context.attach(context.set_value("k", 1)))
+            context.detach(foreign)
+            assert caplog.records == []
+            context.detach("not a token")
+        assert [r.getMessage() for r in caplog.records] == ["Failed to detach context"]
+        assert "different Context" not in str(caplog.records[0].exc_info[1])
+    finally:
+        log.removeFilter(detach_filter)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import threading
 from typing import Iterator, Mapping, Sequence
 
@@ -58,6 +59,24 @@ class JsonLinesSpanExporter(SpanExporter):
             self._file.close()
 
 
+class ForeignContextDetachFilter(logging.Filter):
+    """Drops the "Failed to detach context" error that OpenTelemetry's context module logs, with
+    its traceback, when a span's context token is reset from another contextvars Context, and
+    only then. The gRPC instrumentation's streaming interceptors keep a span current across a
+    generator's yields; a cancelled stream closes that generator from another task, whose
+    Context did not make the token (open-telemetry/opentelemetry-python-contrib issue 2357).
+    The span still ends and the task is ending, so the line is noise: one traceback per cancelled
+    stream in a traced gateway's log. Any other record of that logger passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        foreign = isinstance(exc, ValueError) and "was created in a different Context" in str(exc)
+        return not (foreign and record.getMessage() == "Failed to detach context")
+
+
+_DETACH_FILTER = ForeignContextDetachFilter()
+
+
 def tracer_provider(service_name: str, settings: TelemetrySettings) -> TracerProvider:
     """A provider for `service_name` (unless `settings.service_name` overrides it) with the
     exporters `settings` asks for. Call `shutdown()` on it to flush and close them.
@@ -66,6 +85,7 @@ def tracer_provider(service_name: str, settings: TelemetrySettings) -> TracerPro
         ValueError: `settings.jsonl_path` cannot be opened for appending (DSPARK_TRACES_JSONL,
             the variable that sets it, and the path are named).
     """
+    logging.getLogger("opentelemetry.context").addFilter(_DETACH_FILTER)  # once: a filter is a set member
     resource = Resource.create({"service.name": settings.service_name or service_name})
     provider = TracerProvider(resource=resource)
     for name in settings.exporters:
