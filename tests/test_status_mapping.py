@@ -13,7 +13,7 @@ from services.common.errors import safe_status, status_for
 from services.common.settings import BackendSettings, GatewaySettings
 from services.gateway.gate import GateConfig
 from services.gateway.metrics import GatewayMetrics
-from services_fixtures import collect, gen_request, service_loop, tiny_trunk
+from services_fixtures import collect, gen_request, service_loop, start_stack, tiny_trunk
 
 SECRET = "weights at /secret/path, value 0xfeed"
 
@@ -113,49 +113,40 @@ def _raw(channel: grpc.aio.Channel, method: str, streaming: bool):
 
 
 def test_a_request_that_does_not_parse_is_invalid_argument_and_frees_the_session():
-    v_engine = verifier_engine(tiny_trunk(), BackendSettings())
     bad_utf8 = b"\x0a\x02\xff\xfe\x18\x04"  # GenerateRequest.prompt = b"\xff\xfe", max_tokens = 4
     corrupt = b"\x0a\x09abc"  # a 9-byte string field with 3 bytes left
+    stack = start_stack("oracle")
 
     async def scenario():
-        verifier, drafter = await start_verifier(v_engine), await start_drafter(
-            drafter_engine(tiny_trunk(), oracle=True, settings=BackendSettings()))
-        settings = GatewaySettings(verifier_target=f"127.0.0.1:{verifier.port}",
-                                   drafter_target=f"127.0.0.1:{drafter.port}")
-        gw, _, backends = await start_gateway(settings, GateConfig())
-        errors = []
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
-                for raw in (bad_utf8, corrupt):
-                    with pytest.raises(grpc.aio.AioRpcError) as err:
-                        async for _ in _raw(ch, "/dspark.v1.Gateway/Generate", False)(raw, timeout=30):
-                            pass
-                    errors.append(err.value)
-                good = await collect(gateway_pb2_grpc.GatewayStub(ch), gen_request("abc", max_tokens=3, spec="off"))
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as ch:
-                call = _raw(ch, "/dspark.v1.Verifier/Session", True)(timeout=30)
-                await call.write(verifier_pb2.VerifierRequest(
-                    prefill=verifier_pb2.PrefillRequest(token_ids=[5, 6])).SerializeToString())
-                first = await call.read()  # answered before the bad request arrives
-                await call.write(b"\x0a\x02\x0a\x02\xff\xfe")  # trace.traceparent = b"\xff\xfe"
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await call.read()
-                errors.append(err.value)
-            return errors, good, first
-        finally:
-            await gw.stop(0)
-            await backends.close()
-            await drafter.stop(0)
-            await verifier.stop(0)
+        gw, errors = await stack.agateway(), []
+        for raw in (bad_utf8, corrupt):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for _ in _raw(gw.channel, "/dspark.v1.Gateway/Generate", False)(raw, timeout=30):
+                    pass
+            errors.append(err.value)
+        good = await collect(gw.stub, gen_request("abc", max_tokens=3, spec="off"))
+        async with grpc.aio.insecure_channel(stack.verifier_target) as ch:
+            call = _raw(ch, "/dspark.v1.Verifier/Session", True)(timeout=30)
+            await call.write(verifier_pb2.VerifierRequest(
+                prefill=verifier_pb2.PrefillRequest(token_ids=[5, 6])).SerializeToString())
+            first = await call.read()  # answered before the bad request arrives
+            await call.write(b"\x0a\x02\x0a\x02\xff\xfe")  # trace.traceparent = b"\xff\xfe"
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.read()
+            errors.append(err.value)
+        return errors, good, first, await stack.aopen_sessions()
 
-    errors, good, first = service_loop().run(scenario())
+    try:
+        errors, good, first, opened = stack.loop.run(scenario())
+    finally:
+        stack.close()
     assert [e.code() for e in errors] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
     assert errors[0].details() == ("/dspark.v1.Gateway/Generate: the request does not parse: Error parsing message"
                                    " with type 'dspark.v1.GenerateRequest': String field had bad UTF-8")
     assert "Wire format was corrupt" in errors[1].details()
     assert errors[2].details().startswith("/dspark.v1.Verifier/Session: the request does not parse:")
     assert len(good.token_ids) == 3 and verifier_pb2.VerifierResponse.FromString(first).next_position == 2
-    assert v_engine.num_sessions == 0  # the refused stream's session is freed
+    assert opened["verifier_engine"] == opened["verifier_info"] == 0  # the refused stream's session is freed
 
 
 def test_the_pure_python_runtimes_unicode_error_is_a_parse_failure_too():
