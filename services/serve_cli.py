@@ -194,7 +194,10 @@ async def _serve_async(args, port: int, settings: ProcessSettings) -> None:
     from services.common.telemetry import tracer_provider
     from services.common.tls import start_health_server
 
-    provider = tracer_provider(f"dspark-{settings.service}", settings.telemetry)
+    # Spans nothing exports are pure cost: without an exporter the service runs without a tracer
+    # provider, so its gRPC calls carry no tracing interceptors (docs/services.md §6).
+    t = settings.telemetry
+    provider = tracer_provider(f"dspark-{settings.service}", t) if t.exporters or t.jsonl_path else None
     if settings.service != "gateway":  # which weights: a user must be able to tell random ones apart
         logging.getLogger("dspark.serve").info(
             "%s: model %s", settings.service,
@@ -226,7 +229,8 @@ async def _serve_async(args, port: int, settings: ProcessSettings) -> None:
                         args.record_rounds)
         for endpoint in endpoints:
             endpoint.close()
-        provider.shutdown()
+        if provider is not None:
+            provider.shutdown()
 
 
 def _serve_metrics(endpoint, s: ProcessSettings, host: str, endpoints: list):
