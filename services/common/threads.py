@@ -22,17 +22,16 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 
-def pin_torch_threads(n: int | None) -> None:
-    """Set torch's intra-op threads (>= 1) for the calling thread; None leaves them as they are."""
-    if n is not None and torch.get_num_threads() != n:
+def pin_torch_threads(n: int) -> None:
+    """Set torch's intra-op threads for the calling thread to n (>= 1)."""
+    if torch.get_num_threads() != n:
         torch.set_num_threads(n)
 
 
-def use_torch_threads(n: int, loop: asyncio.AbstractEventLoop) -> ThreadPoolExecutor:
+def use_torch_threads(n: int, loop: asyncio.AbstractEventLoop) -> None:
     """Pin `n` intra-op threads on the calling thread and make `loop`'s default executor (what
-    `asyncio.to_thread` uses) one whose threads pin `n` when they start. Returns that
-    executor; the loop shuts it down when it closes."""
+    `asyncio.to_thread` uses) one whose threads pin `n` when they start; the loop shuts it
+    down when it closes."""
     pin_torch_threads(n)
-    executor = ThreadPoolExecutor(thread_name_prefix="model", initializer=pin_torch_threads, initargs=(n,))
-    loop.set_default_executor(executor)
-    return executor
+    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="model", initializer=pin_torch_threads,
+                                                 initargs=(n,)))
