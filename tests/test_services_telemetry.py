@@ -10,7 +10,9 @@ see full, truncated and rejected blocks.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import logging
 import time
 from collections import defaultdict
 
@@ -49,13 +51,14 @@ GATE = GateConfig(verify_slope_ms=200.0)
 class Stack:
     """Verifier, oracle drafter and one gateway per verify mode, with the given providers."""
 
-    def __init__(self, providers: dict[str, TracerProvider | None], cost_mode: str = "configured"):
-        self.providers, self.cost_mode = providers, cost_mode
+    def __init__(self, providers: dict[str, TracerProvider | None], cost_mode: str = "configured",
+                 verifier_sessions: int | None = None):
+        self.providers, self.cost_mode, self.verifier_sessions = providers, cost_mode, verifier_sessions
         self.gateways: dict[str, tuple] = {}
 
     async def start(self, verify_modes=("sequential",)) -> "Stack":
         trunk = tiny_trunk()
-        self.verifier = await start_verifier(verifier_engine(trunk, BackendSettings()),
+        self.verifier = await start_verifier(verifier_engine(trunk, BackendSettings(max_sessions=self.verifier_sessions)),
                                              provider=self.providers["verifier"])
         self.drafter = await start_drafter(drafter_engine(trunk, oracle=True, settings=BackendSettings(),
                                                           corrupt_every=4), provider=self.providers["drafter"])
@@ -283,6 +286,33 @@ def test_jsonl_exporter_writes_one_parseable_span_per_line(tmp_path):
     trace_id = generate["context"]["trace_id"]
     assert {r["context"]["trace_id"] for r in records if not r["name"].endswith("/Info")} == {trace_id}
     assert all(r["resource"]["attributes"]["service.name"] == "dspark-test" for r in records)
+
+
+def test_refused_traced_sessions_leave_no_pending_grpc_task(caplog):
+    """Traced gateway, verifier full: the refused Session streams end cleanly. grpcio consumes
+    a stream's requests in a task; under the OTel client interceptor a write-style call left
+    that task waiting for good when the backend refused the stream, and asyncio logged "Task
+    was destroyed but it is pending" (and failed closes of its request generator) at GC."""
+    stack = Stack(_providers(InMemorySpanExporter()), verifier_sessions=1)
+
+    async def scenario():
+        await stack.start()
+        try:
+            calls = [collect(stack.stub(), request(12, "gated")) for _ in range(4)]
+            outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        finally:
+            await stack.stop()
+        gc.collect()
+        await asyncio.sleep(0.05)  # let the loop run what GC scheduled (async generator closes)
+        return outcomes
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        outcomes = service_loop().run(scenario())
+        gc.collect()
+    refused = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+    assert refused and all(o.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for o in refused), outcomes
+    assert len(refused) < len(outcomes), outcomes  # one generation held the session and finished
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
 
 
 def test_unknown_traces_exporter_is_rejected_naming_the_value():

@@ -150,28 +150,43 @@ def wire_rows(rows: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- gRPC
 class _Stream:
-    """One bidirectional stream: send a request, await its reply within `timeout_s`."""
+    """One bidirectional stream: send a request, await its reply within `timeout_s`.
+
+    Requests go to the call through an iterator this object owns, never through
+    `call.write`: grpcio consumes a stream's requests in a task of its own, and under a
+    client interceptor (OpenTelemetry's) a write-style call gives that task a hidden
+    iterator that nothing ends when the backend ends the stream first (a refused session),
+    so the task was destroyed pending at GC. Ending our iterator on every exit path
+    (`_end`) lets the task finish.
+    """
 
     def __init__(self, name: str, method, timeout_s: float, deadline_s: float, metadata=None):
         self.name, self.timeout_s = name, timeout_s
-        self.call = method(timeout=deadline_s, metadata=metadata)
+        self._outbox: asyncio.Queue = asyncio.Queue()
+        self.call = method(self._requests(), timeout=deadline_s, metadata=metadata)
+
+    async def _requests(self):
+        while (request := await self._outbox.get()) is not _END:
+            yield request
+
+    def _end(self) -> None:
+        """End the request iterator (grpcio then half-closes the stream if it is still open)."""
+        self._outbox.put_nowait(_END)
 
     async def ask(self, request):
+        self._outbox.put_nowait(request)
         try:
-            await asyncio.wait_for(self.call.write(request), self.timeout_s)
             reply = await asyncio.wait_for(self.call.read(), self.timeout_s)
         except asyncio.TimeoutError:
+            self._end()
             self.call.cancel()
             raise BackendError(self.name, f"no reply within the round timeout of {self.timeout_s:g} s",
                                grpc.StatusCode.DEADLINE_EXCEEDED) from None
         except grpc.aio.AioRpcError as e:
+            self._end()
             raise BackendError(self.name, f"{e.code().name}: {e.details()}", e.code()) from None
-        except asyncio.InvalidStateError:  # the stream had already ended (backend gone) before this write
-            code = await self.call.code()
-            if code == grpc.StatusCode.OK:
-                raise BackendError(self.name, "stream closed by the backend") from None
-            raise BackendError(self.name, f"{code.name}: {await self.call.details()}", code) from None
         if reply is grpc.aio.EOF:
+            self._end()
             raise BackendError(self.name, "stream closed by the backend")
         return reply
 
@@ -179,10 +194,10 @@ class _Stream:
         """Half-close and read to the end: the backend ends its session normally and the OTel
         client span of the stream ends (a cancelled call leaves it open until GC). Cancels
         instead when that fails or takes longer than the round timeout."""
+        self._end()
         if self.call.done():
             return
         try:
-            await asyncio.wait_for(self.call.done_writing(), self.timeout_s)
             while await asyncio.wait_for(self.call.read(), self.timeout_s) is not grpc.aio.EOF:
                 pass
         except (asyncio.TimeoutError, grpc.aio.AioRpcError):
@@ -190,6 +205,10 @@ class _Stream:
         except asyncio.CancelledError:
             self.call.cancel()
             raise
+
+
+# Ends a `_Stream`'s request iterator.
+_END = object()
 
 
 class GrpcVerifierSession:
