@@ -89,6 +89,11 @@ async def generate(stub, prompt: str, arm: str, max_tokens: int,
     return trace
 
 
+
+def _flag(value) -> str:
+    """A QUICK value as it would be typed on the command line."""
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
 def stream_prompts(streams: int, index: int, per_stream: int = 1) -> list[str]:
     """The prompts stream `index` of `streams` runs in turn: max(per_stream, ceil(4 /
     streams)) of them, consecutive in the workload cycle, so that the cell's streams
@@ -328,8 +333,10 @@ async def start_stacks(args, env: dict[str, str], console: Console, stacks: dict
                          max_sessions=max(args.streams) + 8, threads=args.threads)
         stacks[numerics] = {"procs": ServiceProcesses(spec, env)}
     console.print(f"services starting (logs in {log_dir})")
+    started = time.perf_counter()  # the stacks start side by side: report each one's time from here
     for numerics, st in stacks.items():
-        waited = await st["procs"].wait_serving()
+        await st["procs"].wait_serving()
+        waited = time.perf_counter() - started
         spec = st["procs"].spec
         st["channels"] = [grpc.aio.insecure_channel(t, options=channel_options())
                           for t in (spec.gateway_target, spec.verifier_target)]
@@ -428,7 +435,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="model folder ('' = the random tiny model; default assets/dspark-small)")
     ap.add_argument("--streams", type=int, nargs="+", default=list(STREAMS), help="concurrencies (default 1..32)")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS), help="arms (default all)")
-    ap.add_argument("--numerics", nargs="+", default=["fast", "exact"], choices=["fast", "exact"])
+    ap.add_argument("--numerics", nargs="+", default=["fast", "exact"], choices=["fast", "exact"],
+                    help="verify numerics, one stack of services each (default: fast exact)")
     ap.add_argument("--max-tokens", type=int, default=32, help="completion tokens per generation")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (median, min-max)")
     ap.add_argument("--per-stream", type=int, default=4,
@@ -440,7 +448,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="first stack's gateway port (verifier +1, drafter +2; the next stack +10)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per service process")
     ap.add_argument("--quick", action="store_true",
-                    help=f"a smoke run: {QUICK} (flags given explicitly still win)")
+                    help="a smoke run: " + ", ".join(f"--{k.replace('_', '-')} {_flag(v)}" for k, v in QUICK.items())
+                    + " (flags given explicitly still win)")
     ap.add_argument("--json", default=None, help="write raw cells, medians and ratios to this file")
     ap.add_argument("--log-dir", default=None, help="the services' logs (default: a new temporary folder)")
     ap.add_argument("--from-json", default=None, metavar="FILE",

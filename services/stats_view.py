@@ -16,9 +16,11 @@ from rich.text import Text
 
 def fmt(key: str, value: object) -> str:
     """One value as shown: None -> "-", a `*_rate` in [0, 1] as a percentage, floats to 4
-    significant digits, bools as yes / no, anything else as str."""
+    significant digits, bools as yes / no, a list element by element, anything else as str."""
     if value is None:
         return "-"
+    if isinstance(value, list):
+        return "[" + ", ".join(fmt(key, v) for v in value) + "]"
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, float):

@@ -158,7 +158,7 @@ def test_single_round_and_empty_input_fit_what_they_can(tmp_path):
     single = _write(tmp_path / "one.jsonl", [_span("spec_decode.round", R, G, ROUND)])
     out = _cli("calibrate", single)
     assert out.returncode == 1 and out.stdout == "DEEPSEEK_DSPARK_GATE_DRAFT_MS=5.000\n"
-    assert "not fitted: needs verify rounds over at least two distinct k (have 1 rounds, 1 distinct k)" in out.stderr
+    assert "not fitted: needs timed verify rounds over at least two distinct k (have 1 timed verify rounds, 1 distinct k)" in out.stderr
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert _one_line_error(_cli("calibrate", str(empty)), "calibrate").startswith("no costs could be fitted: needs ")

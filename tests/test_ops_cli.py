@@ -277,3 +277,19 @@ def test_a_port_in_time_wait_is_free_and_a_held_port_is_named():
     conn.close()  # the server side closes first: its end of the connection enters TIME_WAIT
     client.close()
     check_ports_free("127.0.0.1", {"verifier": port})  # no error: TIME_WAIT is not a holder
+
+
+def test_stats_view_rounds_every_number_of_a_list_like_a_single_value():
+    """`dspark stats` printed a list of floats (the verifier's step table) at full precision
+    while every single value is shown to 4 significant digits."""
+    import io
+
+    from rich.console import Console
+
+    from services.stats_view import render_stats
+    out = io.StringIO()
+    render_stats({"costs": {"verify_table": [38.642142833272274, 40.0, None], "plain_ms": 25.123456}},
+                 Console(file=out, width=200, emoji=False, highlight=False))
+    text = out.getvalue()
+    assert "verify_table" in text and "[38.64, 40, -]" in text and "25.12" in text
+    assert "38.642" not in text

@@ -13,28 +13,40 @@ from services.gateway.rounds import RoundLog, load_rounds, save_rounds
 
 
 def test_recorded_rounds_match_the_generation_and_replay(oracle_stack, tmp_path):  # noqa: F811
-    """Every drafted round is recorded in the replay format with the generation's counts."""
+    """Every round is recorded in the replay format with the generation's counts: a drafted
+    one with its confidences, one that drafted nothing (speculation off here) with its plain
+    decode time, which `dspark calibrate` then fits plain_ms from."""
     recorder: list = []
 
     async def run():
         gw = await oracle_stack.start_gateway("sequential", recorder=recorder)
         try:
-            return await collect(gw.stub, gen_request("record me", max_tokens=30, spec="gated"))
+            return [await collect(gw.stub, gen_request("record me", max_tokens=30, spec="gated")),
+                    await collect(gw.stub, gen_request("record me too", max_tokens=12, spec="off"))]
         finally:
             await gw.close()
 
-    gen = oracle_stack.loop.run(run())
-    stats = gen.stats
-    assert len(recorder) == stats.rounds - stats.plain_rounds + stats.skipped_after_draft
-    assert sum(r.submitted for r in recorder) == stats.submitted
-    assert sum(r.accepted for r in recorder) == stats.accepted
-    assert all(r.workload == "live" and len(r.confidence_logits) == 5 for r in recorder)
+    gated, off = oracle_stack.loop.run(run())
+    drafted = [r for r in recorder if r.confidence_logits]
+    plain = [r for r in recorder if not r.confidence_logits]
+    assert len(recorder) == gated.stats.rounds + off.stats.rounds
+    assert len(plain) == off.stats.rounds + gated.stats.plain_rounds + gated.stats.margin_skipped_rounds > 0
+    assert sum(r.submitted for r in drafted) == gated.stats.submitted
+    assert sum(r.accepted for r in drafted) == gated.stats.accepted
+    assert all(r.workload == "live" and len(r.confidence_logits) == 5 for r in drafted)
+    assert all(r.submitted == r.accepted == 0 and r.plain_ms > 0 and r.draft_ms is None for r in plain)
     path = tmp_path / "rounds.json"
     save_rounds(RoundLog(tuple(recorder), {"source": "test"}), path)
     loaded = load_rounds(path)
     assert loaded.rounds == tuple(recorder)
     report = replay_log(loaded, GateConfig())
     assert [w.name for w in report.workloads] == ["live"] and report.workloads[0].rounds == len(recorder)
+    fit = subprocess.run([sys.executable, "-m", "services.cli", "calibrate", str(path)], capture_output=True,
+                         text=True, timeout=120)
+    assert fit.returncode == 0, fit.stderr
+    assert {line.split("=")[0] for line in fit.stdout.split()} == {
+        "DEEPSEEK_DSPARK_GATE_DRAFT_MS", "DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS",
+        "DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS", "DEEPSEEK_DSPARK_GATE_PLAIN_MS"}
 
 
 def test_generate_cli_streams_json_lines(oracle_stack):  # noqa: F811

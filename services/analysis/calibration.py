@@ -48,12 +48,12 @@ class CostFit:
         """What keeps the fit from giving all four costs, in words (empty when complete)."""
         out = []
         if self.verify_base_ms is None:
-            out.append(f"verify rounds over at least two distinct k (have {self.verify_samples} rounds, "
-                       f"{self.distinct_k} distinct k)")
+            out.append(f"timed verify rounds over at least two distinct k (have {self.verify_samples} timed "
+                       f"verify rounds, {self.distinct_k} distinct k)")
         if self.draft_ms is None:
-            out.append("rounds that drafted (spec_decode.draft_ms)")
+            out.append("rounds with a timed draft")
         if self.plain_ms is None:
-            out.append("rounds with k = 0 (plain decode)")
+            out.append("timed rounds with k = 0 (plain decode; an always-k recording has none)")
         return out
 
 

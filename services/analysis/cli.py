@@ -29,7 +29,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     rep.add_argument("--json", action="store_true", help="print the report as JSON")
     rep.set_defaults(func=_run_report)
 
-    cal = sub.add_parser("calibrate", help="print fitted DEEPSEEK_DSPARK_GATE_*_MS lines from span files",
+    cal = sub.add_parser("calibrate", help="print fitted DEEPSEEK_DSPARK_GATE_*_MS lines from span files or recorded rounds",
                          description="Fit verify(k) = base + slope·k, draft ms and plain ms from the gateway's "
                          "round spans or a recorded-rounds file's timings and print them as ready-to-use DEEPSEEK_DSPARK_GATE_*=value lines.")
     cal.add_argument("traces", nargs="+", metavar="TRACES",

@@ -142,12 +142,15 @@ class RoundRecord:
     def to_round(self, workload: str) -> Round:
         """The round as a line of a recorded-rounds file (docs/gate.md), under `workload`.
 
-        Raises ValueError when the gate did not see confidences (the file needs them) or the
+        A round that drafted nothing is a line with no confidences (docs/gate.md §9): replay
+        prices it as a plain step under every policy, and calibration reads its plain_ms.
+
+        Raises ValueError when the round drafted without confidences (replay needs them) or the
         workload is not a usable label (see `rounds.check_workload`).
         """
-        if self.confidence_logits is None:
-            raise ValueError("a round without confidence logits cannot be recorded")
-        return Round(workload=workload, confidence_logits=self.confidence_logits, submitted=self.submitted,
+        if self.confidence_logits is None and self.drafted:
+            raise ValueError("a drafted round without confidence logits cannot be recorded")
+        return Round(workload=workload, confidence_logits=self.confidence_logits or (), submitted=self.submitted,
                      accepted=self.accepted, anchor_margin=self.anchor_margin, draft_ms=self.draft_ms,
                      verify_ms=self.verify_ms, plain_ms=self.plain_ms)
 

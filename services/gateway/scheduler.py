@@ -87,8 +87,8 @@ class Scheduler:
         cost_mode: "configured" or "measured" (see `services.gateway.costs`).
         costs: the process's `CostTracker` (None: a new one over `gate_config`'s costs, nothing pinned).
         provider: tracer provider for generation and round spans (None: no spans).
-        recorder: a list that receives one `Round` per round whose confidences the gate saw
-            (`--record-rounds`).
+        recorder: a list that receives one `Round` per round (`--record-rounds`): every
+            round whose confidences the gate saw, and every round that drafted nothing.
         metrics: `services.gateway.metrics.GatewayMetrics` fed each round's record and each
             finished generation (None: none).
         load: the verifier's step table (`services.gateway.load.VerifierLoad`); with it, and
@@ -439,7 +439,9 @@ class _Generation:
         if r.confidence_logits is not None:  # for the reliability diagram of `dspark trace-report`
             span.set_attribute("spec_decode.confidence_logits", [float(c) for c in r.confidence_logits])
         self.metrics.record_round(r)
-        if self.s.recorder is not None and r.confidence_logits is not None:  # replay needs the confidences
+        # Replay needs a drafted round's confidences; a round that drafted nothing is kept for
+        # its plain-decode time (what `dspark calibrate` fits plain_ms from).
+        if self.s.recorder is not None and (r.confidence_logits is not None or not r.drafted):
             self.s.recorder.append(r.to_round(self.p.label))
 
 
