@@ -179,7 +179,7 @@ def test_prometheus_endpoint_serves_the_named_metrics_equal_to_the_final_stats(r
     assert _value(families, "spec_decode_truncated_rounds") == total["truncated_rounds"]
     assert _value(families, "spec_decode_skipped_after_draft_rounds") == total["skipped_after_draft"]
     assert _value(families, "spec_decode_plain_rounds") == total["plain_rounds"]
-    # per position: the recorded rounds (every drafted round) accepted drafts 0..a-1
+    # per position: the recorded rounds (every round; an undrafted one accepts none) accepted drafts 0..a-1
     per_pos = {}
     for r in run.recorded:
         for pos in range(r.accepted):

@@ -317,7 +317,8 @@ async def run(args) -> int:
                   file=sys.stderr)
             return 1
         recorded = load_rounds(record).rounds
-    always = [r for r in recorded if r.workload in WORKLOADS]
+    # the drafted rounds only: the recorder also keeps undrafted ones (their plain-decode time)
+    always = [r for r in recorded if r.workload in WORKLOADS and r.confidence_logits]
     if args.record_rounds:
         save_rounds(RoundLog(tuple(always), {"source": "training.demo (always-k rounds)", "checkpoint": str(ckpt),
                                              "max_tokens": args.max_tokens}), args.record_rounds)
