@@ -18,6 +18,7 @@ import logging
 import secrets
 
 import grpc
+from grpc._cython import cygrpc  # ExecuteBatchError: a send on a call that has ended
 from google.protobuf.message import DecodeError
 
 from services.common.sessions import SessionLimitError, UnknownSessionError
@@ -98,6 +99,12 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
                                                                                             streaming_out)]
 
     async def abort(context, exc: Exception):
+        if isinstance(exc, cygrpc.ExecuteBatchError) or context.cancelled() or context.done():
+            # The peer had gone (a cancel or an expired deadline) when the handler tried to send
+            # its status: grpcio then fails that send (ExecuteBatchError), and no status can
+            # reach anyone. Not a server fault, so no "internal error" and no second abort.
+            log.info("%s: the call had already ended when its status was sent (%s)", method, type(exc).__name__)
+            return
         code, message = safe_status(exc, method)
         await context.abort(code, message)
 

@@ -173,10 +173,19 @@ class _Stream:
         """End the request iterator (grpcio then half-closes the stream if it is still open)."""
         self._outbox.put_nowait(_END)
 
+    async def _read(self):
+        """The stream's next reply within `timeout_s` (asyncio.TimeoutError past it). The read
+        runs as a task whose outcome is always retrieved: when the caller is cancelled just as
+        the read fails (a client gone as its backend refuses), asyncio would otherwise log
+        "Task exception was never retrieved"."""
+        read = asyncio.ensure_future(self.call.read())
+        read.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return await asyncio.wait_for(read, self.timeout_s)
+
     async def ask(self, request):
         self._outbox.put_nowait(request)
         try:
-            reply = await asyncio.wait_for(self.call.read(), self.timeout_s)
+            reply = await self._read()
         except asyncio.TimeoutError:
             self._end()
             self.call.cancel()
@@ -198,7 +207,7 @@ class _Stream:
         if self.call.done():
             return
         try:
-            while await asyncio.wait_for(self.call.read(), self.timeout_s) is not grpc.aio.EOF:
+            while await self._read() is not grpc.aio.EOF:
                 pass
         except (asyncio.TimeoutError, grpc.aio.AioRpcError):
             self.call.cancel()
