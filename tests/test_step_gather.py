@@ -159,6 +159,29 @@ def test_a_closed_session_is_not_waited_for():
     assert loop.steps == [[1, 2], [1]]
 
 
+
+class ClosingInStepLoop(RecordingLoop):
+    """A RecordingLoop whose first step sees session 2 closed while it runs (the servicer's
+    `forget` on a cancel landing between the forward and the answers)."""
+
+    def _finish(self, r, result=None, error=None):
+        if len(self.steps) == 1 and r.sid == 2:
+            self.forget(2)
+        super()._finish(r, result, error)
+
+
+def test_a_session_closed_during_its_step_is_not_waited_for_after_it():
+    loop = ClosingInStepLoop(1e6)  # only the forget inside the step can spare the next one the wait
+    try:
+        first = [loop.submit(2), loop.submit(1)]
+        loop.go.set()
+        [f.result(TIMEOUT_S) for f in first]
+        assert loop.submit(1).result(TIMEOUT_S) == 2
+        assert 2 not in loop._returning and 2 not in loop._gone
+    finally:
+        loop.close()
+    assert loop.steps == [[1, 2], [1]]
+
 def test_short_prompts_share_the_steps_a_long_prompt_leaves_room_in(trunk):
     chunk, long_len, short_len = 8, 75, 5
     engine = VerifierEngine(trunk, max_sessions=8)

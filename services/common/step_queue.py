@@ -111,6 +111,7 @@ class StepQueue:
         self._cv = threading.Condition()
         self._queue: list = []
         self._inflight: set[int] = set()
+        self._gone: set[int] = set()  # sessions forgotten while in a step: not expected back after it
         self._closed = False
         self._stats = stats
         self._torch_threads = torch_threads
@@ -175,6 +176,8 @@ class StepQueue:
         """Session `sid` closed: the next step does not wait for it. Unknown ids are ignored."""
         with self._cv:
             self._gaps.forget(sid)
+            if sid in self._inflight:  # its step is running: `_release` must not expect it back
+                self._gone.add(sid)
             if sid in self._returning:
                 self._returning.discard(sid)
                 self._cv.notify()
@@ -208,6 +211,9 @@ class StepQueue:
         with self._cv:
             for r in requests:
                 self._inflight.discard(r.sid)
+                if r.sid in self._gone:
+                    self._gone.discard(r.sid)
+                    continue
                 kind = self._kind(r)
                 if returning and kind not in self.AWAY_KINDS:
                     self._returning.add(r.sid)
