@@ -80,7 +80,7 @@ from services.common.settings import (COST_MODES, DEFAULT_STEP_GATHER_MS, DEFAUL
                                       TelemetrySettings, backend_target, valid_token)
 from services.common.tls import PemFile, TlsFiles, load_tls
 from services.gateway.gate import ENV_VARS as GATE_ENV_VARS, GateConfig
-from services.gateway.values import parse_setting
+from services.gateway.values import parse_setting, short_repr
 from services.gateway.warm import DEFAULT_MAX_WEIGHT, parse_warm_start
 
 if TYPE_CHECKING:  # both import torch: loaded only by the sections that need them
@@ -162,9 +162,9 @@ def _float(environ: Environ, name: str, default: float, high: float = MAX_TIMEOU
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r}: not a number") from None
+        raise ValueError(f"{name}={short_repr(raw)}: not a number") from None
     if not 0.0 < value <= high:
-        raise ValueError(f"{name}={raw!r}: must be a number > 0 and <= {high:.10g}")
+        raise ValueError(f"{name}={short_repr(raw)}: must be a number > 0 and <= {high:.10g}")
     return value
 
 
@@ -180,16 +180,19 @@ def _int(environ: Environ, name: str, default: int | None, low: int = 1, high: i
     raw = environ.get(name)
     if raw is None:
         return default
-    if not raw.strip().isascii() or not raw.strip().isdigit() or not low <= int(raw) <= high:
-        raise ValueError(f"{name}={raw!r}: must be an integer >= {low} and <= {high}")
-    return int(raw)
+    digits = raw.strip()
+    # The length check comes first: int() refuses more than 4300 digits with its own message,
+    # which would not name the variable.
+    if not (digits.isascii() and digits.isdigit() and len(digits) <= 20 and low <= int(digits) <= high):
+        raise ValueError(f"{name}={short_repr(raw)}: must be an integer >= {low} and <= {high}")
+    return int(digits)
 
 
 def _choice(environ: Environ, name: str, default: str, choices: tuple[str, ...]) -> str:
     """One of `choices`, spelled exactly; `default` when unset. Raises ValueError naming the value."""
     raw = environ.get(name, default)
     if raw not in choices:
-        raise ValueError(f"{name}={raw!r}: must be one of {choices}")
+        raise ValueError(f"{name}={short_repr(raw)}: must be one of {choices}")
     return raw
 
 

@@ -389,6 +389,8 @@ def test_backend_targets_accept_address_lists_and_grpc_targets(value, expected):
     ({"DSPARK_VERIFIER_TARGET": "127.0.0.1:1,[::1]:2"}, "mixes IPv4 and IPv6"),
     ({"DSPARK_DRAFTER_TARGET": "127.0.0.1:1,127.0.0.1:0"}, "'127.0.0.1:0' is not an IP address:port"),
     ({"DSPARK_DRAFTER_FAILOVERS": "-1"}, "DSPARK_DRAFTER_FAILOVERS='-1': must be an integer >= 0"),
+    # more digits than int() converts: still the variable, and the value elided
+    ({"DSPARK_DRAFTER_FAILOVERS": "7" * 5000}, "DSPARK_DRAFTER_FAILOVERS='777777"),
 ])
 def test_bad_backend_settings_are_refused_naming_the_variable(env, message):
     with pytest.raises(ValueError, match=re.escape(message)):
