@@ -147,6 +147,12 @@ def test_gate_lines_are_ready_to_use_and_clamp_what_the_gate_refuses(synthetic):
     assert env["DEEPSEEK_DSPARK_GATE_PLAIN_MS"] == "0.001"
     assert len(notes) == 3
     gate_config(env)
+    huge = fit.__class__(3e7, float("inf"), 2.0, 1e308, 10, 2, 3, 3, 1.0)  # timings near the float limit
+    lines, notes = gate_env_lines(huge)
+    env = dict(line.split("=", 1) for line in lines)
+    assert env["DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS"] == env["DEEPSEEK_DSPARK_GATE_PLAIN_MS"] == "10000000.000"
+    assert len(notes) == 3 and all("above the gate's" in n for n in notes)
+    gate_config(env)
 
 
 def test_time_split_counts_and_generation_figures_from_synthetic_spans(synthetic):

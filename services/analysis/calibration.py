@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Iterable
 import numpy as np
 
 from services.gateway.gate import NUM_BUCKETS, bucket_index, bucket_label
+from services.gateway.values import MAX_COST_MS
 
 if TYPE_CHECKING:
     from services.analysis.report import RoundRecord
@@ -101,8 +102,8 @@ def fit_costs(rounds: Iterable[RoundRecord]) -> CostFit:
 def gate_env_lines(fit: CostFit) -> tuple[list[str], list[str]]:
     """(`DEEPSEEK_DSPARK_GATE_*=value` lines for the costs the fit has, notes on clamped values).
 
-    Values are clamped into what `GateConfig` accepts (docs/gate.md §8): each cost >= 0,
-    plain_ms >= 0.001, so the lines can be used as they are.
+    Values are clamped into what `GateConfig` accepts (docs/gate.md §8): each cost in
+    [0, MAX_COST_MS], plain_ms >= 0.001, so the lines can be used as they are.
     """
     lines, notes = [], []
     for name, env in GATE_ENV.items():
@@ -113,6 +114,9 @@ def gate_env_lines(fit: CostFit) -> tuple[list[str], list[str]]:
         if value < low:
             notes.append(f"{env}: fitted {value:.3f} ms is below {low:g}; clamped")
             value = low
+        if not value <= MAX_COST_MS:  # also NaN / inf, from timings near the float limit
+            notes.append(f"{env}: fitted {value:.6g} ms is above the gate's {MAX_COST_MS:g} ms; clamped")
+            value = MAX_COST_MS
         lines.append(f"{env}={value:.3f}")
     return lines, notes
 
