@@ -89,14 +89,17 @@ def fit_costs(rounds: Iterable[RoundRecord]) -> CostFit:
             plains.append(r.verify_ms)
     base = slope = rms = None
     distinct = len(set(ks))
-    if distinct >= 2:
-        x, y = np.asarray(ks, dtype=float), np.asarray(ms, dtype=float)
-        design = np.stack([np.ones_like(x), x], axis=1)  # [n, 2]
-        (base, slope), *_ = np.linalg.lstsq(design, y, rcond=None)
-        base, slope = float(base), float(slope)
-        rms = float(np.sqrt(np.mean((y - (base + slope * x)) ** 2)))
-    return CostFit(base, slope, float(np.mean(drafts)) if drafts else None,
-                   float(np.mean(plains)) if plains else None, len(ks), distinct, len(drafts), len(plains), rms)
+    # Timings near the float limit overflow to inf (then clamped by `gate_env_lines`), quietly.
+    with np.errstate(over="ignore", invalid="ignore"):
+        if distinct >= 2:
+            x, y = np.asarray(ks, dtype=float), np.asarray(ms, dtype=float)
+            design = np.stack([np.ones_like(x), x], axis=1)  # [n, 2]
+            (base, slope), *_ = np.linalg.lstsq(design, y, rcond=None)
+            base, slope = float(base), float(slope)
+            rms = float(np.sqrt(np.mean((y - (base + slope * x)) ** 2)))
+        draft = float(np.mean(drafts)) if drafts else None
+        plain = float(np.mean(plains)) if plains else None
+    return CostFit(base, slope, draft, plain, len(ks), distinct, len(drafts), len(plains), rms)
 
 
 def gate_env_lines(fit: CostFit) -> tuple[list[str], list[str]]:

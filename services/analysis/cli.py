@@ -80,7 +80,10 @@ def _run_report(args: argparse.Namespace) -> int:
             if args.png == "":
                 raise ValueError("--png '' is an empty path")
             from services.analysis.plots import write_plots
-            paths = write_plots(report, args.png)
+            try:
+                paths = write_plots(report, args.png)
+            except OverflowError as exc:  # timings near the float limit have no finite axis
+                raise ValueError(f"--png: these timings cannot be plotted ({exc})") from None
     except (ValueError, OSError) as exc:
         return _error("trace-report", str(exc))
     if args.json:
