@@ -141,8 +141,13 @@ def test_the_recorded_line_round_trips_through_the_file_format():
     line = r.to_round("code")
     assert line == Round("code", (2.5, 1.0, 0.0, -1.0, 4.0), 3, 2, anchor_margin=3.5, draft_ms=190.0, verify_ms=640.0)
     assert parse_rounds(json.loads(dump_rounds(RoundLog((line,))))).rounds == (line,)
-    with pytest.raises(ValueError, match="without confidence logits"):
-        plain(Reason.ANCHOR_MARGIN).to_round("code")
+    # a round that drafted nothing is a line without confidences, kept for its plain-decode time
+    undrafted = plain(Reason.ANCHOR_MARGIN, anchor_margin=0.5, plain_ms=70.0).to_round("code")
+    assert undrafted == Round("code", (), 0, 0, anchor_margin=0.5, plain_ms=70.0)
+    assert parse_rounds(json.loads(dump_rounds(RoundLog((undrafted,))))).rounds == (undrafted,)
+    blind = RoundRecord(Reason.FULL, 5, 5, 2, COST)  # drafted by a drafter with no confidence head
+    with pytest.raises(ValueError, match="drafted round without confidence logits"):
+        blind.to_round("code")
 
 
 def test_replayed_rounds_are_records_with_the_policy_choice():
