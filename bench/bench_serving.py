@@ -89,10 +89,10 @@ async def generate(stub, prompt: str, arm: str, max_tokens: int,
     return trace
 
 
-
 def _flag(value) -> str:
     """A QUICK value as it would be typed on the command line."""
     return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
 
 def stream_prompts(streams: int, index: int, per_stream: int = 1) -> list[str]:
     """The prompts stream `index` of `streams` runs in turn: max(per_stream, ceil(4 /

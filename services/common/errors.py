@@ -99,7 +99,7 @@ def _guarded(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandl
                                                                                             streaming_out)]
 
     async def abort(context, exc: Exception):
-        if isinstance(exc, cygrpc.ExecuteBatchError) or context.cancelled() or context.done():
+        if isinstance(exc, cygrpc.ExecuteBatchError):
             # The peer had gone (a cancel or an expired deadline) when the handler tried to send
             # its status: grpcio then fails that send (ExecuteBatchError), and no status can
             # reach anyone. Not a server fault, so no "internal error" and no second abort.

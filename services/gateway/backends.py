@@ -149,6 +149,9 @@ def wire_rows(rows: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- gRPC
+_END = object()  # ends a `_Stream`'s request iterator
+
+
 class _Stream:
     """One bidirectional stream: send a request, await its reply within `timeout_s`.
 
@@ -214,10 +217,6 @@ class _Stream:
         except asyncio.CancelledError:
             self.call.cancel()
             raise
-
-
-# Ends a `_Stream`'s request iterator.
-_END = object()
 
 
 class GrpcVerifierSession:
