@@ -57,8 +57,8 @@ Unset means the default; the "empty" column says what an empty value means.
 | OTEL_SERVICE_NAME | dspark-<service> | default | telemetry: service_name |
 | DSPARK_TRACES_JSONL | unset | unset | telemetry: jsonl_path |
 
-Times are seconds; gateway and serve timeouts are > 0 and at most `MAX_TIMEOUT_S` (the
-connection age at most `MAX_CONNECTION_AGE_S`). The OTLP exporter reads the standard
+Times are seconds, spelled as plain ASCII decimals; gateway, serve and TP timeouts are > 0
+and at most `MAX_TIMEOUT_S` (the connection age at most `MAX_CONNECTION_AGE_S`). The OTLP exporter reads the standard
 `OTEL_EXPORTER_OTLP_*` variables itself. Sections a service does not use stay None.
 A `DEEPSEEK_DSPARK_GATE_*_MS` variable that is set also pins its field (gateway:
 pinned_costs): the measured costs of DSPARK_GATE_COSTS=measured never replace it.
@@ -66,7 +66,6 @@ pinned_costs): the measured costs of DSPARK_GATE_COSTS=measured never replace it
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
@@ -80,7 +79,7 @@ from services.common.settings import (COST_MODES, DEFAULT_STEP_GATHER_MS, DEFAUL
                                       TelemetrySettings, backend_target, valid_token)
 from services.common.tls import PemFile, TlsFiles, load_tls
 from services.gateway.gate import ENV_VARS as GATE_ENV_VARS, GateConfig
-from services.gateway.values import parse_setting, short_repr
+from services.gateway.values import DECIMAL_TEXT, parse_setting, short_repr
 from services.gateway.warm import DEFAULT_MAX_WEIGHT, parse_warm_start
 
 if TYPE_CHECKING:  # both import torch: loaded only by the sections that need them
@@ -159,10 +158,11 @@ def _float(environ: Environ, name: str, default: float, high: float = MAX_TIMEOU
     raw = environ.get(name)
     if raw is None:
         return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={short_repr(raw)}: not a number") from None
+    # float() also takes '1_0', other scripts' digits and 'infinity': spellings an operator
+    # reading the manifest would not take for the number the service then uses.
+    if DECIMAL_TEXT.fullmatch(raw.strip()) is None:
+        raise ValueError(f"{name}={short_repr(raw)}: not a number")
+    value = float(raw)
     if not 0.0 < value <= high:
         raise ValueError(f"{name}={short_repr(raw)}: must be a number > 0 and <= {high:.10g}")
     return value
@@ -362,24 +362,14 @@ def model_settings(environ: Environ) -> ModelSettings:
 
 
 def tp_settings(environ: Environ) -> TPSettings:
-    """Tensor-parallel deadlines (unset or empty = default). Raises ValueError naming the
-    variable and its value when it is not a finite number of seconds > 0."""
+    """Tensor-parallel deadlines in seconds (unset or empty = default). Raises ValueError
+    naming the variable and its value unless it is a decimal number in (0, MAX_TIMEOUT_S]."""
     from services.verifier.tp import ENV_CALL_TIMEOUT, ENV_INIT_TIMEOUT, TPSettings
 
-    def seconds(name: str, default: float) -> float:
-        raw = environ.get(name, "")
-        if raw.strip() == "":
-            return default
-        try:
-            value = float(raw)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"{name}={raw!r}: must be a finite number of seconds > 0")
-        return value
-
-    return TPSettings(init_timeout_s=seconds(ENV_INIT_TIMEOUT, TPSettings.init_timeout_s),
-                      call_timeout_s=seconds(ENV_CALL_TIMEOUT, TPSettings.call_timeout_s))
+    given = {name: raw for name in (ENV_INIT_TIMEOUT, ENV_CALL_TIMEOUT)
+             if (raw := environ.get(name, "")).strip() != ""}
+    return TPSettings(init_timeout_s=_float(given, ENV_INIT_TIMEOUT, TPSettings.init_timeout_s),
+                      call_timeout_s=_float(given, ENV_CALL_TIMEOUT, TPSettings.call_timeout_s))
 
 
 def topk_diag_settings(environ: Environ) -> TopKDiagSettings | None:

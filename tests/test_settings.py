@@ -81,3 +81,25 @@ def test_torch_threads_come_from_the_environment_naming_a_bad_value():
     assert read_settings({"DSPARK_TORCH_THREADS": "4"}, "drafter").backend.torch_threads == 4
     with pytest.raises(ValueError, match=r"DSPARK_TORCH_THREADS='two': must be an integer >= 1 and <= 1024"):
         read_settings({"DSPARK_TORCH_THREADS": "two"}, "verifier")
+
+
+@pytest.mark.parametrize("raw", ["1_0", "\u0661\u0660", "infinity", "inf", "nan", "0x10", "", " "])
+def test_seconds_take_only_a_plain_decimal_spelling(raw):
+    # float() accepts the first five; an operator would not read them as the deadline in force
+    with pytest.raises(ValueError, match="DSPARK_ROUND_TIMEOUT_S=.*: not a number"):
+        read_settings({"DSPARK_ROUND_TIMEOUT_S": raw}, "gateway")
+
+
+def test_seconds_in_decimal_and_exponent_form_are_read():
+    for raw, value in [("2.5", 2.5), (" 30 ", 30.0), ("1e3", 1000.0), (".5", 0.5)]:
+        assert read_settings({"DSPARK_ROUND_TIMEOUT_S": raw}, "gateway").gateway.round_timeout_s == value
+    with pytest.raises(ValueError, match=r"DSPARK_ROUND_TIMEOUT_S='-1': must be a number > 0"):
+        read_settings({"DSPARK_ROUND_TIMEOUT_S": "-1"}, "gateway")
+
+
+def test_tp_deadlines_have_the_same_upper_bound_as_the_other_timeouts():
+    assert read_settings({"DSV4_TP_CALL_TIMEOUT_S": ""}, "verifier").tp.call_timeout_s == 120.0
+    with pytest.raises(ValueError, match=r"DSV4_TP_CALL_TIMEOUT_S='1e300': must be a number > 0 and <= 100000000$"):
+        read_settings({"DSV4_TP_CALL_TIMEOUT_S": "1e300"}, "verifier")
+    with pytest.raises(ValueError, match=r"DSV4_TP_INIT_TIMEOUT_S='1_0': not a number"):
+        read_settings({"DSV4_TP_INIT_TIMEOUT_S": "1_0"}, "verifier")

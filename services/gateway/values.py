@@ -21,7 +21,8 @@ MAX_MIN_DRAFT = 1_000_000
 _SWITCH_WORDS = {"1": True, "true": True, "0": False, "false": False}
 # ASCII decimal forms only: no '+', '_', non-ASCII digits, inf or nan (float() and int() take them all).
 _INT_TEXT = re.compile(r"-?[0-9]+")
-_FLOAT_TEXT = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+# A plain ASCII decimal or exponent number, what every numeric setting accepts.
+DECIMAL_TEXT = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 
 
 _SHORT = reprlib.Repr()  # keyword arguments need Python 3.12
@@ -105,7 +106,7 @@ def parse_setting(field_name: str, raw: str, name: str) -> bool | int | float:
         if text.lower() not in _SWITCH_WORDS:
             raise ValueError(f"{name}={short_repr(raw)} is not one of 0, 1, true, false")
         return _SWITCH_WORDS[text.lower()]
-    pattern, what = (_INT_TEXT, "an integer") if field_name == "min_draft" else (_FLOAT_TEXT, "a number")
+    pattern, what = (_INT_TEXT, "an integer") if field_name == "min_draft" else (DECIMAL_TEXT, "a number")
     if not pattern.fullmatch(text):
         raise ValueError(f"{name}={short_repr(raw)} is not {what} (ASCII decimal digits)")
     if field_name == "min_draft":
