@@ -77,6 +77,21 @@ def test_rounds_and_spans_are_told_apart_by_content(tmp_path, rounds_path):
     assert not looks_like_rounds(tmp_path) and not looks_like_rounds(tmp_path / "missing")
 
 
+def test_a_rounds_file_naming_its_format_late_is_still_rounds(capsys, tmp_path):
+    # keys in another order, the format past the first 4 KiB: a hand-edited file is still rounds
+    doc = json.loads(BUNDLED.read_text())
+    late = tmp_path / "late.json"
+    late.write_text(json.dumps({"metadata": {**doc["metadata"], "note": "x" * 5000}, "rounds": doc["rounds"],
+                                "version": doc["version"], "format": doc["format"]}))
+    assert looks_like_rounds(late)
+    code, out, _ = run(capsys, "trace-report", str(late))
+    assert code == 0 and "0 spans and 1224 recorded rounds from 1 file(s)" in out
+    other = tmp_path / "other.json"  # a rounds-shaped object of another format: the rounds reader says so
+    other.write_text(json.dumps({**doc, "format": "dspark-spans"}))
+    code, _, err = run(capsys, "trace-report", str(other))
+    assert code == 2 and "dspark-spans" in err and str(other) in err
+
+
 def test_a_bad_rounds_file_exits_2_naming_the_file_and_field(capsys, tmp_path):
     doc = json.loads(BUNDLED.read_text())
     doc["rounds"][4]["accepted"] = 9

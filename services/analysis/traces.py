@@ -24,7 +24,6 @@ import calendar
 import datetime
 import json
 import os
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,8 +33,10 @@ from services.gateway.values import short_repr
 
 PROGRESS_MIN_BYTES = 16 << 20  # inputs at least this large get a progress bar (when stderr is a terminal)
 _DECODER = json.JSONDecoder()
-_SNIFF_BYTES = 4096  # a rounds file names its format in its opening bytes
-_ROUNDS_MARK = re.compile(r'"format"\s*:\s*"dspark-rounds"')
+_SNIFF_BYTES = 4096  # a top-level object's first key lies within its opening bytes
+# The top-level keys of a rounds file (docs/gate.md §9); a span object has none of them
+# (name, context, ...) and an OTLP document opens with resourceSpans.
+_ROUNDS_KEYS = frozenset({"format", "version", "metadata", "rounds"})
 
 
 @dataclass(frozen=True)
@@ -297,9 +298,10 @@ def _file_values(path: str, advance) -> Iterator[tuple[int, Any]]:
 
 def looks_like_rounds(path: str | os.PathLike) -> bool:
     """Whether `path` is a recorded-rounds file: a regular file whose text opens a JSON object
-    and names `"format": "dspark-rounds"` within its first _SNIFF_BYTES bytes (the writer puts
-    the format first; span files are objects with `name` and `context`, or OTLP documents).
-    Anything unreadable answers False, so that the span reader reports it with its own error."""
+    whose first key is one the rounds format defines (format, version, metadata, rounds), in
+    whatever order a hand-edited file puts them. Such a file goes to the strict rounds reader,
+    whose errors then name what is wrong with it. Anything unreadable answers False, so that
+    the span reader reports it with its own error."""
     if not os.path.isfile(path):
         return False
     try:
@@ -307,7 +309,13 @@ def looks_like_rounds(path: str | os.PathLike) -> bool:
             head = f.read(_SNIFF_BYTES).decode("utf-8", errors="replace").lstrip()
     except OSError:
         return False
-    return head.startswith("{") and _ROUNDS_MARK.search(head) is not None
+    if not head.startswith("{"):
+        return False
+    try:
+        key, _ = _DECODER.raw_decode(head, len(head) - len(head[1:].lstrip()))
+    except json.JSONDecodeError:  # an empty object, or a first key longer than the head
+        return False
+    return isinstance(key, str) and key in _ROUNDS_KEYS
 
 
 def _check_file(path: str) -> int:
