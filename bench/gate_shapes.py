@@ -23,6 +23,7 @@ import json
 import sys
 from pathlib import Path
 
+from services.cli import printable
 from services.gateway.gate import GateConfig
 from services.gateway.replay import ReplayReport, calibration_of, headline_of, replay_log
 from services.gateway.rounds import RoundLog, load_rounds
@@ -93,8 +94,14 @@ def misses(rows: list[dict]) -> tuple[list[str], float]:
             bad = ([f"x plain {plain:.4f}"] if plain < 1 else []) + ([f"x always-k {always:.4f}"] if always < 1 else [])
             bad += [f"headline {_pct(head)}"] if head is not None and head < HEADLINE_AIM else []
             if bad:
-                out.append(f"{r['file']:17}{r['shape']:6}{r['workload']:8}{mode}: {', '.join(bad)}")
+                out.append(f"{_names(r)}{mode}: {', '.join(bad)}")
     return out, short
+
+
+def _names(r: dict) -> str:
+    """The row's file, shape and workload columns; names from a rounds file are escaped, so a
+    label with control characters cannot drive the terminal or break the table."""
+    return f"{printable(r['file']):17}{r['shape']:6}{printable(r['workload']):8}"
 
 
 def _pct(x: float | None) -> str:
@@ -142,7 +149,7 @@ def main() -> None:
         cold = f"{r['vs_plain']:7.3f}{r['vs_always']:8.3f}{_pct(r['headline']):>5}{_ece(r['ece']):>7}"
         hot = (f"{r['warm_vs_plain']:7.3f}{r['warm_vs_always']:8.3f}{_pct(r['warm_headline']):>5}"
                f"{_ece(r['warm_ece']):>7}")
-        print(f"{r['file']:17}{r['shape']:6}{r['workload']:8}{100 * r['calib_gain']:+5.1f}% {cold}  {hot}")
+        print(f"{_names(r)}{100 * r['calib_gain']:+5.1f}% {cold}  {hot}")
     print("calib: the calibrated-in-hindsight gate's gain over always-k; xplain / xalways: gated tok/s over "
           "plain / always-k (aims >= 1); head: gated's share of the calib gain where it exceeds 3 % (aim >= 80 %); "
           "ece: calibration error of the estimates the gate decided with")
