@@ -4,11 +4,14 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow bench lock clean
 
 # Each step says what it does before it starts: a first setup downloads torch (hundreds of MB)
 # and the project's dependencies, minutes that would otherwise pass without a line.
-$(VENV)/.installed: pyproject.toml
+# constraints.txt holds the version of every dependency (torch aside: step 3 installs it) the
+# suite last passed with, so a release on the registry cannot change what a fresh setup gets
+# (one did: a new grpcio-tools failed the generated-code check). `make lock` rewrites it.
+$(VENV)/.installed: pyproject.toml constraints.txt
 	@echo "setup [1/4] creating the virtual environment $(VENV)"
 	$(PYTHON) -m venv $(VENV)
 	@echo "setup [2/4] upgrading pip"
@@ -16,8 +19,8 @@ $(VENV)/.installed: pyproject.toml
 	@echo "setup [3/4] torch: $(TORCH_PIN) unless $(VENV) has a torch (a large download the first time)"
 	# Never an unpinned torch: a plain `torch` would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --progress-bar on $(TORCH_PIN)
-	@echo "setup [4/4] this project and its test extras (pip install -e '.[dev]')"
-	$(PY) -m pip install --progress-bar on -e '.[dev]'
+	@echo "setup [4/4] this project and its test extras at the tested versions (pip install -c constraints.txt -e '.[dev]')"
+	$(PY) -m pip install --progress-bar on -c constraints.txt -e '.[dev]'
 	touch $@
 	@echo "setup: done ($(VENV); run source $(VENV)/bin/activate for the dspark command)"
 
@@ -46,6 +49,13 @@ test-slow: setup
 bench: setup
 	$(PY) -m bench.bench_trunk
 	$(PY) -m bench.bench_verify
+
+# After upgrading dependencies in .venv and a passing `make test`: record their versions.
+lock: setup
+	{ echo "# The versions the test suite last passed with on a fresh setup (make lock writes this file;"; \
+	  echo "# torch is pinned separately by the Makefile). pip install -c: constraints, never installed alone."; \
+	  $(PY) -m pip freeze --exclude-editable | grep -v -i -E '^torch=='; } > constraints.txt
+	@echo "lock: constraints.txt now pins $$(grep -c == constraints.txt) packages; commit it with the change"
 
 clean:
 	rm -rf $(VENV) build *.egg-info
