@@ -37,9 +37,10 @@ demo: setup
 # -o console_output_style=count: each line of dots ends with [done/total], so a slow module
 # still shows how far the suite has come. -m "not slow": the soak-sized checks (the full
 # sampling grids, the bundled-model statistical test) run with `make test-slow`.
+# --durations=15: the slowest tests close the log, to keep the suite inside CI's time budget.
 test: setup
 	@echo "test: running the suite (pytest; several minutes on a 2-core CPU machine)"
-	$(PY) -m pytest -q -o console_output_style=count -m "not slow"
+	$(PY) -m pytest -q -o console_output_style=count -m "not slow" --durations=15
 
 test-slow: setup
 	@echo "test-slow: the tests marked slow (tens of minutes on a 2-core CPU machine)"
