@@ -51,12 +51,21 @@ bench: setup
 	$(PY) -m bench.bench_trunk
 	$(PY) -m bench.bench_verify
 
-# After upgrading dependencies in .venv and a passing `make test`: record their versions.
-lock: setup
+# After a change of dependencies: install it into .venv without the old pins (e.g.
+# `.venv/bin/pip install -e '.[dev]'` after editing pyproject.toml, or `pip install -U NAME`),
+# then `make lock` records what .venv holds, and `make test` checks that set from scratch.
+# It reads .venv as it is (no setup first: setup would enforce the very pins being replaced).
+lock:
+	@test -x $(PY) || { echo "lock: no $(VENV) yet: run make setup first"; exit 1; }
+	$(PY) -m pip freeze --exclude-editable > constraints.txt.freeze
 	{ echo "# The versions the test suite last passed with on a fresh setup (make lock writes this file;"; \
 	  echo "# torch is pinned separately by the Makefile). pip install -c: constraints, never installed alone."; \
-	  $(PY) -m pip freeze --exclude-editable | grep -v -i -E '^torch=='; } > constraints.txt
-	@echo "lock: constraints.txt now pins $$(grep -c == constraints.txt) packages; commit it with the change"
+	  grep -v -i -E '^torch *(==|@)' constraints.txt.freeze; } > constraints.txt.new
+	@rm constraints.txt.freeze
+	@# replaced only when it changes: a newer constraints.txt would make the next target set up again
+	@if cmp -s constraints.txt.new constraints.txt; then rm constraints.txt.new; echo "lock: constraints.txt unchanged"; \
+	else mv constraints.txt.new constraints.txt; \
+	echo "lock: constraints.txt now pins $$(grep -c == constraints.txt) packages; commit it with the change"; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info

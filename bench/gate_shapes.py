@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def load(source: str) -> tuple[str, RoundLog]:
     (an unreadable file), naming it."""
     if source.startswith("synthetic:"):
         seed = source.split(":", 1)[1]
-        if not seed.isdigit():
+        if not (seed.isascii() and seed.isdigit() and len(seed) <= 39):  # seeds are < 2**128
             raise ValueError(f"{source!r}: the seed must be a non-negative integer")
         return f"synthetic:{seed}", generate(int(seed))
     return Path(source).stem, load_rounds(source)
@@ -90,12 +91,17 @@ def misses(rows: list[dict]) -> tuple[list[str], float]:
         for mode, pre in (("cold", ""), ("warm", "warm_")):
             plain, always, head = r[pre + "vs_plain"], r[pre + "vs_always"], r[pre + "headline"]
             short += max(0.0, 1 - plain) + max(0.0, 1 - always) + max(0.0, HEADLINE_AIM - (head or HEADLINE_AIM))
-            # four decimals: a ratio just under 1 must not print as the 1.000 it misses
-            bad = ([f"x plain {plain:.4f}"] if plain < 1 else []) + ([f"x always-k {always:.4f}"] if always < 1 else [])
+            # four decimals, rounded down: a ratio just under 1 must not print as the 1.0000 it misses
+            bad = ([f"x plain {_down(plain)}"] if plain < 1 else []) + ([f"x always-k {_down(always)}"] if always < 1 else [])
             bad += [f"headline {_pct(head)}"] if head is not None and head < HEADLINE_AIM else []
             if bad:
                 out.append(f"{_names(r)}{mode}: {', '.join(bad)}")
     return out, short
+
+
+def _down(ratio: float) -> str:
+    """`ratio` with four decimals, rounded towards zero (0.99999 prints 0.9999)."""
+    return f"{math.floor(ratio * 1e4) / 1e4:.4f}"
 
 
 def _names(r: dict) -> str:
@@ -130,7 +136,7 @@ def main() -> None:
         sources = [*args.files, *(f"synthetic:{seed}" for seed in args.synthetic_seeds)]
         rows = [r for f in sources for s in SHAPES for r in shape_rows(f, s, warm=warm)]
     except (ValueError, OSError) as exc:  # one line naming the file or the seed, as dspark replay
-        print(f"gate_shapes: {exc}", file=sys.stderr)
+        print(f"gate_shapes: {printable(str(exc))}", file=sys.stderr)
         raise SystemExit(2) from None
     if args.summary:
         lines, short = misses(rows)

@@ -335,7 +335,9 @@ def _up_plan(args) -> tuple[dict[str, list[str]], dict[str, str], dict[str, str 
         raise ValueError(f"--http-port={args.http}: must be in [0, 65535] (default port-base + 3)")
     if args.record_rounds is not None:
         _check_writable("--record-rounds", args.record_rounds)
-    check_ports_free("127.0.0.1", {**{f"{n} (--port-base)": p for n, p in ports.items()},
+    offsets = {n: f"--port-base + {p - args.port_base}" if p != args.port_base else "--port-base"
+               for n, p in ports.items()}
+    check_ports_free("127.0.0.1", {**{f"{n} ({offsets[n]})": p for n, p in ports.items()},
                                    **{f"{n} metrics (--metrics-port)": p for n, p in metrics.items()},
                                    "gateway HTTP API (--http-port)": args.http or None})
     env = dict(os.environ, DSPARK_VERIFIER_TARGET=f"127.0.0.1:{ports['verifier']}",

@@ -57,9 +57,10 @@ Unset means the default; the "empty" column says what an empty value means.
 | OTEL_SERVICE_NAME | dspark-<service> | default | telemetry: service_name |
 | DSPARK_TRACES_JSONL | unset | unset | telemetry: jsonl_path |
 
-Times are seconds, spelled as plain ASCII decimals; gateway, serve and TP timeouts are > 0
-and at most `MAX_TIMEOUT_S` (the connection age at most `MAX_CONNECTION_AGE_S`). The OTLP exporter reads the standard
-`OTEL_EXPORTER_OTLP_*` variables itself. Sections a service does not use stay None.
+Times are seconds, spelled as plain ASCII decimals; gateway, serve and TP timeouts are at least
+`MIN_TIMEOUT_S` (1 ms) and at most `MAX_TIMEOUT_S` (the connection age at most
+`MAX_CONNECTION_AGE_S`). The OTLP exporter reads the standard `OTEL_EXPORTER_OTLP_*` variables
+itself. Sections a service does not use stay None.
 A `DEEPSEEK_DSPARK_GATE_*_MS` variable that is set also pins its field (gateway:
 pinned_costs): the measured costs of DSPARK_GATE_COSTS=measured never replace it.
 """
@@ -74,7 +75,7 @@ from dsv4.settings import (ENV_KERNELS, ENV_MOE_DETERMINISTIC_REDUCE, ENV_MOE_MU
                            Settings as ModelSettings)
 from services.common.settings import (COST_MODES, DEFAULT_STEP_GATHER_MS, DEFAULT_TORCH_THREADS, EXPORTERS,
                                       LOG_FORMATS, MAX_CONNECTION_AGE_S, MAX_STEP_GATHER_MS, MAX_TIMEOUT_S,
-                                      MAX_TORCH_THREADS, PINNABLE_COSTS, SAMPLING_RULES, VERIFY_MODES, VERIFY_NUMERICS, BackendSettings,
+                                      MAX_TORCH_THREADS, MIN_TIMEOUT_S, PINNABLE_COSTS, SAMPLING_RULES, VERIFY_MODES, VERIFY_NUMERICS, BackendSettings,
                                       GatewaySettings, ServeSettings,
                                       TelemetrySettings, backend_target, valid_token)
 from services.common.tls import PemFile, TlsFiles, load_tls
@@ -153,18 +154,19 @@ def read_settings(environ: Environ, service: str, *, tp: int = 1, checkpoint_fla
 
 # ---------------------------------------------------------------------------- value parsers
 def _float(environ: Environ, name: str, default: float, high: float = MAX_TIMEOUT_S) -> float:
-    """Seconds in (0, high] from `name`; `default` when unset. Raises ValueError naming the
-    variable and value otherwise (empty, not a number, NaN, out of range)."""
+    """Seconds in [MIN_TIMEOUT_S, high] from `name`; `default` when unset. Raises ValueError
+    naming the variable and value otherwise (empty, not a number, NaN, out of range)."""
     raw = environ.get(name)
     if raw is None:
         return default
     # float() also takes '1_0', other scripts' digits and 'infinity': spellings an operator
     # reading the manifest would not take for the number the service then uses.
-    if DECIMAL_TEXT.fullmatch(raw.strip()) is None:
+    text = raw.strip(" \t\r\n")  # ASCII whitespace only: str.strip() also takes \x1c-\x1f and U+3000
+    if DECIMAL_TEXT.fullmatch(text) is None:
         raise ValueError(f"{name}={short_repr(raw)}: not a number")
-    value = float(raw)
-    if not 0.0 < value <= high:
-        raise ValueError(f"{name}={short_repr(raw)}: must be a number > 0 and <= {high:.10g}")
+    value = float(text)
+    if not MIN_TIMEOUT_S <= value <= high:
+        raise ValueError(f"{name}={short_repr(raw)}: must be a number >= {MIN_TIMEOUT_S:g} and <= {high:.10g}")
     return value
 
 

@@ -220,8 +220,8 @@ def test_parity_refuses_an_infinite_tolerance_and_a_non_utf8_dump(tmp_path):
     ({"DSPARK_DRAFTER_TARGET": "dns:///drafter:0"},
      "DSPARK_DRAFTER_TARGET='dns:///drafter:0': port 0 is not in 1..65535"),
     ({"DSPARK_GENERATION_TIMEOUT_S": "1e10"},
-     "DSPARK_GENERATION_TIMEOUT_S='1e10': must be a number > 0 and <= 100000000"),
-    ({"DSPARK_ROUND_TIMEOUT_S": "-1"}, "DSPARK_ROUND_TIMEOUT_S='-1': must be a number > 0 and <= 100000000"),
+     "DSPARK_GENERATION_TIMEOUT_S='1e10': must be a number >= 0.001 and <= 100000000"),
+    ({"DSPARK_ROUND_TIMEOUT_S": "-1"}, "DSPARK_ROUND_TIMEOUT_S='-1': must be a number >= 0.001 and <= 100000000"),
     ({"DSPARK_STARTUP_TIMEOUT_S": ""}, "DSPARK_STARTUP_TIMEOUT_S='': not a number"),
 ])
 def test_bad_gateway_settings_name_the_variable_and_value(env, message):
@@ -236,7 +236,7 @@ def test_connection_age_past_grpcs_int_milliseconds_is_refused_and_the_largest_a
     # before: DSPARK_MAX_CONNECTION_AGE_S=1e7 crashed start_server with OverflowError inside grpc
     with pytest.raises(ValueError) as err:
         serve_settings({"DSPARK_MAX_CONNECTION_AGE_S": "1e7"})
-    assert str(err.value) == "DSPARK_MAX_CONNECTION_AGE_S='1e7': must be a number > 0 and <= 2147483.647"
+    assert str(err.value) == "DSPARK_MAX_CONNECTION_AGE_S='1e7': must be a number >= 0.001 and <= 2147483.647"
     serve = serve_settings({"DSPARK_MAX_CONNECTION_AGE_S": repr(MAX_CONNECTION_AGE_S),
                             "DSPARK_DRAIN_TIMEOUT_S": repr(MAX_TIMEOUT_S)})
     assert serve.drain_timeout_s == MAX_TIMEOUT_S

@@ -231,13 +231,16 @@ def test_fit_without_two_distinct_k_says_what_is_missing():
     fit = fit_costs([R(5, 845.0, 196.0), R(5, 850.0, 190.0), R(0, 303.0, None)])
     assert (fit.verify_base_ms, fit.verify_slope_ms) == (None, None)
     assert fit.draft_ms == pytest.approx(193.0) and fit.plain_ms == pytest.approx(303.0)
-    assert fit.missing() == ["timed verify rounds over at least two distinct k (have 2 timed verify rounds, 1 distinct k)"]
+    assert fit.missing() == ["timed verify rounds over at least two distinct k (have 2 timed verify rounds, 1 distinct k) "
+                             "for DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS and DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS"]
     lines, _ = gate_env_lines(fit)
     assert lines == ["DEEPSEEK_DSPARK_GATE_DRAFT_MS=193.000", "DEEPSEEK_DSPARK_GATE_PLAIN_MS=303.000"]
     empty = fit_costs([])
-    assert empty.missing() == ["timed verify rounds over at least two distinct k (have 0 timed verify rounds, 0 distinct k)",
-                               "rounds with a timed draft",
-                               "timed rounds with k = 0 (plain decode; an always-k recording has none)"]
+    assert empty.missing() == ["timed verify rounds over at least two distinct k (have 0 timed verify rounds, 0 distinct k) "
+                               "for DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS and DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS",
+                               "rounds with a timed draft for DEEPSEEK_DSPARK_GATE_DRAFT_MS",
+                               "timed rounds with k = 0 (plain decode; an always-k recording has none) "
+                               "for DEEPSEEK_DSPARK_GATE_PLAIN_MS"]
     assert gate_env_lines(empty) == ([], [])
 
 

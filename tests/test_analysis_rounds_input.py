@@ -86,6 +86,22 @@ def test_a_rounds_file_naming_its_format_late_is_still_rounds(capsys, tmp_path):
     assert looks_like_rounds(late)
     code, out, _ = run(capsys, "trace-report", str(late))
     assert code == 0 and "0 spans and 1224 recorded rounds from 1 file(s)" in out
+    twice = tmp_path / "twice.json"  # a file named twice, or through a link, counts once
+    twice.symlink_to(late)
+    code, out, _ = run(capsys, "trace-report", str(late), str(late), str(twice))
+    assert code == 0 and "0 spans and 1224 recorded rounds from 3 file(s)" in out
+    bom = tmp_path / "bom.json"  # a byte-order mark: the rounds reader names it
+    bom.write_bytes(b"\xef\xbb\xbf" + BUNDLED.read_bytes())
+    code, _, err = run(capsys, "trace-report", str(bom))
+    assert code == 2 and "BOM" in err and str(bom) in err
+    deep = tmp_path / "deep.json"  # nesting past the decoder's recursion limit inside the sniffed head
+    deep.write_text("{" + "[" * 4000)
+    code, _, err = run(capsys, "trace-report", str(deep))
+    assert code == 2 and str(deep) in err and len(err.splitlines()) == 1
+    wide = tmp_path / "wide.json"  # a megabyte key is elided in the error, not printed
+    wide.write_text(json.dumps({"k" * (1 << 20): 1}))
+    code, _, err = run(capsys, "trace-report", str(wide))
+    assert code == 2 and "not a span or an OTLP document" in err and len(err) < 400
     other = tmp_path / "other.json"  # a rounds-shaped object of another format: the rounds reader says so
     other.write_text(json.dumps({**doc, "format": "dspark-spans"}))
     code, _, err = run(capsys, "trace-report", str(other))

@@ -20,9 +20,11 @@ def pins(text: str) -> dict[str, Version]:
     for line in text.splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
-            name, _, version = line.partition("==")
-            assert version, f"constraints.txt: {line!r} is not name==version"
-            out[canonicalize_name(name)] = Version(version)
+            name, _, version = (part.strip() for part in line.partition("=="))
+            assert version and not version.startswith("="), f"constraints.txt: {line!r} is not name==version"
+            key = canonicalize_name(name)
+            assert key not in out, f"constraints.txt: {name!r} is pinned twice"
+            out[key] = Version(version)
     return out
 
 
@@ -42,6 +44,10 @@ def test_every_direct_dependency_is_pinned_within_its_range():
 
 
 def test_pins_reject_a_malformed_line():
-    assert pins("# c\n\ngrpcio==1.85.4  # x\n") == {"grpcio": Version("1.85.4")}
-    with pytest.raises(AssertionError, match="'grpcio>=1' is not name==version"):
-        pins("grpcio>=1\n")
+    assert pins("# c\n\ngrpcio == 1.85.4  # x\nGRPCIO_tools==1.85.1\n") == {
+        "grpcio": Version("1.85.4"), "grpcio-tools": Version("1.85.1")}
+    for bad, message in [("grpcio>=1\n", "'grpcio>=1' is not name==version"),
+                         ("grpcio===1\n", "'grpcio===1' is not name==version"),
+                         ("grpcio==1\nGrpcio==2\n", "'Grpcio' is pinned twice")]:
+        with pytest.raises(AssertionError, match=message):
+            pins(bad)

@@ -194,7 +194,10 @@ def test_gate_shapes_names_each_missed_aim_and_sums_the_shortfall():
     # a workload label from a rounds file cannot put an escape sequence on the terminal
     lines, _ = misses([{**row, "workload": "m\x1b[2Jx"}])
     assert lines == ["f                seed  m\\x1b[2Jxcold: x plain 0.9000, headline 50%"]
+    lines, _ = misses([{**row, "vs_plain": 0.99999}])  # a miss never prints as the 1.0000 it misses
+    assert lines == ["f                seed  math    cold: x plain 0.9999, headline 50%"]
     rows = shape_rows("synthetic:3", "cheap")  # drawn in memory, labelled by its seed
     assert [(r["file"], r["workload"]) for r in rows] == [("synthetic:3", w) for w in ("repeat", "code", "prose", "math")]
-    with pytest.raises(ValueError, match="'synthetic:x': the seed must be a non-negative integer"):
-        shape_rows("synthetic:x", "cheap")
+    for bad in ("synthetic:x", "synthetic:\u0663", "synthetic:" + "9" * 40):
+        with pytest.raises(ValueError, match="the seed must be a non-negative integer"):
+            shape_rows(bad, "cheap")

@@ -143,7 +143,7 @@ def test_up_with_an_overlapping_port_base_names_the_taken_port_at_once():
         took = time.monotonic() - t0
     assert out.returncode == 2 and out.stdout == ""  # no child started
     assert out.stderr.strip().splitlines() == [
-        f"dspark up: the verifier (--port-base) port 127.0.0.1:{port} is in use (Address already in use): "
+        f"dspark up: the verifier (--port-base + 1) port 127.0.0.1:{port} is in use (Address already in use): "
         "another process holds it"]
     assert took < 30  # it never waits for a backend's start-up deadline
 

@@ -42,7 +42,7 @@ def test_flags_win_over_variables():
 
 
 @pytest.mark.parametrize("build, message", [
-    (lambda: GatewaySettings(round_timeout_s=0.0), "round_timeout_s=0.0: must be a number of seconds > 0"),
+    (lambda: GatewaySettings(round_timeout_s=0.0), "round_timeout_s=0.0: must be a number of seconds >= 0.001"),
     (lambda: GatewaySettings(verify_mode="fast"), "verify_mode='fast': must be one of ('sequential', 'batched')"),
     (lambda: GatewaySettings(drafter_failovers=-1), "drafter_failovers=-1: must be an integer >= 0"),
     (lambda: GatewaySettings(token="two words"), "token: must be printable ASCII without spaces (value not shown)"),
@@ -83,9 +83,11 @@ def test_torch_threads_come_from_the_environment_naming_a_bad_value():
         read_settings({"DSPARK_TORCH_THREADS": "two"}, "verifier")
 
 
-@pytest.mark.parametrize("raw", ["1_0", "\u0661\u0660", "infinity", "inf", "nan", "0x10", "", " "])
+@pytest.mark.parametrize("raw", ["1_0", "\u0661\u0660", "infinity", "inf", "nan", "0x10", "", " ",
+                                 "5\x1c", "\u30005", "\xa05"])
 def test_seconds_take_only_a_plain_decimal_spelling(raw):
-    # float() accepts the first five; an operator would not read them as the deadline in force
+    # float() accepts the first five and the last three (str.strip() treats \x1c and U+3000 as space);
+    # an operator would not read them as the deadline in force
     with pytest.raises(ValueError, match="DSPARK_ROUND_TIMEOUT_S=.*: not a number"):
         read_settings({"DSPARK_ROUND_TIMEOUT_S": raw}, "gateway")
 
@@ -93,13 +95,14 @@ def test_seconds_take_only_a_plain_decimal_spelling(raw):
 def test_seconds_in_decimal_and_exponent_form_are_read():
     for raw, value in [("2.5", 2.5), (" 30 ", 30.0), ("1e3", 1000.0), (".5", 0.5)]:
         assert read_settings({"DSPARK_ROUND_TIMEOUT_S": raw}, "gateway").gateway.round_timeout_s == value
-    with pytest.raises(ValueError, match=r"DSPARK_ROUND_TIMEOUT_S='-1': must be a number > 0"):
-        read_settings({"DSPARK_ROUND_TIMEOUT_S": "-1"}, "gateway")
+    for raw in ("-1", "0.0005", "1e-320"):  # under 1 ms: a whole-ms channel argument would read 0
+        with pytest.raises(ValueError, match=rf"DSPARK_MAX_CONNECTION_AGE_S='{raw}': must be a number >= 0.001"):
+            read_settings({"DSPARK_MAX_CONNECTION_AGE_S": raw}, "gateway")
 
 
 def test_tp_deadlines_have_the_same_upper_bound_as_the_other_timeouts():
     assert read_settings({"DSV4_TP_CALL_TIMEOUT_S": ""}, "verifier").tp.call_timeout_s == 120.0
-    with pytest.raises(ValueError, match=r"DSV4_TP_CALL_TIMEOUT_S='1e300': must be a number > 0 and <= 100000000$"):
+    with pytest.raises(ValueError, match=r"DSV4_TP_CALL_TIMEOUT_S='1e300': must be a number >= 0.001 and <= 100000000$"):
         read_settings({"DSV4_TP_CALL_TIMEOUT_S": "1e300"}, "verifier")
     with pytest.raises(ValueError, match=r"DSV4_TP_INIT_TIMEOUT_S='1_0': not a number"):
         read_settings({"DSV4_TP_INIT_TIMEOUT_S": "1_0"}, "verifier")

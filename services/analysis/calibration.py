@@ -46,15 +46,17 @@ class CostFit:
     verify_rms_ms: float | None
 
     def missing(self) -> list[str]:
-        """What keeps the fit from giving all four costs, in words (empty when complete)."""
+        """What keeps the fit from giving all four costs, in words, each naming the variables it
+        leaves unset (empty when complete)."""
         out = []
         if self.verify_base_ms is None:
             out.append(f"timed verify rounds over at least two distinct k (have {self.verify_samples} timed "
-                       f"verify rounds, {self.distinct_k} distinct k)")
+                       f"verify rounds, {self.distinct_k} distinct k) for {GATE_ENV['verify_base_ms']} "
+                       f"and {GATE_ENV['verify_slope_ms']}")
         if self.draft_ms is None:
-            out.append("rounds with a timed draft")
+            out.append(f"rounds with a timed draft for {GATE_ENV['draft_ms']}")
         if self.plain_ms is None:
-            out.append("timed rounds with k = 0 (plain decode; an always-k recording has none)")
+            out.append(f"timed rounds with k = 0 (plain decode; an always-k recording has none) for {GATE_ENV['plain_ms']}")
         return out
 
 

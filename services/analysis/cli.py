@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -66,7 +67,12 @@ def _load(args):
     from services.gateway.rounds import load_rounds
     rounds_files = [p for p in args.traces if looks_like_rounds(p)]
     span_files = [p for p in args.traces if p not in rounds_files]
-    recorded = [r for p in rounds_files for r in load_rounds(p).rounds]
+    # A file named twice (or through a link) counts once, as a span given twice does.
+    once = {}
+    for p in rounds_files:
+        st = os.stat(p)
+        once.setdefault((st.st_dev, st.st_ino), p)
+    recorded = [r for p in once.values() for r in load_rounds(p).rounds]
     return build_report(load_spans(span_files) if span_files else [], args.traces, recorded)
 
 

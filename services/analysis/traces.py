@@ -237,7 +237,7 @@ def spans_of(value: Any, origin: str = "") -> Iterator[Span]:
     elif isinstance(value, dict) and "context" in value and "name" in value:
         yield _sdk_span(value, origin)
     else:
-        keys = sorted(value)[:6] if isinstance(value, dict) else type(value).__name__
+        keys = short_repr(sorted(value)[:6]) if isinstance(value, dict) else type(value).__name__
         raise ValueError(f"not a span or an OTLP document (keys {keys})")
 
 
@@ -306,14 +306,16 @@ def looks_like_rounds(path: str | os.PathLike) -> bool:
         return False
     try:
         with open(path, "rb") as f:
-            head = f.read(_SNIFF_BYTES).decode("utf-8", errors="replace").lstrip()
+            # utf-8-sig: a file saved with a byte-order mark goes to the rounds reader, which
+            # names the mark, rather than to the span reader, which would not see rounds
+            head = f.read(_SNIFF_BYTES).decode("utf-8-sig", errors="replace").lstrip()
     except OSError:
         return False
     if not head.startswith("{"):
         return False
     try:
         key, _ = _DECODER.raw_decode(head, len(head) - len(head[1:].lstrip()))
-    except json.JSONDecodeError:  # an empty object, or a first key longer than the head
+    except (ValueError, RecursionError):  # an empty object, a first key longer than the head, deep nesting
         return False
     return isinstance(key, str) and key in _ROUNDS_KEYS
 

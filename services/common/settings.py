@@ -32,6 +32,9 @@ VERIFY_NUMERICS = ("fast", "exact")
 # Longest accepted timeout (s), ~3 years: a gRPC deadline past ~7e9 s overflows and every
 # call then fails at once with DEADLINE_EXCEEDED.
 MAX_TIMEOUT_S = 1e8
+# The shortest: gRPC's channel arguments carry whole ms, and a connection age that truncates
+# to 0 ms turns the server's connection management off-kilter (calls then fail at random).
+MIN_TIMEOUT_S = 1e-3
 # grpc.max_connection_age_ms is a C int: at most 2^31 - 1 ms (~24.8 days), at least 1 ms.
 MAX_CONNECTION_AGE_S = (2**31 - 1) / 1000
 DEFAULT_MAX_CONNECTION_AGE_S = 300.0
@@ -100,9 +103,9 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def check_seconds(name: str, value: float, high: float = MAX_TIMEOUT_S) -> None:
-    """Raises ValueError naming `name` and `value` unless it is a number in (0, high] seconds."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= high:
-        raise ValueError(f"{name}={value!r}: must be a number of seconds > 0 and <= {high:.10g}")
+    """Raises ValueError naming `name` and `value` unless it is a number in [MIN_TIMEOUT_S, high] seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not MIN_TIMEOUT_S <= value <= high:
+        raise ValueError(f"{name}={value!r}: must be a number of seconds >= {MIN_TIMEOUT_S:g} and <= {high:.10g}")
 
 
 def check_count(name: str, value: int, low: int) -> None:
