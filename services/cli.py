@@ -158,8 +158,10 @@ def _policy_table(report: ReplayReport) -> Table:
     """tok/s of each replayed policy."""
     cfg, policies = report.config, list(report.overall.results)
     title = "tok/s per policy"
-    caption = (f"gated: the gate always enabled here (DEEPSEEK_DSPARK_GATE={int(cfg.enabled)} is not "
-               "used). threshold: leave-one-workload-out, t chosen on the other workloads.")
+    # each caption sentence explains a column, so only the columns shown get one
+    notes = {"gated": f"gated: the gate always enabled here (DEEPSEEK_DSPARK_GATE={int(cfg.enabled)} is not used).",
+             "threshold": "threshold: leave-one-workload-out, t chosen on the other workloads."}
+    caption = " ".join(text for p, text in notes.items() if p in policies)
     headers = ["workload", "rounds", "accept"] + [{"threshold": "threshold\n(LOWO)", "gated+margin": "gated+\nmargin"}
                                                   .get(p, p) for p in policies]
 

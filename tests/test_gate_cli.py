@@ -327,3 +327,10 @@ def test_tables_fit_80_columns_without_cutting_a_figure():
     # tok/s, the gated comparisons, then best fixed k, calibrated, oracle, calib. gain, the headline, of oracle, ECE
     assert rows["prose"][1:7] == ["200", "39.1%", "3.30", "2.84", "3.56 (t=-0.0187)", "3.43"]
     assert rows["prose"][13:20] == ["3.30 k=0", "3.36", "4.66", "+18.5%", "112%", "32%", "0.059"]
+
+
+def test_the_policy_table_explains_only_the_columns_it_shows(dspark):
+    shown = dspark("replay", "--synthetic", "--policy", "plain", "--policy", "gated").stdout
+    assert "gated: the gate always enabled here" in shown and "threshold" not in shown
+    every = dspark("replay", "--synthetic").stdout
+    assert "threshold: leave-one-workload-out, t chosen on the other workloads." in " ".join(every.split())
