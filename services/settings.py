@@ -80,7 +80,7 @@ from services.common.settings import (COST_MODES, DEFAULT_STEP_GATHER_MS, DEFAUL
                                       TelemetrySettings, backend_target, valid_token)
 from services.common.tls import PemFile, TlsFiles, load_tls
 from services.gateway.gate import ENV_VARS as GATE_ENV_VARS, GateConfig
-from services.gateway.values import DECIMAL_TEXT, parse_setting, short_repr
+from services.gateway.values import decimal, parse_setting, short_repr
 from services.gateway.warm import DEFAULT_MAX_WEIGHT, parse_warm_start
 
 if TYPE_CHECKING:  # both import torch: loaded only by the sections that need them
@@ -159,12 +159,9 @@ def _float(environ: Environ, name: str, default: float, high: float = MAX_TIMEOU
     raw = environ.get(name)
     if raw is None:
         return default
-    # float() also takes '1_0', other scripts' digits and 'infinity': spellings an operator
-    # reading the manifest would not take for the number the service then uses.
-    text = raw.strip(" \t\r\n")  # ASCII whitespace only: str.strip() also takes \x1c-\x1f and U+3000
-    if DECIMAL_TEXT.fullmatch(text) is None:
+    value = decimal(raw)
+    if value is None:
         raise ValueError(f"{name}={short_repr(raw)}: not a number")
-    value = float(text)
     if not MIN_TIMEOUT_S <= value <= high:
         raise ValueError(f"{name}={short_repr(raw)}: must be a number >= {MIN_TIMEOUT_S:g} and <= {high:.10g}")
     return value
@@ -365,7 +362,8 @@ def model_settings(environ: Environ) -> ModelSettings:
 
 def tp_settings(environ: Environ) -> TPSettings:
     """Tensor-parallel deadlines in seconds (unset or empty = default). Raises ValueError
-    naming the variable and its value unless it is a decimal number in (0, MAX_TIMEOUT_S]."""
+    naming the variable and its value unless it is a decimal number in [MIN_TIMEOUT_S,
+    MAX_TIMEOUT_S] (`_float`)."""
     from services.verifier.tp import ENV_CALL_TIMEOUT, ENV_INIT_TIMEOUT, TPSettings
 
     given = {name: raw for name in (ENV_INIT_TIMEOUT, ENV_CALL_TIMEOUT)

@@ -21,8 +21,7 @@ MAX_MIN_DRAFT = 1_000_000
 _SWITCH_WORDS = {"1": True, "true": True, "0": False, "false": False}
 # ASCII decimal forms only: no '+', '_', non-ASCII digits, inf or nan (float() and int() take them all).
 _INT_TEXT = re.compile(r"-?[0-9]+")
-# A plain ASCII decimal or exponent number, what every numeric setting accepts.
-DECIMAL_TEXT = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+_DECIMAL_TEXT = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 
 
 _SHORT = reprlib.Repr()  # keyword arguments need Python 3.12
@@ -106,11 +105,22 @@ def parse_setting(field_name: str, raw: str, name: str) -> bool | int | float:
         if text.lower() not in _SWITCH_WORDS:
             raise ValueError(f"{name}={short_repr(raw)} is not one of 0, 1, true, false")
         return _SWITCH_WORDS[text.lower()]
-    pattern, what = (_INT_TEXT, "an integer") if field_name == "min_draft" else (DECIMAL_TEXT, "a number")
-    if not pattern.fullmatch(text):
-        raise ValueError(f"{name}={short_repr(raw)} is not {what} (ASCII decimal digits)")
     if field_name == "min_draft":
+        if not _INT_TEXT.fullmatch(text):
+            raise ValueError(f"{name}={short_repr(raw)} is not an integer (ASCII decimal digits)")
         if len(text.lstrip("-")) > 20:  # int() refuses > 4300 digits; anything this long is out of range
             raise ValueError(f"{name}={short_repr(raw)} must be {_RULES['min_draft'][1]}")
         return check_setting(field_name, int(text), name, raw)
-    return check_setting(field_name, float(text), name, raw)
+    value = decimal(raw)
+    if value is None:
+        raise ValueError(f"{name}={short_repr(raw)} is not a number (ASCII decimal digits)")
+    return check_setting(field_name, value, name, raw)
+
+
+def decimal(raw: str) -> float | None:
+    """The number `raw` spells in plain ASCII decimal or exponent form (ASCII spaces, tabs and
+    line ends around it ignored), else None. float() alone also takes '1_0', other scripts'
+    digits, 'infinity' and padding such as U+3000: spellings an operator reading a manifest
+    would not take for the number a service then uses."""
+    text = raw.strip(" \t\r\n")
+    return float(text) if _DECIMAL_TEXT.fullmatch(text) else None
