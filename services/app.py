@@ -45,7 +45,8 @@ from services.gateway.load import VerifierLoad
 from services.gateway.regime import RegimePolicy
 from services.gateway.profile import PROFILE_PROMPT
 from services.gateway.scheduler import Scheduler
-from services.gateway.servicer import Backends, GatewayServicer, connect_backends, measure_costs
+from services.gateway.backends import Backends
+from services.gateway.servicer import GatewayServicer, connect_backends, measure_costs
 from services.gateway.tokenizer import load_tokenizer
 from services.gateway.warm import WarmStart
 from services.verifier.batcher import DEFAULT_PREFILL_CHUNK, StepLoop, StepRecord, batchable

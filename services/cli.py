@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import sys
-import unicodedata
 from collections.abc import Sequence
 from dataclasses import fields, replace
 
@@ -19,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from services.common.terminal import printable
 from services.gateway.gate import CostModel, GateConfig
 from services.gateway.replay import (
     POLICIES,
@@ -57,12 +57,6 @@ _MAX_COST_FILE_BYTES = 1 << 20
 
 def _flag(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
-
-
-def printable(text: str) -> str:
-    """`text` with control and format characters (ANSI escapes, newlines, bidi marks) written as
-    backslash escapes, so labels and file names cannot drive the terminal or break a line."""
-    return "".join(ascii(ch)[1:-1] if unicodedata.category(ch)[0] == "C" else ch for ch in text)
 
 
 def _add_replay(subparsers: argparse._SubParsersAction) -> None:

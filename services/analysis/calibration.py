@@ -1,5 +1,5 @@
 """The gate's costs and the drafter's confidence reliability, from a report's rounds
-(`dspark trace-report` / `dspark calibrate`; the rounds: `services.analysis.report`).
+(`dspark trace-report` / `dspark calibrate`; the rounds: `services.analysis.breakdown`).
 
 Owns the least-squares cost fit and the censored reliability table; it reads the gate's bucket
 edges from `services.gateway.gate` and never changes the gate: it prints the variables to set.
@@ -16,15 +16,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import numpy as np
 
+from services.analysis.breakdown import RoundBreakdown
 from services.gateway.gate import NUM_BUCKETS, bucket_index, bucket_label
 from services.gateway.values import MAX_COST_MS
-
-if TYPE_CHECKING:
-    from services.analysis.report import RoundRecord
 
 GATE_ENV = {"draft_ms": "DEEPSEEK_DSPARK_GATE_DRAFT_MS", "verify_base_ms": "DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS",
             "verify_slope_ms": "DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS", "plain_ms": "DEEPSEEK_DSPARK_GATE_PLAIN_MS"}
@@ -76,7 +74,7 @@ class BucketStat:
 
 
 # ---------------------------------------------------------------------------- costs
-def fit_costs(rounds: Iterable[RoundRecord]) -> CostFit:
+def fit_costs(rounds: Iterable[RoundBreakdown]) -> CostFit:
     """Least-squares verify(k) = base + slope·k over verify rounds; means of draft and plain ms."""
     ks, ms, drafts, plains = [], [], [], []
     for r in rounds:
@@ -127,7 +125,7 @@ def gate_env_lines(fit: CostFit) -> tuple[list[str], list[str]]:
 
 
 # ---------------------------------------------------------------------------- calibration
-def reliability(rounds: Iterable[RoundRecord]) -> list[BucketStat]:
+def reliability(rounds: Iterable[RoundBreakdown]) -> list[BucketStat]:
     """Per confidence bucket (the gate's edges): censored match statistics of verified drafts.
 
     Of a round that submitted k drafts and had a accepted, positions 0..a-1 are matches and

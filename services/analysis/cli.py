@@ -50,7 +50,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _error(command: str, message: str) -> int:
-    from services.cli import printable
+    from services.common.terminal import printable
     print(f"dspark {command}: error: {printable(message)}", file=sys.stderr)
     return 2
 

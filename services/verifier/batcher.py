@@ -53,7 +53,8 @@ from typing import Callable
 import torch
 
 from dsv4.batch import BatchItem
-from dsv4.trunk import Trunk, as_int
+from dsv4.scalars import as_int
+from dsv4.trunk import Trunk
 from services.common.sessions import UnknownSessionError
 from services.common.step_queue import StepQueue
 from services.verifier.engine import VerifierEngine, Work, abandon, absorb
@@ -135,7 +136,7 @@ class StepLoop(StepQueue):
         if not batchable(engine.model):
             raise ValueError(f"the step loop drives a plain Trunk or a TPTrunk over plain trunks, "
                              f"got {type(engine.model).__name__}")
-        self.prefill_chunk = as_int(prefill_chunk, "prefill_chunk")
+        self.prefill_chunk = as_int("prefill_chunk", prefill_chunk)
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be >= 1 (tokens per step)")
         super().__init__("verifier", StepStats(), on_step, log, gather_s, torch_threads)
