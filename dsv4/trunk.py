@@ -150,7 +150,7 @@ class Trunk(nn.Module):
         verify_numerics: "fast" or "exact" (above).
         kernels: implementation of the `kernels/` ops the model uses: sparse attention of the
             fast path, tap pooling, and with the triton backend the fp8 / fp4 GEMMs of the
-            quantised linears (`dsv4.quantised`); `KernelConfig.from_settings` builds it from
+            quantised linears (`dsv4.quantised`); `dsv4.settings.Settings.kernel_config` builds it from
             the process settings. None -> `KernelConfig()`: torch everywhere.
     Raises:
         ValueError: cfg not a ModelConfig, dtype not float32/bfloat16, verify_numerics not

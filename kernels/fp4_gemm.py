@@ -7,7 +7,7 @@ environment.
 Dimension legend: M = tokens, k = routes per token, E = experts, N = output features,
 K = input features (reduction, a multiple of 32), T = row tiles of the grouped path.
 
-Weights (dsv4.codecs.fp4_decode): packed [E, N, K/2] int8 (low nibble = even column),
+Weights (kernels.formats.fp4_decode): packed [E, N, K/2] int8 (low nibble = even column),
 ue8m0 scales [E, N, K/32]; W_e[n, c] = e2m1[n, c] * 2^(scale[n, c // 32] - 127), decoded in
 the kernel. Route (m, j) multiplies input row x[m] ([M, K]: shared by a token's routes) or
 x[m, j] ([M, k, K]: one input per route, e.g. the w2 input h) by W_{experts[m, j]}^T.
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.codecs import FP4_BLOCK, fp4_decode
+from kernels.formats import FP4_BLOCK, fp4_decode
 from kernels.checks import interpreting, out_tensor
 
 try:

@@ -277,14 +277,14 @@ def test_triton_backend_without_a_device_or_interpreter_fails_at_construction_na
     from kernels.select import KernelConfig
     from services.app import random_tiny_config
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    message = ("DSV4_KERNELS=triton: no CUDA device here and TRITON_INTERPRET is not 1 (the CPU interpreter), "
-               "so the triton kernels cannot run; use DSV4_KERNELS=torch")
+    message = ("{}=triton: no CUDA device here and TRITON_INTERPRET is not 1 (the CPU interpreter), "
+               "so the triton kernels cannot run; use {}=torch")
     with pytest.raises(ValueError) as err:
-        KernelConfig("triton").op("sparse_attn")
-    assert str(err.value) == message
+        KernelConfig("triton").op("sparse_attn")  # kernels/ alone knows no setting: names the argument
+    assert str(err.value) == message.format("backend", "backend")
     with pytest.raises(ValueError) as err:
-        Trunk(random_tiny_config(), kernels=KernelConfig.from_settings(model_settings({"DSV4_KERNELS": "triton"})))
-    assert str(err.value) == message
+        Trunk(random_tiny_config(), kernels=model_settings({"DSV4_KERNELS": "triton"}).kernel_config())
+    assert str(err.value) == message.format("DSV4_KERNELS", "DSV4_KERNELS")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert KernelConfig("triton").op("sparse_attn").__name__ == "sparse_attn"
 

@@ -88,9 +88,10 @@ def test_fold_routes_orders_match_the_moe_combine():
 
 # ---------------------------------------------------------------- selection
 def test_kernel_config_reads_env_and_picks_refs_for_torch():
-    assert KernelConfig.from_settings(model_settings({})) == KernelConfig("torch", False, True)
+    assert model_settings({}).kernel_config() == KernelConfig("torch", False, True)
     env = {"DSV4_KERNELS": " Triton ", "DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4": "1", "DSV4_MOE_DETERMINISTIC_REDUCE": "0"}
-    assert KernelConfig.from_settings(model_settings(env)) == KernelConfig("triton", True, False)
+    assert model_settings(env).kernel_config() == KernelConfig("triton", True, False)
+    assert model_settings(env).kernel_config().chosen_by == "DSV4_KERNELS"
     assert model_settings(env).kernels == "triton"
     with pytest.raises(ValueError, match="DSV4_KERNELS='cuda'"):
         model_settings({"DSV4_KERNELS": "cuda"})
