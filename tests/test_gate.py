@@ -287,7 +287,7 @@ def test_gate_min_draft_never_returns_zero_after_draft():
 ])
 def test_pre_draft_margin_gate(gate_on, threshold, margin, drafts):
     gate = Gate(GateConfig(enabled=gate_on, margin_threshold=threshold))
-    assert gate.should_draft(margin) is drafts
+    assert gate.pre_draft(margin) is (None if drafts else Reason.ANCHOR_MARGIN)
     stats = run_rounds(Gate(gate.config), [(margin, [8.0] * 5, 5, 5)])
     assert stats.gate.rounds == 1
     assert stats.gate.margin_skipped_rounds == (0 if drafts else 1)
@@ -295,7 +295,7 @@ def test_pre_draft_margin_gate(gate_on, threshold, margin, drafts):
 
 def test_pre_draft_margin_gate_rejects_nan():
     with pytest.raises(ValueError, match="NaN"):
-        Gate(GateConfig(margin_threshold=4.0)).should_draft(float("nan"))
+        Gate(GateConfig(margin_threshold=4.0)).pre_draft(float("nan"))
 
 
 def run_rounds(gate, rounds, stats=None):
@@ -303,8 +303,9 @@ def run_rounds(gate, rounds, stats=None):
     scheduler, folding each round's record into `stats` (a new RoundStats when None); returns it."""
     stats = RoundStats() if stats is None else stats
     for margin, logits, max_n, accepted in rounds:
-        if not gate.should_draft(margin):
-            stats.add(RoundRecord(Reason.ANCHOR_MARGIN, 0, 0, 0, gate.cost, anchor_margin=margin))
+        skip = gate.pre_draft(margin)
+        if skip is not None:
+            stats.add(RoundRecord(skip, 0, 0, 0, gate.cost, anchor_margin=margin))
             continue
         choice = gate.choose(logits, max_n)
         gate.observe(logits, choice.k, min(accepted, choice.k))
@@ -463,7 +464,7 @@ def test_choose_length_accepts_numpy_cap_and_huge_integer_logits():
 
 
 @pytest.mark.parametrize("margin", [NAN, "4", [4.0]])
-def test_should_draft_rejects_bad_margin_without_counting(margin):
+def test_pre_draft_rejects_bad_margin_without_counting(margin):
     gate, stats = Gate(GateConfig(margin_threshold=4.0)), RoundStats()
     with pytest.raises(ValueError, match="anchor margin"):
         run_rounds(gate, [(margin, [8.0] * 5, 5, 5)], stats)

@@ -116,11 +116,11 @@ def test_borrowed_losing_rounds_skip_the_first_draft_and_probes_still_come():
     bucket 1 skips its first round before drafting, and still probes PROBE_FIRST rounds in."""
     cal = Calibration((0.0,) * 6, (0.0, 10.0, 0.0, 0.0, 0.0, 0.0), [(0.0,) * 5] * 4)
     gate = Gate(GateConfig(enabled=True), cal)
-    decisions = [gate.should_draft(None) for _ in range(PROBE_FIRST)]
+    decisions = [gate.pre_draft(None) is None for _ in range(PROBE_FIRST)]
     assert decisions == [False] * (PROBE_FIRST - 1) + [True]
     assert gate.choose([0.0] * 5, 5).k == 1  # the probe verifies one draft
     cold = Gate(GateConfig(enabled=True), Calibration(cal.matched, cal.observed))
-    assert cold.should_draft(None)  # counts alone: the first round drafts ...
+    assert cold.pre_draft(None) is None  # counts alone: the first round drafts ...
     assert cold.choose([0.0] * 5, 5).k == 0  # ... and the lent estimates cut it before verify
 
 

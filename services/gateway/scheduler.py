@@ -12,8 +12,9 @@ anchor x[n] (streamed as the first completion token) and the prompt's last min(n
 which prime the drafter. Each round, with the anchor x[p] at position p:
   1. gated only: the gateway's regime policy (`RegimePolicy.may_draft`, docs/gate.md §14) may
      run the round plain when the gateway measures more tokens per ms without drafting at its
-     concurrency; then the pre-draft margin gate (`Gate.should_draft`): skip drafting when the
-     anchor's margin is below DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD;
+     concurrency; then the pre-draft gate (`Gate.pre_draft`): skip drafting when the anchor's
+     logit margin is below DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD, when drafting has lost at
+     its margin bin (threshold auto) or, gate enabled, in the recent drafted rounds;
   2. draft d1..dB and confidence logits from anchor x[p], seed position p-1;
   3. length choice k <= B: `always` submits max_n, `gated` asks the gate; max_n caps k by the
      request's max_draft_tokens, the remaining max_tokens (a round adds k+1 tokens at most)
@@ -60,7 +61,7 @@ from services.gateway.costs import CostTracker
 from services.gateway.drafter_link import MAX_DEFERRED_ROWS, DrafterLink
 from services.gateway.drafters import DraftCheck, DrafterFaults, DrafterSupply
 from services.gateway.events import FinalEvent, GenerationParams, ModelLimits, ProcessStats, TokenEvent
-from services.gateway.gate import Gate, GateConfig, LengthChoice
+from services.gateway.gate import PRE_DRAFT_SKIPS, Gate, GateConfig, LengthChoice
 from services.gateway.load import LoadSeen, PricingStats, VerifierLoad, VerifierOccupancy, priced_at_load
 from services.gateway.metrics import GenerationMetrics, NoGenerationMetrics
 from services.gateway.regime import RegimePolicy
@@ -349,7 +350,7 @@ class _Generation:
             self.seen.observe(res.step_rows, own_rows, res.committed_tokens_per_ms)
             a, drafter, t0 = res.accepted, self.link.session, time.perf_counter()
             # the gate or the regime kept this round from drafting: its rows wait for the next draft
-            defer = plan.reason in (Reason.ANCHOR_MARGIN, Reason.REGIME)
+            defer = plan.reason in (*PRE_DRAFT_SKIPS, Reason.REGIME)
             await self.link.commit(res.rows, pos, [anchor, *drafts[:a]], pos, defer)
             if alone and not defer and drafter is not None and self.link.session is drafter:  # a re-prime is no commit cost
                 s.costs.add_commit((time.perf_counter() - t0) * 1e3)
@@ -387,8 +388,9 @@ class _Generation:
             self.s.pricing_stats.add(self.seen)
             self.gate.pricing = priced_at_load(self.cost, self.step_table, self.seen, self.gate.rate(),
                                                self.s.limits.block_size)
-        if not self.gate.should_draft(margin):
-            return _Plan(Reason.ANCHOR_MARGIN)
+        skip = self.gate.pre_draft(margin)
+        if skip is not None:
+            return _Plan(skip)
         await self.link.flush()  # the rows of rounds that did not draft, before the drafter drafts
         reply, draft_ms = await self.link.draft(anchor, pos, tc, self.p.sampling, self.s.draft_check,
                                                 self._needs_probs)
