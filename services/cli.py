@@ -42,7 +42,7 @@ _OVERRIDES = (
     "verify_base_ms",
     "verify_slope_ms",
     "plain_ms",
-    "margin",
+    "win_factor",
     "min_draft",
     "decay",
     "margin_threshold",
@@ -101,6 +101,9 @@ def _add_replay(subparsers: argparse._SubParsersAction) -> None:
     )
     for name in _OVERRIDES:
         p.add_argument(_flag(name), default=None, metavar="X", help=f"override {name} (ASCII decimal)")
+    # --win-factor's former spelling, after DEEPSEEK_DSPARK_GATE_MARGIN: kept, since argparse
+    # would otherwise read an old script's --margin as an abbreviation of --margin-threshold.
+    p.add_argument("--margin", dest="margin_spelling", default=None, metavar="X", help=argparse.SUPPRESS)
     p.set_defaults(func=_run_replay)
 
 
@@ -143,7 +146,7 @@ def _heading(report: ReplayReport) -> Text:
     cfg = report.config
     return Text(f"Replay of {printable(report.source)}\ncosts {printable(report.costs)}: draft {cfg.draft_ms:g} ms"
                 f" + verify {cfg.verify_base_ms:g} + {cfg.verify_slope_ms:g}·n ms, plain {cfg.plain_ms:g} ms; "
-                f"margin {cfg.margin:g}, decay {cfg.decay:g}, min_draft {cfg.min_draft}\ngate "
+                f"win factor {cfg.win_factor:g}, decay {cfg.decay:g}, min_draft {cfg.min_draft}\ngate "
                 + ("cold at the start of each workload" if report.warm is None else
                    f"warm-started from the other workloads (at most {report.warm.max_weight:g} observations per bucket)"))
 
@@ -257,7 +260,10 @@ def _configs_from(args: argparse.Namespace) -> list[tuple[str, GateConfig]]:
     values, then the cost shape, then the flags; a bad value raises ValueError naming the
     variable, the flag or the --costs value."""
     config = gate_config(os.environ)
-    overrides = {k: parse_setting(k, getattr(args, k), _flag(k)) for k in _OVERRIDES if getattr(args, k) is not None}
+    given = {k: (getattr(args, k), _flag(k)) for k in _OVERRIDES if getattr(args, k) is not None}
+    if args.margin_spelling is not None:
+        given.setdefault("win_factor", (args.margin_spelling, "--margin"))
+    overrides = {k: parse_setting(k, raw, flag) for k, (raw, flag) in given.items()}
     shapes = [parse_costs(v) for v in dict.fromkeys(args.costs)] if args.costs else [("configured", None)]
     out = []
     for label, cost in shapes:

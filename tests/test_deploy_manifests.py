@@ -234,7 +234,7 @@ def test_settings_configmap_parses_with_the_services_own_readers(overlay):
     assert not COST_PINS & data.keys() and data["DSPARK_GATE_COSTS"] == "measured"
     assert {"OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_SAMPLER"} <= data.keys()
     gate = gate_config(data)
-    assert gate.enabled and gate.margin == 1.15
+    assert gate.enabled and gate.win_factor == 1.15
     gateway = gateway_settings(data)
     assert gateway.drafter_failovers == 2 and not gateway.token  # the token comes from a Secret
     backend_settings(data)

@@ -83,8 +83,8 @@ def test_truncation_within_margin_keeps_full_block():
     # p = [1, 1, 1, 1, 0]: E(4) = E(5) = 5; n=4 saves 109 ms = 0.36 tokens at 1/303 tokens per ms.
     # The margin asks for (margin - 1) * E(5): 0.75 tokens at 1.15 -> full block; 0.25 at 1.05.
     probs = [1.0, 1.0, 1.0, 1.0, 0.0]
-    assert decide_length(probs, 5, SEED_COST, margin=1.15) == 5
-    assert decide_length(probs, 5, SEED_COST, margin=1.05) == 4
+    assert decide_length(probs, 5, SEED_COST, win_factor=1.15) == 5
+    assert decide_length(probs, 5, SEED_COST, win_factor=1.05) == 4
 
 
 def test_margin_applies_to_zero():
@@ -92,7 +92,7 @@ def test_margin_applies_to_zero():
     # n=0 is better by 0.050 tokens, short of the margin's 0.15 * E(1) = 0.195, so the draft is
     # verified; with margin 1.0, n=0 is taken.
     assert decide_length([0.3], 1, SEED_COST) == 1
-    assert decide_length([0.3], 1, SEED_COST, margin=1.0) == 0
+    assert decide_length([0.3], 1, SEED_COST, win_factor=1.0) == 0
 
 
 def test_min_draft_is_a_floor_on_submitted_drafts():
@@ -472,9 +472,9 @@ def test_pre_draft_rejects_bad_margin_without_counting(margin):
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"margin": NAN}, "margin=nan"),
-    ({"margin": float("inf")}, "margin=inf"),
-    ({"margin": 0.99}, "margin=0.99"),
+    ({"win_factor": NAN}, "win_factor=nan"),
+    ({"win_factor": float("inf")}, "win_factor=inf"),
+    ({"win_factor": 0.99}, "win_factor=0.99"),
     ({"min_draft": 1.5}, "min_draft=1.5"),
     ({"min_draft": NAN}, "min_draft=nan"),
     ({"min_draft": True}, "min_draft=True"),

@@ -189,7 +189,8 @@ def test_huge_integer_in_a_round_exits_2_naming_file_and_field(dspark, tmp_path)
     ("--min-draft", "٣", "--min-draft='٣' is not an integer"),
     ("--plain-ms", "5e-324", "--plain-ms='5e-324' must be in [0.001, 1e+07]"),
     ("--draft-ms", "1e306", "--draft-ms='1e306' must be in [0, 1e+07]"),
-    ("--margin", "nan", "--margin='nan' is not a number"),
+    ("--win-factor", "0.5", "--win-factor='0.5' must be >= 1"),
+    ("--margin", "nan", "--margin='nan' is not a number"),  # the former spelling of --win-factor
 ])
 def test_bad_flag_value_exits_2_naming_the_flag(dspark, flag, value, fragment):
     assert_one_line_error(dspark("replay", "--synthetic", flag, value), fragment)

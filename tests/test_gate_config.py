@@ -15,7 +15,7 @@ FOUR_HUNDRED_ONES = "1" * 400
 SEED_DEFAULTS = {
     "enabled": False,
     "margin_threshold": 0.0,
-    "margin": 1.15,
+    "win_factor": 1.15,
     "min_draft": 0,
     "decay": 0.9,
     "draft_ms": 196.0,
@@ -148,8 +148,8 @@ def test_cost_accepts_ascii_decimal_and_exponent_forms(raw, expected):
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("margin", 0.5), ("decay", 0.0), ("min_draft", -2), ("min_draft", 1.0), ("draft_ms", -1.0), ("prior_weight", 0.0),
-    ("enabled", 1), ("min_draft", True), ("min_draft", 1.5), ("margin", float("nan")), ("decay", float("inf")),
+    ("win_factor", 0.5), ("decay", 0.0), ("min_draft", -2), ("min_draft", 1.0), ("draft_ms", -1.0), ("prior_weight", 0.0),
+    ("enabled", 1), ("min_draft", True), ("min_draft", 1.5), ("win_factor", float("nan")), ("decay", float("inf")),
     ("plain_ms", 5e-324), ("draft_ms", 1e306), ("prior_weight", float("nan")), ("margin_threshold", "4"),
 ])
 def test_direct_construction_validates_and_names_field(field, value):
@@ -158,16 +158,16 @@ def test_direct_construction_validates_and_names_field(field, value):
     assert str(info.value).startswith(f"{field}={value!r} must be ")
 
 
-@pytest.mark.parametrize("field", ["min_draft", "draft_ms", "margin", "decay", "prior_weight", "plain_ms"])
+@pytest.mark.parametrize("field", ["min_draft", "draft_ms", "win_factor", "decay", "prior_weight", "plain_ms"])
 def test_huge_integer_field_is_a_value_error_not_overflow(field):
     with pytest.raises(ValueError, match=f"^{field}=1111.* \\(400 digits\\) must be"):
         dataclasses.replace(GateConfig(), **{field: int(FOUR_HUNDRED_ONES)})
 
 
 def test_numpy_numbers_are_accepted_and_normalised():
-    config = GateConfig(min_draft=np.int64(2), draft_ms=np.float32(20.0), margin=np.float64(1.3))
-    assert (config.min_draft, config.draft_ms, config.margin) == (2, 20.0, 1.3)
-    assert (type(config.min_draft), type(config.draft_ms), type(config.margin)) == (int, float, float)
+    config = GateConfig(min_draft=np.int64(2), draft_ms=np.float32(20.0), win_factor=np.float64(1.3))
+    assert (config.min_draft, config.draft_ms, config.win_factor) == (2, 20.0, 1.3)
+    assert (type(config.min_draft), type(config.draft_ms), type(config.win_factor)) == (int, float, float)
     with pytest.raises(ValueError, match="min_draft=np.True_"):
         GateConfig(min_draft=np.bool_(True))
 
@@ -180,4 +180,4 @@ def test_a_round_must_cost_time():
 
 def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        GateConfig().margin = 2.0
+        GateConfig().win_factor = 2.0

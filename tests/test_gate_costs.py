@@ -115,8 +115,8 @@ def test_pinned_fields_win_and_a_pinned_verify_field_drops_the_table():
     assert sources["draft_ms"] == "configured by DEEPSEEK_DSPARK_GATE_DRAFT_MS"
     assert sources["verify_slope_ms"] == "configured by DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS"
     assert sources["verify_base_ms"] == sources["plain_ms"] == PROFILED
-    with pytest.raises(ValueError, match=r"pinned cost fields \['margin'\]"):
-        CostTracker(configured, {"margin": "DEEPSEEK_DSPARK_GATE_MARGIN"})
+    with pytest.raises(ValueError, match=r"pinned cost fields \['win_factor'\]"):
+        CostTracker(configured, {"win_factor": "DEEPSEEK_DSPARK_GATE_MARGIN"})
 
 
 # ---------------------------------------------------------------------------- settings

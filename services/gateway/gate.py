@@ -20,7 +20,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from services.gateway.decision import (DEFAULT_MARGIN, CostModel, _check_count,  # noqa: F401 (re-exported)
+from services.gateway.decision import (DEFAULT_WIN_FACTOR, CostModel, _check_count,  # noqa: F401 (re-exported)
                                       decide_length, draft_advantage, expected_tokens)  # noqa: F401
 from services.gateway.estimator import BucketEstimator, MarginGain, margin_bin
 from services.gateway.values import check_setting, finite_float, is_integer, short_repr
@@ -50,7 +50,7 @@ ENV_PREFIX = "DEEPSEEK_DSPARK_GATE"
 ENV_VARS = {
     "enabled": ENV_PREFIX,
     "margin_threshold": f"{ENV_PREFIX}_MARGIN_THRESHOLD",
-    "margin": f"{ENV_PREFIX}_MARGIN",
+    "win_factor": f"{ENV_PREFIX}_MARGIN",  # the variable keeps its published name
     "min_draft": f"{ENV_PREFIX}_MIN_DRAFT",
     "decay": f"{ENV_PREFIX}_DECAY",
     "draft_ms": f"{ENV_PREFIX}_DRAFT_MS",
@@ -129,7 +129,7 @@ class GateConfig:
     enabled: length choice on (DEEPSEEK_DSPARK_GATE); off = always submit max_n.
     margin_threshold: pre-draft gate on the anchor's top1 - top2 logit margin; 0 = disabled.
     margin_auto: learn the pre-draft margin gate instead (MARGIN_THRESHOLD=auto; bool).
-    margin: factor a truncation must win by. min_draft: floor on submitted drafts (tokens).
+    win_factor: factor a truncation must win by (>= 1). min_draft: floor on submitted drafts (tokens).
     decay: forgetting per observation in a bucket (and per drafted round of a margin bin).
     *_ms: cost model (ms). prior_weight: pseudo-observations of each bucket's pooled prior
     (not an env var).
@@ -139,7 +139,7 @@ class GateConfig:
 
     enabled: bool = False
     margin_threshold: float = 0.0
-    margin: float = DEFAULT_MARGIN
+    win_factor: float = DEFAULT_WIN_FACTOR
     min_draft: int = 0
     decay: float = 0.9
     draft_ms: float = 196.0
@@ -341,7 +341,7 @@ class Gate:
             # A probe verifies at least one draft, the cheapest test of whether the drafter came
             # back: where verify is dear per draft, a whole block would cost most of the probe.
             floor = min(1, max_n) if probe else self.config.min_draft
-            n = decide_length(probs, max_n, self.pricing or self.cost, self.config.margin, floor, self.rate())
+            n = decide_length(probs, max_n, self.pricing or self.cost, self.config.win_factor, floor, self.rate())
         if probe or self._probe:
             self._gap = min(PROBE_PERIOD, 2 * self._gap)  # still losing: the next probe comes later
         elif n > 0:

@@ -59,7 +59,7 @@ _COST_RULE = (lambda v: 0.0 <= v <= MAX_COST_MS, f"in [0, {MAX_COST_MS:g}] (ms)"
 # Field -> (predicate on the normalised value, rule in words).
 _RULES = {
     "margin_threshold": (lambda v: v >= 0, ">= 0"),
-    "margin": (lambda v: v >= 1.0, ">= 1"),
+    "win_factor": (lambda v: v >= 1.0, ">= 1"),
     "min_draft": (lambda v: 0 <= v <= MAX_MIN_DRAFT, f"an integer in [0, {MAX_MIN_DRAFT}]"),
     "decay": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
     "draft_ms": _COST_RULE,
