@@ -29,7 +29,7 @@ Unset means the default; the "empty" column says what an empty value means.
 | DSPARK_HTTP_PORT | unset (off) | unset | http_port (gateway: the OpenAI-compatible HTTP front; `--http-port` wins) |
 | DEEPSEEK_DSPARK_GATE | 0 | error | gate: enabled |
 | DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD | 0.0 | error | gate: margin_threshold |
-| DEEPSEEK_DSPARK_GATE_MARGIN | 1.15 | error | gate: margin |
+| DEEPSEEK_DSPARK_GATE_MARGIN | 1.15 | error | gate: win_factor |
 | DEEPSEEK_DSPARK_GATE_MIN_DRAFT | 0 | error | gate: min_draft |
 | DEEPSEEK_DSPARK_GATE_DECAY | 0.9 | error | gate: decay |
 | DEEPSEEK_DSPARK_GATE_DRAFT_MS | 196 | error | gate: draft_ms |

@@ -79,7 +79,7 @@ def test_argmax_half_matches_cuts_to_zero():
     assert decide_length([0.3] * 5, 5, SEED_COST) == 0
 
 
-def test_truncation_within_margin_keeps_full_block():
+def test_truncation_within_the_win_factor_keeps_full_block():
     # p = [1, 1, 1, 1, 0]: E(4) = E(5) = 5; n=4 saves 109 ms = 0.36 tokens at 1/303 tokens per ms.
     # The margin asks for (margin - 1) * E(5): 0.75 tokens at 1.15 -> full block; 0.25 at 1.05.
     probs = [1.0, 1.0, 1.0, 1.0, 0.0]
@@ -87,7 +87,7 @@ def test_truncation_within_margin_keeps_full_block():
     assert decide_length(probs, 5, SEED_COST, win_factor=1.05) == 4
 
 
-def test_margin_applies_to_zero():
+def test_win_factor_applies_to_zero():
     # One draft, p = 0.3: value(0) = 1 - 499/303 = -0.647, value(1) = 1.3 - 605/303 = -0.697.
     # n=0 is better by 0.050 tokens, short of the margin's 0.15 * E(1) = 0.195, so the draft is
     # verified; with margin 1.0, n=0 is taken.

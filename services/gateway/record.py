@@ -157,7 +157,7 @@ def _merge(mine: object, theirs: object) -> object:
 class GateStats:
     """The gate's view of folded rounds (the `gate` part of the `Stats` RPC).
 
-    rounds: rounds in which the pre-draft margin gate was asked (every round with a drafter and
+    rounds: rounds in which the pre-draft gate was asked (every round with a drafter and
     room to draft); margin_skipped_rounds: those it skipped. drafted_rounds, drafted: rounds
     whose length the gate chose, and their drafts (tokens). truncated (0 < k < max_n) and
     skipped_after_draft (k = 0 < max_n): the gate's cuts. verified_rounds, submitted, accepted:

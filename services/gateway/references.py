@@ -186,7 +186,7 @@ class HindsightGate(Gate):
 
 
 def gate_config_for_replay(config: GateConfig) -> GateConfig:
-    """The gated policy's settings: the gate enabled, the pre-draft margin gate off."""
+    """The gated policy's settings: the gate enabled, the fixed anchor-margin threshold off."""
     return replace(config, enabled=True, margin_threshold=0.0)
 
 

@@ -364,7 +364,7 @@ class _Generation:
 
     async def _plan(self, anchor: int, pos: int, margin: float, tc) -> _Plan:
         """What this round submits and why: the pre-draft checks (for gated, the gateway's
-        regime, then the margin gate), the draft, then the length
+        regime, then the pre-draft gate), the draft, then the length
         (`always` submits the cap, `gated` asks the gate; without confidences, the cap)."""
         # One regime decision per round: a round that reopened a drafter session under one
         # window must not let it go under the next.
