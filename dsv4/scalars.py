@@ -20,10 +20,13 @@ def as_int(name: str, value: Any) -> int:
 
     name: how the error names the argument (first, as every check in the project takes it).
     Raises:
+        TypeError: `name` not a str (the arguments in the wrong order).
         ValueError: naming `name`, the value (repr, cut by `short_repr`) and its type, for a
             bool, a float (even 12.0), str, None, a multi-element or non-integer tensor, or
             anything else.
     """
+    if not isinstance(name, str):  # the arguments swapped: say so rather than name the value "20"
+        raise TypeError(f"as_int(name, value) takes the name first, got name={short_repr(name)}")
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
         return int(value)
     if torch.is_tensor(value) or isinstance(value, np.ndarray):

@@ -13,8 +13,6 @@ verify rounds' (k = drafts submitted, `spec_decode.verify_ms`); draft ms = mean
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Iterable
 
