@@ -434,7 +434,8 @@ class _Generation:
         the round recorder all read it."""
         self.counters.add(r)
         for key, value in (("drafted", r.drafted), ("submitted", r.submitted), ("accepted", r.accepted),
-                           ("gate_decision", r.decision), ("verify_ms", r.verify_ms if r.submitted else r.plain_ms)):
+                           ("gate_decision", r.decision), ("gate_reason", r.reason.value),
+                           ("verify_ms", r.verify_ms if r.submitted else r.plain_ms)):
             span.set_attribute(f"spec_decode.{key}", value)
         if r.draft_ms is not None:
             span.set_attribute("spec_decode.draft_ms", r.draft_ms)
