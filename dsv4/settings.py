@@ -6,15 +6,15 @@ point and builds a `Settings`.
 `dsv4` never reads the process environment: `services.settings` parses the variables named
 here once at each entry point and builds a `Settings`.
 
-`DSV4_MOE_DETERMINISTIC_REDUCE` (default 1): 1 sums a token's routed-expert partials in
+`DSPARK_MOE_DETERMINISTIC_REDUCE` (default 1): 1 sums a token's routed-expert partials in
 ascending expert-id order, so the MoE output does not depend on routing order; 0 sums them
 in routing order (`index_add_`).
 
-`DSV4_KERNELS` (default torch): implementation of the `kernels/` ops the model selects
+`DSPARK_KERNELS` (default torch): implementation of the `kernels/` ops the model selects
 (`kernels.select.KernelConfig`): "torch" (the plain-torch `<op>_ref`) or "triton" (the Triton
 kernels; CUDA tensors, or CPU tensors under `TRITON_INTERPRET=1`).
 
-`DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4` (default 0): 1 runs multi-token fp4 routed-expert GEMMs
+`DSPARK_MOE_MULTI_TOKEN_FP4` (default 0): 1 runs multi-token fp4 routed-expert GEMMs
 (verify) on the small-batch path instead of the grouped (prefill) path.
 """
 
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ENV_MOE_DETERMINISTIC_REDUCE = "DSV4_MOE_DETERMINISTIC_REDUCE"
-ENV_KERNELS = "DSV4_KERNELS"
-ENV_MOE_MULTI_TOKEN_FP4 = "DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4"
+ENV_MOE_DETERMINISTIC_REDUCE = "DSPARK_MOE_DETERMINISTIC_REDUCE"
+ENV_KERNELS = "DSPARK_KERNELS"
+ENV_MOE_MULTI_TOKEN_FP4 = "DSPARK_MOE_MULTI_TOKEN_FP4"
 KERNEL_BACKENDS = ("torch", "triton")
 
 

@@ -55,8 +55,8 @@ class KernelConfig:
 
     @classmethod
     def from_settings(cls, s: Settings) -> "KernelConfig":
-        """The kernel switches of `s` (`DSV4_KERNELS`, `DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4`,
-        `DSV4_MOE_DETERMINISTIC_REDUCE`, parsed by `services.settings`)."""
+        """The kernel switches of `s` (`DSPARK_KERNELS`, `DSPARK_MOE_MULTI_TOKEN_FP4`,
+        `DSPARK_MOE_DETERMINISTIC_REDUCE`, parsed by `services.settings`)."""
         return cls(s.kernels, s.moe_multi_token_fp4, s.moe_deterministic_reduce)
 
     def op(self, name: str) -> Callable:
@@ -66,7 +66,7 @@ class KernelConfig:
             ValueError: unknown op name; backend "triton" on a machine with neither a CUDA
                 device nor `TRITON_INTERPRET=1` (its kernels could not run: the error would
                 come only at the first forward, from deep inside triton).
-            ImportError: backend "triton" without triton installed (DSV4_KERNELS named).
+            ImportError: backend "triton" without triton installed (DSPARK_KERNELS named).
         """
         if name not in OPS:
             raise ValueError(f"unknown kernel op {name!r}: one of {', '.join(OPS)}")

@@ -26,8 +26,8 @@ from services.gateway.values import MAX_COST_MS
 if TYPE_CHECKING:
     from services.analysis.report import RoundRecord
 
-GATE_ENV = {"draft_ms": "DEEPSEEK_DSPARK_GATE_DRAFT_MS", "verify_base_ms": "DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS",
-            "verify_slope_ms": "DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS", "plain_ms": "DEEPSEEK_DSPARK_GATE_PLAIN_MS"}
+GATE_ENV = {"draft_ms": "DSPARK_GATE_DRAFT_MS", "verify_base_ms": "DSPARK_GATE_VERIFY_BASE_MS",
+            "verify_slope_ms": "DSPARK_GATE_VERIFY_SLOPE_MS", "plain_ms": "DSPARK_GATE_PLAIN_MS"}
 PLAIN_MS_FLOOR = 1e-3  # the gate's lower bound on plain_ms (docs/gate.md §8)
 
 
@@ -105,7 +105,7 @@ def fit_costs(rounds: Iterable[RoundRecord]) -> CostFit:
 
 
 def gate_env_lines(fit: CostFit) -> tuple[list[str], list[str]]:
-    """(`DEEPSEEK_DSPARK_GATE_*=value` lines for the costs the fit has, notes on clamped values).
+    """(`DSPARK_GATE_*=value` lines for the costs the fit has, notes on clamped values).
 
     Values are clamped into what `GateConfig` accepts (docs/gate.md §8): each cost in
     [0, MAX_COST_MS], plain_ms >= 0.001, so the lines can be used as they are.
