@@ -1,10 +1,9 @@
 """Numerics switches of the model math (`Settings`), passed to the models by their builders.
 This module owns the switches, their defaults and their validation; it never reads the
 process environment: `services.settings` parses the variables named here once at each entry
-point and builds a `Settings`.
-
-`dsv4` never reads the process environment: `services.settings` parses the variables named
-here once at each entry point and builds a `Settings`.
+point and builds a `Settings` (`services.settings_vars` declares them; docs/settings.md).
+The old names (`DSV4_MOE_DETERMINISTIC_REDUCE`, `DSV4_KERNELS`, `DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4`)
+are deprecated aliases.
 
 `DSPARK_MOE_DETERMINISTIC_REDUCE` (default 1): 1 sums a token's routed-expert partials in
 ascending expert-id order, so the MoE output does not depend on routing order; 0 sums them

@@ -22,13 +22,14 @@ import threading
 from dataclasses import dataclass
 from typing import Mapping
 
-from dsv4.settings import KERNEL_BACKENDS, Settings as ModelSettings
+from dsv4.settings import (ENV_KERNELS, ENV_MOE_DETERMINISTIC_REDUCE, ENV_MOE_MULTI_TOKEN_FP4, KERNEL_BACKENDS,
+                           Settings as ModelSettings)
 from services.common.settings import (COST_MODES, DEFAULT_MAX_CONNECTION_AGE_S, DEFAULT_STEP_GATHER_MS,
                                       DEFAULT_TORCH_THREADS, EXPORTERS, LOG_FORMATS, MAX_CONNECTION_AGE_S,
                                       MAX_STEP_GATHER_MS, MAX_TIMEOUT_S, MAX_TORCH_THREADS, MIN_TIMEOUT_S,
                                       SAMPLING_RULES, VERIFY_MODES, VERIFY_NUMERICS, BackendSettings,
                                       GatewaySettings, ServeSettings)
-from services.gateway.gate import GateConfig
+from services.gateway.gate import ENV_VARS as GATE_ENV_VARS, GateConfig
 from services.gateway.values import rule_text
 
 log = logging.getLogger(__name__)
@@ -107,14 +108,13 @@ class Var:
         return ""
 
 
-def _gate(field: str, effect: str, suffix: str, **extra) -> Var:
-    """A gate variable: GateConfig `field`, its default and `services.gateway.values` rule."""
-    old = "DEEPSEEK_DSPARK_GATE" + (f"_{suffix}" if suffix else "")
-    new = "DSPARK_GATE" + (f"_{suffix}" if suffix else "")
+def _gate(field: str, effect: str, **extra) -> Var:
+    """A gate variable: GateConfig `field`, its name (gate.ENV_VARS), default and rule
+    (`services.gateway.values`); its deprecated name is the old DEEPSEEK_ prefixed one."""
     kind = {"enabled": "switch", "min_draft": "integer"}.get(field, "number")
     shown = rule_text(field) + (", or auto" if field == "margin_threshold" else "")
-    return Var(new, kind, getattr(GateConfig, field), ("gateway",), effect, "gate", aliases=(old,),
-               shown_range=shown, field=f"gate.{field}", **extra)
+    return Var(GATE_ENV_VARS[field], kind, getattr(GateConfig, field), ("gateway",), effect, "gate",
+               aliases=("DEEPSEEK_" + GATE_ENV_VARS[field],), shown_range=shown, field=f"gate.{field}", **extra)
 
 
 def _secs(name: str, default: float, readers: tuple[str, ...], effect: str, group: str,
@@ -134,14 +134,14 @@ VARS: tuple[Var, ...] = (
     Var("DSPARK_TORCH_THREADS", "integer", DEFAULT_TORCH_THREADS, BACKENDS, "Torch intra-op threads of every "
         "thread that runs the model (one is fastest for the bundled model; a large model on many cores "
         "wants more).", "process", low=1, high=MAX_TORCH_THREADS, field="backend.torch_threads"),
-    Var("DSPARK_KERNELS", "choice", ModelSettings.kernels, BACKENDS, "Implementation of the `kernels/` ops: "
+    Var(ENV_KERNELS, "choice", ModelSettings.kernels, BACKENDS, "Implementation of the `kernels/` ops: "
         "the plain-torch references or the Triton kernels (CUDA, or CPU under `TRITON_INTERPRET=1`).",
         "process", choices=KERNEL_BACKENDS, aliases=("DSV4_KERNELS",), field="model.kernels"),
-    Var("DSPARK_MOE_DETERMINISTIC_REDUCE", "switch", ModelSettings.moe_deterministic_reduce, BACKENDS,
+    Var(ENV_MOE_DETERMINISTIC_REDUCE, "switch", ModelSettings.moe_deterministic_reduce, BACKENDS,
         "1 sums a token's routed-expert outputs in ascending expert id, so the MoE output does not depend on "
         "routing order; 0 sums them in routing order.", "process", aliases=("DSV4_MOE_DETERMINISTIC_REDUCE",),
         field="model.moe_deterministic_reduce"),
-    Var("DSPARK_MOE_MULTI_TOKEN_FP4", "switch", ModelSettings.moe_multi_token_fp4, BACKENDS, "1 runs "
+    Var(ENV_MOE_MULTI_TOKEN_FP4, "switch", ModelSettings.moe_multi_token_fp4, BACKENDS, "1 runs "
         "multi-token fp4 routed-expert GEMMs (verify) on the small-batch path instead of the grouped one "
         "(GPU).", "process", aliases=("DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4",), field="model.moe_multi_token_fp4"),
     # ---- verifier
@@ -201,18 +201,18 @@ VARS: tuple[Var, ...] = (
         "`--http-port` wins.", "gateway", low=0, high=65535, field="http_port"),
     # ---- gate
     _gate("enabled", "1: the `default` spec mode is `gated` (the gate chooses each round's draft length); "
-          "0: `always`. Also 0/1/true/false.", "", key=True),
+          "0: `always`. Also 0/1/true/false.", key=True),
     _gate("margin_threshold", "Skip drafting when the anchor's top1 - top2 logit margin is below this; 0: "
-          "off; `auto`: learned per margin bin (docs/gate.md §6).", "MARGIN_THRESHOLD"),
+          "off; `auto`: learned per margin bin (docs/gate.md §6)."),
     _gate("margin", "A truncated draft is taken only if its expected tokens per ms beat the full block by "
-          "this factor.", "MARGIN"),
-    _gate("min_draft", "Never submit fewer drafts than this after drafting (0: no floor).", "MIN_DRAFT"),
-    _gate("decay", "Forgetting per observed round of the acceptance estimates.", "DECAY"),
+          "this factor."),
+    _gate("min_draft", "Never submit fewer drafts than this after drafting (0: no floor)."),
+    _gate("decay", "Forgetting per observed round of the acceptance estimates."),
     _gate("draft_ms", "Cost of one draft round (ms); setting it pins the cost (measured costs never replace "
-          "it).", "DRAFT_MS"),
-    _gate("verify_base_ms", "Verify cost, fixed part (ms); pins it likewise.", "VERIFY_BASE_MS"),
-    _gate("verify_slope_ms", "Verify cost per submitted draft token (ms); pins it likewise.", "VERIFY_SLOPE_MS"),
-    _gate("plain_ms", "One plain decode step (ms); pins it likewise.", "PLAIN_MS"),
+          "it)."),
+    _gate("verify_base_ms", "Verify cost, fixed part (ms); pins it likewise."),
+    _gate("verify_slope_ms", "Verify cost per submitted draft token (ms); pins it likewise."),
+    _gate("plain_ms", "One plain decode step (ms); pins it likewise."),
     Var("DSPARK_GATE_COSTS", "choice", "measured", ("gateway",), "Where the gate's costs come from: `measured` "
         "(profiled at start-up, refined from live rounds) or `configured` (the `DSPARK_GATE_*_MS` values "
         "and their defaults).", "gate", choices=COST_MODES, field="gateway.cost_mode", key=True),

@@ -69,10 +69,12 @@ def test_declared_defaults_are_what_a_served_process_gets():
     assert verifier.tp.init_timeout_s == BY_NAME["DSPARK_TP_INIT_TIMEOUT_S"].default == 600.0
     assert verifier.backend.step_gather_ms == BY_NAME["DSPARK_STEP_GATHER_MS"].default
     assert gateway.gateway.cost_mode == BY_NAME["DSPARK_GATE_COSTS"].default == "measured"
-    from services.verifier.topk_diag import MAX_K
-    from services.verifier.tp import TPSettings
+    from services.verifier.topk_diag import ENV_DIR, ENV_K, MAX_K
+    from services.verifier.tp import ENV_CALL_TIMEOUT, ENV_INIT_TIMEOUT, TPSettings
     assert (TPSettings().init_timeout_s, TPSettings().call_timeout_s) == (600.0, 120.0)
     assert settings_vars.MAX_TOPK == MAX_K
+    # the names the verifier's errors use are the declared ones
+    assert {ENV_DIR, ENV_K, ENV_CALL_TIMEOUT, ENV_INIT_TIMEOUT} <= set(BY_NAME)
 
 
 def test_a_deprecated_name_is_read_and_warns_once_per_process(caplog, monkeypatch):

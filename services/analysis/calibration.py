@@ -20,14 +20,13 @@ from typing import TYPE_CHECKING, Iterable
 
 import numpy as np
 
-from services.gateway.gate import NUM_BUCKETS, bucket_index, bucket_label
+from services.gateway.gate import ENV_VARS, NUM_BUCKETS, bucket_index, bucket_label
 from services.gateway.values import MAX_COST_MS
 
 if TYPE_CHECKING:
     from services.analysis.report import RoundRecord
 
-GATE_ENV = {"draft_ms": "DSPARK_GATE_DRAFT_MS", "verify_base_ms": "DSPARK_GATE_VERIFY_BASE_MS",
-            "verify_slope_ms": "DSPARK_GATE_VERIFY_SLOPE_MS", "plain_ms": "DSPARK_GATE_PLAIN_MS"}
+GATE_ENV = {f: ENV_VARS[f] for f in ("draft_ms", "verify_base_ms", "verify_slope_ms", "plain_ms")}
 PLAIN_MS_FLOOR = 1e-3  # the gate's lower bound on plain_ms (docs/gate.md §8)
 
 
