@@ -201,7 +201,7 @@ VARS: tuple[Var, ...] = (
         "`--http-port` wins.", "gateway", low=0, high=65535, field="http_port"),
     # ---- gate
     _gate("enabled", "1: the `default` spec mode is `gated` (the gate chooses each round's draft length); "
-          "0: `always`. Also 0/1/true/false.", key=True),
+          "0: `always`.", key=True),
     _gate("margin_threshold", "Skip drafting when the anchor's top1 - top2 logit margin is below this; 0: "
           "off; `auto`: learned per margin bin (docs/gate.md §6)."),
     _gate("margin", "A truncated draft is taken only if its expected tokens per ms beat the full block by "
