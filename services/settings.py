@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from dsv4.settings import Settings as ModelSettings
-from services.common.settings import (LOG_FORMATS, BackendSettings, GatewaySettings, ServeSettings,
+from services.common.settings import (LOG_FORMATS, PINNABLE_COSTS, BackendSettings, GatewaySettings, ServeSettings,
                                       TelemetrySettings, backend_target, valid_token)
 from services.common.tls import PemFile, TlsFiles, load_tls
 from services.gateway.gate import GateConfig
@@ -32,7 +32,6 @@ SERVICES = ("verifier", "drafter", "gateway")
 TOKEN_VAR = "DSPARK_GATEWAY_TOKEN"
 # GateConfig field -> its variable (the `gate.<field>` declarations)
 GATE_VARS = {v.field.removeprefix("gate."): v for v in BY_NAME.values() if v.field.startswith("gate.")}
-PINNABLE_GATE_COSTS = ("draft_ms", "verify_base_ms", "verify_slope_ms", "plain_ms")
 
 
 def var(name: str) -> Var:
@@ -195,7 +194,7 @@ def gateway_settings(environ: Environ) -> GatewaySettings:
         generation_timeout_s=_seconds(environ, var("DSPARK_GENERATION_TIMEOUT_S")),
         startup_timeout_s=_seconds(environ, var("DSPARK_STARTUP_TIMEOUT_S")),
         drafter_failovers=_int(environ, var("DSPARK_DRAFTER_FAILOVERS")), token=token,
-        pinned_costs=tuple(f for f in PINNABLE_GATE_COSTS if lookup(environ, GATE_VARS[f])[1] is not None),
+        pinned_costs=tuple(f for f in PINNABLE_COSTS if lookup(environ, GATE_VARS[f])[1] is not None),
         sampling_rule=_choice(environ, var("DSPARK_SAMPLING_RULE")),
         load_aware=True, regime=True, warm_start=True)
 
