@@ -14,7 +14,7 @@ x[m, j] ([M, k, K]: one input per route, e.g. the w2 input h) by W_{experts[m, j
 Output: per-route rows [M, k, N] fp32, or with `combine` their sum per token [M, N] fp32.
 
 The combine is a fixed-order left fold, never an atomic add: with `deterministic` (the
-`DSV4_MOE_DETERMINISTIC_REDUCE` default) a token's routes are summed in ascending expert id,
+`DSPARK_MOE_DETERMINISTIC_REDUCE` default) a token's routes are summed in ascending expert id,
 so the result does not depend on the order the gate lists them; otherwise in slot order.
 
 Paths. small-batch (`_fp4_moe_small_kernel`): one program per (token, N block) walks the
@@ -23,7 +23,7 @@ needs is read once for it, the right shape for decode and a few-token verify, an
 result does not depend on the other tokens in the call. grouped (`_fp4_moe_grouped_kernel`):
 routes sorted by expert, tiles of BLOCK_M routes of one expert through tl.dot (prefill);
 per-route rows, then the same fold. A single token always takes the small path; several
-take it when `small_batch` (`DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4=1`): a multi-token verify on the
+take it when `small_batch` (`DSPARK_MOE_MULTI_TOKEN_FP4=1`): a multi-token verify on the
 grouped path pays the prefill tiling for a handful of rows (docs/architecture.md §12).
 """
 

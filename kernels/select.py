@@ -43,7 +43,7 @@ class KernelConfig:
     take the small-batch path of the fp4 routed-expert GEMM (`dsv4.moe.MoE`; one row always
     does, prefill takes the grouped path). deterministic_reduce: the fold order for callers of
     `fp4_moe_gemm(combine=True)` (the model's MoE folds in its own configured order).
-    chosen_by: the setting that chose the backend, as errors name it (`DSV4_KERNELS` when the
+    chosen_by: the setting that chose the backend, as errors name it (`DSPARK_KERNELS` when the
     model side builds the config); not part of the config's identity.
 
     Raises:

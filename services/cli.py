@@ -36,7 +36,7 @@ from services.gateway.values import parse_setting
 from services.gateway.warm import DEFAULT_MAX_WEIGHT, parse_warm_start
 from services.settings import gate_config
 
-# GateConfig fields settable by flag (--draft-ms ...); each overrides its DEEPSEEK_DSPARK_GATE_* env value.
+# GateConfig fields settable by flag (--draft-ms ...); each overrides its DSPARK_GATE_* env value.
 _OVERRIDES = (
     "draft_ms",
     "verify_base_ms",
@@ -64,8 +64,8 @@ def _add_replay(subparsers: argparse._SubParsersAction) -> None:
         "replay",
         help="replay recorded rounds through plain / always-k / threshold / gated policies",
         description="Replay rounds under the cost model. Costs and gate settings come from the "
-        "DEEPSEEK_DSPARK_GATE_* env vars, then from the flags below; the gated policies run the "
-        "gate enabled whatever DEEPSEEK_DSPARK_GATE says. Bad input exits 2 with a one-line error.",
+        "DSPARK_GATE_* env vars, then from the flags below; the gated policies run the "
+        "gate enabled whatever DSPARK_GATE says. Bad input exits 2 with a one-line error.",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("file", nargs="?", metavar="FILE", help="rounds JSON file (format: docs/gate.md; at most 256 MiB)")
@@ -156,7 +156,7 @@ def _policy_table(report: ReplayReport) -> Table:
     cfg, policies = report.config, list(report.overall.results)
     title = "tok/s per policy"
     # each caption sentence explains a column, so only the columns shown get one
-    notes = {"gated": f"gated: the gate always enabled here (DEEPSEEK_DSPARK_GATE={int(cfg.enabled)} is not used).",
+    notes = {"gated": f"gated: the gate always enabled here (DSPARK_GATE={int(cfg.enabled)} is not used).",
              "threshold": "threshold: leave-one-workload-out, t chosen on the other workloads."}
     caption = " ".join(text for p, text in notes.items() if p in policies)
     headers = ["workload", "rounds", "accept"] + [{"threshold": "threshold\n(LOWO)", "gated+margin": "gated+\nmargin"}
@@ -256,7 +256,7 @@ def parse_costs(value: str) -> tuple[str, CostModel]:
 
 
 def _configs_from(args: argparse.Namespace) -> list[tuple[str, GateConfig]]:
-    """(cost label, config) per --costs value (or the env costs alone): the DEEPSEEK_DSPARK_GATE_*
+    """(cost label, config) per --costs value (or the env costs alone): the DSPARK_GATE_*
     values, then the cost shape, then the flags; a bad value raises ValueError naming the
     variable, the flag or the --costs value."""
     config = gate_config(os.environ)

@@ -282,7 +282,7 @@ def test_gate_min_draft_never_returns_zero_after_draft():
     (True, 0.0, 0.1, True),   # threshold 0 disables the pre-draft gate
     (True, 4.0, 3.9, False),
     (True, 4.0, 4.0, True),   # below, not at, the threshold
-    (False, 4.0, 3.9, False),  # independent of DEEPSEEK_DSPARK_GATE
+    (False, 4.0, 3.9, False),  # independent of DSPARK_GATE
     (False, 4.0, None, True),  # margin unknown
 ])
 def test_pre_draft_margin_gate(gate_on, threshold, margin, drafts):

@@ -136,11 +136,11 @@ def test_decide_length_rate_is_the_long_run_exchange_rate():
 
 
 def test_margin_threshold_auto_is_parsed_and_learns_per_margin_bin():
-    assert gate_config({"DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD": "auto"}).margin_auto is True
-    assert gate_config({"DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD": " AUTO "}).margin_threshold == 0.0
+    assert gate_config({"DSPARK_GATE_MARGIN_THRESHOLD": "auto"}).margin_auto is True
+    assert gate_config({"DSPARK_GATE_MARGIN_THRESHOLD": " AUTO "}).margin_threshold == 0.0
     assert gate_config({}).margin_auto is False
-    with pytest.raises(ValueError, match="DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD"):
-        gate_config({"DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD": "automatic"})
+    with pytest.raises(ValueError, match="DSPARK_GATE_MARGIN_THRESHOLD"):
+        gate_config({"DSPARK_GATE_MARGIN_THRESHOLD": "automatic"})
     assert (margin_bin(0.2), margin_bin(0.5), margin_bin(9.0)) == (0, 1, 5)
     gains = MarginGain(0.9)
     gains.add(0, -1.0)

@@ -340,13 +340,9 @@ def test_concurrent_priced_generations_see_each_other_and_stream_plain_tokens():
         stack.close()
 
 
-def test_the_switches_are_read_at_the_entry_point_and_named_when_bad():
+def test_served_processes_price_at_load_and_profile_whatever_the_removed_switches_say():
     assert gateway_settings({}).load_aware is True and backend_settings({}).step_profile is True
-    assert gateway_settings({"DSPARK_GATE_LOAD": "0"}).load_aware is False
-    assert backend_settings({"DSPARK_STEP_PROFILE": "0"}).step_profile is False
-    with pytest.raises(ValueError, match="DSPARK_GATE_LOAD='yes'"):
-        gateway_settings({"DSPARK_GATE_LOAD": "yes"})
-    with pytest.raises(ValueError, match="DSPARK_STEP_PROFILE='2'"):
-        backend_settings({"DSPARK_STEP_PROFILE": "2"})
+    assert gateway_settings({"DSPARK_GATE_LOAD": "0"}).load_aware is True
+    assert backend_settings({"DSPARK_STEP_PROFILE": "0"}).step_profile is True
     with pytest.raises(ValueError, match="budget_s=0"):
         StepProfileSettings(budget_s=0)

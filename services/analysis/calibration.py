@@ -20,11 +20,10 @@ import numpy as np
 
 from services.analysis.breakdown import RoundBreakdown
 from services.gateway.estimator import expected_calibration_error
-from services.gateway.gate import NUM_BUCKETS, bucket_index, bucket_label
+from services.gateway.gate import ENV_VARS, NUM_BUCKETS, bucket_index, bucket_label
 from services.gateway.values import MAX_COST_MS
 
-GATE_ENV = {"draft_ms": "DEEPSEEK_DSPARK_GATE_DRAFT_MS", "verify_base_ms": "DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS",
-            "verify_slope_ms": "DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS", "plain_ms": "DEEPSEEK_DSPARK_GATE_PLAIN_MS"}
+GATE_ENV = {f: ENV_VARS[f] for f in ("draft_ms", "verify_base_ms", "verify_slope_ms", "plain_ms")}
 PLAIN_MS_FLOOR = 1e-3  # the gate's lower bound on plain_ms (docs/gate.md §8)
 
 
@@ -102,7 +101,7 @@ def fit_costs(rounds: Iterable[RoundBreakdown]) -> CostFit:
 
 
 def gate_env_lines(fit: CostFit) -> tuple[list[str], list[str]]:
-    """(`DEEPSEEK_DSPARK_GATE_*=value` lines for the costs the fit has, notes on clamped values).
+    """(`DSPARK_GATE_*=value` lines for the costs the fit has, notes on clamped values).
 
     Values are clamped into what `GateConfig` accepts (docs/gate.md §8): each cost in
     [0, MAX_COST_MS], plain_ms >= 0.001, so the lines can be used as they are.

@@ -124,7 +124,7 @@ def margin_bin(anchor_margin: float) -> int:
 
 
 class MarginGain:
-    """The learned pre-draft threshold (`DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD=auto`).
+    """The learned pre-draft threshold (`DSPARK_GATE_MARGIN_THRESHOLD=auto`).
 
     Per anchor-margin bin, a decayed mean of the realised gain of drafting, in tokens: for a
     drafted round, (tokens it yielded - lambda * its cost) - (1 - lambda * plain_ms), i.e. the

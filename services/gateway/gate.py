@@ -45,7 +45,7 @@ RATE_DECAY = 0.95
 # Drafted rounds whose confidences the pre-draft decision re-prices with the current estimates.
 RECENT_ROUNDS = 16
 
-ENV_PREFIX = "DEEPSEEK_DSPARK_GATE"
+ENV_PREFIX = "DSPARK_GATE"
 # GateConfig field -> env var (docs/gate.md §8 lists names, defaults and valid values).
 ENV_VARS = {
     "enabled": ENV_PREFIX,
@@ -126,7 +126,7 @@ def bucket_label(index: int) -> str:
 class GateConfig:
     """Gate settings; `services.settings` fills them from the ENV_VARS variables (docs/gate.md).
 
-    enabled: length choice on (DEEPSEEK_DSPARK_GATE); off = always submit max_n.
+    enabled: length choice on (DSPARK_GATE); off = always submit max_n.
     margin_threshold: pre-draft gate on the anchor's top1 - top2 logit margin; 0 = disabled.
     margin_auto: learn the pre-draft margin gate instead (MARGIN_THRESHOLD=auto; bool).
     win_factor: factor a truncation must win by (>= 1). min_draft: floor on submitted drafts (tokens).

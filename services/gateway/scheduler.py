@@ -13,7 +13,7 @@ which prime the drafter. Each round, with the anchor x[p] at position p:
   1. gated only: the gateway's regime policy (`RegimePolicy.may_draft`, docs/gate.md §14) may
      run the round plain when the gateway measures more tokens per ms without drafting at its
      concurrency; then the pre-draft gate (`Gate.pre_draft`): skip drafting when the anchor's
-     logit margin is below DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD, when drafting has lost at
+     logit margin is below DSPARK_GATE_MARGIN_THRESHOLD, when drafting has lost at
      its margin bin (threshold auto) or, gate enabled, in the recent drafted rounds;
   2. draft d1..dB and confidence logits from anchor x[p], seed position p-1;
   3. length choice k <= B: `always` submits max_n, `gated` asks the gate; max_n caps k by the
@@ -83,7 +83,7 @@ class Scheduler:
     Args:
         limits: the served model's limits.
         tokenizer: text <-> ids.
-        gate_config: DEEPSEEK_DSPARK_GATE_* settings; `enabled` picks the default spec mode.
+        gate_config: DSPARK_GATE_* settings; `enabled` picks the default spec mode.
         verify_mode: "sequential" or "batched".
         cost_mode: "configured" or "measured" (see `services.gateway.costs`).
         costs: the process's `CostTracker` (None: a new one over `gate_config`'s costs, nothing pinned).

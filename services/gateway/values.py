@@ -70,6 +70,12 @@ _RULES = {
 }
 
 
+def rule_text(field_name: str) -> str:
+    """The valid values of GateConfig field `field_name`, in words (docs/settings.md).
+    Raises KeyError for a field that is not a setting."""
+    return "0, 1, true, false" if field_name == "enabled" else _RULES[field_name][1]
+
+
 def check_setting(field_name: str, value: object, name: str, raw: str | None = None) -> bool | int | float:
     """The validated, normalised value of GateConfig field `field_name` (int, float or bool).
 

@@ -23,8 +23,8 @@ from dsv4 import tp as dtp
 from dsv4.trunk import Trunk
 from services.verifier.tp_worker import RankSpec, build_rank, rendezvous
 
-ENV_INIT_TIMEOUT = "DSV4_TP_INIT_TIMEOUT_S"  # the variables of TPSettings, named in its errors
-ENV_CALL_TIMEOUT = "DSV4_TP_CALL_TIMEOUT_S"
+ENV_INIT_TIMEOUT = "DSPARK_TP_INIT_TIMEOUT_S"  # the variables of TPSettings, named in its errors
+ENV_CALL_TIMEOUT = "DSPARK_TP_CALL_TIMEOUT_S"
 POLL_S = 0.05  # liveness poll while waiting for the store rendezvous (s)
 
 
@@ -35,7 +35,7 @@ class TPWorkerError(RuntimeError):
 
 @dataclass(frozen=True)
 class TPSettings:
-    """TP timeouts in seconds (`services.settings`: `DSV4_TP_INIT_TIMEOUT_S`, `DSV4_TP_CALL_TIMEOUT_S`).
+    """TP timeouts in seconds (`services.settings`: `DSPARK_TP_INIT_TIMEOUT_S`, `DSPARK_TP_CALL_TIMEOUT_S`).
 
     init_timeout_s: rendezvous plus weight loading of every rank.
     call_timeout_s: one proxied call (the process group's per-collective timeout).

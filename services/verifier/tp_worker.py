@@ -72,7 +72,7 @@ def build_rank(spec: RankSpec, comm: dtp.Collectives) -> Trunk:
     weights = spec.weights
     if isinstance(weights, str):
         _, weights = load_trunk_weights(weights, spec.cfg, dtype=spec.dtype)
-    from services.verifier.topk_diag import maybe_wrap  # DSV4_TOPK_DIAG: one dump file per rank
+    from services.verifier.topk_diag import maybe_wrap  # DSPARK_TOPK_DIAG: one dump file per rank
     return maybe_wrap(dtp.build_rank_trunk(spec.cfg, weights, comm, spec.plan, spec.dtype, spec.quant_sim,
                                            spec.deterministic_reduce, spec.device(comm.rank), spec.kernels),
                       spec.topk, comm.rank)
