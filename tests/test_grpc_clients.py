@@ -14,10 +14,15 @@ import contextlib
 import json
 import logging
 import re
+import socket
 import time
 import urllib.request
 
 import grpc
+import h2.config
+import h2.connection
+import h2.errors
+import h2.events
 import pytest
 from google.protobuf import descriptor_pb2, message_factory
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -198,3 +203,100 @@ def test_a_client_pinging_every_second_on_an_idle_channel_is_not_sent_goaway():
         finally:
             await running.stop(0)
     assert service_loop().run(run(), 30) == {grpc.ChannelConnectivity.READY}
+
+
+# ---------------------------------------------------------------------------- a cancel sent with the call
+class RawCalls:
+    """Generate calls written as raw HTTP/2 frames (the `h2` library) on one connection, so a
+    test decides exactly which frames share one TCP write: a call, its RST_STREAM, or none."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="ascii"))
+        self.conn.initiate_connection()
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=RPC_TIMEOUT_S)
+
+    def call(self, request: gateway_pb2.GenerateRequest, timeout: str, cancel: bool) -> int:
+        """Queue a Generate call's HEADERS (grpc-timeout `timeout`, e.g. "500m") and its request
+        DATA, then RST_STREAM(CANCEL) when `cancel`; returns the stream id. Nothing is sent yet."""
+        stream = self.conn.get_next_available_stream_id()
+        self.conn.send_headers(stream, [
+            (":method", "POST"), (":scheme", "http"), (":path", "/dspark.v1.Gateway/Generate"),
+            (":authority", f"127.0.0.1:{self.port}"), ("content-type", "application/grpc"), ("te", "trailers"),
+            ("grpc-timeout", timeout)])
+        body = request.SerializeToString()
+        self.conn.send_data(stream, b"\x00" + len(body).to_bytes(4, "big") + body, end_stream=True)
+        if cancel:
+            self.conn.reset_stream(stream, h2.errors.ErrorCodes.CANCEL)
+        return stream
+
+    def send(self) -> None:
+        """Write everything queued in one `sendall`."""
+        self.sock.sendall(self.conn.data_to_send())
+
+    def trailers(self, stream: int) -> dict:
+        """Read until `stream` ends; its trailers (grpc-status ...). Raises TimeoutError (socket)."""
+        while True:
+            data = self.sock.recv(65536)
+            if not data:
+                raise ConnectionError("the server closed the connection")
+            for event in self.conn.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                if isinstance(event, h2.events.TrailersReceived) and event.stream_id == stream:
+                    return dict(event.headers)
+            self.send()  # settings and ping acks, window updates
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _finished_lines(caplog, rid: str) -> list[dict]:
+    return [r.dspark_fields for r in caplog.records
+            if r.getMessage() == "request finished" and r.dspark_fields["request_id"] == rid]
+
+
+def test_a_cancel_written_with_the_call_is_seen_before_anything_runs(oracle_stack, caplog):  # noqa: F811
+    """A RST_STREAM in the same write as the call's HEADERS (the earliest a cancel can arrive):
+    grpcio never starts the handler, so no generation, session or log line exists for it. A
+    second call behind it on the same connection runs normally."""
+    gw = oracle_stack.gateway()
+    cancelled, kept = gen_request(PROMPT, max_tokens=200, spec="off"), gen_request(PROMPT, max_tokens=4)
+    cancelled.request_id, kept.request_id = "cancelled-with-the-call", "sent-after-it"
+    raw = RawCalls(gw.server.port)
+    with caplog.at_level(logging.INFO, logger="dspark.requests"):
+        try:
+            raw.call(cancelled, "60S", cancel=True)
+            second = raw.call(kept, "60S", cancel=False)
+            raw.send()
+            assert raw.trailers(second)["grpc-status"] == "0"
+        finally:
+            raw.close()
+        # had the cancelled call started, it would still be generating: idle means it ended, with its line
+        assert oracle_stack.wait_idle() == {"verifier_info": 0, "verifier_engine": 0, "drafter_info": 0,
+                                            "drafter_engine": 0}
+    assert _finished_lines(caplog, "cancelled-with-the-call") == []
+    assert _finished_lines(caplog, "sent-after-it")[0]["completion_tokens"] == 4
+
+
+def test_a_cancel_grpc_js_never_sends_costs_at_most_the_calls_deadline(oracle_stack, caplog):  # noqa: F811
+    """grpc-js 1.14 sends no RST_STREAM at all for `call.cancel()` in the tick that started the
+    call (HEADERS and DATA go out, the cancel is dropped in the client; a later tick's cancel is
+    sent), so no server can see it. The call's deadline bounds what it costs: the server
+    enforces grpc-timeout, the generation ends there ("abort") long before its max_tokens, and
+    its sessions are freed (docs/services.md §10)."""
+    gw = oracle_stack.gateway()
+    req = gen_request(PROMPT, max_tokens=220, spec="off")
+    req.request_id = "cancel-never-sent"
+    raw = RawCalls(gw.server.port)
+    with caplog.at_level(logging.INFO, logger="dspark.requests"):
+        try:
+            stream = raw.call(req, "500m", cancel=False)  # what grpc-js writes: the call, no cancel
+            raw.send()
+            assert raw.trailers(stream)["grpc-status"] == str(grpc.StatusCode.DEADLINE_EXCEEDED.value[0])
+        finally:
+            raw.close()
+        assert oracle_stack.wait_idle() == {"verifier_info": 0, "verifier_engine": 0, "drafter_info": 0,
+                                            "drafter_engine": 0}
+    (line,) = _finished_lines(caplog, req.request_id)
+    assert line["finish_reason"] == "abort" and 0 < line["completion_tokens"] < req.max_tokens
