@@ -145,21 +145,24 @@ def test_x_request_id_metadata_is_the_request_id_when_the_field_is_empty(oracle_
     assert {m.request_id for m in messages} == {"from-field-1"} and trailers["x-request-id"] == "from-field-1"
 
 
-@pytest.mark.parametrize("metadata, given", [((), None), ((("x-request-id", "x" * 200),), None),
-                                              ((("x-request-id", "refused-7"),), "refused-7")])
-def test_a_refused_call_carries_its_request_id_in_trailers_and_the_log(oracle_stack, caplog, metadata, given):  # noqa: F811
+@pytest.mark.parametrize("client_id, max_tokens, echoed, named", [
+    (None, 0, False, "max_tokens"),           # no id given: a generated one
+    ("x" * 200, 4, False, "request_id"),      # an unusable id: refused, and a generated one names the refusal
+    ("refused-7", 0, True, "max_tokens"),     # the client's own id
+])
+def test_a_refused_call_carries_its_request_id_in_trailers_and_the_log(oracle_stack, caplog, client_id,  # noqa: F811
+                                                                       max_tokens, echoed, named):
     gw = oracle_stack.gateway()
-    bad = gen_request(PROMPT, max_tokens=0) if given or not metadata else gen_request(PROMPT, max_tokens=4)
+    metadata = (("x-request-id", client_id),) if client_id else ()
     with caplog.at_level(logging.INFO, logger="dspark.requests"):
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            oracle_stack.loop.run(_call(gw.stub, bad, metadata))
+            oracle_stack.loop.run(_call(gw.stub, gen_request(PROMPT, max_tokens=max_tokens), metadata))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     rid = dict(err.value.trailing_metadata())["x-request-id"]
-    assert rid == given if given else HEX_ID.fullmatch(rid)  # a bad client id is replaced, not echoed
-    (line,) = [r for r in caplog.records if r.getMessage() == "request refused"]
-    fields = line.dspark_fields
-    assert (fields["request_id"], fields["status"], fields["finish_reason"]) == (rid, "INVALID_ARGUMENT", "refused")
-    assert ("max_tokens" if not metadata or given else "request_id") in fields["message"]
+    assert rid == client_id if echoed else HEX_ID.fullmatch(rid)
+    (line,) = [r.dspark_fields for r in caplog.records if r.getMessage() == "request refused"]
+    assert (line["request_id"], line["status"], line["finish_reason"]) == (rid, "INVALID_ARGUMENT", "refused")
+    assert named in line["message"]
 
 
 def test_a_backend_failure_carries_the_request_id_in_trailers():
