@@ -1,7 +1,7 @@
 """gRPC server reflection under both protocol versions, `grpc.reflection.v1` and `v1alpha`.
 
-Owns the reflection service of every dspark server. grpcio-reflection (1.85, the newest
-release) serves only `grpc.reflection.v1alpha.ServerReflection`, while current clients (grpc-go
+Owns the reflection service of every dspark server. grpcio-reflection (up to 1.85.1, the pin)
+serves only `grpc.reflection.v1alpha.ServerReflection`, while current clients (grpc-go
 and grpc-java's reflection clients, Postman, newer grpcurl, buf curl) ask `grpc.reflection.v1`
 first, and some ask nothing else. The v1 protocol is v1alpha promoted: the same messages with the
 same field numbers and types, under the package `grpc.reflection.v1`. So one stock v1alpha

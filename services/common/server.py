@@ -55,7 +55,7 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
 # and grpc-core clients as often as configured (a dashboard pinging every second). A ping is
 # an 8-byte frame answered by the transport, so the floor only stops floods: a client pinging
 # more often than this, without data between, collects a strike per ping and is sent GOAWAY
-# too_many_pings after `grpc.http2.max_ping_strikes` (gRPC's 2) strikes in a row, as before.
+# too_many_pings after `grpc.http2.max_ping_strikes` (gRPC's 2) strikes in a row.
 MIN_CLIENT_PING_INTERVAL_MS = 500
 SERVER_KEEPALIVE_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),  # idle channels may ping too (grpc-js's keepalivePermitWithoutCalls)
