@@ -28,7 +28,8 @@ from services_fixtures import RPC_TIMEOUT_S, gen_request, start_stack, tiny_toke
 
 PROMPT = "conventions"
 REF_TOKENS = 24
-HEALTH, REFLECTION = "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"
+HEALTH = "grpc.health.v1.Health"
+REFLECTION = ("grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection")
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def _reflect(target: str, service: str):
 def test_reflection_lists_and_describes_each_service(traced_stack, role, service, methods):
     target = traced_stack.gateway().target if role == "gateway" else getattr(traced_stack, f"{role}_target")
     listed, described = _reflect(target, service)
-    assert listed == sorted([service, HEALTH, REFLECTION])
+    assert listed == sorted([service, HEALTH, *REFLECTION])
     assert {m.name for m in described.methods} == methods
 
 

@@ -113,3 +113,16 @@ def test_todays_gateway_reads_a_v1_request():
     new = gateway_pb2.GenerateRequest.FromString(v1.SerializeToString())
     assert (new.prompt, new.max_tokens, list(new.stop), list(new.stop_token_ids), new.label) == ("hi", 7, ["x"], [9], "w")
     assert new.request_id == ""  # the gateway then generates one
+
+
+def test_every_proto_names_its_go_and_java_packages():
+    """One Go package and one Java package for all of dspark.v1, one class per message, and an
+    outer class per file that cannot clash with a message or service of the package."""
+    from dspark_proto.v1 import common_pb2, drafter_pb2, verifier_pb2
+    files = [m.DESCRIPTOR for m in (common_pb2, drafter_pb2, gateway_pb2, verifier_pb2)]
+    options = [f.GetOptions() for f in files]
+    names = {n for f in files for n in (*f.message_types_by_name, *f.services_by_name, *f.enum_types_by_name)}
+    assert {o.go_package for o in options} == {"dspark-serving/gen/go/dspark/v1;dsparkv1"}
+    assert {o.java_package for o in options} == {"io.dspark.v1"} and all(o.java_multiple_files for o in options)
+    outer = [o.java_outer_classname for o in options]
+    assert outer == ["CommonProto", "DrafterProto", "GatewayProto", "VerifierProto"] and not names & set(outer)

@@ -7,10 +7,12 @@ knows nothing of the messages its servicers handle.
 `start_server` builds a `grpc.aio.Server` with explicit message-size limits, the OTel server
 interceptor, the status mapping of `services.common.errors` (no call ends UNKNOWN), the
 stock `grpc.health.v1` Health service (the overall status and the service's own name set to
-SERVING) and gRPC server reflection (`grpc.reflection.v1alpha.ServerReflection`, listing the
-service, Health and reflection itself, so `grpcurl list` / `describe` work without the
-.proto files); `run_until_signal` serves until SIGTERM/SIGINT, then marks the service
-NOT_SERVING and stops with a grace period so open generations can finish.
+SERVING), gRPC server reflection (`grpc.reflection.v1` and `v1alpha`, listing the service,
+Health and reflection itself, so `grpcurl list` / `describe` work without the .proto files;
+`services.common.reflection`) and the keepalive policy of `SERVER_KEEPALIVE_OPTIONS` (client
+pings every `MIN_CLIENT_PING_INTERVAL_MS` or more are welcome, calls or none);
+`run_until_signal` serves until SIGTERM/SIGINT, then marks the service NOT_SERVING and stops
+with a grace period so open generations can finish.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from typing import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace import TracerProvider
 
 from services.common.errors import StatusInterceptor
+from services.common.reflection import enable_reflection
 from services.common.settings import DEFAULT_MAX_CONNECTION_AGE_S
 from services.common.telemetry import server_interceptors
 
@@ -45,6 +47,20 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
     ]
+
+
+# Client keepalive pings the servers accept. gRPC's server default (pings at most every 5 min,
+# and only during a call) answers the keepalive of common clients with GOAWAY too_many_pings:
+# grpc-go and grpc-java ping idle channels every 10 s or more when keepalive is on, grpc-js
+# and grpc-core clients as often as configured (a dashboard pinging every second). A ping is
+# an 8-byte frame answered by the transport, so the floor only stops floods: a client pinging
+# more often than this, without data between, collects a strike per ping and is sent GOAWAY
+# too_many_pings after `grpc.http2.max_ping_strikes` (gRPC's 2) strikes in a row.
+MIN_CLIENT_PING_INTERVAL_MS = 500
+SERVER_KEEPALIVE_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),  # idle channels may ping too (grpc-js's keepalivePermitWithoutCalls)
+    ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+]
 
 
 @dataclass
@@ -91,12 +107,12 @@ async def start_server(service_name: str, register: Callable[[grpc.aio.Server], 
     age_ms = int(max_connection_age_s * 1000)
     # StatusInterceptor last, so it is the innermost: whatever a servicer raises becomes a status there
     server = grpc.aio.server(interceptors=server_interceptors(provider) + list(interceptors) + [StatusInterceptor()],
-                             options=channel_options(max_message_bytes) + [("grpc.max_connection_age_ms", age_ms),
-                                                                            NO_REUSEPORT])
+                             options=channel_options(max_message_bytes) + SERVER_KEEPALIVE_OPTIONS
+                             + [("grpc.max_connection_age_ms", age_ms), NO_REUSEPORT])
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    enable_reflection((service_name, health.SERVICE_NAME), server)
     addr = f"{host}:{port}"
     try:
         bound = server.add_secure_port(addr, credentials) if credentials else server.add_insecure_port(addr)

@@ -4,7 +4,10 @@ This module owns the line's fields (the request id comes from `services.gateway.
 `services.common.logs` writes the fields as text or JSON (`DSPARK_LOG_FORMAT`). It
 decides nothing and counts nothing: the servicer hands over the generation's final event.
 
-Fields: request_id, spec_mode, finish_reason (stop | length | abort: the client went away |
+A Generate refused before it started (a bad field, a running id) gets a line of its own
+(`log_refusal`): request_id, finish_reason "refused", status and message.
+
+Fields of a generation's line: request_id, spec_mode, finish_reason (stop | length | abort: the client went away |
 error: a backend failed), prompt_tokens, completion_tokens, ttft_ms (None before a first
 token), duration_ms (admission to the end), rounds, submitted and accepted drafts, and
 acceptance = accepted / submitted (None when no draft was verified, e.g. spec off). A
@@ -22,6 +25,13 @@ from services.common.logs import FIELDS
 from services.gateway.events import FinalEvent, GenerationParams
 
 log = logging.getLogger("dspark.requests")
+
+
+def log_refusal(request_id: str, status: str, message: str) -> None:
+    """Log the line of a Generate refused before it started: finish_reason "refused", the gRPC
+    status name (e.g. "INVALID_ARGUMENT") and its message (which names the bad value)."""
+    log.info("request refused", extra={FIELDS: {"request_id": request_id, "finish_reason": "refused",
+                                                "status": status, "message": message}})
 
 
 class RequestLine:

@@ -1,6 +1,7 @@
 """Request ids and the abort registry of the gateway's running generations.
 
-This module owns a generation's `request_id` (validated or generated), the registry that
+This module owns a generation's `request_id` (validated or generated; the request's field,
+else the call's `x-request-id` metadata), the registry that
 `Gateway.Abort` looks ids up in, the step-by-step driving of a generation that lets an abort
 interrupt it mid-round, and the log filter that tags the gateway's log lines with the id of
 the request they are about. It must not build wire messages (the servicer does) or run a
@@ -23,6 +24,9 @@ import uuid
 from typing import AsyncIterator, TypeVar
 
 REQUEST_ID_MAX_CHARS = 128
+# The call metadata a client may set the request id in (when the request's field is empty),
+# and the trailing metadata the gateway returns it in on every Generate, refused calls included.
+REQUEST_ID_METADATA = "x-request-id"
 # The id of the request the current task serves; the gateway's log lines read it. A Generate
 # call runs in its own task (and so its own context copy), and the tasks it starts inherit it.
 CURRENT_REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("dspark_request_id", default="")
@@ -54,6 +58,15 @@ def request_id(given: str) -> str:
     if not given.isprintable():
         raise ValueError(f"request_id={given!r}: must be printable (no control characters or line breaks)")
     return given
+
+
+def metadata_request_id(metadata) -> str:
+    """The first `x-request-id` value of a call's invocation metadata ((key, value) pairs, keys
+    lower-case as gRPC delivers them), or "" without one. Not validated here (`request_id` is)."""
+    for key, value in metadata or ():
+        if key == REQUEST_ID_METADATA:
+            return value if isinstance(value, str) else value.decode("ascii", "replace")
+    return ""
 
 
 class Running:

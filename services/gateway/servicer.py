@@ -40,7 +40,7 @@ from typing import Sequence
 import grpc
 
 from dspark_proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from dsv4.sampling import SEED_LIMIT, SamplingParams
+from dsv4.sampling import SamplingParams
 from services.common.sampling_wire import logprob_to_proto, params_from_proto
 from services.common.settings import GatewaySettings
 from services.gateway.backends import BackendError, Backends, GrpcDrafterSession, GrpcVerifierSession
@@ -48,9 +48,10 @@ from services.gateway.costs import CostTracker
 from services.gateway.drafters import DrafterSupply
 from services.gateway.profile import ProfileError, ProfileSettings, profile_backends
 from services.gateway.record import RoundStats
-from services.gateway.request_log import RequestLine
-from services.gateway.requests import (CURRENT_REQUEST_ID, DuplicateRequestId, GenerationAborted, Registry,
-                                       RequestIdLogFilter, request_id)
+from services.gateway.request_log import RequestLine, log_refusal
+from services.gateway.requests import (CURRENT_REQUEST_ID, REQUEST_ID_METADATA, DuplicateRequestId,
+                                       GenerationAborted, Registry, RequestIdLogFilter, metadata_request_id,
+                                       request_id)
 from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler, TokenEvent
 
 log = logging.getLogger("dspark.gateway")
@@ -61,6 +62,12 @@ _SPEC = {gateway_pb2.SPEC_MODE_DEFAULT: "", gateway_pb2.SPEC_MODE_OFF: "off",
 # Fields that must agree between the verifier and the drafter.
 IDENTITY_FIELDS = ("config_hash", "vocab_size", "block_size", "window_size", "target_layer_ids",
                    "row_width", "max_seq_len", "noise_token_id")
+
+
+# Seeds the gateway draws lie below 2**53: a JSON number read as a double (JavaScript,
+# `JSON.parse`, most JSON libraries) holds every such integer exactly, so a drawn seed returned
+# to any client replays the same tokens. A client's own seed may still use all of [0, 2**63).
+DRAWN_SEED_LIMIT = 2 ** 53
 
 
 class IdentityMismatch(RuntimeError):
@@ -200,24 +207,31 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _admit(self, request, context):
         """(request id, validated `GenerationParams`, registry entry) of a Generate call; the
         call is aborted with INVALID_ARGUMENT (a bad field, named) or ALREADY_EXISTS (an id
-        that is running)."""
-        if request.spec not in _SPEC:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"spec={request.spec}: not a SpecMode (0 default, 1 off, 2 always, 3 gated)")
+        that is running). The id is the request's field, else its `x-request-id` metadata, else
+        generated; it goes into the call's trailing metadata before anything can refuse the
+        call, so every ending (errors too) carries it, and a refusal logs a line with it (a
+        generated id when the client's was unusable)."""
         try:
-            rid = request_id(request.request_id)
+            rid = request_id(request.request_id or metadata_request_id(context.invocation_metadata()))
+        except ValueError as exc:
+            await refuse(context, request_id(""), grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        # Not reset at the end: the call's task, and so this context, ends with the call.
+        CURRENT_REQUEST_ID.set(rid)
+        context.set_trailing_metadata(((REQUEST_ID_METADATA, rid),))
+        if request.spec not in _SPEC:
+            await refuse(context, rid, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"spec={request.spec}: not a SpecMode (0 default, 1 off, 2 always, 3 gated)")
+        try:
             sampling = request_sampling(request, self.backends.settings.sampling_rule)
             params = self.scheduler.params(
-                request.prompt, list(request.prompt_token_ids), request.max_tokens, _SPEC.get(request.spec, ""),
+                request.prompt, list(request.prompt_token_ids), request.max_tokens, _SPEC[request.spec],
                 request.temperature, list(request.stop_token_ids), list(request.stop), request.ignore_eos,
                 request.label, sampling, request.max_draft_tokens)
             running = self.running.register(rid)
         except DuplicateRequestId as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+            await refuse(context, rid, grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        # Not reset at the end: the call's task, and so this context, ends with the call.
-        CURRENT_REQUEST_ID.set(rid)
+            await refuse(context, rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return rid, params, running
 
     async def Abort(self, request, context):
@@ -243,10 +257,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return gateway_pb2.StatsResponse(json=json.dumps(stats, allow_nan=False))
 
 
+async def refuse(context, rid: str, code: grpc.StatusCode, message: str) -> None:
+    """End a Generate call before it started: `rid` in its trailing metadata and in the gateway's
+    refusal log line, then abort with `code` and `message` (raises grpc's AbortError)."""
+    CURRENT_REQUEST_ID.set(rid)
+    context.set_trailing_metadata(((REQUEST_ID_METADATA, rid),))
+    log_refusal(rid, code.name, message)
+    await context.abort(code, message)
+
+
 def request_sampling(request: gateway_pb2.GenerateRequest, default_rule: str) -> SamplingParams:
     """The `SamplingParams` of a GenerateRequest, as every backend will read them (floats at
-    their float32 wire values). A sampled request without a seed gets one drawn here (from
-    `secrets`: unpredictable, never shared between requests); a greedy one uses its seed or 0,
+    their float32 wire values). A sampled request without a seed gets one drawn here, in
+    [0, DRAWN_SEED_LIMIT) (from `secrets`: unpredictable, never shared between requests, and
+    exact as a JSON double); a greedy one uses its seed or 0,
     since nothing is random then. Temperature 0 is greedy exactly as before sampling existed.
 
     Raises:
@@ -262,7 +286,7 @@ def request_sampling(request: gateway_pb2.GenerateRequest, default_rule: str) ->
         seed = request.seed
     else:
         sampled = request.temperature != 0  # NaN included: it is refused below, naming temperature
-        seed = secrets.randbelow(SEED_LIMIT) if sampled else 0
+        seed = secrets.randbelow(DRAWN_SEED_LIMIT) if sampled else 0
     msg = common_pb2.SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                                     min_p=request.min_p, seed=seed, rule=request.sampling_rule,
                                     logprobs=request.logprobs)
