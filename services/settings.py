@@ -27,6 +27,7 @@ Unset means the default; the "empty" column says what an empty value means.
 | DSPARK_METRICS_PORT | unset | unset | metrics_port (every service; `--metrics-port` wins) |
 | DSPARK_LOG_FORMAT | text | text | log_format (text, json: one JSON object per log line) |
 | DSPARK_HTTP_PORT | unset (off) | unset | http_port (gateway: the OpenAI-compatible HTTP front; `--http-port` wins) |
+| DSPARK_HTTP_MAX_BODY_BYTES | 4194304 (4 MiB) | error | http_max_body_bytes (gateway: larger HTTP request bodies get 413) |
 | DEEPSEEK_DSPARK_GATE | 0 | error | gate: enabled |
 | DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD | 0.0 | error | gate: margin_threshold |
 | DEEPSEEK_DSPARK_GATE_MARGIN | 1.15 | error | gate: margin |
@@ -93,6 +94,7 @@ TOKEN_VAR = "DSPARK_GATEWAY_TOKEN"
 # A served gateway prices rounds with costs measured on its own backends unless told otherwise
 # (`GatewaySettings` itself defaults to "configured" for embeddings and tests).
 DEFAULT_COST_MODE = "measured"
+HTTP_MAX_BODY_BYTES = 4 * 2**20  # the HTTP front's request body limit (services.http.middleware)
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ class ProcessSettings:
     checkpoint: the model folder (None = the bundled or random tiny model); serve, telemetry
     and tls (mTLS files, None = plaintext) apply to every service. model, backend: verifier
     and drafter; tp, topk (None = no dumps): verifier; gateway, gate, gateway_tls (None =
-    plaintext client port), http_port (None = no HTTP front): gateway. metrics_port (None = no
+    plaintext client port), http_port (None = no HTTP front), http_max_body_bytes: gateway. metrics_port (None = no
     Prometheus endpoint) and log_format (LOG_FORMATS) apply to every service. Sections of the
     other services are None.
     """
@@ -121,6 +123,7 @@ class ProcessSettings:
     gateway_tls: TlsFiles | None = None
     metrics_port: int | None = None
     http_port: int | None = None
+    http_max_body_bytes: int = HTTP_MAX_BODY_BYTES
     log_format: str = "text"
 
 
@@ -141,7 +144,8 @@ def read_settings(environ: Environ, service: str, *, tp: int = 1, checkpoint_fla
         gateway_tls = gateway_tls_files(environ)
         return ProcessSettings(**common, gateway=gateway_settings(environ), gate=gate_config(environ),
                                gateway_tls=gateway_tls,
-                               http_port=http_port(http_port_flag, environ, gateway_tls is not None))
+                               http_port=http_port(http_port_flag, environ, gateway_tls is not None),
+                               http_max_body_bytes=_int(environ, "DSPARK_HTTP_MAX_BODY_BYTES", HTTP_MAX_BODY_BYTES))
     backend = backend_settings(environ)
     if service == "drafter":
         return ProcessSettings(**common, model=model_settings(environ), backend=backend)
