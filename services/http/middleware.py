@@ -6,7 +6,7 @@ of it, and `AccessLog` writes one line per request. Neither decides anything abo
 content.
 
 Access log: logger `dspark.http.access`, INFO, one line per request when its response has
-been sent (a stream: when it ended): `<method> <path> <status> <ms> ms request_id=<id>`, the
+been sent (a stream: when it ended; the line is written just before the last byte is sent): `<method> <path> <status> <ms> ms request_id=<id>`, the
 record carrying `method`, `path`, `status`, `ms` and `request_id` attributes for structured
 formats. The id is the response's `x-request-id` header: a generation's response id
 (`cmpl-…`, `chatcmpl-…`, the gateway's request id), else one made here (32 hex digits) and
@@ -89,7 +89,16 @@ class AccessLog:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = self.clock()
-        seen = {"status": 499, "id": ""}
+        seen = {"status": 499, "id": "", "logged": False}
+
+        def log_once() -> None:
+            if seen["logged"]:
+                return
+            seen["logged"] = True
+            ms, rid = (self.clock() - start) * 1e3, seen["id"] or "-"
+            access_log.info("%s %s %d %.1f ms request_id=%s", scope["method"], scope["path"], seen["status"], ms,
+                            rid, extra={"method": scope["method"], "path": scope["path"],
+                                        "status": seen["status"], "ms": round(ms, 1), "request_id": rid})
 
         async def logged_send(message):
             if message["type"] == "http.response.start":
@@ -102,6 +111,8 @@ class AccessLog:
                     headers.append((REQUEST_ID_HEADER, seen["id"].encode()))
                     message = {**message, "headers": headers}
                 seen["status"] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                log_once()  # before the last byte leaves: a client that got its answer finds the line written
             await send(message)
 
         try:
@@ -111,8 +122,4 @@ class AccessLog:
                 seen["status"] = 500  # an unhandled error; the error handler answers 500
             raise
         finally:
-            ms = (self.clock() - start) * 1e3
-            rid = seen["id"] or "-"
-            access_log.info("%s %s %d %.1f ms request_id=%s", scope["method"], scope["path"], seen["status"], ms,
-                            rid, extra={"method": scope["method"], "path": scope["path"],
-                                        "status": seen["status"], "ms": round(ms, 1), "request_id": rid})
+            log_once()

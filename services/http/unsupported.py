@@ -60,7 +60,7 @@ def _text_modalities(value: Any) -> bool:
 # and logit_bias are sampling controls the verifier does not apply yet; the guided and tool
 # fields constrain the output; the chat-template fields would render another prompt.
 SHARED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logit_bias": (_zero_bias, "absent, {} or all biases 0"),
+    "logit_bias": (_zero_bias, "{} or only zero biases"),
     "repetition_penalty": (_number(1), "1"),
     "min_tokens": (_number(0), "0"),
     "response_format": (_text_format, '{"type": "text"}'),
@@ -107,5 +107,5 @@ def first_unsupported(extra: dict[str, Any], table: dict[str, tuple[Callable[[An
         rule = table.get(name)
         if rule is not None and not rule[0](value):
             shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
-            return name, f"{name}={shown}: {NOT_YET}; send {rule[1]} or leave it out"
+            return name, f"{name}={shown}: {NOT_YET}; leave it out or send {rule[1]}"
     return None
