@@ -333,3 +333,26 @@ def test_the_request_shapes_real_clients_send_are_served(front, name, path, body
         assert sorted(c["index"] for c in out["choices"]) == list(range(choices))
         assert all(c["finish_reason"] in ("stop", "length") for c in out["choices"])
         assert out["usage"]["completion_tokens"] <= body["max_tokens"] * choices
+
+
+# ---------------------------------------------------------------------------- tenants
+def test_abort_reaches_only_the_callers_own_request_ids(front):
+    from dspark_proto.v1 import gateway_pb2
+
+    def abort(rid: str, token: str | None) -> bool:
+        metadata = (("authorization", f"Bearer {token}"),) if token else None
+        async def call():
+            return await front.gateway.stub.Abort(gateway_pb2.AbortRequest(request_id=rid), timeout=10,
+                                                  metadata=metadata)
+        return front.stack.loop.run(call()).found
+
+    alice = openai.OpenAI(base_url=front.root + "/v1", api_key="alice", max_retries=0, timeout=TIMEOUT_S)
+    stream = alice.completions.create(model=RANDOM_MODEL_ID, prompt="long", max_tokens=200, stream=True,
+                                      extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    rid = next(chunks).id
+    assert not abort(rid, "bob") and not abort(rid, None)  # another tenant's id reads as unknown
+    assert abort(rid, "alice")
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["abort"]
+    assert set(front.stack.wait_idle().values()) == {0}
