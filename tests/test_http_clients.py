@@ -15,7 +15,6 @@ import json
 import logging
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import openai
@@ -25,8 +24,9 @@ from prometheus_client import CollectorRegistry, Counter
 from services.http.batch import choice_seed
 from services.http.chat import PLAIN_TEMPLATE, ChatTemplate
 from services.http.schemas import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from services.http.server import RANDOM_MODEL_ID, GatewayWithHttp, start_http_front
-from tests.services_fixtures import GatewayHandle, ServiceStack, start_stack
+from services.http.server import RANDOM_MODEL_ID, start_http_front
+from tests.services_fixtures import start_stack
+from tests.test_http_api import Front as ApiFront
 
 REPO = Path(__file__).resolve().parents[1]
 BUNDLED = REPO / "assets" / "dspark-small"
@@ -35,18 +35,12 @@ BODY_LIMIT = 16 * 1024
 VERIFIER_SESSIONS = 2
 
 
-@dataclass
-class Front:
-    stack: ServiceStack
-    gateway: GatewayHandle
-    http: GatewayWithHttp
+class Front(ApiFront):
+    """test_http_api's front, plus raw requests at the server's root (vLLM's endpoints live there)."""
 
     @property
     def root(self) -> str:
-        return f"http://127.0.0.1:{self.http.http.port}"
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.root + "/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S)
+        return self.base_url.removesuffix("/v1")
 
     def request(self, method: str, path: str, body: dict | bytes | None = None,
                 headers: dict | None = None) -> tuple[int, dict, bytes]:

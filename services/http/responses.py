@@ -10,7 +10,9 @@ verify and rejected (`spec_draft_tokens - spec_accepted_tokens`); drafts the gat
 before verify are in neither (they are in `dspark.drafted`). A choice that ended on a stop
 carries what matched as `stop_reason` (a token id or a stop string; vLLM's field), else null. The `dspark` object carries the generation's `SpecStats` fields and
 `time_to_first_token_ms`, on the whole response and on the chunk that carries finish_reason;
-beside it, `seed` is the seed used (the request's, or drawn by the gateway). `logprobs` is
+beside it, `seed` is the seed used (the request's, or drawn by the gateway). A response with
+several choices (`services.http.batch`) carries `dspark` and `seed` in each choice, the
+request's seed beside them, and `usage` summed over the choices (`usage`). `logprobs` is
 null unless asked for; then `services.http.logprobs` builds it.
 """
 

@@ -56,47 +56,33 @@ def _text_modalities(value: Any) -> bool:
     return value is None or value == ["text"]
 
 
-# field -> (is the value neutral?, what the neutral value is, for the message). The penalties
-# and logit_bias are sampling controls the verifier does not apply yet; the guided and tool
-# fields constrain the output; the chat-template fields would render another prompt.
-SHARED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "logit_bias": (_zero_bias, "{} or only zero biases"),
-    "repetition_penalty": (_number(1), "1"),
-    "min_tokens": (_number(0), "0"),
-    "response_format": (_text_format, '{"type": "text"}'),
-    "bad_words": (_falsy, "[]"),
-    "allowed_token_ids": (_none, "null"),
-    "prompt_logprobs": (_none, "null"),
-    "guided_json": (_none, "null"),
-    "guided_regex": (_none, "null"),
-    "guided_choice": (_none, "null"),
-    "guided_grammar": (_none, "null"),
-    "structured_outputs": (_none, "null"),
-    "logits_processors": (_none, "null"),
-    "truncate_prompt_tokens": (_none, "null"),
-    "use_beam_search": (_is(False), "false"),
-    "include_stop_str_in_output": (_is(False), "false"),
-    "skip_special_tokens": (_is(True), "true"),
-    "spaces_between_special_tokens": (_is(True), "true"),
-    "return_tokens_as_token_ids": (_is(False), "false"),
-    "reasoning_effort": (_none, "null"),
-    "verbosity": (_none, "null"),
-    "web_search_options": (_none, "null"),
+# field -> (is the value neutral?, what the neutral value is, for the message, whether only chat
+# takes it). The penalties and logit_bias are sampling controls the verifier does not apply
+# yet; the guided and tool fields constrain the output; the chat-template fields would render
+# another prompt.
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
+    "logit_bias": (_zero_bias, "{} or only zero biases", False),
+    "repetition_penalty": (_number(1), "1", False),
+    "min_tokens": (_number(0), "0", False),
+    "response_format": (_text_format, '{"type": "text"}', False),
+    "bad_words": (_falsy, "[]", False),
+    **dict.fromkeys(("allowed_token_ids", "prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "structured_outputs", "logits_processors", "truncate_prompt_tokens",
+                     "reasoning_effort", "verbosity", "web_search_options"), (_none, "null", False)),
+    **dict.fromkeys(("use_beam_search", "include_stop_str_in_output", "return_tokens_as_token_ids"),
+                    (_is(False), "false", False)),
+    **dict.fromkeys(("skip_special_tokens", "spaces_between_special_tokens"), (_is(True), "true", False)),
+    # chat only
+    **dict.fromkeys(("tools", "functions", "chat_template_kwargs"), (_falsy, "null, [] or {}", True)),
+    **dict.fromkeys(("tool_choice", "function_call"), (_no_tool_choice, '"none" or "auto" (no tools)', True)),
+    **dict.fromkeys(("chat_template", "documents", "audio"), (_none, "null (the model's own)", True)),
+    **dict.fromkeys(("continue_final_message", "add_special_tokens"), (_is(False), "false", True)),
+    "add_generation_prompt": (_is(True), "true", True),
+    "modalities": (_text_modalities, '["text"]', True),
 }
-CHAT_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "tools": (_falsy, "null or []"),
-    "functions": (_falsy, "null or []"),
-    "tool_choice": (_no_tool_choice, '"none" or "auto" (no tools)'),
-    "function_call": (_no_tool_choice, '"none" or "auto" (no functions)'),
-    "add_generation_prompt": (_is(True), "true"),
-    "continue_final_message": (_is(False), "false"),
-    "add_special_tokens": (_is(False), "false"),
-    "chat_template": (_none, "null (the model's template)"),
-    "chat_template_kwargs": (_falsy, "null or {}"),
-    "documents": (_none, "null"),
-    "audio": (_none, "null"),
-    "modalities": (_text_modalities, '["text"]'),
-}
+# The tables the endpoints check: (is neutral?, neutral value) by field.
+SHARED = {name: rule[:2] for name, rule in _FIELDS.items() if not rule[2]}
+CHAT_ONLY = {name: rule[:2] for name, rule in _FIELDS.items() if rule[2]}
 
 
 def first_unsupported(extra: dict[str, Any], table: dict[str, tuple[Callable[[Any], bool], str]]
