@@ -386,7 +386,8 @@ def test_request_id_and_matched_stop_reach_the_http_response(front):
 
 
 def test_the_http_id_is_the_gateway_request_id(front):
-    """Gateway.Abort with the id of an HTTP stream ends that stream (finish_reason "abort")."""
+    """Gateway.Abort with the id of an HTTP stream, under the bearer token the stream was started
+    with (the client's api_key), ends that stream (finish_reason "abort")."""
     from dspark_proto.v1 import gateway_pb2
     stream = front.client().completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=200,
                                                stream=True, extra_body={"ignore_eos": True})
@@ -394,7 +395,8 @@ def test_the_http_id_is_the_gateway_request_id(front):
     first = next(chunks)
 
     async def abort():
-        return await front.gateway.stub.Abort(gateway_pb2.AbortRequest(request_id=first.id), timeout=10)
+        return await front.gateway.stub.Abort(gateway_pb2.AbortRequest(request_id=first.id), timeout=10,
+                                              metadata=(("authorization", "Bearer unused"),))
 
     reply = front.stack.loop.run(abort())
     rest = list(chunks)

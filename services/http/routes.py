@@ -113,31 +113,7 @@ def build_app(front: Front, metrics_registry=None, tokenizer_info: dict | None =
     app.add_exception_handler(Exception, internal_error_handler)
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_middleware(AccessLog)  # added last: the outermost, so it sees the body limit's 413 too
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        authorization = front.authorize(request)
-        front.check_model(body.model)
-        prompts = body.checked()
-        shape = Shape(front.model.id, chat=False)
-        reqs = [body.generate_request(shape.id, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, text, ids,
-                                      body.top_alternatives) for text, ids in prompts]
-        choices, seed = plan(reqs, body.n, body.internal_seed, shape.id)
-        fmt = (lambda: LogprobFormatter(front.tokenizer, chat=False)) if body.logprobs is not None else None
-        return await _respond(front.client, choices, seed, body, shape, authorization, request, fmt)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        authorization = front.authorize(request)
-        front.check_model(body.model)
-        messages = body.checked()
-        ids = front.tokenizer.encode(front.template().render(messages))
-        max_tokens = body.requested_max_tokens or max(1, front.model.max_seq_len - len(ids))
-        shape = Shape(front.model.id, chat=True)
-        req = body.generate_request(shape.id, max_tokens, prompt_ids=ids, logprobs=body.top_alternatives)
-        choices, seed = plan([req], body.n, body.internal_seed, shape.id)
-        fmt = (lambda: LogprobFormatter(front.tokenizer, chat=True)) if body.logprobs else None
-        return await _respond(front.client, choices, seed, body, shape, authorization, request, fmt)
+    _add_generation_routes(app, front)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -166,6 +142,35 @@ def build_app(front: Front, metrics_registry=None, tokenizer_info: dict | None =
         async def metrics():
             return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
     return app
+
+
+def _add_generation_routes(app: FastAPI, front: Front) -> None:
+    """POST /v1/completions and /v1/chat/completions over `front`."""
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        authorization = front.authorize(request)
+        front.check_model(body.model)
+        prompts = body.checked()
+        shape = Shape(front.model.id, chat=False)
+        reqs = [body.generate_request(shape.id, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, text, ids,
+                                      body.top_alternatives) for text, ids in prompts]
+        choices, seed = plan(reqs, body.n, body.internal_seed, shape.id)
+        fmt = (lambda: LogprobFormatter(front.tokenizer, chat=False)) if body.logprobs is not None else None
+        return await _respond(front.client, choices, seed, body, shape, authorization, request, fmt)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        authorization = front.authorize(request)
+        front.check_model(body.model)
+        messages = body.checked()
+        ids = front.tokenizer.encode(front.template().render(messages))
+        max_tokens = body.requested_max_tokens or max(1, front.model.max_seq_len - len(ids))
+        shape = Shape(front.model.id, chat=True)
+        req = body.generate_request(shape.id, max_tokens, prompt_ids=ids, logprobs=body.top_alternatives)
+        choices, seed = plan([req], body.n, body.internal_seed, shape.id)
+        fmt = (lambda: LogprobFormatter(front.tokenizer, chat=True)) if body.logprobs else None
+        return await _respond(front.client, choices, seed, body, shape, authorization, request, fmt)
 
 
 async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:

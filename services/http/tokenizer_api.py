@@ -28,7 +28,7 @@ MAX_DETOKENIZE_IDS = 1 << 20
 class TokenizeCompletion(BaseModel):
     """`/tokenize` of a text prompt (vLLM's TokenizeCompletionRequest)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="ignore")
     model: Text | None = None
     prompt: Text
     add_special_tokens: bool = True
@@ -50,7 +50,7 @@ class TokenizeChat(BaseModel):
 class Detokenize(BaseModel):
     """`/detokenize` (vLLM's DetokenizeRequest)."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="ignore")
     model: Text | None = None
     tokens: list[int] = Field(max_length=MAX_DETOKENIZE_IDS)
 
