@@ -177,6 +177,8 @@ def test_bundled_folder_loads_with_transformers_as_the_gateway_tokenizes():
         ChatTemplate(PLAIN_TEMPLATE).render(messages)
     config = transformers.AutoConfig.from_pretrained(str(BUNDLED))
     assert config.compress_rates["heavily_compressed_attention"] == 16
+    from training.export import tokenizer_config  # what an export writes is what the folder holds
+    assert tokenizer_config(1024) == json.loads((BUNDLED / "tokenizer_config.json").read_text())
 
 
 def test_tokenize_detokenize_and_tokenizer_info_in_vllm_shapes(front):
