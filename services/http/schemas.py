@@ -168,6 +168,8 @@ class GenerationFields(BaseModel):
             field, message = str(exc).split("=", 1)[0], str(exc)
             if field == "logprobs":
                 field, message = self.LOGPROBS_FIELD, self.LOGPROBS_FIELD + message[len("logprobs"):]
+            if field == "top_k":
+                message += " (or -1: off)"
             raise invalid(field, message) from None
 
     LOGPROBS_FIELD: ClassVar[str] = "logprobs"  # the endpoint's name of the alternatives count
