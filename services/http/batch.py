@@ -81,8 +81,8 @@ class Admission:
     admitted: it waits until one of them ends (or, when none runs, RETRY_S doubling up to
     RETRY_MAX_S) and starts again, until `deadline_s` after the request began. So a batch
     larger than the session limit queues within the request; only a request none of whose
-    generations gets in is refused (429), as a single request is. After a refusal at most as
-    many of the request's generations are started at once as are running.
+    generations gets in is refused (429), as a single request is. After a refusal the request
+    keeps at most as many generations in flight as it had when refused (the fewest so far).
 
     authorization: the client's header, forwarded; clock: seconds, monotonic.
     """
@@ -143,10 +143,11 @@ class Admission:
                 self._changed.notify_all()
 
     async def _wait_for_room(self, delay: float) -> None:
-        """After a refusal: cap the request at what runs, then wait for a generation of the
-        request to end, or `delay` s."""
+        """After a refusal: cap the request at what it has in flight (admitted or being
+        admitted, never raising the cap), then wait for a generation of the request to end,
+        or `delay` s."""
         async with self._changed:
-            self.cap = max(1, self.running)
+            self.cap = max(1, min(self.active, self.cap if self.cap is not None else self.active))
             try:
                 await asyncio.wait_for(self._changed.wait(), delay)
             except asyncio.TimeoutError:
