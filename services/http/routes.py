@@ -106,6 +106,8 @@ def build_app(front: Front, metrics_registry=None, tokenizer_info: dict | None =
     served at /metrics (None: no /metrics); tokenizer_info: the /tokenizer_info body (None:
     just `tokenizer_class`); max_body_bytes: larger request bodies get 413.
     Raises ValueError: max_body_bytes < 1."""
+    if max_body_bytes < 1:  # checked here: Starlette builds the middleware at the first request
+        raise ValueError(f"max_body_bytes={max_body_bytes}: must be >= 1")
     app = FastAPI(title="dspark OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
