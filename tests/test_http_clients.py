@@ -129,6 +129,16 @@ def test_streamed_batch_with_n_interleaves_choices_and_ends_with_the_summed_usag
     assert usage.prompt_tokens == 4 == whole.usage.prompt_tokens  # each prompt once, not n times
 
 
+def test_a_client_leaving_a_streamed_batch_closes_every_choice(front):
+    finished_before = front.gateway.scheduler.stats.generations
+    stream = front.client().completions.create(model=RANDOM_MODEL_ID, prompt=["a", "b", "c"], n=2, max_tokens=200,
+                                               stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+    assert set(front.stack.wait_idle().values()) == {0}
+    assert front.gateway.scheduler.stats.generations == finished_before  # cancelled, none run to its end
+
+
 def test_negative_seed_is_the_seed_plus_2_63_and_top_k_minus_one_is_off(front):
     client = front.client()
     args = dict(model=RANDOM_MODEL_ID, prompt="seeds", max_tokens=6, temperature=1.0, extra_body={"ignore_eos": True})
