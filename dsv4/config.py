@@ -255,12 +255,30 @@ class ModelConfig:
         out["dspark_target_layer_ids"] = list(self.dspark_target_layer_ids)
         return out
 
+    def hf_layer_types(self) -> dict[str, Any]:
+        """transformers' spelling of the compress ratios: `layer_types` (ratio 0 a sliding
+        layer, 4 compressed sparse attention with the indexer, any other heavily compressed)
+        and `compress_rates` (the ratio of each compressed kind). transformers reads the
+        legacy `compress_ratios` only for the released ratios 0, 4 and 128 and refuses others
+        (the bundled small model's 16), so a config.json carries these beside it, and
+        `AutoConfig` / `AutoTokenizer.from_pretrained` read the folder as this model. Empty
+        when the heavily compressed layers use several ratios (transformers has one rate
+        per kind); this model reads neither key back."""
+        kinds = {0: "sliding_attention", 4: "compressed_sparse_attention"}
+        heavy = sorted({r for r in self.compress_ratios if r not in kinds})
+        if len(heavy) > 1:
+            return {}
+        rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": heavy[0] if heavy else 128}
+        return {"layer_types": [kinds.get(r, "heavily_compressed_attention") for r in self.compress_ratios],
+                "compress_rates": rates}
+
     def to_hf_dict(self) -> dict[str, Any]:
         """HF `config.json` (long names) with this project's extra keys, loadable by `from_dict`."""
         out: dict[str, Any] = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}
         for hf_key, short in _HF_TO_SHORT.items():
             out[hf_key] = getattr(self, short)
         out["compress_ratios"] = list(self.compress_ratios)
+        out.update(self.hf_layer_types())
         out["dspark_target_layer_ids"] = list(self.dspark_target_layer_ids)
         out["num_nextn_predict_layers"] = self.n_mtp_layers
         out["num_key_value_heads"] = 1

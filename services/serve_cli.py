@@ -287,7 +287,8 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
     from services.http.server import start_http_front
     try:
         return await start_http_front(running, scheduler, s.checkpoint, s.http_port, args.host, s.gateway.token,
-                                      s.gateway.generation_timeout_s, metrics and metrics.registry)
+                                      s.gateway.generation_timeout_s, metrics and metrics.registry,
+                                      s.http_max_body_bytes)
     except BaseException:
         await running.stop(0)
         raise

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from dsv4.settings import Settings as ModelSettings
-from services.common.settings import (LOG_FORMATS, PINNABLE_COSTS, BackendSettings, GatewaySettings, ServeSettings,
+from services.common.settings import (HTTP_MAX_BODY_BYTES, LOG_FORMATS, PINNABLE_COSTS, BackendSettings,
+                                      GatewaySettings, ServeSettings,
                                       TelemetrySettings, backend_target, valid_token)
 from services.common.tls import PemFile, TlsFiles, load_tls
 from services.gateway.gate import GateConfig
@@ -37,6 +38,9 @@ GATE_VARS = {v.field.removeprefix("gate."): v for v in BY_NAME.values() if v.fie
 def var(name: str) -> Var:
     """The declaration of variable `name`. Raises KeyError for an undeclared name."""
     return BY_NAME[name]
+# A served gateway prices rounds with costs measured on its own backends unless told otherwise
+# (`GatewaySettings` itself defaults to "configured" for embeddings and tests).
+DEFAULT_COST_MODE = "measured"
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class ProcessSettings:
     checkpoint: the model folder (None = the bundled or random tiny model); serve, telemetry
     and tls (mTLS files, None = plaintext) apply to every service. model, backend: verifier
     and drafter; tp, topk (None = no dumps): verifier; gateway, gate, gateway_tls (None =
-    plaintext client port), http_port (None = no HTTP front): gateway. metrics_port (None = no
+    plaintext client port), http_port (None = no HTTP front), http_max_body_bytes: gateway. metrics_port (None = no
     Prometheus endpoint) and log_format (LOG_FORMATS) apply to every service. Sections of the
     other services are None.
     """
@@ -65,6 +69,7 @@ class ProcessSettings:
     gateway_tls: TlsFiles | None = None
     metrics_port: int | None = None
     http_port: int | None = None
+    http_max_body_bytes: int = HTTP_MAX_BODY_BYTES
     log_format: str = "text"
 
 
@@ -86,7 +91,8 @@ def read_settings(environ: Environ, service: str, *, tp: int = 1, checkpoint_fla
         gateway_tls = gateway_tls_files(environ)
         return ProcessSettings(**common, gateway=gateway_settings(environ), gate=gate_config(environ),
                                gateway_tls=gateway_tls,
-                               http_port=http_port(http_port_flag, environ, gateway_tls is not None))
+                               http_port=http_port(http_port_flag, environ, gateway_tls is not None),
+                               http_max_body_bytes=_int(environ, var("DSPARK_HTTP_MAX_BODY_BYTES")))
     backend = backend_settings(environ)
     if service == "drafter":
         return ProcessSettings(**common, model=model_settings(environ), backend=backend)

@@ -25,6 +25,7 @@ from typing import Mapping
 from dsv4.settings import (ENV_KERNELS, ENV_MOE_DETERMINISTIC_REDUCE, ENV_MOE_MULTI_TOKEN_FP4, KERNEL_BACKENDS,
                            Settings as ModelSettings)
 from services.common.settings import (COST_MODES, DEFAULT_MAX_CONNECTION_AGE_S, DEFAULT_STEP_GATHER_MS,
+                                      HTTP_MAX_BODY_BYTES,
                                       DEFAULT_TORCH_THREADS, EXPORTERS, LOG_FORMATS, MAX_CONNECTION_AGE_S,
                                       MAX_STEP_GATHER_MS, MAX_TIMEOUT_S, MAX_TORCH_THREADS, MIN_TIMEOUT_S,
                                       SAMPLING_RULES, VERIFY_MODES, VERIFY_NUMERICS, BackendSettings,
@@ -199,6 +200,9 @@ VARS: tuple[Var, ...] = (
     Var("DSPARK_HTTP_PORT", "port", None, ("gateway",), "Port of the OpenAI-compatible HTTP front "
         "(`/v1/completions`, `/v1/chat/completions`); 0: any free port, logged; unset: no HTTP front. "
         "`--http-port` wins.", "gateway", low=0, high=65535, field="http_port"),
+    Var("DSPARK_HTTP_MAX_BODY_BYTES", "integer", HTTP_MAX_BODY_BYTES, ("gateway",), "The HTTP front's request "
+        "body limit in bytes; a larger body gets 413 without being read.", "gateway", low=1, high=2**40,
+        field="http_max_body_bytes"),
     # ---- gate
     _gate("enabled", "1: the `default` spec mode is `gated` (the gate chooses each round's draft length); "
           "0: `always`.", key=True),

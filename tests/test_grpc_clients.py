@@ -302,4 +302,4 @@ def test_a_cancel_grpc_js_never_sends_costs_at_most_the_calls_deadline(oracle_st
         assert oracle_stack.wait_idle() == {"verifier_info": 0, "verifier_engine": 0, "drafter_info": 0,
                                             "drafter_engine": 0}
     (line,) = _finished_lines(caplog, req.request_id)
-    assert line["finish_reason"] == "abort" and 0 < line["completion_tokens"] < req.max_tokens
+    assert line["finish_reason"] == "abort" and line["completion_tokens"] < req.max_tokens

@@ -178,10 +178,11 @@ def test_stop_string_and_max_tokens(front):
     ({"temperature": -0.7}, "temperature", "temperature=-0.7: must be >= 0"),
     ({"top_p": 1.5}, "top_p", "top_p=1.5: must lie in (0, 1]"),
     ({"logprobs": 21}, "logprobs", "logprobs=21: must lie in 0..20"),
-    ({"seed": -1}, "seed", "seed=-1: must lie in [0, 2**63)"),
+    ({"seed": 2**63}, "seed", "seed=9223372036854775808: must lie in [-2**63, 2**63)"),
     ({"extra_body": {"top_k": -2}}, "top_k", "top_k=-2: must be >= 0"),
     ({"extra_body": {"min_p": 1.5}}, "min_p", "min_p=1.5: must lie in [0, 1]"),
-    ({"n": 2}, "n", "n=2"),
+    ({"n": 2, "best_of": 3}, "best_of", "best_of=3: candidates are not ranked here"),
+    ({"logit_bias": {"5": -100}}, "logit_bias", "logit_bias={'5': -100}: not supported"),
     ({"max_tokens": 0}, "max_tokens", "max_tokens: Input should be greater than or equal to 1"),
 ])
 def test_unsupported_fields_are_400_naming_the_field(front, kwargs, param, words):
@@ -205,8 +206,8 @@ def test_gateway_refusals_map_to_http_statuses(front):
     assert "model='gpt-4'" in err.value.message and err.value.param == "model"
     status, _, body = _post(front.base_url + "/nowhere", {})
     assert status == 404 and json.loads(body)["error"]["type"] == "not_found_error"
-    status, _, body = _post(front.base_url + "/completions", {"prompt": ["a", "b"]})
-    assert status == 400 and "batch of 2 prompts" in json.loads(body)["error"]["message"]
+    status, _, body = _post(front.base_url + "/completions", {"prompt": ["a", ""]})
+    assert status == 400 and json.loads(body)["error"]["message"] == "prompt[1]: empty (give text or token ids)"
     assert "Traceback" not in body
     raw = urllib.request.Request(front.base_url + "/completions", b"{bad json", {"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as err:
@@ -235,10 +236,16 @@ def test_models_and_health(front):
         assert resp.status == 200 and json.loads(resp.read()) == {"status": "ok"}
 
 
-def test_chat_without_a_template_is_a_clear_400(front):
-    with pytest.raises(openai.BadRequestError) as err:
-        front.client().chat.completions.create(model=RANDOM_MODEL_ID, messages=[{"role": "user", "content": "hi"}])
-    assert "no chat template" in err.value.message and err.value.code == "chat_template_missing"
+def test_chat_without_a_template_is_a_clear_400(stack, tmp_path):
+    folder = tmp_path / "untemplated-model"
+    folder.mkdir()
+    f = _start_front(stack, str(folder))
+    try:
+        with pytest.raises(openai.BadRequestError) as err:
+            f.client().chat.completions.create(model="untemplated-model", messages=[{"role": "user", "content": "hi"}])
+        assert "no chat template" in err.value.message and err.value.code == "chat_template_missing"
+    finally:
+        _stop_front(f)
 
 
 def test_chat_with_a_template_renders_it_and_streams(stack, tmp_path):
@@ -379,7 +386,8 @@ def test_request_id_and_matched_stop_reach_the_http_response(front):
 
 
 def test_the_http_id_is_the_gateway_request_id(front):
-    """Gateway.Abort with the id of an HTTP stream ends that stream (finish_reason "abort")."""
+    """Gateway.Abort with the id of an HTTP stream, under the bearer token the stream was started
+    with (the client's api_key), ends that stream (finish_reason "abort")."""
     from dspark_proto.v1 import gateway_pb2
     stream = front.client().completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=200,
                                                stream=True, extra_body={"ignore_eos": True})
@@ -387,7 +395,8 @@ def test_the_http_id_is_the_gateway_request_id(front):
     first = next(chunks)
 
     async def abort():
-        return await front.gateway.stub.Abort(gateway_pb2.AbortRequest(request_id=first.id), timeout=10)
+        return await front.gateway.stub.Abort(gateway_pb2.AbortRequest(request_id=first.id), timeout=10,
+                                              metadata=(("authorization", "Bearer unused"),))
 
     reply = front.stack.loop.run(abort())
     rest = list(chunks)

@@ -106,3 +106,12 @@ def test_tp_deadlines_have_the_same_upper_bound_as_the_other_timeouts():
         read_settings({"DSPARK_TP_CALL_TIMEOUT_S": "1e300"}, "verifier")
     with pytest.raises(ValueError, match=r"DSPARK_TP_INIT_TIMEOUT_S='1_0': not a number"):
         read_settings({"DSPARK_TP_INIT_TIMEOUT_S": "1_0"}, "verifier")
+
+
+def test_the_http_body_limit_is_a_positive_byte_count_read_by_the_gateway_only():
+    assert read_settings({}, "gateway").http_max_body_bytes == 4 * 2**20
+    assert read_settings({"DSPARK_HTTP_MAX_BODY_BYTES": "65536"}, "gateway").http_max_body_bytes == 65536
+    assert read_settings({"DSPARK_HTTP_MAX_BODY_BYTES": "0"}, "verifier").service == "verifier"
+    for raw in ("0", "-5", "4MiB"):
+        with pytest.raises(ValueError, match=f"DSPARK_HTTP_MAX_BODY_BYTES='{raw}'"):
+            read_settings({"DSPARK_HTTP_MAX_BODY_BYTES": raw}, "gateway")

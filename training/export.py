@@ -83,6 +83,17 @@ def heldout_loss(cfg: ModelConfig, weights: dict[str, torch.Tensor], windows: di
     return out
 
 
+def tokenizer_config(max_seq_len: int) -> dict:
+    """The folder's tokenizer_config.json: what `transformers.AutoTokenizer` needs to load
+    tokenizer.json as a `PreTrainedTokenizerFast` (its special tokens; none added to a
+    prompt, as the gateway adds none) and the chat template the HTTP front renders
+    (`services.http.chat.PLAIN_TEMPLATE`)."""
+    from services.http.chat import PLAIN_TEMPLATE
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
+            "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+            "model_max_length": max_seq_len, "chat_template": PLAIN_TEMPLATE}
+
+
 def folder_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
 
@@ -98,6 +109,7 @@ def export(trunk_path: Path, draft_path: Path | None, out: Path, tokenizer: Path
         shutil.rmtree(tmp)
     save_checkpoint(tmp, cfg, {**trunk_w, **draft_w}, max_shard_bytes=SHARD_BYTES)
     shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(cfg.max_seq_len), indent=2) + "\n")
     size = folder_bytes(tmp)
     if size > max_mb * 2**20:
         raise SystemExit(f"{tmp}: {size / 2**20:.1f} MiB exceeds --max-mb {max_mb}")

@@ -44,6 +44,7 @@ DEFAULT_MAX_CONNECTION_AGE_S = 300.0
 # box a 20 ms cap gathered 11-12 of 16 sessions per verifier step and 50 ms 14-15 (each
 # reply crosses the gateway's one event loop in turn, so the last one comes back tens of ms
 # after the first), for 25-30 % less verifier CPU per token (bench/README.md "CPU per token").
+HTTP_MAX_BODY_BYTES = 4 * 2**20  # the HTTP front's request body limit (services.http.middleware)
 DEFAULT_STEP_GATHER_MS = 50
 MAX_STEP_GATHER_MS = 1000
 # Torch intra-op threads of a backend's model threads (DSPARK_TORCH_THREADS). 1 by default: the

@@ -11,6 +11,10 @@ sides through `hmac.compare_digest`, so neither the content nor the length of th
 token leaks through timing); messages never echo what the client sent. The token protects
 the gateway only: the backends are protected by mTLS (`services/common/tls.py`), and nothing
 from the client's metadata is forwarded to them.
+
+Tenants: a call belongs to the tenant of the bearer token it presents (`tenant_of`), whether
+or not a token is required; the gateway scopes request ids per tenant, so `Abort` reaches only
+the caller's own generations and an id another token uses is simply not found.
 """
 
 from __future__ import annotations
@@ -27,6 +31,18 @@ INVALID = "invalid bearer token"
 
 def _digest(value: str | bytes) -> bytes:
     return hashlib.sha256(value.encode() if isinstance(value, str) else value).digest()
+
+
+def tenant_of(metadata) -> str:
+    """The tenant of a call whose metadata is `metadata` (key, value pairs): the SHA-256 (hex)
+    of the bearer token its `authorization` carries, "" when it carries none. The token itself
+    is never kept."""
+    values = [v for k, v in (metadata or ()) if k.lower() == "authorization"]
+    if not values:
+        return ""
+    value = values[0].decode("latin-1") if isinstance(values[0], bytes) else values[0]
+    scheme, _, token = value.partition(" ")
+    return _digest(token.strip() if scheme.lower() == "bearer" else value).hex()
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):

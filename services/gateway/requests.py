@@ -7,6 +7,10 @@ interrupt it mid-round, and the log filter that tags the gateway's log lines wit
 the request they are about. It must not build wire messages (the servicer does) or run a
 round (the scheduler does).
 
+Request ids are scoped per tenant (`services.gateway.auth.tenant_of`: the caller's bearer
+token): two tenants may run the same id, and `abort(id, tenant)` finds only the tenant's own
+generation, so an id never leaks across tenants (another tenant's id reads as unknown).
+
 Abort semantics: `Registry.abort(id)` marks the generation aborted and cancels the step it is
 awaiting (a draft, verify or decode call in flight), so it stops within one backend reply
 rather than after its round; `Running.next` then raises `GenerationAborted` and the servicer
@@ -70,10 +74,11 @@ def metadata_request_id(metadata) -> str:
 
 
 class Running:
-    """One running generation's abort handle: the step it awaits and whether it was aborted."""
+    """One running generation's abort handle: the step it awaits and whether it was aborted;
+    `tenant` scopes its id."""
 
-    def __init__(self, request_id: str):
-        self.request_id = request_id
+    def __init__(self, request_id: str, tenant: str = ""):
+        self.request_id, self.tenant = request_id, tenant
         self.aborted = False
         self._step: asyncio.Future | None = None
 
@@ -118,33 +123,34 @@ async def _step(events: AsyncIterator[T]):
 
 
 class Registry:
-    """The gateway's running generations by request id (one event loop; no lock needed)."""
+    """The gateway's running generations by (tenant, request id) (one event loop; no lock needed)."""
 
     def __init__(self):
-        self._running: dict[str, Running] = {}
+        self._running: dict[tuple[str, str], Running] = {}
 
     def __len__(self) -> int:
         return len(self._running)
 
-    def register(self, request_id: str) -> Running:
-        """A new handle for `request_id`, registered until `remove`.
+    def register(self, request_id: str, tenant: str = "") -> Running:
+        """A new handle for `request_id` of `tenant`, registered until `remove`.
 
         Raises:
-            DuplicateRequestId: a running generation already has that id (named).
+            DuplicateRequestId: a running generation of the same tenant already has that id (named).
         """
-        if request_id in self._running:
+        if (tenant, request_id) in self._running:
             raise DuplicateRequestId(f"request_id={request_id!r}: a generation with this id is already running")
-        running = self._running[request_id] = Running(request_id)
+        running = self._running[(tenant, request_id)] = Running(request_id, tenant)
         return running
 
     def remove(self, running: Running) -> None:
         """Forget `running` (its generation ended, however)."""
-        if self._running.get(running.request_id) is running:
-            del self._running[running.request_id]
+        if self._running.get((running.tenant, running.request_id)) is running:
+            del self._running[(running.tenant, running.request_id)]
 
-    def abort(self, request_id: str) -> bool:
-        """Abort the generation with `request_id`; False when none is running under that id."""
-        running = self._running.get(request_id)
+    def abort(self, request_id: str, tenant: str = "") -> bool:
+        """Abort `tenant`'s generation with `request_id`; False when that tenant runs none
+        under that id (another tenant's generation with the id is not touched)."""
+        running = self._running.get((tenant, request_id))
         if running is None:
             return False
         running.abort()

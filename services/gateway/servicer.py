@@ -7,10 +7,11 @@ does) or read the environment (its settings arrive as a `GatewaySettings`).
 
 Client-facing: `Generate` (server streaming), `Abort` and `Stats`. Every Generate has a
 `request_id` (the client's, validated, or a generated uuid4 hex) echoed in every message, set
-on the generation span and prefixed to the gateway's log lines about it; `Abort(request_id)`
-stops that generation (see `services.gateway.requests`): its stream ends with a final message
-of finish_reason "abort" carrying the usage so far, and an unknown or finished id answers
-found=false. Every message carries the cumulative prompt and completion token counts; the
+on the generation span and prefixed to the gateway's log lines about it; ids are scoped to
+the caller's bearer token (`auth.tenant_of`). `Abort(request_id)` stops the caller's own
+generation with that id (see `services.gateway.requests`): its stream ends with a final message
+of finish_reason "abort" carrying the usage so far, and an unknown, finished or other
+tenant's id answers found=false. Every message carries the cumulative prompt and completion token counts; the
 final one also `matched_stop` and the speculation counts under their shared names
 (`spec_draft_tokens` = `spec_stats.submitted`, `spec_accepted_tokens` = `spec_stats.accepted`)
 and the `seed` used. Sampling fields are validated into a `SamplingParams` (`request_sampling`):
@@ -43,6 +44,7 @@ from dspark_proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from dsv4.sampling import SamplingParams
 from services.common.sampling_wire import logprob_to_proto, params_from_proto
 from services.common.settings import GatewaySettings
+from services.gateway.auth import tenant_of
 from services.gateway.backends import BackendError, Backends, GrpcDrafterSession, GrpcVerifierSession
 from services.gateway.costs import CostTracker
 from services.gateway.drafters import DrafterSupply
@@ -227,7 +229,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 request.prompt, list(request.prompt_token_ids), request.max_tokens, _SPEC[request.spec],
                 request.temperature, list(request.stop_token_ids), list(request.stop), request.ignore_eos,
                 request.label, sampling, request.max_draft_tokens)
-            running = self.running.register(rid)
+            running = self.running.register(rid, tenant_of(context.invocation_metadata()))
         except DuplicateRequestId as exc:
             await refuse(context, rid, grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except ValueError as exc:
@@ -241,7 +243,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             request_id(request.request_id)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        found = self.running.abort(request.request_id)
+        found = self.running.abort(request.request_id, tenant_of(context.invocation_metadata()))
         log.info("abort of request_id=%r: %s", request.request_id, "stopping it" if found else "none running")
         return gateway_pb2.AbortResponse(found=found)
 

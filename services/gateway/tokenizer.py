@@ -20,6 +20,7 @@ BYTE_OFFSET = 2  # ids 0 and 1 are bos / eos in the DeepSeek convention
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
+    def token_str(self, token_id: int) -> str: ...
 
 
 class ByteTokenizer:
@@ -50,6 +51,11 @@ class ByteTokenizer:
         out.append(buf.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def token_str(self, token_id: int) -> str:
+        """The vocabulary entry of one id: its byte as text (U+FFFD for a lone byte of a
+        multi-byte character), else `<id>`."""
+        return self.decode([token_id]) if BYTE_OFFSET <= token_id < BYTE_OFFSET + 256 else f"<{token_id}>"
+
 
 class HFTokenizer:
     """A `tokenizers.Tokenizer` from tokenizer.json; special tokens are skipped when decoding."""
@@ -63,6 +69,10 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_str(self, token_id: int) -> str:
+        """The vocabulary entry of one id as tokenizer.json spells it ("" for an unknown id)."""
+        return self._tok.id_to_token(token_id) or ""
 
 
 def load_tokenizer(checkpoint: str | Path | None, vocab_size: int, eos_token_id: int) -> Tokenizer:

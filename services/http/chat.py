@@ -9,6 +9,12 @@ A Hugging Face checkpoint carries its template as `chat_template` in `tokenizer_
 sandbox (a template is data from the checkpoint, not trusted code) with the variables
 Hugging Face templates use: `messages`, `add_generation_prompt`, `bos_token`, `eos_token`
 and the function `raise_exception(message)`.
+
+The models this project makes (the bundled `assets/dspark-small`, trained on plain text, and
+the random tiny model) use `PLAIN_TEMPLATE`: one `role: content` line per message, then
+`assistant:` for the turn to generate. The bundled folder carries it in its
+`tokenizer_config.json`, as a real checkpoint does; the random model has no folder and gets it
+here.
 """
 
 from __future__ import annotations
@@ -21,6 +27,10 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from services.http.errors import ApiError
+
+
+PLAIN_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+                  "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 class ChatTemplateError(ValueError):
@@ -48,14 +58,15 @@ class ChatTemplate:
         env.globals["raise_exception"] = _raise
         object.__setattr__(self, "_template", env.from_string(self.source))
 
-    def render(self, messages: list[dict]) -> str:
-        """The prompt text of `messages` ([{"role", "content"}]) ending with the assistant's turn.
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text of `messages` ([{"role", "content"}]), ending with the assistant's
+        turn when `add_generation_prompt`.
 
         Raises:
             ApiError: 400 naming `messages` when the template refuses them or fails on them.
         """
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True,
+            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token, eos_token=self.eos_token)
         except (ChatTemplateError, TemplateError, TypeError, ValueError) as exc:
             raise ApiError(400, f"messages: the chat template refused them: {exc}", param="messages",
@@ -67,14 +78,15 @@ def _raise(message: str):
 
 
 def load_chat_template(checkpoint: str | Path | None) -> ChatTemplate | None:
-    """The checkpoint folder's chat template, or None when it has none (or no folder is given).
+    """The checkpoint folder's chat template, or None when it has none; `PLAIN_TEMPLATE` for
+    the random tiny model (no folder).
 
     Raises:
         ValueError: naming the file: tokenizer_config.json is not JSON, its chat_template is
             neither a string nor a list with a "default" entry, or the template does not compile.
     """
     if checkpoint is None:
-        return None
+        return ChatTemplate(PLAIN_TEMPLATE)
     folder = Path(checkpoint)
     config_path = folder / "tokenizer_config.json"
     config = {}

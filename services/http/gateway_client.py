@@ -11,7 +11,7 @@ from typing import AsyncIterator
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dspark_proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from dspark_proto.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.server import channel_options
 from services.common.settings import check_seconds
 from services.http.errors import ApiError, from_rpc_error
@@ -54,23 +54,6 @@ class GatewayClient:
             raise from_rpc_error(exc) from None
         finally:
             call.cancel()  # a no-op once the call has ended
-
-    async def collect(self, request: gateway_pb2.GenerateRequest, authorization: str | None
-                      ) -> tuple[gateway_pb2.GenerateResponse, list[int], list[common_pb2.TokenLogprob]]:
-        """The final message of `request`'s Generate stream (text, usage, stats), every
-        completion token id the stream carried, in order, and their `TokenLogprob`s.
-
-        Raises:
-            ApiError: the call failed, or the stream ended without a final message (502).
-        """
-        token_ids: list[int] = []
-        logprobs: list[common_pb2.TokenLogprob] = []
-        async for message in self.generate(request, authorization):
-            token_ids.extend(message.token_ids)
-            logprobs.extend(message.logprobs)
-            if message.finished:
-                return message, token_ids, logprobs
-        raise ApiError(502, "the gateway's stream ended without a final message", code="bad_gateway")
 
     async def serving(self) -> bool:
         """Whether the gateway's gRPC health service reports SERVING within the health deadline."""

@@ -10,7 +10,9 @@ verify and rejected (`spec_draft_tokens - spec_accepted_tokens`); drafts the gat
 before verify are in neither (they are in `dspark.drafted`). A choice that ended on a stop
 carries what matched as `stop_reason` (a token id or a stop string; vLLM's field), else null. The `dspark` object carries the generation's `SpecStats` fields and
 `time_to_first_token_ms`, on the whole response and on the chunk that carries finish_reason;
-beside it, `seed` is the seed used (the request's, or drawn by the gateway). `logprobs` is
+beside it, `seed` is the seed used (the request's, or drawn by the gateway). A response with
+several choices (`services.http.batch`) carries `dspark` and `seed` in each choice, the
+request's seed beside them, and `usage` summed over the choices (`usage`). `logprobs` is
 null unless asked for; then `services.http.logprobs` builds it.
 """
 
@@ -33,14 +35,18 @@ def sse(payload: dict) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":"), allow_nan=False).encode() + b"\n\n"
 
 
-def usage(final: gateway_pb2.GenerateResponse) -> dict:
-    """OpenAI `usage` of a finished generation (token counts) with the prediction-token details."""
-    u = final.usage
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "completion_tokens_details": {
-                "accepted_prediction_tokens": final.spec_accepted_tokens,
-                "rejected_prediction_tokens": final.spec_draft_tokens - final.spec_accepted_tokens}}
+def usage(finals: list[tuple[int, gateway_pb2.GenerateResponse]]) -> dict:
+    """OpenAI `usage` of a request's finished generations, given as (j, final message), j being
+    which of its prompt's n choices a generation is: completion tokens and the prediction-token
+    details summed over every choice, prompt tokens over the prompts (each counted once, at
+    its j = 0, as OpenAI and vLLM count them)."""
+    prompt = sum(f.usage.prompt_tokens for j, f in finals if j == 0)
+    completion = sum(f.usage.completion_tokens for _, f in finals)
+    accepted = sum(f.spec_accepted_tokens for _, f in finals)
+    rejected = sum(f.spec_draft_tokens - f.spec_accepted_tokens for _, f in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": rejected}}
 
 
 def stop_reason(final: gateway_pb2.GenerateResponse) -> int | str | None:
@@ -76,35 +82,50 @@ class Shape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, final: gateway_pb2.GenerateResponse, token_ids: list[int] | None = None,
-              logprobs: dict | None = None) -> dict:
-        """The non-streaming response of a finished generation (`final`: its last message);
-        token_ids: the completion's ids, added to the choice as `token_ids` (None: not added);
-        logprobs: the choice's `logprobs` object (None: null)."""
+    def choice(self, index: int, final: gateway_pb2.GenerateResponse, token_ids: list[int] | None = None,
+               logprobs: dict | None = None) -> dict:
+        """Choice `index` of a whole response (`final`: its generation's last message);
+        token_ids: the completion's ids, added as `token_ids` (None: not added); logprobs:
+        the choice's `logprobs` object (None: null)."""
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": final.text},
+            choice = {"index": index, "message": {"role": "assistant", "content": final.text},
                       "logprobs": logprobs, "finish_reason": final.finish_reason}
         else:
-            choice = {"index": 0, "text": final.text, "logprobs": logprobs, "finish_reason": final.finish_reason}
+            choice = {"index": index, "text": final.text, "logprobs": logprobs, "finish_reason": final.finish_reason}
         choice["stop_reason"] = stop_reason(final)
         if token_ids is not None:
             choice["token_ids"] = token_ids
-        return {**self._head("chat.completion" if self.chat else "text_completion"), "choices": [choice],
-                "usage": usage(final), "dspark": dspark_stats(final), "seed": final.seed}
+        return choice
+
+    def whole(self, choices: list[dict], finals: list[tuple[int, gateway_pb2.GenerateResponse]],
+              seed: int) -> dict:
+        """The non-streaming response: `choices` (from `choice`, in index order), the usage of
+        `finals` ((j, final message) per choice) and `seed`, the request's. One choice: the
+        `dspark` stats beside it; several: each choice carries its own `dspark` and `seed`."""
+        body = {**self._head("chat.completion" if self.chat else "text_completion"), "choices": choices,
+                "usage": usage(finals)}
+        if len(choices) == 1:
+            body["dspark"] = dspark_stats(finals[0][1])
+        else:
+            for choice, (_, final) in zip(choices, finals):
+                choice["dspark"], choice["seed"] = dspark_stats(final), final.seed
+        body["seed"] = seed
+        return body
 
     def chunk(self, text: str, finish_reason: str | None = None, *, first: bool = False,
               with_usage_field: bool = False, token_ids: list[int] | None = None,
-              logprobs: dict | None = None) -> dict:
-        """One streamed chunk with `text` (chat: the delta; `first` adds the assistant role).
+              logprobs: dict | None = None, index: int = 0) -> dict:
+        """One streamed chunk of choice `index` with `text` (chat: the delta; `first` adds the
+        assistant role).
         with_usage_field: add `"usage": null`, as OpenAI does when the stream's usage comes last;
         token_ids: the ids new in this chunk, added to the choice (None: not added);
         logprobs: the `logprobs` object of this chunk's tokens (None: null)."""
         if self.chat:
             delta = ({"role": "assistant", "content": text} if first else {"content": text}) \
                 if (text or first) else {}
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         if token_ids is not None:
             choice["token_ids"] = token_ids
         body = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
@@ -113,16 +134,18 @@ class Shape:
         return body
 
     def final_chunk(self, final: gateway_pb2.GenerateResponse, with_usage_field: bool,
-                    with_token_ids: bool = False) -> dict:
-        """The chunk with the finish reason, the last text delta (and ids) and the `dspark` stats."""
+                    with_token_ids: bool = False, index: int = 0) -> dict:
+        """The chunk of choice `index` with the finish reason, the last text delta (and ids),
+        the `dspark` stats and the seed of that choice's generation."""
         body = self.chunk(final.text_delta, final.finish_reason, with_usage_field=with_usage_field,
-                          token_ids=list(final.token_ids) if with_token_ids else None)
+                          token_ids=list(final.token_ids) if with_token_ids else None, index=index)
         body["choices"][0]["stop_reason"] = stop_reason(final)
         body["dspark"] = dspark_stats(final)
         body["seed"] = final.seed
         return body
 
-    def usage_chunk(self, final: gateway_pb2.GenerateResponse) -> dict:
-        """The chunk `stream_options.include_usage` adds after the last one: no choices, the usage."""
+    def usage_chunk(self, finals: list[tuple[int, gateway_pb2.GenerateResponse]]) -> dict:
+        """The chunk `stream_options.include_usage` adds after the last one: no choices, the
+        usage of every choice's generation (`usage`)."""
         return {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [],
-                "usage": usage(final)}
+                "usage": usage(finals)}

@@ -1,40 +1,45 @@
 """The FastAPI application of the HTTP front: routes, auth, and the SSE event stream.
 
 Owns the endpoints (`POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
-`GET /health`, `/metrics` when the gateway has metrics), the bearer-token check and the order
-of the streamed events. Every generation is one `Gateway.Generate` call through a
-`GatewayClient`; this module validates nothing the request models or the gateway validate.
+`GET /v1/models/{id}`, `GET|HEAD /health`, `GET /metrics` when the gateway has metrics, and
+vLLM's tokenizer endpoints from `tokenizer_api`), the bearer-token check and the order of the
+streamed events. Every choice is one `Gateway.Generate` call through a `GatewayClient`, run
+by `batch.Admission`; this module validates nothing the request models or the gateway
+validate. The body limit and the access log wrap the application (`middleware`).
 
-Streaming: the first gateway message is awaited before the response starts, so a request the
-gateway refuses gets its HTTP status and error JSON, never a 200 stream. A failure after the
-stream started is sent as one `data: {"error": ...}` event, then `data: [DONE]`. A client that
-disconnects cancels the gRPC call, which closes the generation's backend sessions: while a
-whole (non-streamed) response is being generated or a stream awaits its first message, a
-watcher of the connection notices the disconnect; once a stream has started, its failed
-write does.
+Streaming: the first gateway message of any choice is awaited before the response starts,
+so a request the gateway refuses gets its HTTP status and error JSON, never a 200 stream. A
+failure after the stream started is sent as one `data: {"error": ...}` event, then `data:
+[DONE]`. A client that disconnects cancels the gRPC calls, which closes the generations'
+backend sessions: while a whole (non-streamed) response is being generated or a stream
+awaits its first message, a watcher of the connection notices the disconnect; once a stream
+has started, its failed write does.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark_proto.v1 import gateway_pb2
 from services.gateway.auth import MISSING, BearerTokenInterceptor
 from services.gateway.tokenizer import Tokenizer
+from services.http.batch import Admission, Choice, plan
 from services.http.chat import ChatTemplate
 from services.http.errors import (ApiError, api_error_handler, internal_error_handler,
                                   validation_error_handler)
 from services.http.gateway_client import GatewayClient
 from services.http.logprobs import LogprobFormatter
+from services.http.middleware import DEFAULT_MAX_BODY_BYTES, AccessLog, BodyLimit
 from services.http.responses import DONE, Shape, sse
 from services.http.schemas import DEFAULT_COMPLETION_MAX_TOKENS, ChatCompletionRequest, CompletionRequest
+from services.http.tokenizer_api import add_tokenizer_routes
 
 MISSING_HEADER = "missing bearer token: send the header 'Authorization: Bearer <token>'"
 # SSE through proxies: no caching, no buffering (nginx honours X-Accel-Buffering).
@@ -48,11 +53,17 @@ NO_TEMPLATE = ("this model has no chat template (its checkpoint has no chat_temp
 @dataclass(frozen=True)
 class ModelCard:
     """What /v1/models lists: the served model's id, its context length (tokens: prompt +
-    completion) and its creation time (s since the epoch)."""
+    completion), its creation time (s since the epoch) and its vocabulary size (ids)."""
 
     id: str
     max_seq_len: int
     created: int
+    vocab_size: int = 0
+
+    def body(self) -> dict:
+        """The model object of /v1/models."""
+        return {"id": self.id, "object": "model", "created": self.created, "owned_by": "dspark",
+                "max_model_len": self.max_seq_len}
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,12 @@ class Front:
                 raise ApiError(401, MISSING_HEADER if reason == MISSING else reason, code="invalid_api_key")
         return header
 
+    def template(self) -> ChatTemplate:
+        """The chat template. Raises ApiError 400 `chat_template_missing` when there is none."""
+        if self.chat_template is None:
+            raise ApiError(400, NO_TEMPLATE, param="messages", code="chat_template_missing")
+        return self.chat_template
+
     def check_model(self, name: str | None) -> None:
         """Raises ApiError 404 naming `name` when it is given and is not the served model."""
         if name and name != self.model.id:
@@ -83,56 +100,79 @@ class Front:
                            param="model", code="model_not_found")
 
 
-def build_app(front: Front, metrics_registry=None) -> FastAPI:
+def build_app(front: Front, metrics_registry=None, tokenizer_info: dict | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The ASGI application over `front`; `metrics_registry`: a prometheus_client registry
-    served at /metrics (None: no /metrics)."""
+    served at /metrics (None: no /metrics); tokenizer_info: the /tokenizer_info body (None:
+    just `tokenizer_class`); max_body_bytes: larger request bodies get 413.
+    Raises ValueError: max_body_bytes < 1."""
+    if max_body_bytes < 1:  # checked here: Starlette builds the middleware at the first request
+        raise ValueError(f"max_body_bytes={max_body_bytes}: must be >= 1")
     app = FastAPI(title="dspark OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
     app.add_exception_handler(Exception, internal_error_handler)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        authorization = front.authorize(request)
-        front.check_model(body.model)
-        prompt, ids = body.checked()
-        shape = Shape(front.model.id, chat=False)
-        req = body.generate_request(shape.id, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, prompt, ids,
-                                    body.top_alternatives)
-        fmt = LogprobFormatter(front.tokenizer, chat=False) if body.logprobs is not None else None
-        return await _respond(front.client, req, body, shape, authorization, request, fmt)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        authorization = front.authorize(request)
-        front.check_model(body.model)
-        if front.chat_template is None:
-            raise ApiError(400, NO_TEMPLATE, param="messages", code="chat_template_missing")
-        ids = front.tokenizer.encode(front.chat_template.render(body.checked()))
-        max_tokens = body.requested_max_tokens or max(1, front.model.max_seq_len - len(ids))
-        shape = Shape(front.model.id, chat=True)
-        req = body.generate_request(shape.id, max_tokens, prompt_ids=ids, logprobs=body.top_alternatives)
-        fmt = LogprobFormatter(front.tokenizer, chat=True) if body.logprobs else None
-        return await _respond(front.client, req, body, shape, authorization, request, fmt)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(AccessLog)  # added last: the outermost, so it sees the body limit's 413 too
+    _add_generation_routes(app, front)
 
     @app.get("/v1/models")
     async def models(request: Request):
         front.authorize(request)
-        m = front.model
-        return {"object": "list", "data": [{"id": m.id, "object": "model", "created": m.created,
-                                            "owned_by": "dspark", "max_model_len": m.max_seq_len}]}
+        return {"object": "list", "data": [front.model.body()]}
 
-    @app.get("/health")
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        front.authorize(request)
+        if model_id != front.model.id:
+            raise ApiError(404, f"model {model_id!r}: not served here; this server serves {front.model.id!r}",
+                           param="model", code="model_not_found")
+        return front.model.body()
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if await front.client.serving():
             return {"status": "ok"}
         raise ApiError(503, "the gateway is not serving", code="unavailable")
 
+    add_tokenizer_routes(app, front, tokenizer_info or {"tokenizer_class": type(front.tokenizer).__name__})
     if metrics_registry is not None:
-        from prometheus_client import make_asgi_app
-        app.mount("/metrics", make_asgi_app(registry=metrics_registry))
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        @app.get("/metrics")
+        async def metrics():
+            return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
     return app
+
+
+def _add_generation_routes(app: FastAPI, front: Front) -> None:
+    """POST /v1/completions and /v1/chat/completions over `front`."""
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        authorization = front.authorize(request)
+        front.check_model(body.model)
+        prompts = body.checked()
+        shape = Shape(front.model.id, chat=False)
+        reqs = [body.generate_request(shape.id, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, text, ids,
+                                      body.top_alternatives) for text, ids in prompts]
+        choices, seed = plan(reqs, body.n, body.internal_seed, shape.id)
+        fmt = (lambda: LogprobFormatter(front.tokenizer, chat=False)) if body.logprobs is not None else None
+        return await _respond(front.client, choices, seed, body, shape, authorization, request, fmt)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        authorization = front.authorize(request)
+        front.check_model(body.model)
+        messages = body.checked()
+        ids = front.tokenizer.encode(front.template().render(messages))
+        max_tokens = body.requested_max_tokens or max(1, front.model.max_seq_len - len(ids))
+        shape = Shape(front.model.id, chat=True)
+        req = body.generate_request(shape.id, max_tokens, prompt_ids=ids, logprobs=body.top_alternatives)
+        choices, seed = plan([req], body.n, body.internal_seed, shape.id)
+        fmt = (lambda: LogprobFormatter(front.tokenizer, chat=True)) if body.logprobs else None
+        return await _respond(front.client, choices, seed, body, shape, authorization, request, fmt)
 
 
 async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -140,17 +180,25 @@ async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> 
     return ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}").response()
 
 
-async def _respond(client: GatewayClient, req: gateway_pb2.GenerateRequest, body, shape: Shape,
-                   authorization: str | None, request: Request, fmt: LogprobFormatter | None = None):
-    """The whole response, or the SSE stream once the gateway's first message arrived; `fmt`
-    formats the tokens' logprobs (None: logprobs null).
-    Raises ApiError: the call failed before any message (its mapped status), or the client
+async def _respond(client: GatewayClient, choices: list[Choice], seed: int | None, body, shape: Shape,
+                   authorization: str | None, request: Request, fmt: Callable[[], LogprobFormatter] | None = None):
+    """The whole response, or the SSE stream once a first gateway message arrived; `choices`
+    run concurrently through one `Admission`; seed: the request's (None: the gateway's draw,
+    read from the final message); `fmt` makes a choice's logprob formatter (None: logprobs
+    null). The response carries `x-request-id`: the response id.
+    Raises ApiError: the calls failed before any message (the mapped status), or the client
     disconnected before the response started (499)."""
+    admission = Admission(client, authorization, client.generate_timeout_s)
+    headers = {"x-request-id": shape.id}
     if not body.stream:
-        final, token_ids, logprobs = await _unless_disconnected(request, client.collect(req, authorization))
-        return JSONResponse(shape.whole(final, token_ids if body.return_token_ids else None,
-                                        fmt.body(logprobs) if fmt is not None else None))
-    stream = client.generate(req, authorization)
+        results = await _unless_disconnected(request, admission.collect_all(choices))
+        out = [shape.choice(c.index, final, ids if body.return_token_ids else None,
+                            fmt().body(logprobs) if fmt is not None else None)
+               for c, (final, ids, logprobs) in zip(choices, results)]
+        finals = [(c.j, r[0]) for c, r in zip(choices, results)]
+        return JSONResponse(shape.whole(out, finals, results[0][0].seed if seed is None else seed),
+                            headers=headers)
+    stream = admission.stream_all(choices)
     try:
         first = await _unless_disconnected(request, anext(stream, None))
         if first is None:
@@ -158,8 +206,9 @@ async def _respond(client: GatewayClient, req: gateway_pb2.GenerateRequest, body
     except BaseException:
         await stream.aclose()
         raise
-    return StreamingResponse(_events(stream, first, shape, body.include_usage, body.return_token_ids, fmt),
-                             media_type="text/event-stream", headers=SSE_HEADERS)
+    fmts = {c.index: fmt() for c in choices} if fmt is not None else None
+    return StreamingResponse(_events(stream, first, shape, body, {c.index: c.j for c in choices}, fmts),
+                             media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
 
 
 async def _disconnected(request: Request) -> None:
@@ -192,29 +241,37 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
-async def _events(stream: AsyncIterator[gateway_pb2.GenerateResponse], first: gateway_pb2.GenerateResponse,
-                  shape: Shape, include_usage: bool, token_ids: bool,
-                  fmt: LogprobFormatter | None = None) -> AsyncIterator[bytes]:
-    """The SSE events of one generation: (chat: a role chunk), a chunk per gateway message
-    with new text (or, with `token_ids` or logprobs asked for, new ids), the finish chunk,
-    (include_usage: the usage chunk), then [DONE]."""
+async def _events(stream: AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]],
+                  first: tuple[int, gateway_pb2.GenerateResponse], shape: Shape, body, js: dict[int, int],
+                  fmts: dict[int, LogprobFormatter] | None = None) -> AsyncIterator[bytes]:
+    """The SSE events of a request's choices, as their messages arrive: per choice (chat: a
+    role chunk first), a chunk per gateway message with new text (or, with `return_token_ids`
+    or logprobs asked for, new ids), its finish chunk; then (`include_usage`) the usage chunk
+    over every choice (js: choice index -> which of its prompt's n it is), then [DONE]."""
+    include_usage, token_ids = body.include_usage, body.return_token_ids
+    started: set[int] = set()
+    finals: list[tuple[int, gateway_pb2.GenerateResponse]] = []
     try:
-        if shape.chat:
-            yield sse(shape.chunk("", first=True, with_usage_field=include_usage))
-        message: gateway_pb2.GenerateResponse | None = first
-        while message is not None and not message.finished:
-            if message.text_delta or ((token_ids or fmt is not None) and message.token_ids):
+        item: tuple[int, gateway_pb2.GenerateResponse] | None = first
+        while item is not None:
+            index, message = item
+            if shape.chat and index not in started:
+                started.add(index)
+                yield sse(shape.chunk("", first=True, with_usage_field=include_usage, index=index))
+            fmt = fmts[index] if fmts is not None else None
+            if message.finished:
+                finals.append((js[index], message))
+                yield sse(shape.final_chunk(message, include_usage, token_ids, index=index))
+            elif message.text_delta or ((token_ids or fmt is not None) and message.token_ids):
                 yield sse(shape.chunk(message.text_delta, with_usage_field=include_usage,
                                       token_ids=list(message.token_ids) if token_ids else None,
-                                      logprobs=fmt.body(message.logprobs) if fmt is not None else None))
-            message = await anext(stream, None)
-        if message is None:
-            raise ApiError(502, "the gateway's stream ended without a final message", code="bad_gateway")
-        yield sse(shape.final_chunk(message, include_usage, token_ids))
+                                      logprobs=fmt.body(message.logprobs) if fmt is not None else None,
+                                      index=index))
+            item = await anext(stream, None)
         if include_usage:
-            yield sse(shape.usage_chunk(message))
+            yield sse(shape.usage_chunk(finals))
     except ApiError as exc:
         yield sse(exc.body())
     finally:
-        await stream.aclose()  # cancels the call when the client went away mid-stream
+        await stream.aclose()  # cancels the calls when the client went away mid-stream
     yield DONE

@@ -1,7 +1,9 @@
 """Request bodies of the OpenAI-compatible endpoints and their translation to `GenerateRequest`.
 
 Owns which OpenAI fields are accepted, their defaults and the checks that belong to the HTTP
-layer (field types, sampling values, one prompt per request). It never checks what the
+layer (field types, sampling values, the prompts and choices of a request, stop strings), and
+the refusal of fields that would change the output but are not supported
+(`services.http.unsupported`). It never checks what the
 gateway checks itself (token ids against the vocabulary, prompt + max_tokens against
 max_seq_len, the stop token ids): those come back as INVALID_ARGUMENT, answered 400.
 
@@ -9,7 +11,9 @@ Sampling (docs/services.md §9): `temperature` absent means greedy (the model's 
 vLLM uses the model's generation default rather than OpenAI's 1); > 0 samples with `top_p`,
 `seed` (absent: the gateway draws one, returned as the response's `seed`) and the extensions `top_k`
 and `min_p` (vLLM's names) and `sampling_rule` ("coupled" | "rejection"; absent: the
-gateway's). Logprobs: completions' integer `logprobs` (0..20 alternatives), chat's
+gateway's). `seed` is a signed 64-bit integer, as in OpenAI's and vLLM's APIs; a negative seed s
+samples as s + 2**63 (`internal_seed`). `top_k` -1 means off, as 0 does (vLLM's spelling).
+Logprobs: completions' integer `logprobs` (0..20 alternatives), chat's
 `logprobs` + `top_logprobs`; they are the target model's raw logprobs. A bad value is a 400
 naming the field, with `dsv4.sampling.SamplingParams`' own message.
 
@@ -28,6 +32,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from dspark_proto.v1 import common_pb2, gateway_pb2
 from dsv4.sampling import SamplingParams
 from services.http.errors import invalid
+from services.http.unsupported import CHAT_ONLY, SHARED, first_unsupported
 
 SPEC_MODES = {None: gateway_pb2.SPEC_MODE_DEFAULT, "off": gateway_pb2.SPEC_MODE_OFF,
               "always": gateway_pb2.SPEC_MODE_ALWAYS, "gated": gateway_pb2.SPEC_MODE_GATED}
@@ -35,6 +40,14 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's documented default for /v1/comple
 SAMPLING_RULES = {None: common_pb2.SAMPLING_RULE_DEFAULT, "coupled": common_pb2.SAMPLING_RULE_COUPLED,
                   "rejection": common_pb2.SAMPLING_RULE_REJECTION}
 INT32_MAX = 2**31 - 1  # GenerateRequest carries counts and ids as int32
+SEED_SPACE = 2**63  # the seeds SamplingParams takes: [0, 2**63)
+# Generations one request may ask for (prompts x n): each is a gateway generation, queued
+# within the request at the verifier's session limit.
+MAX_CHOICES = 256
+# Stop strings: the detokenizer tests each against the text's tail after every token, so both
+# the count and the length bound the gateway's work per token.
+MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 256
 # GenerateRequest carries temperature, top_p and min_p as float32: its largest finite value
 # and its smallest subnormal, as Python floats (compared in float64)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -71,10 +84,12 @@ class StreamOptions(BaseModel):
 
 
 class GenerationFields(BaseModel):
-    """The fields /v1/completions and /v1/chat/completions share. Unknown fields are ignored
-    (clients send many that change nothing here, such as `user`)."""
+    """The fields /v1/completions and /v1/chat/completions share. Unknown fields are kept
+    unvalidated and ignored (clients send many that change nothing here, such as `user`),
+    except those `UNSUPPORTED` lists, which `check_common` refuses unless neutral."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="allow")
+    UNSUPPORTED: ClassVar[dict] = SHARED
 
     model: Text | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
@@ -87,7 +102,7 @@ class GenerationFields(BaseModel):
     stop: Annotated[Union[str, list[str], None], AfterValidator(_unicode_texts)] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     # extensions
@@ -115,13 +130,24 @@ class GenerationFields(BaseModel):
         logprobs: top alternatives asked per token (the endpoint's own field, 0 when none).
         Raises:
             ApiError: 400 naming the field: a sampling value `SamplingParams` refuses (NaN or
-                negative temperature, top_p outside (0, 1], top_k < 0, min_p outside [0, 1],
-                seed outside [0, 2**63), logprobs outside 0..20), n != 1, a non-zero penalty,
-                a negative or too large stop token id.
+                negative temperature, top_p outside (0, 1], top_k < -1, min_p outside [0, 1],
+                logprobs outside 0..20), a seed outside [-2**63, 2**63), a non-zero penalty,
+                more than MAX_STOP_STRINGS stop strings or one longer than MAX_STOP_CHARS, a
+                negative or too large stop token id, an `UNSUPPORTED` field set.
         """
+        if self.seed is not None and not -SEED_SPACE <= self.seed < SEED_SPACE:
+            raise invalid("seed", f"seed={self.seed}: must lie in [-2**63, 2**63) (a signed 64-bit integer)")
         self.sampling(logprobs)
-        if self.n != 1:
-            raise invalid("n", f"n={self.n}: one choice per request is supported (n 1)")
+        refused = first_unsupported(self.model_extra or {}, self.UNSUPPORTED)
+        if refused is not None:
+            raise invalid(*refused)
+        stops = self.stops
+        if len(stops) > MAX_STOP_STRINGS:
+            raise invalid("stop", f"stop: {len(stops)} strings; at most {MAX_STOP_STRINGS}")
+        long = next((s for s in stops if len(s) > MAX_STOP_CHARS), None)
+        if long is not None:
+            raise invalid("stop", f"stop: a string of {len(long)} characters ({long[:20]!r}...); "
+                                  f"at most {MAX_STOP_CHARS}")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 raise invalid(name, f"{name}={getattr(self, name):g}: penalties are not supported (0)")
@@ -136,15 +162,29 @@ class GenerationFields(BaseModel):
             _check_float32(name, getattr(self, name))
         try:
             return SamplingParams(temperature=self.temperature or 0.0, top_p=1.0 if self.top_p is None else self.top_p,
-                                  top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed or 0,
+                                  top_k=self.top_k_or_off, min_p=self.min_p or 0.0, seed=self.internal_seed or 0,
                                   logprobs=logprobs)
         except ValueError as exc:  # SamplingParams' messages start with "<field>=<value>"
             field, message = str(exc).split("=", 1)[0], str(exc)
             if field == "logprobs":
                 field, message = self.LOGPROBS_FIELD, self.LOGPROBS_FIELD + message[len("logprobs"):]
+            if field == "top_k":
+                message += " (or -1: off)"
             raise invalid(field, message) from None
 
     LOGPROBS_FIELD: ClassVar[str] = "logprobs"  # the endpoint's name of the alternatives count
+
+    @property
+    def top_k_or_off(self) -> int:
+        """top_k as the gateway takes it: 0 (off) for absent, 0 or -1 (vLLM's "off")."""
+        return 0 if self.top_k in (None, -1) else self.top_k
+
+    @property
+    def internal_seed(self) -> int | None:
+        """The seed in SamplingParams' space [0, 2**63): a negative seed s maps to s + 2**63,
+        so every signed 64-bit seed names one stream (s and s + 2**63 name the same one);
+        None when the request has none."""
+        return None if self.seed is None else self.seed % SEED_SPACE
 
     @property
     def stops(self) -> list[str]:
@@ -158,15 +198,16 @@ class GenerationFields(BaseModel):
                          prompt_ids: list[int] | None = None, logprobs: int = 0) -> gateway_pb2.GenerateRequest:
         """The gRPC request of this body (checked by `check_common` first): `prompt` text or
         `prompt_ids` (int32 token ids); request_id: the response's id, which the gateway
-        carries on its spans and log lines; logprobs: top alternatives per token."""
+        carries on its spans and log lines; logprobs: top alternatives per token. The seed
+        is `internal_seed` (unset when the body has none: the gateway draws one)."""
         req = gateway_pb2.GenerateRequest(
             prompt=prompt, prompt_token_ids=prompt_ids or [], max_tokens=max_tokens,
-            temperature=self.temperature or 0.0, top_p=self.top_p or 0.0, top_k=self.top_k or 0,
+            temperature=self.temperature or 0.0, top_p=self.top_p or 0.0, top_k=self.top_k_or_off,
             min_p=self.min_p or 0.0, logprobs=logprobs, sampling_rule=SAMPLING_RULES[self.sampling_rule],
             spec=SPEC_MODES[self.spec], stop=self.stops, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, request_id=request_id)
         if self.seed is not None:
-            req.seed = self.seed
+            req.seed = self.internal_seed
         return req
 
 
@@ -182,9 +223,9 @@ def _check_float32(name: str, value: float | None) -> None:
 
 
 class CompletionRequest(GenerationFields):
-    """POST /v1/completions. `prompt`: a string, a list of token ids, or a one-element list of
-    either; `logprobs`: null or 0..20 alternatives per token; `echo` false; `best_of` null or
-    1; `suffix` null."""
+    """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of either (a
+    batch: one choice per prompt, times `n`); `logprobs`: null or 0..20 alternatives per
+    token; `echo` false; `best_of` null or equal to `n`; `suffix` null."""
 
     prompt: Annotated[Union[str, list[int], list[str], list[list[int]]], AfterValidator(_unicode_texts)]
     logprobs: int | None = None
@@ -192,40 +233,48 @@ class CompletionRequest(GenerationFields):
     best_of: int | None = None
     suffix: Text | None = None
 
-    def checked(self) -> tuple[str, list[int]]:
-        """(prompt text, prompt token ids): exactly one of them non-empty.
+    def checked(self) -> list[tuple[str, list[int]]]:
+        """The prompts, in order: (text, token ids) each, exactly one of the two non-empty.
 
         Raises:
             ApiError: 400 naming the field: a bad sampling value (`check_common`), logprobs
-                outside 0..20, echo, best_of > 1, a suffix, an empty prompt, several prompts,
-                a token id outside int32.
+                outside 0..20, echo, best_of other than n (no ranking of candidates), a
+                suffix, no prompt or an empty one, more than MAX_CHOICES prompts x n, a token
+                id outside int32.
         """
         self.check_common(self.top_alternatives)
         if self.echo:
             raise invalid("echo", "echo=true: not supported (false)")
-        if self.best_of not in (None, 1):
-            raise invalid("best_of", f"best_of={self.best_of}: one choice per request is supported (best_of 1)")
+        if self.best_of not in (None, self.n):
+            raise invalid("best_of", f"best_of={self.best_of}: candidates are not ranked here; "
+                                     f"best_of must be null or equal n={self.n}")
         if self.suffix:
             raise invalid("suffix", "suffix: not supported (null)")
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise invalid("prompt", f"prompt: a batch of {len(prompt)} prompts; send one prompt per request")
-            prompt = prompt[0]
-        if not prompt:
-            raise invalid("prompt", "prompt: empty (give text or token ids)")
-        if isinstance(prompt, str):
-            return prompt, []
-        bad = [t for t in prompt if not 0 <= t <= INT32_MAX]
-        if bad:
-            raise invalid("prompt", f"prompt: {bad[0]} is not a token id")
-        return "", list(prompt)
-
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if len(batch) * self.n > MAX_CHOICES:
+            raise invalid("prompt", f"prompt: {len(batch)} prompts x n={self.n} choices; "
+                                    f"at most {MAX_CHOICES} per request")
+        return [_one_prompt(p, i if len(batch) > 1 else None) for i, p in enumerate(batch)]
 
     @property
     def top_alternatives(self) -> int:
         """Alternatives per token asked for (0 also when logprobs are not asked for at all)."""
         return self.logprobs or 0
+
+
+def _one_prompt(prompt: str | list[int], index: int | None) -> tuple[str, list[int]]:
+    """(text, token ids) of one prompt; index: its place in a batch (None: not a batch).
+    Raises ApiError 400 naming `prompt`: empty, or a token id outside int32."""
+    where = "prompt" if index is None else f"prompt[{index}]"
+    if not prompt:
+        raise invalid("prompt", f"{where}: empty (give text or token ids)")
+    if isinstance(prompt, str):
+        return prompt, []
+    bad = [t for t in prompt if not 0 <= t <= INT32_MAX]
+    if bad:
+        raise invalid("prompt", f"{where}: {bad[0]} is not a token id")
+    return "", list(prompt)
 
 
 class TextPart(BaseModel):
@@ -252,8 +301,9 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(GenerationFields):
     """POST /v1/chat/completions. `max_completion_tokens` is the newer name of `max_tokens`
     (it wins when both are given); `logprobs` true returns each token's logprob, with
-    `top_logprobs` (0..20) alternatives."""
+    `top_logprobs` (0..20) alternatives; `n` choices of the one conversation."""
 
+    UNSUPPORTED: ClassVar[dict] = {**SHARED, **CHAT_ONLY}
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False

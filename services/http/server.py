@@ -20,6 +20,7 @@ import uvicorn
 from services.common.metrics import RANDOM_TINY_MODEL, served_model_name
 from services.common.server import RunningServer
 from services.http.gateway_client import GatewayClient
+from services.http.middleware import DEFAULT_MAX_BODY_BYTES
 
 log = logging.getLogger("dspark.http")
 START_TIMEOUT_S = 10.0
@@ -142,27 +143,33 @@ def loopback_target(host: str, port: int) -> str:
 
 async def start_http_front(gateway: RunningServer, scheduler, checkpoint: str | None, port: int = 0,
                            host: str = "127.0.0.1", token: str = "", generate_timeout_s: float = 600.0,
-                           metrics_registry=None) -> GatewayWithHttp:
+                           metrics_registry=None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> GatewayWithHttp:
     """Start the OpenAI-compatible HTTP front of the running `gateway` on host:port (0 = any
-    free port). scheduler: the gateway's `Scheduler` (the model's max_seq_len and tokenizer);
-    checkpoint: the served folder (model id, chat template; None = the random model); token:
-    the gateway's bearer token ("" = none), required from HTTP clients too and forwarded;
-    generate_timeout_s: deadline of one Generate call (s); metrics_registry: served at /metrics.
+    free port). scheduler: the gateway's `Scheduler` (the model's limits and tokenizer);
+    checkpoint: the served folder (model id, chat template, tokenizer_config.json; None = the
+    random model); token: the gateway's bearer token ("" = none), required from HTTP clients
+    too and forwarded; generate_timeout_s: deadline of one Generate call (s), which also
+    bounds how long a batch's choices queue; metrics_registry: served at /metrics;
+    max_body_bytes: request bodies above it get 413 (DSPARK_HTTP_MAX_BODY_BYTES).
 
     Raises:
-        ValueError: a bad chat template in the checkpoint (file named), a bad deadline.
+        ValueError: a bad chat template or tokenizer_config.json in the checkpoint (file
+            named), a bad deadline or body limit.
         RuntimeError: the HTTP port could not be bound.
     """
     from services.gateway.auth import BearerTokenInterceptor
     from services.http.chat import load_chat_template
     from services.http.routes import Front, ModelCard, build_app
+    from services.http.tokenizer_api import tokenizer_info
 
     template = load_chat_template(checkpoint)
+    info = tokenizer_info(checkpoint, scheduler.tokenizer)
     client = GatewayClient(loopback_target(host, gateway.port), generate_timeout_s)
-    card = ModelCard(model_id(checkpoint), scheduler.limits.max_seq_len, int(time.time()))
+    limits = scheduler.limits
+    card = ModelCard(model_id(checkpoint), limits.max_seq_len, int(time.time()), limits.vocab_size)
     front = Front(client, card, scheduler.tokenizer, template, BearerTokenInterceptor(token) if token else None)
     try:
-        http = await serve_http(build_app(front, metrics_registry), client, port, host)
+        http = await serve_http(build_app(front, metrics_registry, info, max_body_bytes), client, port, host)
     except BaseException:
         await client.close()
         raise

@@ -1,0 +1,97 @@
+"""Request fields that would change the output and that this server cannot honour yet.
+
+Owns the one table of such fields and their neutral values (the value that changes nothing,
+which passes). A request that sets any of them to anything else is refused with a 400 naming
+the field, never served as if the field were absent: a client that bans a token with
+`logit_bias` must not get that token back silently. Fields the server honours, and fields
+that change nothing about the tokens (`user`, `metadata`, `store`, `service_tier`,
+`parallel_tool_calls` without tools, ...), are not listed; they are declared on the request
+models or ignored as unknown.
+
+The table is read when a request model is built (`GenerationFields.unsupported`); it never
+reads the environment.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+NOT_YET = "not supported by this server yet"
+
+
+def _none(value: Any) -> bool:
+    return value is None
+
+
+def _falsy(value: Any) -> bool:
+    return value is None or value is False or value == [] or value == {}
+
+
+def _zero_bias(value: Any) -> bool:
+    """An absent or empty logit_bias, or one whose every bias is 0."""
+    return value is None or (isinstance(value, dict) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0 for v in value.values()))
+
+
+def _is(neutral: bool) -> Callable[[Any], bool]:
+    """Absent, or exactly the boolean `neutral`."""
+    return lambda value: value is None or value is neutral
+
+
+def _number(neutral: float) -> Callable[[Any], bool]:
+    """Absent, or a number (not a boolean) equal to `neutral`."""
+    return lambda value: value is None or (
+        isinstance(value, (int, float)) and not isinstance(value, bool) and value == neutral)
+
+
+def _text_format(value: Any) -> bool:
+    return value is None or value == {"type": "text"}
+
+
+def _no_tool_choice(value: Any) -> bool:
+    return value is None or value in ("none", "auto")
+
+
+def _text_modalities(value: Any) -> bool:
+    return value is None or value == ["text"]
+
+
+# field -> (is the value neutral?, what the neutral value is, for the message, whether only chat
+# takes it). The penalties and logit_bias are sampling controls the verifier does not apply
+# yet; the guided and tool fields constrain the output; the chat-template fields would render
+# another prompt.
+_FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
+    "logit_bias": (_zero_bias, "{} or only zero biases", False),
+    "repetition_penalty": (_number(1), "1", False),
+    "min_tokens": (_number(0), "0", False),
+    "response_format": (_text_format, '{"type": "text"}', False),
+    "bad_words": (_falsy, "[]", False),
+    **dict.fromkeys(("allowed_token_ids", "prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar", "structured_outputs", "logits_processors", "truncate_prompt_tokens",
+                     "reasoning_effort", "verbosity", "web_search_options"), (_none, "null", False)),
+    **dict.fromkeys(("use_beam_search", "include_stop_str_in_output", "return_tokens_as_token_ids"),
+                    (_is(False), "false", False)),
+    **dict.fromkeys(("skip_special_tokens", "spaces_between_special_tokens"), (_is(True), "true", False)),
+    # chat only
+    **dict.fromkeys(("tools", "functions", "chat_template_kwargs"), (_falsy, "null, [] or {}", True)),
+    **dict.fromkeys(("tool_choice", "function_call"), (_no_tool_choice, '"none" or "auto" (no tools)', True)),
+    **dict.fromkeys(("chat_template", "documents", "audio"), (_none, "null (the model's own)", True)),
+    **dict.fromkeys(("continue_final_message", "add_special_tokens"), (_is(False), "false", True)),
+    "add_generation_prompt": (_is(True), "true", True),
+    "modalities": (_text_modalities, '["text"]', True),
+}
+# The tables the endpoints check: (is neutral?, neutral value) by field.
+SHARED = {name: rule[:2] for name, rule in _FIELDS.items() if not rule[2]}
+CHAT_ONLY = {name: rule[:2] for name, rule in _FIELDS.items() if rule[2]}
+
+
+def first_unsupported(extra: dict[str, Any], table: dict[str, tuple[Callable[[Any], bool], str]]
+                      ) -> tuple[str, str] | None:
+    """(field, message) of the first field of `extra` (the body's fields no model declares)
+    that `table` lists with a value other than its neutral one; None when there is none."""
+    for name, value in extra.items():
+        rule = table.get(name)
+        if rule is not None and not rule[0](value):
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            return name, f"{name}={shown}: {NOT_YET}; leave it out or send {rule[1]}"
+    return None
