@@ -395,11 +395,13 @@ def _cut(out: DraftOutput, n: int) -> DraftOutput:
 
 
 def load_draft_module(path, dtype: torch.dtype = torch.float32, tp: DraftTP | None = None,
-                      device: torch.device | str = "cpu", deterministic_reduce: bool | None = None) -> DSparkDraft:
+                      device: torch.device | str = "cpu", deterministic_reduce: bool | None = None,
+                      decode_dtype: torch.dtype = torch.float32) -> DSparkDraft:
     """The drafter process's loader: read the drafter's consumer set (`mtp.*`, embed, head) of a
-    checkpoint folder (`dsv4.checkpoint.load_drafter_weights`) into a `DSparkDraft`, with the
-    confidence head iff the checkpoint has one; sharded for `tp`. `deterministic_reduce`: as
-    `DSparkDraft`'s.
+    checkpoint folder (`dsv4.checkpoint.load_drafter_weights`) straight onto `device` into a
+    `DSparkDraft`, with the confidence head iff the checkpoint has one; sharded for `tp`.
+    `deterministic_reduce`: as `DSparkDraft`'s; decode_dtype: what fp8 / fp4 tensors decode
+    to before the module's cast (fp32 or bf16).
 
     Raises:
         ValueError: dtype not float32/bfloat16 (checked before reading anything), or a tensor
@@ -410,7 +412,7 @@ def load_draft_module(path, dtype: torch.dtype = torch.float32, tp: DraftTP | No
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype}: must be torch.float32 or torch.bfloat16")
-    cfg, weights, has_conf = load_drafter_weights(path)
+    cfg, weights, has_conf = load_drafter_weights(path, dtype=decode_dtype, device=device)
     module = DSparkDraft(cfg, dtype=dtype, deterministic_reduce=deterministic_reduce, confidence_head=has_conf,
                          tp=tp, device=device)
     module.load_weights(weights)

@@ -39,6 +39,7 @@ Unset means the default; the "empty" column says what an empty value means.
 | DSPARK_MAX_SESSIONS | sized from memory (`services.common.limits`) | error | backend: max_sessions |
 | DSPARK_PREFILL_CHUNK | 64 | error | backend: prefill_chunk (prompt tokens per verifier step, 1..1048576) |
 | DSPARK_VERIFY_NUMERICS | fast | error | backend: verify_numerics (fast, exact) |
+| DSPARK_DEVICE | cpu | error | backend: device (cpu, cuda, cuda:N: where the verifier's or drafter's model runs; `--device` wins) |
 | DSPARK_STEP_PROFILE | 1 | default | backend: step_profile (0, 1: the verifier's start-up step-time profile) |
 | DSPARK_STEP_GATHER_MS | 50 | error | backend: step_gather_ms (0..1000: the longest a verifier or drafter step waits for the sessions the previous step answered, never longer than that step took; 0 = not at all) |
 | DSV4_MOE_DETERMINISTIC_REDUCE | 1 | default | model: moe_deterministic_reduce |
@@ -76,6 +77,7 @@ from dsv4.settings import (ENV_KERNELS, ENV_MOE_DETERMINISTIC_REDUCE, ENV_MOE_MU
 from services.common.settings import (COST_MODES, DEFAULT_STEP_GATHER_MS, DEFAULT_TORCH_THREADS, EXPORTERS,
                                       LOG_FORMATS, MAX_CONNECTION_AGE_S, MAX_STEP_GATHER_MS, MAX_TIMEOUT_S,
                                       MAX_TORCH_THREADS, MIN_TIMEOUT_S, PINNABLE_COSTS, SAMPLING_RULES, VERIFY_MODES, VERIFY_NUMERICS, BackendSettings,
+                                      parse_device,
                                       GatewaySettings, ServeSettings,
                                       TelemetrySettings, backend_target, valid_token)
 from services.common.tls import PemFile, TlsFiles, load_tls
@@ -125,10 +127,12 @@ class ProcessSettings:
 
 
 def read_settings(environ: Environ, service: str, *, tp: int = 1, checkpoint_flag: str | None = None,
-                  metrics_port_flag: int | None = None, http_port_flag: int | None = None) -> ProcessSettings:
+                  metrics_port_flag: int | None = None, http_port_flag: int | None = None,
+                  device_flag: str | None = None) -> ProcessSettings:
     """Parse every variable `service` reads (module table); flags given win over variables.
 
-    tp: the verifier's tensor-parallel ranks (`--tp`), checked against the numerics.
+    tp: the verifier's tensor-parallel ranks (`--tp`), checked against the numerics;
+    device_flag: `--device` (None: DSPARK_DEVICE, else cpu).
     Raises:
         ValueError: naming the variable (or flag) and its value; an unknown service.
     """
@@ -142,7 +146,7 @@ def read_settings(environ: Environ, service: str, *, tp: int = 1, checkpoint_fla
         return ProcessSettings(**common, gateway=gateway_settings(environ), gate=gate_config(environ),
                                gateway_tls=gateway_tls,
                                http_port=http_port(http_port_flag, environ, gateway_tls is not None))
-    backend = backend_settings(environ)
+    backend = backend_settings(environ, device_flag)
     if service == "drafter":
         return ProcessSettings(**common, model=model_settings(environ), backend=backend)
     if tp > 1 and backend.verify_numerics != "fast":  # what `app.load_trunk` refuses, before it loads
@@ -279,9 +283,15 @@ def gate_config(environ: Environ) -> GateConfig:
                       margin_auto=auto)
 
 
-def backend_settings(environ: Environ) -> BackendSettings:
-    """Raises ValueError naming the variable and value when one is invalid."""
-    return BackendSettings(max_sessions=_int(environ, "DSPARK_MAX_SESSIONS", None),
+def backend_settings(environ: Environ, device_flag: str | None = None) -> BackendSettings:
+    """device_flag: `--device`, which wins over DSPARK_DEVICE. Raises ValueError naming the
+    variable (or flag) and value when one is invalid."""
+    if device_flag is not None:
+        device = parse_device(device_flag, "--device")
+    else:
+        device = parse_device(environ.get("DSPARK_DEVICE", "cpu"), "DSPARK_DEVICE")
+    return BackendSettings(device=device,
+                           max_sessions=_int(environ, "DSPARK_MAX_SESSIONS", None),
                            prefill_chunk=_int(environ, "DSPARK_PREFILL_CHUNK", BackendSettings.prefill_chunk,
                                               high=MAX_PREFILL_CHUNK),
                            verify_mode=_choice(environ, "DSPARK_VERIFY_MODE", BackendSettings.verify_mode,
