@@ -61,6 +61,7 @@ from dsv4.draft_args import check_draft_args, check_seed, draft_length, listed, 
 from dsv4.dspark_rings import DraftState, check_rings, check_state, new_rings, write_commits
 from dsv4.dspark_stage import ConfidenceHead, DraftMoE, DSparkStage, MarkovHead
 from dsv4.dspark_tp import DraftTP
+from dsv4.host_sync import host_copy
 from dsv4.layers import Embedding, Linear
 from dsv4.mhc import hc_head
 from dsv4.settings import Settings
@@ -365,7 +366,8 @@ class DSparkDraft(nn.Module):
         if self.has_confidence_head:
             feats = torch.cat((y.float(), torch.stack(emb, 1).flatten(0, 1)), dim=-1)  # [N*B, D + Rm]
             conf = last.confidence_head.proj(feats)[:, 0].unflatten(0, (N, -1))  # [N, B]
-        tokens = torch.stack(drafted, 1).tolist()  # [N][B]: the one host sync
+        with host_copy():  # [N][B]: the step's one crossing to the host
+            tokens = torch.stack(drafted, 1).tolist()
         ys = y.unflatten(0, (N, -1))
         return [DraftOutput(tokens[n], logits[n], None if conf is None else conf[n], ys[n]) for n in range(N)]
 
