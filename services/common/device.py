@@ -2,7 +2,7 @@
 host crossing per reply.
 
 Owns the check that a device exists (made at start-up, before any model loads), the default
-dtype per device, the device of each tensor-parallel rank and the pinned host buffers that
+dtype per device and the pinned host buffers that
 hidden rows cross through once per reply (docs/deployment.md §4). The spelling (`cpu`,
 `cuda`, `cuda:N`) is `services.common.settings.parse_device`, so reading settings needs no
 torch. It never moves a model: `services.app` passes the parsed device to the loaders.
@@ -58,12 +58,3 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t)
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host rows arriving with a request -> `device`: staged through pinned memory and copied
-    without blocking the host when the device is a GPU; unchanged on a CPU device."""
-    if device.type == "cpu" or t.device == device:
-        return t.to(device)
-    staged = t if t.is_pinned() else t.pin_memory()
-    return staged.to(device, non_blocking=True)
