@@ -186,10 +186,15 @@ def _check_device(s: ProcessSettings, tp: int) -> None:
 
     Raises:
         ValueError: one line naming the device (no CUDA, cuda:N past the device count, or
-            fewer GPUs than --tp ranks).
+            fewer GPUs than --tp ranks); cuda:N with N > 0 and DSV4_KERNELS=triton (Triton
+            launches on the calling thread's current device, which the step loop's threads
+            leave at cuda:0: expose the GPU with CUDA_VISIBLE_DEVICES=N and --device cuda).
     """
     if s.backend is None or s.backend.device == "cpu":
         return
+    if s.backend.device != "cuda:0" and tp == 1 and s.model is not None and s.model.kernels == "triton":
+        raise ValueError(f"device {s.backend.device} with DSV4_KERNELS=triton: Triton kernels run on the "
+                         f"thread's current GPU (cuda:0); set CUDA_VISIBLE_DEVICES to the GPU and use --device cuda")
     from services.common.device import DeviceUnavailable, check_available
     try:
         check_available(s.backend.device)

@@ -62,6 +62,12 @@ def test_serve_on_a_missing_gpu_fails_at_once_naming_the_device(service, capsys)
         check_available("cuda:0")
 
 
+def test_a_second_gpu_with_triton_kernels_is_refused_before_the_device_check(capsys, monkeypatch):
+    monkeypatch.setenv("DSV4_KERNELS", "triton")
+    assert cli.main(["serve", "verifier", "--device", "cuda:1", "--port", "0"]) == 2
+    assert "device cuda:1 with DSV4_KERNELS=triton" in capsys.readouterr().err
+
+
 def test_serve_gateway_refuses_a_device(capsys):
     assert cli.main(["serve", "gateway", "--device", "cpu", "--port", "0"]) == 2
     assert "--device=cpu: the gateway runs no model" in capsys.readouterr().err
