@@ -21,7 +21,10 @@ fails (2 when no CUDA device and no --dry-run). Sections:
    a batched speculative chain from the plain chain; exact mode: verify row i == decode row i
    bitwise (fp32, bf16) and the exact/fast cost of decode and verify(5).
 
-`--dry-run` runs every section on the CPU at small sizes (kernels under TRITON_INTERPRET=1,
+`--services` runs the services' check instead (bench/gpu_services.py: the three services
+with verifier and drafter on the GPU, exactness of speculation against plain decode at 1..64
+streams, the measured step table written for a simulator, TP = 2 over NCCL where 2 devices
+exist). `--dry-run` runs every section on the CPU at small sizes (kernels under TRITON_INTERPRET=1,
 one repeat) so CI can check that the script works without a GPU; its timings mean nothing.
 """
 
@@ -32,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 if "--dry-run" in sys.argv:  # before anything imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -276,6 +280,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, small sizes, kernels under TRITON_INTERPRET=1")
     ap.add_argument("--repeats", type=int, default=20, help="timing repeats (dry run: 1)")
+    ap.add_argument("--services", action="store_true",
+                    help="the three services on the GPU instead of the kernel checks (bench/gpu_services.py)")
+    ap.add_argument("--port-base", type=int, default=50150,
+                    help="--services: gateway port; verifier + 1, drafter + 2; the TP=2 stack + 10..12")
+    ap.add_argument("--out", default="gpu_step_table.json", help="--services: the step-table file written")
+    ap.add_argument("--log-dir", default="gpu_check_logs", help="--services: the services' log folder")
     args = ap.parse_args(argv)
     if args.dry_run:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -289,9 +299,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("no CUDA device: run with --dry-run for the CPU check of this script", file=sys.stderr)
         return 2
-    g = torch.Generator().manual_seed(int(time.time()))  # fresh inputs every run
     rep = Report()
     t0 = time.perf_counter()
+    if args.services:
+        from bench.gpu_services import check_services
+        check_services(rep, args.dry_run, args.port_base, Path(args.out), Path(args.log_dir))
+        rep.print()
+        print(f"{time.perf_counter() - t0:.1f} s")
+        return 1 if rep.failed else 0
+    g = torch.Generator().manual_seed(int(time.time()))  # fresh inputs every run
     check_kernels(rep, dev, args.dry_run, repeats, g)
     check_bandwidth_and_slope(rep, dev, args.dry_run, repeats, g)
     check_trunk(rep, dev, args.dry_run, repeats)

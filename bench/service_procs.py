@@ -47,6 +47,7 @@ class StackSpec:
     root: the source tree the children run (default this checkout; another tree lets a
         benchmark compare two versions of the code side by side).
     env: settings laid over the caller's environment last (e.g. DSPARK_STEP_GATHER_MS).
+    tp: the verifier's `--tp` (>= 1; TP > 1 starts its worker ranks as well).
     Raises:
         ValueError: a field outside its range, named with its value.
     """
@@ -59,8 +60,11 @@ class StackSpec:
     threads: int = 1
     root: Path = REPO_ROOT
     env: tuple[tuple[str, str], ...] = ()
+    tp: int = 1
 
     def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"tp={self.tp}: must be >= 1")
         if not 1 <= self.port_base <= 65533:
             raise ValueError(f"port_base={self.port_base}: must be in [1, 65533] (the drafter listens on + 2)")
         if self.verify_numerics not in ("fast", "exact"):
@@ -109,6 +113,7 @@ class ServiceProcesses:
             for name in SERVICES:  # the gateway last: it asks both backends for their identity at start
                 log = open(self.log_path(name), "wb")
                 cmd = [sys.executable, "-m", "services.cli", "serve", name, "--port", str(spec.ports[name]), *ckpt]
+                cmd += ["--tp", str(spec.tp)] if name == "verifier" and spec.tp > 1 else []
                 with log:
                     self.procs[name] = subprocess.Popen(cmd, env=env, cwd=spec.root, stdout=log,
                                                         stderr=subprocess.STDOUT, start_new_session=True)

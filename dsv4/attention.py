@@ -262,7 +262,7 @@ class Attention(nn.Module):
             # Restore every written slot, then write the kept rows back: the ring then holds
             # exactly positions start_pos + keep - W .. start_pos + keep - 1.
             st.ring[record.slots] = record.ring_rows
-            kept = torch.arange(record.start_pos, record.start_pos + keep)[-self.window:]
+            kept = torch.arange(record.start_pos, record.start_pos + keep, device=st.ring.device)[-self.window:]
             st.ring[kept % self.window] = record.block_kv[: keep][-self.window:]
             copied += (record.ring_rows.shape[0] + kept.numel()) * row_bytes
         parts = ((self.compressor, record.compressor, st.compressor),

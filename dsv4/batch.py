@@ -19,6 +19,7 @@ mode to rounding, exact mode bitwise (`dsv4.numerics.ExactNumerics`).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,7 +99,7 @@ def run_pass(model: Any, num: FastNumerics, jobs: list[Job]) -> list[tuple[torch
     ids = torch.cat([j.ids for j in jobs])  # [N]
     pos = torch.cat([torch.arange(j.call.start_pos, j.call.start_pos + j.call.n_tokens, device=dev)
                      for j in jobs])  # [N]
-    ends = torch.tensor([j.call.n_tokens for j in jobs]).cumsum(0).tolist()
+    ends = list(itertools.accumulate(j.call.n_tokens for j in jobs))  # host ints: no tensor round trip
     spans = list(zip([0] + ends[:-1], ends))
     logit_rows = _last_rows(spans, [j.n_logits for j in jobs], dev)
     tap_rows = _last_rows(spans, [j.n_taps or 0 for j in jobs], dev)

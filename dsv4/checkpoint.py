@@ -214,7 +214,8 @@ def confidence_head_name(cfg: ModelConfig) -> str:
 
 
 def load_trunk_weights(
-    path: str | Path, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.float32
+    path: str | Path, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Load and dequantise every non-`mtp.` tensor (the trunk's consumer set).
 
@@ -222,6 +223,8 @@ def load_trunk_weights(
         path: checkpoint folder.
         cfg: the model config; default `read_config(path)` (experts counted from the tensors).
         dtype: torch.float32 or torch.bfloat16, of the returned weights (`tid2eid` stays int64).
+        device: where the weights are read to and decoded: safetensors opens each shard on
+            it, so a GPU load never makes a host copy of the model.
     Returns:
         (cfg, logical weights name -> tensor, in `trunk_params(cfg)` order).
     Raises:
@@ -230,12 +233,13 @@ def load_trunk_weights(
             shape, or decodes to NaN / inf (the message names the tensor and its shard), or
             a file is unreadable (see the module docstring); `mtp.*` names are ignored.
     """
-    cfg, weights, _ = _load(Path(path), cfg, dtype, "trunk")
+    cfg, weights, _ = _load(Path(path), cfg, dtype, "trunk", device)
     return cfg, weights
 
 
 def load_drafter_weights(
-    path: str | Path, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.float32
+    path: str | Path, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ) -> tuple[ModelConfig, dict[str, torch.Tensor], bool]:
     """Load and dequantise the drafter's set: `mtp.*` + `embed.weight` + `head.weight`.
 
@@ -244,10 +248,10 @@ def load_drafter_weights(
     optional, docs/model.md §7.4). Raises CheckpointError like the trunk loader, for drafter tensors
     only; other non-`mtp.` names are ignored.
     """
-    return _load(Path(path), cfg, dtype, "drafter")
+    return _load(Path(path), cfg, dtype, "drafter", device)
 
 
-def _load(folder: Path, cfg: ModelConfig | None, dtype: torch.dtype, part: str):
+def _load(folder: Path, cfg: ModelConfig | None, dtype: torch.dtype, part: str, device: torch.device | str = "cpu"):
     if dtype not in LOAD_DTYPES:
         raise ValueError(f"dtype={dtype!r}: must be torch.float32 or torch.bfloat16")
     cfg = cfg if cfg is not None else read_config(folder)
@@ -258,7 +262,7 @@ def _load(folder: Path, cfg: ModelConfig | None, dtype: torch.dtype, part: str):
     expected = stored_inventory(params)
     _check_names(folder, part, expected, own)
     _check_headers(folder, part, expected, own)
-    return cfg, _stream(folder, params, own, dtype), has_conf
+    return cfg, _stream(folder, params, own, dtype, device), has_conf
 
 
 def _check_names(folder: Path, part: str, expected: Mapping[str, TensorSpec], own: Mapping[str, str]) -> None:
@@ -286,14 +290,16 @@ def _check_headers(folder: Path, part: str, expected: Mapping[str, TensorSpec], 
                     f"{part} tensor {name!r} in shard {shard!r}: shape {list(got.shape)}, expected {list(want.shape)}")
 
 
-def _stream(folder: Path, params: list[Param], own: Mapping[str, str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Read the checked tensors shard by shard, decoding each parameter once its parts are in."""
+def _stream(folder: Path, params: list[Param], own: Mapping[str, str], dtype: torch.dtype,
+            device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Read the checked tensors shard by shard onto `device`, decoding each parameter there
+    once its parts are in."""
     owner = {stored: p for p in params for stored in p.stored()}
     pending: dict[str, torch.Tensor] = {}  # parts of parameters not yet complete (split pairs)
     out: dict[str, torch.Tensor] = {}
     shard_of: dict[str, str] = {}
     for shard, names in _by_shard(own, own).items():
-        with _open_shard(folder, shard) as f:
+        with _open_shard(folder, shard, device) as f:
             for name in names:
                 try:
                     pending[name] = f.get_tensor(name)
@@ -312,11 +318,11 @@ def _stream(folder: Path, params: list[Param], own: Mapping[str, str], dtype: to
 
 
 @contextlib.contextmanager
-def _open_shard(folder: Path, shard: str) -> Iterator[Any]:
-    """`safe_open` of one shard, with safetensors' errors (truncated file, bad offsets) as
-    CheckpointError naming the shard."""
+def _open_shard(folder: Path, shard: str, device: torch.device | str = "cpu") -> Iterator[Any]:
+    """`safe_open` of one shard, its tensors read onto `device`, with safetensors' errors
+    (truncated file, bad offsets) as CheckpointError naming the shard."""
     try:
-        handle = safe_open(str(folder / shard), framework="pt", device="cpu")
+        handle = safe_open(str(folder / shard), framework="pt", device=str(device))
     except FileNotFoundError:
         raise CheckpointError(f"{folder}: shard file {shard!r} is missing") from None
     except (SafetensorError, OSError) as e:

@@ -61,6 +61,7 @@ from dsv4.draft_args import check_draft_args, check_seed, draft_length, listed, 
 from dsv4.dspark_rings import DraftState, check_rings, check_state, new_rings, write_commits
 from dsv4.dspark_stage import ConfidenceHead, DraftMoE, DSparkStage, MarkovHead
 from dsv4.dspark_tp import DraftTP
+from dsv4.host_sync import host_copy
 from dsv4.layers import Embedding, Linear
 from dsv4.mhc import hc_head
 from dsv4.settings import Settings
@@ -365,7 +366,8 @@ class DSparkDraft(nn.Module):
         if self.has_confidence_head:
             feats = torch.cat((y.float(), torch.stack(emb, 1).flatten(0, 1)), dim=-1)  # [N*B, D + Rm]
             conf = last.confidence_head.proj(feats)[:, 0].unflatten(0, (N, -1))  # [N, B]
-        tokens = torch.stack(drafted, 1).tolist()  # [N][B]: the one host sync
+        with host_copy():  # [N][B]: the step's one crossing to the host
+            tokens = torch.stack(drafted, 1).tolist()
         ys = y.unflatten(0, (N, -1))
         return [DraftOutput(tokens[n], logits[n], None if conf is None else conf[n], ys[n]) for n in range(N)]
 
@@ -395,11 +397,13 @@ def _cut(out: DraftOutput, n: int) -> DraftOutput:
 
 
 def load_draft_module(path, dtype: torch.dtype = torch.float32, tp: DraftTP | None = None,
-                      device: torch.device | str = "cpu", deterministic_reduce: bool | None = None) -> DSparkDraft:
+                      device: torch.device | str = "cpu", deterministic_reduce: bool | None = None,
+                      decode_dtype: torch.dtype = torch.float32) -> DSparkDraft:
     """The drafter process's loader: read the drafter's consumer set (`mtp.*`, embed, head) of a
-    checkpoint folder (`dsv4.checkpoint.load_drafter_weights`) into a `DSparkDraft`, with the
-    confidence head iff the checkpoint has one; sharded for `tp`. `deterministic_reduce`: as
-    `DSparkDraft`'s.
+    checkpoint folder (`dsv4.checkpoint.load_drafter_weights`) straight onto `device` into a
+    `DSparkDraft`, with the confidence head iff the checkpoint has one; sharded for `tp`.
+    `deterministic_reduce`: as `DSparkDraft`'s; decode_dtype: what fp8 / fp4 tensors decode
+    to before the module's cast (fp32 or bf16).
 
     Raises:
         ValueError: dtype not float32/bfloat16 (checked before reading anything), or a tensor
@@ -410,7 +414,7 @@ def load_draft_module(path, dtype: torch.dtype = torch.float32, tp: DraftTP | No
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype}: must be torch.float32 or torch.bfloat16")
-    cfg, weights, has_conf = load_drafter_weights(path)
+    cfg, weights, has_conf = load_drafter_weights(path, dtype=decode_dtype, device=device)
     module = DSparkDraft(cfg, dtype=dtype, deterministic_reduce=deterministic_reduce, confidence_head=has_conf,
                          tp=tp, device=device)
     module.load_weights(weights)

@@ -22,6 +22,7 @@ import torch
 
 from dsv4.config import ModelConfig
 from dsv4.draft_args import check_commit
+from dsv4.host_sync import host_copy
 
 
 @dataclass
@@ -110,7 +111,8 @@ def write_commits(cfg: ModelConfig, stages: Sequence, like: torch.Tensor, states
         except ValueError as exc:
             plans.append(exc)
     flags = [f for plan in plans if isinstance(plan, _Write) for f in plan.finite]
-    all_finite = bool(torch.stack(flags).all()) if flags else True  # one host sync for every commit
+    with host_copy():  # the step's one crossing: every commit's verdict in one read
+        all_finite = bool(torch.stack(flags).all()) if flags else True
     errors: list[ValueError | None] = []
     for state, plan in zip(states, plans):
         error = plan if isinstance(plan, ValueError) else _check_write(cfg, state, plan, all_finite)

@@ -22,10 +22,11 @@ Streams. Each use of randomness has its own stream, so no two uses ever share a 
 Under the coupled rule the drafter proposes with the TOKEN stream itself: that shared draw is
 the coupling, and it is why an accepted draft is exactly the token plain decode would pick.
 
-Random numbers come from NumPy's PCG64 seeded by a SeedSequence of (seed, position, stream):
-a documented, platform-independent generator, so the drafter and the verifier (separate
-processes, possibly separate machines) draw the same noise for the same key. Reproducibility
-therefore holds for one NumPy version; the version is part of the deployment.
+Random numbers come from Philox-4x32-10 keyed by (seed, position, stream)
+(`dsv4.keyed_noise`): a counter-based generator computed with integer tensor ops on the
+device that holds the logits, bit for bit the same on a CPU and a GPU, so the drafter and the
+verifier (separate processes, possibly separate machines and devices) draw the same noise for
+the same key, and sampling never leaves the device.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from dsv4 import keyed_noise
 
 TOKEN, DRAFT, ACCEPT, RESIDUAL = 0, 1, 2, 3  # random streams (see the module docstring)
 STREAMS = (TOKEN, DRAFT, ACCEPT, RESIDUAL)
@@ -208,28 +211,26 @@ def token_logprobs(logits: torch.Tensor, tokens, top: int) -> list[TokenLogprob]
 
 
 # ---------------------------------------------------------------------- keyed noise
-def uniforms(seed: int, positions, stream: int, n: int) -> torch.Tensor:
-    """n uniforms in (0, 1) per position keyed by (seed, position, stream): [S, n] fp64 on CPU.
+def uniforms(seed: int, positions, stream: int, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """n uniforms in (0, 1) per position keyed by (seed, position, stream): [S, n] fp64 on
+    `device` (`dsv4.keyed_noise`: the same bits on every device).
 
     positions: S absolute token positions (ints). The same key always gives the same numbers,
-    in any process. Raises ValueError for a stream not in STREAMS or a negative position.
+    in any process, on any device. Raises ValueError for a stream not in STREAMS or a
+    negative position.
     """
     if stream not in STREAMS:
         raise ValueError(f"stream={stream!r}: must be one of {STREAMS}")
-    rows = []
+    positions = [int(p) for p in positions]
     for p in positions:
-        if int(p) < 0:
+        if p < 0:
             raise ValueError(f"position={p}: must be >= 0")
-        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([int(seed), int(p), stream])))
-        rows.append(rng.random(n))
-    u = np.stack(rows) if rows else np.zeros((0, n))
-    # random() is in [0, 1): nudge an exact 0 up, so -log(-log(u)) stays finite
-    return torch.from_numpy(np.maximum(u, np.finfo(np.float64).tiny))
+    return keyed_noise.to_uniform(keyed_noise.words(seed, positions, stream, n, device))
 
 
-def gumbel(seed: int, positions, stream: int, vocab: int) -> torch.Tensor:
-    """Standard Gumbel noise keyed by (seed, position, stream): [S, vocab] fp64 on CPU."""
-    return -torch.log(-torch.log(uniforms(seed, positions, stream, vocab)))
+def gumbel(seed: int, positions, stream: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Standard Gumbel noise keyed by (seed, position, stream): [S, vocab] fp64 on `device`."""
+    return -torch.log(-torch.log(uniforms(seed, positions, stream, vocab, device)))
 
 
 def keyed_choice(logits: torch.Tensor, params: SamplingParams, positions, stream: int = TOKEN) -> torch.Tensor:
@@ -240,7 +241,7 @@ def keyed_choice(logits: torch.Tensor, params: SamplingParams, positions, stream
     x = filtered_logits(logits, params)
     if params.greedy:
         return x.argmax(-1)
-    noise = gumbel(params.seed, positions, stream, x.shape[-1]).to(x.device)
+    noise = gumbel(params.seed, positions, stream, x.shape[-1], x.device)
     return (x.double() + noise).argmax(-1)  # -inf + noise stays -inf: filtered tokens never win
 
 
@@ -294,13 +295,13 @@ def judge_draft(target_row: torch.Tensor, draft: int, params: SamplingParams, po
 def _rejection_step(p: torch.Tensor, q: torch.Tensor, draft: int, seed: int, position: int) -> int | None:
     """Accept `draft` with probability min(1, p/q) (ACCEPT stream), else resample from the
     normalised max(0, p - q) (RESIDUAL stream): p, q [V] fp64 -> None (accepted) or a token."""
-    u = float(uniforms(seed, [position], ACCEPT, 1)[0, 0])
-    if q[draft] > 0 and u * q[draft] < p[draft]:  # u < p/q without dividing by a tiny q
+    u = uniforms(seed, [position], ACCEPT, 1, p.device)[0, 0]
+    if bool((q[draft] > 0) & (u * q[draft] < p[draft])):  # u < p/q without dividing by a tiny q
         return None
     residual = (p - q).clamp_min(0)
-    if residual.sum() <= 0:  # p == q: a rejection cannot happen; guard against rounding
-        residual = p
-    noise = gumbel(seed, [position], RESIDUAL, p.shape[-1])[0].to(p.device)
+    # p == q: a rejection cannot happen; guard against rounding (a select, not a branch)
+    residual = torch.where(residual.sum() > 0, residual, p)
+    noise = gumbel(seed, [position], RESIDUAL, p.shape[-1], p.device)[0]
     return int((residual.log() + noise).argmax())
 
 
@@ -349,7 +350,8 @@ class DraftSampler:
     p + 2 + j with `draft_choice`, and keeps the distribution q it drew from.
 
     Called as sampler(j, logits [V] fp32 after the Markov bias) -> token [1] int64 on the
-    logits' device. `probs()` -> q [n, V] fp32 on CPU, one row per slot chosen so far.
+    logits' device. `probs()` -> q [n, V] fp32 on CPU, one row per slot chosen so far (the
+    one device-to-host copy of q per draft; slots keep theirs on the device until then).
     Raises:
         ValueError: seed_position < -1 (named), or a slot asked out of order.
     """
@@ -364,9 +366,9 @@ class DraftSampler:
         if j != len(self._q):  # keyed by position: a skipped or repeated slot would misalign the noise
             raise ValueError(f"draft slot {j} chosen out of order (expected slot {len(self._q)})")
         token, q = draft_choice(logits.reshape(1, -1), self.params, [self.first_position + j])
-        self._q.append(q[0].cpu())
+        self._q.append(q[0])  # stays on the device: `probs()` is the reply's one copy
         return token.reshape(1)
 
     def probs(self) -> torch.Tensor:
         """q [n, V] fp32 on CPU: the distribution each chosen slot's token was drawn from."""
-        return torch.stack(self._q) if self._q else torch.zeros(0, 0)
+        return torch.stack(self._q).cpu() if self._q else torch.zeros(0, 0)

@@ -44,15 +44,21 @@ class CheckedTrunk(Protocol):
 
 
 def id_tensor(model: CheckedTrunk, ids: Any) -> torch.Tensor:
-    """ids (a 1-D integer tensor / array or a list of ints) -> int64 [S] on the model's device.
-    Request values were validated by the caller (the engine); here they are asserted invariants."""
-    t = torch.as_tensor(ids, device=model.embed.weight.device)
+    """ids (a 1-D integer tensor, or a list / tuple of ints) -> int64 [S] on the model's device.
+    Request values were validated by the caller (the engine); here they are asserted
+    invariants. Python ids are range-checked on the host before they cross; a tensor's values
+    are not read (that would be a host sync in the step: dsv4.host_sync), only its shape and
+    dtype, and the embedding lookup refuses an out-of-range id."""
+    if torch.is_tensor(ids):
+        t = ids
+    else:
+        values = [int(v) for v in ids]
+        assert all(0 <= v < model.cfg.vocab_size for v in values), \
+            f"token ids outside [0, vocab_size={model.cfg.vocab_size}): {short_repr(values)}"
+        t = torch.tensor(values, dtype=torch.int64)
     assert t.ndim == 1 and t.numel() and not (t.is_floating_point() or t.dtype == torch.bool), \
         f"token ids must be a non-empty 1-D integer tensor, got {t.dtype} {tuple(t.shape)}"
-    t = t.to(torch.int64)
-    assert 0 <= int(t.min()) and int(t.max()) < model.cfg.vocab_size, \
-        f"token ids outside [0, vocab_size={model.cfg.vocab_size}): {short_repr(t.tolist())}"
-    return t
+    return t.to(device=model.embed.weight.device, dtype=torch.int64, non_blocking=True)
 
 
 def check_state(model: CheckedTrunk, state: Any, open_block_ok: bool = False) -> None:

@@ -77,6 +77,8 @@ def load_trunk(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32
     `Trunk`. verify_numerics "exact" (`Trunk`'s exact mode: batched verify bitwise equal to
     decode) is TP=1 only. model: the numerics switches (default `ModelSettings()`); topk: dump
     every forward's top-k logits (`services.verifier.topk_diag`; every TP rank its own file).
+    device: "cpu" or "cuda:N" (`services.common.settings.parse_device`); TP=1 runs there and
+    reads the checkpoint straight onto it, shard by shard; TP > 1 on a GPU puts rank r on cuda:r.
     Raises:
         ValueError: exact numerics requested with tp > 1; what the checkpoint loader raises.
     """
@@ -88,7 +90,7 @@ def load_trunk(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32
         from services.verifier.tp import start_tp_trunk
         cfg = random_tiny_config() if checkpoint is None else None
         weights = random_weights(cfg, "trunk", TINY_SEED) if checkpoint is None else str(checkpoint)
-        return start_tp_trunk(cfg, weights, tp, dtype, device=device, settings=tp_settings, topk=topk,
+        return start_tp_trunk(cfg, weights, tp, dtype, device="cpu" if device == "cpu" else "cuda", settings=tp_settings, topk=topk,
                               deterministic_reduce=model.moe_deterministic_reduce,
                               kernels=model.kernel_config())
     if checkpoint is None:
@@ -96,26 +98,35 @@ def load_trunk(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32
         weights = random_weights(cfg, "trunk", TINY_SEED)
     else:
         from dsv4.checkpoint import load_trunk_weights
-        cfg, weights = load_trunk_weights(checkpoint)
+        cfg, weights = load_trunk_weights(checkpoint, dtype=_decode_dtype(dtype, device), device=device)
     trunk = Trunk(cfg, dtype=dtype, device=device, verify_numerics=verify_numerics,
                   deterministic_reduce=model.moe_deterministic_reduce, kernels=model.kernel_config())
     trunk.load_weights(weights)
     return maybe_wrap(trunk, topk)
 
 
+def _decode_dtype(dtype: torch.dtype, device: str) -> torch.dtype:
+    """The dtype a checkpoint's fp8 / fp4 tensors are decoded to: the model's own on a GPU
+    (the logical weights then take no more device memory than the model), fp32 on a CPU, the
+    bits the CPU has always loaded (fp32 decode, then the model's cast)."""
+    return torch.float32 if device == "cpu" else dtype
+
+
 def load_drafter(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32,
-                 model: ModelSettings | None = None) -> DSparkDraft:
+                 model: ModelSettings | None = None, device: str = "cpu") -> DSparkDraft:
     """The drafter's DSpark module from a checkpoint folder, or the random tiny model when None;
-    `model`: the numerics switches (default `ModelSettings()`).
+    `model`: the numerics switches (default `ModelSettings()`); device: "cpu" or "cuda:N",
+    where the module lives (a checkpoint is read straight onto it, shard by shard).
 
     Raises:
         ValueError, CheckpointError: what `dsv4.dspark.load_draft_module` raises.
     """
     reduce = (ModelSettings() if model is None else model).moe_deterministic_reduce
     if checkpoint is not None:
-        return load_draft_module(checkpoint, dtype=dtype, deterministic_reduce=reduce)
+        return load_draft_module(checkpoint, dtype=dtype, deterministic_reduce=reduce, device=device,
+                                 decode_dtype=_decode_dtype(dtype, device))
     cfg = random_tiny_config()
-    module = DSparkDraft(cfg, dtype=dtype, deterministic_reduce=reduce)
+    module = DSparkDraft(cfg, dtype=dtype, deterministic_reduce=reduce, device=device)
     module.load_weights(random_weights(cfg, "drafter", TINY_SEED))
     return module
 

@@ -43,7 +43,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--checkpoint", default=None,
                        help="checkpoint folder (default: $DSPARK_CHECKPOINT, else the random tiny model)")
     serve.add_argument("--tp", type=int, default=1, help="verifier: tensor-parallel ranks (spawns tp - 1 workers)")
-    serve.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="verifier: where the trunk runs")
+    serve.add_argument("--device", default=None,
+                       help="verifier, drafter: where the model runs: cpu, cuda or cuda:N (default: $DSPARK_DEVICE, "
+                            "else cpu; bf16 on a GPU; the verifier at --tp > 1 puts rank r on cuda:r)")
     serve.add_argument("--oracle", action="store_true", help="drafter: serve the oracle drafter")
     serve.add_argument("--oracle-corrupt-every", type=int, default=0,
                        help="oracle drafter: corrupt one draft slot in N positions (0 = never)")
@@ -148,7 +150,9 @@ def _serve(args) -> int:
         settings = read_settings(os.environ, args.service, tp=args.tp,
                                  checkpoint_flag=getattr(args, "checkpoint", None),
                                  metrics_port_flag=getattr(args, "metrics_port", None),
-                                 http_port_flag=getattr(args, "http_port", None))
+                                 http_port_flag=getattr(args, "http_port", None),
+                                 device_flag=_device_flag(args))
+        _check_device(settings, args.tp)
         if getattr(args, "record_rounds", None) is not None:
             _check_writable("--record-rounds", args.record_rounds)
         from services.common.ports import check_ports_free
@@ -166,6 +170,40 @@ def _serve(args) -> int:
         print(f"dspark serve {args.service}: {exc}", file=sys.stderr)
         return 2
     _exit_served()
+
+
+def _device_flag(args) -> str | None:
+    """`--device` as given (None when absent). Raises ValueError for the gateway, which runs no
+    model: a placement it would ignore is refused."""
+    flag = getattr(args, "device", None)
+    if flag is not None and args.service == "gateway":
+        raise ValueError(f"--device={flag}: the gateway runs no model (use it on the verifier and the drafter)")
+    return flag
+
+
+def _check_device(s: ProcessSettings, tp: int) -> None:
+    """Fail before any model loads when the service's device is not on this machine.
+
+    Raises:
+        ValueError: one line naming the device (no CUDA, cuda:N past the device count, or
+            fewer GPUs than --tp ranks); cuda:N with N > 0 and DSV4_KERNELS=triton (Triton
+            launches on the calling thread's current device, which the step loop's threads
+            leave at cuda:0: expose the GPU with CUDA_VISIBLE_DEVICES=N and --device cuda).
+    """
+    if s.backend is None or s.backend.device == "cpu":
+        return
+    if s.backend.device != "cuda:0" and tp == 1 and s.model is not None and s.model.kernels == "triton":
+        raise ValueError(f"device {s.backend.device} with DSV4_KERNELS=triton: Triton kernels run on the "
+                         f"thread's current GPU (cuda:0); set CUDA_VISIBLE_DEVICES to the GPU and use --device cuda")
+    from services.common.device import DeviceUnavailable, check_available
+    try:
+        check_available(s.backend.device)
+    except DeviceUnavailable as exc:
+        raise ValueError(str(exc)) from None
+    import torch
+    if tp > 1 and torch.cuda.device_count() < tp:
+        raise ValueError(f"device {s.backend.device}: --tp={tp} puts rank r on cuda:r, but this machine has "
+                         f"{torch.cuda.device_count()} CUDA device(s)")
 
 
 def _exit_served() -> NoReturn:
@@ -245,6 +283,7 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
     endpoint appended to `endpoints`) and start its server (a `RunningServer`)."""
     from services import app
     from services.common import metrics as m
+    from services.common.device import default_dtype
     from services.common.limits import available_memory_bytes
 
     tls = s.tls.server_credentials() if s.tls is not None else None
@@ -256,7 +295,7 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
         use_torch_threads(threads, asyncio.get_running_loop())  # before the model: exact mode pins it
     if s.service == "verifier":
         tp = getattr(args, "tp", 1)
-        trunk = app.load_trunk(s.checkpoint, tp=tp, device=getattr(args, "device", "cpu"),
+        trunk = app.load_trunk(s.checkpoint, tp=tp, device=s.backend.device, dtype=default_dtype(s.backend.device),
                                verify_numerics=s.backend.verify_numerics, model=s.model, tp_settings=s.tp,
                                topk=s.topk)
         engine = app.verifier_engine(trunk, s.backend, available_memory_bytes())
@@ -267,8 +306,9 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
                                         prefill_chunk=s.backend.prefill_chunk, step_profile=profile,
                                         gather_s=s.backend.step_gather_ms / 1e3, torch_threads=threads)
     if s.service == "drafter":
-        model = app.load_trunk(s.checkpoint, model=s.model) if args.oracle else app.load_drafter(s.checkpoint,
-                                                                                                  model=s.model)
+        device, dtype = s.backend.device, default_dtype(s.backend.device)
+        model = (app.load_trunk(s.checkpoint, model=s.model, device=device, dtype=dtype) if args.oracle
+                 else app.load_drafter(s.checkpoint, model=s.model, device=device, dtype=dtype))
         engine = app.drafter_engine(model, args.oracle, s.backend, args.oracle_corrupt_every,
                                     available_memory_bytes())
         metrics = _serve_metrics(m.DrafterMetrics(engine), s, args.host, endpoints) if want else None

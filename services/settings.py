@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Mapping
 
 from dsv4.settings import Settings as ModelSettings
 from services.common.settings import (HTTP_MAX_BODY_BYTES, LOG_FORMATS, PINNABLE_COSTS, BackendSettings,
-                                      GatewaySettings, ServeSettings,
+                                      GatewaySettings, ServeSettings, parse_device,
                                       TelemetrySettings, backend_target, valid_token)
 from services.common.tls import PemFile, TlsFiles, load_tls
 from services.gateway.gate import GateConfig
@@ -74,10 +74,12 @@ class ProcessSettings:
 
 
 def read_settings(environ: Environ, service: str, *, tp: int = 1, checkpoint_flag: str | None = None,
-                  metrics_port_flag: int | None = None, http_port_flag: int | None = None) -> ProcessSettings:
+                  metrics_port_flag: int | None = None, http_port_flag: int | None = None,
+                  device_flag: str | None = None) -> ProcessSettings:
     """Parse every variable `service` reads (module table); flags given win over variables.
 
-    tp: the verifier's tensor-parallel ranks (`--tp`), checked against the numerics.
+    tp: the verifier's tensor-parallel ranks (`--tp`), checked against the numerics;
+    device_flag: `--device` (None: DSPARK_DEVICE, else cpu).
     Raises:
         ValueError: naming the variable (or flag) and its value; an unknown service.
     """
@@ -93,7 +95,7 @@ def read_settings(environ: Environ, service: str, *, tp: int = 1, checkpoint_fla
                                gateway_tls=gateway_tls,
                                http_port=http_port(http_port_flag, environ, gateway_tls is not None),
                                http_max_body_bytes=_int(environ, var("DSPARK_HTTP_MAX_BODY_BYTES")))
-    backend = backend_settings(environ)
+    backend = backend_settings(environ, device_flag)
     if service == "drafter":
         return ProcessSettings(**common, model=model_settings(environ), backend=backend)
     if tp > 1 and backend.verify_numerics != "fast":  # what `app.load_trunk` refuses, before it loads
@@ -229,10 +231,16 @@ def gate_config(environ: Environ) -> GateConfig:
                       margin_auto=auto)
 
 
-def backend_settings(environ: Environ) -> BackendSettings:
-    """A backend's settings as served (start-up step profile on). Raises ValueError naming the
-    variable and value when one is invalid."""
-    return BackendSettings(max_sessions=_int(environ, var("DSPARK_MAX_SESSIONS")),
+def backend_settings(environ: Environ, device_flag: str | None = None) -> BackendSettings:
+    """A backend's settings as served (start-up step profile on). device_flag: `--device`, which
+    wins over DSPARK_DEVICE. Raises ValueError naming the variable (or flag) and value when one
+    is invalid."""
+    if device_flag is not None:
+        device = parse_device(device_flag, "--device")
+    else:
+        name, raw = lookup(environ, var("DSPARK_DEVICE"))
+        device = parse_device("cpu" if raw is None else raw, name)
+    return BackendSettings(device=device, max_sessions=_int(environ, var("DSPARK_MAX_SESSIONS")),
                            prefill_chunk=_int(environ, var("DSPARK_PREFILL_CHUNK")),
                            verify_mode=_choice(environ, var("DSPARK_VERIFY_MODE")),
                            verify_numerics=_choice(environ, var("DSPARK_VERIFY_NUMERICS")),

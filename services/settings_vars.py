@@ -153,6 +153,9 @@ VARS: tuple[Var, ...] = (
     Var("DSPARK_VERIFY_MODE", "choice", BackendSettings.verify_mode, ("verifier", "gateway"), "How a draft "
         "block is verified: one forward per token (`sequential`) or one forward of the block plus rollback "
         "(`batched`).", "verifier", choices=VERIFY_MODES, field="gateway.verify_mode, backend.verify_mode"),
+    Var("DSPARK_DEVICE", "choice", "cpu", BACKENDS, "Where the verifier's or drafter's model runs: "
+        "`cpu`, `cuda` or `cuda:N` (`--device` wins; TP > 1 puts rank r on `cuda:r`; bf16 on a GPU). A missing "
+        "device fails at start-up, naming it.", "verifier", shown_range="cpu, cuda, cuda:N", field="backend.device"),
     Var("DSPARK_PREFILL_CHUNK", "integer", BackendSettings.prefill_chunk, ("verifier",), "The most prompt "
         "tokens one verifier step forwards (chunked prefill): a running generation waits at most one chunk.",
         "verifier", low=1, high=MAX_PREFILL_CHUNK, field="backend.prefill_chunk"),

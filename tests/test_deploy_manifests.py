@@ -291,6 +291,16 @@ def test_production_verifier_takes_a_whole_4_gpu_node_with_the_checkpoint_read_o
     assert all(s in docs for s in EXTERNAL_SECRETS)
 
 
+def test_production_drafters_are_gpu_pods_of_one_gpu_each():
+    objs = objects("gpu-production")
+    d = by_kind(objs, "Deployment")["dspark-drafter"]
+    spec, c = d["spec"]["template"]["spec"], container(d)
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == 1 and c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert c["args"][c["args"].index("--device") + 1] == "cuda"
+    assert spec["nodeSelector"]["nvidia.com/gpu.present"] == "true"
+    assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"])
+
+
 def test_cpu_small_runs_without_gpus_checkpoint_or_tls():
     objs = objects("cpu-small")
     data = settings_of(objs)
@@ -366,6 +376,9 @@ def test_compose_gpu_overlay_needs_the_checkpoint_folder_and_mounts_it_read_only
     (vol,) = verifier["volumes"]
     assert (vol["source"], vol["target"], vol["read_only"]) == ("/models/dsv4", "/checkpoint", True)
     assert verifier["command"][verifier["command"].index("--tp") + 1] == "4"
+    drafter = json.loads(out.stdout)["services"]["drafter"]
+    (device,) = drafter["deploy"]["resources"]["reservations"]["devices"]
+    assert device["device_ids"] == ["3"] and drafter["command"][drafter["command"].index("--device") + 1] == "cuda"
 
 
 def test_a_broken_compose_file_fails_compose_config(tmp_path):

@@ -59,7 +59,7 @@ def _listening() -> socket.socket:
 @pytest.mark.parametrize("command, shown", [
     ("generate", ["(default: 64)", "(default: 127.0.0.1:50050)", "(default: 300.0)", "(default: default)"]),
     ("up", ["(default: 50050)", "--metrics-port", "checkpoint folder all three load", "--spans-dir"]),
-    ("serve", ["(default: 127.0.0.1)", "(default: 1)", "(default: cpu)"]),
+    ("serve", ["(default: 127.0.0.1)", "(default: 1)", "(default: $DSPARK_DEVICE, else cpu"]),
     ("stats", ["(default: 127.0.0.1:50050)", "(default: 10.0)", "--json"]),
 ])
 def test_help_shows_the_defaults(command, shown, capsys):

@@ -16,6 +16,7 @@ channel, round_robin).
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass, field
 
 # acceptance rules of sampled requests: dsv4.sampling.RULES, spelled here so that reading
@@ -52,6 +53,10 @@ MAX_STEP_GATHER_MS = 1000
 # wake and wait for (services.common.threads); a large model on a many-core host sets more.
 DEFAULT_TORCH_THREADS = 1
 MAX_TORCH_THREADS = 1024
+# where a verifier or drafter runs its model: the CPU, the current GPU, or GPU N
+# (services.common.device checks that it exists before the model loads)
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d{1,3})?")
+DEVICE_CHOICES = "cpu, cuda or cuda:N"
 # span exporters a service can have ("none": no exporter)
 EXPORTERS = ("otlp", "console", "none")
 # how a service writes its log lines: plain text, or one JSON object per line (log shippers)
@@ -101,6 +106,19 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     """Raises ValueError naming `name` and `value` unless `value` is one of `choices`."""
     if value not in choices:
         raise ValueError(f"{name}={value!r}: must be one of {choices}")
+
+
+def parse_device(raw: str, source: str = "--device") -> str:
+    """A device spelling -> its canonical text: "cpu", or "cuda:N" ("cuda" reads as cuda:0).
+    Checks the spelling only (`services.common.device.check_available` checks existence).
+
+    Raises:
+        ValueError: naming `source` and the value when it is not one of cpu, cuda, cuda:N.
+    """
+    text = raw.strip() if isinstance(raw, str) else raw
+    if not isinstance(text, str) or not DEVICE_PATTERN.fullmatch(text):
+        raise ValueError(f"{source}={raw!r}: must be {DEVICE_CHOICES}")
+    return "cuda:0" if text == "cuda" else text
 
 
 def check_seconds(name: str, value: float, high: float = MAX_TIMEOUT_S) -> None:
@@ -230,7 +248,9 @@ class BackendSettings:
     again, never longer than that step took (`services.common.step_queue`); 0 here (steps start as soon as work is queued),
     `services.settings` defaults it to DEFAULT_STEP_GATHER_MS.
     torch_threads: torch intra-op threads of every thread of the process that runs the model
-    (1..MAX_TORCH_THREADS; `services.common.threads`).
+    (1..MAX_TORCH_THREADS; `services.common.threads`). device: where the model runs, "cpu" or
+    "cuda:N" (`parse_device`'s canonical spelling; the verifier at TP > 1 puts rank r on
+    cuda:r whatever N).
     Raises:
         ValueError: a field outside its range (named with its value).
     """
@@ -242,8 +262,11 @@ class BackendSettings:
     step_profile: bool = False
     step_gather_ms: int = 0
     torch_threads: int = DEFAULT_TORCH_THREADS
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
+        if parse_device(self.device, "device") != self.device:
+            raise ValueError(f"device={self.device!r}: must be spelled cpu or cuda:N")
         if self.max_sessions is not None:
             check_count("max_sessions", self.max_sessions, 1)
         check_count("torch_threads", self.torch_threads, 1)

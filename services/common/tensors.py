@@ -14,20 +14,23 @@ import math
 import torch
 
 from dspark_proto.v1 import common_pb2
+from services.common.device import to_host
 
 _WIRE_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "int64": torch.int64}
 _BIT_VIEWS = {torch.bfloat16: torch.int16}  # dtypes numpy cannot hold travel as their bits
 
 
 def to_proto(t: torch.Tensor, dtype: str = "bfloat16") -> common_pb2.Tensor:
-    """Encode t (any shape) as `dtype` ("bfloat16" | "float32" | "int64") little-endian bytes.
+    """Encode t (any shape, any device) as `dtype` ("bfloat16" | "float32" | "int64")
+    little-endian bytes. A device tensor is cast on its device (fewer bytes cross) and then
+    crosses to the host once, into a pinned buffer (`services.common.device.to_host`).
 
     Raises:
         ValueError: unknown dtype.
     """
     if dtype not in _WIRE_DTYPES:
         raise ValueError(f"wire dtype {dtype!r}: must be one of {sorted(_WIRE_DTYPES)}")
-    x = t.detach().to("cpu", _WIRE_DTYPES[dtype]).contiguous()
+    x = to_host(t.detach().to(_WIRE_DTYPES[dtype]).contiguous())
     bits = x.view(_BIT_VIEWS.get(x.dtype, x.dtype))
     return common_pb2.Tensor(data=bits.numpy().tobytes(), dtype=dtype, shape=list(x.shape))
 
