@@ -138,7 +138,7 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
     with (a step-time table and the committed tokens per ms, `services.verifier.step_table`).
     step_profile: time batch steps over dummy sessions before serving, seeding the step table
     (None: live steps alone fill it). gather_s: the loop's longest wait (s) before a step for
-    the sessions the previous step answered (`services.common.step_queue`; 0: none).
+    the sessions the previous step answered (`services.common.schedule`; 0: none).
     torch_threads: torch intra-op threads of the step loop's thread (None: torch's default;
     `dspark serve` passes DSPARK_TORCH_THREADS, `services.common.threads`).
     Raises:

@@ -29,6 +29,7 @@ import pytest
 import torch
 
 from services.common.settings import BackendSettings
+from services.common.schedule import Schedule
 from services.common.step_queue import StepQueue
 from services.settings import backend_settings
 from services.verifier.batcher import StepLoop
@@ -52,7 +53,8 @@ def ids(n: int, seed: int) -> list[int]:
 class _Req:
     sid: int
     future: Future
-    kind: str = ""
+    op: str = ""
+    left: int = 0
 
 
 class RecordingLoop(StepQueue):
@@ -62,7 +64,7 @@ class RecordingLoop(StepQueue):
     the requests queued before that share it."""
 
     def __init__(self, gather_s: float, step_s: float = 1e6):
-        super().__init__("verifier", None, None, logging.getLogger("test"), gather_s)
+        super().__init__("verifier", None, None, logging.getLogger("test"), Schedule(gather_s, frozenset({"away"})))
         self.step_s = step_s
         self.steps: list[list[int]] = []
         self.go = threading.Event()
@@ -71,24 +73,15 @@ class RecordingLoop(StepQueue):
     def submit(self, sid: int, kind: str = "") -> Future:
         return self._enqueue(_Req(sid, Future(), kind))
 
-    AWAY_KINDS = frozenset({"away"})
-
-    def _kind(self, request: _Req) -> str:
-        return request.kind
-
-    def _run(self) -> None:
+    def _loop(self) -> None:
         self.go.wait(TIMEOUT_S)
-        while True:
-            with self._cv:
-                self._wait_for_work(lambda: bool(self._queue))
-                if self._closed:
-                    return
-                taken, self._queue = self._queue, []
-            self.steps.append(sorted(r.sid for r in taken))
-            self._last_step_s = self.step_s
-            for r in taken:
-                r.future.set_running_or_notify_cancel()
-                self._finish(r, len(self.steps))
+        super()._loop()
+
+    def _step(self, step) -> None:
+        self.steps.append(sorted(r.sid for r in step.requests))
+        self._last_step_s = self.step_s
+        for r in step.requests:
+            self._finish(r, len(self.steps))
 
 
 def two_sessions_one_late(gather_s: float, step_s: float = 1e6, *kind: str) -> list[list[int]]:
@@ -177,7 +170,7 @@ def test_a_session_closed_during_its_step_is_not_waited_for_after_it():
         loop.go.set()
         [f.result(TIMEOUT_S) for f in first]
         assert loop.submit(1).result(TIMEOUT_S) == 2
-        assert 2 not in loop._returning and 2 not in loop._gone
+        assert 2 not in loop.schedule.returning() and 2 not in loop.schedule.gone()
     finally:
         loop.close()
     assert loop.steps == [[1, 2], [1]]

@@ -36,6 +36,7 @@ import torch
 
 from dsv4.sampling import DraftSampler, SamplingParams
 from services.common.sessions import UnknownSessionError
+from services.common.schedule import Schedule, Step
 from services.common.step_queue import StepQueue
 from services.drafter.engine import DrafterEngine
 from services.drafter.interface import SampledDraft
@@ -85,6 +86,7 @@ class _Request:
     op: str  # "commit" | "draft"
     args: tuple
     future: Future
+    left: int = 0  # no prompt tokens: the schedule chunks nothing
 
 
 class DraftStepLoop(StepQueue):
@@ -95,7 +97,7 @@ class DraftStepLoop(StepQueue):
         on_step: called on the loop thread with a `DraftStepRecord` after every step (metrics;
             None: nothing); what it raises is logged.
         gather_s: the longest wait (s) before a step for the sessions the previous step
-            answered (`services.common.step_queue`; 0: none).
+            answered (`services.common.schedule`; 0: none).
         torch_threads: torch intra-op threads of the loop's thread (None: torch's default).
     Raises:
         ValueError: the engine is not batchable (an oracle drafter, or a TP > 1 shard), or
@@ -107,7 +109,8 @@ class DraftStepLoop(StepQueue):
                  gather_s: float = 0.0, torch_threads: int | None = None):
         if not batchable(engine):
             raise ValueError(f"the drafter step loop drives a TP=1 DrafterEngine, got {type(engine).__name__}")
-        super().__init__("drafter", DraftStepStats(), on_step, log, gather_s, torch_threads)
+        super().__init__("drafter", DraftStepStats(), on_step, log, Schedule(gather_s, self.AWAY_KINDS),
+                         torch_threads)
         self.engine, self.module = engine, engine.module
         self._start()
 
@@ -131,37 +134,12 @@ class DraftStepLoop(StepQueue):
 
     AWAY_KINDS = frozenset({"draft"})  # its session is verified before its next commit
 
-    def _kind(self, request: _Request) -> str:
-        return request.op  # a commit's session drafts at once
-
     # ------------------------------------------------------------------ the loop thread
-    def _run(self) -> None:
-        while True:
-            requests = self._next_step()
-            if requests is None:
-                return
-            live = [r for r in requests if r.future.set_running_or_notify_cancel()]
-            self._release([r for r in requests if r not in live])  # cancelled before their step
-            if live:
-                self._step(live)
-
-    def _next_step(self) -> list[_Request] | None:
-        """Wait for work and take all of it (None: closed)."""
-        with self._cv:
-            self._wait_for_work(lambda: bool(self._queue))
-            taken, self._queue = self._queue, []
-            if self._closed:
-                for r in taken:
-                    if r.future.set_running_or_notify_cancel():
-                        r.future.set_exception(RuntimeError("the drafter step loop closed"))
-                return None
-            return taken
-
-    def _step(self, requests: list[_Request]) -> None:
+    def _step(self, step: Step) -> None:
         """Hold every live session, run the step's commits then its drafts, resolve every future."""
         with contextlib.ExitStack() as held:
             live = []
-            for r in sorted(requests, key=lambda r: r.sid):  # one lock order: no deadlock with other holders
+            for r in sorted(step.requests, key=lambda r: r.sid):  # one lock order: no deadlock with other holders
                 try:
                     live.append((r, held.enter_context(self.engine.hold(r.sid))))
                 except UnknownSessionError as exc:  # closed since it was queued: dropped
@@ -173,7 +151,7 @@ class DraftStepLoop(StepQueue):
             drafts = [(r, s) for r, s in live if r.op == "draft"]
             done = self._commits(commits) + self._drafts(drafts)
             ms = (time.perf_counter() - t0) * 1e3
-            self._last_step_s = ms / 1e3  # bounds the next gather (services.common.step_queue)
+            self._last_step_s = ms / 1e3  # bounds the next gather (services.common.schedule)
         self._record(DraftStepRecord(len(live), len(commits), len(drafts), ms))  # before any caller sees its reply
         for r, value, error in done:
             self._finish(r, StepReply(value, ms), error)

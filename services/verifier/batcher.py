@@ -55,6 +55,7 @@ import torch
 from dsv4.batch import BatchItem
 from dsv4.trunk import Trunk, as_int
 from services.common.sessions import UnknownSessionError
+from services.common.schedule import Schedule, Step
 from services.common.step_queue import StepQueue
 from services.verifier.engine import VerifierEngine, Work, abandon, absorb
 from services.verifier.tp import TPTrunk
@@ -111,6 +112,14 @@ class _Request:
     def sid(self) -> int:
         return self.work.sid
 
+    @property
+    def op(self) -> str:
+        return self.work.op
+
+    @property
+    def left(self) -> int:
+        return len(self.work.ids) - self.work.done
+
 
 class StepLoop(StepQueue):
     """The engine loop: `submit` admitted work from any thread, get a Future of its result.
@@ -121,7 +130,7 @@ class StepLoop(StepQueue):
             None: nothing); what it raises is logged.
         prefill_chunk: C, the most prompt tokens one step forwards (an integer >= 1).
         gather_s: the longest wait (s) before a step for the sessions the previous step
-            answered (`services.common.step_queue`; 0: start a step as soon as work is queued).
+            answered (`services.common.schedule`; 0: start a step as soon as work is queued).
         torch_threads: torch intra-op threads of the loop's thread (None: torch's default).
     Raises:
         ValueError: the engine's model is not batchable (a top-k dump wrapper), prefill_chunk
@@ -138,10 +147,9 @@ class StepLoop(StepQueue):
         self.prefill_chunk = as_int(prefill_chunk, "prefill_chunk")
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be >= 1 (tokens per step)")
-        super().__init__("verifier", StepStats(), on_step, log, gather_s, torch_threads)
+        schedule = Schedule(gather_s, self.AWAY_KINDS, self.prefill_chunk)
+        super().__init__("verifier", StepStats(), on_step, log, schedule, torch_threads)
         self.engine = engine
-        self._carried: list[_Request] = []  # between steps: stepwise verifies, the prompt being prefilled
-        self._chunks: dict[_Request, int] = {}  # the prompt tokens each prompt of the next step forwards
         self._start()
 
     def submit(self, work: Work) -> Future:
@@ -156,68 +164,19 @@ class StepLoop(StepQueue):
 
     AWAY_KINDS = frozenset({"verify"})  # its session commits and drafts on the drafter before the next verify
 
-    def _kind(self, request: _Request) -> str:
-        return request.work.op
-
     # ------------------------------------------------------------------ the loop thread
-    def _run(self) -> None:
-        while True:
-            requests = self._next_step()
-            if requests is None:
-                return
-            live = [r for r in requests if r in self._carried or r.future.set_running_or_notify_cancel()]
-            self._carried = [r for r in self._carried if r not in requests]
-            dropped = [r for r in requests if r not in live]
-            self._release(dropped)  # cancelled before their step: nothing to forward
-            if live:
-                self._step(live)
-
-    def _next_step(self) -> list[_Request] | None:
-        """Wait for work and take the next step's requests (None: closed): every decode and
-        verify, and the prompts that fit in the step's C prompt tokens (module docstring),
-        whose token counts it leaves in `_chunks`."""
-        with self._cv:
-            self._wait_for_work(lambda: bool(self._queue or self._carried))
-            if self._closed:
-                failed, self._queue = self._queue + self._carried, []
-                for r in failed:
-                    if r in self._carried or r.future.set_running_or_notify_cancel():
-                        r.future.set_exception(RuntimeError("the verifier step loop closed"))
-                return None
-            part_way = [r for r in self._carried if r.work.op == "prefill"]
-            waiting = [r for r in self._queue if r.work.op == "prefill"]
-            prompt, self._chunks = self._fill_chunks(part_way + waiting)
-            others = [r for r in self._carried if r.work.op != "prefill"]
-            others += [r for r in self._queue if r.work.op != "prefill"]
-            self._queue = [r for r in waiting if r not in prompt]
-            return others + prompt
-
-    def _fill_chunks(self, prompts: list[_Request]) -> tuple[list[_Request], dict[_Request, int]]:
-        """The prompts (the part-way one first, then oldest first) that the step's
-        prefill_chunk tokens reach, and the tokens each forwards: all it has left while the
-        budget lasts, the last one taken possibly only part."""
-        taken, chunks, budget = [], {}, self.prefill_chunk
-        for r in prompts:
-            if budget == 0:
-                break
-            n = min(budget, len(r.work.ids) - r.work.done)
-            taken.append(r)
-            chunks[r] = n
-            budget -= n
-        return taken, chunks
-
-    def _step(self, requests: list[_Request]) -> None:
+    def _step(self, step: Step) -> None:
         """One forward over every request's rows; resolve the complete ones, carry the rest."""
         with contextlib.ExitStack() as held:
             live = []
-            for r in sorted(requests, key=lambda r: r.work.sid):  # one lock order: no deadlock
+            for r in sorted(step.requests, key=lambda r: r.work.sid):  # one lock order: no deadlock
                 try:
                     live.append((r, held.enter_context(self.engine.hold(r.work.sid))))
                 except UnknownSessionError as exc:  # closed since it was queued: dropped
                     self._finish(r, error=exc)
             if not live:
                 return
-            items = [_item(s.state, r.work, self._chunks.get(r, 0)) for r, s in live]
+            items = [_item(s.state, r.work, step.chunk(r)) for r, s in live]
             t0 = time.perf_counter()
             try:
                 outs = self.engine.model.forward_batch(items)
@@ -227,7 +186,7 @@ class StepLoop(StepQueue):
                     self._finish(r, error=exc)
                 return
             ms = (time.perf_counter() - t0) * 1e3
-            self._last_step_s = ms / 1e3  # bounds the next gather (services.common.step_queue)
+            self._last_step_s = ms / 1e3  # bounds the next gather (services.common.schedule)
             rows = sum(len(it.tokens) if (it.verify or it.prefill) else 1 for it in items)
             done = [self._absorb(r, s, out, ms, rows) for (r, s), out in zip(live, outs)]
         chunk = sum(len(it.tokens) for it in items if it.prefill)
@@ -243,7 +202,7 @@ class StepLoop(StepQueue):
             self._finish(r, error=exc)
             return 0, 0
         if result is None:
-            self._carried.append(r)
+            self._carry(r)
             return 0, 0
         # the gateway prices drafts against the rows of the step it shared (docs/gate.md §13)
         self._finish(r, dataclasses.replace(result, step_rows=rows))
