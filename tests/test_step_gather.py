@@ -34,6 +34,7 @@ from services.common.step_queue import StepQueue
 from services.settings import backend_settings
 from services.verifier.batcher import StepLoop
 from services.verifier.engine import VerifierEngine
+from verifier_fixtures import StepVerifier
 from model_fixtures import tiny_trunk_with
 
 TIMEOUT_S = 120.0
@@ -71,7 +72,9 @@ class RecordingLoop(StepQueue):
         self._start()
 
     def submit(self, sid: int, kind: str = "") -> Future:
-        return self._enqueue(_Req(sid, Future(), kind))
+        request = _Req(sid, Future(), kind)
+        self._enqueue(request)
+        return request.future
 
     def _loop(self) -> None:
         self.go.wait(TIMEOUT_S)
@@ -177,7 +180,7 @@ def test_a_session_closed_during_its_step_is_not_waited_for_after_it():
 
 def test_short_prompts_share_the_steps_a_long_prompt_leaves_room_in(trunk):
     chunk, long_len, short_len = 8, 75, 5
-    engine = VerifierEngine(trunk, max_sessions=8)
+    engine = StepVerifier(VerifierEngine(trunk, max_sessions=8))
     prompts = [ids(long_len, 4)] + [ids(short_len, 5 + i) for i in range(3)]
     refs = []
     for p in prompts:

@@ -141,17 +141,22 @@ class Schedule(Generic[R]):
         self._deadline = 0.0
 
     # ------------------------------------------------------------------ arrivals
-    def admit(self, request: R, now: float) -> None:
-        """Queue `request`, sent at `now` (s).
+    def admit(self, *requests: R, now: float) -> None:
+        """Queue `requests` (in order), sent at `now` (s): all of them or, raising, none.
 
         Raises:
-            ValueError: its session already has a request in the schedule (one at a time).
+            ValueError: a session already has a request in the schedule, or two of `requests`
+                are of one session (one at a time).
         """
-        if request.sid in self._inflight:
-            raise ValueError(f"session {request.sid} already has a request in flight: send one at a time")
-        self._inflight.add(request.sid)
-        self._gaps.sent(request.sid, now)
-        self.queue.append(request)
+        seen: set[int] = set()
+        for r in requests:
+            if r.sid in self._inflight or r.sid in seen:
+                raise ValueError(f"session {r.sid} already has a request in flight: send one at a time")
+            seen.add(r.sid)
+        for r in requests:
+            self._inflight.add(r.sid)
+            self._gaps.sent(r.sid, now)
+            self.queue.append(r)
 
     def forget(self, sid: int) -> None:
         """Session `sid` closed: no step waits for it. Unknown ids are ignored."""

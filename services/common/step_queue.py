@@ -21,18 +21,12 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable, Protocol
 
-from services.common.schedule import Schedule, Step
+from services.common.schedule import Schedule, Scheduled, Step
 
 
-class QueuedRequest(Protocol):
+class QueuedRequest(Scheduled, Protocol):
     """What the loop needs of a request: what the schedule reads (`sid`, `op`, `left`) and
     the Future its caller holds."""
-
-    @property
-    def sid(self) -> int: ...
-
-    @property
-    def op(self) -> str: ...
 
     @property
     def future(self) -> Future: ...
@@ -93,19 +87,18 @@ class StepQueue:
     def _step(self, step: Step) -> None:  # run and absorb one step (the subclass's)
         raise NotImplementedError
 
-    def _enqueue(self, request: QueuedRequest) -> Future:
-        """Queue `request`; returns its future.
+    def _enqueue(self, *requests: QueuedRequest) -> None:
+        """Queue `requests` at once (they share the next step): all of them or, raising, none.
 
         Raises:
-            ValueError: its session already has a request in the loop (one at a time).
+            ValueError: a session already has a request in the loop (one at a time).
             RuntimeError: the loop is closed.
         """
         with self._cv:
             if self._closed:
                 raise RuntimeError(f"the {self._role} step loop is closed")
-            self.schedule.admit(request, time.monotonic())
+            self.schedule.admit(*requests, now=time.monotonic())
             self._cv.notify()
-        return request.future
 
     def _next_step(self) -> Step | None:
         """Wait for work, then for as long as the schedule gathers, and take the next step

@@ -1,10 +1,13 @@
 """Drafter step loop: one thread owns the DSpark module and runs the pending commits and
 drafts of every session in shared calls (continuous batching across generations).
 
-Each step takes every request queued when it starts: all commits go through one
-`DSparkDraft.write_main_kv_batch`, then all drafts through one `DSparkDraft.draft_batch`
-(dense ops over every session's block rows, attention per session on its own rings). A
-request that arrives during a step waits for the next one, so it waits at most one step.
+A step has the verifier loop's three verbs (`services.verifier.batcher`): schedule (the same
+pure `services.common.schedule.Schedule`: every request queued when the step starts, after
+the gather wait), run (`_run`: all commits through one `DSparkDraft.write_main_kv_batch`,
+then all drafts through one `DSparkDraft.draft_batch`: dense ops over every session's block
+rows, attention per session on its own rings) and absorb (`_absorb`: the step's record, then
+each request's reply or error). A request that arrives during a step waits for the next one,
+so it waits at most one step.
 
 Results: a commit lands bitwise as the per-session `DrafterEngine.commit` would (keys are
 computed row by row); a draft of a step with several sessions equals the per-session draft to
@@ -118,7 +121,9 @@ class DraftStepLoop(StepQueue):
         """Queue a commit of rows [R, T*D] (fp32/bf16) at `positions` (see `DrafterEngine.commit`).
         The future fails with the ValueError / UnknownSessionError the engine would raise.
         Raises: as `submit_draft`."""
-        return self._enqueue(_Request(sid, "commit", (rows, positions), Future()))
+        request = _Request(sid, "commit", (rows, positions), Future())
+        self._enqueue(request)
+        return request.future
 
     def submit_draft(self, sid: int, anchor: int, seed_position: int, params: SamplingParams | None = None) -> Future:
         """Queue a draft (see `DrafterEngine.draft`); the future's `StepReply.value` is (tokens,
@@ -130,13 +135,16 @@ class DraftStepLoop(StepQueue):
             ValueError: the session already has a request in the loop (one at a time).
             RuntimeError: the loop is closed.
         """
-        return self._enqueue(_Request(sid, "draft", (anchor, seed_position, params), Future()))
+        request = _Request(sid, "draft", (anchor, seed_position, params), Future())
+        self._enqueue(request)
+        return request.future
 
     AWAY_KINDS = frozenset({"draft"})  # its session is verified before its next commit
 
     # ------------------------------------------------------------------ the loop thread
     def _step(self, step: Step) -> None:
-        """Hold every live session, run the step's commits then its drafts, resolve every future."""
+        """Run and absorb one scheduled step: hold every live session, run its commits then
+        its drafts, resolve every future."""
         with contextlib.ExitStack() as held:
             live = []
             for r in sorted(step.requests, key=lambda r: r.sid):  # one lock order: no deadlock with other holders
@@ -146,13 +154,23 @@ class DraftStepLoop(StepQueue):
                     self._finish(r, error=exc)
             if not live:
                 return
-            t0 = time.perf_counter()
-            commits = [(r, s) for r, s in live if r.op == "commit"]
-            drafts = [(r, s) for r, s in live if r.op == "draft"]
-            done = self._commits(commits) + self._drafts(drafts)
-            ms = (time.perf_counter() - t0) * 1e3
-            self._last_step_s = ms / 1e3  # bounds the next gather (services.common.schedule)
-        self._record(DraftStepRecord(len(live), len(commits), len(drafts), ms))  # before any caller sees its reply
+            done, ms = self._run(live)
+        self._absorb(live, done, ms)
+
+    def _run(self, live: list) -> tuple[list[tuple[_Request, object, BaseException | None]], float]:
+        """The step's commits in one batched write, then its drafts in one batched forward:
+        ((request, value, error) per request, wall ms)."""
+        t0 = time.perf_counter()
+        done = self._commits([(r, s) for r, s in live if r.op == "commit"])
+        done += self._drafts([(r, s) for r, s in live if r.op == "draft"])
+        ms = (time.perf_counter() - t0) * 1e3
+        self._last_step_s = ms / 1e3  # bounds the next gather (services.common.schedule)
+        return done, ms
+
+    def _absorb(self, live: list, done: list, ms: float) -> None:
+        """Record the step (before any caller sees its reply), then answer each request."""
+        commits = sum(r.op == "commit" for r, _ in live)
+        self._record(DraftStepRecord(len(live), commits, len(live) - commits, ms))
         for r, value, error in done:
             self._finish(r, StepReply(value, ms), error)
 
