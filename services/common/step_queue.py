@@ -79,7 +79,7 @@ class StepQueue:
             live = [r for r in step.requests if id(r) in step.carried or r.future.set_running_or_notify_cancel()]
             for r in step.requests:
                 if r not in live:  # cancelled before their step: nothing to forward
-                    self._release(r, answered=False)
+                    self._drop(r)
             if live:
                 step.requests = live
                 self._step(step)
@@ -152,6 +152,10 @@ class StepQueue:
             r.future.set_exception(error)
         else:
             r.future.set_result(result)
+
+    def _drop(self, r: QueuedRequest) -> None:
+        """`r` was cancelled by its caller before its step: its session may send again."""
+        self._release(r, answered=False)
 
     def _release(self, r: QueuedRequest, answered: bool) -> None:
         """r's session may send again; `answered`: and the next step may wait for it."""

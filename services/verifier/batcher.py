@@ -112,10 +112,11 @@ class StepStats:
 
 
 class StepLoop(StepQueue):
-    """The engine loop: `submit` admitted work from any thread, get a Future of its result.
+    """The verifier's one execution path: `submit` an admitted session record from any thread,
+    get a Future of its result; `prefill` / `decode` / `verify` admit, submit and wait.
 
     Args:
-        engine: the verifier engine whose model (a `Trunk` or `TPTrunk`) the loop drives.
+        engine: the verifier engine whose model (`batchable`) the loop drives.
         on_step: called on the loop thread with a `StepRecord` after every step (metrics;
             None: nothing); what it raises is logged.
         prefill_chunk: C, the most prompt tokens one step forwards (an integer >= 1).
@@ -125,7 +126,8 @@ class StepLoop(StepQueue):
     Raises:
         ValueError: the engine's model is not `batchable`, prefill_chunk
             not an integer >= 1, or gather_s negative or not finite (named with its value).
-    Thread safety: `submit`, `stats` and `close` may be called from any thread.
+    Thread safety: every public method may be called from any thread; `close` (or a `with`
+    block) stops the loop.
     """
 
     def __init__(self, engine: VerifierEngine, on_step: Callable[[StepRecord], None] | None = None,
@@ -152,7 +154,7 @@ class StepLoop(StepQueue):
         Raises:
             ValueError: the session already has a request in the loop (one at a time).
             RuntimeError: the loop is closed.
-        Either way the record is not queued and its request is ended.
+        Either way the record is not queued again, and a request the loop does not hold is ended.
         """
         return self.submit_all([record])[0]
 
@@ -162,8 +164,10 @@ class StepLoop(StepQueue):
         try:
             self._enqueue(*records)
         except BaseException:
-            for r in records:
-                r.end()
+            with self._cv:
+                for r in records:
+                    if not self.schedule.in_flight(r.sid):  # never end a request the loop holds
+                        r.end()
             raise
         return [r.future for r in records]
 
@@ -245,6 +249,11 @@ class StepLoop(StepQueue):
         # the gateway prices drafts against the rows of the step it shared (docs/gate.md §13)
         self._finish(r, dataclasses.replace(result, step_rows=rows))
         return int(op == "prefill"), getattr(result, "accepted", 0) + 1
+
+    def _drop(self, r: SessionRecord) -> None:
+        """Cancelled before its step: nothing ran, so the request just ends."""
+        self._release(r, answered=False)
+        r.end()
 
     def _finish(self, r: SessionRecord, result: object = None, error: BaseException | None = None) -> None:
         """Release r's session, end its request, then resolve its future (the session may send
