@@ -6,8 +6,8 @@ On the random tiny model (W = 8, compressor ratios 4 with indexer and 8, max_seq
   * fed through the loop in chunks of 5, 8 and 16 tokens, alone and while three other
     sessions decode in the same steps, its result (next token, margin, tap rows, positions)
     and the state it leaves (rings, compressed entries and their count, the unfinished
-    blocks' rows) equal the one-shot `engine.prefill`: bitwise in exact numerics, within
-    1e-4 in fast numerics; ten decodes from either state agree the same way;
+    blocks' rows) equal the one-shot prefill (the whole prompt in one step, `StepVerifier`):
+    bitwise in exact numerics, within 1e-4 in fast numerics; ten decodes from either state agree the same way;
   * every step carries at most one chunk, and the decoding sessions run in those steps;
   * a session closed part way through its prompt gets UnknownSessionError and is forwarded
     no further;

@@ -91,9 +91,8 @@ def _sha256(ids: list[int]) -> str:
 
 
 def _ids(token_ids: Any) -> list[int]:
-    if torch.is_tensor(token_ids):
-        return [int(t) for t in token_ids.reshape(-1).tolist()]
-    return [int(t) for t in token_ids]
+    """Token ids (one id, a sequence or a tensor of them) as a list of ints."""
+    return [int(t) for t in torch.as_tensor(token_ids).reshape(-1).tolist()]
 
 
 class TopKDiagTrunk:
