@@ -72,17 +72,19 @@ class StepQueue:
         if self._torch_threads is not None:
             from services.common.threads import pin_torch_threads  # torch only where a model runs
             pin_torch_threads(self._torch_threads)
-        while True:
-            step = self._next_step()
-            if step is None:
-                return
-            live = [r for r in step.requests if id(r) in step.carried or r.future.set_running_or_notify_cancel()]
-            for r in step.requests:
-                if r not in live:  # cancelled before their step: nothing to forward
-                    self._drop(r)
-            if live:
-                step.requests = live
-                self._step(step)
+        while (step := self._next_step()) is not None:
+            self._start_step(step)
+            step = None  # hold nothing between steps: a closed session's state is freed at once
+
+    def _start_step(self, step: Step) -> None:
+        """Drop the requests cancelled before their step, then run and absorb the rest."""
+        live = [r for r in step.requests if id(r) in step.carried or r.future.set_running_or_notify_cancel()]
+        for r in step.requests:
+            if r not in live:  # cancelled before their step: nothing to forward
+                self._drop(r)
+        if live:
+            step.requests = live
+            self._step(step)
 
     def _step(self, step: Step) -> None:  # run and absorb one step (the subclass's)
         raise NotImplementedError
