@@ -1,14 +1,16 @@
-"""Plain decode under concurrency, step loop vs a thread per call: `python -m bench.bench_concurrency`.
+"""Plain decode under concurrency, the step loop with and without its gather wait:
+`python -m bench.bench_concurrency`.
 
-Owns the measurement of what the verifier's step loop (services/verifier/batcher.py) buys
-when several generations stream at once; it prints figures and never asserts them.
+Owns the measurement of what the verifier's step loop (services/verifier/batcher.py) and its
+gather wait (services/common/schedule.py) buy when several generations stream at once; it
+prints figures and never asserts them.
 
 One process: the random tiny model (or `--checkpoint`, e.g. assets/dspark-small), two
-verifiers over their own engines on the same trunk, one with the step loop and one with a
-thread per call (the path TP and top-k dumps still take), each behind its own gateway (no
-drafter: spec off, plain decode), all on localhost port 0 with real channels. For each
-concurrency in `--streams`, both paths run `--repeats` times interleaved (threads, steps,
-threads, steps, ...) so both see the same machine load, after one warm-up each. A run
+verifiers over their own engines on the same trunk, one whose step loop starts a step as
+soon as work is queued and one that gathers for up to GATHER_S, each behind its own gateway
+(no drafter: spec off, plain decode), all on localhost port 0 with real channels. For each
+concurrency in `--streams`, both paths run `--repeats` times interleaved so both see the
+same machine load, after one warm-up each. A run
 starts that many Generate calls at once (prompts cycle through four workloads) and reports
 aggregate completion tok/s = all streams' tokens / wall time of the slowest; the medians
 are printed, with the step loop's mean sessions per batch step from its Info.
@@ -39,19 +41,20 @@ WORKLOADS = ("1 2 3 4 5 6 7 8 9 10 11 12 13 14 15",
              "The old lighthouse keeper walked slowly along the shore, watching",
              "Solve for x: 3x + 7 = 22. Subtract 7 from both sides: 3x =")
 CALL_TIMEOUT_S = 600.0
-PATHS = ("threads", "steps")
+PATHS = ("no gather", "gather")
+GATHER_S = 0.05  # what `dspark serve` gathers by default (DSPARK_STEP_GATHER_MS)
 
 
 class Path:
-    """A verifier (step loop on or off) and a gateway over it, with a client stub."""
+    """A verifier (step loop gathering or not) and a gateway over it, with a client stub."""
 
     def __init__(self):
         self.servers, self.closers = [], []
         self.stub = self.verifier_stub = None
 
-    async def start(self, trunk, checkpoint, step_loop: bool, drafter=None, verify_mode: str = "sequential"):
+    async def start(self, trunk, checkpoint, gather_s: float, drafter=None, verify_mode: str = "sequential"):
         engine = verifier_engine(trunk, BackendSettings(max_sessions=64))
-        verifier = await start_verifier(engine, step_loop=step_loop)
+        verifier = await start_verifier(engine, gather_s=gather_s)
         self.servers.append(verifier)
         target = ""
         if drafter is not None:
@@ -97,27 +100,28 @@ async def run_streams(stub, streams: int, max_tokens: int) -> float:
 
 async def throughput(args) -> None:
     trunk = load_trunk(args.checkpoint)
-    paths = {name: await Path().start(trunk, args.checkpoint, name == "steps") for name in PATHS}
+    paths = {name: await Path().start(trunk, args.checkpoint, GATHER_S if name == "gather" else 0.0)
+             for name in PATHS}
     try:
         print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s); model "
               f"{args.checkpoint or 'random tiny'}; plain decode (spec off), {args.max_tokens} tokens per stream; "
               f"median of {args.repeats}, paths interleaved")
         for p in paths.values():
             await run_streams(p.stub, 2, 8)  # warm-up
-        print(f"{'streams':>7} {'threads tok/s':>13} {'steps tok/s':>11} {'steps/threads':>13} "
+        print(f"{'streams':>7} {'no-gather tok/s':>15} {'gather tok/s':>12} {'gather/none':>11} "
               f"{'sessions/step':>13} {'step ms':>7}")
         for streams in args.streams:
             figures = {name: [] for name in PATHS}
-            info0 = await paths["steps"].verifier_stub.Info(common_pb2.InfoRequest(), timeout=10)
+            info0 = await paths["gather"].verifier_stub.Info(common_pb2.InfoRequest(), timeout=10)
             for _ in range(args.repeats):
                 for name in PATHS:
                     figures[name].append(await run_streams(paths[name].stub, streams, args.max_tokens))
-            info1 = await paths["steps"].verifier_stub.Info(common_pb2.InfoRequest(), timeout=10)
+            info1 = await paths["gather"].verifier_stub.Info(common_pb2.InfoRequest(), timeout=10)
             n = info1.steps - info0.steps
             sessions = (info1.batch_size_mean * info1.steps - info0.batch_size_mean * info0.steps) / max(n, 1)
             ms = (info1.step_ms_mean * info1.steps - info0.step_ms_mean * info0.steps) / max(n, 1)
             th, st = (statistics.median(figures[k]) for k in PATHS)
-            print(f"{streams:>7} {th:>13.1f} {st:>11.1f} {st / th:>13.2f} {sessions:>13.2f} {ms:>7.2f}")
+            print(f"{streams:>7} {th:>15.1f} {st:>12.1f} {st / th:>11.2f} {sessions:>13.2f} {ms:>7.2f}")
     finally:
         for p in paths.values():
             await p.close()
@@ -126,7 +130,7 @@ async def throughput(args) -> None:
 async def check_fast_batched(args) -> None:
     trunk = load_trunk(None)
     oracle = drafter_engine(trunk, oracle=True, settings=BackendSettings(max_sessions=64), corrupt_every=3)
-    path = await Path().start(trunk, None, True, drafter=oracle, verify_mode="batched")
+    path = await Path().start(trunk, None, 0.0, drafter=oracle, verify_mode="batched")
     try:
         spec = gateway_pb2.SPEC_MODE_ALWAYS
         prompts = [WORKLOADS[i % 4] + " " * (i // 4) for i in range(8)]

@@ -41,6 +41,7 @@ from dsv4.init import random_weights
 from dsv4.trunk import Trunk
 from services.gateway.gate import Gate, GateConfig
 from services.gateway.tokenizer import ByteTokenizer
+from services.verifier.batcher import StepVerifier
 from services.verifier.engine import VerifierEngine
 
 WORKLOADS = {  # as bench/bench_services.py
@@ -181,7 +182,7 @@ def main() -> None:
     for numerics in ("fast", "exact"):
         model = Trunk(cfg, dtype=dtype, verify_numerics=numerics)
         model.load_weights(weights)
-        engines[numerics] = VerifierEngine(model)
+        engines[numerics] = StepVerifier(VerifierEngine(model))
     tok = ByteTokenizer(cfg.vocab_size)
     prompts = {name: tok.encode(text) for name, text in WORKLOADS.items()}
 

@@ -39,6 +39,7 @@ from services.gateway.backends import DraftReply, LocalDrafterSession, LocalVeri
 from services.gateway.gate import GateConfig
 from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler
 from services.gateway.tokenizer import load_tokenizer
+from services.verifier.batcher import StepLoop
 
 from bench.bench_services import WORKLOADS
 
@@ -80,14 +81,14 @@ class Run:
         return self.accepted / self.submitted if self.submitted else 0.0
 
 
-async def run_arm(sched: Scheduler, v_engine, d_engine, prompt: str, arm: str, temperature: float, seed: int,
+async def run_arm(sched: Scheduler, v_steps, d_engine, prompt: str, arm: str, temperature: float, seed: int,
                   max_tokens: int) -> Run:
     """One generation of `arm` (see the module docstring) at `temperature` with `seed`."""
     rule = arm.split("/")[-1] if "/" in arm else "coupled"
     sampling = SamplingParams(temperature=temperature, seed=seed, rule=rule)
     spec = "off" if arm == "plain" else "always"
     p = sched.params(prompt, [], max_tokens, spec, ignore_eos=True, sampling=sampling)
-    verifier = LocalVerifierSession(v_engine)
+    verifier = LocalVerifierSession(v_steps)
     drafter = (GreedyDrafts if arm.startswith("greedy") else LocalDrafterSession)(d_engine)
     tokens, final, t0 = 0, None, time.perf_counter()
     try:
@@ -107,7 +108,7 @@ async def bench(args) -> dict:
     """Every (temperature, workload, arm) `--repeats` times, interleaved; returns the runs."""
     trunk = load_trunk(args.checkpoint)
     cfg = trunk.cfg
-    v_engine = verifier_engine(trunk, BackendSettings(verify_mode="batched"))
+    v_engine = StepLoop(verifier_engine(trunk, BackendSettings(verify_mode="batched")))
     d_engine = drafter_engine(load_drafter(args.checkpoint), settings=BackendSettings())
     limits = ModelLimits(cfg.vocab_size, cfg.max_seq_len, cfg.eos_token_id, cfg.dspark_block_size, True)
     sched = Scheduler(limits, load_tokenizer(args.checkpoint, cfg.vocab_size, cfg.eos_token_id), GateConfig(),

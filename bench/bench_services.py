@@ -48,6 +48,7 @@ from services.gateway.backends import LocalDrafterSession, LocalVerifierSession
 from services.gateway.gate import GateConfig
 from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler
 from services.gateway.tokenizer import load_tokenizer
+from services.verifier.batcher import StepLoop
 
 WORKLOADS = {
     "repeat": "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15",
@@ -105,11 +106,11 @@ async def run_service(stub, exporter: InMemorySpanExporter, prompt: str, spec: s
     return Run(tokens, wall, s.rounds, s.submitted, s.accepted, *_round_timings(exporter))
 
 
-async def run_local(sched: Scheduler, exporter: InMemorySpanExporter, v_engine, d_engine, prompt: str, spec: str,
+async def run_local(sched: Scheduler, exporter: InMemorySpanExporter, v_steps, d_engine, prompt: str, spec: str,
                     max_tokens: int) -> Run:
     exporter.clear()
     p = sched.params(prompt, [], max_tokens, spec, ignore_eos=True)
-    verifier, drafter = LocalVerifierSession(v_engine), LocalDrafterSession(d_engine)
+    verifier, drafter = LocalVerifierSession(v_steps), LocalDrafterSession(d_engine)
     tokens, final, t0 = [], None, time.perf_counter()
     try:
         async for ev in sched.generate(p, verifier, drafter):
@@ -142,6 +143,7 @@ async def bench(args) -> None:
                  "dspark": drafter_engine(load_drafter(None), settings=BackendSettings())}
     provider, exporter = _traced()
     verifier = await start_verifier(v_engine, provider=provider)
+    v_local = StepLoop(v_engine)  # the in-process arm's own step loop over the same engine
     servers, gateways, locals_ = [verifier], {}, {}
     limits = ModelLimits(cfg.vocab_size, cfg.max_seq_len, cfg.eos_token_id, cfg.dspark_block_size, True)
     local_provider, local_exporter = _traced()
@@ -161,7 +163,7 @@ async def bench(args) -> None:
               f"gate costs configured (reference defaults, docs/architecture.md §12)")
         for name in d_engines:  # warm-up, both paths
             await run_service(gateways[name][0], exporter, "warm up", "always", 12)
-            await run_local(locals_[name], local_exporter, v_engine, d_engines[name], "warm up", "always", 12)
+            await run_local(locals_[name], local_exporter, v_local, d_engines[name], "warm up", "always", 12)
         rows = []
         for workload, prompt in WORKLOADS.items():
             for drafter in d_engines:
@@ -171,7 +173,7 @@ async def bench(args) -> None:
                     svc, loc = [], []
                     for _ in range(args.repeats):  # interleaved, so both paths see the same machine load
                         svc.append(await run_service(gateways[drafter][0], exporter, prompt, spec, args.max_tokens))
-                        loc.append(await run_local(locals_[drafter], local_exporter, v_engine, d_engines[drafter],
+                        loc.append(await run_local(locals_[drafter], local_exporter, v_local, d_engines[drafter],
                                                    prompt, spec, args.max_tokens))
                     rows.append((workload, "-" if spec == "off" else drafter, spec, svc, loc))
         _report(rows)

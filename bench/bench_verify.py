@@ -24,6 +24,7 @@ from bench.bench_trunk import large_config
 from dsv4.config import tiny_config
 from dsv4.init import random_weights
 from dsv4.trunk import Trunk
+from services.verifier.batcher import StepVerifier
 from services.verifier.engine import VerifierEngine
 
 
@@ -41,7 +42,7 @@ def run(cfg_name: str, repeats: int) -> None:
     cfg = tiny_config(max_seq_len=256) if cfg_name == "tiny" else large_config()
     model = Trunk(cfg)
     model.load_weights(random_weights(cfg, "trunk", seed=0))
-    engine = VerifierEngine(model)
+    engine = StepVerifier(VerifierEngine(model))
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (24,), generator=gen)
 

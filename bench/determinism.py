@@ -39,6 +39,7 @@ from services.gateway.backends import LocalDrafterSession, LocalVerifierSession
 from services.gateway.gate import GateConfig
 from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler
 from services.gateway.tokenizer import load_tokenizer
+from services.verifier.batcher import StepVerifier
 
 PROMPTS = {
     "math": "Solve for x: 3x + 7 = 22. Subtract 7 from both sides: 3x =",
@@ -73,8 +74,9 @@ class Bench:
     def __init__(self, checkpoint: str | None, drafter: str, corrupt_every: int, max_tokens: int,
                  dtype: torch.dtype = torch.float32):
         self.trunk = load_trunk(checkpoint, dtype=dtype)
-        self.engine = verifier_engine(self.trunk, BackendSettings())
-        exact = verifier_engine(load_trunk(checkpoint, dtype=dtype, verify_numerics="exact"), BackendSettings())
+        self.engine = StepVerifier(verifier_engine(self.trunk, BackendSettings()))
+        exact = StepVerifier(verifier_engine(load_trunk(checkpoint, dtype=dtype, verify_numerics="exact"),
+                                             BackendSettings()))
         # verify mode -> (verifier engine, the scheduler's verify mode)
         self.modes = {"sequential": (self.engine, "sequential"), "batched": (self.engine, "batched"),
                       "exact": (exact, "batched")}
@@ -93,7 +95,7 @@ class Bench:
         engine, mode = self.modes[verify_mode]
         sched = Scheduler(self.limits, self.tokenizer, GateConfig(), mode, "configured")
         p = sched.params(prompt, [], self.max_tokens, spec, ignore_eos=True)
-        verifier = LocalVerifierSession(engine)
+        verifier = LocalVerifierSession(engine.steps)
         drafter = LocalDrafterSession(self.drafter) if spec != "off" else None
         tokens: list[int] = []
         try:

@@ -48,7 +48,7 @@ from services.gateway.backends import Backends
 from services.gateway.servicer import GatewayServicer, connect_backends, measure_costs
 from services.gateway.tokenizer import load_tokenizer
 from services.gateway.warm import WarmStart
-from services.verifier.batcher import DEFAULT_PREFILL_CHUNK, StepLoop, StepRecord, batchable
+from services.verifier.batcher import DEFAULT_PREFILL_CHUNK, StepLoop, StepRecord
 from services.verifier.engine import VerifierEngine, per_session_bytes
 from services.verifier.step_profile import StepProfileSettings, profile_steps
 from services.verifier.step_table import LoadTracker
@@ -135,33 +135,34 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
                          provider: TracerProvider | None = None, host: str = "127.0.0.1",
                          credentials: grpc.ServerCredentials | None = None, tp: int = 1,
                          max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S, metrics=None,
-                         step_loop: bool = True, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+                         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                          step_profile: StepProfileSettings | None = None, gather_s: float = 0.0,
                          torch_threads: int | None = None) -> RunningServer:
     """Serve the Verifier over `engine` on host:port (0 = any free port); `default_mode` is the
     verify path of requests that name none; credentials: TLS (None = plaintext);
     max_connection_age_s: clients reconnect after it (s); metrics: a
-    `services.common.metrics.VerifierMetrics` (None: none). step_loop: run every session's
-    forwards in one batched step loop (`services.verifier.batcher`) when the engine's model
-    is a plain Trunk or a TP trunk (every rank runs the same batched step); False, or a
-    top-k dump model: one thread per call; prefill_chunk: the loop's most prompt tokens per
-    step. The loop stops with the server; it keeps the load figures the gate prices drafts
+    `services.common.metrics.VerifierMetrics` (None: none). Every session's forwards run in
+    one batched step loop (`services.verifier.batcher`; under TP every rank runs the same
+    batched step); prefill_chunk: the loop's most prompt tokens per step. The loop stops with the server; it keeps the load figures the gate prices drafts
     with (a step-time table and the committed tokens per ms, `services.verifier.step_table`).
     step_profile: time batch steps over dummy sessions before serving, seeding the step table
     (None: live steps alone fill it). gather_s: the loop's longest wait (s) before a step for
-    the sessions the previous step answered (`services.common.step_queue`; 0: none).
+    the sessions the previous step answered (`services.common.schedule`; 0: none).
     torch_threads: torch intra-op threads of the step loop's thread (None: torch's default;
     `dspark serve` passes DSPARK_TORCH_THREADS, `services.common.threads`).
     Raises:
         RuntimeError: port not bound.
         ValueError: prefill_chunk not an integer >= 1, gather_s negative or not finite
-            (named); what the model raises in the profile."""
-    steps, load = None, None
-    if step_loop and batchable(engine.model):
-        load = LoadTracker()
-        if step_profile is not None:
-            await asyncio.to_thread(profile_steps, engine, load, step_profile)
-        steps = StepLoop(engine, _step_hook(load, metrics), prefill_chunk, gather_s, torch_threads)
+            (named), a model the step loop cannot drive; what the model raises in the profile."""
+    load = LoadTracker()
+    steps = StepLoop(engine, None, prefill_chunk, gather_s, torch_threads)
+    try:
+        if step_profile is not None:  # before the hook: profile steps seed the table, they are not live load
+            await asyncio.to_thread(profile_steps, steps, load, step_profile)
+    except BaseException:
+        steps.close()
+        raise
+    steps.on_step = _step_hook(load, metrics)
     servicer = VerifierServicer(engine, default_mode, provider, tp, metrics, steps, load)
     return await _serve_with_loop("dspark.v1.Verifier",
                                   lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),

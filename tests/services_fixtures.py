@@ -42,6 +42,7 @@ from dspark_proto.v1 import (common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_
                              verifier_pb2_grpc)
 from services.app import (drafter_engine, load_drafter, load_trunk, start_drafter, start_gateway,
                           start_verifier, verifier_engine)
+from verifier_fixtures import loop_of
 from services.common.server import RunningServer, channel_options
 from services.common.settings import BackendSettings, GatewaySettings
 from services.gateway.backends import Backends, LocalDrafterSession, LocalVerifierSession
@@ -286,7 +287,7 @@ class ServiceStack:
         p = sched.params(req.prompt, list(req.prompt_token_ids), req.max_tokens, _SPEC_NAME[req.spec]
                          if req.spec != gateway_pb2.SPEC_MODE_DEFAULT else "", req.temperature,
                          list(req.stop_token_ids), list(req.stop), req.ignore_eos)
-        verifier = LocalVerifierSession(self.verifier_engine)
+        verifier = LocalVerifierSession(loop_of(self.verifier_engine))
         drafter = LocalDrafterSession(self.drafter_engine) if self.drafter_engine is not None else None
         gen = Generation()
         try:

@@ -19,6 +19,7 @@ import pytest
 
 from dspark_proto.v1 import gateway_pb2
 from services.gateway.drafter_link import DrafterLink
+from verifier_fixtures import loop_of
 from services.gateway.gate import GateConfig
 from services.gateway.regime import REGIMES, RegimeConfig, RegimePolicy
 from services_fixtures import Generation, collect, gen_request, service_loop, start_stack
@@ -161,10 +162,10 @@ def test_a_generation_arriving_into_a_plain_window_opens_no_drafter_session(dspa
     async def run():
         tok = tiny_tokenizer()
         first = sched.generate(sched.params("a long neighbour", tok.encode("a long neighbour"), 64, "off"),
-                               LocalVerifierSession(dspark.verifier_engine))
+                               LocalVerifierSession(loop_of(dspark.verifier_engine)))
         await first.__anext__()  # in flight, paused at its first token
         supply = DrafterSupply(factory, 2)
-        verifier = LocalVerifierSession(dspark.verifier_engine)
+        verifier = LocalVerifierSession(loop_of(dspark.verifier_engine))
         events = []
         try:
             async for ev in sched.generate(sched.params("joins it", tok.encode("joins it"), 12, "gated"),

@@ -17,6 +17,7 @@ from services.gateway.backends import LocalDrafterSession, LocalVerifierSession
 from services.gateway.gate import GateConfig
 from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler
 from services.verifier.engine import VerifierEngine
+from verifier_fixtures import StepVerifier, loop_of
 from services.settings import topk_diag_settings
 from services.verifier.topk_diag import TopKDiagTrunk, maybe_wrap
 from services.verifier.tp import start_tp_trunk
@@ -124,7 +125,7 @@ async def _generate(engine, spec: str, verify_mode: str, prompt: str, max_tokens
     limits = ModelLimits(cfg.vocab_size, cfg.max_seq_len, cfg.eos_token_id, cfg.dspark_block_size, True)
     sched = Scheduler(limits, tiny_tokenizer(), GateConfig(), verify_mode, "configured")
     p = sched.params(prompt, [], max_tokens, spec, ignore_eos=True)
-    verifier, drafter = LocalVerifierSession(engine), LocalDrafterSession(oracle)
+    verifier, drafter = LocalVerifierSession(loop_of(engine)), LocalDrafterSession(oracle)
     tokens = []
     try:
         async for ev in sched.generate(p, verifier, drafter if spec != "off" else None):
@@ -160,7 +161,7 @@ def test_sequential_and_batched_verify_dumps_agree_under_parity(tmp_path):
 
 def _steps(model) -> None:
     """Prefill, five decodes and a batched verify block on a fresh engine session."""
-    engine = VerifierEngine(model)
+    engine = StepVerifier(VerifierEngine(model))
     sid = engine.open_session()
     r = engine.prefill(sid, list(range(2, 20)))
     token, pos = r.next_token, 18

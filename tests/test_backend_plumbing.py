@@ -25,6 +25,7 @@ from services.drafter.interface import Drafter, feed_tokens
 from services.drafter.live_oracle import LiveOracleDrafter
 from services.drafter.oracle import OracleDrafter, OracleScript
 from services.verifier.engine import VerifierEngine
+from verifier_fixtures import StepVerifier
 
 CFG = tiny_config()
 PROMPT = torch.randint(0, CFG.vocab_size, (12,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -113,7 +114,7 @@ def test_feed_tokens_reaches_only_a_drafter_that_observes_them():
 
 # ---------------------------------------------------------------------------- verifier boundary
 def test_verifier_keeps_the_committed_tail_of_every_step():
-    engine = VerifierEngine(trunk())
+    engine = StepVerifier(VerifierEngine(trunk()))
     sid = engine.open_session()
     with pytest.raises(ValueError, match="no committed positions yet: prefill first"):
         engine.committed_tail(sid, 0)
@@ -140,7 +141,7 @@ def test_verifier_keeps_the_committed_tail_of_every_step():
     (lambda e, s, n: e.verify(s, 1, [2, CFG.vocab_size], n, "batched"), f"token id {CFG.vocab_size} at index 2"),
 ])
 def test_verifier_rejects_out_of_range_ids_before_the_trunk_runs(call, why):
-    engine = VerifierEngine(trunk())
+    engine = StepVerifier(VerifierEngine(trunk()))
     sid = engine.open_session()
     engine.prefill(sid, PROMPT)
     with pytest.raises(ValueError, match=why):
@@ -150,7 +151,7 @@ def test_verifier_rejects_out_of_range_ids_before_the_trunk_runs(call, why):
 
 
 def test_verifier_rejects_a_prompt_longer_than_max_seq_len():
-    engine = VerifierEngine(trunk())
+    engine = StepVerifier(VerifierEngine(trunk()))
     sid = engine.open_session()
     n = CFG.max_seq_len + 1
     with pytest.raises(ValueError, match=f"prompt length {n} exceeds max_seq_len={CFG.max_seq_len}"):
@@ -159,7 +160,7 @@ def test_verifier_rejects_a_prompt_longer_than_max_seq_len():
 
 
 def test_exact_numerics_limit_batched_blocks_at_the_engine():
-    engine = VerifierEngine(trunk("exact"))
+    engine = StepVerifier(VerifierEngine(trunk("exact")))
     sid = engine.open_session()
     engine.prefill(sid, PROMPT)
     drafts = [1] * EXACT_ROWS  # anchor + EXACT_ROWS drafts: one token more than the exact tile

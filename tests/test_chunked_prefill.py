@@ -6,8 +6,8 @@ On the random tiny model (W = 8, compressor ratios 4 with indexer and 8, max_seq
   * fed through the loop in chunks of 5, 8 and 16 tokens, alone and while three other
     sessions decode in the same steps, its result (next token, margin, tap rows, positions)
     and the state it leaves (rings, compressed entries and their count, the unfinished
-    blocks' rows) equal the one-shot `engine.prefill`: bitwise in exact numerics, within
-    1e-4 in fast numerics; ten decodes from either state agree the same way;
+    blocks' rows) equal the one-shot prefill (the whole prompt in one step, `StepVerifier`):
+    bitwise in exact numerics, within 1e-4 in fast numerics; ten decodes from either state agree the same way;
   * every step carries at most one chunk, and the decoding sessions run in those steps;
   * a session closed part way through its prompt gets UnknownSessionError and is forwarded
     no further;
@@ -31,6 +31,7 @@ import torch
 from dspark_proto.v1 import common_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from dsv4.trunk import Trunk
 from services.app import drafter_engine, start_drafter, start_verifier, verifier_engine
+from verifier_fixtures import StepVerifier
 from services.common.limits import (FALLBACK_MAX_SESSIONS, MAX_SESSIONS_CAP, available_memory_bytes,
                                     session_limit)
 from services.common.sessions import UnknownSessionError
@@ -97,7 +98,7 @@ def one_shot(engine: VerifierEngine, ids: list[int]):
 @pytest.mark.parametrize("chunk", [5, 8, 16])
 def test_chunked_prefill_alone_equals_one_shot(trunk, chunk):
     exact = trunk.verify_numerics == "exact"
-    engine = VerifierEngine(trunk, max_sessions=4)
+    engine = StepVerifier(VerifierEngine(trunk, max_sessions=4))
     ids = prompt()
     ref_sid, ref = one_shot(engine, ids)
     records = []
@@ -122,7 +123,7 @@ def test_chunked_prefill_alone_equals_one_shot(trunk, chunk):
 
 def test_chunked_prefill_interleaved_with_decodes_equals_solo(trunk):
     exact, chunk, n_others, n_decodes = trunk.verify_numerics == "exact", 8, 3, 12
-    engine = VerifierEngine(trunk, max_sessions=2 * (n_others + 1))
+    engine = StepVerifier(VerifierEngine(trunk, max_sessions=2 * (n_others + 1)))
     ids, short = prompt(), [prompt(5 + 3 * i, seed=20 + i) for i in range(n_others)]
 
     def decode_run(call_prefill, call_decode, sid, p):

@@ -9,8 +9,8 @@
   `off` run under sequential verify. With no replica left the generations finish plain.
 * The verifier's `rows` op itself, and the target-list settings.
 
-Generations are held in flight deterministically: `HoldingVerifier` is the real engine whose
-first verify of each session waits (bounded) until the test releases it.
+Generations are held in flight deterministically: `HoldingVerifier` is the real step loop
+whose first verify of each session waits (bounded) until the test releases it.
 """
 
 from __future__ import annotations
@@ -35,12 +35,15 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from dspark_proto.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from services.app import drafter_engine, start_drafter, start_gateway, start_verifier
-from services.common.server import channel_options
+from services.common.server import RunningServer, channel_options, start_server
 from services.common.settings import BackendSettings, GatewaySettings, backend_target
 from services.common.tensors import from_proto
 from services.gateway.gate import GateConfig
 from services.settings import gateway_settings
+from services.verifier.batcher import StepLoop
 from services.verifier.engine import VerifierEngine
+from services.verifier.servicer import VerifierServicer
+from services.verifier.step_table import LoadTracker
 from services_fixtures import RPC_TIMEOUT_S, collect, gen_request, service_loop, tiny_trunk
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,35 +53,62 @@ PROMPTS = [f"request {i}: the quick brown fox" for i in range(8)]
 MAX_TOKENS = 20
 
 
-class HoldingVerifier(VerifierEngine):
-    """A real `VerifierEngine` whose first verify of each session blocks until `release` is set
-    (at most HOLD_S): the test then knows every generation is mid-flight, its drafter session open.
-    Holding one session's call needs a thread per call: serve it with `step_loop=False` (the
-    step loop would hold every session's step behind the first)."""
+class HoldingVerifier(StepLoop):
+    """The real step loop over a real `VerifierEngine`, whose first verify of each session
+    waits (at most HOLD_S) until `release` is set before it is queued: the test then knows
+    every generation is mid-flight, its drafter session open, while the other sessions'
+    requests keep flowing through the loop's steps."""
 
     def __init__(self, model, **kwargs):
-        super().__init__(model, **kwargs)
+        super().__init__(VerifierEngine(model, **kwargs))
         self.release = threading.Event()
         self._lock = threading.Lock()
         self._seen: set[int] = set()
         self._held: set[int] = set()
 
-    def verify(self, sid, *args, **kwargs):
+    def submit(self, record):
         with self._lock:
-            first = sid not in self._seen
-            self._seen.add(sid)
+            first = record.op == "verify" and record.sid not in self._seen
+            if record.op == "verify":
+                self._seen.add(record.sid)
             if first:
-                self._held.add(sid)
-        if first:
+                self._held.add(record.sid)
+        if not first:
+            return super().submit(record)
+        outer = concurrent.futures.Future()
+
+        def hold() -> None:
             self.release.wait(HOLD_S)
             with self._lock:
-                self._held.discard(sid)
-        return super().verify(sid, *args, **kwargs)
+                self._held.discard(record.sid)
+            try:
+                inner = super(HoldingVerifier, self).submit(record)
+            except Exception as exc:
+                outer.set_exception(exc)
+                return
+            inner.add_done_callback(lambda f: outer.set_exception(f.exception()) if f.exception()
+                                    else outer.set_result(f.result()))
+
+        threading.Thread(target=hold, daemon=True).start()
+        return outer
 
     @property
     def held(self) -> int:
         with self._lock:
             return len(self._held)
+
+    @property
+    def num_sessions(self) -> int:
+        return self.engine.num_sessions
+
+
+async def serve_holding(steps: HoldingVerifier) -> RunningServer:
+    """Serve the Verifier over the holding step loop (it stops with the server)."""
+    servicer = VerifierServicer(steps.engine, "batched", steps=steps, load=LoadTracker())
+    running = await start_server("dspark.v1.Verifier",
+                                 lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s))
+    running.on_stop.append(steps.close)
+    return running
 
 
 class DrafterProcess:
@@ -152,7 +182,7 @@ def test_eight_generations_spread_over_both_drafter_replicas_one_stream_each():
     drafters = [drafter_engine(trunk, oracle=True, settings=BackendSettings()) for _ in range(2)]
 
     async def scenario():
-        verifier = await start_verifier(engine, step_loop=False)
+        verifier = await serve_holding(engine)
         servers = [await start_drafter(d) for d in drafters]
         target = ",".join(f"127.0.0.1:{s.port}" for s in servers)  # a plain list becomes ipv4:a,b
         gw, scheduler, backends = await start_gateway(settings(verifier.port, target), GateConfig())
@@ -240,7 +270,7 @@ def test_killed_drafter_replica_generations_resume_speculation_on_the_other_then
             return counts, await asyncio.gather(*tasks)
 
         async def scenario():
-            verifier = await start_verifier(engine, step_loop=False)
+            verifier = await serve_holding(engine)
             target = "ipv4:" + ",".join(f"127.0.0.1:{p}" for p in ports)
             gw, scheduler, backends = await start_gateway(settings(verifier.port, target), GateConfig(),
                                                           provider=provider)

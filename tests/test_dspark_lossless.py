@@ -28,6 +28,7 @@ from dsv4.trunk import Trunk
 from services.drafter.engine import DrafterEngine
 from services.drafter.oracle import OracleDrafter, OracleScript
 from services.verifier.engine import VerifierEngine
+from verifier_fixtures import StepVerifier
 
 CFG = tiny_config(max_seq_len=96)
 W, B = CFG.window_size, CFG.dspark_block_size
@@ -44,7 +45,7 @@ def weights() -> dict[str, torch.Tensor]:
 def verifier() -> VerifierEngine:
     trunk = Trunk(CFG)
     trunk.load_weights({p.name: weights()[p.name] for p in trunk_params(CFG)})
-    return VerifierEngine(trunk)
+    return StepVerifier(VerifierEngine(trunk))
 
 
 @functools.lru_cache(maxsize=None)

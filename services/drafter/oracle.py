@@ -157,15 +157,16 @@ class OracleDrafter(SessionHost[_OracleSession], Drafter):
             return tokens, torch.tensor(conf, dtype=torch.float32)
 
 
-def greedy_script(verifier, prompt: Sequence[int], n_new: int) -> tuple[int, ...]:
-    """Prompt + `n_new` tokens of plain greedy decoding by `verifier` (a VerifierEngine), in a
-    session of its own: what the oracle proposes."""
-    sid = verifier.open_session()
+def greedy_script(steps, prompt: Sequence[int], n_new: int) -> tuple[int, ...]:
+    """Prompt + `n_new` tokens of plain greedy decoding by a verifier step loop `steps`
+    (`services.verifier.batcher.StepLoop`), in a session of its own: what the oracle proposes."""
+    engine = steps.engine
+    sid = engine.open_session()
     try:
-        step = verifier.prefill(sid, list(prompt))
+        step = steps.prefill(sid, list(prompt))
         tokens = [*map(int, prompt), step.next_token]
         for pos in range(len(prompt), len(prompt) + n_new - 1):
-            tokens.append(verifier.decode(sid, tokens[-1], pos).next_token)
+            tokens.append(steps.decode(sid, tokens[-1], pos).next_token)
         return tuple(tokens)
     finally:
-        verifier.close_session(sid)
+        engine.close_session(sid)

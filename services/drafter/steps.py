@@ -1,10 +1,13 @@
 """Drafter step loop: one thread owns the DSpark module and runs the pending commits and
 drafts of every session in shared calls (continuous batching across generations).
 
-Each step takes every request queued when it starts: all commits go through one
-`DSparkDraft.write_main_kv_batch`, then all drafts through one `DSparkDraft.draft_batch`
-(dense ops over every session's block rows, attention per session on its own rings). A
-request that arrives during a step waits for the next one, so it waits at most one step.
+A step has the verifier loop's three verbs (`services.verifier.batcher`): schedule (the same
+pure `services.common.schedule.Schedule`: every request queued when the step starts, after
+the gather wait), run (`_run`: all commits through one `DSparkDraft.write_main_kv_batch`,
+then all drafts through one `DSparkDraft.draft_batch`: dense ops over every session's block
+rows, attention per session on its own rings) and absorb (`_absorb`: the step's record, then
+each request's reply or error). A request that arrives during a step waits for the next one,
+so it waits at most one step.
 
 Results: a commit lands bitwise as the per-session `DrafterEngine.commit` would (keys are
 computed row by row); a draft of a step with several sessions equals the per-session draft to
@@ -36,6 +39,7 @@ import torch
 
 from dsv4.sampling import DraftSampler, SamplingParams
 from services.common.sessions import UnknownSessionError
+from services.common.schedule import Schedule, Step
 from services.common.step_queue import StepQueue
 from services.drafter.engine import DrafterEngine
 from services.drafter.interface import SampledDraft
@@ -85,6 +89,7 @@ class _Request:
     op: str  # "commit" | "draft"
     args: tuple
     future: Future
+    left: int = 0  # no prompt tokens: the schedule chunks nothing
 
 
 class DraftStepLoop(StepQueue):
@@ -95,7 +100,7 @@ class DraftStepLoop(StepQueue):
         on_step: called on the loop thread with a `DraftStepRecord` after every step (metrics;
             None: nothing); what it raises is logged.
         gather_s: the longest wait (s) before a step for the sessions the previous step
-            answered (`services.common.step_queue`; 0: none).
+            answered (`services.common.schedule`; 0: none).
         torch_threads: torch intra-op threads of the loop's thread (None: torch's default).
     Raises:
         ValueError: the engine is not batchable (an oracle drafter, or a TP > 1 shard), or
@@ -107,7 +112,8 @@ class DraftStepLoop(StepQueue):
                  gather_s: float = 0.0, torch_threads: int | None = None):
         if not batchable(engine):
             raise ValueError(f"the drafter step loop drives a TP=1 DrafterEngine, got {type(engine).__name__}")
-        super().__init__("drafter", DraftStepStats(), on_step, log, gather_s, torch_threads)
+        super().__init__("drafter", DraftStepStats(), on_step, log, Schedule(gather_s, self.AWAY_KINDS),
+                         torch_threads)
         self.engine, self.module = engine, engine.module
         self._start()
 
@@ -115,7 +121,9 @@ class DraftStepLoop(StepQueue):
         """Queue a commit of rows [R, T*D] (fp32/bf16) at `positions` (see `DrafterEngine.commit`).
         The future fails with the ValueError / UnknownSessionError the engine would raise.
         Raises: as `submit_draft`."""
-        return self._enqueue(_Request(sid, "commit", (rows, positions), Future()))
+        request = _Request(sid, "commit", (rows, positions), Future())
+        self._enqueue(request)
+        return request.future
 
     def submit_draft(self, sid: int, anchor: int, seed_position: int, params: SamplingParams | None = None) -> Future:
         """Queue a draft (see `DrafterEngine.draft`); the future's `StepReply.value` is (tokens,
@@ -127,54 +135,42 @@ class DraftStepLoop(StepQueue):
             ValueError: the session already has a request in the loop (one at a time).
             RuntimeError: the loop is closed.
         """
-        return self._enqueue(_Request(sid, "draft", (anchor, seed_position, params), Future()))
+        request = _Request(sid, "draft", (anchor, seed_position, params), Future())
+        self._enqueue(request)
+        return request.future
 
     AWAY_KINDS = frozenset({"draft"})  # its session is verified before its next commit
 
-    def _kind(self, request: _Request) -> str:
-        return request.op  # a commit's session drafts at once
-
     # ------------------------------------------------------------------ the loop thread
-    def _run(self) -> None:
-        while True:
-            requests = self._next_step()
-            if requests is None:
-                return
-            live = [r for r in requests if r.future.set_running_or_notify_cancel()]
-            self._release([r for r in requests if r not in live])  # cancelled before their step
-            if live:
-                self._step(live)
-
-    def _next_step(self) -> list[_Request] | None:
-        """Wait for work and take all of it (None: closed)."""
-        with self._cv:
-            self._wait_for_work(lambda: bool(self._queue))
-            taken, self._queue = self._queue, []
-            if self._closed:
-                for r in taken:
-                    if r.future.set_running_or_notify_cancel():
-                        r.future.set_exception(RuntimeError("the drafter step loop closed"))
-                return None
-            return taken
-
-    def _step(self, requests: list[_Request]) -> None:
-        """Hold every live session, run the step's commits then its drafts, resolve every future."""
+    def _step(self, step: Step) -> None:
+        """Run and absorb one scheduled step: hold every live session, run its commits then
+        its drafts, resolve every future."""
         with contextlib.ExitStack() as held:
             live = []
-            for r in sorted(requests, key=lambda r: r.sid):  # one lock order: no deadlock with other holders
+            for r in sorted(step.requests, key=lambda r: r.sid):  # one lock order: no deadlock with other holders
                 try:
                     live.append((r, held.enter_context(self.engine.hold(r.sid))))
                 except UnknownSessionError as exc:  # closed since it was queued: dropped
                     self._finish(r, error=exc)
             if not live:
                 return
-            t0 = time.perf_counter()
-            commits = [(r, s) for r, s in live if r.op == "commit"]
-            drafts = [(r, s) for r, s in live if r.op == "draft"]
-            done = self._commits(commits) + self._drafts(drafts)
-            ms = (time.perf_counter() - t0) * 1e3
-            self._last_step_s = ms / 1e3  # bounds the next gather (services.common.step_queue)
-        self._record(DraftStepRecord(len(live), len(commits), len(drafts), ms))  # before any caller sees its reply
+            done, ms = self._run(live)
+        self._absorb(live, done, ms)
+
+    def _run(self, live: list) -> tuple[list[tuple[_Request, object, BaseException | None]], float]:
+        """The step's commits in one batched write, then its drafts in one batched forward:
+        ((request, value, error) per request, wall ms)."""
+        t0 = time.perf_counter()
+        done = self._commits([(r, s) for r, s in live if r.op == "commit"])
+        done += self._drafts([(r, s) for r, s in live if r.op == "draft"])
+        ms = (time.perf_counter() - t0) * 1e3
+        self._last_step_s = ms / 1e3  # bounds the next gather (services.common.schedule)
+        return done, ms
+
+    def _absorb(self, live: list, done: list, ms: float) -> None:
+        """Record the step (before any caller sees its reply), then answer each request."""
+        commits = sum(r.op == "commit" for r, _ in live)
+        self._record(DraftStepRecord(len(live), commits, len(live) - commits, ms))
         for r, value, error in done:
             self._finish(r, StepReply(value, ms), error)
 

@@ -317,23 +317,28 @@ def _draft_probs(r: drafter_pb2.DrafterResponse) -> torch.Tensor | None:
 
 # ---------------------------------------------------------------------------- in process
 class LocalVerifierSession:
-    """A session on an in-process `VerifierEngine`."""
+    """A session on an in-process verifier: a `services.verifier.batcher.StepLoop` over its
+    `VerifierEngine` (every request runs in the loop's steps, as a served one does)."""
 
-    def __init__(self, engine):
-        self.engine, self.sid = engine, engine.open_session()
+    def __init__(self, steps):
+        self.steps, self.engine = steps, steps.engine
+        self.sid = self.engine.open_session()
+
+    async def _run(self, record):
+        return await asyncio.wrap_future(self.steps.submit(record))
 
     async def prefill(self, token_ids, trace, sampling=GREEDY):
-        r = await asyncio.to_thread(self.engine.prefill, self.sid, list(token_ids), sampling)
+        r = await self._run(self.engine.admit_prefill(self.sid, list(token_ids), sampling))
         return VerifierReply(r.next_token, r.margin, 0, wire_rows(r.rows), r.positions.start, r.forward_ms,
                              logprobs=_wire_logprobs(r.logprobs))
 
     async def decode(self, token_id, position, trace):
-        r = await asyncio.to_thread(self.engine.decode, self.sid, token_id, position)
+        r = await self._run(self.engine.admit_decode(self.sid, token_id, position))
         return VerifierReply(r.next_token, r.margin, 0, wire_rows(r.rows), r.positions.start, r.forward_ms,
                              logprobs=_wire_logprobs(r.logprobs))
 
     async def verify(self, anchor, drafts, position, mode, trace, draft_probs=None):
-        r = await asyncio.to_thread(self.engine.verify, self.sid, anchor, list(drafts), position, mode, draft_probs)
+        r = await self._run(self.engine.admit_verify(self.sid, anchor, list(drafts), position, mode, draft_probs))
         return VerifierReply(r.bonus_token, r.margin, r.accepted, wire_rows(r.rows), r.positions.start,
                              r.forward_ms, r.rollback_bytes, _wire_logprobs(r.logprobs))
 

@@ -1,43 +1,47 @@
-"""Verifier step loop: one thread owns the model and runs the pending work of every session
-in shared forwards (continuous batching across generations, prompts included).
+"""Verifier step loop: one thread owns the model and runs every request of every session in
+shared forwards (continuous batching across generations, prompts included). It is the
+verifier's one execution path: a request alone runs as a batch of one.
 
-Requests arrive already admitted (`VerifierEngine.admit_*` validated them against their
-session), so a bad request never reaches a step. Every step is one `Trunk.forward_batch`
-(dense ops over every row, attention per session) over:
+A step is three verbs over the sessions' records (`services.verifier.work.SessionRecord`,
+one per session, carrying its state and its request in flight):
 
-* every pending decode and verify: a batched verify's whole block; a sequential verify one
-  position per step, carried between steps until its first mismatch;
-* at most `prefill_chunk` (C) prompt tokens in all, as chunks of prompts
+* schedule (`services.common.schedule.Schedule`, pure, the clock passed in): which records
+  run this step: every pending decode and verify (a batched verify's whole block; a
+  sequential verify one position per step, carried between steps until its first
+  mismatch), and at most `prefill_chunk` (C) prompt tokens in all, as chunks of prompts
   (`BatchItem.prefill_chunk`, committed as they run, never rolled back): first the next
   chunk of the prompt part way through, then the oldest queued prompts, each taking what is
-  left of the C tokens, so several short prompts share one step and at most one prompt is
-  ever part way (the last one taken, which goes first in the next step).
+  left of the C tokens; before it, the gather wait for the sessions the last step answered;
+* run (`_run`): one `Trunk.forward_batch` over every record's `item` (dense ops over every
+  row, attention per session);
+* absorb (`_absorb`, `services.verifier.work.absorb`): the accept rule, a batched block's
+  rollback to what it accepted (a verify block is a transaction), the committed rows, and
+  the reply; an incomplete request is carried to the next step.
+
+Requests arrive already admitted (`VerifierEngine.admit_*` validated them and wrote them into
+their session's record), so a bad request never reaches a step.
 
 Fairness. A decode or verify waits for the step in flight and then runs in the next one,
 which holds at most C prompt rows besides the generations' own, so a running generation is
 never stalled for more than one chunk's forward, however long a prompt arrives; the oldest
 prompt advances in every step, so no number of running generations can starve it.
-Prompts are served oldest first (a queued prompt waits for the prompts before it). A burst
-of short prompts (many clients connecting at once) is prefilled C tokens per step, not one
-prompt per step.
+Prompts are served oldest first. A burst of short prompts is prefilled C tokens per step,
+not one prompt per step.
 
-Results. Only the chunk that ends a prompt resolves its request, with what
-`VerifierEngine.prefill` returns (next token, margin, the last min(n, keep_rows) tap rows):
-bitwise in exact numerics whatever the chunk size and whatever shares the steps
-(`dsv4.numerics.ExactNumerics`), to rounding in fast numerics. Decodes and verifies return
-what the per-session calls return: `absorb` applies the same accept rule, rollback and
-committed rows.
+Results. Only the chunk that ends a prompt resolves its request (next token, margin, the
+last min(n, keep_rows) tap rows): bitwise in exact numerics whatever the chunk size and
+whatever shares the steps (`dsv4.numerics.ExactNumerics`), to rounding in fast numerics.
 
 A session closed while its request is queued or part way through its prompt (its stream
 ended or was cancelled) is dropped from the next step: its future gets UnknownSessionError
-and nothing more of it is forwarded; its state is freed by the close, since the loop only
-keeps session ids between steps. A prefill whose step fails leaves its session empty again.
+and nothing more of it is forwarded; its state is freed by the close. A prefill whose step
+fails leaves its session empty again.
 
-The loop drives a plain `Trunk` or a `TPTrunk` over plain trunks (`batchable`): under
-tensor parallelism a step is one command that every rank runs as the same batched forward
-(`services.verifier.tp`), and a worker that dies or stalls mid-step fails every request of
-that step with its `TPWorkerError`. A top-k dump wrapper records call by call, so it runs
-each session's call on its own thread as before (`services.verifier.servicer`).
+The loop drives a plain `Trunk`, a top-k dump wrapper (`services.verifier.topk_diag`, which
+records every item of a batch) or a `TPTrunk` (`batchable`): under tensor parallelism a step
+is one command that every rank runs as the same batched forward (`services.verifier.tp`),
+and a worker that dies or stalls mid-step fails every request of that step with its
+`TPWorkerError`.
 """
 
 from __future__ import annotations
@@ -46,18 +50,22 @@ import contextlib
 import dataclasses
 import logging
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from dsv4.batch import BatchItem
+from dsv4.sampling import GREEDY, SamplingParams
 from dsv4.scalars import as_int
 from dsv4.trunk import Trunk
 from services.common.sessions import UnknownSessionError
+from services.common.schedule import Schedule, Step
 from services.common.step_queue import StepQueue
-from services.verifier.engine import VerifierEngine, Work, abandon, absorb
+from services.verifier.engine import (SessionRecord, StepResult, VerifierEngine, VerifyResult,
+                                      abandon, absorb)
+from services.verifier.topk_diag import TopKDiagTrunk
 from services.verifier.tp import TPTrunk
 
 STEP_KINDS = ("batch", "prefill")  # "prefill": the step carried a prompt chunk
@@ -66,9 +74,10 @@ log = logging.getLogger("dspark.verifier.steps")
 
 
 def batchable(model: object) -> bool:
-    """Whether the step loop can drive `model`: a plain `Trunk`, or a `TPTrunk` whose ranks
-    run plain trunks (no top-k dumps); both have `forward_batch`."""
-    return isinstance(model, Trunk) or (isinstance(model, TPTrunk) and model.batchable)
+    """Whether the step loop can drive `model`: a plain `Trunk`, a top-k dump wrapper over one,
+    or a `TPTrunk`; each has `forward_batch`."""
+    base = model.model if isinstance(model, TopKDiagTrunk) else model
+    return isinstance(base, (Trunk, TPTrunk))
 
 
 @dataclass(frozen=True)
@@ -103,152 +112,160 @@ class StepStats:
     prefill_steps: int = 0
 
 
-@dataclass(eq=False)  # compared by identity: a request is one call
-class _Request:
-    work: Work
-    future: Future
-
-    @property
-    def sid(self) -> int:
-        return self.work.sid
-
-
 class StepLoop(StepQueue):
-    """The engine loop: `submit` admitted work from any thread, get a Future of its result.
+    """The verifier's one execution path: `submit` an admitted session record from any thread,
+    get a Future of its result; `prefill` / `decode` / `verify` admit, submit and wait.
 
     Args:
-        engine: the verifier engine whose model (a `Trunk` or `TPTrunk`) the loop drives.
+        engine: the verifier engine whose model (`batchable`) the loop drives.
         on_step: called on the loop thread with a `StepRecord` after every step (metrics;
             None: nothing); what it raises is logged.
         prefill_chunk: C, the most prompt tokens one step forwards (an integer >= 1).
         gather_s: the longest wait (s) before a step for the sessions the previous step
-            answered (`services.common.step_queue`; 0: start a step as soon as work is queued).
+            answered (`services.common.schedule`; 0: start a step as soon as work is queued).
         torch_threads: torch intra-op threads of the loop's thread (None: torch's default).
     Raises:
-        ValueError: the engine's model is not batchable (a top-k dump wrapper), prefill_chunk
+        ValueError: the engine's model is not `batchable`, prefill_chunk
             not an integer >= 1, or gather_s negative or not finite (named with its value).
-    Thread safety: `submit`, `stats` and `close` may be called from any thread.
+    Thread safety: every public method may be called from any thread; `close` (or a `with`
+    block) stops the loop.
     """
 
     def __init__(self, engine: VerifierEngine, on_step: Callable[[StepRecord], None] | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, gather_s: float = 0.0,
                  torch_threads: int | None = None):
         if not batchable(engine.model):
-            raise ValueError(f"the step loop drives a plain Trunk or a TPTrunk over plain trunks, "
+            raise ValueError(f"the step loop drives a plain Trunk, a top-k dump wrapper over one or a TPTrunk, "
                              f"got {type(engine.model).__name__}")
         self.prefill_chunk = as_int("prefill_chunk", prefill_chunk)
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be >= 1 (tokens per step)")
-        super().__init__("verifier", StepStats(), on_step, log, gather_s, torch_threads)
+        schedule = Schedule(gather_s, self.AWAY_KINDS, self.prefill_chunk)
+        super().__init__("verifier", StepStats(), on_step, log, schedule, torch_threads)
         self.engine = engine
-        self._carried: list[_Request] = []  # between steps: stepwise verifies, the prompt being prefilled
-        self._chunks: dict[_Request, int] = {}  # the prompt tokens each prompt of the next step forwards
         self._start()
 
-    def submit(self, work: Work) -> Future:
-        """Queue admitted `work`; returns a Future resolved with its StepResult / VerifyResult
-        (or the error the step raised: UnknownSessionError when the session closed first).
+    AWAY_KINDS = frozenset({"verify"})  # its session commits and drafts on the drafter before the next verify
+
+    def submit(self, record: SessionRecord) -> Future:
+        """Queue an admitted record (`VerifierEngine.admit_*`); returns its Future, resolved
+        with its StepResult / VerifyResult, or the error the step raised (UnknownSessionError
+        when the session closed first).
 
         Raises:
             ValueError: the session already has a request in the loop (one at a time).
             RuntimeError: the loop is closed.
+        Either way the record is not queued again, and a request the loop does not hold is ended.
         """
-        return self._enqueue(_Request(work, Future()))
+        return self.submit_all([record])[0]
 
-    AWAY_KINDS = frozenset({"verify"})  # its session commits and drafts on the drafter before the next verify
+    def submit_all(self, records: list[SessionRecord]) -> list[Future]:
+        """Queue admitted records in one go, so they share the next step (the start-up
+        profile's steps); returns their Futures in order. Raises as `submit`, queuing none."""
+        try:
+            self._enqueue(*records)
+        except BaseException:
+            with self._cv:
+                for r in records:
+                    if not self.schedule.in_flight(r.sid):  # never end a request the loop holds
+                        r.end()
+            raise
+        return [r.future for r in records]
 
-    def _kind(self, request: _Request) -> str:
-        return request.work.op
+    # ------------------------------------------------------------------ a caller that waits
+    def prefill(self, sid: int, token_ids, sampling: SamplingParams = GREEDY,
+                timeout_s: float | None = None) -> StepResult:
+        """Admit a prefill (`VerifierEngine.admit_prefill`), run it in the next steps and wait
+        up to `timeout_s` (s; None: no limit) for its result. Raises what admission or the
+        step raises, TimeoutError past the deadline."""
+        return self.submit(self.engine.admit_prefill(sid, token_ids, sampling)).result(timeout_s)
+
+    def decode(self, sid: int, token_id: int, position: int, timeout_s: float | None = None) -> StepResult:
+        """As `prefill`, for `VerifierEngine.admit_decode`."""
+        return self.submit(self.engine.admit_decode(sid, token_id, position)).result(timeout_s)
+
+    def verify(self, sid: int, anchor: int, drafts, position: int, mode: str = "sequential",
+               draft_probs: torch.Tensor | None = None, timeout_s: float | None = None) -> VerifyResult:
+        """As `prefill`, for `VerifierEngine.admit_verify`."""
+        return self.submit(self.engine.admit_verify(sid, anchor, drafts, position, mode, draft_probs)
+                           ).result(timeout_s)
+
+    def __enter__(self) -> "StepLoop":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ the loop thread
-    def _run(self) -> None:
-        while True:
-            requests = self._next_step()
-            if requests is None:
-                return
-            live = [r for r in requests if r in self._carried or r.future.set_running_or_notify_cancel()]
-            self._carried = [r for r in self._carried if r not in requests]
-            dropped = [r for r in requests if r not in live]
-            self._release(dropped)  # cancelled before their step: nothing to forward
-            if live:
-                self._step(live)
-
-    def _next_step(self) -> list[_Request] | None:
-        """Wait for work and take the next step's requests (None: closed): every decode and
-        verify, and the prompts that fit in the step's C prompt tokens (module docstring),
-        whose token counts it leaves in `_chunks`."""
-        with self._cv:
-            self._wait_for_work(lambda: bool(self._queue or self._carried))
-            if self._closed:
-                failed, self._queue = self._queue + self._carried, []
-                for r in failed:
-                    if r in self._carried or r.future.set_running_or_notify_cancel():
-                        r.future.set_exception(RuntimeError("the verifier step loop closed"))
-                return None
-            part_way = [r for r in self._carried if r.work.op == "prefill"]
-            waiting = [r for r in self._queue if r.work.op == "prefill"]
-            prompt, self._chunks = self._fill_chunks(part_way + waiting)
-            others = [r for r in self._carried if r.work.op != "prefill"]
-            others += [r for r in self._queue if r.work.op != "prefill"]
-            self._queue = [r for r in waiting if r not in prompt]
-            return others + prompt
-
-    def _fill_chunks(self, prompts: list[_Request]) -> tuple[list[_Request], dict[_Request, int]]:
-        """The prompts (the part-way one first, then oldest first) that the step's
-        prefill_chunk tokens reach, and the tokens each forwards: all it has left while the
-        budget lasts, the last one taken possibly only part."""
-        taken, chunks, budget = [], {}, self.prefill_chunk
-        for r in prompts:
-            if budget == 0:
-                break
-            n = min(budget, len(r.work.ids) - r.work.done)
-            taken.append(r)
-            chunks[r] = n
-            budget -= n
-        return taken, chunks
-
-    def _step(self, requests: list[_Request]) -> None:
-        """One forward over every request's rows; resolve the complete ones, carry the rest."""
+    def _step(self, step: Step) -> None:
+        """Run and absorb one scheduled step: hold every live session, one forward over every
+        record's rows, then resolve the complete requests and carry the rest."""
         with contextlib.ExitStack() as held:
             live = []
-            for r in sorted(requests, key=lambda r: r.work.sid):  # one lock order: no deadlock
+            for r in sorted(step.requests, key=lambda r: r.sid):  # one lock order: no deadlock
                 try:
-                    live.append((r, held.enter_context(self.engine.hold(r.work.sid))))
+                    held.enter_context(self.engine.hold(r.sid))
+                    live.append(r)
                 except UnknownSessionError as exc:  # closed since it was queued: dropped
                     self._finish(r, error=exc)
             if not live:
                 return
-            items = [_item(s.state, r.work, self._chunks.get(r, 0)) for r, s in live]
-            t0 = time.perf_counter()
-            try:
-                outs = self.engine.model.forward_batch(items)
-            except Exception as exc:  # checked before any state change: every request gets it
-                for r, s in live:
-                    abandon(s, r.work)
-                    self._finish(r, error=exc)
+            items = [r.item(step.chunk(r)) for r in live]
+            outs, ms = self._run(live, items)
+            if outs is None:
                 return
-            ms = (time.perf_counter() - t0) * 1e3
-            self._last_step_s = ms / 1e3  # bounds the next gather (services.common.step_queue)
             rows = sum(len(it.tokens) if (it.verify or it.prefill) else 1 for it in items)
-            done = [self._absorb(r, s, out, ms, rows) for (r, s), out in zip(live, outs)]
+            done = [self._absorb(r, out, ms, rows) for r, out in zip(live, outs)]
         chunk = sum(len(it.tokens) for it in items if it.prefill)
         self._record(StepRecord("prefill" if chunk else "batch", len(live), rows, ms, chunk,
                                 sum(p for p, _ in done), sum(t for _, t in done)))
 
-    def _absorb(self, r: _Request, s, out, ms: float, rows: int) -> tuple[int, int]:
-        """Take one request's output: (1 when it completed a prompt else 0, tokens it committed)."""
+    def _run(self, live: list[SessionRecord], items: list) -> tuple[list | None, float]:
+        """One `forward_batch` over `items`; returns (outputs, wall ms), or (None, 0) when it
+        raised: checked before any state change, so every record of the step gets the error."""
+        t0 = time.perf_counter()
         try:
-            result = absorb(s, r.work, out, ms, self.engine.model)
+            outs = self.engine.model.forward_batch(items)
         except Exception as exc:
-            abandon(s, r.work)
+            for r in live:
+                abandon(r)
+                self._finish(r, error=exc)
+            return None, 0.0
+        ms = (time.perf_counter() - t0) * 1e3
+        self._last_step_s = ms / 1e3  # bounds the next gather (services.common.schedule)
+        return outs, ms
+
+    def _absorb(self, r: SessionRecord, out, ms: float, rows: int) -> tuple[int, int]:
+        """Take one record's output: (1 when it completed a prompt else 0, tokens it committed)."""
+        op = r.op
+        try:
+            result = absorb(r, out, ms, self.engine.model)
+        except Exception as exc:
+            abandon(r)
             self._finish(r, error=exc)
             return 0, 0
         if result is None:
-            self._carried.append(r)
+            self._carry(r)
             return 0, 0
         # the gateway prices drafts against the rows of the step it shared (docs/gate.md §13)
         self._finish(r, dataclasses.replace(result, step_rows=rows))
-        return int(r.work.op == "prefill"), getattr(result, "accepted", 0) + 1
+        return int(op == "prefill"), getattr(result, "accepted", 0) + 1
+
+    def _drop(self, r: SessionRecord) -> None:
+        """Cancelled before its step: nothing ran, so the request just ends."""
+        self._release(r, answered=False)
+        r.end()
+
+    def _finish(self, r: SessionRecord, result: object = None, error: BaseException | None = None) -> None:
+        """Release r's session, end its request, then resolve its future (the session may send
+        its next request as soon as its caller sees the reply)."""
+        future = r.future
+        self._release(r, answered=error is None)
+        r.end()
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
     def _record(self, step: StepRecord) -> None:
         st = self._stats  # only this thread writes the stats
@@ -261,14 +278,43 @@ class StepLoop(StepQueue):
         self._publish(st, step)
 
 
-def _item(state, work: Work, chunk: int) -> BatchItem:
-    """The batch item of `work`'s next forward: its decode, the next position of a stepwise
-    verify, its whole verify block, or the next `chunk` tokens of its prompt (from position
-    work.done, with the tap rows the prefill can still return)."""
-    if work.op == "prefill":
-        return BatchItem.prefill_chunk(state, work.ids[work.done:work.done + chunk], work.done, work.keep)
-    if work.op == "decode":
-        return BatchItem.decode(state, work.ids[0], work.position)
-    if work.stepwise:
-        return BatchItem.decode(state, work.ids[work.done], work.position + work.done)
-    return BatchItem.block(state, torch.tensor(work.ids), work.position)
+
+class StepVerifier:
+    """A verifier engine with blocking prefill / decode / verify calls, each run through a step
+    loop of its own (a batch of one when it is alone): for tools, benchmarks and tests that
+    make one request at a time. Every other attribute is the engine's (open_session,
+    close_session, committed_tail, next_position, cfg, ...).
+
+    Args:
+        engine: the `VerifierEngine`.
+        prefill_chunk: the loop's prompt chunk (None: max_seq_len, so a prompt is one forward,
+            what `Trunk.prefill` runs); other keywords go to `StepLoop`.
+        timeout_s: each call's deadline (s).
+    The loop closes with `close()` or when this object is collected.
+    """
+
+    def __init__(self, engine: VerifierEngine, prefill_chunk: int | None = None, timeout_s: float = 600.0,
+                 **loop_kwargs):
+        self.engine, self.timeout_s = engine, timeout_s
+        self.steps = StepLoop(engine, prefill_chunk=prefill_chunk or engine.cfg.max_seq_len, **loop_kwargs)
+        self._closer = weakref.finalize(self, self.steps.close)
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    def prefill(self, sid: int, token_ids, sampling: SamplingParams = GREEDY) -> StepResult:
+        """`StepLoop.prefill` with this object's deadline."""
+        return self.steps.prefill(sid, token_ids, sampling, self.timeout_s)
+
+    def decode(self, sid: int, token_id: int, position: int) -> StepResult:
+        """`StepLoop.decode` with this object's deadline."""
+        return self.steps.decode(sid, token_id, position, self.timeout_s)
+
+    def verify(self, sid: int, anchor: int, drafts, position: int, mode: str = "sequential",
+               draft_probs: torch.Tensor | None = None) -> VerifyResult:
+        """`StepLoop.verify` with this object's deadline."""
+        return self.steps.verify(sid, anchor, drafts, position, mode, draft_probs, self.timeout_s)
+
+    def close(self) -> None:
+        """Stop the loop (idempotent)."""
+        self._closer()

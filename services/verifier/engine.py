@@ -1,10 +1,13 @@
-"""Verifier engine: per-generation target sessions, prefill, decode, and draft-block verify.
+"""Verifier engine: per-generation target sessions and the admission of prefill, decode and
+draft-block verify requests.
 
-Owns the target model's sessions, the accept rule and each session's committed tail, and is
-the one place that validates what a client sends (token ids, positions, block sizes); it never
-drafts, gates or counts rounds, and knows nothing of gRPC. How a forward's output completes a
-request (`absorb`: row judging, rollback to the accepted prefix, chunk gathering, commit) and
-the `Work` / `StepResult` / `VerifyResult` records live in `services.verifier.work`; they are
+Owns the target model's sessions (one `SessionRecord` each), the accept rule and each
+session's committed tail, and is the one place that validates what a client sends (token
+ids, positions, block sizes); it never runs a forward (the step loop,
+`services.verifier.batcher`, runs every request), drafts, gates or counts rounds, and knows
+nothing of gRPC. How a forward's output completes a request (`absorb`: row judging,
+rollback to the accepted prefix, chunk gathering, commit) and the `SessionRecord` /
+`StepResult` / `VerifyResult` records live in `services.verifier.work`; they are
 re-exported here, so the engine module stays the verifier's one import.
 
 Dimension legend: V = vocab, T = len(dspark_target_layer_ids), D = dim, k = drafts in a
@@ -12,12 +15,12 @@ block, a = accepted drafts (0 <= a <= k), W = window_size.
 
 Row contract (docs/architecture.md §3). A session's committed tokens are x[0..n]; the target
 state holds positions 0..n-1 and x[n] is the anchor (the target's argmax at n-1).
-`verify(session, anchor, drafts, position=n)` forwards [anchor, d1..dk] at positions n..n+k,
+A verify of (anchor, drafts, position=n) forwards [anchor, d1..dk] at positions n..n+k,
 accepts the longest prefix a with d_{i+1} == argmax(logits at n+i), and returns the bonus
 token argmax(logits at n+a), the new anchor's top1 - top2 margin, and the tap rows of
 positions n..n+a: exactly what the target consumed and committed (the bonus token has not
-been forwarded; it is the next round's anchor). `decode` returns the row of the position it
-consumed. After either call the state holds positions 0..n+a and `next_position` = n+a+1.
+been forwarded; it is the next round's anchor). A decode returns the row of the position it
+consumed. After either request the state holds positions 0..n+a and `next_position` = n+a+1.
 
 Correctness policy.
   Asserted (tests/test_verifier_engine.py):
@@ -48,13 +51,12 @@ max_seq_len, a decode or verify block must start at the session's next position 
 before max_seq_len, and a batched block on an exact-numerics trunk holds at most
 `EXACT_ROWS` tokens. Every check runs before the session changes, so the trunk below only
 ever sees valid calls.
-`admit_prefill` / `admit_decode` / `admit_verify` run the same checks without running the
-request and return its `Work`: the step loop (`services.verifier.batcher`) admits a request
-before queuing it, runs it inside a batched forward, and takes its output back through
-`absorb`, the same code the per-session calls use, so both paths return the same results.
-The loop feeds a prompt in chunks (`BatchItem.prefill_chunk`); `absorb` gathers them and the
-last one returns what `prefill` returns (bitwise in exact numerics, where `Trunk.prefill`
-runs the same exact tiles; to rounding in fast numerics).
+`admit_prefill` / `admit_decode` / `admit_verify` run these checks and write the request
+into the session's record; the step loop runs it inside a batched forward (a batch of one
+when it is alone) and takes its output back through `absorb`. The loop feeds a prompt in
+chunks (`BatchItem.prefill_chunk`); `absorb` gathers them and the last one returns the
+prefill's result (bitwise whatever the chunks in exact numerics, where `Trunk.prefill` runs
+the same exact tiles; to rounding in fast numerics).
 
 Sampling (docs/sampling.md). A session's `SamplingParams` are set by its prefill and fixed
 for its life; greedy (the default) is the argmax rule above, unchanged. At T > 0 the token
@@ -72,7 +74,6 @@ primed after the session's drafter failed (`committed_tail`).
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import torch
@@ -80,16 +81,15 @@ import torch
 from services.common.sessions import (SessionHost, SessionLimitError, SessionTable,
                                       UnknownSessionError)
 from services.common.settings import VERIFY_MODES
-from services.verifier.choice import check_draft_probs, choose
+from services.verifier.choice import check_draft_probs
 from services.verifier.committed import CommittedRows, CommittedTail
-from services.verifier.work import (SessionRecord, StepResult, VerifyResult, Work,
-                                    abandon, absorb, top2_margin)
+from services.verifier.work import SessionRecord, StepResult, VerifyResult, abandon, absorb, top2_margin
 
-from dsv4.sampling import GREEDY, SamplingParams, token_logprobs
+from dsv4.sampling import GREEDY, SamplingParams
 from dsv4.scalars import as_int
 from dsv4.trunk import EXACT_ROWS, Trunk
 
-__all__ = ["SessionLimitError", "UnknownSessionError", "SessionRecord", "StepResult", "VerifyResult", "Work",
+__all__ = ["SessionLimitError", "UnknownSessionError", "SessionRecord", "StepResult", "VerifyResult",
            "VerifierEngine", "abandon", "absorb", "per_session_bytes", "top2_margin"]
 
 
@@ -153,7 +153,9 @@ class VerifierEngine(SessionHost[SessionRecord]):
     # ------------------------------------------------------------------ sessions
     def open_session(self) -> int:
         """Open a session; returns its id. Raises SessionLimitError when max_sessions are open."""
-        return self._table.open(SessionRecord(self.model.new_state(), CommittedRows(self.cfg.window_size)))
+        record = SessionRecord(0, self.model.new_state(), CommittedRows(self.cfg.window_size))
+        record.sid = self._table.open(record)
+        return record.sid
 
     def session_bytes(self, sid: int) -> int:
         """Bytes of target state held by session `sid` (rings, compressor states, caches)."""
@@ -201,25 +203,19 @@ class VerifierEngine(SessionHost[SessionRecord]):
 
     # ------------------------------------------------------------------ admission
     def admit_prefill(self, sid: int, token_ids: list[int] | torch.Tensor,
-                      sampling: SamplingParams = GREEDY) -> Work:
-        """Validate a prefill of `sid` (see `prefill` for the rules) without running it.
+                      sampling: SamplingParams = GREEDY) -> SessionRecord:
+        """Admit the prompt x[0..n-1] (positions 0..n-1) of `sid`: validate it and make it the
+        session's request in flight (`SessionRecord.begin`); returns the record, for
+        `StepLoop.submit`. Its result is the first anchor x[n], chosen with `sampling`, which the
+        session keeps for every later token.
 
-        Reads the session without its lock: the caller has no other request of `sid` in
-        flight (one request per session at a time, as a stream sends them).
-        Raises: what `prefill` raises for bad values; UnknownSessionError: `sid` not open.
+        Raises:
+            ValueError: empty prompt, non-integer ids, ids out of range, prompt longer than
+                max_seq_len, session already prefilled, sampling not a SamplingParams, a
+                request of `sid` already in flight; the session is unchanged then.
+            UnknownSessionError: `sid` not open.
         """
-        return self._admit_prefill(sid, self._get(sid), token_ids, sampling)
-
-    def admit_decode(self, sid: int, token_id: int, position: int) -> Work:
-        """Validate a decode of `sid` (see `decode`) without running it; as `admit_prefill`."""
-        return self._admit_decode(sid, self._get(sid), token_id, position)
-
-    def admit_verify(self, sid: int, anchor: int, drafts: list[int], position: int,
-                     mode: str = "sequential", draft_probs: torch.Tensor | None = None) -> Work:
-        """Validate a verify of `sid` (see `verify`) without running it; as `admit_prefill`."""
-        return self._admit_verify(sid, self._get(sid), anchor, drafts, position, mode, draft_probs)
-
-    def _admit_prefill(self, sid: int, s: SessionRecord, token_ids: object, sampling: object = GREEDY) -> Work:
+        s = self._get(sid)
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be a dsv4.sampling.SamplingParams, got {type(sampling).__name__}")
         if s.prefilled:
@@ -230,19 +226,51 @@ class VerifierEngine(SessionHost[SessionRecord]):
         if len(ids) > self.cfg.max_seq_len:
             raise ValueError(f"prompt length {len(ids)} exceeds max_seq_len={self.cfg.max_seq_len}")
         self._check_range(ids)
-        return Work(sid, "prefill", ids, 0, sampling=sampling, keep=self.keep_rows)
+        s.begin("prefill", ids, 0, keep=self.keep_rows)
+        s.sampling = sampling  # fixed once the prefill completes (`prefilled`)
+        return s
 
-    def _admit_decode(self, sid: int, s: SessionRecord, token_id: object, position: object) -> Work:
+    def admit_decode(self, sid: int, token_id: int, position: int) -> SessionRecord:
+        """Admit a decode of one committed token at `position` (the session's next position);
+        as `admit_prefill`. Its result is the token chosen at position + 1 (the next anchor;
+        the argmax for a greedy session), the raw top1 - top2 margin there, its logprob record
+        and the row of `position`.
+
+        Raises:
+            ValueError: position or token_id not an integer, position is not the session's
+                next position (both named), session not prefilled, id out of range, position
+                at or beyond max_seq_len, a request already in flight; the session is unchanged.
+            UnknownSessionError: `sid` not open.
+        """
+        s = self._get(sid)
         token_id = as_int("token_id", token_id)
         position = as_int("position", position)
         self._check_position(sid, s, position)
         if position >= self.cfg.max_seq_len:
             raise ValueError(f"decode position={position}: must be < max_seq_len={self.cfg.max_seq_len}")
         self._check_range([token_id])
-        return Work(sid, "decode", [token_id], position)
+        return s.begin("decode", [token_id], position)
 
-    def _admit_verify(self, sid: int, s: SessionRecord, anchor: object, drafts: object, position: object,
-                      mode: str, draft_probs: object = None) -> Work:
+    def admit_verify(self, sid: int, anchor: int, drafts: list[int], position: int,
+                     mode: str = "sequential", draft_probs: torch.Tensor | None = None) -> SessionRecord:
+        """Admit a verify of [anchor, d1..dk] at positions position..position+k (module
+        docstring); as `admit_prefill`.
+
+        draft_probs [k, V]: the distribution each draft was drawn from; required by a session
+        sampling with the rejection rule, ignored otherwise.
+        mode "sequential": one position per step, stopping at the first mismatch (exact).
+        mode "batched": one (k+1)-position forward, then exact rollback of positions
+        n+a+1..n+k (ring slots, compressor accumulators, compressed and indexer caches).
+        Raises:
+            ValueError: unknown mode; anchor / position not an integer, drafts not a list /
+                tuple / 1-D integer tensor of integers (each named); wrong position (named),
+                ids out of range, a block that would run past max_seq_len, a batched block
+                of more than EXACT_ROWS tokens on an exact-numerics trunk; draft_probs missing
+                or malformed under the rejection rule (named); a request already in flight.
+                The session is unchanged then.
+            UnknownSessionError: `sid` not open.
+        """
+        s = self._get(sid)
         if mode not in VERIFY_MODES:
             raise ValueError(f"verify mode={mode!r}: must be one of {VERIFY_MODES}")
         anchor = as_int("anchor", anchor)
@@ -252,53 +280,7 @@ class VerifierEngine(SessionHost[SessionRecord]):
         ids = [anchor, *draft_ids]
         self._check_block(position, ids, mode)
         q = check_draft_probs(s.sampling, draft_probs, len(draft_ids), self.cfg.vocab_size)
-        return Work(sid, "verify", ids, position, mode, draft_probs=q)
-
-    # ------------------------------------------------------------------ prefill / decode
-    def prefill(self, sid: int, token_ids: list[int] | torch.Tensor,
-                sampling: SamplingParams = GREEDY) -> StepResult:
-        """Forward the prompt x[0..n-1] at positions 0..n-1; returns the first anchor x[n],
-        chosen with `sampling`, which the session keeps for every later token.
-
-        Raises:
-            ValueError: empty prompt, non-integer ids, ids out of range, prompt longer than
-                max_seq_len, session already prefilled, sampling not a SamplingParams; the
-                session is unchanged then.
-            UnknownSessionError: `sid` not open.
-        """
-        with self._table.locked(sid) as s:
-            return self._run_prefill(s, self._admit_prefill(sid, s, token_ids, sampling))
-
-    def _run_prefill(self, s: SessionRecord, work: Work) -> StepResult:
-        """Run an admitted prefill on its session record `s` (held by the caller) and commit it."""
-        t0 = time.perf_counter()
-        out = self.model.prefill(s.state, torch.tensor(work.ids, dtype=torch.int64), keep_rows=self.keep_rows,
-                                 taps=True)
-        ms = (time.perf_counter() - t0) * 1e3
-        n = s.state.next_position
-        token = choose(out.logits, work.sampling, n)
-        result = StepResult(token, top2_margin(out.logits)[1], out.taps, range(n - out.taps.shape[0], n), ms,
-                            tuple(token_logprobs(out.logits.reshape(1, -1), [token], work.sampling.logprobs)))
-        s.committed.add(result.rows, result.positions, token, result.margin)
-        s.sampling, s.prefilled = work.sampling, True  # only once everything succeeded
-        return result
-
-    def decode(self, sid: int, token_id: int, position: int) -> StepResult:
-        """Forward one committed token at `position` (must be the session's next position).
-
-        Returns the token chosen at position + 1 (the next anchor; the argmax for a greedy
-        session), the raw top1 - top2 margin there, its logprob record and the row of `position`.
-        Raises:
-            ValueError: position or token_id not an integer, position is not the session's
-                next position (both named), session not prefilled, id out of range, position
-                at or beyond max_seq_len; the session is unchanged then.
-            UnknownSessionError: `sid` not open.
-        """
-        with self._table.locked(sid) as s:
-            work = self._admit_decode(sid, s, token_id, position)
-            t0 = time.perf_counter()
-            out = self.model.decode(s.state, work.ids[0], work.position, taps=True)
-            return absorb(s, work, out, (time.perf_counter() - t0) * 1e3)
+        return s.begin("verify", ids, position, mode, draft_probs=q)
 
     def _check_range(self, ids: list[int]) -> None:
         for i, t in enumerate(ids):
@@ -311,36 +293,6 @@ class VerifierEngine(SessionHost[SessionRecord]):
         if position != s.state.next_position:
             raise ValueError(f"position={position!r} is not session {sid}'s next position "
                              f"{s.state.next_position}")
-
-    # ------------------------------------------------------------------ verify
-    def verify(self, sid: int, anchor: int, drafts: list[int], position: int,
-               mode: str = "sequential", draft_probs: torch.Tensor | None = None) -> VerifyResult:
-        """Verify [anchor, d1..dk] at positions position..position+k (see the module docstring).
-
-        draft_probs [k, V]: the distribution each draft was drawn from; required by a session
-        sampling with the rejection rule, ignored otherwise.
-        mode "sequential": one position at a time, stopping at the first mismatch (exact).
-        mode "batched": one (k+1)-position forward, then exact rollback of positions
-        n+a+1..n+k (ring slots, compressor accumulators, compressed and indexer caches).
-        Raises:
-            ValueError: unknown mode; anchor / position not an integer, drafts not a list /
-                tuple / 1-D integer tensor of integers (each named); wrong position (named),
-                ids out of range, a block that would run past max_seq_len, a batched block
-                of more than EXACT_ROWS tokens on an exact-numerics trunk; draft_probs missing
-                or malformed under the rejection rule (named). The session is unchanged then.
-            UnknownSessionError: `sid` not open.
-        """
-        with self._table.locked(sid) as s:
-            work = self._admit_verify(sid, s, anchor, drafts, position, mode, draft_probs)
-            while True:
-                t0 = time.perf_counter()
-                if work.stepwise:
-                    out = self.model.decode(s.state, work.ids[work.done], work.position + work.done, taps=True)
-                else:
-                    out = self.model.forward_block(s.state, torch.tensor(work.ids), work.position)
-                result = absorb(s, work, out, (time.perf_counter() - t0) * 1e3, self.model)
-                if result is not None:
-                    return result
 
     def _check_block(self, position: int, ids: list[int], mode: str) -> None:
         """The block [anchor, drafts] at `position` fits max_seq_len, holds valid ids and, batched

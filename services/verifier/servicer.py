@@ -5,10 +5,10 @@ enum, tensors to and from protos, timings and span attributes. The session's lif
 `services.common.session_stream.serve_session`; every rule about token ids, positions,
 block sizes and committed rows is the engine's.
 
-With a step loop (`services.verifier.batcher.StepLoop`), a request is admitted (validated)
-on the event loop and its future awaited: the forward runs in the loop's next step, batched
-with every other session's pending work (at TP > 1 too: every rank runs the same batched
-step). Without one (top-k dumps, or `step_loop=False`), each call runs on a thread of its own.
+A request is admitted (validated, `VerifierEngine.admit_*`) on the event loop and its future
+awaited: the forward runs in the step loop's next step (`services.verifier.batcher.StepLoop`),
+batched with every other session's pending work (at TP > 1 too: every rank runs the same
+batched step).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
         provider: tracer provider for the per-message spans (None = no spans).
         tp: tensor-parallel world size reported in Info.
         metrics: a `services.common.metrics.VerifierMetrics` fed each answered forward (None: none).
-        steps: the step loop that runs every forward (None: one thread per call).
+        steps: the step loop that runs every forward.
         load: the step loop's load figures, reported in Info and in every decode / verify
             response (None: not reported).
     """
@@ -73,22 +73,20 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
     def __init__(self, engine: VerifierEngine, default_mode: str = "batched",
                  provider: TracerProvider | None = None, tp: int = 1, metrics=None, steps: StepLoop | None = None,
                  load: LoadTracker | None = None):
+        if steps is None:
+            raise ValueError("VerifierServicer needs the step loop that runs its forwards (steps=None)")
         self.engine, self.default_mode, self.provider, self.tp = engine, default_mode, provider, tp
         self.metrics, self.steps, self.load = metrics, steps, load
 
     async def Info(self, request, context):
-        if self.steps is None:
-            return verifier_identity(self.engine, self.tp, load=self.load)
         return verifier_identity(self.engine, self.tp, self.steps.stats(), self.steps.prefill_chunk, self.load)
 
     async def _run(self, op: str, sid: int, *args):
-        """The engine's result of `op` ("prefill" | "decode" | "verify") on `sid` with `args`:
-        admitted here and run in the step loop's next step, or on a thread of its own.
-        Raises what the engine's call raises (ValueError for bad values, UnknownSessionError)."""
-        if self.steps is None:
-            return await asyncio.to_thread(getattr(self.engine, op), sid, *args)
-        work = getattr(self.engine, f"admit_{op}")(sid, *args)
-        return await asyncio.wrap_future(self.steps.submit(work))
+        """The result of `op` ("prefill" | "decode" | "verify") on `sid` with `args`: admitted
+        here into the session's record and run in the step loop's next steps.
+        Raises what admission or the step raises (ValueError for bad values, UnknownSessionError)."""
+        record = getattr(self.engine, f"admit_{op}")(sid, *args)
+        return await asyncio.wrap_future(self.steps.submit(record))
 
     async def _handle(self, sid: int, request, received: float) -> verifier_pb2.VerifierResponse:
         op = request.WhichOneof("op")

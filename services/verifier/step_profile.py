@@ -1,27 +1,24 @@
 """The verifier's start-up step profile: batch steps over dummy sessions, timed by rows.
 
 Before the verifier serves, this module opens a few throw-away sessions, prefills a short
-prompt in each and times `Trunk.forward_batch` steps of chosen row counts (a verify block per
-session, split as evenly as the block size allows), seeding the step table
-(`services.verifier.step_table.LoadTracker.seed`). Each step goes through the same admission,
-batch items and `absorb` (accept rule, rollback, committed rows) as a served step, so the
-timings include what a served step pays. The sessions are closed afterwards whatever happens.
-It must not run while the step loop has work (it drives the model directly) and never reads
-the environment (`StepProfileSettings` comes from the entry point).
+prompt in each and times steps of chosen row counts (a verify block per session, split as
+evenly as the block size allows), seeding the step table
+(`services.verifier.step_table.LoadTracker.seed`). Each step is a step of the step loop
+itself (every session's request submitted at once, so they share one step), so the timings
+are what a served step pays. The sessions are closed afterwards whatever happens. It must
+run before the loop serves (its steps would otherwise share other sessions' steps) and never
+reads the environment (`StepProfileSettings` comes from the entry point).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
 
-import torch
-
-from dsv4.batch import BatchItem
 from dsv4.numerics import EXACT_ROWS
-from services.verifier.engine import VerifierEngine, absorb
+from services.verifier.batcher import StepLoop
+from services.verifier.engine import VerifierEngine, VerifyResult
 from services.verifier.step_table import ROW_BUCKETS, LoadTracker
 
 log = logging.getLogger("dspark.verifier.profile")
@@ -70,7 +67,7 @@ def split_rows(rows: int, sessions: int, per_session: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(used)]
 
 
-def profile_steps(engine: VerifierEngine, load: LoadTracker, settings: StepProfileSettings) -> int:
+def profile_steps(steps: StepLoop, load: LoadTracker, settings: StepProfileSettings) -> int:
     """Time batch steps at every `row_targets` count into `load`; returns the steps timed.
 
     Row counts are visited in an order rotated per repeat, so slow drift spreads over all of
@@ -78,22 +75,22 @@ def profile_steps(engine: VerifierEngine, load: LoadTracker, settings: StepProfi
     early, keeping what it timed, when the budget runs out or a session nears max_seq_len.
     Raises what the model's forward raises (the sessions are closed first).
     """
-    t0 = time.perf_counter()
+    t0, engine = time.perf_counter(), steps.engine
     free = engine.max_sessions - engine.num_sessions
     sids = [engine.open_session() for _ in range(max(0, min(settings.sessions, free)))]
     try:
         if not sids:
             return 0
-        anchors = {sid: engine.prefill(sid, _prompt(engine, settings.prompt_tokens)).next_token for sid in sids}
+        anchors = {sid: steps.prefill(sid, _prompt(engine, settings.prompt_tokens)).next_token for sid in sids}
         per = min(engine.cfg.dspark_block_size + 1, EXACT_ROWS)
         targets, timed = row_targets(len(sids), per), 0
-        _step(engine, anchors, split_rows(targets[-1], len(sids), per))
+        _step(steps, anchors, split_rows(targets[-1], len(sids), per))
         for rep in range(settings.repeats):
             for i in range(len(targets)):
                 rows = targets[(i + rep) % len(targets)]
                 if time.perf_counter() - t0 > settings.budget_s or not _room(engine, sids, per):
                     return timed
-                load.seed(rows, _step(engine, anchors, split_rows(rows, len(sids), per)))
+                load.seed(rows, _step(steps, anchors, split_rows(rows, len(sids), per)))
                 timed += 1
         return timed
     finally:
@@ -112,22 +109,16 @@ def _room(engine: VerifierEngine, sids: list[int], per: int) -> bool:
     return all(engine.next_position(sid) + per + 1 < engine.cfg.max_seq_len for sid in sids)
 
 
-def _step(engine: VerifierEngine, anchors: dict[int, int], sizes: list[int]) -> float:
-    """One batch step: session i forwards a block of sizes[i] tokens (its anchor repeated as
-    drafts, or a decode for size 1); each result is absorbed and its next anchor kept.
-    Returns the forward's wall time (ms)."""
+def _step(steps: StepLoop, anchors: dict[int, int], sizes: list[int]) -> float:
+    """One step of the loop: session i forwards a block of sizes[i] tokens (its anchor
+    repeated as drafts, or a decode for size 1), submitted together so they share the step;
+    each next anchor is kept. Returns the step's forward wall time (ms)."""
+    engine = steps.engine
     sids = sorted(anchors)[:len(sizes)]
-    works = [engine.admit_decode(sid, anchors[sid], engine.next_position(sid)) if size == 1 else
-             engine.admit_verify(sid, anchors[sid], [anchors[sid]] * (size - 1), engine.next_position(sid),
-                                 "batched") for sid, size in zip(sids, sizes)]
-    with contextlib.ExitStack() as stack:
-        held = [stack.enter_context(engine.hold(sid)) for sid in sids]
-        items = [BatchItem.decode(s.state, w.ids[0], w.position) if w.op == "decode"
-                 else BatchItem.block(s.state, torch.tensor(w.ids), w.position) for s, w in zip(held, works)]
-        t0 = time.perf_counter()
-        outs = engine.model.forward_batch(items)
-        ms = (time.perf_counter() - t0) * 1e3
-        for sid, s, w, out in zip(sids, held, works, outs):
-            result = absorb(s, w, out, ms, engine.model)
-            anchors[sid] = result.next_token if w.op == "decode" else result.bonus_token
-    return ms
+    records = [engine.admit_decode(sid, anchors[sid], engine.next_position(sid)) if size == 1 else
+               engine.admit_verify(sid, anchors[sid], [anchors[sid]] * (size - 1), engine.next_position(sid),
+                                   "batched") for sid, size in zip(sids, sizes)]
+    results = [f.result() for f in steps.submit_all(records)]
+    for sid, result in zip(sids, results):
+        anchors[sid] = result.bonus_token if isinstance(result, VerifyResult) else result.next_token
+    return max(r.forward_ms for r in results)

@@ -6,7 +6,7 @@ wraps, and it reads no environment (K and the folder arrive as `TopKDiagSettings
 `maybe_wrap(model, setting, rank)` returns `model` unchanged when `setting` is None (what
 `services.settings` makes of `DSPARK_TOPK_DIAG` unset or 0); for K >= 1 it returns a
 `TopKDiagTrunk` that forwards every call to the model and, after each
-prefill, decode and verify block, appends one JSON line to
+prefill (or prompt chunk), decode and verify block, appends one JSON line to
 `$DSPARK_TOPK_DIAG_DIR/topk-rank{rank}-pid{pid}.jsonl` (default directory: the working one;
 a second wrapped trunk in the same process writes `...-pid{pid}-1.jsonl`, and so on).
 The verifier wraps its trunk with it (`services.app.verifier_engine`), and under tensor
@@ -20,6 +20,8 @@ File format (one JSON object per line):
           with, for "prefill", "prompt_len" and "prompt_sha256" (of the ids, little-endian int64).
 `session` numbers the states in the order of their prefill within the process (0, 1, ...).
 A prefill records only its last position (the trunk returns only that row's logits); a
+prompt fed in chunks by the step loop records each chunk's last position, the last chunk
+with the whole prompt's length and hash (what `dspark parity` pairs sessions by); a
 verify block records every forwarded position, rejected ones included: a later forward of
 the same position (after the rollback) supersedes it. Writing syncs the device once per
 forward, so this is for diagnosis, never for serving speed.
@@ -89,9 +91,8 @@ def _sha256(ids: list[int]) -> str:
 
 
 def _ids(token_ids: Any) -> list[int]:
-    if torch.is_tensor(token_ids):
-        return [int(t) for t in token_ids.reshape(-1).tolist()]
-    return [int(t) for t in token_ids]
+    """Token ids (one id, a sequence or a tensor of them) as a list of ints."""
+    return [int(t) for t in torch.as_tensor(token_ids).reshape(-1).tolist()]
 
 
 class TopKDiagTrunk:
@@ -101,6 +102,7 @@ class TopKDiagTrunk:
         self.model, self.k, self.path, self.rank = model, k, Path(path), rank
         self._lock = threading.Lock()
         self._sessions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._prompts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # state -> prompt ids so far
         self._next = itertools.count()
         self._file = open(self.path, "a", encoding="utf-8")
         cfg = getattr(model, "cfg", None)
@@ -144,6 +146,30 @@ class TopKDiagTrunk:
         ids = _ids(token_ids)
         self._record(state, "block", list(range(int(start_pos), int(start_pos) + len(ids))), ids, out.logits)
         return out
+
+    def forward_batch(self, items):
+        """`forward_batch` of the model, then one record per item in order: a decode's
+        ("decode"), a verify block's ("block", every position), or a prompt chunk's ("prefill",
+        its last position, with the length and hash of the prompt forwarded so far: a chunk
+        from position 0 starts a session's numbering, the prompt's last chunk carries the whole
+        prompt)."""
+        outs = self.model.forward_batch(items)
+        for item, out in zip(items, outs):
+            ids, start = _ids(item.tokens), int(item.start_pos)
+            positions = list(range(start, start + len(ids)))
+            if item.prefill:
+                with self._lock:
+                    if start == 0:
+                        self._sessions[item.state] = next(self._next)
+                        self._prompts[item.state] = []
+                    prompt = self._prompts.setdefault(item.state, [])
+                    prompt += ids
+                    prompt = list(prompt)
+                self._record(item.state, "prefill", positions[-1:], ids[-1:], out.logits, prompt_len=len(prompt),
+                             prompt_sha256=_sha256(prompt))
+            else:
+                self._record(item.state, "block" if item.verify else "decode", positions, ids, out.logits)
+        return outs
 
     def close(self) -> None:
         with self._lock:

@@ -24,7 +24,8 @@ Start-up order (a short rendezvous loses ranks while rank 0 loads 167 GB, docs/a
 and waits for the others (bounded by `DSPARK_TP_INIT_TIMEOUT_S`, default 600 s), the process
 group is created, and only then does each rank load and shard its weights; rank 0 waits for
 every worker's "ready" within the same init deadline. The process side of that order, with
-`TPSettings` and `TPWorkerError`, is `services.verifier.tp_start`'s (re-exported here).
+`TPWorkerError`, is `services.verifier.tp_start`'s; `TPSettings` is `services.verifier.tp_worker`'s
+(every rank is built with it); both are re-exported here.
 
 Failure policy: each collective fails after `DSPARK_TP_CALL_TIMEOUT_S` (default 120 s, the
 process group's op timeout), a dead peer fails it at once (gloo sees the closed socket),
@@ -153,15 +154,12 @@ class TPTrunk:
         left open on every rank: `rollback` closes it), as `Trunk.forward_batch` documents.
         Raises:
             ValueError: an empty batch, an item that is not a BatchItem or whose state is not
-                this trunk's (its index named; nothing is sent to the workers), the ranks'
-                trunks wrap top-k dumps (`batchable` False), or what `Trunk.forward_batch`
-                raises on every rank alike (the ranks still agree: the trunk stays usable).
+                this trunk's (its index named; nothing is sent to the workers), or what
+                `Trunk.forward_batch` raises on every rank alike (the ranks still agree: the
+                trunk stays usable).
             TPWorkerError: a worker died, stalled past the call timeout or disagreed; every
                 item of the batch is lost and the trunk is unusable until closed.
         """
-        if not self.batchable:
-            raise ValueError(f"forward_batch: the ranks run {type(self.model).__name__}, not a plain Trunk "
-                             "(top-k dumps record call by call): use decode / forward_block")
         if not items:
             raise ValueError("forward_batch needs at least one BatchItem, got none")
         wire = [self._wire_item(n, item) for n, item in enumerate(items)]
@@ -170,12 +168,6 @@ class TPTrunk:
             if isinstance(out, BlockOutput):  # the workers keep theirs by the same handle
                 self._undo[item.state.handle] = out.undo
         return outs
-
-    @property
-    def batchable(self) -> bool:
-        """Whether `forward_batch` runs: every rank drives a plain `Trunk`. A top-k dump wrapper
-        records each call on its own, so a trunk built with `topk` is driven call by call."""
-        return isinstance(self.model, Trunk)
 
     def _wire_item(self, n: int, item: Any) -> tuple[int, dict[str, Any]]:
         """Item `n` as the workers rebuild it: (state handle, every other BatchItem field, tensors

@@ -1,10 +1,10 @@
-"""Tensor-parallel start-up on rank 0: the TP timeouts, the worker processes, and the wait
-until every rank has joined the process group and loaded its shard (docs/architecture.md §10).
+"""Tensor-parallel start-up on rank 0: the worker processes, and the wait until every rank
+has joined the process group and loaded its shard (docs/architecture.md §10).
 
-Owns `TPSettings` and `TPWorkerError`, spawning the tp-1 worker processes (each gets one pipe
-to rank 0), rank 0's side of the start-up order (announce in the store, wait for every rank
-to join within the init deadline, form the group, load rank 0's shard, wait for every
-worker's "ready") and stopping workers when start-up fails. It must not proxy trunk calls
+Owns `TPWorkerError`, spawning the tp-1 worker processes (each gets one pipe to rank 0),
+rank 0's side of the start-up order (announce in the store, wait for every rank to join
+within the init deadline of `TPSettings`, form the group, load rank 0's shard, wait for
+every worker's "ready") and stopping workers when start-up fails. It must not proxy trunk calls
 (`services.verifier.tp.TPTrunk` does, over the workers started here), shard the model
 (`dsv4.tp`) or run a worker's side (`services.verifier.tp_worker`), and it never waits
 without a deadline.
@@ -12,7 +12,6 @@ without a deadline.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -21,36 +20,15 @@ import torch.multiprocessing as mp
 
 from dsv4 import tp as dtp
 from dsv4.trunk import Trunk
-from services.verifier.tp_worker import RankSpec, build_rank, rendezvous
+from services.verifier.tp_worker import (ENV_CALL_TIMEOUT, ENV_INIT_TIMEOUT, RankSpec,  # noqa: F401 (re-exported)
+                                        TPSettings, build_rank, rendezvous)
 
-ENV_INIT_TIMEOUT = "DSPARK_TP_INIT_TIMEOUT_S"  # the variables of TPSettings, named in its errors
-ENV_CALL_TIMEOUT = "DSPARK_TP_CALL_TIMEOUT_S"
 POLL_S = 0.05  # liveness poll while waiting for the store rendezvous (s)
 
 
 class TPWorkerError(RuntimeError):
     """A TP worker died, stalled, failed to start or diverged from rank 0; the `TPTrunk` is
     unusable afterwards (close it and start a new one)."""
-
-
-@dataclass(frozen=True)
-class TPSettings:
-    """TP timeouts in seconds (`services.settings`: `DSPARK_TP_INIT_TIMEOUT_S`, `DSPARK_TP_CALL_TIMEOUT_S`).
-
-    init_timeout_s: rendezvous plus weight loading of every rank.
-    call_timeout_s: one proxied call (the process group's per-collective timeout).
-    Raises:
-        ValueError: a value that is not a finite number > 0 (naming the field).
-    """
-
-    init_timeout_s: float = 600.0
-    call_timeout_s: float = 120.0
-
-    def __post_init__(self) -> None:
-        for name in ("init_timeout_s", "call_timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name}={value!r}: must be a finite number of seconds > 0")
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """The worker side of the tensor-parallel verifier trunk: what ranks 1..tp-1 run.
 
-This module owns one rank's life: join the rendezvous, load and shard its part of the
+This module owns one rank's life (and `TPSettings`, the timeouts every rank is built with): join the rendezvous, load and shard its part of the
 trunk, report "ready", then execute rank 0's commands (op, state handle, args) against its
 own states until shutdown. It also holds the description of a rank (`RankSpec`) and the
 shard build that rank 0 shares. It never decides anything: rank 0
@@ -16,6 +16,7 @@ the items on its own states and runs the same batched forward as rank 0.
 
 from __future__ import annotations
 
+import math
 import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
@@ -31,7 +32,29 @@ from dsv4.trunk import BlockOutput, Trunk, TrunkState
 if TYPE_CHECKING:
     from kernels.select import KernelConfig
     from services.verifier.topk_diag import TopKDiagSettings
-    from services.verifier.tp import TPSettings
+
+ENV_INIT_TIMEOUT = "DSPARK_TP_INIT_TIMEOUT_S"  # the variables of TPSettings, named in its errors
+ENV_CALL_TIMEOUT = "DSPARK_TP_CALL_TIMEOUT_S"
+
+
+@dataclass(frozen=True)
+class TPSettings:
+    """TP timeouts in seconds (`services.settings`: `DSPARK_TP_INIT_TIMEOUT_S`, `DSPARK_TP_CALL_TIMEOUT_S`).
+
+    init_timeout_s: rendezvous plus weight loading of every rank.
+    call_timeout_s: one proxied call (the process group's per-collective timeout).
+    Raises:
+        ValueError: a value that is not a finite number > 0 (naming the field).
+    """
+
+    init_timeout_s: float = 600.0
+    call_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name in ("init_timeout_s", "call_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name}={value!r}: must be a finite number of seconds > 0")
 
 
 @dataclass(frozen=True)
@@ -54,7 +77,7 @@ class RankSpec:
     deterministic_reduce: bool | None
     backend: str
     port: int
-    settings: "TPSettings"
+    settings: TPSettings
     num_threads: int
     topk: "TopKDiagSettings | None" = None
     kernels: "KernelConfig | None" = None

@@ -1,15 +1,18 @@
-"""Verifier work: the admitted-request record, the per-request results, and `absorb`.
+"""Verifier work: the one per-session record, the per-request results, and `absorb`.
 
-Owns what happens after a forward has run: `absorb` takes one forward's output (a decode, a
-position of a stepwise verify, a prefill chunk, or a batched verify block) into its session
-record, judges each logits row by the session's sampling rule (`services.verifier.choice`),
-rolls a batched block back to what it accepted, commits the rows, and returns the
-`StepResult` / `VerifyResult` once the request is complete. The per-session calls of
-`services.verifier.engine` and the step loop (`services.verifier.batcher`) both finish their
-requests here, so the two paths return the same results.
+`SessionRecord` is the verifier's one record of a session, from admission to the reply: its
+target state, committed tail and sampling parameters, and the request in flight (op, ids,
+position, draft probabilities, the positions forwarded so far). `VerifierEngine.admit_*`
+validates a request and writes it into the record (`begin`); the step loop
+(`services.verifier.batcher`) schedules records, builds each one's forward input (`item`),
+runs one `forward_batch` and hands each output back to `absorb`, which judges each logits row
+by the session's sampling rule (`services.verifier.choice`), rolls a batched block back to
+what it accepted, commits the rows, and returns the `StepResult` / `VerifyResult` once the
+request is complete; `end` then clears the request. A prefill is finished only here
+(`_absorb_chunk`), whatever its chunks.
 
-It must not validate client values (`VerifierEngine.admit_*` does, before a `Work` exists),
-run forwards, take session locks (callers hold them), or know about gRPC.
+It must not validate client values (`VerifierEngine.admit_*` does, before `begin`), run
+forwards, take session locks (callers hold them), or know about gRPC.
 
 Dimension legend: V = vocab, T = len(dspark_target_layer_ids), D = dim, k = drafts in a
 block, a = accepted drafts (0 <= a <= k).
@@ -17,6 +20,7 @@ block, a = accepted drafts (0 <= a <= k).
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +28,7 @@ import torch
 from services.verifier.choice import choose, judge
 from services.verifier.committed import CommittedRows
 
+from dsv4.batch import BatchItem
 from dsv4.sampling import GREEDY, SamplingParams, TokenLogprob, token_logprobs
 from dsv4.trunk_state import TrunkState
 
@@ -81,49 +86,82 @@ class VerifyResult:
     step_rows: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: one record per session
 class SessionRecord:
-    """One verifier session: its target state, committed tail, and sampling parameters."""
+    """One verifier session: its target state, committed tail and sampling parameters, and
+    the request in flight (none while `op` is None).
 
-    state: TrunkState
-    committed: CommittedRows
-    prefilled: bool = False
-    sampling: SamplingParams = GREEDY  # set by the prefill, fixed for the session's life
-
-
-@dataclass
-class Work:
-    """One admitted request (`VerifierEngine.admit_*`): its values are valid for the session.
-
-    op: "prefill" | "decode" | "verify". ids: the prompt [n], the decoded token [1] or the
-    block [anchor, d1..dk]. position: where ids[0] goes (0 for a prefill). mode: the verify
-    path. A stepwise verify (sequential, or no drafts) forwards one position per forward:
-    `done` counts the positions forwarded so far, `rows` their [1, T*D] fp32 tap rows,
-    `logprobs` the records of the tokens chosen so far. A prefill fed in chunks (the step
-    loop) counts its prompt positions forwarded in `done` and keeps the tap rows
-    [<= keep, T*D] fp32 of the last `keep` of them in `rows`.
-    forward_ms: wall time of the forwards it took part in so far (ms).
-    sampling: a prefill's sampling parameters (the session keeps them). draft_probs: a
-    verify's [k, V] fp32 draft distributions (rejection rule only; else None).
+    Session: sid; state (the target's rings and caches); committed (its last window_size tap
+    rows); prefilled (the whole prompt is in); sampling (set by the prefill's admission, fixed
+    for the session's life once prefilled).
+    Request (`begin` sets it, `end` clears it): op "prefill" | "decode" | "verify"; ids the
+    prompt [n], the decoded token [1] or the block [anchor, d1..dk]; position where ids[0]
+    goes (0 for a prefill); mode the verify path; draft_probs a verify's [k, V] fp32 draft
+    distributions (rejection rule only; else None); keep the tap rows a prefill returns;
+    future what its caller awaits. Progress: a stepwise verify (sequential, or no drafts)
+    forwards one position per step, `done` counting the positions forwarded, `rows` their
+    [1, T*D] fp32 tap rows and `logprobs` the records of the tokens chosen so far; a prefill
+    fed in chunks counts its prompt positions forwarded in `done` and keeps the tap rows
+    [<= keep, T*D] fp32 of the last `keep` of them in `rows`. forward_ms: wall time of the
+    forwards it took part in so far (ms).
     """
 
     sid: int
-    op: str
-    ids: list[int]
-    position: int
+    state: TrunkState
+    committed: CommittedRows
+    prefilled: bool = False
+    sampling: SamplingParams = GREEDY
+    op: str | None = None
+    ids: list[int] = field(default_factory=list)
+    position: int = 0
     mode: str = "batched"
+    draft_probs: torch.Tensor | None = None
+    keep: int = 0
+    future: Future | None = None
     done: int = 0
     rows: list[torch.Tensor] = field(default_factory=list)
-    forward_ms: float = 0.0
-    sampling: SamplingParams = GREEDY
-    draft_probs: torch.Tensor | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    keep: int = 0
+    forward_ms: float = 0.0
+
+    def begin(self, op: str, ids: list[int], position: int, mode: str = "batched",
+              draft_probs: torch.Tensor | None = None, keep: int = 0) -> "SessionRecord":
+        """Make the admitted request the one in flight; returns self.
+
+        Raises:
+            ValueError: the session already has a request in flight (one at a time).
+        """
+        if self.op is not None:
+            raise ValueError(f"session {self.sid} already has a request in flight: send one at a time")
+        self.op, self.ids, self.position, self.mode = op, ids, position, mode
+        self.draft_probs, self.keep, self.future = draft_probs, keep, Future()
+        self.done, self.rows, self.logprobs, self.forward_ms = 0, [], [], 0.0
+        return self
+
+    def end(self) -> None:
+        """The request left the step loop (answered or failed): the session may send again."""
+        self.op, self.ids, self.draft_probs, self.future, self.rows, self.logprobs = None, [], None, None, [], []
 
     @property
     def stepwise(self) -> bool:
         """A verify forwarded one position at a time (sequential mode, or a block of no drafts)."""
         return self.op == "verify" and (self.mode == "sequential" or len(self.ids) == 1)
+
+    @property
+    def left(self) -> int:
+        """Prompt tokens still to forward (a prefill; what the schedule's chunk filling reads)."""
+        return len(self.ids) - self.done
+
+    def item(self, chunk: int) -> BatchItem:
+        """The forward input of this step: the decode, the next position of a stepwise verify,
+        the whole verify block, or the next `chunk` prompt tokens (from position `done`, with
+        the tap rows the prefill can still return)."""
+        if self.op == "prefill":
+            return BatchItem.prefill_chunk(self.state, self.ids[self.done:self.done + chunk], self.done, self.keep)
+        if self.op == "decode":
+            return BatchItem.decode(self.state, self.ids[0], self.position)
+        if self.stepwise:
+            return BatchItem.decode(self.state, self.ids[self.done], self.position + self.done)
+        return BatchItem.block(self.state, torch.tensor(self.ids), self.position)
 
 
 def top2_margin(logits: torch.Tensor) -> tuple[int, float]:
@@ -131,83 +169,84 @@ def top2_margin(logits: torch.Tensor) -> tuple[int, float]:
     top = torch.topk(logits.float(), 2).values
     return int(logits.argmax()), float(top[0] - top[1])
 
-def absorb(s: SessionRecord, work: Work, out, ms: float, model=None) -> StepResult | VerifyResult | None:
-    """Take one forward's output for an admitted decode or verify into its session record `s`.
+def absorb(s: SessionRecord, out, ms: float, model=None) -> StepResult | VerifyResult | None:
+    """Take one forward's output for the request in flight of session record `s`.
 
     `out`: the trunk's ForwardOutput (a decode, one position of a stepwise verify, or one
     chunk of a prefill) or BlockOutput (a batched verify block, still open); `ms`: that
-    forward's wall time (ms), added to `work.forward_ms`; `model`: the trunk, which rolls a
+    forward's wall time (ms), added to `s.forward_ms`; `model`: the trunk, which rolls a
     block back (verify only). Tokens are chosen and drafts judged by the session's sampling
-    rule (a prefill: the request's), one logits row at a time (`services.verifier.choice`).
+    rule, one logits row at a time (`services.verifier.choice`).
     Returns the request's result once it is complete, its rows committed; None when a
-    stepwise verify needs its next position forwarded (position work.position + work.done)
-    or a prefill its next chunk (from position work.done).
+    stepwise verify needs its next position forwarded (position s.position + s.done) or a
+    prefill its next chunk (from position s.done).
     Raises:
         ValueError: a rejection-rule verify without draft_probs (admission prevents it).
     """
-    work.forward_ms += ms
-    if work.op == "prefill":
-        return _absorb_chunk(s, work, out)
+    s.forward_ms += ms
+    if s.op == "prefill":
+        return _absorb_chunk(s, out)
     params = s.sampling
-    if work.op == "decode":
-        token = choose(out.logits, params, work.position + 1)
+    if s.op == "decode":
+        token = choose(out.logits, params, s.position + 1)
         lp = token_logprobs(out.logits.reshape(1, -1), [token], params.logprobs)
-        result = StepResult(token, top2_margin(out.logits)[1], out.taps, range(work.position, work.position + 1),
-                            work.forward_ms, tuple(lp))
+        result = StepResult(token, top2_margin(out.logits)[1], out.taps, range(s.position, s.position + 1),
+                            s.forward_ms, tuple(lp))
         s.committed.add(result.rows, result.positions, token, result.margin)
         return result
-    n, ids = work.position, work.ids
-    if work.stepwise:
-        i = work.done
-        work.rows.append(out.taps)
-        work.done += 1
-        token = _judge_row(work, out.logits, i, params)
+    n, ids = s.position, s.ids
+    if s.stepwise:
+        i = s.done
+        s.rows.append(out.taps)
+        s.done += 1
+        token = _judge_row(s, out.logits, i)
         if token is None:
             return None
-        result = VerifyResult(i, token, top2_margin(out.logits)[1], torch.cat(work.rows), range(n, n + i + 1),
-                              i + 1, 0, work.forward_ms, tuple(work.logprobs))
-    else:
+        result = VerifyResult(i, token, top2_margin(out.logits)[1], torch.cat(s.rows), range(n, n + i + 1),
+                              i + 1, 0, s.forward_ms, tuple(s.logprobs))
+    else:  # a verify block is a transaction: judged row by row, then rolled back to what it accepted
         a = 0
-        while (token := _judge_row(work, out.logits[a], a, params)) is None:
+        while (token := _judge_row(s, out.logits[a], a)) is None:
             a += 1
         copied = model.rollback(s.state, out.undo, keep=a + 1)
         result = VerifyResult(a, token, top2_margin(out.logits[a])[1], out.taps[: a + 1], range(n, n + a + 1),
-                              len(ids), copied, work.forward_ms, tuple(work.logprobs))
+                              len(ids), copied, s.forward_ms, tuple(s.logprobs))
     s.committed.add(result.rows, result.positions, result.bonus_token, result.margin)
     return result
 
 
-def _judge_row(work: Work, row: torch.Tensor, i: int, params: SamplingParams) -> int | None:
-    """Judge row i ([V] logits of position work.position + i) of a verify block and record the
+def _judge_row(s: SessionRecord, row: torch.Tensor, i: int) -> int | None:
+    """Judge row i ([V] logits of position s.position + i) of a verify block and record the
     logprob of the token taken at the next position: None when draft i + 1 is accepted, else
     the token chosen there (the correction, or past the last draft the bonus token)."""
-    token = judge(row, work.ids, i, params, work.position, work.draft_probs)
-    taken = work.ids[i + 1] if token is None else token
-    work.logprobs += token_logprobs(row.reshape(1, -1), [taken], params.logprobs)
+    params = s.sampling
+    token = judge(row, s.ids, i, params, s.position, s.draft_probs)
+    taken = s.ids[i + 1] if token is None else token
+    s.logprobs += token_logprobs(row.reshape(1, -1), [taken], params.logprobs)
     return token
 
 
-def _absorb_chunk(s: SessionRecord, work: Work, out) -> StepResult | None:
+def _absorb_chunk(s: SessionRecord, out) -> StepResult | None:
     """Take one prefill chunk's ForwardOutput (logits [V] fp32 of its last position, taps
-    [<= keep, T*D] fp32 of its last positions) into `work`; once the chunk that ends the
-    prompt is in, commit the prefill as `VerifierEngine.prefill` does and return its result:
-    the next token and margin of position n-1 and the tap rows of the last min(n, keep)."""
-    work.done = s.state.next_position  # a prompt starts at 0: positions forwarded so far
-    tail = torch.cat([*work.rows, out.taps])[-work.keep:] if work.keep else out.taps[:0]
-    work.rows = [tail]  # only the rows the result can still return are held
-    if work.done < len(work.ids):
+    [<= keep, T*D] fp32 of its last positions) into `s`; once the chunk that ends the prompt
+    is in, commit the prefill (the one place a prefill completes) and return its result: the
+    next token and margin of position n-1 and the tap rows of the last min(n, keep)."""
+    s.done = s.state.next_position  # a prompt starts at 0: positions forwarded so far
+    tail = torch.cat([*s.rows, out.taps])[-s.keep:] if s.keep else out.taps[:0]
+    s.rows = [tail]  # only the rows the result can still return are held
+    if s.done < len(s.ids):
         return None
-    n = work.done
-    token = choose(out.logits, work.sampling, n)
-    result = StepResult(token, top2_margin(out.logits)[1], tail, range(n - tail.shape[0], n), work.forward_ms,
-                        tuple(token_logprobs(out.logits.reshape(1, -1), [token], work.sampling.logprobs)))
+    n = s.done
+    token = choose(out.logits, s.sampling, n)
+    result = StepResult(token, top2_margin(out.logits)[1], tail, range(n - tail.shape[0], n), s.forward_ms,
+                        tuple(token_logprobs(out.logits.reshape(1, -1), [token], s.sampling.logprobs)))
     s.committed.add(result.rows, result.positions, token, result.margin)
-    s.sampling, s.prefilled = work.sampling, True  # only once the whole prompt is in
+    s.prefilled = True  # only once the whole prompt is in
     return result
 
 
-def abandon(s: SessionRecord, work: Work) -> None:
-    """A request failed part way (its session record `s` held by the caller): a prefill that
-    forwarded some chunks leaves its session empty again, so the prompt can be sent again."""
-    if work.op == "prefill" and s.state.next_position > 0 and not s.prefilled:
+def abandon(s: SessionRecord) -> None:
+    """The request in flight failed part way (the record `s` held by the caller): a prefill
+    that forwarded some chunks leaves its session empty again, so the prompt can be sent again."""
+    if s.op == "prefill" and s.state.next_position > 0 and not s.prefilled:
         s.state.reset()
