@@ -1,4 +1,4 @@
-"""Figures of the serving benchmark: per generation, per cell, and their spread over repetitions.
+"""Figures of serving: per generation, per cell, and their spread over repetitions (the serving benchmark and `dspark simulate`).
 
 Owns the arithmetic only (no timing, no I/O), so it is unit-tested on fixed numbers
 (tests/test_bench_serving_stats.py). Times are seconds on `time.perf_counter()`'s clock
