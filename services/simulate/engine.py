@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from services.analysis.serving_stats import GenerationTrace
 from services.common.schedule import Schedule
 from services.common.sessions import SessionLimitError, SessionTable
+from services.gateway.decision import CostModel
 from services.gateway.gate import Gate, GateConfig
 from services.gateway.load import StepTimes
 from services.gateway.record import Reason
@@ -50,8 +51,9 @@ class Arm:
 @dataclass(frozen=True)
 class RunConfig:
     """Everything but the arm and the streams: block size, max_seq_len and the session limit
-    (tokens / sessions), the services' gather window (s) and prefill chunk (tokens), and
-    whether drafter and verifier share one pool of compute."""
+    (tokens / sessions), the services' gather window (s) and prefill chunk (tokens), whether
+    drafter and verifier share one pool of compute, and the costs the gates decide with (what
+    a deployment's `dspark calibrate` gives: by default the model's own single-stream costs)."""
 
     block_size: int = 5
     max_seq_len: int = 1 << 20
@@ -59,6 +61,7 @@ class RunConfig:
     gather_s: float = 0.05
     prefill_chunk: int = 64
     shared_compute: bool = False
+    gate_costs: CostModel | None = None  # the gates' cost model; None: the model's single-stream costs
 
 
 @dataclass
@@ -89,7 +92,7 @@ class Gateway:
         self.sessions: SessionTable = SessionTable(config.max_sessions)
         self.admission: list = []  # generations waiting for a verifier session, first come first served
         self.rate = CommitRate()
-        self.cost = model.single_stream(config.block_size)
+        self.cost = config.gate_costs or model.single_stream(config.block_size)
         self.regime = RegimePolicy() if arm.regime else None
         self.step_table = StepTimes(tuple(float(r) for r in ROW_BUCKETS),
                                     tuple(model.verifier_ms(r, 1) for r in ROW_BUCKETS)) if arm.load_pricing else None
@@ -100,6 +103,7 @@ class Gateway:
         self.inside = 0  # generations inside a verifier call (the cover of load pricing)
         self.traces: dict[int, list[GenerationTrace]] = {}  # per stream, its generations in order
         self.drafted_rounds = self.rounds = self.submitted = 0
+        self.decisions: dict[int, list[tuple[str, int, int]]] = {}  # per stream: (reason, k, accepted) per round
 
     def _verifier_ms(self, step) -> float:
         rows = sum(step.chunk(r) if r.op == "prefill" else r.rows for r in step.requests)
@@ -176,6 +180,7 @@ class _Generation:
         self.cursor = spec.offset
         self.deferred = False  # committed rows held back for the next draft
         self.margin: float | None = None
+        self.decisions = gw.decisions.setdefault(spec.stream, [])
 
     # ------------------------------------------------------------------ prefill
     def begin(self) -> None:
@@ -202,18 +207,15 @@ class _Generation:
         self.gw.call(self.gw.drafter, req)
 
     # ------------------------------------------------------------------ rounds
-    def _record(self) -> Round:
-        rounds = self.spec.rounds
-        rec = rounds[self.cursor % len(rounds)]
-        self.cursor += 1
-        return rec
-
     def _round(self) -> None:
-        rec = self._record()
+        # The next recorded drafted round: its anchor margin decides before the draft, and
+        # only a round that drafts uses it up (its confidences and matches are the draft's).
+        rec = self.spec.rounds[self.cursor % len(self.spec.rounds)]
         self.margin = rec.anchor_margin
         reason = self._plan()
         if reason is not None:
             return self._submit(rec, reason, None, 0)
+        self.cursor += 1
         if self.deferred:  # the link's flush: the held rows go before the draft
             self.deferred = False
             return self._drafter(Request(self.sid, "commit", reply=lambda rows: self._draft(rec)))
@@ -242,6 +244,7 @@ class _Generation:
 
     def _submit(self, rec: Round, reason: Reason, conf, k: int) -> None:
         accepted = min(rec.accepted, k)
+        self.decisions.append((reason.value, k, accepted))
         req = Request(self.sid, "verify" if k else "decode", rows=k + 1 if k else 1, tokens=accepted + 1)
         req.reply = lambda rows: self._verified(rec, reason, conf, k, accepted, rows)
         gw = self.gw

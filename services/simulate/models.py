@@ -129,8 +129,9 @@ def model_from_dict(obj: object, name: str) -> ServiceModel:
 
 def from_single_stream(costs: dict[str, float], name: str, max_rows: int = 8192) -> ServiceModel:
     """A ServiceModel from one stream's costs (the seed figures, `dspark calibrate` output):
-    the verifier step is plain_ms at one row and grows by verify_slope_ms per row, rows of
-    other sessions costing as a drafted row does; a drafter step of s sessions costs draft_ms
+    the verifier step is plain_ms at one row, verify(1) = verify_base_ms + verify_slope_ms at
+    two (never below plain_ms), and grows by verify_slope_ms per further row, rows of other
+    sessions costing as a drafted row does; a drafter step of s sessions costs draft_ms
     (commit_ms) times 1 + (s - 1) * verify_slope_ms / plain_ms, the verifier's measured
     ratio of one more row to a whole step (docs/simulate.md §2.2). Raises ValueError naming
     a cost that is negative or not finite, or a missing one."""
@@ -144,7 +145,8 @@ def from_single_stream(costs: dict[str, float], name: str, max_rows: int = 8192)
     plain, slope = costs["plain_ms"], costs["verify_slope_ms"]
     if plain <= 0:
         raise ValueError(f"{name}: plain_ms={plain!r} must be > 0")
-    verifier = StepTimes((1.0, float(max_rows)), (plain, plain + slope * (max_rows - 1)))
+    two = max(plain, costs.get("verify_base_ms", plain) + slope)  # verify(1): two rows
+    verifier = StepTimes((1.0, 2.0, float(max_rows)), (plain, two, two + slope * (max_rows - 2)))
     grow = 1.0 + (MAX_SESSIONS - 1) * slope / plain
     draft, commit = costs["draft_ms"], costs.get("commit_ms", 0.0)
     return ServiceModel(name, verifier, StepTimes((1.0, float(MAX_SESSIONS)), (draft, draft * grow)),

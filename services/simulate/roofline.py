@@ -83,14 +83,15 @@ def draft_roofline_ms(sessions: float) -> float:
 
 def gpu_tables() -> tuple[StepTimes, StepTimes, StepTimes, float]:
     """(verifier step table over rows, draft and commit tables over sessions, session_ms)."""
-    overhead = PEER_PLAIN_MS - trunk_roofline_ms(1)
+    session_ms = kv_bytes() / (TP * HBM_BYTES_PER_MS)
+    overhead = PEER_PLAIN_MS - trunk_roofline_ms(1) - session_ms
     rows = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096]
     verifier = StepTimes(tuple(float(r) for r in rows), tuple(overhead + trunk_roofline_ms(r) for r in rows))
     d_overhead = PEER_DRAFT_MS - draft_roofline_ms(1)
     sessions = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
     draft = StepTimes(tuple(float(s) for s in sessions), tuple(d_overhead + draft_roofline_ms(s) for s in sessions))
     commit = StepTimes((1.0,), (COMMIT_MS,))
-    return verifier, draft, commit, kv_bytes() / (TP * HBM_BYTES_PER_MS)
+    return verifier, draft, commit, session_ms
 
 
 def gpu_model():
