@@ -41,6 +41,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", default="256", help="completion tokens per generation: N or uniform:A:B")
     p.add_argument("--shared-compute", action="store_true",
                    help="drafter and verifier take turns on one pool of compute (default: separate hardware)")
+    p.add_argument("--drafters", type=int, default=1, help="drafter replicas (sessions placed round robin)")
     p.add_argument("--max-sessions", type=int, default=256, help="the verifier's session limit (DSPARK_MAX_SESSIONS)")
     p.add_argument("--gather-ms", type=float, default=50.0, help="the step loops' gather window (DSPARK_STEP_GATHER_MS)")
     p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per verifier step (DSPARK_PREFILL_CHUNK)")
@@ -69,7 +70,7 @@ def _inputs(args):
     from services.simulate.models import load_model
     from services.simulate.run import Load, arm_registry, parse_lengths, workloads
 
-    for name in ("per_stream", "requests", "max_sessions", "prefill_chunk", "block_size"):
+    for name in ("per_stream", "requests", "max_sessions", "prefill_chunk", "block_size", "drafters"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
     bad = [n for n in args.streams if n < 1]
@@ -97,7 +98,8 @@ def _inputs(args):
         raise ValueError(f"--arms {unknown[0]!r}: unknown; known: {', '.join(registry)}")
     arms = [registry[a] for a in dict.fromkeys(args.arms or registry)]
     config = RunConfig(block_size=args.block_size, max_sessions=args.max_sessions, gather_s=args.gather_ms / 1e3,
-                       prefill_chunk=args.prefill_chunk, shared_compute=args.shared_compute)
+                       prefill_chunk=args.prefill_chunk, shared_compute=args.shared_compute,
+                       drafters=args.drafters)
     return model, config, arms, loads, groups, lengths
 
 
@@ -113,7 +115,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     result["inputs"] = {"costs": model.name, "model": model.to_dict(), "workloads": sorted(groups),
                         "arms": [a.name for a in arms], "loads": [ld.label for ld in loads], "prompt": str(prompt),
                         "output": str(output), "shared_compute": config.shared_compute,
-                        "max_sessions": config.max_sessions, "gather_ms": config.gather_s * 1e3,
+                        "max_sessions": config.max_sessions, "drafters": config.drafters, "gather_ms": config.gather_s * 1e3,
                         "prefill_chunk": config.prefill_chunk, "seed": args.seed}
     if args.png is not None:
         try:

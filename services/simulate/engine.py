@@ -52,7 +52,9 @@ class Arm:
 class RunConfig:
     """Everything but the arm and the streams: block size, max_seq_len and the session limit
     (tokens / sessions), the services' gather window (s) and prefill chunk (tokens), whether
-    drafter and verifier share one pool of compute, and the costs the gates decide with (what
+    drafter and verifier share one pool of compute, the drafter replicas (each its own step
+    loop; a generation's session is placed round robin, as the channel's round_robin places
+    streams), and the costs the gates decide with (what
     a deployment's `dspark calibrate` gives: by default the model's own single-stream costs)."""
 
     block_size: int = 5
@@ -61,6 +63,7 @@ class RunConfig:
     gather_s: float = 0.05
     prefill_chunk: int = 64
     shared_compute: bool = False
+    drafters: int = 1
     gate_costs: CostModel | None = None  # the gates' cost model; None: the model's single-stream costs
 
 
@@ -87,8 +90,10 @@ class Gateway:
         shared = Pool()
         self.verifier = SimLoop(self.clock, shared, Schedule(config.gather_s, VERIFIER_AWAY, config.prefill_chunk),
                                 self._verifier_ms, self._verifier_step)
-        self.drafter = SimLoop(self.clock, shared if config.shared_compute else Pool(),
-                               Schedule(config.gather_s, DRAFTER_AWAY), self._drafter_ms)
+        self.drafters = [SimLoop(self.clock, shared if config.shared_compute else Pool(),
+                                 Schedule(config.gather_s, DRAFTER_AWAY), self._drafter_ms)
+                         for _ in range(config.drafters)]
+        self.placed = 0  # generations placed on drafters so far (round robin)
         self.sessions: SessionTable = SessionTable(config.max_sessions)
         self.admission: list = []  # generations waiting for a verifier session, first come first served
         self.rate = CommitRate()
@@ -147,7 +152,7 @@ class Gateway:
             self.clock.at(self.clock.now, self._arrive, gen.spec.then)
         self.sessions.close(gen.sid)
         self.verifier.schedule.forget(gen.sid)
-        self.drafter.schedule.forget(gen.sid)
+        gen.drafter.schedule.forget(gen.sid)
         self.in_flight -= 1
         if self.in_flight == 0 and self.regime is not None:
             self.regime.idle()
@@ -181,6 +186,8 @@ class _Generation:
         self.deferred = False  # committed rows held back for the next draft
         self.margin: float | None = None
         self.decisions = gw.decisions.setdefault(spec.stream, [])
+        self.drafter = gw.drafters[gw.placed % len(gw.drafters)]
+        gw.placed += 1
 
     # ------------------------------------------------------------------ prefill
     def begin(self) -> None:
@@ -204,7 +211,7 @@ class _Generation:
         self._drafter(Request(self.sid, "commit", reply=lambda rows: self._round()))
 
     def _drafter(self, req: Request) -> None:
-        self.gw.call(self.gw.drafter, req)
+        self.gw.call(self.drafter, req)
 
     # ------------------------------------------------------------------ rounds
     def _round(self) -> None:

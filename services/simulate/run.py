@@ -131,11 +131,12 @@ def simulate_cell(model: ServiceModel, config: RunConfig, arm: Arm, specs: list[
     streams = [gw.traces[s] for s in sorted(gw.traces)]
     fig = cell_figures(streams).as_dict()
     wall_ms = max(fig["wall_s"], 1e-9) * 1e3
-    v, d = gw.verifier.stats, gw.drafter.stats
+    v, ds = gw.verifier.stats, [d.stats for d in gw.drafters]
     fig.update({
         "sessions_per_step": v.batch_sessions / v.batch_steps if v.batch_steps else 0.0,
-        "verifier_steps": v.steps, "verifier_util": v.busy_ms / wall_ms, "drafter_util": d.busy_ms / wall_ms,
-        "drafter_steps": d.steps, "rounds": gw.rounds,
+        "verifier_steps": v.steps, "verifier_util": v.busy_ms / wall_ms,
+        "drafter_util": sum(d.busy_ms for d in ds) / len(ds) / wall_ms,
+        "drafter_steps": sum(d.steps for d in ds), "rounds": gw.rounds,
         "drafts_per_round": gw.submitted / gw.rounds if gw.rounds else 0.0,
         "plain_round_share": 1.0 - gw.drafted_rounds / gw.rounds if gw.rounds else 0.0,
     })
