@@ -43,8 +43,10 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    help="drafter and verifier take turns on one pool of compute (default: separate hardware)")
     p.add_argument("--drafters", type=int, default=1, help="drafter replicas (sessions placed round robin)")
     p.add_argument("--max-sessions", type=int, default=256, help="the verifier's session limit (DSPARK_MAX_SESSIONS)")
-    p.add_argument("--gather-ms", type=float, default=50.0, help="the step loops' gather window (DSPARK_STEP_GATHER_MS)")
-    p.add_argument("--prefill-chunk", type=int, default=64, help="prompt tokens per verifier step (DSPARK_PREFILL_CHUNK)")
+    p.add_argument("--gather-ms", type=float, default=50.0,
+                   help="the step loops' gather window (DSPARK_STEP_GATHER_MS)")
+    p.add_argument("--prefill-chunk", type=int, default=64,
+                   help="prompt tokens per verifier step (DSPARK_PREFILL_CHUNK)")
     p.add_argument("--rpc-ms", type=float, default=None,
                    help="one gateway <-> service round trip (ms; default: the cost source's, 0 for shapes without one)")
     p.add_argument("--block-size", type=int, default=5, help="draft slots per round")
@@ -115,7 +117,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     result["inputs"] = {"costs": model.name, "model": model.to_dict(), "workloads": sorted(groups),
                         "arms": [a.name for a in arms], "loads": [ld.label for ld in loads], "prompt": str(prompt),
                         "output": str(output), "shared_compute": config.shared_compute,
-                        "max_sessions": config.max_sessions, "drafters": config.drafters, "gather_ms": config.gather_s * 1e3,
+                        "max_sessions": config.max_sessions, "drafters": config.drafters,
+                        "gather_ms": config.gather_s * 1e3,
                         "prefill_chunk": config.prefill_chunk, "seed": args.seed}
     if args.png is not None:
         try:

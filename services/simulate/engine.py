@@ -102,8 +102,9 @@ class Gateway:
         self.step_table = StepTimes(tuple(float(r) for r in ROW_BUCKETS),
                                     tuple(model.verifier_ms(r, 1) for r in ROW_BUCKETS)) if arm.load_pricing else None
         self.gate_config = dataclasses.replace(
-            GateConfig(enabled=arm.spec == "gated", draft_ms=self.cost.draft_ms, verify_base_ms=self.cost.verify_base_ms,
-                       verify_slope_ms=self.cost.verify_slope_ms, plain_ms=self.cost.plain_ms), **dict(arm.gate))
+            GateConfig(enabled=arm.spec == "gated", draft_ms=self.cost.draft_ms,
+                       verify_base_ms=self.cost.verify_base_ms, verify_slope_ms=self.cost.verify_slope_ms,
+                       plain_ms=self.cost.plain_ms), **dict(arm.gate))
         self.in_flight = 0  # generations inside `generate` (the regime's concurrency)
         self.inside = 0  # generations inside a verifier call (the cover of load pricing)
         self.traces: dict[int, list[GenerationTrace]] = {}  # per stream, its generations in order

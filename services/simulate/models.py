@@ -122,9 +122,9 @@ def model_from_dict(obj: object, name: str) -> ServiceModel:
     verifier = _table({k: v for k, v in ver.items() if k != "session_ms"}, "rows", f"{name}: verifier")
     if set(dra) - {"draft", "commit"}:
         raise ValueError(f"{name}: drafter: unknown key(s) {sorted(set(dra) - {'draft', 'commit'})}")
-    return ServiceModel(str(obj.get("name", name)), verifier, _table(dra.get("draft"), "sessions", f"{name}: drafter.draft"),
-                        _table(dra.get("commit", {"sessions": [1], "ms": [0.0]}), "sessions", f"{name}: drafter.commit"),
-                        session_ms, obj.get("rpc_ms", 0.0))
+    draft = _table(dra.get("draft"), "sessions", f"{name}: drafter.draft")
+    commit = _table(dra.get("commit", {"sessions": [1], "ms": [0.0]}), "sessions", f"{name}: drafter.commit")
+    return ServiceModel(str(obj.get("name", name)), verifier, draft, commit, session_ms, obj.get("rpc_ms", 0.0))
 
 
 def from_single_stream(costs: dict[str, float], name: str, max_rows: int = 8192) -> ServiceModel:

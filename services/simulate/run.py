@@ -157,5 +157,6 @@ def simulate_grid(model: ServiceModel, config: RunConfig, arms: list[Arm], loads
                                for a, f in row.items()} for lab, row in cells.items()}
     fixed = [a.name for a in arms if a.spec == "always"]
     if fixed:
-        out["best_fixed"] = {lab: max(fixed, key=lambda a: (row[a]["aggregate_tok_s"], a)) for lab, row in cells.items()}
+        out["best_fixed"] = {lab: max(fixed, key=lambda a: (row[a]["aggregate_tok_s"], a))
+                             for lab, row in cells.items()}
     return out

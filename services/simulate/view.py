@@ -22,7 +22,8 @@ def render(result: dict, wall_s: float) -> None:
             t.add_column(col, justify="left" if col == "arm" else "right")
         for arm, f in row.items():
             t.add_row(arm, f"{f['aggregate_tok_s']:.2f}", f"{f['per_stream_tok_s']:.2f}",
-                      f"{f['ttft_p50_ms']:.0f} / {f['ttft_p99_ms']:.0f}", f"{f['itl_p50_ms']:.1f} / {f['itl_p99_ms']:.1f}",
+                      f"{f['ttft_p50_ms']:.0f} / {f['ttft_p99_ms']:.0f}",
+                      f"{f['itl_p50_ms']:.1f} / {f['itl_p99_ms']:.1f}",
                       f"{f['sessions_per_step']:.2f}", f"{f['verifier_util']:.0%}", f"{f['drafter_util']:.0%}",
                       f"{f['drafts_per_round']:.2f}", f"{f['plain_round_share']:.0%}")
         console.print(t)
