@@ -73,3 +73,32 @@ def test_the_simulator_decides_every_round_as_the_live_gateway(corrupting_stack,
     changed, recorded_changed = _live(corrupting_stack)
     assert changed != live and max(s for s, _ in changed) <= 2  # the change shows in the live gateway
     assert _simulated(recorded_changed, costs) == changed  # and identically in the simulator
+
+
+def test_a_verifiers_profiled_step_table_is_a_cost_source():
+    """`--costs info:HOST:PORT` reads a real verifier's Info: its start-up profile's table
+    becomes the verifier model (1 row = the table's first point); a verifier without a
+    profile is refused with one error naming the target."""
+    from services.app import start_verifier, verifier_engine
+    from services.common.settings import BackendSettings
+    from services.simulate.models import load_model
+    from services.verifier.step_profile import StepProfileSettings
+    from tests.services_fixtures import service_loop
+
+    loop = service_loop()
+
+    async def start(profile):
+        engine = verifier_engine(tiny_trunk(), BackendSettings(max_sessions=4))
+        return await start_verifier(engine, step_profile=profile)
+
+    profiled = loop.run(start(StepProfileSettings(sessions=2, repeats=1, prompt_tokens=4, budget_s=30.0)), 60)
+    bare = loop.run(start(None), 60)
+    try:
+        model = load_model(f"info:127.0.0.1:{profiled.port}")
+        assert model.verifier.rows[0] == 1.0 and model.verifier.ms[0] > 0
+        assert model.verifier_ms(1, 1) == model.verifier.ms[0]
+        with pytest.raises(ValueError, match=f"info:127.0.0.1:{bare.port}: the verifier reports no step table"):
+            load_model(f"info:127.0.0.1:{bare.port}")
+    finally:
+        loop.run(profiled.stop(0), 30)
+        loop.run(bare.stop(0), 30)
