@@ -110,7 +110,7 @@ class SimLoop:
 
     def submit(self, request: Request) -> None:
         """`request` arrives now."""
-        self.schedule.admit(request, self.clock.now / 1e3)
+        self.schedule.admit(request, now=self.clock.now / 1e3)
         if self._state in ("idle", "gathering"):
             self._consider()
 
