@@ -20,6 +20,7 @@ import time
 import torch
 
 from services import app
+from services.verifier.batcher import StepLoop
 from services.verifier.step_profile import StepProfileSettings, profile_steps
 from services.verifier.step_table import LoadTracker
 
@@ -28,10 +29,13 @@ SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 def verifier_table(checkpoint: str, sessions: int, repeats: int) -> dict:
     """The profiled step table {rows, ms} of the verifier over `sessions` dummy sessions."""
-    engine = app.verifier_engine(app.load_trunk(checkpoint))
+    steps = StepLoop(app.verifier_engine(app.load_trunk(checkpoint)))
     load = LoadTracker()
-    profile_steps(engine, load, StepProfileSettings(sessions=sessions, repeats=repeats, prompt_tokens=16,
-                                                    budget_s=600.0))
+    try:
+        profile_steps(steps, load, StepProfileSettings(sessions=sessions, repeats=repeats, prompt_tokens=16,
+                                                       budget_s=600.0))
+    finally:
+        steps.close()
     snap = load.table.snapshot()
     return {"rows": [float(r) for r in snap.rows], "ms": [round(m, 3) for m in snap.ms]}
 
