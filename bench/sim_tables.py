@@ -3,7 +3,9 @@
 Per file: one row per load, plain's aggregate tok/s, every other arm's aggregate tok/s ÷ plain,
 the best fixed k and gated ÷ that k.
 
-    python -m bench.sim_tables FILE.json [FILE.json ...]
+    python -m bench.sim_tables FILE.json[=TITLE] [FILE.json[=TITLE] ...]
+
+TITLE defaults to the cost shape and the workloads the run replayed.
 """
 
 from __future__ import annotations
@@ -30,11 +32,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="+")
     args = ap.parse_args()
-    for path in args.files:
+    for spec in args.files:
+        path, _, title = spec.partition("=")
         with open(path, encoding="utf-8") as f:
             result = json.load(f)
         inputs = result["inputs"]
-        title = f"{inputs['costs']}, {', '.join(inputs['workloads'])}"
+        title = title or f"{inputs['costs']}, {', '.join(inputs['workloads'])}"
         print(table(result, title))
         print()
 

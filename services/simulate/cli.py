@@ -115,6 +115,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     result = simulate_grid(model, config, arms, loads, groups, prompt, output, args.seed)
     wall_s = time.perf_counter() - t0
     result["inputs"] = {"costs": model.name, "model": model.to_dict(), "workloads": sorted(groups),
+                        "rounds": list(args.rounds) if args.rounds else "synthetic (generated)",
                         "arms": [a.name for a in arms], "loads": [ld.label for ld in loads], "prompt": str(prompt),
                         "output": str(output), "shared_compute": config.shared_compute,
                         "max_sessions": config.max_sessions, "drafters": config.drafters,
