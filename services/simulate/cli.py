@@ -13,6 +13,17 @@ import sys
 import time
 
 DEFAULT_STREAMS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# The plain numeric options: flag, type, default, help.
+NUMBERS = (
+    ("--per-stream", int, 1, "generations each closed-loop stream runs back to back"),
+    ("--requests", int, 64, "open loop: generations per cell"),
+    ("--drafters", int, 1, "drafter replicas (sessions placed round robin)"),
+    ("--max-sessions", int, 256, "the verifier's session limit (DSPARK_MAX_SESSIONS)"),
+    ("--gather-ms", float, 50.0, "the step loops' gather window (DSPARK_STEP_GATHER_MS)"),
+    ("--prefill-chunk", int, 64, "prompt tokens per verifier step (DSPARK_PREFILL_CHUNK)"),
+    ("--block-size", int, 5, "draft slots per round"),
+    ("--seed", int, 0, "seed of every random draw"),
+)
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -33,24 +44,16 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    help="arms to run (default: all): plain, k1..k<block>, gated, gate-only, gated+margin")
     p.add_argument("--streams", nargs="+", type=int, default=list(DEFAULT_STREAMS), metavar="N",
                    help="closed-loop concurrencies")
-    p.add_argument("--per-stream", type=int, default=1, help="generations each closed-loop stream runs back to back")
     p.add_argument("--rate", nargs="+", type=float, default=None, metavar="R",
                    help="open loop instead: Poisson arrivals at R generations per second (one cell per R)")
-    p.add_argument("--requests", type=int, default=64, help="open loop: generations per cell")
     p.add_argument("--prompt", default="64", help="prompt tokens: N or uniform:A:B")
     p.add_argument("--output", default="256", help="completion tokens per generation: N or uniform:A:B")
     p.add_argument("--shared-compute", action="store_true",
                    help="drafter and verifier take turns on one pool of compute (default: separate hardware)")
-    p.add_argument("--drafters", type=int, default=1, help="drafter replicas (sessions placed round robin)")
-    p.add_argument("--max-sessions", type=int, default=256, help="the verifier's session limit (DSPARK_MAX_SESSIONS)")
-    p.add_argument("--gather-ms", type=float, default=50.0,
-                   help="the step loops' gather window (DSPARK_STEP_GATHER_MS)")
-    p.add_argument("--prefill-chunk", type=int, default=64,
-                   help="prompt tokens per verifier step (DSPARK_PREFILL_CHUNK)")
     p.add_argument("--rpc-ms", type=float, default=None,
                    help="one gateway <-> service round trip (ms; default: the cost source's, 0 for shapes without one)")
-    p.add_argument("--block-size", type=int, default=5, help="draft slots per round")
-    p.add_argument("--seed", type=int, default=0, help="seed of every random draw")
+    for flag, kind, default, text in NUMBERS:
+        p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--json", action="store_true", help="print the results as JSON (byte-identical for one --seed)")
     p.add_argument("--png", default=None, metavar="FILE", help="also plot aggregate tok/s against load per arm")
     p.set_defaults(func=run_simulate)
