@@ -45,7 +45,7 @@ import grpc
 
 from bench.bench_serving import ARMS, WORKLOADS, generate, stream_prompts, verifier_steps
 from bench.service_procs import REPO_ROOT, ServiceProcesses, StackSpec, run_bench
-from bench.serving_stats import Spread
+from services.analysis.serving_stats import Spread
 from dspark_proto.v1 import gateway_pb2_grpc, verifier_pb2_grpc
 from services.common.server import channel_options
 

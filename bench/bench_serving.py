@@ -23,7 +23,7 @@ benchmarks run many more requests than the concurrency.
 
 Order: each repetition runs every concurrency, and within it every numerics and every arm,
 the arms in an order rotated per repetition, so all arms see the same machine load. The
-figures (bench/serving_stats.py has their definitions) are the medians over `--repeats`
+figures (services/analysis/serving_stats.py has their definitions) are the medians over `--repeats`
 repetitions, with min-max. Summary, as paired ratios (each repetition's own ratio, then the
 median [min-max] of those, so load that drifts between repetitions cancels): gated / the best
 fixed arm (the other arm with the highest median, `best_fixed_arm`; gated / each repetition's
@@ -51,7 +51,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from bench.service_procs import ServiceProcesses, StackSpec, run_bench
-from bench.serving_stats import GenerationTrace, Spread, cell_figures
+from services.analysis.serving_stats import GenerationTrace, Spread, cell_figures
 from dspark_proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
 from services.common.server import channel_options
 

@@ -336,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_commands(subparsers)
     from services.analysis.cli import add_commands as add_analysis  # trace-report, calibrate, parity
     add_analysis(subparsers)
+    from services.simulate.cli import add_command as add_simulate  # simulate
+    add_simulate(subparsers)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""The serving benchmark's arithmetic (bench/serving_stats.py) and its argument handling, on fixed numbers.
+"""The serving benchmark's arithmetic (services/analysis/serving_stats.py) and its argument handling, on fixed numbers.
 
 No timing is measured here: the traces are written by hand, so every figure has one right value.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from bench.bench_serving import ARMS, WORKLOADS, best_fixed_arm, paired, parse_args, stream_prompts, summary
-from bench.serving_stats import GenerationTrace, Spread, cell_figures, percentile
+from services.analysis.serving_stats import GenerationTrace, Spread, cell_figures, percentile
 from bench.soak import rss_report
 
 

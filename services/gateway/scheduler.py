@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Callable, Sequence
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -61,11 +61,12 @@ from services.gateway.costs import CostTracker
 from services.gateway.drafter_link import MAX_DEFERRED_ROWS, DrafterLink
 from services.gateway.drafters import DraftCheck, DrafterFaults, DrafterSupply
 from services.gateway.events import FinalEvent, GenerationParams, ModelLimits, ProcessStats, TokenEvent
-from services.gateway.gate import PRE_DRAFT_SKIPS, Gate, GateConfig, LengthChoice
-from services.gateway.load import LoadSeen, PricingStats, VerifierLoad, VerifierOccupancy, priced_at_load
+from services.gateway.gate import PRE_DRAFT_SKIPS, Gate, GateConfig
+from services.gateway.load import PricingStats, VerifierLoad, VerifierOccupancy
 from services.gateway.metrics import GenerationMetrics, NoGenerationMetrics
 from services.gateway.regime import RegimePolicy
-from services.gateway.record import Reason, RoundRecord, RoundStats, drafted_reason
+from services.gateway.record import Reason, RoundRecord, RoundStats
+from services.gateway.round_policy import RoundPolicy
 from services.gateway.rounds import Round, check_workload
 from services.gateway.tokenizer import Detokenizer, Tokenizer
 from services.gateway.warm import WarmBands, WarmStart, sampling_band
@@ -101,13 +102,16 @@ class Scheduler:
         warm: warm-start settings: each gated generation's gate starts from the calibration
             of the finished generations of its sampling band (`services.gateway.warm`;
             None: every gate starts cold).
+        clock: the monotonic clock (s) the regime's windows are timed with (the simulator
+            passes its virtual one).
     """
 
     def __init__(self, limits: ModelLimits, tokenizer: Tokenizer, gate_config: GateConfig,
                  verify_mode: str = "batched", cost_mode: str = "configured",
                  provider: TracerProvider | None = None, recorder: list[Round] | None = None, metrics=None,
                  costs: CostTracker | None = None, load: VerifierLoad | None = None,
-                 regime: RegimePolicy | None = None, warm: WarmStart | None = None):
+                 regime: RegimePolicy | None = None, warm: WarmStart | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
         if verify_mode not in VERIFY_MODES:
             raise ValueError(f"verify mode={verify_mode!r}: must be one of {VERIFY_MODES}")
         self.limits, self.tokenizer, self.gate_config = limits, tokenizer, gate_config
@@ -119,6 +123,7 @@ class Scheduler:
         self.metrics = metrics
         self.load = load
         self.regime = regime
+        self.clock = clock
         self.in_flight = 0  # generations inside `generate` (the regime policy's concurrency)
         self.occupancy = VerifierOccupancy()  # generations inside a verifier call (the cover of load pricing)
         self.pricing_stats = PricingStats()  # the rounds priced at load (the Stats RPC)
@@ -247,8 +252,6 @@ class _Generation:
         # when it cannot submit a draft (see `_max_drafts`), no round can, so no drafter session.
         can_draft = p.max_tokens - 2 > 0 and sched.limits.max_seq_len - 2 - len(p.prompt_ids) > 0
         self.counters = RoundStats()  # folded from this generation's round records
-        self.link = DrafterLink(drafters if can_draft else None, verifier, sched.drafter_faults, metrics,
-                                self.counters, awake=self._regime_drafts())
         gate_cfg = sched.gate_config
         if p.spec == "gated":
             gate_cfg = dataclasses.replace(gate_cfg, enabled=sched.limits.confidence_head)
@@ -259,8 +262,11 @@ class _Generation:
         self.gate = Gate(gate_cfg, None if bands is None else bands.calibration(sampling_band(p.sampling)))
         self.gate.cost = self.cost
         priced = sched.load is not None and sched.cost_mode == "measured" and p.spec == "gated"
-        self.step_table = sched.load.table if priced else None  # snapshot, as the costs
-        self.seen = LoadSeen()
+        self.policy = RoundPolicy(p.spec, self.gate, sched.regime, sched.load.table if priced else None,
+                                  sched.limits.block_size, sched.limits.max_seq_len, p.max_tokens, p.max_drafts,
+                                  sched.pricing_stats)
+        self.link = DrafterLink(drafters if can_draft else None, verifier, sched.drafter_faults, metrics,
+                                self.counters, awake=self._regime_drafts())
         self.detok = Detokenizer(sched.tokenizer, p.stop)
         self.out: list[int] = []
         self.finish: str | None = None
@@ -335,8 +341,6 @@ class _Generation:
                 alone = self._alone(res, own_rows)
                 if alone:
                     s.costs.add_verify(k, verify_ms)
-                if plan.conf is not None:
-                    self.gate.observe(plan.conf, k, res.accepted)
             else:
                 with s.occupancy.call():
                     res = await self.verifier.decode(anchor, pos, tc)
@@ -347,7 +351,7 @@ class _Generation:
                     s.costs.add_plain(verify_ms)
             if alone and plan.draft_ms is not None:
                 s.costs.add_draft(plan.draft_ms)
-            self.seen.observe(res.step_rows, own_rows, res.committed_tokens_per_ms)
+            self.policy.observe(plan.conf, k, res.accepted, res.step_rows, own_rows, res.committed_tokens_per_ms)
             a, drafter, t0 = res.accepted, self.link.session, time.perf_counter()
             # the gate or the regime kept this round from drafting: its rows wait for the next draft
             defer = plan.reason in (*PRE_DRAFT_SKIPS, Reason.REGIME)
@@ -355,7 +359,7 @@ class _Generation:
             if alone and not defer and drafter is not None and self.link.session is drafter:  # a re-prime is no commit cost
                 s.costs.add_commit((time.perf_counter() - t0) * 1e3)
             if s.regime is not None:
-                s.regime.record(max(s.in_flight, 1), a + 1, time.perf_counter(), self.p.spec == "gated")
+                s.regime.record(max(s.in_flight, 1), a + 1, s.clock(), self.p.spec == "gated")
             self._record(span, RoundRecord(
                 plan.reason, len(drafts), k, a, self.cost,
                 confidence_logits=None if plan.conf is None else tuple(plan.conf), anchor_margin=margin,
@@ -383,12 +387,9 @@ class _Generation:
             return _Plan(Reason.REGIME)
         if not await self.link.wake():
             return _Plan(Reason.NO_DRAFTER)
-        if self.step_table is not None:  # priced before the pre-draft decision, from what came before it
-            self.seen.observe_cover(self.s.occupancy.inside)  # this generation is outside the verifier now
-            self.s.pricing_stats.add(self.seen)
-            self.gate.pricing = priced_at_load(self.cost, self.step_table, self.seen, self.gate.rate(),
-                                               self.s.limits.block_size)
-        skip = self.gate.pre_draft(margin)
+        # priced before the pre-draft decision, from what came before it; this generation is
+        # outside the verifier now, so every generation inside is another's
+        skip = self.policy.pre_draft(margin, self.s.occupancy.inside)
         if skip is not None:
             return _Plan(skip)
         await self.link.flush()  # the rows of rounds that did not draft, before the drafter drafts
@@ -397,16 +398,14 @@ class _Generation:
         if reply is None or not reply.tokens:
             return _Plan(Reason.DRAFTER_FAILED, draft_ms=draft_ms)
         drafts, conf = reply.tokens, reply.confidence_logits
-        max_n = self._max_drafts(len(drafts), pos)
-        choice = LengthChoice(max_n, max_n) if conf is None else self.gate.choose(conf, max_n)
+        reason, k = self.policy.choose(conf, len(drafts), pos, len(self.out))
         probs = reply.probs if self._needs_probs else None
-        return _Plan(drafted_reason(len(drafts), choice), drafts, conf, draft_ms, choice.k, probs)
+        return _Plan(reason, drafts, conf, draft_ms, k, probs)
 
     def _regime_drafts(self) -> bool:
         """Whether the gateway's regime lets this generation draft now (always, unless it is
         gated and the regime at the gateway's concurrency is plain: docs/gate.md §14)."""
-        regime = self.s.regime if self.p.spec == "gated" else None
-        return regime is None or regime.may_draft(max(self.s.in_flight, 1))
+        return self.policy.regime_drafts(self.s.in_flight)
 
     @property
     def _needs_probs(self) -> bool:
@@ -422,12 +421,8 @@ class _Generation:
         return self.s.load is None or reply.step_rows in (0, own_rows)
 
     def _max_drafts(self, drafted: int, pos: int) -> int:
-        """Drafts a round at anchor position `pos` may submit: capped by the request's
-        max_drafts, the remaining budget (the round adds at most k + 1 tokens) and the room
-        before max_seq_len (the bonus token must stay a valid position)."""
-        remaining = self.p.max_tokens - len(self.out)
-        room = self.s.limits.max_seq_len - 2 - pos
-        return max(0, min(drafted, self.p.max_drafts or drafted, remaining - 1, room))
+        """Drafts a round at anchor position `pos` may submit (`RoundPolicy.max_drafts`)."""
+        return self.policy.max_drafts(drafted, pos, len(self.out))
 
     def _record(self, span, r: RoundRecord) -> None:
         """Publish one round's record: the generation's stats, the round span, the metrics and

@@ -1,4 +1,6 @@
-"""Figures of the serving benchmark: per generation, per cell, and their spread over repetitions.
+"""Figures of serving: per generation, per cell, and their spread over repetitions.
+
+The serving benchmark (bench/bench_serving.py) and `dspark simulate` both fold their traces here.
 
 Owns the arithmetic only (no timing, no I/O), so it is unit-tested on fixed numbers
 (tests/test_bench_serving_stats.py). Times are seconds on `time.perf_counter()`'s clock

@@ -1,0 +1,103 @@
+"""One generation's round decisions, apart from any I/O: what the scheduler and the simulator both run.
+
+The live scheduler (`services.gateway.scheduler`) and the serving simulator
+(`services.simulate`) hold one `RoundPolicy` per generation and ask it the same questions in
+the same order each round; only the forwards, the network and the clock differ between them.
+It owns nothing new: it sequences the gateway's regime (`RegimePolicy.may_draft`), the load
+pricing (`priced_at_load` on a `LoadSeen`), the gate's pre-draft decision, the cap of a round
+by the token budget and max_seq_len, the gate's length choice and its censored observation.
+It never talks to a backend, never reads a clock and never records a round (the caller folds
+its `RoundRecord`).
+
+A round, as both callers run it:
+
+    policy.regime_drafts(in_flight)            # False: a plain round (Reason.REGIME)
+    policy.max_drafts(block, pos, emitted)     # 0: no room (Reason.NO_ROOM)
+    policy.pre_draft(margin, others_inside)    # False: margin-skipped (Reason.ANCHOR_MARGIN)
+    ... draft ...
+    reason, k = policy.choose(confidences, drafted, pos, emitted)
+    ... verify k drafts or decode ...
+    policy.observe(confidences, k, accepted, step_rows, own_rows, tokens_per_ms)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.gateway.gate import Gate, LengthChoice
+from services.gateway.load import LoadSeen, PricingStats, StepTimes, priced_at_load
+from services.gateway.record import Reason, drafted_reason
+from services.gateway.regime import RegimePolicy
+
+
+class RoundPolicy:
+    """The decisions of one generation's rounds (module docstring).
+
+    Args:
+        spec: "off" | "always" | "gated" (the generation's spec mode).
+        gate: the generation's `Gate` (cost model and enabled flag already set for `spec`).
+        regime: the gateway's `RegimePolicy` (shared by its generations; consulted for gated
+            generations only), or None.
+        step_table: the verifier's step table the gate prices drafts against (None: no load
+            pricing); `pricing_stats` counts each round priced (None: not counted).
+        block_size: drafted tokens a round may hold at most (the drafter's block).
+        max_seq_len, max_tokens, max_drafts: the request's limits (tokens; max_drafts 0 = the
+            block size).
+    """
+
+    def __init__(self, spec: str, gate: Gate, regime: RegimePolicy | None, step_table: StepTimes | None,
+                 block_size: int, max_seq_len: int, max_tokens: int, max_drafts: int = 0,
+                 pricing_stats: PricingStats | None = None):
+        self.spec, self.gate, self.step_table = spec, gate, step_table
+        self.regime = regime if spec == "gated" else None
+        self.block_size, self.max_seq_len = block_size, max_seq_len
+        self.max_tokens, self.request_max_drafts = max_tokens, max_drafts
+        self.pricing_stats = pricing_stats
+        self.seen = LoadSeen()
+
+    def regime_drafts(self, in_flight: int) -> bool:
+        """Whether the gateway's regime lets this generation draft with `in_flight` (>= 0)
+        generations in flight: always, unless it is gated and the regime at that concurrency
+        is plain (docs/gate.md §14)."""
+        return self.regime is None or self.regime.may_draft(max(in_flight, 1))
+
+    def max_drafts(self, drafted: int, pos: int, emitted: int) -> int:
+        """Drafts a round at anchor position `pos` may submit after `emitted` completion tokens:
+        `drafted` capped by the request's max_drafts, the remaining budget (the round adds at
+        most k + 1 tokens) and the room before max_seq_len (the bonus token must stay a valid
+        position). 0: the round cannot submit a draft."""
+        remaining = self.max_tokens - emitted
+        room = self.max_seq_len - 2 - pos
+        return max(0, min(drafted, self.request_max_drafts or drafted, remaining - 1, room))
+
+    def pre_draft(self, anchor_margin: float | None, others_inside: int) -> Reason | None:
+        """The pre-draft decision: re-price the gate's costs at the load seen so far (when a
+        step table is given; `others_inside` of this gateway's other generations are inside a
+        verifier call now), then `Gate.pre_draft`: None drafts; a reason (one of
+        `PRE_DRAFT_SKIPS`) decodes plain, nothing drafted. Raises ValueError on a NaN margin or
+        a negative count."""
+        if self.step_table is not None:
+            self.seen.observe_cover(others_inside)
+            if self.pricing_stats is not None:
+                self.pricing_stats.add(self.seen)
+            self.gate.pricing = priced_at_load(self.gate.cost, self.step_table, self.seen, self.gate.rate(),
+                                               self.block_size)
+        return self.gate.pre_draft(anchor_margin)
+
+    def choose(self, confidences: Sequence[float] | None, drafted: int, pos: int, emitted: int
+               ) -> tuple[Reason, int]:
+        """After a draft of `drafted` tokens: (why, k drafts to submit). Without confidences
+        the cap is submitted; with them the gate chooses under the cap."""
+        max_n = self.max_drafts(drafted, pos, emitted)
+        choice = LengthChoice(max_n, max_n) if confidences is None else self.gate.choose(confidences, max_n)
+        return drafted_reason(drafted, choice), choice.k
+
+    def observe(self, confidences: Sequence[float] | None, k: int, accepted: int,
+                step_rows: int, own_rows: int, tokens_per_ms: float) -> None:
+        """A verify (k > 0) or decode reply: the gate learns the censored outcome of the
+        submitted drafts; the load seen learns the step's rows (`step_rows` tokens forwarded,
+        `own_rows` of them this generation's; 0 = no step) and the verifier's committed
+        tokens per ms."""
+        if k > 0 and confidences is not None:
+            self.gate.observe(confidences, k, accepted)
+        self.seen.observe(step_rows, own_rows, tokens_per_ms)

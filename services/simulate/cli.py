@@ -1,0 +1,138 @@
+"""`dspark simulate`: arguments, the table, `--json` and `--png` (docs/simulate.md §1).
+
+Owns the command's flags, output and exit codes; every figure comes from `services.simulate.run`.
+Bad input (a cost file with a negative or non-monotone time, an empty or unreadable rounds
+file, 0 streams, a rate <= 0, an unknown arm) exits 2 with one line on stderr naming the value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+DEFAULT_STREAMS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# The plain numeric options: flag, type, default, help.
+NUMBERS = (
+    ("--per-stream", int, 1, "generations each closed-loop stream runs back to back"),
+    ("--requests", int, 64, "open loop: generations per cell"),
+    ("--drafters", int, 1, "drafter replicas (sessions placed round robin)"),
+    ("--max-sessions", int, 256, "the verifier's session limit (DSPARK_MAX_SESSIONS)"),
+    ("--gather-ms", float, 50.0, "the step loops' gather window (DSPARK_STEP_GATHER_MS)"),
+    ("--prefill-chunk", int, 64, "prompt tokens per verifier step (DSPARK_PREFILL_CHUNK)"),
+    ("--block-size", int, 5, "draft slots per round"),
+    ("--seed", int, 0, "seed of every random draw"),
+)
+
+
+def add_command(sub: argparse._SubParsersAction) -> None:
+    """Register `simulate` on the `dspark` parser's subcommands."""
+    p = sub.add_parser("simulate", help="discrete-event serving simulator: speculation policies at 1..N streams "
+                       "under a step-time model, with the services' own policy code",
+                       description="Simulate the gateway, verifier and drafter in virtual time: each arm at each "
+                       "load, acceptance replayed from recorded rounds, step times from a cost model "
+                       "(docs/simulate.md). Deterministic for a given --seed.")
+    p.add_argument("--costs", default="cpu", metavar="SOURCE",
+                   help="step-time model: cpu | seed | gpu, a .json/.toml shape file, `dspark calibrate` output, "
+                   "or info:HOST:PORT (a verifier's profiled step table)")
+    p.add_argument("--rounds", nargs="+", default=None, metavar="FILE",
+                   help="recorded-rounds files (replay format, e.g. --record-rounds output); default: the "
+                   "synthetic rounds (services.gateway.synthetic)")
+    p.add_argument("--workload", default=None, help="replay only this workload (default: each stream draws one)")
+    p.add_argument("--arms", nargs="+", default=None, metavar="ARM",
+                   help="arms to run (default: all): plain, k1..k<block>, gated, gate-only, gated+margin")
+    p.add_argument("--streams", nargs="+", type=int, default=list(DEFAULT_STREAMS), metavar="N",
+                   help="closed-loop concurrencies")
+    p.add_argument("--rate", nargs="+", type=float, default=None, metavar="R",
+                   help="open loop instead: Poisson arrivals at R generations per second (one cell per R)")
+    p.add_argument("--prompt", default="64", help="prompt tokens: N or uniform:A:B")
+    p.add_argument("--output", default="256", help="completion tokens per generation: N or uniform:A:B")
+    p.add_argument("--shared-compute", action="store_true",
+                   help="drafter and verifier take turns on one pool of compute (default: separate hardware)")
+    p.add_argument("--rpc-ms", type=float, default=None,
+                   help="one gateway <-> service round trip (ms; default: the cost source's, 0 for shapes without one)")
+    for flag, kind, default, text in NUMBERS:
+        p.add_argument(flag, type=kind, default=default, help=text)
+    p.add_argument("--json", action="store_true", help="print the results as JSON (byte-identical for one --seed)")
+    p.add_argument("--png", default=None, metavar="FILE", help="also plot aggregate tok/s against load per arm")
+    p.set_defaults(func=run_simulate)
+
+
+def _error(message: str) -> int:
+    from services.common.terminal import printable
+    print(f"dspark simulate: error: {printable(message)}", file=sys.stderr)
+    return 2
+
+
+def _inputs(args):
+    """The validated inputs of a run; raises ValueError naming the first bad value."""
+    import dataclasses
+
+    from services.gateway import synthetic
+    from services.gateway.rounds import load_rounds
+    from services.simulate.engine import RunConfig
+    from services.simulate.models import load_model
+    from services.simulate.run import Load, arm_registry, parse_lengths, workloads
+
+    for name in ("per_stream", "requests", "max_sessions", "prefill_chunk", "block_size", "drafters"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    bad = [n for n in args.streams if n < 1]
+    if bad:
+        raise ValueError(f"--streams {bad[0]}: a concurrency must be >= 1")
+    for flag, value in (("--gather-ms", args.gather_ms), ("--rpc-ms", args.rpc_ms)):
+        if value is not None and not (value >= 0 and value < 1e7):
+            raise ValueError(f"{flag}={value}: must be a finite number of ms >= 0")
+    if args.rate is not None:
+        loads = [Load(rate=r, requests=args.requests) for r in args.rate]
+    else:
+        loads = [Load(streams=n, per_stream=args.per_stream) for n in dict.fromkeys(args.streams)]
+    lengths = parse_lengths(args.prompt, "--prompt"), parse_lengths(args.output, "--output")
+    model = load_model(args.costs)
+    if args.rpc_ms is not None:
+        model = dataclasses.replace(model, rpc_ms=args.rpc_ms)
+    logs = [load_rounds(p) for p in args.rounds] if args.rounds else [synthetic.generate()]
+    for path, log in zip(args.rounds or [], logs):
+        if not log.rounds:
+            raise ValueError(f"{path}: the rounds file holds no round")
+    groups = workloads(logs, args.workload)
+    registry = arm_registry(args.block_size)
+    unknown = [a for a in args.arms or [] if a not in registry]
+    if unknown:
+        raise ValueError(f"--arms {unknown[0]!r}: unknown; known: {', '.join(registry)}")
+    arms = [registry[a] for a in dict.fromkeys(args.arms or registry)]
+    config = RunConfig(block_size=args.block_size, max_sessions=args.max_sessions, gather_s=args.gather_ms / 1e3,
+                       prefill_chunk=args.prefill_chunk, shared_compute=args.shared_compute,
+                       drafters=args.drafters)
+    return model, config, arms, loads, groups, lengths
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    from services.simulate.run import simulate_grid
+    try:
+        model, config, arms, loads, groups, (prompt, output) = _inputs(args)
+    except (ValueError, OSError) as exc:
+        return _error(str(exc))
+    t0 = time.perf_counter()
+    result = simulate_grid(model, config, arms, loads, groups, prompt, output, args.seed)
+    wall_s = time.perf_counter() - t0
+    result["inputs"] = {"costs": model.name, "model": model.to_dict(), "workloads": sorted(groups),
+                        "rounds": list(args.rounds) if args.rounds else "synthetic (generated)",
+                        "arms": [a.name for a in arms], "loads": [ld.label for ld in loads], "prompt": str(prompt),
+                        "output": str(output), "shared_compute": config.shared_compute,
+                        "max_sessions": config.max_sessions, "drafters": config.drafters,
+                        "gather_ms": config.gather_s * 1e3,
+                        "prefill_chunk": config.prefill_chunk, "seed": args.seed}
+    if args.png is not None:
+        try:
+            from services.simulate.view import write_png
+            write_png(result, args.png, f"{model.name}: aggregate tok/s ({', '.join(sorted(groups))})")
+        except (ValueError, OSError) as exc:
+            return _error(f"--png {args.png!r}: {exc}")
+    if args.json:
+        print(json.dumps(result, indent=1, allow_nan=False))
+    else:
+        from services.simulate.view import render
+        render(result, wall_s)
+    return 0

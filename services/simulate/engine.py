@@ -1,0 +1,283 @@
+"""One simulated serving run: a gateway's generations over a verifier and a drafter, in virtual time.
+
+Each generation runs the round protocol of `services.gateway.scheduler` (docs/architecture.md
+§3) with the gateway's own decision objects: its `RoundPolicy` (regime, load pricing, the
+gate's pre-draft decision and length choice, the caps) over a `Gate`, the shared
+`RegimePolicy`, and the verifier's `CommitRate` for lambda_sys. The verifier and the drafter
+are `SimLoop`s over the services' `Schedule`; sessions open through `SessionTable`. What is
+modelled: the forwards (the step-time model), the network (`rpc_ms`, half each way) and what
+the drafts are worth (each round replays one recorded round of the stream's workload: its
+confidences, anchor margin and accepted length; a round that submits k drafts accepts
+min(recorded accepted, k)). docs/simulate.md §3 states the protocol step by step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from services.analysis.serving_stats import GenerationTrace
+from services.common.schedule import Schedule
+from services.common.sessions import SessionLimitError, SessionTable
+from services.gateway.decision import CostModel
+from services.gateway.gate import PRE_DRAFT_SKIPS, Gate, GateConfig
+from services.gateway.load import StepTimes
+from services.gateway.record import Reason
+from services.gateway.regime import RegimePolicy
+from services.gateway.round_policy import RoundPolicy
+from services.gateway.rounds import Round
+from services.simulate.loops import Clock, Pool, Request, SimLoop
+from services.simulate.models import ServiceModel
+from services.verifier.step_table import ROW_BUCKETS, CommitRate
+
+VERIFIER_AWAY, DRAFTER_AWAY = frozenset({"verify"}), frozenset({"draft"})
+DEFERRED = (*PRE_DRAFT_SKIPS, Reason.REGIME)  # rounds whose commit waits for the next draft
+
+
+@dataclass(frozen=True)
+class Arm:
+    """A policy under test: spec mode ("off" | "always" | "gated"), max drafts per round
+    (0 = the block), whether the gateway's regime and load pricing run, and gate settings
+    laid over the defaults (e.g. {"margin_auto": True})."""
+
+    name: str
+    spec: str
+    max_drafts: int = 0
+    regime: bool = False
+    load_pricing: bool = False
+    gate: tuple[tuple[str, object], ...] = ()
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything but the arm and the streams: block size, max_seq_len and the session limit
+    (tokens / sessions), the services' gather window (s) and prefill chunk (tokens), whether
+    drafter and verifier share one pool of compute, the drafter replicas (each its own step
+    loop; a generation's session is placed round robin, as the channel's round_robin places
+    streams), and the costs the gates decide with (what
+    a deployment's `dspark calibrate` gives: by default the model's own single-stream costs)."""
+
+    block_size: int = 5
+    max_seq_len: int = 1 << 20
+    max_sessions: int = 256
+    gather_s: float = 0.05
+    prefill_chunk: int = 64
+    shared_compute: bool = False
+    drafters: int = 1
+    gate_costs: CostModel | None = None  # the gates' cost model; None: the model's single-stream costs
+
+
+@dataclass
+class StreamSpec:
+    """One generation to run: its stream, arrival (virtual ms), prompt and output lengths
+    (tokens), its workload's recorded drafted rounds and where it starts reading them."""
+
+    stream: int
+    arrival_ms: float
+    prompt: int
+    output: int
+    rounds: list[Round]
+    offset: int
+    then: StreamSpec | None = None  # the stream's next generation (closed loop), sent when this one ends
+
+
+class Gateway:
+    """The simulated gateway of one run (module docstring)."""
+
+    def __init__(self, model: ServiceModel, config: RunConfig, arm: Arm):
+        self.model, self.config, self.arm = model, config, arm
+        self.clock = Clock()
+        shared = Pool()
+        self.verifier = SimLoop(self.clock, shared, Schedule(config.gather_s, VERIFIER_AWAY, config.prefill_chunk),
+                                self._verifier_ms, self._verifier_step)
+        self.drafters = [SimLoop(self.clock, shared if config.shared_compute else Pool(),
+                                 Schedule(config.gather_s, DRAFTER_AWAY), self._drafter_ms)
+                         for _ in range(config.drafters)]
+        self.placed = 0  # generations placed on drafters so far (round robin)
+        self.sessions: SessionTable = SessionTable(config.max_sessions)
+        self.admission: list = []  # generations waiting for a verifier session, first come first served
+        self.rate = CommitRate()
+        self.cost = config.gate_costs or model.single_stream(config.block_size)
+        self.regime = RegimePolicy() if arm.regime else None
+        self.step_table = StepTimes(tuple(float(r) for r in ROW_BUCKETS),
+                                    tuple(model.verifier_ms(r, 1) for r in ROW_BUCKETS)) if arm.load_pricing else None
+        self.gate_config = dataclasses.replace(
+            GateConfig(enabled=arm.spec == "gated", draft_ms=self.cost.draft_ms,
+                       verify_base_ms=self.cost.verify_base_ms, verify_slope_ms=self.cost.verify_slope_ms,
+                       plain_ms=self.cost.plain_ms), **dict(arm.gate))
+        self.in_flight = 0  # generations inside `generate` (the regime's concurrency)
+        self.inside = 0  # generations inside a verifier call (the cover of load pricing)
+        self.traces: dict[int, list[GenerationTrace]] = {}  # per stream, its generations in order
+        self.drafted_rounds = self.rounds = self.submitted = 0
+        self.decisions: dict[int, list[tuple[str, int, int]]] = {}  # per stream: (reason, k, accepted) per round
+
+    def _verifier_ms(self, step) -> float:
+        rows = sum(step.chunk(r) if r.op == "prefill" else r.rows for r in step.requests)
+        return self.model.verifier_ms(rows, len(step.requests))
+
+    def _drafter_ms(self, step) -> float:
+        drafts = sum(r.op == "draft" for r in step.requests)
+        return self.model.drafter_ms(drafts, len(step.requests) - drafts)
+
+    def _verifier_step(self, requests, rows: int, ms: float, end_ms: float) -> None:
+        tokens = sum(r.tokens for r in requests if r.op != "prefill" or r.left == 0)
+        self.rate.add(tokens, ms, end_ms / 1e3)
+
+    def start(self, specs: list[StreamSpec]) -> None:
+        """Schedule every generation's arrival."""
+        for spec in specs:
+            self.clock.at(spec.arrival_ms, self._arrive, spec)
+
+    def run(self) -> None:
+        """Run every event. Raises RuntimeError when generations are left unfinished (the
+        simulated loops stalled: a simulator bug, never a result)."""
+        self.clock.run()
+        if self.in_flight:
+            raise RuntimeError(f"simulation stalled at {self.clock.now:.1f} ms with {self.in_flight} generations "
+                               f"unfinished")
+
+    def _arrive(self, spec: StreamSpec) -> None:
+        trace = GenerationTrace(self.clock.now / 1e3)
+        self.traces.setdefault(spec.stream, []).append(trace)
+        self.in_flight += 1
+        gen = _Generation(self, spec, trace)
+        try:
+            gen.sid = self.sessions.open(gen)
+        except SessionLimitError:
+            self.admission.append(gen)  # a client retrying until a session frees
+            return
+        gen.begin()
+
+    def finished(self, gen: _Generation) -> None:
+        if gen.spec.then is not None:
+            self.clock.at(self.clock.now, self._arrive, gen.spec.then)
+        self.sessions.close(gen.sid)
+        self.verifier.schedule.forget(gen.sid)
+        gen.drafter.schedule.forget(gen.sid)
+        self.in_flight -= 1
+        if self.in_flight == 0 and self.regime is not None:
+            self.regime.idle()
+        if self.admission:
+            nxt = self.admission.pop(0)
+            nxt.sid = self.sessions.open(nxt)
+            nxt.begin()
+
+    def call(self, loop: SimLoop, request: Request) -> None:
+        """Send `request` to `loop`; it arrives rpc_ms / 2 later, its reply as much after its step."""
+        half = self.model.rpc_ms / 2
+        reply = request.reply
+        request.reply = lambda end_ms, rows: self.clock.at(end_ms + half, reply, rows)
+        self.clock.at(self.clock.now + half, loop.submit, request)
+
+
+class _Generation:
+    """One generation's rounds (the scheduler's `_Generation`, its I/O replaced by events)."""
+
+    def __init__(self, gw: Gateway, spec: StreamSpec, trace: GenerationTrace):
+        self.gw, self.spec, self.trace = gw, spec, trace
+        arm = gw.arm
+        self.gate = Gate(gw.gate_config)
+        self.gate.cost = gw.cost
+        self.policy = RoundPolicy(arm.spec, self.gate, gw.regime, gw.step_table, gw.config.block_size,
+                                  gw.config.max_seq_len, spec.output, arm.max_drafts)
+        self.sid = -1
+        self.emitted = 0
+        self.pos = spec.prompt
+        self.cursor = spec.offset
+        self.deferred = False  # committed rows held back for the next draft
+        self.margin: float | None = None
+        self.decisions = gw.decisions.setdefault(spec.stream, [])
+        self.drafter = gw.drafters[gw.placed % len(gw.drafters)]
+        gw.placed += 1
+
+    # ------------------------------------------------------------------ prefill
+    def begin(self) -> None:
+        req = Request(self.sid, "prefill", left=self.spec.prompt, tokens=1, reply=self._prefilled)
+        self._verifier(req)
+
+    def _verifier(self, req: Request) -> None:
+        self.gw.inside += 1
+        self.gw.call(self.gw.verifier, req)
+
+    def _prefilled(self, rows: int) -> None:
+        self.gw.inside -= 1
+        self._emit(1)
+        if self.emitted >= self.spec.output:
+            return self._finish()
+        if self.policy.spec == "off" or self.spec.output <= 2:
+            return self._round()
+        if not self.policy.regime_drafts(self.gw.in_flight):
+            self.deferred = True  # asleep: primed when it drafts
+            return self._round()
+        self._drafter(Request(self.sid, "commit", reply=lambda rows: self._round()))
+
+    def _drafter(self, req: Request) -> None:
+        self.gw.call(self.drafter, req)
+
+    # ------------------------------------------------------------------ rounds
+    def _round(self) -> None:
+        # The next recorded drafted round: its anchor margin decides before the draft, and
+        # only a round that drafts uses it up (its confidences and matches are the draft's).
+        rec = self.spec.rounds[self.cursor % len(self.spec.rounds)]
+        self.margin = rec.anchor_margin
+        reason = self._plan()
+        if reason is not None:
+            return self._submit(rec, reason, None, 0)
+        self.cursor += 1
+        if self.deferred:  # the link's flush: the held rows go before the draft
+            self.deferred = False
+            return self._drafter(Request(self.sid, "commit", reply=lambda rows: self._draft(rec)))
+        self._draft(rec)
+
+    def _plan(self) -> Reason | None:
+        """The pre-draft part of the scheduler's `_plan`: None when the round drafts."""
+        p = self.policy
+        if p.spec == "off":
+            return Reason.NO_DRAFTER
+        if p.max_drafts(self.gw.config.block_size, self.pos, self.emitted) == 0:
+            return Reason.NO_ROOM
+        if not p.regime_drafts(self.gw.in_flight):
+            self.deferred = True
+            return Reason.REGIME
+        return p.pre_draft(self.margin, self.gw.inside)
+
+    def _draft(self, rec: Round) -> None:
+        def drafted(rows: int) -> None:
+            conf = rec.confidence_logits[:self.gw.config.block_size]
+            reason, k = self.policy.choose(conf, len(conf), self.pos, self.emitted)
+            self._submit(rec, reason, conf, k)
+        self._drafter(Request(self.sid, "draft", reply=drafted))
+
+    def _submit(self, rec: Round, reason: Reason, conf, k: int) -> None:
+        accepted = min(rec.accepted, k)
+        self.decisions.append((reason.value, k, accepted))
+        req = Request(self.sid, "verify" if k else "decode", rows=k + 1 if k else 1, tokens=accepted + 1)
+        req.reply = lambda rows: self._verified(rec, reason, conf, k, accepted, rows)
+        gw = self.gw
+        gw.rounds += 1
+        gw.drafted_rounds += conf is not None
+        gw.submitted += k
+        self._verifier(req)
+
+    def _verified(self, rec: Round, reason: Reason, conf, k: int, accepted: int, rows: int) -> None:
+        gw = self.gw
+        gw.inside -= 1
+        self.policy.observe(conf, k, accepted, rows, k + 1 if k else 1, gw.rate.tokens_per_ms())
+        self.pos += accepted + 1
+        if gw.regime is not None:
+            gw.regime.record(max(gw.in_flight, 1), accepted + 1, gw.clock.now / 1e3, self.policy.spec == "gated")
+        self._emit(accepted + 1)
+        if self.emitted >= self.spec.output:
+            return self._finish()
+        if reason in DEFERRED or self.policy.spec == "off":
+            self.deferred = self.deferred or reason in DEFERRED
+            return self._round()
+        self._drafter(Request(self.sid, "commit", reply=lambda rows: self._round()))
+
+    def _emit(self, tokens: int) -> None:
+        tokens = min(tokens, self.spec.output - self.emitted)
+        self.emitted += tokens
+        self.trace.arrivals.append((self.gw.clock.now / 1e3, tokens))
+
+    def _finish(self) -> None:
+        self.gw.finished(self)

@@ -1,0 +1,237 @@
+"""Step-time models of the simulated services and where they come from (docs/simulate.md §2).
+
+A `ServiceModel` gives, in ms of virtual time:
+
+* the verifier's step: `verifier.ms_at(rows) + session_ms * sessions`, rows = decode + verify
+  + prompt rows forwarded in the step (a `StepTimes` table, the very type the gateway prices
+  drafts with), sessions = the sessions in the step (their KV reads);
+* the drafter's step: `draft.ms_at(drafting sessions)` when any session drafts plus
+  `commit.ms_at(committing sessions)` when any commits (both `StepTimes` over sessions);
+* `rpc_ms`: one gateway <-> service round trip, paid by every call on top of its step.
+
+Sources (`load_model`): a built-in shape (`cpu`, `seed`, `gpu`), a JSON or TOML shape file,
+`dspark calibrate` output (its DEEPSEEK_DSPARK_GATE_*_MS lines), or a verifier's `Info`
+(host:port: its profiled step table). Every source is checked: a negative, non-finite or
+non-monotone time raises ValueError naming the field and the value.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.gateway.decision import CostModel
+from services.gateway.load import StepTimes
+from services.simulate.roofline import PEER_DRAFT_MS, PEER_PLAIN_MS, PEER_VERIFY, gpu_tables
+
+SHAPES = ("cpu", "seed", "gpu")
+SHAPE_DIR = Path(__file__).resolve().parent / "shapes"
+# The seed shape's batch scaling (docs/simulate.md §2.2): a row of another session costs what a
+# drafted row of the same session costs, the reference verify slope.
+SEED = {"draft_ms": 196.0, "verify_base_ms": 300.0, "verify_slope_ms": 109.0, "plain_ms": 303.0, "commit_ms": 0.0}
+CALIBRATE_KEYS = {"DRAFT_MS": "draft_ms", "VERIFY_BASE_MS": "verify_base_ms", "VERIFY_SLOPE_MS": "verify_slope_ms",
+                  "PLAIN_MS": "plain_ms", "COMMIT_MS": "commit_ms"}
+MAX_SESSIONS = 4096  # the widest drafter step a single-stream source is extended to
+
+
+@dataclass(frozen=True)
+class ServiceModel:
+    """Step times of one deployment (module docstring). name: where it came from.
+
+    Raises ValueError naming the field when session_ms or rpc_ms is negative or not finite.
+    """
+
+    name: str
+    verifier: StepTimes
+    draft: StepTimes
+    commit: StepTimes
+    session_ms: float = 0.0
+    rpc_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field in ("session_ms", "rpc_ms"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"{field}={value!r}: must be a finite number of ms >= 0")
+
+    def verifier_ms(self, rows: int, sessions: int) -> float:
+        """One verifier step of `rows` tokens over `sessions` sessions (ms)."""
+        return self.verifier.ms_at(rows) + self.session_ms * sessions
+
+    def drafter_ms(self, drafts: int, commits: int) -> float:
+        """One drafter step with `drafts` drafting and `commits` committing sessions (ms)."""
+        return (self.draft.ms_at(drafts) if drafts else 0.0) + (self.commit.ms_at(commits) if commits else 0.0)
+
+    def single_stream(self, block_size: int) -> CostModel:
+        """The costs one generation alone pays, as the gate's `CostModel` (what `dspark
+        calibrate` would fit on this deployment): verify(n) = step(n + 1 rows) + rpc, plain =
+        step(1 row) + rpc, draft and commit at one session + rpc; a verify table for
+        n = 1..block_size keeps the model's own shape."""
+        plain = self.verifier_ms(1, 1) + self.rpc_ms
+        table = tuple(self.verifier_ms(n + 1, 1) + self.rpc_ms for n in range(1, block_size + 1))
+        slope = (table[-1] - table[0]) / max(block_size - 1, 1)
+        return CostModel(self.drafter_ms(1, 0) + self.rpc_ms, table[0] - slope, slope, plain,
+                         self.drafter_ms(0, 1) + self.rpc_ms, table, source=self.name)
+
+    def to_dict(self) -> dict:
+        """The model as a shape file's JSON object (docs/simulate.md §2)."""
+        def table(t: StepTimes, key: str) -> dict:
+            return {key: list(t.rows), "ms": list(t.ms)}
+        return {"name": self.name, "verifier": {**table(self.verifier, "rows"), "session_ms": self.session_ms},
+                "drafter": {"draft": table(self.draft, "sessions"), "commit": table(self.commit, "sessions")},
+                "rpc_ms": self.rpc_ms}
+
+
+def _table(obj: object, key: str, where: str) -> StepTimes:
+    """A StepTimes from {key: [...], "ms": [...]}; errors name `where`."""
+    if not isinstance(obj, dict) or set(obj) - {key, "ms"} or key not in obj or "ms" not in obj:
+        raise ValueError(f"{where}: must be an object with exactly '{key}' and 'ms' lists")
+    xs, ms = obj[key], obj["ms"]
+    if not isinstance(xs, list) or not isinstance(ms, list):
+        raise ValueError(f"{where}: '{key}' and 'ms' must be lists")
+    for i, m in enumerate(ms):
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or m < 0:
+            raise ValueError(f"{where}.ms[{i}]={m!r}: a step time must be a finite number of ms >= 0")
+        if i and m < ms[i - 1]:
+            raise ValueError(f"{where}.ms[{i}]={m!r} < ms[{i - 1}]={ms[i - 1]!r}: step times must not fall "
+                             f"as {key} grow")
+    for i, x in enumerate(xs):
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            raise ValueError(f"{where}.{key}[{i}]={x!r}: must be a number")
+    try:
+        return StepTimes(tuple(xs), tuple(ms))
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def model_from_dict(obj: object, name: str) -> ServiceModel:
+    """A ServiceModel from a shape file's object (docs/simulate.md §2). Raises ValueError
+    naming the field on an unknown key, a missing table or a bad value."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{name}: a shape file holds one object")
+    unknown = set(obj) - {"name", "source", "verifier", "drafter", "rpc_ms", "notes"}
+    if unknown:
+        raise ValueError(f"{name}: unknown key(s) {sorted(unknown)}")
+    ver, dra = obj.get("verifier"), obj.get("drafter")
+    if not isinstance(ver, dict) or not isinstance(dra, dict):
+        raise ValueError(f"{name}: needs 'verifier' and 'drafter' objects")
+    session_ms = ver.get("session_ms", 0.0)
+    verifier = _table({k: v for k, v in ver.items() if k != "session_ms"}, "rows", f"{name}: verifier")
+    if set(dra) - {"draft", "commit"}:
+        raise ValueError(f"{name}: drafter: unknown key(s) {sorted(set(dra) - {'draft', 'commit'})}")
+    draft = _table(dra.get("draft"), "sessions", f"{name}: drafter.draft")
+    commit = _table(dra.get("commit", {"sessions": [1], "ms": [0.0]}), "sessions", f"{name}: drafter.commit")
+    return ServiceModel(str(obj.get("name", name)), verifier, draft, commit, session_ms, obj.get("rpc_ms", 0.0))
+
+
+def from_single_stream(costs: dict[str, float], name: str, max_rows: int = 8192) -> ServiceModel:
+    """A ServiceModel from one stream's costs (the seed figures, `dspark calibrate` output):
+    the verifier step is plain_ms at one row, verify(1) = verify_base_ms + verify_slope_ms at
+    two (never below plain_ms), and grows by verify_slope_ms per further row, rows of other
+    sessions costing as a drafted row does; a drafter step of s sessions costs draft_ms
+    (commit_ms) times 1 + (s - 1) * verify_slope_ms / plain_ms, the verifier's measured
+    ratio of one more row to a whole step (docs/simulate.md §2.2). Raises ValueError naming
+    a cost that is negative or not finite, or a missing one."""
+    for key in ("draft_ms", "verify_slope_ms", "plain_ms"):
+        value = costs.get(key)
+        if value is None:
+            raise ValueError(f"{name}: {key} is missing")
+    for key, value in costs.items():
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name}: {key}={value!r} must be a finite number of ms >= 0")
+    plain, slope = costs["plain_ms"], costs["verify_slope_ms"]
+    if plain <= 0:
+        raise ValueError(f"{name}: plain_ms={plain!r} must be > 0")
+    two = max(plain, costs.get("verify_base_ms", plain) + slope)  # verify(1): two rows
+    verifier = StepTimes((1.0, 2.0, float(max_rows)), (plain, two, two + slope * (max_rows - 2)))
+    grow = 1.0 + (MAX_SESSIONS - 1) * slope / plain
+    draft, commit = costs["draft_ms"], costs.get("commit_ms", 0.0)
+    return ServiceModel(name, verifier, StepTimes((1.0, float(MAX_SESSIONS)), (draft, draft * grow)),
+                        StepTimes((1.0, float(MAX_SESSIONS)), (commit, commit * grow)))
+
+
+def parse_calibrate(text: str, name: str) -> dict[str, float]:
+    """The costs of `dspark calibrate` output (DEEPSEEK_DSPARK_GATE_<X>_MS=value lines; other
+    lines are ignored). Raises ValueError naming the line of a value that is not a number."""
+    costs = {}
+    for line in text.splitlines():
+        m = re.fullmatch(r"\s*(?:export\s+)?DEEPSEEK_DSPARK_GATE_([A-Z_]+)=(\S*)\s*", line)
+        if m and m.group(1) in CALIBRATE_KEYS:
+            try:
+                costs[CALIBRATE_KEYS[m.group(1)]] = float(m.group(2))
+            except ValueError:
+                raise ValueError(f"{name}: {line.strip()!r}: not a number") from None
+    if not costs:
+        raise ValueError(f"{name}: no DEEPSEEK_DSPARK_GATE_*_MS line (is it `dspark calibrate` output?)")
+    return costs
+
+
+def load_model(source: str) -> ServiceModel:
+    """The model named by `source`: a built-in shape, `info:HOST:PORT`, or a file (.json /
+    .toml shape file, anything else `dspark calibrate` output). Raises ValueError naming the
+    source on an unreadable file or a bad value."""
+    if source == "seed":
+        return from_single_stream(SEED, "seed")
+    if source == "gpu":
+        return gpu_model()
+    if source == "cpu":
+        source = str(SHAPE_DIR / "cpu.json")
+    if source.startswith("info:"):
+        return model_from_info(source[len("info:"):])
+    path = Path(source)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--costs {source!r}: cannot read it ({exc.__class__.__name__})") from None
+    if path.suffix == ".json":
+        try:
+            return model_from_dict(json.loads(text), path.name)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path.name}: not JSON ({exc})") from None
+    if path.suffix == ".toml":
+        try:
+            return model_from_dict(tomllib.loads(text), path.name)
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{path.name}: not TOML ({exc})") from None
+    return from_single_stream(parse_calibrate(text, path.name), path.name)
+
+
+def model_from_info(target: str, timeout_s: float = 10.0) -> ServiceModel:
+    """The verifier's profiled step table from its Info at `target` (host:port), with the
+    drafter's costs as the seed ratio of the verifier's one-row step (no drafter reports a
+    table): draft = 0.65 x step(1 row), the reference 196 / 303 ms. Raises ValueError when
+    the call fails or the verifier reports no table."""
+    import grpc
+
+    from dspark_proto.v1 import common_pb2, verifier_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(target) as channel:
+            info = verifier_pb2_grpc.VerifierStub(channel).Info(common_pb2.InfoRequest(), timeout=timeout_s)
+    except grpc.RpcError as exc:
+        raise ValueError(f"info:{target}: Info failed ({exc.code().name})") from None
+    table = StepTimes.from_identity(info)
+    if table is None:
+        raise ValueError(f"info:{target}: the verifier reports no step table (DSPARK_STEP_PROFILE=0?)")
+    draft = SEED["draft_ms"] / SEED["plain_ms"] * table.ms[0]
+    return ServiceModel(f"info:{target}", table, StepTimes((1.0,), (draft,)), StepTimes((1.0,), (0.0,)))
+
+
+def gpu_model() -> ServiceModel:
+    """The `gpu` shape as a `ServiceModel`."""
+    verifier, draft, commit, session_ms = gpu_tables()
+    return ServiceModel("gpu", verifier, draft, commit, session_ms)
+
+
+def roofline_check() -> list[tuple[str, float, float]]:
+    """(cost, model ms, peer ms) at one stream: plain, verify(1), verify(5), draft."""
+    model = gpu_model()
+    verify = [model.verifier_ms(n + 1, 1) for n in (1, 5)]
+    return [("plain", model.verifier_ms(1, 1), PEER_PLAIN_MS),
+            ("verify(1)", verify[0], PEER_VERIFY[0] + PEER_VERIFY[1]),
+            ("verify(5)", verify[1], PEER_VERIFY[0] + 5 * PEER_VERIFY[1]),
+            ("draft", model.drafter_ms(1, 0), PEER_DRAFT_MS)]

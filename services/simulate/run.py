@@ -1,0 +1,162 @@
+"""Arms, loads and figures of `dspark simulate` (docs/simulate.md §4-5).
+
+A cell is one arm at one load: `simulate_cell` builds its generations (closed loop: N streams,
+each running `per_stream` generations back to back; open loop: Poisson arrivals at a rate),
+runs a fresh simulated gateway and folds the traces into the serving benchmark's own figures
+(`services.analysis.serving_stats.cell_figures`) plus the simulator's counters. Every random
+draw comes from one `numpy.random.Generator` seeded per cell from `--seed`, the arm's
+independent part excluded, so every arm of a cell sees the same prompts, lengths and rounds.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.analysis.serving_stats import cell_figures
+from services.gateway.rounds import Round, RoundLog
+from services.simulate.engine import Arm, Gateway, RunConfig, StreamSpec
+from services.simulate.models import ServiceModel
+
+
+def arm_registry(block_size: int) -> dict[str, Arm]:
+    """The arms by name: plain, k1..k<block>, gated (as served: the gate, load pricing and
+    the regime), gate-only (the gate alone) and gated+margin (served, with the learned
+    pre-draft margin threshold)."""
+    arms = {"plain": Arm("plain", "off")}
+    arms.update({f"k{k}": Arm(f"k{k}", "always", max_drafts=k) for k in range(1, block_size + 1)})
+    arms["gated"] = Arm("gated", "gated", regime=True, load_pricing=True)
+    arms["gate-only"] = Arm("gate-only", "gated")
+    arms["gated+margin"] = Arm("gated+margin", "gated", regime=True, load_pricing=True,
+                               gate=(("margin_auto", True),))
+    return arms
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """A token length: fixed (`low == high`) or uniform over [low, high]. Parsed from "N" or
+    "uniform:A:B" by `parse_lengths`."""
+
+    low: int
+    high: int
+
+    def draw(self, rng: np.random.Generator) -> int:
+        return self.low if self.low == self.high else int(rng.integers(self.low, self.high + 1))
+
+    def __str__(self) -> str:
+        return str(self.low) if self.low == self.high else f"uniform:{self.low}:{self.high}"
+
+
+def parse_lengths(text: str, flag: str) -> Lengths:
+    """"N" or "uniform:A:B" (integers >= 1, A <= B). Raises ValueError naming the flag and value."""
+    m = re.fullmatch(r"(\d+)|uniform:(\d+):(\d+)", text.strip())
+    if m is None:
+        raise ValueError(f"{flag}={text!r}: must be N or uniform:A:B (integers >= 1)")
+    low, high = (int(m.group(1)),) * 2 if m.group(1) else (int(m.group(2)), int(m.group(3)))
+    if low < 1 or high < low:
+        raise ValueError(f"{flag}={text!r}: needs 1 <= A <= B")
+    return Lengths(low, high)
+
+
+@dataclass(frozen=True)
+class Load:
+    """Closed loop (`streams` streams, `per_stream` generations each, back to back) when rate
+    is None, else open loop: `requests` generations arriving as a Poisson process at `rate`
+    per second. Raises ValueError naming the value on streams < 1, rate <= 0 or requests < 1."""
+
+    streams: int = 1
+    per_stream: int = 1
+    rate: float | None = None
+    requests: int = 64
+
+    def __post_init__(self) -> None:
+        if self.rate is None and (self.streams < 1 or self.per_stream < 1):
+            raise ValueError(f"streams={self.streams}, per_stream={self.per_stream}: must be >= 1")
+        if self.rate is not None and not (math.isfinite(self.rate) and self.rate > 0):
+            raise ValueError(f"--rate {self.rate!r}: must be a finite number of requests per second > 0")
+        if self.rate is not None and self.requests < 1:
+            raise ValueError(f"requests={self.requests}: must be >= 1")
+
+    @property
+    def label(self) -> str:
+        return f"{self.rate:g}/s" if self.rate is not None else str(self.streams)
+
+
+def workloads(logs: list[RoundLog], only: str | None = None) -> dict[str, list[Round]]:
+    """The drafted rounds (those with confidences) of each workload of `logs`, in file order;
+    `only`: just that workload. Raises ValueError when nothing is left to replay."""
+    out: dict[str, list[Round]] = {}
+    for log in logs:
+        for r in log.rounds:
+            if r.confidence_logits and (only is None or r.workload == only):
+                out.setdefault(r.workload, []).append(r)
+    if not out:
+        what = f"workload {only!r}" if only is not None else "the rounds file(s)"
+        raise ValueError(f"{what}: no drafted round (with confidence_logits) to replay")
+    return out
+
+
+def stream_specs(load: Load, groups: dict[str, list[Round]], prompt: Lengths, output: Lengths,
+                 seed: int) -> list[StreamSpec]:
+    """The generations of one cell (module docstring): the first of each stream (closed loop,
+    later ones chained with `then`) or every arrival (open loop). Each generation draws its
+    workload, a start in its rounds and its lengths."""
+    rng = np.random.default_rng([seed, load.streams, load.per_stream, 0 if load.rate is None else 1])
+    names = sorted(groups)
+
+    def spec(stream: int, arrival: float) -> StreamSpec:
+        rounds = groups[names[int(rng.integers(len(names)))]]
+        return StreamSpec(stream, arrival, prompt.draw(rng), output.draw(rng), rounds, int(rng.integers(len(rounds))))
+
+    if load.rate is not None:
+        gaps = rng.exponential(1e3 / load.rate, load.requests)
+        return [spec(i, float(t)) for i, t in enumerate(np.cumsum(gaps) - gaps[0])]
+    firsts = []
+    for s in range(load.streams):
+        chain = [spec(s, 0.0) for _ in range(load.per_stream)]
+        for a, b in zip(chain, chain[1:]):
+            a.then = b
+        firsts.append(chain[0])
+    return firsts
+
+
+def simulate_cell(model: ServiceModel, config: RunConfig, arm: Arm, specs: list[StreamSpec]) -> dict:
+    """Run one cell; its figures (ms, tokens, tokens per s, fractions; docs/simulate.md §5)."""
+    gw = Gateway(model, config, arm)
+    gw.start(specs)
+    gw.run()
+    streams = [gw.traces[s] for s in sorted(gw.traces)]
+    fig = cell_figures(streams).as_dict()
+    wall_ms = max(fig["wall_s"], 1e-9) * 1e3
+    v, ds = gw.verifier.stats, [d.stats for d in gw.drafters]
+    fig.update({
+        "sessions_per_step": v.batch_sessions / v.batch_steps if v.batch_steps else 0.0,
+        "verifier_steps": v.steps, "verifier_util": v.busy_ms / wall_ms,
+        "drafter_util": sum(d.busy_ms for d in ds) / len(ds) / wall_ms,
+        "drafter_steps": sum(d.steps for d in ds), "rounds": gw.rounds,
+        "drafts_per_round": gw.submitted / gw.rounds if gw.rounds else 0.0,
+        "plain_round_share": 1.0 - gw.drafted_rounds / gw.rounds if gw.rounds else 0.0,
+    })
+    return {k: (round(x, 6) if isinstance(x, float) else x) for k, x in fig.items()}
+
+
+def simulate_grid(model: ServiceModel, config: RunConfig, arms: list[Arm], loads: list[Load],
+                  groups: dict[str, list[Round]], prompt: Lengths, output: Lengths, seed: int) -> dict:
+    """Every arm at every load: {"cells": {load label: {arm: figures}}, "ratios": {load label:
+    {arm: aggregate tok/s / plain's}} (when plain ran), "best_fixed": {load label: arm}}."""
+    cells: dict[str, dict[str, dict]] = {}
+    for load in loads:
+        specs_of = lambda: stream_specs(load, groups, prompt, output, seed)  # noqa: E731 - fresh per arm
+        cells[load.label] = {arm.name: simulate_cell(model, config, arm, specs_of()) for arm in arms}
+    out: dict = {"cells": cells}
+    if any(a.name == "plain" for a in arms):
+        out["ratios"] = {lab: {a: round(f["aggregate_tok_s"] / row["plain"]["aggregate_tok_s"], 4)
+                               for a, f in row.items()} for lab, row in cells.items()}
+    fixed = [a.name for a in arms if a.spec == "always"]
+    if fixed:
+        out["best_fixed"] = {lab: max(fixed, key=lambda a: (row[a]["aggregate_tok_s"], a))
+                             for lab, row in cells.items()}
+    return out

@@ -1,0 +1,154 @@
+"""`dspark simulate` (services/simulate): an exact hand-computed schedule, determinism, bad inputs.
+
+The shared-code guarantee (the simulator decides as a live gateway does) is in
+tests/test_simulate_live.py. No timing is measured: every time here is virtual.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.cli import main
+from services.gateway.load import StepTimes
+from services.gateway.rounds import Round
+from services.simulate.engine import RunConfig
+from services.simulate.models import ServiceModel, from_single_stream, load_model, parse_calibrate
+from services.simulate.run import Lengths, Load, arm_registry, simulate_cell, stream_specs
+
+ROUND = Round("w", (5.0, 5.0), 2, 1)  # two drafts, the first accepted: a verified round yields 2 tokens
+
+
+def _hand_model() -> ServiceModel:
+    # verifier step = 8 + 2 * rows ms; a draft 4 ms, a commit 1 ms, whatever the sessions
+    return ServiceModel("hand", StepTimes((1.0, 100.0), (10.0, 208.0)), StepTimes((1.0,), (4.0,)),
+                        StepTimes((1.0,), (1.0,)))
+
+
+def test_two_streams_follow_the_hand_computed_schedule():
+    """Two streams of fixed k = 2, a 1-token prompt and 5 output tokens, no gather, no
+    network: each step is worked out by hand (docs/simulate.md §3.1 walks through it).
+    t=0 s0 prefill [0,10]; s1 prefill [10,20]; s0 commit [10,11], draft [11,15], verify of
+    3 rows [20,34] (2 tokens); s1 commit [20,21], draft [21,25], verify [34,48]; s0 commit
+    [34,35], draft [35,39], budget caps k to 1, verify of 2 rows [48,60] (done: 5 tokens);
+    s1 commit [48,49], draft [49,53], verify [60,72]."""
+    specs = [stream_spec(0), stream_spec(1)]
+    config = RunConfig(block_size=2, gather_s=0.0, max_seq_len=64)
+    f = simulate_cell(_hand_model(), config, arm_registry(2)["k2"], specs)
+    assert f["tokens"] == 10 and f["wall_s"] == pytest.approx(0.072)
+    assert f["aggregate_tok_s"] == pytest.approx(10 / 0.072, abs=1e-5)
+    assert f["ttft_p50_ms"] == pytest.approx(15.0) and f["ttft_p99_ms"] == pytest.approx(19.9)
+    # per-token gaps: s0 24/2, 26/2 ms; s1 28/2, 24/2 ms
+    assert f["itl_p50_ms"] == pytest.approx(12.5) and f["itl_p99_ms"] == pytest.approx(14.0)
+    assert f["verifier_steps"] == 6 and f["verifier_util"] == pytest.approx(1.0)
+    assert f["sessions_per_step"] == pytest.approx(1.0)
+    assert f["drafter_steps"] == 8 and f["drafter_util"] == pytest.approx(20 / 72, abs=1e-6)
+    assert f["rounds"] == 4 and f["drafts_per_round"] == pytest.approx(1.5)
+
+
+def stream_spec(stream: int):
+    from services.simulate.engine import StreamSpec
+    return StreamSpec(stream, 0.0, 1, 5, [ROUND], 0)
+
+
+def test_gathering_lets_two_decodes_share_a_step():
+    """Plain decode, gather 50 ms. Stream 0's prefill runs alone [0, 10]. Stream 1's prefill
+    is queued, but the step waits (up to min(50, 10) ms) for stream 0, answered and expected
+    back at once: its decode shares the step [10, 22] (3 rows: 8 + 6 ms). From then on both
+    decode in steps of 2 rows (12 ms): three shared, then stream 1's last alone (10 ms)."""
+    specs = [stream_spec(0), stream_spec(1)]
+    config = RunConfig(block_size=2, gather_s=0.05, max_seq_len=64)
+    f = simulate_cell(_hand_model(), config, arm_registry(2)["plain"], specs)
+    assert f["tokens"] == 10 and f["verifier_steps"] == 6
+    assert f["sessions_per_step"] == pytest.approx((2 + 2 + 2 + 1) / 4)  # the steps without a prompt chunk
+    assert f["wall_s"] == pytest.approx((10 + 12 + 3 * 12 + 10) / 1e3)
+
+
+def _grid_json(capsys, *extra: str) -> str:
+    code = main(["simulate", "--costs", "seed", "--streams", "1", "3", "--arms", "plain", "k3", "gated",
+                 "--output", "24", "--json", *extra])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return out.out
+
+
+def test_same_seed_gives_byte_identical_json_and_another_seed_differs(capsys):
+    """Two runs with --seed 5 print the same bytes; --seed 6 draws other rounds (the
+    synthetic workloads' streams start elsewhere), so some figure moves."""
+    a, b, c = (_grid_json(capsys, "--seed", seed) for seed in ("5", "5", "6"))
+    assert a == b
+    assert json.loads(a)["cells"] != json.loads(c)["cells"]
+
+
+def test_every_arm_of_a_cell_sees_the_same_streams():
+    groups = {"a": [ROUND, Round("a", (1.0,), 1, 0)], "b": [ROUND]}
+    one = stream_specs(Load(4), groups, Lengths(8, 16), Lengths(32, 32), 3)
+    two = stream_specs(Load(4), groups, Lengths(8, 16), Lengths(32, 32), 3)
+    assert [(s.prompt, s.offset, s.rounds[0].workload) for s in one] == \
+        [(s.prompt, s.offset, s.rounds[0].workload) for s in two]
+
+
+def test_open_loop_arrivals_start_at_zero_and_rise():
+    specs = stream_specs(Load(rate=10.0, requests=5), {"w": [ROUND]}, Lengths(4, 4), Lengths(8, 8), 0)
+    times = [s.arrival_ms for s in specs]
+    assert times[0] == 0.0 and times == sorted(times) and len(set(times)) == 5
+
+
+def test_single_stream_sources_keep_the_stated_costs():
+    """The seed shape: plain 303 at one row, verify(n) = 300 + 109 n at n + 1 rows."""
+    seed = load_model("seed")
+    cost = seed.single_stream(5)
+    assert cost.plain_ms == 303.0 and cost.draft_ms == 196.0
+    assert [cost.verify_ms(n) for n in (1, 5)] == [409.0, 845.0]
+    fit = parse_calibrate("DEEPSEEK_DSPARK_GATE_DRAFT_MS=12.5\nDEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS=30\n"
+                          "DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS=3\nDEEPSEEK_DSPARK_GATE_PLAIN_MS=28\n", "fit.env")
+    model = from_single_stream(fit, "fit.env")
+    assert model.verifier_ms(1, 1) == 28.0 and model.verifier_ms(2, 1) == 33.0 and model.verifier_ms(4, 1) == 39.0
+
+
+def test_gpu_roofline_is_fitted_at_one_row():
+    from services.simulate.models import roofline_check
+    rows = {name: (model, peer) for name, model, peer in roofline_check()}
+    assert rows["plain"][0] == pytest.approx(72.7) and rows["draft"][0] == pytest.approx(24.0)
+    assert rows["verify(5)"][0] > rows["verify(1)"][0] > rows["plain"][0]
+
+
+def _run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """`dspark simulate ARGS` in process: (exit code, stdout, stderr)."""
+    code = main(["simulate", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("content, named", [
+    ('{"verifier": {"rows": [1, 2], "ms": [10, -1]}, "drafter": {"draft": {"sessions": [1], "ms": [3]}}}', "ms[1]=-1"),
+    ('{"verifier": {"rows": [1, 2], "ms": [10, 9]}, "drafter": {"draft": {"sessions": [1], "ms": [3]}}}', "ms[1]=9"),
+    ('{"verifier": {"rows": [1], "ms": [10]}, "drafter": {"draft": {"sessions": [1, 2], "ms": [3, 2.5]}}}',
+     "ms[1]=2.5"),
+])
+def test_a_bad_cost_file_is_one_error_line_naming_the_value(tmp_path, capsys, content, named):
+    path = tmp_path / "shape.json"
+    path.write_text(content)
+    code, out, err = _run_cli(capsys, "--costs", str(path), "--streams", "1")
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and named in err and err.startswith("dspark simulate: error:"), err
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--streams", "0"], "--streams 0"),
+    (["--rate", "0"], "--rate 0.0"),
+    (["--rate", "-2.5"], "--rate -2.5"),
+    (["--arms", "k9"], "'k9'"),
+    (["--output", "uniform:9:3"], "uniform:9:3"),
+])
+def test_bad_load_arguments_are_one_error_line(capsys, args, named):
+    code, out, err = _run_cli(capsys, *args)
+    assert code == 2 and out == "" and err.count("\n") == 1 and named in err, err
+
+
+def test_an_empty_rounds_file_is_one_error_line(tmp_path, capsys):
+    path = tmp_path / "rounds.json"
+    path.write_text('{"format": "dspark-rounds", "version": 1, "metadata": {}, "rounds": []}')
+    code, out, err = _run_cli(capsys, "--rounds", str(path), "--streams", "1")
+    assert code == 2 and out == "" and err.count("\n") == 1 and "rounds.json" in err, err
