@@ -12,7 +12,7 @@ module:
 * k=1..5: spec always behind a drafter that returns only the first k of its block (it still
   drafts the whole block, as a fixed-k deployment of this drafter would);
 * gated: spec gated, measured costs, priced at the verifier's load (the served default);
-* gated-static: the same gate with load pricing off (DSPARK_GATE_LOAD=0).
+* gated-static: the same gate with load pricing off (GatewaySettings.load_aware=False, in process).
 
 For each concurrency in `--streams`, every policy runs `--repeats` times, interleaved (the
 policy order rotates per repeat, so drift falls on all of them). A run starts that many

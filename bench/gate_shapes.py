@@ -24,7 +24,7 @@ import math
 import sys
 from pathlib import Path
 
-from services.cli import printable
+from services.common.terminal import printable
 from services.gateway.gate import GateConfig
 from services.gateway.replay import ReplayReport, calibration_of, headline_of, replay_log
 from services.gateway.rounds import RoundLog, load_rounds

@@ -15,7 +15,7 @@ fails (2 when no CUDA device and no --dry-run). Sections:
 3. fp4 GEMV bandwidth: one token, 6 routes of a [2048, 4096] expert matrix: bytes moved /
    time against the copy ceiling measured here (a device-to-device copy of 1 GiB).
 4. verify(k) slope of the fp4 routed GEMM, small-batch path on and off
-   (DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4), for k + 1 = 1..6 tokens (ms per extra token).
+   (DSPARK_MOE_MULTI_TOKEN_FP4), for k + 1 = 1..6 tokens (ms per extra token).
 5. trunk on the GPU (bench_trunk's large config, random weights): bf16 batched-vs-sequential
    drift of fast verify (max relative logit difference, reported) and the first divergence of
    a batched speculative chain from the plain chain; exact mode: verify row i == decode row i

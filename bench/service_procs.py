@@ -31,7 +31,7 @@ SERVICES = ("verifier", "drafter", "gateway")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 # Variables that would make the three children fight over one port, or change what the
 # benchmark measures behind its back; each child gets them from StackSpec or not at all.
-_DROPPED_ENV = ("DSPARK_HTTP_PORT", "DSPARK_METRICS_PORT", "DSPARK_HEALTH_PORT", "DEEPSEEK_DSPARK_GATE")
+_DROPPED_ENV = ("DSPARK_HTTP_PORT", "DSPARK_METRICS_PORT", "DSPARK_HEALTH_PORT", "DSPARK_GATE", "DEEPSEEK_DSPARK_GATE")
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,16 @@
 """fp8 / fp4 weight codecs and activation fake-quantisation, in pure torch (docs/model.md §2.4,
-§6.3). This module owns the storage formats' arithmetic (encode, decode, activation round
-trips, the Hadamard rotation); it knows no tensor names, files or layers, and never imports
-triton (the GEMM kernels in `kernels/` decode the same bytes themselves).
+§6.3). This module owns the encoders, the activation round trips and the Hadamard rotation;
+the storage formats themselves (block sizes, ue8m0 scales, the e2m1 grid) and their decoders
+`fp8_decode` / `fp4_decode` are `kernels.formats`', the bottom of the project, whose GEMMs
+read the same bytes (exported here too, so a codec's encode and decode come from one place).
+It knows no tensor names, files or layers, and never imports triton.
 
 Dimension legend: N = output rows of a weight, K = input columns (the reduction dim),
 Nb = ceil(N/128), Kb = ceil(K/128) (fp8 128x128 blocks), Kq = K/32 (fp4 1x32 blocks),
 ... = any leading dims of an activation, d = its last dim.
 
-Storage formats (docs/model.md §6.3):
-
-* **fp8**: weight `float8_e4m3fn` [N, K] and a ue8m0 block scale [Nb, Kb];
-  `W[n, k] = e4m3[n, k] * 2^(scale[n // 128, k // 128] - 127)`.
-* **fp4**: packed e2m1 codes `int8` [N, K/2] (low nibble = even column 2i, high nibble = odd
-  column 2i+1; code 0..7 -> 0, .5, 1, 1.5, 2, 3, 4, 6, bit 3 = sign) and a ue8m0 scale
-  [N, Kq]; `W[n, k] = e2m1[n, k] * 2^(scale[n, k // 32] - 127)`.
-
-A ue8m0 scale is one biased-exponent byte b (value 2^(b-127); 255 would be NaN and is never
-written). Scales are returned as `torch.float8_e8m0fnu` (raw bytes: `.view(torch.uint8)`);
-decoders accept that dtype or `uint8`.
+Storage formats: `kernels.formats` (docs/model.md §6.3). The encoders write ue8m0 scales as
+`torch.float8_e8m0fnu` (raw bytes: `.view(torch.uint8)`); a byte of 255 (NaN) is never written.
 
 Every scale exponent is the exact `ceil(log2(amax / qmax))`, computed from the float's
 mantissa and exponent (no rounded division or log), so a block's largest value never needs
@@ -27,9 +20,7 @@ and follow the input's device.
 
 Non-finite values. The encoders raise ValueError naming the first NaN / inf (or a float64
 value beyond float32's range): a block's scale would be undefined and the whole block
-silently corrupt. The decoders return what the bytes say (an e4m3 NaN byte 0x7F/0xFF, a
-scale byte 0xFF or a scale that overflows float32 decode to NaN/inf); `dsv4.checkpoint`
-rejects such tensors by name. The activation round trips propagate instead of raising
+silently corrupt. The decoders return what the bytes say (`kernels.formats`). The activation round trips propagate instead of raising
 (no host sync in the hot path): a block holding a NaN or inf comes back all NaN, since its
 scale is undefined; finite blocks are unaffected.
 """
@@ -40,15 +31,15 @@ import math
 
 import torch
 
+# The decoders are exported beside the encoders (F401): callers take a codec from one module.
+from kernels.formats import (E8M0, FP4_BLOCK, FP8_BLOCK, e8m0_values, expand_blocks, fp4_decode,  # noqa: F401
+                             fp4_values, fp8_decode)
+
 FP8_MAX = 448.0  # largest finite e4m3fn value
 FP4_MAX = 6.0  # largest e2m1 value
-FP8_BLOCK = 128  # weight block (rows and columns), docs/model.md §6.3
-FP4_BLOCK = 32  # weight / activation block along K, docs/model.md §2.4, §6.3
 E8M0_BIAS = 127
-_E8M0 = getattr(torch, "float8_e8m0fnu", None)  # torch >= 2.7; raw uint8 bytes otherwise
 
-# e2m1 magnitudes by code 0..7, and the midpoints between neighbours (for round-to-nearest).
-FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# midpoints between neighbouring e2m1 magnitudes (`kernels.formats.FP4_GRID`), for round-to-nearest.
 _FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
@@ -66,26 +57,13 @@ def _ceil_log2_ratio(amax: torch.Tensor, qmax: float) -> torch.Tensor:
 
 def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     """2^exponent as float32, exact, for integer exponents in [-127, 127]."""
-    return _e8m0_values((exponent + E8M0_BIAS).to(torch.uint8))
-
-
-def _e8m0_values(scale: torch.Tensor) -> torch.Tensor:
-    """ue8m0 scale (float8_e8m0fnu or uint8 bytes) -> float32 2^(byte-127), exact."""
-    if _E8M0 is not None and scale.dtype == _E8M0:
-        return scale.float()
-    if scale.dtype != torch.uint8:
-        raise ValueError(f"scale dtype {scale.dtype}: expected float8_e8m0fnu or uint8 bytes")
-    if _E8M0 is not None:
-        return scale.view(_E8M0).float()
-    e = scale.to(torch.int32)  # bytes 1..254 are normal floats, byte 0 is 2^-127 (subnormal)
-    normal = (e << 23).view(torch.float32)
-    return torch.where(e == 0, torch.full_like(normal, 2.0**-127), normal)
+    return e8m0_values((exponent + E8M0_BIAS).to(torch.uint8))
 
 
 def _e8m0_bytes(exponent: torch.Tensor) -> torch.Tensor:
     """Integer exponents in [-127, 127] -> stored ue8m0 scale tensor."""
     raw = (exponent + E8M0_BIAS).to(torch.uint8)
-    return raw.view(_E8M0) if _E8M0 is not None else raw
+    return raw.view(E8M0) if E8M0 is not None else raw
 
 
 def _weight_exponent(amax: torch.Tensor, qmax: float) -> torch.Tensor:
@@ -141,37 +119,9 @@ def fp8_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = padded.view(nb, FP8_BLOCK, kb, FP8_BLOCK)  # (Nb, 128, Kb, 128)
     amax = blocks.abs().amax(dim=3).amax(dim=1)  # [Nb, Kb]; two single-dim passes are far faster
     exponent = _weight_exponent(amax, FP8_MAX)
-    inv = _expand_blocks(_pow2(-exponent), n, k)  # [N, K]
+    inv = expand_blocks(_pow2(-exponent), n, k)  # [N, K]
     q = (x * inv).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, _e8m0_bytes(exponent)
-
-
-def fp8_decode(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Dequantise an fp8 weight: e4m3 [N, K] times its ue8m0 block scale [Nb, Kb] -> float32 [N, K].
-
-    `weight` may be float8_e4m3fn or its raw uint8 bytes; `scale` float8_e8m0fnu or uint8.
-    Raises:
-        ValueError: wrong dtypes or a scale shape other than [ceil(N/128), ceil(K/128)].
-    """
-    if weight.dtype == torch.uint8:
-        weight = weight.view(torch.float8_e4m3fn)
-    if weight.dtype != torch.float8_e4m3fn or weight.ndim != 2:
-        raise ValueError(f"fp8 weight: expected 2-D float8_e4m3fn, got {weight.dtype} {tuple(weight.shape)}")
-    n, k = weight.shape
-    want = (-(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
-    if tuple(scale.shape) != want:
-        raise ValueError(f"fp8 scale shape {tuple(scale.shape)}: expected {want} for weight {(n, k)}")
-    s = _e8m0_values(scale)
-    if n % FP8_BLOCK or k % FP8_BLOCK:  # ragged edge blocks: materialise the [N, K] scale
-        return weight.float() * _expand_blocks(s, n, k)
-    w = weight.float().view(n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)  # (Nb, 128, Kb, 128)
-    return (w * s[:, None, :, None]).view(n, k)
-
-
-def _expand_blocks(per_block: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """[Nb, Kb] -> [N, K]: each entry repeated over its 128x128 block, cropped at the edges."""
-    full = per_block.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
-    return full[:n, :k]
 
 
 # ----------------------------------------------------------------------------- fp4 weights
@@ -187,12 +137,6 @@ def _fp4_codes(y: torch.Tensor) -> torch.Tensor:
         up = (a > mid) | ((a == mid) & (i % 2 == 1))
         code += up.to(torch.uint8)
     return code | (torch.signbit(y).to(torch.uint8) << 3)
-
-
-def _fp4_values(code: torch.Tensor) -> torch.Tensor:
-    """e2m1 codes 0..15 (any int dtype) -> float32 values (code 8 = -0.0)."""
-    lut = torch.tensor(FP4_GRID + tuple(-g for g in FP4_GRID), dtype=torch.float32, device=code.device)
-    return lut[code.long()]
 
 
 def fp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,27 +164,6 @@ def fp4_encode(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = _fp4_codes(x * _pow2(-exponent)[..., None]).view(n, k // 2, 2)  # (N, K/2, 2)
     packed = codes[..., 0] | (codes[..., 1] << 4)
     return packed.view(torch.int8), _e8m0_bytes(exponent)
-
-
-def fp4_decode(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Dequantise packed e2m1 [N, K/2] (int8 or uint8) with ue8m0 scale [N, Kq] -> float32 [N, K].
-
-    Raises:
-        ValueError: wrong dtypes, K = 2 * packed columns not a multiple of 32, or a scale
-            shape other than [N, K/32].
-    """
-    if packed.dtype not in (torch.int8, torch.uint8) or packed.ndim != 2:
-        raise ValueError(f"fp4 weight: expected 2-D int8, got {packed.dtype} {tuple(packed.shape)}")
-    n, half = packed.shape
-    k = 2 * half
-    if k % FP4_BLOCK:
-        raise ValueError(f"fp4 weight: K = 2 * {half} packed columns = {k} is not a multiple of {FP4_BLOCK}")
-    if tuple(scale.shape) != (n, k // FP4_BLOCK):
-        raise ValueError(f"fp4 scale shape {tuple(scale.shape)}: expected {(n, k // FP4_BLOCK)} for K={k}")
-    b = packed.view(torch.uint8)
-    codes = torch.stack((b & 0xF, b >> 4), dim=-1).view(n, k)  # low nibble = even column
-    values = _fp4_values(codes).view(n, k // FP4_BLOCK, FP4_BLOCK)  # (N, Kq, 32)
-    return (values * _e8m0_values(scale)[..., None]).view(n, k)
 
 
 # ----------------------------------------------------------------------------- activations
@@ -287,7 +210,7 @@ def act_quant_fp4(x: torch.Tensor, block: int = FP4_BLOCK) -> torch.Tensor:
     xb = _blocks(x, block, "act_quant_fp4")
     amax = _last_dim_amax(xb).unsqueeze(-1)  # (..., d/block, 1); NaN / inf if the block holds one
     exponent = _ceil_log2_ratio(amax.clamp(min=FP4_MAX * 2.0**-126), FP4_MAX)
-    q = _fp4_values(_fp4_codes(xb * _pow2(-exponent)))
+    q = fp4_values(_fp4_codes(xb * _pow2(-exponent)))
     return (q * _nan_if_non_finite(_pow2(exponent), amax)).reshape(x.shape).to(x.dtype)
 
 

@@ -1,16 +1,16 @@
 """Argument checks shared by the DSpark draft module (`dsv4.dspark`) and the drafter
 engines/oracles (`services.drafter`): commits, seeds, draft arguments, draft length, integer
-coercion and weight problems. This module owns those checks and their ValueErrors, which
+lists (each element by `dsv4.scalars.as_int`) and weight problems. This module owns those checks and their ValueErrors, which
 name the bad value; it runs no model math and holds no state."""
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from dsv4.config import ModelConfig
+from dsv4.scalars import as_int, short_repr
 
 ROW_DTYPES = (torch.float32, torch.bfloat16)  # what the wire carries; fp16/fp64 rows are rejected
 
@@ -36,7 +36,7 @@ def check_commit(cfg: ModelConfig, last_position: int, rows: torch.Tensor, posit
                          f"({len(cfg.dspark_target_layer_ids)} target layers x dim {cfg.dim})")
     pos = as_int_list("positions", positions, expect_len=rows.shape[0], what="rows")
     if any(b != a + 1 for a, b in zip(pos, pos[1:])):
-        raise ValueError(f"positions {pos[0]}..{pos[-1]} are not consecutive ascending: {_short(pos)}")
+        raise ValueError(f"positions {pos[0]}..{pos[-1]} are not consecutive ascending: {short_repr(pos)}")
     if pos[0] < 0 or pos[-1] >= cfg.max_seq_len:
         raise ValueError(f"positions {pos[0]}..{pos[-1]} outside [0, max_seq_len={cfg.max_seq_len})")
     bad = (~torch.isfinite(rows)).any(dim=1).nonzero()
@@ -91,29 +91,17 @@ def draft_length(cfg: ModelConfig, seed_position: int) -> int:
     return min(cfg.dspark_block_size, cfg.max_seq_len - seed_position - 2)
 
 
-def as_int(name: str, value: Any) -> int:
-    """`value` as an int if it is an integer: a Python int, a numpy integer or a 0-d torch
-    integer tensor. bool, float (even 12.0), str and everything else raise ValueError naming
-    `name` and the value: nothing is truncated."""
-    if torch.is_tensor(value):
-        if value.ndim == 0 and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
-            return int(value)
-    elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    raise ValueError(f"{name}={_short(value)} ({type(value).__name__}): must be an integer (not bool or float)")
-
-
 def as_int_list(name: str, values: Any, expect_len: int | None = None, what: str = "") -> list[int]:
     """`values` (a range, list, tuple, numpy array or 1-D torch integer tensor) as a non-empty
     list of ints, each checked by `as_int`; `expect_len`: the number of `what` it must match.
     The length is checked before the elements are read. Raises ValueError naming the value."""
     if torch.is_tensor(values):
         if values.ndim != 1 or values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
-            raise ValueError(f"{name}={_short(values)} ({values.dtype}, shape {tuple(values.shape)}): "
+            raise ValueError(f"{name}={short_repr(values)} ({values.dtype}, shape {tuple(values.shape)}): "
                              f"must be a 1-D integer tensor or a sequence of integers")
         values = values.tolist()
     elif isinstance(values, (str, bytes, Mapping)) or not (hasattr(values, "__len__") and hasattr(values, "__iter__")):
-        raise ValueError(f"{name}={_short(values)} ({type(values).__name__}): must be a sequence of integers")
+        raise ValueError(f"{name}={short_repr(values)} ({type(values).__name__}): must be a sequence of integers")
     if expect_len is not None and len(values) != expect_len:
         raise ValueError(f"{expect_len} {what} but {len(values)} {name} (need as many, >= 1)")
     if len(values) == 0:
@@ -128,11 +116,6 @@ def weight_problem(name: str, t: Any) -> str:
     if not t.is_floating_point():
         return f"{name}: dtype {t.dtype} is not floating point"
     return "" if bool(torch.isfinite(t).all()) else f"{name}: contains NaN or Inf"
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def listed(items: list[str], limit: int = 8) -> str:

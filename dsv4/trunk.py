@@ -53,16 +53,16 @@ from dsv4.moe import MoE, Route
 from dsv4.numerics import EXACT_ROWS, FastNumerics, numerics_for
 from dsv4.quantised import pack_quantised, wire_quantised_gemms
 from dsv4.settings import Settings
-from dsv4.trunk_jobs import as_int, batch_jobs, check_rollback, check_state, id_tensor
+from dsv4.scalars import as_int
+from dsv4.trunk_jobs import batch_jobs, check_rollback, check_state, id_tensor
 from dsv4.trunk_state import BlockOutput, BlockUndo, ForwardOutput, TrunkState
 from kernels.select import KernelConfig
 
 DTYPES = (torch.float32, torch.bfloat16)
 FLOAT_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
-# as_int and the state records are imported from here by the engines and tests.
-__all__ = ["Block", "BlockOutput", "BlockUndo", "DTYPES", "EXACT_ROWS", "ForwardOutput", "Trunk", "TrunkState",
-           "as_int"]
+# The state records are imported from here by the engines and tests.
+__all__ = ["Block", "BlockOutput", "BlockUndo", "DTYPES", "EXACT_ROWS", "ForwardOutput", "Trunk", "TrunkState"]
 
 
 class Block(nn.Module):
@@ -121,7 +121,7 @@ class Trunk(nn.Module):
     Argument checks raise ValueError naming the bad value BEFORE any state changes;
     `next_position` advances only once a forward has fully succeeded. Integer scalars
     (positions, keep counts, a decode's token) accept Python ints and numpy / torch integer
-    scalars (see `as_int`), never bools, floats or strings.
+    scalars (see `dsv4.scalars.as_int`), never bools, floats or strings.
 
     Verify blocks are transactions. `forward_block` opens one (`state.open_block`); the
     caller must close it with `rollback(state, out.undo, keep)` (keep = n_tokens commits the
@@ -150,7 +150,7 @@ class Trunk(nn.Module):
         verify_numerics: "fast" or "exact" (above).
         kernels: implementation of the `kernels/` ops the model uses: sparse attention of the
             fast path, tap pooling, and with the triton backend the fp8 / fp4 GEMMs of the
-            quantised linears (`dsv4.quantised`); `KernelConfig.from_settings` builds it from
+            quantised linears (`dsv4.quantised`); `dsv4.settings.Settings.kernel_config` builds it from
             the process settings. None -> `KernelConfig()`: torch everywhere.
     Raises:
         ValueError: cfg not a ModelConfig, dtype not float32/bfloat16, verify_numerics not
@@ -303,7 +303,7 @@ class Trunk(nn.Module):
         S = ids.shape[0]
         if S > self.cfg.max_seq_len:
             raise ValueError(f"prompt length {S} exceeds max_seq_len={self.cfg.max_seq_len}")
-        keep = self.cfg.window_size if keep_rows is None else as_int(keep_rows, "keep_rows")
+        keep = self.cfg.window_size if keep_rows is None else as_int("keep_rows", keep_rows)
         assert keep >= 0, f"keep_rows={keep}"
         return self.forward_batch([BatchItem.prefill_chunk(state, ids, 0, keep if taps else None)])[0]
 

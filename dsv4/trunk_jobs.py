@@ -13,49 +13,37 @@ Dimension legend: S = tokens in an item.
 
 from __future__ import annotations
 
-import numbers
 import weakref
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Protocol, Sequence
 
-import numpy as np
 import torch
+from torch import nn
 
 from dsv4.batch import BatchItem, Job, prompt_pieces
-from dsv4.numerics import Call
+from dsv4.config import ModelConfig
+from dsv4.layers import Embedding
+from dsv4.numerics import Call, FastNumerics
+from dsv4.scalars import as_int, short_repr
 from dsv4.trunk_state import BlockUndo, TrunkState
 
-if TYPE_CHECKING:
-    from dsv4.trunk import Trunk
+
+class CheckedTrunk(Protocol):
+    """What these checks read of the model: `dsv4.trunk.Trunk` has it all. Named here as a
+    protocol so that this module, which `dsv4.trunk` imports, never imports it back."""
+
+    cfg: ModelConfig
+    embed: Embedding
+    layers: nn.ModuleList  # of `dsv4.trunk.Block`: `.attn.state_mismatch(layer_state)`
+    numerics: FastNumerics
+
+    @property
+    def loaded(self) -> bool: ...
+
+    @property
+    def verify_numerics(self) -> str: ...
 
 
-def as_int(value: Any, name: str) -> int:
-    """`value` as a Python int: an int, a numpy integer, or a one-element integer torch tensor
-    / numpy array (e.g. `torch.tensor(20)`, `np.int64(20)`).
-
-    Raises:
-        ValueError: naming `name` and the value (repr), for a bool, float, str, None, a
-            multi-element tensor or anything else.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{name}={value!r}: must be an integer, not a bool")
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if torch.is_tensor(value) or isinstance(value, np.ndarray):
-        t = torch.as_tensor(value)
-        if t.numel() == 1 and t.ndim <= 1 and t.dtype != torch.bool and not (t.is_floating_point() or t.is_complex()):
-            return int(t.reshape(()).item())
-        raise ValueError(f"{name}={short_repr(value)}: must be an integer scalar, got a {t.dtype} tensor "
-                         f"of shape {tuple(t.shape)}")
-    raise ValueError(f"{name}={short_repr(value)}: must be an integer, not {type(value).__name__}")
-
-
-def short_repr(value: Any, limit: int = 60) -> str:
-    """repr(value), cut to `limit` characters so an error message stays one readable line."""
-    r = repr(value)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
-
-
-def id_tensor(model: Trunk, ids: Any) -> torch.Tensor:
+def id_tensor(model: CheckedTrunk, ids: Any) -> torch.Tensor:
     """ids (a 1-D integer tensor / array or a list of ints) -> int64 [S] on the model's device.
     Request values were validated by the caller (the engine); here they are asserted invariants."""
     t = torch.as_tensor(ids, device=model.embed.weight.device)
@@ -67,7 +55,7 @@ def id_tensor(model: Trunk, ids: Any) -> torch.Tensor:
     return t
 
 
-def check_state(model: Trunk, state: Any, open_block_ok: bool = False) -> None:
+def check_state(model: CheckedTrunk, state: Any, open_block_ok: bool = False) -> None:
     """Loaded model, a state made by `model.new_state` (or one of the same shapes), and no open
     verify block unless `open_block_ok` (rollback).
 
@@ -96,7 +84,7 @@ def check_state(model: Trunk, state: Any, open_block_ok: bool = False) -> None:
                          f"(keep={block.n_tokens} commits the whole block)")
 
 
-def batch_jobs(model: Trunk, items: Sequence[BatchItem]) -> list[list[Job]]:
+def batch_jobs(model: CheckedTrunk, items: Sequence[BatchItem]) -> list[list[Job]]:
     """Check every item of a `forward_batch` (see there) and return each one's jobs, in order
     (a prompt chunk may be several pieces; a decode or verify block is one Job).
 
@@ -122,12 +110,12 @@ def batch_jobs(model: Trunk, items: Sequence[BatchItem]) -> list[list[Job]]:
     return groups
 
 
-def chunk_jobs(model: Trunk, item: BatchItem) -> list[Job]:
+def chunk_jobs(model: CheckedTrunk, item: BatchItem) -> list[Job]:
     """A prompt chunk's checks (see `BatchItem.prefill_chunk`) -> its jobs (`prompt_pieces`).
     Raises ValueError: start_pos off the state's next position, past max_seq_len, keep_rows < 0."""
     state = item.state
     check_state(model, state)
-    start = as_int(item.start_pos, "prefill chunk start_pos")
+    start = as_int("prefill chunk start_pos", item.start_pos)
     ids = id_tensor(model, item.tokens)
     S = ids.shape[0]
     if start != state.next_position:
@@ -135,18 +123,18 @@ def chunk_jobs(model: Trunk, item: BatchItem) -> list[Job]:
                          f"next_position={state.next_position}")
     if start + S > model.cfg.max_seq_len:
         raise ValueError(f"prefill chunk of {S} tokens at {start} runs past max_seq_len={model.cfg.max_seq_len}")
-    keep = None if item.keep_rows is None else as_int(item.keep_rows, "keep_rows")
+    keep = None if item.keep_rows is None else as_int("keep_rows", item.keep_rows)
     if keep is not None and keep < 0:
         raise ValueError(f"keep_rows={keep}: must be >= 0")
     return prompt_pieces(state, start, ids, keep, model.numerics.prompt_tokens)
 
 
-def decode_job(model: Trunk, item: BatchItem) -> Job:
+def decode_job(model: CheckedTrunk, item: BatchItem) -> Job:
     """A decode item's checks (see `Trunk.decode`) -> its Job. Raises ValueError as `decode` does."""
     state = item.state
     check_state(model, state)
-    position = as_int(item.start_pos, "decode position")
-    ids = id_tensor(model, [as_int(item.tokens, "token_id")])
+    position = as_int("decode position", item.start_pos)
+    ids = id_tensor(model, [as_int("token_id", item.tokens)])
     if position != state.next_position:
         raise ValueError(f"decode position={position} does not match state.next_position="
                          f"{state.next_position}")
@@ -155,12 +143,12 @@ def decode_job(model: Trunk, item: BatchItem) -> Job:
     return Job(state, Call(position, 1), ids, 1, 1 if item.taps else None)
 
 
-def block_job(model: Trunk, item: BatchItem) -> Job:
+def block_job(model: CheckedTrunk, item: BatchItem) -> Job:
     """A verify block's checks (see `Trunk.forward_block`) -> its Job. Raises ValueError as
     `forward_block` does."""
     state = item.state
     check_state(model, state)
-    start_pos = as_int(item.start_pos, "start_pos")
+    start_pos = as_int("start_pos", item.start_pos)
     if start_pos != state.next_position or start_pos == 0:
         raise ValueError(f"verify block at start_pos={start_pos} needs a prefilled state at that "
                          f"position, got next_position={state.next_position}")
@@ -174,7 +162,7 @@ def block_job(model: Trunk, item: BatchItem) -> Job:
     return Job(state, Call(start_pos, S, []), ids, S, S)
 
 
-def check_rollback(model: Trunk, state: TrunkState, undo: Any, keep: Any) -> int:
+def check_rollback(model: CheckedTrunk, state: TrunkState, undo: Any, keep: Any) -> int:
     """`Trunk.rollback`'s checks; returns keep as an int. Changes nothing.
 
     Raises:
@@ -186,7 +174,7 @@ def check_rollback(model: Trunk, state: TrunkState, undo: Any, keep: Any) -> int
     check_state(model, state, open_block_ok=True)
     if not isinstance(undo, BlockUndo):
         raise ValueError(f"rollback: undo={short_repr(undo)} is not a BlockUndo (use forward_block(...).undo)")
-    keep = as_int(keep, "rollback keep")
+    keep = as_int("rollback keep", keep)
     if not 1 <= keep <= undo.n_tokens:
         raise ValueError(f"rollback keep={keep}: must lie in [1, {undo.n_tokens}]")
     if undo.state_token is not state._token:

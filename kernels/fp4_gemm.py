@@ -7,14 +7,14 @@ environment.
 Dimension legend: M = tokens, k = routes per token, E = experts, N = output features,
 K = input features (reduction, a multiple of 32), T = row tiles of the grouped path.
 
-Weights (dsv4.codecs.fp4_decode): packed [E, N, K/2] int8 (low nibble = even column),
+Weights (kernels.formats.fp4_decode): packed [E, N, K/2] int8 (low nibble = even column),
 ue8m0 scales [E, N, K/32]; W_e[n, c] = e2m1[n, c] * 2^(scale[n, c // 32] - 127), decoded in
 the kernel. Route (m, j) multiplies input row x[m] ([M, K]: shared by a token's routes) or
 x[m, j] ([M, k, K]: one input per route, e.g. the w2 input h) by W_{experts[m, j]}^T.
 Output: per-route rows [M, k, N] fp32, or with `combine` their sum per token [M, N] fp32.
 
 The combine is a fixed-order left fold, never an atomic add: with `deterministic` (the
-`DSV4_MOE_DETERMINISTIC_REDUCE` default) a token's routes are summed in ascending expert id,
+`DSPARK_MOE_DETERMINISTIC_REDUCE` default) a token's routes are summed in ascending expert id,
 so the result does not depend on the order the gate lists them; otherwise in slot order.
 
 Paths. small-batch (`_fp4_moe_small_kernel`): one program per (token, N block) walks the
@@ -23,7 +23,7 @@ needs is read once for it, the right shape for decode and a few-token verify, an
 result does not depend on the other tokens in the call. grouped (`_fp4_moe_grouped_kernel`):
 routes sorted by expert, tiles of BLOCK_M routes of one expert through tl.dot (prefill);
 per-route rows, then the same fold. A single token always takes the small path; several
-take it when `small_batch` (`DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4=1`): a multi-token verify on the
+take it when `small_batch` (`DSPARK_MOE_MULTI_TOKEN_FP4=1`): a multi-token verify on the
 grouped path pays the prefill tiling for a handful of rows (docs/architecture.md §12).
 """
 
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.codecs import FP4_BLOCK, fp4_decode
+from kernels.formats import FP4_BLOCK, fp4_decode
 from kernels.checks import interpreting, out_tensor
 
 try:

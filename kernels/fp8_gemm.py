@@ -6,7 +6,7 @@ only; it never packs or owns weights (`Linear.pack`) and does not decide when it
 Dimension legend: M = activation rows, K = input features (reduction), N = output features,
 Nb = ceil(N/128), Kb = ceil(K/128).
 
-W[n, k] = e4m3[n, k] * 2^(scale[n // 128, k // 128] - 127) (dsv4.codecs.fp8_decode). The
+W[n, k] = e4m3[n, k] * 2^(scale[n // 128, k // 128] - 127) (kernels.formats.fp8_decode). The
 kernel decodes the e4m3 bytes itself (sign, 4-bit exponent with bias 7, 3-bit mantissa,
 subnormals), so it runs the same under the interpreter and on GPUs without native fp8, and
 multiplies by the block scale before the dot. Every dequantised weight is exact in bf16.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.codecs import FP8_BLOCK, fp8_decode
+from kernels.formats import FP8_BLOCK, fp8_decode
 from kernels.checks import interpreting, out_tensor
 
 try:

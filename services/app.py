@@ -29,7 +29,6 @@ from dsv4.dspark import DSparkDraft, load_draft_module
 from dsv4.init import random_weights
 from dsv4.trunk import Trunk
 from dsv4.settings import Settings as ModelSettings
-from kernels.select import KernelConfig
 from services.common.limits import session_limit
 from services.common.server import RunningServer, start_server
 from services.common.settings import DEFAULT_MAX_CONNECTION_AGE_S, BackendSettings, GatewaySettings
@@ -45,7 +44,8 @@ from services.gateway.load import VerifierLoad
 from services.gateway.regime import RegimePolicy
 from services.gateway.profile import PROFILE_PROMPT
 from services.gateway.scheduler import Scheduler
-from services.gateway.servicer import Backends, GatewayServicer, connect_backends, measure_costs
+from services.gateway.backends import Backends
+from services.gateway.servicer import GatewayServicer, connect_backends, measure_costs
 from services.gateway.tokenizer import load_tokenizer
 from services.gateway.warm import WarmStart
 from services.verifier.batcher import DEFAULT_PREFILL_CHUNK, StepLoop, StepRecord
@@ -90,7 +90,7 @@ def load_trunk(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32
         weights = random_weights(cfg, "trunk", TINY_SEED) if checkpoint is None else str(checkpoint)
         return start_tp_trunk(cfg, weights, tp, dtype, device=device, settings=tp_settings, topk=topk,
                               deterministic_reduce=model.moe_deterministic_reduce,
-                              kernels=KernelConfig.from_settings(model))
+                              kernels=model.kernel_config())
     if checkpoint is None:
         cfg = random_tiny_config()
         weights = random_weights(cfg, "trunk", TINY_SEED)
@@ -98,7 +98,7 @@ def load_trunk(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32
         from dsv4.checkpoint import load_trunk_weights
         cfg, weights = load_trunk_weights(checkpoint)
     trunk = Trunk(cfg, dtype=dtype, device=device, verify_numerics=verify_numerics,
-                  deterministic_reduce=model.moe_deterministic_reduce, kernels=KernelConfig.from_settings(model))
+                  deterministic_reduce=model.moe_deterministic_reduce, kernels=model.kernel_config())
     trunk.load_weights(weights)
     return maybe_wrap(trunk, topk)
 

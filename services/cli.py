@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import sys
-import unicodedata
 from collections.abc import Sequence
 from dataclasses import fields, replace
 
@@ -19,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from services.common.terminal import printable
 from services.gateway.gate import CostModel, GateConfig
 from services.gateway.replay import (
     POLICIES,
@@ -36,13 +36,13 @@ from services.gateway.values import parse_setting
 from services.gateway.warm import DEFAULT_MAX_WEIGHT, parse_warm_start
 from services.settings import gate_config
 
-# GateConfig fields settable by flag (--draft-ms ...); each overrides its DEEPSEEK_DSPARK_GATE_* env value.
+# GateConfig fields settable by flag (--draft-ms ...); each overrides its DSPARK_GATE_* env value.
 _OVERRIDES = (
     "draft_ms",
     "verify_base_ms",
     "verify_slope_ms",
     "plain_ms",
-    "margin",
+    "win_factor",
     "min_draft",
     "decay",
     "margin_threshold",
@@ -59,19 +59,13 @@ def _flag(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def printable(text: str) -> str:
-    """`text` with control and format characters (ANSI escapes, newlines, bidi marks) written as
-    backslash escapes, so labels and file names cannot drive the terminal or break a line."""
-    return "".join(ascii(ch)[1:-1] if unicodedata.category(ch)[0] == "C" else ch for ch in text)
-
-
 def _add_replay(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "replay",
         help="replay recorded rounds through plain / always-k / threshold / gated policies",
         description="Replay rounds under the cost model. Costs and gate settings come from the "
-        "DEEPSEEK_DSPARK_GATE_* env vars, then from the flags below; the gated policies run the "
-        "gate enabled whatever DEEPSEEK_DSPARK_GATE says. Bad input exits 2 with a one-line error.",
+        "DSPARK_GATE_* env vars, then from the flags below; the gated policies run the "
+        "gate enabled whatever DSPARK_GATE says. Bad input exits 2 with a one-line error.",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("file", nargs="?", metavar="FILE", help="rounds JSON file (format: docs/gate.md; at most 256 MiB)")
@@ -107,6 +101,9 @@ def _add_replay(subparsers: argparse._SubParsersAction) -> None:
     )
     for name in _OVERRIDES:
         p.add_argument(_flag(name), default=None, metavar="X", help=f"override {name} (ASCII decimal)")
+    # --win-factor's former spelling, after DEEPSEEK_DSPARK_GATE_MARGIN: kept, since argparse
+    # would otherwise read an old script's --margin as an abbreviation of --margin-threshold.
+    p.add_argument("--margin", dest="margin_spelling", default=None, metavar="X", help=argparse.SUPPRESS)
     p.set_defaults(func=_run_replay)
 
 
@@ -149,7 +146,7 @@ def _heading(report: ReplayReport) -> Text:
     cfg = report.config
     return Text(f"Replay of {printable(report.source)}\ncosts {printable(report.costs)}: draft {cfg.draft_ms:g} ms"
                 f" + verify {cfg.verify_base_ms:g} + {cfg.verify_slope_ms:g}·n ms, plain {cfg.plain_ms:g} ms; "
-                f"margin {cfg.margin:g}, decay {cfg.decay:g}, min_draft {cfg.min_draft}\ngate "
+                f"win factor {cfg.win_factor:g}, decay {cfg.decay:g}, min_draft {cfg.min_draft}\ngate "
                 + ("cold at the start of each workload" if report.warm is None else
                    f"warm-started from the other workloads (at most {report.warm.max_weight:g} observations per bucket)"))
 
@@ -159,7 +156,7 @@ def _policy_table(report: ReplayReport) -> Table:
     cfg, policies = report.config, list(report.overall.results)
     title = "tok/s per policy"
     # each caption sentence explains a column, so only the columns shown get one
-    notes = {"gated": f"gated: the gate always enabled here (DEEPSEEK_DSPARK_GATE={int(cfg.enabled)} is not used).",
+    notes = {"gated": f"gated: the gate always enabled here (DSPARK_GATE={int(cfg.enabled)} is not used).",
              "threshold": "threshold: leave-one-workload-out, t chosen on the other workloads."}
     caption = " ".join(text for p, text in notes.items() if p in policies)
     headers = ["workload", "rounds", "accept"] + [{"threshold": "threshold\n(LOWO)", "gated+margin": "gated+\nmargin"}
@@ -259,11 +256,14 @@ def parse_costs(value: str) -> tuple[str, CostModel]:
 
 
 def _configs_from(args: argparse.Namespace) -> list[tuple[str, GateConfig]]:
-    """(cost label, config) per --costs value (or the env costs alone): the DEEPSEEK_DSPARK_GATE_*
+    """(cost label, config) per --costs value (or the env costs alone): the DSPARK_GATE_*
     values, then the cost shape, then the flags; a bad value raises ValueError naming the
     variable, the flag or the --costs value."""
     config = gate_config(os.environ)
-    overrides = {k: parse_setting(k, getattr(args, k), _flag(k)) for k in _OVERRIDES if getattr(args, k) is not None}
+    given = {k: (getattr(args, k), _flag(k)) for k in _OVERRIDES if getattr(args, k) is not None}
+    if args.margin_spelling is not None:
+        given.setdefault("win_factor", (args.margin_spelling, "--margin"))
+    overrides = {k: parse_setting(k, raw, flag) for k, (raw, flag) in given.items()}
     shapes = [parse_costs(v) for v in dict.fromkeys(args.costs)] if args.costs else [("configured", None)]
     out = []
     for label, cost in shapes:

@@ -79,7 +79,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most")
     gen.add_argument("--spec", choices=tuple(_SPEC), default="default",
                      help="speculation: off, always (fixed k), gated, or default (gated when the gateway's "
-                          "DEEPSEEK_DSPARK_GATE=1, else always)")
+                          "DSPARK_GATE=1, else always)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     gen.add_argument("--label", default="", help="workload label for the gateway's recorded rounds")

@@ -45,10 +45,10 @@ from services.app import (drafter_engine, load_drafter, load_trunk, start_drafte
 from verifier_fixtures import loop_of
 from services.common.server import RunningServer, channel_options
 from services.common.settings import BackendSettings, GatewaySettings
-from services.gateway.backends import LocalDrafterSession, LocalVerifierSession
+from services.gateway.backends import Backends, LocalDrafterSession, LocalVerifierSession
 from services.gateway.gate import GateConfig
 from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler
-from services.gateway.servicer import Backends, spec_stats
+from services.gateway.servicer import spec_stats
 from services.gateway.tokenizer import ByteTokenizer
 
 RPC_TIMEOUT_S = 60.0     # deadline of one Generate / Session / Info call

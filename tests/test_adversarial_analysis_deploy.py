@@ -157,7 +157,7 @@ def test_extreme_confidence_logits_give_a_report_json_and_plots(tmp_path):
 def test_single_round_and_empty_input_fit_what_they_can(tmp_path):
     single = _write(tmp_path / "one.jsonl", [_span("spec_decode.round", R, G, ROUND)])
     out = _cli("calibrate", single)
-    assert out.returncode == 1 and out.stdout == "DEEPSEEK_DSPARK_GATE_DRAFT_MS=5.000\n"
+    assert out.returncode == 1 and out.stdout == "DSPARK_GATE_DRAFT_MS=5.000\n"
     assert "not fitted: needs timed verify rounds over at least two distinct k (have 1 timed verify rounds, 1 distinct k)" in out.stderr
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -277,14 +277,14 @@ def test_triton_backend_without_a_device_or_interpreter_fails_at_construction_na
     from kernels.select import KernelConfig
     from services.app import random_tiny_config
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    message = ("DSV4_KERNELS=triton: no CUDA device here and TRITON_INTERPRET is not 1 (the CPU interpreter), "
-               "so the triton kernels cannot run; use DSV4_KERNELS=torch")
+    message = ("{}=triton: no CUDA device here and TRITON_INTERPRET is not 1 (the CPU interpreter), "
+               "so the triton kernels cannot run; use {}=torch")
     with pytest.raises(ValueError) as err:
-        KernelConfig("triton").op("sparse_attn")
-    assert str(err.value) == message
+        KernelConfig("triton").op("sparse_attn")  # kernels/ alone knows no setting: names the argument
+    assert str(err.value) == message.format("backend", "backend")
     with pytest.raises(ValueError) as err:
-        Trunk(random_tiny_config(), kernels=KernelConfig.from_settings(model_settings({"DSV4_KERNELS": "triton"})))
-    assert str(err.value) == message
+        Trunk(random_tiny_config(), kernels=model_settings({"DSPARK_KERNELS": "triton"}).kernel_config())
+    assert str(err.value) == message.format("DSPARK_KERNELS", "DSPARK_KERNELS")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert KernelConfig("triton").op("sparse_attn").__name__ == "sparse_attn"
 
@@ -295,4 +295,4 @@ def test_topk_dump_folder_that_refuses_files_names_the_variable():
     # before: FileNotFoundError from open() after the model had loaded, naming no variable
     with pytest.raises(ValueError) as err:
         maybe_wrap("model", TopKDiagSettings(4, Path("/proc")))
-    assert str(err.value).startswith("DSV4_TOPK_DIAG_DIR='/proc': cannot create the dump topk-rank0-pid")
+    assert str(err.value).startswith("DSPARK_TOPK_DIAG_DIR='/proc': cannot create the dump topk-rank0-pid")

@@ -30,7 +30,7 @@ PROMPTS = ("the regime policy", "a short neighbour", "speculative decoding", "xy
 def _forced(bucket_choice: dict[int, str], **config) -> RegimePolicy:
     """A policy whose evidence in each listed bucket says `bucket_choice[bucket]` by a mile
     (decay 1: new windows cannot move it); probes every 2nd window keep regimes switching."""
-    cfg = dict(window_ms=5.0, decay=1.0, margin=0.05, explore=1, probe_min=2, probe_max=2)
+    cfg = dict(window_ms=5.0, decay=1.0, hysteresis=0.05, explore=1, probe_min=2, probe_max=2)
     cfg.update(config)
     policy = RegimePolicy(RegimeConfig(**cfg))
     for bucket, choice in bucket_choice.items():

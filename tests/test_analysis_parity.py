@@ -1,4 +1,4 @@
-"""`DSV4_TOPK_DIAG` dumps and `dspark parity` (docs/analysis.md §6-§7): the verdict rule on synthetic logits,
+"""`DSPARK_TOPK_DIAG` dumps and `dspark parity` (docs/analysis.md §6-§7): the verdict rule on synthetic logits,
 sequential vs batched verify of the tiny model from real dumps, and one dump per TP rank."""
 
 from __future__ import annotations
@@ -105,18 +105,18 @@ def test_parity_cli_exit_codes(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------- real dumps
-@pytest.mark.parametrize("value, message", [("abc", "DSV4_TOPK_DIAG='abc'"), ("5000", "DSV4_TOPK_DIAG='5000'"),
-                                            ("-3", "DSV4_TOPK_DIAG='-3'")])
+@pytest.mark.parametrize("value, message", [("abc", "DSPARK_TOPK_DIAG='abc'"), ("5000", "DSPARK_TOPK_DIAG='5000'"),
+                                            ("-3", "DSPARK_TOPK_DIAG='-3'")])
 def test_bad_topk_setting_names_the_variable(value, message):
     with pytest.raises(ValueError, match=message):
-        topk_diag_settings({"DSV4_TOPK_DIAG": value})
+        topk_diag_settings({"DSPARK_TOPK_DIAG": value})
 
 
 def test_topk_setting_off_and_missing_directory(tmp_path):
-    assert topk_diag_settings({}) is None and topk_diag_settings({"DSV4_TOPK_DIAG": "0"}) is None
+    assert topk_diag_settings({}) is None and topk_diag_settings({"DSPARK_TOPK_DIAG": "0"}) is None
     assert maybe_wrap("model", None) == "model"
-    with pytest.raises(ValueError, match="DSV4_TOPK_DIAG_DIR="):
-        topk_diag_settings({"DSV4_TOPK_DIAG": "4", "DSV4_TOPK_DIAG_DIR": str(tmp_path / "nope")})
+    with pytest.raises(ValueError, match="DSPARK_TOPK_DIAG_DIR="):
+        topk_diag_settings({"DSPARK_TOPK_DIAG": "4", "DSPARK_TOPK_DIAG_DIR": str(tmp_path / "nope")})
 
 
 async def _generate(engine, spec: str, verify_mode: str, prompt: str, max_tokens: int) -> list[int]:
@@ -138,7 +138,7 @@ async def _generate(engine, spec: str, verify_mode: str, prompt: str, max_tokens
 
 
 def test_sequential_and_batched_verify_dumps_agree_under_parity(tmp_path):
-    topk = topk_diag_settings({"DSV4_TOPK_DIAG": "8", "DSV4_TOPK_DIAG_DIR": str(tmp_path)})
+    topk = topk_diag_settings({"DSPARK_TOPK_DIAG": "8", "DSPARK_TOPK_DIAG_DIR": str(tmp_path)})
     engines = {mode: verifier_engine(maybe_wrap(tiny_trunk(), topk), BackendSettings())
                for mode in ("sequential", "batched")}
     assert all(isinstance(e.model, TopKDiagTrunk) for e in engines.values())
@@ -173,7 +173,7 @@ def _steps(model) -> None:
 
 
 def test_every_tp_rank_writes_its_dump_and_tp2_agrees_with_tp1(tmp_path):
-    topk = topk_diag_settings({"DSV4_TOPK_DIAG": "4", "DSV4_TOPK_DIAG_DIR": str(tmp_path)})  # every rank gets it
+    topk = topk_diag_settings({"DSPARK_TOPK_DIAG": "4", "DSPARK_TOPK_DIAG_DIR": str(tmp_path)})  # every rank gets it
     cfg = random_tiny_config()
     weights = random_weights(cfg, "trunk", TINY_SEED)
     tp1 = maybe_wrap(start_tp_trunk(cfg, weights, 1), topk)

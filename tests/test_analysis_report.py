@@ -143,14 +143,14 @@ def test_gate_lines_are_ready_to_use_and_clamp_what_the_gate_refuses(synthetic):
     bad = fit.__class__(-12.0, -0.5, 2.0, 0.0, 10, 2, 3, 3, 1.0)
     lines, notes = gate_env_lines(bad)
     env = dict(line.split("=", 1) for line in lines)
-    assert env["DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS"] == "0.000"
-    assert env["DEEPSEEK_DSPARK_GATE_PLAIN_MS"] == "0.001"
+    assert env["DSPARK_GATE_VERIFY_BASE_MS"] == "0.000"
+    assert env["DSPARK_GATE_PLAIN_MS"] == "0.001"
     assert len(notes) == 3
     gate_config(env)
     huge = fit.__class__(3e7, float("inf"), 2.0, 1e308, 10, 2, 3, 3, 1.0)  # timings near the float limit
     lines, notes = gate_env_lines(huge)
     env = dict(line.split("=", 1) for line in lines)
-    assert env["DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS"] == env["DEEPSEEK_DSPARK_GATE_PLAIN_MS"] == "10000000.000"
+    assert env["DSPARK_GATE_VERIFY_BASE_MS"] == env["DSPARK_GATE_PLAIN_MS"] == "10000000.000"
     assert len(notes) == 3 and all("above the gate's" in n for n in notes)
     gate_config(env)
 
@@ -232,15 +232,15 @@ def test_fit_without_two_distinct_k_says_what_is_missing():
     assert (fit.verify_base_ms, fit.verify_slope_ms) == (None, None)
     assert fit.draft_ms == pytest.approx(193.0) and fit.plain_ms == pytest.approx(303.0)
     assert fit.missing() == ["timed verify rounds over at least two distinct k (have 2 timed verify rounds, 1 distinct k) "
-                             "for DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS and DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS"]
+                             "for DSPARK_GATE_VERIFY_BASE_MS and DSPARK_GATE_VERIFY_SLOPE_MS"]
     lines, _ = gate_env_lines(fit)
-    assert lines == ["DEEPSEEK_DSPARK_GATE_DRAFT_MS=193.000", "DEEPSEEK_DSPARK_GATE_PLAIN_MS=303.000"]
+    assert lines == ["DSPARK_GATE_DRAFT_MS=193.000", "DSPARK_GATE_PLAIN_MS=303.000"]
     empty = fit_costs([])
     assert empty.missing() == ["timed verify rounds over at least two distinct k (have 0 timed verify rounds, 0 distinct k) "
-                               "for DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS and DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS",
-                               "rounds with a timed draft for DEEPSEEK_DSPARK_GATE_DRAFT_MS",
+                               "for DSPARK_GATE_VERIFY_BASE_MS and DSPARK_GATE_VERIFY_SLOPE_MS",
+                               "rounds with a timed draft for DSPARK_GATE_DRAFT_MS",
                                "timed rounds with k = 0 (plain decode; an always-k recording has none) "
-                               "for DEEPSEEK_DSPARK_GATE_PLAIN_MS"]
+                               "for DSPARK_GATE_PLAIN_MS"]
     assert gate_env_lines(empty) == ([], [])
 
 

@@ -42,8 +42,8 @@ def run(capsys, *args):
 def test_calibrate_fits_the_recorded_timings(capsys, rounds_path):
     code, out, err = run(capsys, "calibrate", str(rounds_path))
     assert (code, err) == (0, "")
-    assert out.splitlines() == ["DEEPSEEK_DSPARK_GATE_DRAFT_MS=20.000", "DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS=50.000",
-                                "DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS=4.000", "DEEPSEEK_DSPARK_GATE_PLAIN_MS=40.000"]
+    assert out.splitlines() == ["DSPARK_GATE_DRAFT_MS=20.000", "DSPARK_GATE_VERIFY_BASE_MS=50.000",
+                                "DSPARK_GATE_VERIFY_SLOPE_MS=4.000", "DSPARK_GATE_PLAIN_MS=40.000"]
 
 
 def test_trace_report_json_of_a_rounds_file(capsys, rounds_path):

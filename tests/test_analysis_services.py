@@ -135,10 +135,10 @@ def test_fitted_costs_from_a_real_run_are_usable_gate_settings(report):
     fit = report.fit
     assert fit.missing() == [] and fit.distinct_k >= 2
     lines, _ = gate_env_lines(fit)
-    assert [line.split("=")[0] for line in lines] == ["DEEPSEEK_DSPARK_GATE_DRAFT_MS",
-                                                      "DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS",
-                                                      "DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS",
-                                                      "DEEPSEEK_DSPARK_GATE_PLAIN_MS"]
+    assert [line.split("=")[0] for line in lines] == ["DSPARK_GATE_DRAFT_MS",
+                                                      "DSPARK_GATE_VERIFY_BASE_MS",
+                                                      "DSPARK_GATE_VERIFY_SLOPE_MS",
+                                                      "DSPARK_GATE_PLAIN_MS"]
     gate_config(dict(line.split("=", 1) for line in lines))
 
 
@@ -243,7 +243,7 @@ def test_trace_report_and_calibrate_cli_on_the_real_spans(run, tmp_path):
     assert len(data["gate_env"]) == 4
 
     text = _dspark("trace-report", str(run.path))
-    assert text.returncode == 0 and "Round time split" in text.stdout and "DEEPSEEK_DSPARK_GATE_PLAIN_MS=" in text.stdout
+    assert text.returncode == 0 and "Round time split" in text.stdout and "DSPARK_GATE_PLAIN_MS=" in text.stdout
 
     cal = _dspark("calibrate", str(run.path))
     assert cal.returncode == 0, cal.stderr

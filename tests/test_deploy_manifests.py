@@ -40,10 +40,10 @@ TOOL_TIMEOUT_S = 120
 # Secrets the gpu-production overlay mounts but does not create (docs/deployment.md lists them)
 EXTERNAL_SECRETS = {"dspark-verifier-tls", "dspark-drafter-tls", "dspark-gateway-tls",
                     "dspark-gateway-public-tls", "dspark-gateway-token"}
-GATE_KEYS = {"DEEPSEEK_DSPARK_GATE"} | {f"DEEPSEEK_DSPARK_GATE_{k}" for k in (
+GATE_KEYS = {"DSPARK_GATE"} | {f"DSPARK_GATE_{k}" for k in (
     "MARGIN_THRESHOLD", "MARGIN", "MIN_DRAFT", "DECAY")}
 # The manifests leave the gate's costs to measurement (docs/gate.md §12): a pinned cost would win.
-COST_PINS = {f"DEEPSEEK_DSPARK_GATE_{k}" for k in ("DRAFT_MS", "VERIFY_BASE_MS", "VERIFY_SLOPE_MS", "PLAIN_MS")}
+COST_PINS = {f"DSPARK_GATE_{k}" for k in ("DRAFT_MS", "VERIFY_BASE_MS", "VERIFY_SLOPE_MS", "PLAIN_MS")}
 DSPARK_DEPLOYMENTS = ("dspark-verifier", "dspark-drafter", "dspark-gateway")
 
 
@@ -234,7 +234,7 @@ def test_settings_configmap_parses_with_the_services_own_readers(overlay):
     assert not COST_PINS & data.keys() and data["DSPARK_GATE_COSTS"] == "measured"
     assert {"OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_SAMPLER"} <= data.keys()
     gate = gate_config(data)
-    assert gate.enabled and gate.margin == 1.15
+    assert gate.enabled and gate.win_factor == 1.15
     gateway = gateway_settings(data)
     assert gateway.drafter_failovers == 2 and not gateway.token  # the token comes from a Secret
     backend_settings(data)
@@ -280,7 +280,7 @@ def test_production_verifier_takes_a_whole_4_gpu_node_with_the_checkpoint_read_o
     claim = by_kind(objs, "PersistentVolumeClaim")[volumes[mount["name"]]["persistentVolumeClaim"]["claimName"]]
     assert claim["spec"]["accessModes"] == ["ReadOnlyMany"]
     assert settings_of(objs)["DSPARK_CHECKPOINT"] == "/checkpoint"
-    assert int(env_of(c)["DSV4_TP_INIT_TIMEOUT_S"]["value"]) > 0
+    assert int(env_of(c)["DSPARK_TP_INIT_TIMEOUT_S"]["value"]) > 0
     assert d["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
     data = settings_of(objs)  # mTLS files for every service, the gateway's token from a Secret
     assert {data[k] for k in ("DSPARK_TLS_CERT", "DSPARK_TLS_KEY", "DSPARK_TLS_CA")} == {

@@ -23,11 +23,11 @@ from dspark_proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, gateway_p
 from services.app import drafter_engine, start_drafter, start_gateway, start_verifier, verifier_engine
 from services.common.server import RunningServer, channel_options, start_server
 from services.common.settings import BackendSettings, GatewaySettings
-from services.gateway.backends import DraftReply, InvalidDraftReply, failure_reason, may_fail_over
+from services.gateway.backends import (MAX_RECONNECT_BACKOFF_MS, DraftReply, InvalidDraftReply, failure_reason,
+                                       may_fail_over)
 from services.gateway.drafters import DraftCheck, DrafterSupply
 from services.gateway.gate import GateConfig
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.servicer import MAX_RECONNECT_BACKOFF_MS
 from services.verifier.servicer import verifier_identity
 from services_fixtures import collect, gen_request, service_loop, tiny_trunk
 

@@ -359,7 +359,7 @@ def test_fp4_decode_names_a_width_that_is_not_a_multiple_of_32():
 
 
 def test_fp4_helpers_follow_the_input_device():
-    """`_fp4_codes` / `_fp4_values` used to build CPU tensors whatever the input's device."""
+    """`_fp4_codes` / `fp4_values` used to build CPU tensors whatever the input's device."""
     x = torch.empty(2, 64, device="meta")
     assert act_quant_fp4(x).device.type == "meta"
     assert act_quant_fp8(x, 32).device.type == "meta"

@@ -375,7 +375,7 @@ def block_state(model, n=13):
 @pytest.mark.parametrize("start_pos, ids, why", [
     (0, [1, 2], "start_pos=0 needs a prefilled state"),
     (12, [1, 2], "start_pos=12 .* next_position=13"),
-    (13.0, [1, 2], "start_pos=13.0: must be an integer"),
+    (13.0, [1, 2], r"start_pos=13.0 \(float\): must be an integer"),
     (13, list(range(52)), "52 tokens at 13 runs past max_seq_len=64"),
 ])
 def test_forward_block_rejects_bad_arguments_before_any_change(model, start_pos, ids, why):
@@ -398,7 +398,7 @@ def state_tensors(st):
 
 
 @pytest.mark.parametrize("keep, why", [(0, r"keep=0: must lie in \[1, 4\]"), (5, r"keep=5: must lie"),
-                                       (2.5, "keep=2.5: must be an integer"), (True, "keep=True"),
+                                       (2.5, r"keep=2.5 \(float\): must be an integer"), (True, "keep=True"),
                                        ("2", "keep='2'")])
 def test_rollback_rejects_bad_keep_before_touching_any_layer(model, keep, why):
     """keep=2.5 used to restore layer 0's ring and then fail with a TypeError."""

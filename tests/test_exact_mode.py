@@ -165,7 +165,7 @@ def speculate(engine, prompt_ids, chain, n_tokens, gated):
     rounds = accepted = plain = 0
     while len(out) < n_tokens:
         k = 0
-        if not gated or gate.should_draft(margin):
+        if not gated or gate.pre_draft(margin) is None:
             drafts, conf = oracle_draft(chain, len(out), pos + 1, cfg.vocab_size, cfg.dspark_block_size)
             k = gate.choose_length(conf, len(drafts)) if gated else len(drafts)
         if k == 0:

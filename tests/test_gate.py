@@ -79,20 +79,20 @@ def test_argmax_half_matches_cuts_to_zero():
     assert decide_length([0.3] * 5, 5, SEED_COST) == 0
 
 
-def test_truncation_within_margin_keeps_full_block():
+def test_truncation_within_the_win_factor_keeps_full_block():
     # p = [1, 1, 1, 1, 0]: E(4) = E(5) = 5; n=4 saves 109 ms = 0.36 tokens at 1/303 tokens per ms.
     # The margin asks for (margin - 1) * E(5): 0.75 tokens at 1.15 -> full block; 0.25 at 1.05.
     probs = [1.0, 1.0, 1.0, 1.0, 0.0]
-    assert decide_length(probs, 5, SEED_COST, margin=1.15) == 5
-    assert decide_length(probs, 5, SEED_COST, margin=1.05) == 4
+    assert decide_length(probs, 5, SEED_COST, win_factor=1.15) == 5
+    assert decide_length(probs, 5, SEED_COST, win_factor=1.05) == 4
 
 
-def test_margin_applies_to_zero():
+def test_win_factor_applies_to_zero():
     # One draft, p = 0.3: value(0) = 1 - 499/303 = -0.647, value(1) = 1.3 - 605/303 = -0.697.
     # n=0 is better by 0.050 tokens, short of the margin's 0.15 * E(1) = 0.195, so the draft is
     # verified; with margin 1.0, n=0 is taken.
     assert decide_length([0.3], 1, SEED_COST) == 1
-    assert decide_length([0.3], 1, SEED_COST, margin=1.0) == 0
+    assert decide_length([0.3], 1, SEED_COST, win_factor=1.0) == 0
 
 
 def test_min_draft_is_a_floor_on_submitted_drafts():
@@ -282,12 +282,12 @@ def test_gate_min_draft_never_returns_zero_after_draft():
     (True, 0.0, 0.1, True),   # threshold 0 disables the pre-draft gate
     (True, 4.0, 3.9, False),
     (True, 4.0, 4.0, True),   # below, not at, the threshold
-    (False, 4.0, 3.9, False),  # independent of DEEPSEEK_DSPARK_GATE
+    (False, 4.0, 3.9, False),  # independent of DSPARK_GATE
     (False, 4.0, None, True),  # margin unknown
 ])
 def test_pre_draft_margin_gate(gate_on, threshold, margin, drafts):
     gate = Gate(GateConfig(enabled=gate_on, margin_threshold=threshold))
-    assert gate.should_draft(margin) is drafts
+    assert gate.pre_draft(margin) is (None if drafts else Reason.ANCHOR_MARGIN)
     stats = run_rounds(Gate(gate.config), [(margin, [8.0] * 5, 5, 5)])
     assert stats.gate.rounds == 1
     assert stats.gate.margin_skipped_rounds == (0 if drafts else 1)
@@ -295,7 +295,7 @@ def test_pre_draft_margin_gate(gate_on, threshold, margin, drafts):
 
 def test_pre_draft_margin_gate_rejects_nan():
     with pytest.raises(ValueError, match="NaN"):
-        Gate(GateConfig(margin_threshold=4.0)).should_draft(float("nan"))
+        Gate(GateConfig(margin_threshold=4.0)).pre_draft(float("nan"))
 
 
 def run_rounds(gate, rounds, stats=None):
@@ -303,8 +303,9 @@ def run_rounds(gate, rounds, stats=None):
     scheduler, folding each round's record into `stats` (a new RoundStats when None); returns it."""
     stats = RoundStats() if stats is None else stats
     for margin, logits, max_n, accepted in rounds:
-        if not gate.should_draft(margin):
-            stats.add(RoundRecord(Reason.ANCHOR_MARGIN, 0, 0, 0, gate.cost, anchor_margin=margin))
+        skip = gate.pre_draft(margin)
+        if skip is not None:
+            stats.add(RoundRecord(skip, 0, 0, 0, gate.cost, anchor_margin=margin))
             continue
         choice = gate.choose(logits, max_n)
         gate.observe(logits, choice.k, min(accepted, choice.k))
@@ -463,7 +464,7 @@ def test_choose_length_accepts_numpy_cap_and_huge_integer_logits():
 
 
 @pytest.mark.parametrize("margin", [NAN, "4", [4.0]])
-def test_should_draft_rejects_bad_margin_without_counting(margin):
+def test_pre_draft_rejects_bad_margin_without_counting(margin):
     gate, stats = Gate(GateConfig(margin_threshold=4.0)), RoundStats()
     with pytest.raises(ValueError, match="anchor margin"):
         run_rounds(gate, [(margin, [8.0] * 5, 5, 5)], stats)
@@ -471,9 +472,9 @@ def test_should_draft_rejects_bad_margin_without_counting(margin):
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"margin": NAN}, "margin=nan"),
-    ({"margin": float("inf")}, "margin=inf"),
-    ({"margin": 0.99}, "margin=0.99"),
+    ({"win_factor": NAN}, "win_factor=nan"),
+    ({"win_factor": float("inf")}, "win_factor=inf"),
+    ({"win_factor": 0.99}, "win_factor=0.99"),
     ({"min_draft": 1.5}, "min_draft=1.5"),
     ({"min_draft": NAN}, "min_draft=nan"),
     ({"min_draft": True}, "min_draft=True"),

@@ -16,7 +16,7 @@ DSPARK = Path(sys.executable).parent / "dspark"
 
 
 def run_cli(*args, env=None, command=(sys.executable, "-m", "services.cli")):
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("DEEPSEEK_DSPARK_GATE")}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_GATE")}
     return subprocess.run(
         [*command, *args], cwd=ROOT, env={**clean, **(env or {})}, capture_output=True, text=True, timeout=120
     )
@@ -25,7 +25,7 @@ def run_cli(*args, env=None, command=(sys.executable, "-m", "services.cli")):
 @pytest.fixture
 def dspark(capsys, monkeypatch):
     """Run `dspark` in-process (faster than a subprocess): returns (exit code, stdout, stderr)."""
-    for var in [v for v in os.environ if v.startswith("DEEPSEEK_DSPARK_GATE")]:
+    for var in [v for v in os.environ if v.startswith("DSPARK_GATE")]:
         monkeypatch.delenv(var)
 
     def call(*args, env=None):
@@ -74,7 +74,7 @@ def test_replay_json_of_file_equals_synthetic():
 def test_cost_overrides_and_env_reach_the_replay():
     # plain 1000 ms -> plain 1.00 tok/s; the override flag beats the env var.
     result = run_cli("replay", "--synthetic", "--json", "--plain-ms", "1000", "--policy", "gated",
-                     env={"DEEPSEEK_DSPARK_GATE_PLAIN_MS": "500", "DEEPSEEK_DSPARK_GATE_DECAY": "0.8"})
+                     env={"DSPARK_GATE_PLAIN_MS": "500", "DSPARK_GATE_DECAY": "0.8"})
     assert result.returncode == 0, result.stderr
     doc = json.loads(result.stdout)
     assert doc["config"]["plain_ms"] == 1000.0 and doc["config"]["decay"] == 0.8
@@ -83,9 +83,9 @@ def test_cost_overrides_and_env_reach_the_replay():
 
 
 def test_invalid_env_exits_2_naming_the_variable():
-    result = run_cli("replay", "--synthetic", env={"DEEPSEEK_DSPARK_GATE_DECAY": "2"})
+    result = run_cli("replay", "--synthetic", env={"DSPARK_GATE_DECAY": "2"})
     assert result.returncode == 2
-    assert "DEEPSEEK_DSPARK_GATE_DECAY='2'" in result.stderr
+    assert "DSPARK_GATE_DECAY='2'" in result.stderr
 
 
 def test_invalid_file_exits_2_naming_round_and_field(tmp_path):
@@ -133,7 +133,7 @@ def test_json_output_is_strict_json_with_finite_numbers(dspark):
 
 
 def test_json_config_shows_the_env_switch_apart_from_the_gated_policy(dspark):
-    result = dspark("replay", "--synthetic", "--json", "--policy", "gated", env={"DEEPSEEK_DSPARK_GATE": "0"})
+    result = dspark("replay", "--synthetic", "--json", "--policy", "gated", env={"DSPARK_GATE": "0"})
     doc = json.loads(result.stdout)
     assert "enabled" not in doc["config"]
     assert doc["config"]["gate_env_enabled"] is False
@@ -189,15 +189,16 @@ def test_huge_integer_in_a_round_exits_2_naming_file_and_field(dspark, tmp_path)
     ("--min-draft", "٣", "--min-draft='٣' is not an integer"),
     ("--plain-ms", "5e-324", "--plain-ms='5e-324' must be in [0.001, 1e+07]"),
     ("--draft-ms", "1e306", "--draft-ms='1e306' must be in [0, 1e+07]"),
-    ("--margin", "nan", "--margin='nan' is not a number"),
+    ("--win-factor", "0.5", "--win-factor='0.5' must be >= 1"),
+    ("--margin", "nan", "--margin='nan' is not a number"),  # the former spelling of --win-factor
 ])
 def test_bad_flag_value_exits_2_naming_the_flag(dspark, flag, value, fragment):
     assert_one_line_error(dspark("replay", "--synthetic", flag, value), fragment)
 
 
 def test_huge_env_integer_exits_2_naming_the_variable(dspark):
-    result = dspark("replay", "--synthetic", env={"DEEPSEEK_DSPARK_GATE_MIN_DRAFT": "1" * 400})
-    assert_one_line_error(result, "DEEPSEEK_DSPARK_GATE_MIN_DRAFT='1111")
+    result = dspark("replay", "--synthetic", env={"DSPARK_GATE_MIN_DRAFT": "1" * 400})
+    assert_one_line_error(result, "DSPARK_GATE_MIN_DRAFT='1111")
 
 
 def test_markup_and_control_characters_in_labels_and_file_name_are_shown_literally(dspark, tmp_path):
@@ -238,7 +239,7 @@ def test_skipped_default_policies_get_a_one_line_note(dspark, tmp_path):
 
 
 def test_closed_stdout_exits_quietly():
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("DEEPSEEK_DSPARK_GATE")}
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("DSPARK_GATE")}
     command = [sys.executable, "-m", "services.cli", "replay", "--synthetic", "--json", "--policy", "gated"]
     proc = subprocess.Popen(command, cwd=ROOT, env=clean, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     proc.stdout.close()  # the reader is gone before the first write, like `dspark replay --json | true`
@@ -269,7 +270,7 @@ def test_usage_errors_are_one_line_exit_2(capsys, args, fragment):
 @pytest.mark.parametrize(("shape", "costs"), [("seed", (196.0, 300.0, 109.0, 303.0)), ("cheap", (24.0, 71.0, 16.0, 73.0))])
 def test_costs_names_a_shape(dspark, shape, costs):
     doc = json.loads(dspark("replay", "--synthetic", "--json", "--costs", shape,
-                            env={"DEEPSEEK_DSPARK_GATE_DRAFT_MS": "1"}).stdout)
+                            env={"DSPARK_GATE_DRAFT_MS": "1"}).stdout)
     assert doc["costs"] == shape
     assert tuple(doc["config"][k] for k in ("draft_ms", "verify_base_ms", "verify_slope_ms", "plain_ms")) == costs
     assert doc["overall"]["policies"]["plain"]["tok_s"] == pytest.approx(1000 / costs[3])

@@ -1,4 +1,4 @@
-"""GateConfig: the DEEPSEEK_DSPARK_GATE* env vars (docs/gate.md §8), defaults, overrides and errors
+"""GateConfig: the DSPARK_GATE* env vars (docs/gate.md §8), defaults, overrides and errors
 naming variable and value."""
 
 import dataclasses
@@ -15,7 +15,7 @@ FOUR_HUNDRED_ONES = "1" * 400
 SEED_DEFAULTS = {
     "enabled": False,
     "margin_threshold": 0.0,
-    "margin": 1.15,
+    "win_factor": 1.15,
     "min_draft": 0,
     "decay": 0.9,
     "draft_ms": 196.0,
@@ -27,15 +27,15 @@ SEED_DEFAULTS = {
 
 def test_env_names_are_the_seeds():
     assert sorted(ENV_VARS.values()) == sorted([
-        "DEEPSEEK_DSPARK_GATE",
-        "DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD",
-        "DEEPSEEK_DSPARK_GATE_MARGIN",
-        "DEEPSEEK_DSPARK_GATE_MIN_DRAFT",
-        "DEEPSEEK_DSPARK_GATE_DECAY",
-        "DEEPSEEK_DSPARK_GATE_DRAFT_MS",
-        "DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS",
-        "DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS",
-        "DEEPSEEK_DSPARK_GATE_PLAIN_MS",
+        "DSPARK_GATE",
+        "DSPARK_GATE_MARGIN_THRESHOLD",
+        "DSPARK_GATE_MARGIN",
+        "DSPARK_GATE_MIN_DRAFT",
+        "DSPARK_GATE_DECAY",
+        "DSPARK_GATE_DRAFT_MS",
+        "DSPARK_GATE_VERIFY_BASE_MS",
+        "DSPARK_GATE_VERIFY_SLOPE_MS",
+        "DSPARK_GATE_PLAIN_MS",
     ])
 
 
@@ -46,20 +46,20 @@ def test_defaults_from_empty_environment_are_the_seeds():
 
 
 def test_unrelated_variables_are_ignored():
-    assert gate_config({"DEEPSEEK_DSPARK_GATE_FOO": "x", "PATH": "/bin"}) == GateConfig()
+    assert gate_config({"DSPARK_GATE_FOO": "x", "PATH": "/bin"}) == GateConfig()
 
 
 def test_overrides_parse_every_variable():
     env = {
-        "DEEPSEEK_DSPARK_GATE": "1",
-        "DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD": "4.0",
-        "DEEPSEEK_DSPARK_GATE_MARGIN": "1.3",
-        "DEEPSEEK_DSPARK_GATE_MIN_DRAFT": "2",
-        "DEEPSEEK_DSPARK_GATE_DECAY": "1",
-        "DEEPSEEK_DSPARK_GATE_DRAFT_MS": "20.5",
-        "DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS": "30",
-        "DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS": " 2 ",
-        "DEEPSEEK_DSPARK_GATE_PLAIN_MS": "25",
+        "DSPARK_GATE": "1",
+        "DSPARK_GATE_MARGIN_THRESHOLD": "4.0",
+        "DSPARK_GATE_MARGIN": "1.3",
+        "DSPARK_GATE_MIN_DRAFT": "2",
+        "DSPARK_GATE_DECAY": "1",
+        "DSPARK_GATE_DRAFT_MS": "20.5",
+        "DSPARK_GATE_VERIFY_BASE_MS": "30",
+        "DSPARK_GATE_VERIFY_SLOPE_MS": " 2 ",
+        "DSPARK_GATE_PLAIN_MS": "25",
     }
     config = gate_config(env)
     assert config == GateConfig(True, 4.0, 1.3, 2, 1.0, 20.5, 30.0, 2.0, 25.0)
@@ -72,42 +72,42 @@ def test_overrides_parse_every_variable():
     ("raw", "expected"), [("0", False), ("1", True), ("true", True), ("FALSE", False), ("True", True)]
 )
 def test_gate_switch_words(raw, expected):
-    assert gate_config({"DEEPSEEK_DSPARK_GATE": raw}).enabled is expected
+    assert gate_config({"DSPARK_GATE": raw}).enabled is expected
 
 
 @pytest.mark.parametrize(("var", "raw"), [
-    ("DEEPSEEK_DSPARK_GATE", "yes"),
-    ("DEEPSEEK_DSPARK_GATE", "2"),
-    ("DEEPSEEK_DSPARK_GATE", ""),
-    ("DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD", "-1"),
-    ("DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD", "four"),
-    ("DEEPSEEK_DSPARK_GATE_MARGIN", "0.99"),
-    ("DEEPSEEK_DSPARK_GATE_MARGIN", "abc"),
-    ("DEEPSEEK_DSPARK_GATE_MIN_DRAFT", "-1"),
-    ("DEEPSEEK_DSPARK_GATE_MIN_DRAFT", "1.5"),
-    ("DEEPSEEK_DSPARK_GATE_DECAY", "0"),
-    ("DEEPSEEK_DSPARK_GATE_DECAY", "1.01"),
-    ("DEEPSEEK_DSPARK_GATE_DECAY", "nan"),
-    ("DEEPSEEK_DSPARK_GATE_DRAFT_MS", "-5"),
-    ("DEEPSEEK_DSPARK_GATE_DRAFT_MS", ""),
-    ("DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS", "-0.5"),
-    ("DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS", "x109"),
-    ("DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS", "inf"),
-    ("DEEPSEEK_DSPARK_GATE_PLAIN_MS", "-303"),
-    ("DEEPSEEK_DSPARK_GATE_PLAIN_MS", "0"),
+    ("DSPARK_GATE", "yes"),
+    ("DSPARK_GATE", "2"),
+    ("DSPARK_GATE", ""),
+    ("DSPARK_GATE_MARGIN_THRESHOLD", "-1"),
+    ("DSPARK_GATE_MARGIN_THRESHOLD", "four"),
+    ("DSPARK_GATE_MARGIN", "0.99"),
+    ("DSPARK_GATE_MARGIN", "abc"),
+    ("DSPARK_GATE_MIN_DRAFT", "-1"),
+    ("DSPARK_GATE_MIN_DRAFT", "1.5"),
+    ("DSPARK_GATE_DECAY", "0"),
+    ("DSPARK_GATE_DECAY", "1.01"),
+    ("DSPARK_GATE_DECAY", "nan"),
+    ("DSPARK_GATE_DRAFT_MS", "-5"),
+    ("DSPARK_GATE_DRAFT_MS", ""),
+    ("DSPARK_GATE_VERIFY_BASE_MS", "-0.5"),
+    ("DSPARK_GATE_VERIFY_SLOPE_MS", "x109"),
+    ("DSPARK_GATE_VERIFY_SLOPE_MS", "inf"),
+    ("DSPARK_GATE_PLAIN_MS", "-303"),
+    ("DSPARK_GATE_PLAIN_MS", "0"),
     # only ASCII decimal forms: int() and float() would take these
-    ("DEEPSEEK_DSPARK_GATE_MIN_DRAFT", "٣"),
-    ("DEEPSEEK_DSPARK_GATE_MIN_DRAFT", "3_0"),
-    ("DEEPSEEK_DSPARK_GATE_MIN_DRAFT", "+3"),
-    ("DEEPSEEK_DSPARK_GATE_DRAFT_MS", "١٢"),
-    ("DEEPSEEK_DSPARK_GATE_DRAFT_MS", "1_0"),
-    ("DEEPSEEK_DSPARK_GATE_DRAFT_MS", "+5"),
-    ("DEEPSEEK_DSPARK_GATE_DECAY", "infinity"),
+    ("DSPARK_GATE_MIN_DRAFT", "٣"),
+    ("DSPARK_GATE_MIN_DRAFT", "3_0"),
+    ("DSPARK_GATE_MIN_DRAFT", "+3"),
+    ("DSPARK_GATE_DRAFT_MS", "١٢"),
+    ("DSPARK_GATE_DRAFT_MS", "1_0"),
+    ("DSPARK_GATE_DRAFT_MS", "+5"),
+    ("DSPARK_GATE_DECAY", "infinity"),
     # costs outside [0, 1e7] ms (plain_ms >= 1e-3) would give inf or 0 tok/s
-    ("DEEPSEEK_DSPARK_GATE_PLAIN_MS", "5e-324"),
-    ("DEEPSEEK_DSPARK_GATE_PLAIN_MS", "0.0009"),
-    ("DEEPSEEK_DSPARK_GATE_DRAFT_MS", "1e306"),
-    ("DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS", "10000001"),
+    ("DSPARK_GATE_PLAIN_MS", "5e-324"),
+    ("DSPARK_GATE_PLAIN_MS", "0.0009"),
+    ("DSPARK_GATE_DRAFT_MS", "1e306"),
+    ("DSPARK_GATE_VERIFY_SLOPE_MS", "10000001"),
 ])
 def test_invalid_value_names_variable_and_value(var, raw):
     with pytest.raises(ValueError) as info:
@@ -118,10 +118,10 @@ def test_invalid_value_names_variable_and_value(var, raw):
 
 
 @pytest.mark.parametrize(("var", "digits"), [
-    ("DEEPSEEK_DSPARK_GATE_MIN_DRAFT", 400),
-    ("DEEPSEEK_DSPARK_GATE_MIN_DRAFT", 5000),  # past int()'s 4300-digit limit
-    ("DEEPSEEK_DSPARK_GATE_DRAFT_MS", 400),
-    ("DEEPSEEK_DSPARK_GATE_MARGIN", 5000),
+    ("DSPARK_GATE_MIN_DRAFT", 400),
+    ("DSPARK_GATE_MIN_DRAFT", 5000),  # past int()'s 4300-digit limit
+    ("DSPARK_GATE_DRAFT_MS", 400),
+    ("DSPARK_GATE_MARGIN", 5000),
 ])
 def test_huge_integer_text_is_a_value_error_naming_the_variable(var, digits):
     with pytest.raises(ValueError, match=f"^{var}='1111") as info:
@@ -131,25 +131,25 @@ def test_huge_integer_text_is_a_value_error_naming_the_variable(var, digits):
 
 @pytest.mark.parametrize(("raw", "expected"), [("-0", 0), (" 3 ", 3), ("007", 7)])
 def test_min_draft_accepts_ascii_integers_and_normalises_minus_zero(raw, expected):
-    config = gate_config({"DEEPSEEK_DSPARK_GATE_MIN_DRAFT": raw})
+    config = gate_config({"DSPARK_GATE_MIN_DRAFT": raw})
     assert config.min_draft == expected and type(config.min_draft) is int
 
 
 @pytest.mark.parametrize("raw", ["-0", "-0.0", "-0e5"])
 def test_minus_zero_cost_and_threshold_become_plus_zero(raw):
-    config = gate_config({"DEEPSEEK_DSPARK_GATE_DRAFT_MS": raw, "DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD": raw})
+    config = gate_config({"DSPARK_GATE_DRAFT_MS": raw, "DSPARK_GATE_MARGIN_THRESHOLD": raw})
     assert config.draft_ms == 0.0 and math.copysign(1.0, config.draft_ms) == 1.0
     assert math.copysign(1.0, config.margin_threshold) == 1.0
 
 
 @pytest.mark.parametrize(("raw", "expected"), [("1.5e2", 150.0), (".5", 0.5), ("2.", 2.0), ("1E-3", 0.001)])
 def test_cost_accepts_ascii_decimal_and_exponent_forms(raw, expected):
-    assert gate_config({"DEEPSEEK_DSPARK_GATE_PLAIN_MS": raw}).plain_ms == expected
+    assert gate_config({"DSPARK_GATE_PLAIN_MS": raw}).plain_ms == expected
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("margin", 0.5), ("decay", 0.0), ("min_draft", -2), ("min_draft", 1.0), ("draft_ms", -1.0), ("prior_weight", 0.0),
-    ("enabled", 1), ("min_draft", True), ("min_draft", 1.5), ("margin", float("nan")), ("decay", float("inf")),
+    ("win_factor", 0.5), ("decay", 0.0), ("min_draft", -2), ("min_draft", 1.0), ("draft_ms", -1.0), ("prior_weight", 0.0),
+    ("enabled", 1), ("min_draft", True), ("min_draft", 1.5), ("win_factor", float("nan")), ("decay", float("inf")),
     ("plain_ms", 5e-324), ("draft_ms", 1e306), ("prior_weight", float("nan")), ("margin_threshold", "4"),
 ])
 def test_direct_construction_validates_and_names_field(field, value):
@@ -158,16 +158,16 @@ def test_direct_construction_validates_and_names_field(field, value):
     assert str(info.value).startswith(f"{field}={value!r} must be ")
 
 
-@pytest.mark.parametrize("field", ["min_draft", "draft_ms", "margin", "decay", "prior_weight", "plain_ms"])
+@pytest.mark.parametrize("field", ["min_draft", "draft_ms", "win_factor", "decay", "prior_weight", "plain_ms"])
 def test_huge_integer_field_is_a_value_error_not_overflow(field):
     with pytest.raises(ValueError, match=f"^{field}=1111.* \\(400 digits\\) must be"):
         dataclasses.replace(GateConfig(), **{field: int(FOUR_HUNDRED_ONES)})
 
 
 def test_numpy_numbers_are_accepted_and_normalised():
-    config = GateConfig(min_draft=np.int64(2), draft_ms=np.float32(20.0), margin=np.float64(1.3))
-    assert (config.min_draft, config.draft_ms, config.margin) == (2, 20.0, 1.3)
-    assert (type(config.min_draft), type(config.draft_ms), type(config.margin)) == (int, float, float)
+    config = GateConfig(min_draft=np.int64(2), draft_ms=np.float32(20.0), win_factor=np.float64(1.3))
+    assert (config.min_draft, config.draft_ms, config.win_factor) == (2, 20.0, 1.3)
+    assert (type(config.min_draft), type(config.draft_ms), type(config.win_factor)) == (int, float, float)
     with pytest.raises(ValueError, match="min_draft=np.True_"):
         GateConfig(min_draft=np.bool_(True))
 
@@ -180,4 +180,4 @@ def test_a_round_must_cost_time():
 
 def test_config_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
-        GateConfig().margin = 2.0
+        GateConfig().win_factor = 2.0

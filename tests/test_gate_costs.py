@@ -24,7 +24,7 @@ from services.app import drafter_engine, verifier_engine
 from tests.services_fixtures import block_size, collect, gen_request, service_loop, start_stack, tiny_trunk
 from training.demo import interleaved_order, ratio_summary
 
-COST_VARS = {"DEEPSEEK_DSPARK_GATE_DRAFT_MS": "7.5", "DEEPSEEK_DSPARK_GATE_PLAIN_MS": "11"}
+COST_VARS = {"DSPARK_GATE_DRAFT_MS": "7.5", "DSPARK_GATE_PLAIN_MS": "11"}
 
 
 # ---------------------------------------------------------------------------- CostModel
@@ -105,19 +105,19 @@ def test_tracker_fills_unmeasured_ks_from_live_rounds_only_after_enough_samples(
 
 def test_pinned_fields_win_and_a_pinned_verify_field_drops_the_table():
     configured = CostModel(7.5, 40.0, 3.0, 11.0)
-    costs = CostTracker(configured, {"draft_ms": "DEEPSEEK_DSPARK_GATE_DRAFT_MS",
-                                     "verify_slope_ms": "DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS"})
+    costs = CostTracker(configured, {"draft_ms": "DSPARK_GATE_DRAFT_MS",
+                                     "verify_slope_ms": "DSPARK_GATE_VERIFY_SLOPE_MS"})
     costs.seed(_profile(verify=(12.0, 14.0, 16.0, 18.0)))
     model = costs.model("measured")
     assert model.draft_ms == 7.5 and model.verify_slope_ms == 3.0 and model.verify_table is None
     assert model.verify_base_ms == pytest.approx(15.0 - 3.0 * 2.5)  # mean(table - 3k)
     assert (model.plain_ms, model.commit_ms) == (15.0, 2.0)
     sources = costs.in_force("measured")[1]
-    assert sources["draft_ms"] == "configured by DEEPSEEK_DSPARK_GATE_DRAFT_MS"
-    assert sources["verify_slope_ms"] == "configured by DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS"
+    assert sources["draft_ms"] == "configured by DSPARK_GATE_DRAFT_MS"
+    assert sources["verify_slope_ms"] == "configured by DSPARK_GATE_VERIFY_SLOPE_MS"
     assert sources["verify_base_ms"] == sources["plain_ms"] == PROFILED
-    with pytest.raises(ValueError, match=r"pinned cost fields \['margin'\]"):
-        CostTracker(configured, {"margin": "DEEPSEEK_DSPARK_GATE_MARGIN"})
+    with pytest.raises(ValueError, match=r"pinned cost fields \['win_factor'\]"):
+        CostTracker(configured, {"win_factor": "DSPARK_GATE_MARGIN"})
 
 
 # ---------------------------------------------------------------------------- settings
@@ -198,8 +198,8 @@ def test_explicit_cost_variables_override_the_measured_costs():
             costs = _stats(gw)["costs"]
             assert costs["profile"] is not None
             assert costs["in_force"]["draft_ms"] == 7.5 and costs["in_force"]["plain_ms"] == 11.0
-            assert costs["sources"]["draft_ms"] == "configured by DEEPSEEK_DSPARK_GATE_DRAFT_MS"
-            assert costs["sources"]["plain_ms"] == "configured by DEEPSEEK_DSPARK_GATE_PLAIN_MS"
+            assert costs["sources"]["draft_ms"] == "configured by DSPARK_GATE_DRAFT_MS"
+            assert costs["sources"]["plain_ms"] == "configured by DSPARK_GATE_PLAIN_MS"
             assert costs["sources"]["verify_table"] == costs["sources"]["commit_ms"] == PROFILED
             stack.loop.run(collect(gw.stub, gen_request("pinned costs", max_tokens=12, spec="gated")))
             model = gw.scheduler.costs.model("measured")  # live rounds refine only the unpinned costs

@@ -136,11 +136,11 @@ def test_decide_length_rate_is_the_long_run_exchange_rate():
 
 
 def test_margin_threshold_auto_is_parsed_and_learns_per_margin_bin():
-    assert gate_config({"DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD": "auto"}).margin_auto is True
-    assert gate_config({"DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD": " AUTO "}).margin_threshold == 0.0
+    assert gate_config({"DSPARK_GATE_MARGIN_THRESHOLD": "auto"}).margin_auto is True
+    assert gate_config({"DSPARK_GATE_MARGIN_THRESHOLD": " AUTO "}).margin_threshold == 0.0
     assert gate_config({}).margin_auto is False
-    with pytest.raises(ValueError, match="DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD"):
-        gate_config({"DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD": "automatic"})
+    with pytest.raises(ValueError, match="DSPARK_GATE_MARGIN_THRESHOLD"):
+        gate_config({"DSPARK_GATE_MARGIN_THRESHOLD": "automatic"})
     assert (margin_bin(0.2), margin_bin(0.5), margin_bin(9.0)) == (0, 1, 5)
     gains = MarginGain(0.9)
     gains.add(0, -1.0)
@@ -151,14 +151,17 @@ def test_margin_threshold_auto_is_parsed_and_learns_per_margin_bin():
     # Through the gate (length gate off): low-margin rounds that never accept stop drafting,
     # high-margin rounds that always accept keep drafting; the low bin is probed now and then.
     gate = Gate(GateConfig(margin_auto=True, draft_ms=24, verify_base_ms=71, verify_slope_ms=16, plain_ms=73))
-    drafted_low = 0
+    drafted_low, skips = 0, set()
     for _ in range(40):
-        if gate.should_draft(0.1):
+        skip = gate.pre_draft(0.1)
+        if skip is None:
             drafted_low += 1
             gate.observe([8.0] * 5, gate.choose([8.0] * 5, 5).k, 0)
-        assert gate.should_draft(9.0)
+        skips.add(skip)
+        assert gate.pre_draft(9.0) is None
         gate.observe([8.0] * 5, gate.choose([8.0] * 5, 5).k, 5)
     assert 2 <= drafted_low <= 2 + math.ceil(38 / PROBE_FIRST)
+    assert skips == {None, Reason.LEARNED_MARGIN}  # the learned threshold's own reason
 
 
 def test_suspended_gate_drafts_only_on_probe_rounds():
@@ -166,8 +169,10 @@ def test_suspended_gate_drafts_only_on_probe_rounds():
     conf = [8.0] * 5
     drafted = []
     for i in range(200):
-        if not gate.should_draft(None):
-            stats.add(RoundRecord(Reason.ANCHOR_MARGIN, 0, 0, 0, gate.cost))
+        skip = gate.pre_draft(None)
+        if skip is not None:
+            assert skip is Reason.RECENT_LOSS  # no margin known, no threshold: the recent rounds lost
+            stats.add(RoundRecord(skip, 0, 0, 0, gate.cost))
             continue
         drafted.append(i)
         choice = gate.choose(conf, 5)

@@ -88,14 +88,15 @@ def test_fold_routes_orders_match_the_moe_combine():
 
 # ---------------------------------------------------------------- selection
 def test_kernel_config_reads_env_and_picks_refs_for_torch():
-    assert KernelConfig.from_settings(model_settings({})) == KernelConfig("torch", False, True)
-    env = {"DSV4_KERNELS": " Triton ", "DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4": "1", "DSV4_MOE_DETERMINISTIC_REDUCE": "0"}
-    assert KernelConfig.from_settings(model_settings(env)) == KernelConfig("triton", True, False)
+    assert model_settings({}).kernel_config() == KernelConfig("torch", False, True)
+    env = {"DSPARK_KERNELS": " Triton ", "DSPARK_MOE_MULTI_TOKEN_FP4": "1", "DSPARK_MOE_DETERMINISTIC_REDUCE": "0"}
+    assert model_settings(env).kernel_config() == KernelConfig("triton", True, False)
+    assert model_settings(env).kernel_config().chosen_by == "DSPARK_KERNELS"
     assert model_settings(env).kernels == "triton"
-    with pytest.raises(ValueError, match="DSV4_KERNELS='cuda'"):
-        model_settings({"DSV4_KERNELS": "cuda"})
-    with pytest.raises(ValueError, match="DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4"):
-        model_settings({"DEEPSEEK_GPU_MOE_MULTI_TOKEN_FP4": "yes"})
+    with pytest.raises(ValueError, match="DSPARK_KERNELS='cuda'"):
+        model_settings({"DSPARK_KERNELS": "cuda"})
+    with pytest.raises(ValueError, match="DSPARK_MOE_MULTI_TOKEN_FP4"):
+        model_settings({"DSPARK_MOE_MULTI_TOKEN_FP4": "yes"})
     with pytest.raises(ValueError, match="backend"):
         KernelConfig("cuda")
     with pytest.raises(ValueError, match="unknown kernel op"):

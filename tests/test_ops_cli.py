@@ -23,8 +23,8 @@ from services import client_cli, serve_cli
 from services.cli import main
 from services.common.server import start_server
 from services.common.settings import GatewaySettings
-from services.gateway.backends import BackendError
-from services.gateway.servicer import Backends, connect_backends
+from services.gateway.backends import BackendError, Backends
+from services.gateway.servicer import connect_backends
 from services_fixtures import gen_request, service_loop, start_stack
 
 REPO = Path(__file__).resolve().parents[1]

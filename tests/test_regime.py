@@ -2,7 +2,7 @@
 per ms without drafting (docs/gate.md §14).
 
 Unit level, on a hand-driven clock: the buckets, the window (settle, measure, close), the
-exploration of a new bucket, the choice with its margin, the probe schedule, the prior from a
+exploration of a new bucket, the choice with its hysteresis, the probe schedule, the prior from a
 lower bucket, a change of load, idleness, one generation alone, the Stats view and the errors.
 Service level (in process, port 0, real channels, sequential verify): a policy whose evidence
 says plain runs gated rounds plain without a drafter session, a generation left alone primes a
@@ -25,7 +25,7 @@ from services.gateway.regime import REGIMES, RegimeConfig, RegimePolicy, bucket_
 from services_fixtures import collect, gen_request, service_loop, start_stack
 
 # probe_budget 1.0: a gap never lengthens the probe interval (its own test sets one).
-CFG = RegimeConfig(window_ms=99.5, decay=1.0, margin=0.1, explore=1, probe_min=2, probe_max=8, probe_budget=1.0)
+CFG = RegimeConfig(window_ms=99.5, decay=1.0, hysteresis=0.1, explore=1, probe_min=2, probe_max=8, probe_budget=1.0)
 
 
 class Clock:
@@ -55,7 +55,7 @@ def test_buckets_cover_every_concurrency_and_name_their_range():
 def test_a_new_bucket_measures_gate_then_plain_and_chooses_the_faster():
     """Window 1 (gate, prior of an empty bucket): 4 rounds settle, then 3 tokens every 10 ms
     until 100 ms: 0.3 tok/ms. Window 2 (plain, the regime without evidence): 4 rounds settle,
-    then 1 token every 2 ms: 0.5 tok/ms. Plain beats gate by more than the 10 % margin."""
+    then 1 token every 2 ms: 0.5 tok/ms. Plain beats gate by more than the 10 % hysteresis."""
     policy = RegimePolicy(CFG)
     clock = Clock(policy)
     assert policy.may_draft(4) is True and policy.window.regime == "gate" and policy.window.settle == 4
@@ -72,23 +72,23 @@ def test_a_new_bucket_measures_gate_then_plain_and_chooses_the_faster():
     assert policy.window.t_start == pytest.approx(clock.t)
 
 
-def test_plain_needs_the_margin_to_win():
-    for plain_tokens, expected in ((109, "gate"), (111, "plain")):  # against 1.00 tok/ms, margin 10 %
+def test_plain_needs_the_hysteresis_to_win():
+    for plain_tokens, expected in ((109, "gate"), (111, "plain")):  # against 1.00 tok/ms, hysteresis 10 %
         policy = RegimePolicy(CFG)
         policy.buckets[3].rates["gate"].add(100, 100.0, 1.0)
         policy.buckets[3].rates["plain"].add(plain_tokens, 100.0, 1.0)
         assert policy.choice(3) == expected
 
 
-def test_a_choice_changes_only_when_the_other_regime_beats_it_by_the_margin():
-    policy = RegimePolicy(CFG)             # margin 10 %
+def test_a_choice_changes_only_when_the_other_regime_beats_it_by_the_hysteresis():
+    policy = RegimePolicy(CFG)             # hysteresis 10 %
     b = policy.buckets[2]
     b.rates["gate"].add(105, 100.0, 1.0)   # 1.05 tok/ms
     b.rates["plain"].add(100, 100.0, 1.0)  # 1.00
     for chosen in REGIMES:                 # 5 % apart: whichever is chosen stays
         b.chosen = chosen
         assert policy.choice(2) == chosen
-    b.rates["gate"].add(20, 0.0, 1.0)      # gate 1.25: past the margin
+    b.rates["gate"].add(20, 0.0, 1.0)      # gate 1.25: past the hysteresis
     b.chosen = "plain"
     assert policy.choice(2) == "gate"
 
@@ -125,7 +125,7 @@ def test_a_wide_gap_lengthens_the_probe_interval_to_keep_probes_within_their_bud
     ceil(0.4 / 0.1) = 4th window probes, not every probe_min = 2nd; the Stats view reports
     that interval. A near tie (plain 0.31) keeps the doubling schedule's 2."""
     for plain_dt, first_probe in ((0.002, 4), (0.0032, 2)):
-        policy = RegimePolicy(dataclasses.replace(CFG, probe_budget=0.1, margin=0.0))
+        policy = RegimePolicy(dataclasses.replace(CFG, probe_budget=0.1, hysteresis=0.0))
         clock = Clock(policy)
         policy.may_draft(2)
         rates = {"gate": (3, 0.01), "plain": (1, plain_dt)}  # 0.3 and 0.5 (or 0.31) tok/ms
@@ -150,7 +150,7 @@ def test_exploration_measures_each_regime_twice_in_mirrored_order_before_choosin
     """explore=2: gate, plain, plain, gate (prior first), and no choice of the bucket's own
     until the fourth window closes. Gate is faster but only its mean decides: its first
     window is slow (a burst), and with explore=1 that one window would have chosen plain."""
-    policy = RegimePolicy(RegimeConfig(window_ms=99.5, decay=1.0, margin=0.1, explore=2, probe_min=2, probe_max=8))
+    policy = RegimePolicy(RegimeConfig(window_ms=99.5, decay=1.0, hysteresis=0.1, explore=2, probe_min=2, probe_max=8))
     clock = Clock(policy)
     policy.may_draft(2)
     order = [_run_window(policy, clock, 2, {"gate": (1, 0.01), "plain": (1, 0.005)})]  # gate 0.1 tok/ms
@@ -338,7 +338,7 @@ def test_bad_values_are_named():
         args = {"in_flight": 2, "committed": 1, "now_s": 1.0, **kwargs}
         with pytest.raises(ValueError, match=match):
             policy.record(**args)
-    for field, value in (("window_ms", 0), ("decay", 0), ("decay", 1.5), ("decay", True), ("margin", -0.1), ("explore", 0),
+    for field, value in (("window_ms", 0), ("decay", 0), ("decay", 1.5), ("decay", True), ("hysteresis", -0.1), ("explore", 0),
                          ("probe_min", 0), ("probe_max", 1.5), ("probe_budget", 0), ("probe_budget", 1.5),
                          ("probe_budget", float("nan"))):
         with pytest.raises(ValueError, match=f"{field}="):
@@ -360,8 +360,8 @@ def test_a_bad_bucket_or_config_is_named():
 
 
 def test_config_floats_of_other_number_types_become_plain_floats():
-    cfg = RegimeConfig(window_ms=np.float32(250.0), decay=Fraction(1, 2), margin=np.float64(0.1), probe_budget=1)
-    values = (cfg.window_ms, cfg.decay, cfg.margin, cfg.probe_budget)
+    cfg = RegimeConfig(window_ms=np.float32(250.0), decay=Fraction(1, 2), hysteresis=np.float64(0.1), probe_budget=1)
+    values = (cfg.window_ms, cfg.decay, cfg.hysteresis, cfg.probe_budget)
     assert values == (250.0, 0.5, 0.1, 1.0) and all(type(v) is float for v in values)
     json.dumps(dataclasses.asdict(cfg))  # what Stats carries must serialise
 

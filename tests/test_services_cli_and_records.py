@@ -45,8 +45,8 @@ def test_recorded_rounds_match_the_generation_and_replay(oracle_stack, tmp_path)
                          text=True, timeout=120)
     assert fit.returncode == 0, fit.stderr
     assert {line.split("=")[0] for line in fit.stdout.split()} == {
-        "DEEPSEEK_DSPARK_GATE_DRAFT_MS", "DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS",
-        "DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS", "DEEPSEEK_DSPARK_GATE_PLAIN_MS"}
+        "DSPARK_GATE_DRAFT_MS", "DSPARK_GATE_VERIFY_BASE_MS",
+        "DSPARK_GATE_VERIFY_SLOPE_MS", "DSPARK_GATE_PLAIN_MS"}
 
 
 def test_generate_cli_streams_json_lines(oracle_stack):  # noqa: F811

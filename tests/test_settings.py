@@ -18,10 +18,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_each_service_reads_only_its_own_sections():
     # a gateway-only variable with a bad value does not stop a verifier, and the other way round
-    verifier = read_settings({"DSPARK_ROUND_TIMEOUT_S": "-1", "DSV4_KERNELS": "triton"}, "verifier")
+    verifier = read_settings({"DSPARK_ROUND_TIMEOUT_S": "-1", "DSPARK_KERNELS": "triton"}, "verifier")
     assert verifier.model.kernels == "triton" and verifier.tp.call_timeout_s == 120.0
     assert verifier.gateway is None and verifier.gate is None and verifier.metrics_port is None
-    gateway = read_settings({"DSPARK_MAX_SESSIONS": "abc", "DEEPSEEK_DSPARK_GATE": "1"}, "gateway")
+    gateway = read_settings({"DSPARK_MAX_SESSIONS": "abc", "DSPARK_GATE": "1"}, "gateway")
     assert gateway.gate.enabled is True and gateway.gateway.round_timeout_s == 30.0
     assert gateway.model is None and gateway.backend is None and gateway.tp is None
     drafter = read_settings({"DSPARK_MAX_SESSIONS": "3"}, "drafter")
@@ -101,8 +101,8 @@ def test_seconds_in_decimal_and_exponent_form_are_read():
 
 
 def test_tp_deadlines_have_the_same_upper_bound_as_the_other_timeouts():
-    assert read_settings({"DSV4_TP_CALL_TIMEOUT_S": ""}, "verifier").tp.call_timeout_s == 120.0
-    with pytest.raises(ValueError, match=r"DSV4_TP_CALL_TIMEOUT_S='1e300': must be a number >= 0.001 and <= 100000000$"):
-        read_settings({"DSV4_TP_CALL_TIMEOUT_S": "1e300"}, "verifier")
-    with pytest.raises(ValueError, match=r"DSV4_TP_INIT_TIMEOUT_S='1_0': not a number"):
-        read_settings({"DSV4_TP_INIT_TIMEOUT_S": "1_0"}, "verifier")
+    assert read_settings({"DSPARK_TP_CALL_TIMEOUT_S": ""}, "verifier").tp.call_timeout_s == 120.0
+    with pytest.raises(ValueError, match=r"DSPARK_TP_CALL_TIMEOUT_S='1e300': must be a number >= 0.001 and <= 100000000$"):
+        read_settings({"DSPARK_TP_CALL_TIMEOUT_S": "1e300"}, "verifier")
+    with pytest.raises(ValueError, match=r"DSPARK_TP_INIT_TIMEOUT_S='1_0': not a number"):
+        read_settings({"DSPARK_TP_INIT_TIMEOUT_S": "1_0"}, "verifier")

@@ -1,5 +1,5 @@
 """The gate's costs and the drafter's confidence reliability, from a report's rounds
-(`dspark trace-report` / `dspark calibrate`; the rounds: `services.analysis.report`).
+(`dspark trace-report` / `dspark calibrate`; the rounds: `services.analysis.breakdown`).
 
 Owns the least-squares cost fit and the censored reliability table; it reads the gate's bucket
 edges from `services.gateway.gate` and never changes the gate: it prints the variables to set.
@@ -13,21 +13,17 @@ verify rounds' (k = drafts submitted, `spec_decode.verify_ms`); draft ms = mean
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import numpy as np
 
-from services.gateway.gate import NUM_BUCKETS, bucket_index, bucket_label
+from services.analysis.breakdown import RoundBreakdown
+from services.gateway.estimator import expected_calibration_error
+from services.gateway.gate import ENV_VARS, NUM_BUCKETS, bucket_index, bucket_label
 from services.gateway.values import MAX_COST_MS
 
-if TYPE_CHECKING:
-    from services.analysis.report import RoundRecord
-
-GATE_ENV = {"draft_ms": "DEEPSEEK_DSPARK_GATE_DRAFT_MS", "verify_base_ms": "DEEPSEEK_DSPARK_GATE_VERIFY_BASE_MS",
-            "verify_slope_ms": "DEEPSEEK_DSPARK_GATE_VERIFY_SLOPE_MS", "plain_ms": "DEEPSEEK_DSPARK_GATE_PLAIN_MS"}
+GATE_ENV = {f: ENV_VARS[f] for f in ("draft_ms", "verify_base_ms", "verify_slope_ms", "plain_ms")}
 PLAIN_MS_FLOOR = 1e-3  # the gate's lower bound on plain_ms (docs/gate.md §8)
 
 
@@ -76,7 +72,7 @@ class BucketStat:
 
 
 # ---------------------------------------------------------------------------- costs
-def fit_costs(rounds: Iterable[RoundRecord]) -> CostFit:
+def fit_costs(rounds: Iterable[RoundBreakdown]) -> CostFit:
     """Least-squares verify(k) = base + slope·k over verify rounds; means of draft and plain ms."""
     ks, ms, drafts, plains = [], [], [], []
     for r in rounds:
@@ -105,7 +101,7 @@ def fit_costs(rounds: Iterable[RoundRecord]) -> CostFit:
 
 
 def gate_env_lines(fit: CostFit) -> tuple[list[str], list[str]]:
-    """(`DEEPSEEK_DSPARK_GATE_*=value` lines for the costs the fit has, notes on clamped values).
+    """(`DSPARK_GATE_*=value` lines for the costs the fit has, notes on clamped values).
 
     Values are clamped into what `GateConfig` accepts (docs/gate.md §8): each cost in
     [0, MAX_COST_MS], plain_ms >= 0.001, so the lines can be used as they are.
@@ -127,7 +123,7 @@ def gate_env_lines(fit: CostFit) -> tuple[list[str], list[str]]:
 
 
 # ---------------------------------------------------------------------------- calibration
-def reliability(rounds: Iterable[RoundRecord]) -> list[BucketStat]:
+def reliability(rounds: Iterable[RoundBreakdown]) -> list[BucketStat]:
     """Per confidence bucket (the gate's edges): censored match statistics of verified drafts.
 
     Of a round that submitted k drafts and had a accepted, positions 0..a-1 are matches and
@@ -147,39 +143,6 @@ def reliability(rounds: Iterable[RoundRecord]) -> list[BucketStat]:
             logit_sum[b] += c
     return [BucketStat(b, bucket_label(b), observed[b], matched[b],
                        logit_sum[b] / observed[b] if observed[b] else None) for b in range(NUM_BUCKETS)]
-
-
-def expected_calibration_error(estimates: Sequence[float | None], matched: Sequence[int],
-                               observed: Sequence[int]) -> float:
-    """Expected calibration error of per-bucket estimates against realised matches (unitless, in [0, 1]).
-
-    ECE = sum_b (observed_b / N) * |estimates_b - matched_b / observed_b|, N = sum_b observed_b:
-    the observation-weighted mean gap between what was estimated and what happened. All three
-    sequences have one entry per bucket [B]; `estimates_b` is the (mean) P(match) held for the
-    bucket's observations, None allowed where observed_b = 0. Counts are censored observations
-    (positions 0..accepted, docs/gate.md §2).
-    Raises ValueError naming the value when the lengths differ, a count is negative or
-    matched_b > observed_b, an estimate of an observed bucket is not in [0, 1], or nothing was
-    observed.
-    """
-    if not len(estimates) == len(matched) == len(observed):
-        raise ValueError(f"ECE needs one entry per bucket: {len(estimates)} estimates, {len(matched)} matched, "
-                         f"{len(observed)} observed")
-    total = 0
-    for b, (m, o) in enumerate(zip(matched, observed)):
-        if not 0 <= m <= o:
-            raise ValueError(f"bucket {b}: need 0 <= matched={m!r} <= observed={o!r}")
-        total += o
-    if total == 0:
-        raise ValueError("ECE of zero observations is undefined")
-    error = 0.0
-    for b, (e, m, o) in enumerate(zip(estimates, matched, observed)):
-        if o == 0:
-            continue
-        if e is None or not (isinstance(e, (int, float)) and math.isfinite(e) and 0.0 <= e <= 1.0):
-            raise ValueError(f"bucket {b}: estimate={e!r} must be a number in [0, 1]")
-        error += o / total * abs(e - m / o)
-    return error
 
 
 def causal_ece(rounds: Iterable, gate) -> tuple[float | None, list[dict]]:

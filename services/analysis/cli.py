@@ -23,21 +23,21 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                          description="Read the services' span files (DSPARK_TRACES_JSONL of each service, or "
                          "OTLP-JSON) and report per round: gateway wall, drafter compute, verifier compute, "
                          "residual (network + serialisation); p50/p99 per k; gate decisions; TTFT and time per "
-                         "output token per generation; fitted gate costs as DEEPSEEK_DSPARK_GATE_* lines.")
+                         "output token per generation; fitted gate costs as DSPARK_GATE_* lines.")
     rep.add_argument("traces", nargs="+", metavar="TRACES",
                      help="span files (JSON lines or OTLP-JSON) or recorded-rounds files (told apart by content)")
     rep.add_argument("--png", metavar="DIR", default=None, help="also write the four plots as PNG files into DIR")
     rep.add_argument("--json", action="store_true", help="print the report as JSON")
     rep.set_defaults(func=_run_report)
 
-    cal = sub.add_parser("calibrate", help="print fitted DEEPSEEK_DSPARK_GATE_*_MS lines from span files or recorded rounds",
+    cal = sub.add_parser("calibrate", help="print fitted DSPARK_GATE_*_MS lines from span files or recorded rounds",
                          description="Fit verify(k) = base + slope·k, draft ms and plain ms from the gateway's "
-                         "round spans or a recorded-rounds file's timings and print them as ready-to-use DEEPSEEK_DSPARK_GATE_*=value lines.")
+                         "round spans or a recorded-rounds file's timings and print them as ready-to-use DSPARK_GATE_*=value lines.")
     cal.add_argument("traces", nargs="+", metavar="TRACES",
                      help="span files (JSON lines or OTLP-JSON) or recorded-rounds files (told apart by content)")
     cal.set_defaults(func=_run_calibrate)
 
-    par = sub.add_parser("parity", help="compare two DSV4_TOPK_DIAG top-k dumps (argmax_agree / near_tie / mismatch)",
+    par = sub.add_parser("parity", help="compare two DSPARK_TOPK_DIAG top-k dumps (argmax_agree / near_tie / mismatch)",
                          description="Align two top-k dumps by session and position and give each row a verdict; "
                          "near_tie: gap_A + gap_B <= 2·δ with δ the logit disagreement measured on the agreeing "
                          "rows (docs/analysis.md).")
@@ -50,7 +50,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _error(command: str, message: str) -> int:
-    from services.cli import printable
+    from services.common.terminal import printable
     print(f"dspark {command}: error: {printable(message)}", file=sys.stderr)
     return 2
 

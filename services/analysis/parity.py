@@ -1,4 +1,4 @@
-"""`dspark parity A B`: compare two top-k dumps (`DSV4_TOPK_DIAG=K`) position by position.
+"""`dspark parity A B`: compare two top-k dumps (`DSPARK_TOPK_DIAG=K`) position by position.
 
 Owns reading and aligning two dumps and the verdict per position; it reads files only and
 never runs a model (the dumps come from `services.verifier.topk_diag`).

@@ -30,6 +30,7 @@ import numpy as np
 
 from services.analysis.calibration import (GATE_ENV, PLAIN_MS_FLOOR, BucketStat, CostFit,  # noqa: F401 - re-exported
                                            fit_costs, gate_env_lines, reliability)
+from services.analysis.breakdown import RoundBreakdown
 from services.analysis.traces import Span
 from services.gateway.gate import BUCKET_EDGES
 from services.gateway.rounds import Round
@@ -40,51 +41,6 @@ COUNT_KEYS = ("rounds", "drafted", "submitted", "accepted", "verify_rounds", "ma
               "truncated_rounds", "skipped_after_draft", "plain_rounds", "drafter_failovers", "drafter_failed")
 MAX_GENERATION_ROWS = 30  # the text report lists at most this many generations
 DECISIONS = ("full", "truncated", "skipped_after_draft", "capped", "margin_skipped", "plain")
-
-
-@dataclass
-class RoundRecord:
-    """One round: the gateway's attributes and the time split (ms; None where a span is missing).
-
-    A round read from a recorded-rounds file (`recorded_round`) has no span: no ids, no start
-    or end (start_ns = end_ns = None, so no wall time), and its `workload` label.
-    """
-
-    trace_id: str
-    span_id: str
-    generation_id: str | None
-    index: int
-    start_ns: int | None
-    end_ns: int | None
-    decision: str
-    drafted: int
-    submitted: int
-    accepted: int
-    anchor_margin: float | None
-    verify_ms: float | None
-    draft_ms: float | None
-    confidence_logits: tuple[float, ...] | None
-    drafter_failures: int  # `drafter_failed` events of the round
-    drafter_failovers: int  # `drafter_failover` events: a new drafter session took over
-    drafter_ms: float | None
-    verifier_ms: float | None
-    verifier_overhead_ms: float | None
-    children: list[Span] = field(default_factory=list, repr=False)
-    workload: str | None = None  # recorded rounds only
-
-    @property
-    def wall_ms(self) -> float | None:
-        """The gateway's wall time of the round (ms); None for a recorded round (no span)."""
-        if self.start_ns is None or self.end_ns is None:
-            return None
-        return (self.end_ns - self.start_ns) / 1e6
-
-    @property
-    def residual_ms(self) -> float | None:
-        """wall - drafter compute - verifier compute (network + serialisation + overheads)."""
-        if self.drafter_ms is None or self.verifier_ms is None or self.wall_ms is None:
-            return None
-        return self.wall_ms - self.drafter_ms - self.verifier_ms
 
 
 @dataclass
@@ -100,7 +56,7 @@ class GenerationRecord:
     output_tokens: int | None
     ttft_ms: float | None
     final: dict
-    rounds: list[RoundRecord]
+    rounds: list[RoundBreakdown]
     span: Span = field(repr=False)
     prefill: list[Span] = field(default_factory=list, repr=False)
 
@@ -134,7 +90,7 @@ class Report:
     spans: int
     backend_spans: bool
     generations: list[GenerationRecord]
-    rounds: list[RoundRecord]
+    rounds: list[RoundBreakdown]
     fit: CostFit
     reliability: list[BucketStat]
     recorded_rounds: int = 0  # of `rounds`, those read from recorded-rounds files
@@ -202,7 +158,7 @@ def _confidence(span: Span, submitted: int, accepted: int) -> tuple[float, ...] 
     return tuple(float(c) for c in conf)
 
 
-def _round_record(span: Span, children: list[Span]) -> RoundRecord:
+def _round_breakdown(span: Span, children: list[Span]) -> RoundBreakdown:
     """Raises ValueError naming the span and the attribute: a count or duration of the wrong
     type or out of range, more drafts accepted than submitted, too few confidence logits."""
     a = span.attributes
@@ -216,7 +172,7 @@ def _round_record(span: Span, children: list[Span]) -> RoundRecord:
     submitted, accepted = _count(span, "spec_decode.submitted"), _count(span, "spec_decode.accepted")
     if accepted > submitted:
         raise _bad(span, "spec_decode.accepted", accepted, f"at most spec_decode.submitted={submitted}")
-    return RoundRecord(
+    return RoundBreakdown(
         trace_id=span.trace_id, span_id=span.span_id, generation_id=span.parent_id,
         index=_count(span, "spec_decode.round"), start_ns=span.start_ns, end_ns=span.end_ns,
         decision=str(a.get("spec_decode.gate_decision", "")), drafted=_count(span, "spec_decode.drafted"),
@@ -231,7 +187,7 @@ def _round_record(span: Span, children: list[Span]) -> RoundRecord:
         children=sorted(children, key=lambda c: c.start_ns))
 
 
-def recorded_round(rec: Round, index: int) -> RoundRecord:
+def recorded_round(rec: Round, index: int) -> RoundBreakdown:
     """A recorded round (docs/gate.md §9) as a report round, `index` its place in the file.
 
     The file keeps no decision, so it is inferred: no draft -> plain, every draft submitted ->
@@ -245,7 +201,7 @@ def recorded_round(rec: Round, index: int) -> RoundRecord:
         decision = "full"
     else:
         decision = "truncated" if rec.submitted else "skipped_after_draft"
-    return RoundRecord(
+    return RoundBreakdown(
         trace_id="", span_id="", generation_id=None, index=index, start_ns=None, end_ns=None, decision=decision,
         drafted=drafted, submitted=rec.submitted, accepted=rec.accepted, anchor_margin=rec.anchor_margin,
         verify_ms=rec.verify_ms if rec.submitted else rec.plain_ms, draft_ms=rec.draft_ms,
@@ -253,7 +209,7 @@ def recorded_round(rec: Round, index: int) -> RoundRecord:
         verifier_ms=None, verifier_overhead_ms=None, workload=rec.workload)
 
 
-def round_counts(rounds: Sequence[RoundRecord], events: Sequence[dict] = ()) -> dict:
+def round_counts(rounds: Sequence[RoundBreakdown], events: Sequence[dict] = ()) -> dict:
     """The gateway's `SpecStats` counts (its `RoundStats` fold, docs/gate.md §7) from traced `rounds`;
     `events`: the generation span's own (a drafter failure while committing the prompt)."""
     d = Counter(r.decision for r in rounds)
@@ -295,8 +251,8 @@ def build_report(spans: Sequence[Span], sources: Sequence[str] = (), recorded: S
     for s in spans:
         if s.parent_id is not None:
             children[s.parent_id].append(s)
-    rounds = [_round_record(s, children.get(s.span_id, [])) for s in spans if s.name == ROUND]
-    by_generation: dict[str | None, list[RoundRecord]] = defaultdict(list)
+    rounds = [_round_breakdown(s, children.get(s.span_id, [])) for s in spans if s.name == ROUND]
+    by_generation: dict[str | None, list[RoundBreakdown]] = defaultdict(list)
     for r in rounds:
         by_generation[r.generation_id].append(r)
     generations = []
@@ -332,7 +288,7 @@ def _stats(values: Sequence[float]) -> dict:
             "max": float(max(v)) if v else None}
 
 
-def parts_summary(rounds: Sequence[RoundRecord]) -> dict:
+def parts_summary(rounds: Sequence[RoundBreakdown]) -> dict:
     """Totals and percentiles (ms) of each part of the round time."""
     return {"wall_ms": _stats([r.wall_ms for r in rounds]), "drafter_ms": _stats([r.drafter_ms for r in rounds]),
             "verifier_ms": _stats([r.verifier_ms for r in rounds]),
@@ -340,9 +296,9 @@ def parts_summary(rounds: Sequence[RoundRecord]) -> dict:
             "verifier_overhead_ms": _stats([r.verifier_overhead_ms for r in rounds])}
 
 
-def per_k(rounds: Sequence[RoundRecord]) -> list[dict]:
+def per_k(rounds: Sequence[RoundBreakdown]) -> list[dict]:
     """p50/p99 of the round wall, the verify call and its parts, per submitted length k."""
-    groups: dict[int, list[RoundRecord]] = defaultdict(list)
+    groups: dict[int, list[RoundBreakdown]] = defaultdict(list)
     for r in rounds:
         groups[r.submitted].append(r)
     out = []
@@ -358,13 +314,13 @@ def per_k(rounds: Sequence[RoundRecord]) -> list[dict]:
     return out
 
 
-def decision_mix(rounds: Sequence[RoundRecord]) -> dict:
+def decision_mix(rounds: Sequence[RoundBreakdown]) -> dict:
     counts = Counter(r.decision for r in rounds)
     names = list(DECISIONS) + sorted(set(counts) - set(DECISIONS))
     return {d: {"rounds": counts[d], "share": counts[d] / len(rounds) if rounds else 0.0} for d in names}
 
 
-def acceptance_histogram(rounds: Sequence[RoundRecord]) -> dict[int, dict[int, int]]:
+def acceptance_histogram(rounds: Sequence[RoundBreakdown]) -> dict[int, dict[int, int]]:
     """{k: {accepted: verify rounds}} over the rounds that verified (k > 0)."""
     hist: dict[int, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for r in rounds:
@@ -385,7 +341,7 @@ def _generation_dict(g: GenerationRecord) -> dict:
             "tpot_ms": g.tpot_ms, "counts": g.counts(), "final": g.final, "consistent": g.consistent}
 
 
-def _round_dict(r: RoundRecord) -> dict:
+def _round_dict(r: RoundBreakdown) -> dict:
     d = {k: v for k, v in asdict(r).items() if k not in ("children", "start_ns", "end_ns")}
     d["confidence_logits"] = None if r.confidence_logits is None else list(r.confidence_logits)
     d.update(wall_ms=r.wall_ms, residual_ms=r.residual_ms)

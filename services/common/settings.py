@@ -4,8 +4,8 @@ This module owns the frozen dataclasses the services take (`GatewaySettings`,
 `ServeSettings`, `BackendSettings`, `TelemetrySettings`), the choice lists (`VERIFY_MODES`, `COST_MODES`,
 `VERIFY_NUMERICS`), the timeout limits, and `backend_target`, which validates a gRPC target.
 It never reads the process environment: `services.settings` parses the variables once at
-each entry point (its docstring has the table of every variable and default) and passes
-these objects down. It imports nothing from the gateway, verifier or drafter packages, so
+each entry point (`services.settings_vars` declares every variable; docs/settings.md lists
+them) and passes these objects down. It imports nothing from the gateway, verifier or drafter packages, so
 every package may import it.
 
 A target is any gRPC target (`host:port`, `ipv4:a:p,b:p`, `dns:///name:port`) or a
@@ -25,7 +25,7 @@ SAMPLING_RULES = ("coupled", "rejection")
 VERIFY_MODES = ("sequential", "batched")
 # where the gate's costs come from: the configured *_MS values, or measured (start-up profile + live rounds)
 COST_MODES = ("configured", "measured")
-# the gate's cost fields a DEEPSEEK_DSPARK_GATE_*_MS variable sets; measured costs never replace them
+# the gate's cost fields a DSPARK_GATE_*_MS variable sets; measured costs never replace them
 PINNABLE_COSTS = ("draft_ms", "verify_base_ms", "verify_slope_ms", "plain_ms")
 # "exact": batched verify uses fixed shapes so it is bitwise equal to plain decode (TP=1 only)
 VERIFY_NUMERICS = ("fast", "exact")
@@ -128,12 +128,11 @@ class GatewaySettings:
     regime: let the gateway's regime policy run gated rounds plain at a concurrency where the
     gateway's measured throughput is higher without drafting (docs/gate.md §14). Off here, as
     cost_mode is "configured" here: the policy learns from wall times, so an embedding or a
-    test keeps gated decisions repeatable; `services.settings` reads DSPARK_GATE_REGIME with
-    1 as its default.
+    test keeps gated decisions repeatable; a served gateway (`services.settings`) turns it on.
     warm_start: a gated generation's gate starts from the calibration of the finished
     generations of its sampling band (docs/gate.md §6); False here (every gate cold, so an
-    embedding or a test gets the same draft lengths whatever ran before), while
-    `services.settings` reads DSPARK_GATE_WARM_START with True as its default.
+    embedding or a test gets the same draft lengths whatever ran before), while a served
+    gateway (`services.settings`) turns it on.
     warm_max_weight: the most observations per confidence bucket a warm start lends, in (0, 1e6].
     round_timeout_s: deadline of one backend reply. generation_timeout_s: deadline of one
     generation's backend streams. startup_timeout_s: deadline of the backends' Info at start.
@@ -223,7 +222,8 @@ class BackendSettings:
     equal to decode (VERIFY_NUMERICS). prefill_chunk: the most prompt tokens the verifier's
     step loop forwards in one step (`services.verifier.batcher`). step_profile: the verifier
     times batch steps over dummy sessions before it serves, seeding its step-time table
-    (False here, so embeddings and tests start at once; `services.settings` defaults it to True).
+    (False here, so embeddings and tests start at once; a served backend, `services.settings`,
+    turns it on).
     step_gather_ms: the longest wait (ms, 0..MAX_STEP_GATHER_MS) of the verifier's and the
     drafter's step loops, before a step, for the sessions the previous step answered to send
     again, never longer than that step took (`services.common.step_queue`); 0 here (steps start as soon as work is queued),

@@ -27,7 +27,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from dsv4.draft_args import as_int, as_int_list, check_commit, check_draft_args, check_seed, draft_length
+from dsv4.draft_args import as_int_list, check_commit, check_draft_args, check_seed, draft_length
+from dsv4.scalars import as_int
 from dsv4.sampling import SamplingParams, keyed_choice
 from dsv4.trunk import Trunk, TrunkState
 from services.common.sessions import SessionHost, SessionTable

@@ -28,7 +28,8 @@ from typing import Mapping, Sequence
 import torch
 
 from dsv4.config import ModelConfig
-from dsv4.draft_args import as_int, as_int_list, check_commit, check_draft_args, check_seed, draft_length
+from dsv4.draft_args import as_int_list, check_commit, check_draft_args, check_seed, draft_length
+from dsv4.scalars import as_int
 from services.common.sessions import SessionHost, SessionTable
 from services.drafter.engine import drafter_identity
 from services.drafter.interface import Drafter

@@ -1,9 +1,12 @@
-"""Backend sessions as the scheduler sees them: over gRPC streams, or in process.
+"""Backend sessions as the scheduler sees them: over gRPC streams, or in process; and the
+channels they run on.
 
-This module owns every call the gateway makes to a verifier or a drafter during a generation:
-the session protocols, the per-request deadlines, the mapping of a failed call to
-`BackendError` and the session/position echo checks of a reply. It must not decide what to ask
-or when (the scheduler does) or judge a draft's content (`drafters.DraftCheck` does).
+This module owns the gateway's channels and stubs to the verifier and the drafter (`Backends`:
+round-robin over a target's addresses, reconnect pacing, TLS and tracing interceptors) and
+every call the gateway makes to them during a generation: the session protocols, the
+per-request deadlines, the mapping of a failed call to `BackendError` and the session/position
+echo checks of a reply. It must not decide what to ask or when (the scheduler does) or judge a
+draft's content (`drafters.DraftCheck` does).
 
 A `VerifierSession` / `DrafterSession` is one generation's session on one backend. The gRPC
 versions hold one bidirectional `Session` stream each (so the backend's state lives exactly as
@@ -22,10 +25,14 @@ from typing import Protocol, Sequence
 
 import grpc
 import torch
+from opentelemetry.sdk.trace import TracerProvider
 
-from dspark_proto.v1 import common_pb2, drafter_pb2, verifier_pb2
+from dspark_proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from dsv4.sampling import GREEDY, SamplingParams, TokenLogprob
 from services.common.sampling_wire import logprob_from_proto, logprob_to_proto, params_to_proto
+from services.common.server import channel_options
+from services.common.settings import GatewaySettings, backend_target
+from services.common.telemetry import client_interceptors
 from services.common.tensors import from_proto, to_proto
 
 _MODE_ENUM = {"sequential": verifier_pb2.VERIFY_MODE_SEQUENTIAL, "batched": verifier_pb2.VERIFY_MODE_BATCHED}
@@ -372,3 +379,47 @@ class LocalDrafterSession:
 
     async def close(self):
         self.engine.close_session(self.sid)
+
+
+# Reconnect pacing of the backend channels. gRPC's default backoff (1 s, growing x1.6 up to
+# 120 s) left a restarted drafter unused for ~14 s, every generation meanwhile running plain.
+# A dead backend costs one refused connect per channel and second at this pace; the connect
+# timeout itself (`grpc.min_reconnect_backoff_ms`, 20 s) stays gRPC's, so a slow handshake
+# over a real network is not cut short. gRPC adds up to 20 % jitter to each wait.
+INITIAL_RECONNECT_BACKOFF_MS = 100
+MAX_RECONNECT_BACKOFF_MS = 1000
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
+                     ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
+
+
+class Backends:
+    """Channels and stubs to the verifier and (optionally) the drafter.
+
+    settings: the targets and deadlines (`GatewaySettings`); provider: the tracer provider of
+    the client interceptors; credentials / options: TLS and extra channel options. The
+    channels connect lazily; a target that `backend_target` rejects raises its ValueError.
+    """
+
+    def __init__(self, settings: GatewaySettings, provider: TracerProvider | None = None,
+                 credentials: grpc.ChannelCredentials | None = None, options: Sequence[tuple[str, object]] = ()):
+        self.settings = settings
+        # round_robin: a target that resolves to several addresses (`ipv4:a,b`, `dns:///` of a
+        # headless Service) spreads the Session streams over the replicas, one stream each.
+        opts = channel_options() + [("grpc.lb_policy_name", "round_robin"), *RECONNECT_OPTIONS, *options]
+        inter = client_interceptors(provider)
+
+        def channel(target: str) -> grpc.aio.Channel:
+            if credentials is not None:
+                return grpc.aio.secure_channel(target, credentials, options=opts, interceptors=inter)
+            return grpc.aio.insecure_channel(target, options=opts, interceptors=inter)
+
+        self.verifier_channel = channel(backend_target(settings.verifier_target, "verifier target"))
+        self.verifier = verifier_pb2_grpc.VerifierStub(self.verifier_channel)
+        self.drafter_channel = (channel(backend_target(settings.drafter_target, "drafter target"))
+                                if settings.drafter_target else None)
+        self.drafter = drafter_pb2_grpc.DrafterStub(self.drafter_channel) if self.drafter_channel else None
+
+    async def close(self) -> None:
+        for ch in (self.verifier_channel, self.drafter_channel):
+            if ch is not None:
+                await ch.close()

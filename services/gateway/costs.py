@@ -8,7 +8,7 @@ wall time, the profile its medians) or make decisions with the costs (the gate d
 `CostTracker` keeps an exponentially weighted moving average (alpha 0.1) per cost: draft,
 plain decode, drafter commit, and verify separately for each k (drafts submitted). The start-up
 profile seeds them with its medians; every live round then refines them. Mode `configured`
-uses the configured costs (`DEEPSEEK_DSPARK_GATE_*_MS`, else `GateConfig`'s defaults) and a
+uses the configured costs (`DSPARK_GATE_*_MS`, else `GateConfig`'s defaults) and a
 commit cost of 0. Mode `measured` replaces every cost that no variable set (`pinned`) with the
 measured one once draft, plain and verify are all measured (profiled, or online from at least
 `MIN_SAMPLES` verify rounds over two distinct k); a variable always wins for its own field.
@@ -37,7 +37,7 @@ from services.gateway.values import MIN_COST_MS
 MIN_SAMPLES = 5
 EWMA_ALPHA = 0.1
 MAX_VERIFY_SAMPLES = 4096  # most recent verify rounds kept (their count is reported)
-PINNABLE = PINNABLE_COSTS  # the cost fields a DEEPSEEK_DSPARK_GATE_*_MS variable sets (and so pins)
+PINNABLE = PINNABLE_COSTS  # the cost fields a DSPARK_GATE_*_MS variable sets (and so pins)
 # Every reported field of the costs in force.
 REPORTED = ("draft_ms", "verify_base_ms", "verify_slope_ms", "verify_table", "plain_ms", "commit_ms")
 PROFILED, ONLINE, DEFAULT = "profiled", "measured online", "default"

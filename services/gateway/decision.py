@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from services.gateway.values import MIN_COST_MS, check_setting, finite_float, is_integer, short_repr
 
-DEFAULT_MARGIN = 1.15
+DEFAULT_WIN_FACTOR = 1.15
 
 
 def _check_count(name: str, value: object, upper: int) -> int:
@@ -148,7 +148,7 @@ def decide_length(
     match_probs: Sequence[float],
     max_n: int,
     cost: CostModel,
-    margin: float = DEFAULT_MARGIN,
+    win_factor: float = DEFAULT_WIN_FACTOR,
     min_draft: int = 0,
     rate: float | None = None,
 ) -> int:
@@ -160,13 +160,13 @@ def decide_length(
     round maximises tokens per ms over the generation (docs/gate.md §2); None uses the plain
     rate 1 / plain_ms, the least any policy can earn. n ranges over [min(min_draft, max_n),
     max_n]. A truncation (n < max_n, 0 included) is taken only when its value beats the full
-    block's by more than (margin - 1) * E[tokens(max_n)]; ties between truncations go to the
+    block's by more than (win_factor - 1) * E[tokens(max_n)]; ties between truncations go to the
     longer one. Raises ValueError naming the value on a max_n that is not an integer in [0,
-    len(match_probs)], a margin or min_draft GateConfig would reject, a probability outside
+    len(match_probs)], a win_factor or min_draft GateConfig would reject, a probability outside
     [0, 1] (NaN included), or a rate that is not a finite number > 0.
     """
     max_n = _check_count("max_n", max_n, len(match_probs))
-    margin_value = check_setting("margin", margin, "margin")
+    factor = check_setting("win_factor", win_factor, "win_factor")
     floor = min(check_setting("min_draft", min_draft, "min_draft"), max_n)
     lam = 1.0 / cost.plain_ms if rate is None else finite_float(rate)
     if lam is None or lam <= 0:
@@ -179,7 +179,7 @@ def decide_length(
     for n in range(floor, max_n):
         if values[n] >= best_value:
             best_n, best_value = n, values[n]
-    need = (margin_value - 1.0) * _expected_totals(match_probs, max_n)[max_n]
+    need = (factor - 1.0) * _expected_totals(match_probs, max_n)[max_n]
     if best_n < max_n and best_value - values[max_n] > need:
         return best_n
     return max_n

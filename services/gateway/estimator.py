@@ -1,4 +1,6 @@
-"""The gate's estimators: P(match | confidence bucket) and the anchor-margin gain table.
+"""The gate's estimators: P(match | confidence bucket) and the anchor-margin gain table, and
+how well per-bucket estimates were calibrated (`expected_calibration_error`, read by replay
+and by `dspark calibrate`).
 
 This module owns the arithmetic of what the gate believes; it never decides (the gate does),
 never counts rounds (the record fold does) and never reads the environment. docs/gate.md §3–§4
@@ -122,7 +124,7 @@ def margin_bin(anchor_margin: float) -> int:
 
 
 class MarginGain:
-    """The learned pre-draft threshold (`DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD=auto`).
+    """The learned pre-draft threshold (`DSPARK_GATE_MARGIN_THRESHOLD=auto`).
 
     Per anchor-margin bin, a decayed mean of the realised gain of drafting, in tokens: for a
     drafted round, (tokens it yielded - lambda * its cost) - (1 - lambda * plain_ms), i.e. the
@@ -153,3 +155,36 @@ class MarginGain:
         lows = (-math.inf, *MARGIN_EDGES)
         return [{"from": low if math.isfinite(low) else None, "mean_gain": g / w if w else None, "weight": w}
                 for low, g, w in zip(lows, self.gain, self.weight)]
+
+
+def expected_calibration_error(estimates: Sequence[float | None], matched: Sequence[int],
+                               observed: Sequence[int]) -> float:
+    """Expected calibration error of per-bucket estimates against realised matches (unitless, in [0, 1]).
+
+    ECE = sum_b (observed_b / N) * |estimates_b - matched_b / observed_b|, N = sum_b observed_b:
+    the observation-weighted mean gap between what was estimated and what happened. All three
+    sequences have one entry per bucket [B]; `estimates_b` is the (mean) P(match) held for the
+    bucket's observations, None allowed where observed_b = 0. Counts are censored observations
+    (positions 0..accepted, docs/gate.md §2).
+    Raises ValueError naming the value when the lengths differ, a count is negative or
+    matched_b > observed_b, an estimate of an observed bucket is not in [0, 1], or nothing was
+    observed.
+    """
+    if not len(estimates) == len(matched) == len(observed):
+        raise ValueError(f"ECE needs one entry per bucket: {len(estimates)} estimates, {len(matched)} matched, "
+                         f"{len(observed)} observed")
+    total = 0
+    for b, (m, o) in enumerate(zip(matched, observed)):
+        if not 0 <= m <= o:
+            raise ValueError(f"bucket {b}: need 0 <= matched={m!r} <= observed={o!r}")
+        total += o
+    if total == 0:
+        raise ValueError("ECE of zero observations is undefined")
+    error = 0.0
+    for b, (e, m, o) in enumerate(zip(estimates, matched, observed)):
+        if o == 0:
+            continue
+        if e is None or not (isinstance(e, (int, float)) and math.isfinite(e) and 0.0 <= e <= 1.0):
+            raise ValueError(f"bucket {b}: estimate={e!r} must be a number in [0, 1]")
+        error += o / total * abs(e - m / o)
+    return error

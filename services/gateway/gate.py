@@ -14,12 +14,13 @@ Units: costs in ms, expected tokens in tokens, rates in tokens per ms.
 from __future__ import annotations
 
 import bisect
+import enum
 import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from services.gateway.decision import (DEFAULT_MARGIN, CostModel, _check_count,  # noqa: F401 (re-exported)
+from services.gateway.decision import (DEFAULT_WIN_FACTOR, CostModel, _check_count,  # noqa: F401 (re-exported)
                                       decide_length, draft_advantage, expected_tokens)  # noqa: F401
 from services.gateway.estimator import BucketEstimator, MarginGain, margin_bin
 from services.gateway.values import check_setting, finite_float, is_integer, short_repr
@@ -44,12 +45,12 @@ RATE_DECAY = 0.95
 # Drafted rounds whose confidences the pre-draft decision re-prices with the current estimates.
 RECENT_ROUNDS = 16
 
-ENV_PREFIX = "DEEPSEEK_DSPARK_GATE"
+ENV_PREFIX = "DSPARK_GATE"
 # GateConfig field -> env var (docs/gate.md §8 lists names, defaults and valid values).
 ENV_VARS = {
     "enabled": ENV_PREFIX,
     "margin_threshold": f"{ENV_PREFIX}_MARGIN_THRESHOLD",
-    "margin": f"{ENV_PREFIX}_MARGIN",
+    "win_factor": f"{ENV_PREFIX}_MARGIN",  # the variable keeps its published name
     "min_draft": f"{ENV_PREFIX}_MIN_DRAFT",
     "decay": f"{ENV_PREFIX}_DECAY",
     "draft_ms": f"{ENV_PREFIX}_DRAFT_MS",
@@ -57,6 +58,25 @@ ENV_VARS = {
     "verify_slope_ms": f"{ENV_PREFIX}_VERIFY_SLOPE_MS",
     "plain_ms": f"{ENV_PREFIX}_PLAIN_MS",
 }
+
+
+class Reason(enum.Enum):
+    """Why a round submitted what it did; `RoundRecord.decision` is the coarser public word."""
+
+    FULL = "full"                      # every drafted token was submitted
+    NO_DRAFTER = "no_drafter"          # speculation off, or no drafter session left: plain step
+    DRAFTER_FAILED = "drafter_failed"  # the draft call failed (or gave nothing): plain step
+    NO_ROOM = "no_room"                # max_tokens / max_seq_len leave no draft to submit: not drafted
+    ANCHOR_MARGIN = "anchor_margin"    # pre-draft: the anchor's logit margin is below MARGIN_THRESHOLD
+    LEARNED_MARGIN = "learned_margin"  # pre-draft: drafting at this anchor-margin bin has lost (threshold auto)
+    RECENT_LOSS = "recent_loss"        # pre-draft: the recent drafted rounds, re-priced, lost to plain decode
+    REGIME = "regime"                  # the gateway ran gated rounds plain at this concurrency (not drafted)
+    BUDGET = "budget"                  # drafted, then cut by max_tokens / max_seq_len
+    COST = "cost"                      # drafted, then cut by the gate's cost rule (to 0 included)
+
+
+# The reasons `Gate.pre_draft` gives for not drafting.
+PRE_DRAFT_SKIPS = (Reason.ANCHOR_MARGIN, Reason.LEARNED_MARGIN, Reason.RECENT_LOSS)
 
 
 def _logit(value: object, where: str) -> float:
@@ -106,10 +126,10 @@ def bucket_label(index: int) -> str:
 class GateConfig:
     """Gate settings; `services.settings` fills them from the ENV_VARS variables (docs/gate.md).
 
-    enabled: length choice on (DEEPSEEK_DSPARK_GATE); off = always submit max_n.
+    enabled: length choice on (DSPARK_GATE); off = always submit max_n.
     margin_threshold: pre-draft gate on the anchor's top1 - top2 logit margin; 0 = disabled.
     margin_auto: learn the pre-draft margin gate instead (MARGIN_THRESHOLD=auto; bool).
-    margin: factor a truncation must win by. min_draft: floor on submitted drafts (tokens).
+    win_factor: factor a truncation must win by (>= 1). min_draft: floor on submitted drafts (tokens).
     decay: forgetting per observation in a bucket (and per drafted round of a margin bin).
     *_ms: cost model (ms). prior_weight: pseudo-observations of each bucket's pooled prior
     (not an env var).
@@ -119,7 +139,7 @@ class GateConfig:
 
     enabled: bool = False
     margin_threshold: float = 0.0
-    margin: float = DEFAULT_MARGIN
+    win_factor: float = DEFAULT_WIN_FACTOR
     min_draft: int = 0
     decay: float = 0.9
     draft_ms: float = 196.0
@@ -196,7 +216,7 @@ class Gate:
     One Gate per generation, never shared, so a generation's draft lengths (and so its output)
     never depend on concurrent generations. `calibration` optionally warm-starts the bucket
     counts from a frozen snapshot; the snapshot is copied, never written back.
-    A round: should_draft(margin) -> [draft] -> choose(confidences, max_n) -> [verify]
+    A round: pre_draft(margin) -> [draft] -> choose(confidences, max_n) -> [verify]
     -> observe(confidences, submitted, accepted). Every decision reads `estimates()`. Besides
     the estimator (`learn`), the gate keeps the long-run rate estimate `rate()` (decayed tokens
     over decayed modelled ms of the rounds it decided), its recent drafted confidences for the
@@ -254,38 +274,43 @@ class Gate:
         est = self.estimates()
         return [est[bucket_index(c)] for c in _logits(confidence_logits)]
 
-    def should_draft(self, anchor_margin: float | None) -> bool:
-        """The pre-draft decision (docs/gate.md §6): False means plain decode, no draft.
+    def pre_draft(self, anchor_margin: float | None) -> Reason | None:
+        """The pre-draft decision (docs/gate.md §6): None drafts; otherwise the `Reason` of a
+        plain decode instead (one of `PRE_DRAFT_SKIPS`).
 
         Skips when (1) the margin threshold is > 0 and the anchor's top1 - top2 logit margin is
-        below it, (2) with margin_auto, drafting at this margin's bin has lost on average, or
-        (3) with the length gate enabled, the recent drafted rounds, re-priced with the current
-        estimates, say drafting is worth less than its cost (`draft_advantage` < 0). (2) and (3)
-        draft anyway on the losing streak's probe rounds (PROBE_FIRST rounds in, then gaps
-        doubling up to PROBE_PERIOD), and a probe verifies at least one draft. (1) and (2) apply whether or not the gate is enabled. None (margin
-        unknown) passes (1) and (2). Raises ValueError on NaN or a non-number.
+        below it (ANCHOR_MARGIN), (2) with margin_auto, drafting at this margin's bin has lost
+        on average (LEARNED_MARGIN), or (3) with the length gate enabled, the recent drafted
+        rounds, re-priced with the current estimates, say drafting is worth less than its cost
+        (`draft_advantage` < 0: RECENT_LOSS). (2) and (3) draft anyway on the losing streak's
+        probe rounds (PROBE_FIRST rounds in, then gaps doubling up to PROBE_PERIOD), and a
+        probe verifies at least one draft. (1) and (2) apply whether or not the gate is
+        enabled. None (margin unknown) passes (1) and (2). Raises ValueError on NaN or a
+        non-number.
         """
         margin = None if anchor_margin is None else _logit(anchor_margin, "anchor margin")
         threshold = self.config.margin_threshold
         if threshold > 0 and margin is not None and margin < threshold:
-            return self._skip()
+            self._skip()
+            return Reason.ANCHOR_MARGIN
         self._margin_bin = None if margin is None or not self.config.margin_auto else margin_bin(margin)
-        losing = self._margin_bin is not None and self.margin_gain.losing(self._margin_bin)
-        losing = losing or (self.config.enabled and self._recent_advantage() < 0.0)
+        bin_losing = self._margin_bin is not None and self.margin_gain.losing(self._margin_bin)
+        recent_losing = not bin_losing and self.config.enabled and self._recent_advantage() < 0.0
+        losing = bin_losing or recent_losing
         if losing and not self._probe_due():
-            return self._skip()
+            self._skip()
+            return Reason.LEARNED_MARGIN if bin_losing else Reason.RECENT_LOSS
         self._probe = losing
-        return True
+        return None
 
     def _probe_due(self) -> bool:
         """This round is the losing streak's next probe."""
         return self._since + 1 >= self._gap
 
-    def _skip(self) -> bool:
+    def _skip(self) -> None:
         """A round the gate kept from drafting: one plain step (1 token, plain_ms)."""
         self._since += 1
         self._account(1, self.cost.plain_ms)
-        return False
 
     def _recent_advantage(self) -> float:
         """Mean draft_advantage of the recent drafted rounds under the current estimates (tokens);
@@ -301,7 +326,7 @@ class Gate:
 
         `confidence_logits`: one per drafted position. `max_n` (tokens) is the caller's cap:
         min(drafted, remaining max_tokens budget, room before max_seq_len). Disabled gate: k =
-        max_n. A probe round (see should_draft; also due when every draft of a losing streak
+        max_n. A probe round (see pre_draft; also due when every draft of a losing streak
         was cut to 0) submits at least one draft. Raises ValueError, before any state changes and
         whether or not the gate is enabled, when a confidence is NaN or not a number, or max_n
         is not an integer in [0, len(confidence_logits)].
@@ -316,7 +341,7 @@ class Gate:
             # A probe verifies at least one draft, the cheapest test of whether the drafter came
             # back: where verify is dear per draft, a whole block would cost most of the probe.
             floor = min(1, max_n) if probe else self.config.min_draft
-            n = decide_length(probs, max_n, self.pricing or self.cost, self.config.margin, floor, self.rate())
+            n = decide_length(probs, max_n, self.pricing or self.cost, self.config.win_factor, floor, self.rate())
         if probe or self._probe:
             self._gap = min(PROBE_PERIOD, 2 * self._gap)  # still losing: the next probe comes later
         elif n > 0:

@@ -19,14 +19,12 @@ import asyncio
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 from dspark_proto.v1 import common_pb2
 from services.common.settings import VERIFY_MODES, check_choice
-from services.gateway.backends import DrafterSession, GrpcDrafterSession, GrpcVerifierSession, VerifierSession
-
-if TYPE_CHECKING:  # the servicer imports the scheduler; only its Backends type is named here
-    from services.gateway.servicer import Backends
+from services.gateway.backends import (Backends, DrafterSession, GrpcDrafterSession, GrpcVerifierSession,
+                                       VerifierSession)
 
 # Short English text: the profile's prompt (tokenised by the gateway's tokenizer, cut to
 # `ProfileSettings.prompt_tokens`). Its content barely matters to the timings; a real sentence

@@ -1,7 +1,7 @@
 """One speculative round as an immutable record, and the one fold every round counter comes from.
 
-This module owns `RoundRecord`, the `Reason` of a round and the `RoundStats` / `GateStats`
-fold. It must not decide anything: it records and adds up what the scheduler, the gate and the
+This module owns `RoundRecord` and the `RoundStats` / `GateStats` fold (a round's `Reason`
+is `services.gateway.gate`'s, which decides most of them). It must not decide anything: it records and adds up what the scheduler, the gate and the
 replay decided. Counts are in tokens, times in ms.
 
 A round is described once, by a `RoundRecord`: what was decided and why, how many tokens were
@@ -17,10 +17,10 @@ it counts nothing.
 from __future__ import annotations
 
 import bisect
-import enum
 from dataclasses import dataclass, field, fields
 
-from services.gateway.gate import BUCKET_EDGES, NUM_BUCKETS, Calibration, CostModel, LengthChoice, bucket_label
+from services.gateway.gate import (BUCKET_EDGES, NUM_BUCKETS, PRE_DRAFT_SKIPS, Calibration, CostModel, LengthChoice,
+                                   Reason, bucket_label)
 from services.gateway.rounds import Round
 from services.gateway.values import finite_float, is_integer, short_repr
 
@@ -28,24 +28,13 @@ from services.gateway.values import finite_float, is_integer, short_repr
 DECISIONS = ("full", "truncated", "skipped_after_draft", "capped", "margin_skipped", "plain")
 
 
-class Reason(enum.Enum):
-    """Why a round submitted what it did; `RoundRecord.decision` is the coarser public word."""
-
-    FULL = "full"                      # every drafted token was submitted
-    NO_DRAFTER = "no_drafter"          # speculation off, or no drafter session left: plain step
-    DRAFTER_FAILED = "drafter_failed"  # the draft call failed (or gave nothing): plain step
-    NO_ROOM = "no_room"                # max_tokens / max_seq_len leave no draft to submit: not drafted
-    ANCHOR_MARGIN = "anchor_margin"    # the pre-draft margin gate skipped drafting
-    REGIME = "regime"                  # the gateway ran gated rounds plain at this concurrency (not drafted)
-    BUDGET = "budget"                  # drafted, then cut by max_tokens / max_seq_len
-    COST = "cost"                      # drafted, then cut by the gate's cost rule (to 0 included)
-
-
+# The three pre-draft skips share the public word "margin_skipped" (the wire's counter
+# `margin_skipped_rounds`); their reasons tell them apart.
 _DECISION = {Reason.FULL: "full", Reason.NO_DRAFTER: "plain", Reason.DRAFTER_FAILED: "plain",
-             Reason.NO_ROOM: "capped", Reason.ANCHOR_MARGIN: "margin_skipped", Reason.BUDGET: "capped",
-             Reason.REGIME: "plain"}
-# Rounds decided before the pre-draft margin gate was asked (it is asked in every other round).
-_BEFORE_MARGIN_GATE = (Reason.NO_DRAFTER, Reason.NO_ROOM, Reason.REGIME)
+             Reason.NO_ROOM: "capped", Reason.BUDGET: "capped", Reason.REGIME: "plain",
+             **{r: "margin_skipped" for r in PRE_DRAFT_SKIPS}}
+# Rounds decided before the pre-draft gate was asked (it is asked in every other round).
+_BEFORE_PRE_DRAFT_GATE = (Reason.NO_DRAFTER, Reason.NO_ROOM, Reason.REGIME)
 
 
 def drafted_reason(drafted: int, choice: LengthChoice) -> Reason:
@@ -168,7 +157,7 @@ def _merge(mine: object, theirs: object) -> object:
 class GateStats:
     """The gate's view of folded rounds (the `gate` part of the `Stats` RPC).
 
-    rounds: rounds in which the pre-draft margin gate was asked (every round with a drafter and
+    rounds: rounds in which the pre-draft gate was asked (every round with a drafter and
     room to draft); margin_skipped_rounds: those it skipped. drafted_rounds, drafted: rounds
     whose length the gate chose, and their drafts (tokens). truncated (0 < k < max_n) and
     skipped_after_draft (k = 0 < max_n): the gate's cuts. verified_rounds, submitted, accepted:
@@ -194,8 +183,8 @@ class GateStats:
     def add(self, r: RoundRecord) -> None:
         """Fold one round in. Positions 0..accepted-1 matched, position `accepted` missed when
         accepted < submitted, later ones are unknown and not counted (censored, as the gate learns)."""
-        self.rounds += r.reason not in _BEFORE_MARGIN_GATE
-        self.margin_skipped_rounds += r.reason is Reason.ANCHOR_MARGIN
+        self.rounds += r.reason not in _BEFORE_PRE_DRAFT_GATE
+        self.margin_skipped_rounds += r.reason in PRE_DRAFT_SKIPS
         if not r.gate_saw_draft:
             return
         self.drafted_rounds += 1

@@ -87,7 +87,7 @@ class EstimateTally:
 
 
 def replay_through_gate(rounds: Sequence[Round], gate: Gate, tally: EstimateTally | None = None) -> RoundStats:
-    """Causal replay of `rounds` through `gate`: should_draft, choose (capped at the recorded
+    """Causal replay of `rounds` through `gate`: pre_draft, choose (capped at the recorded
     submitted), observe what that choice would have verified. `tally` (optional) collects the
     estimates the gate held at each round against every recorded observed position, whether
     or not the gate drafted that round (a suspended gate still holds estimates).
@@ -98,8 +98,8 @@ def replay_through_gate(rounds: Sequence[Round], gate: Gate, tally: EstimateTall
             tally.add(rec, gate.estimates())
         if not rec.confidence_logits:
             out.add(replayed_round(rec, None, cost))
-        elif not gate.should_draft(rec.anchor_margin):
-            out.add(replayed_round(rec, None, cost, Reason.ANCHOR_MARGIN))
+        elif (skip := gate.pre_draft(rec.anchor_margin)) is not None:
+            out.add(replayed_round(rec, None, cost, skip))
         else:
             n = gate.choose(rec.confidence_logits, rec.submitted).k
             gate.observe(rec.confidence_logits, n, min(rec.accepted, n))
@@ -186,7 +186,7 @@ class HindsightGate(Gate):
 
 
 def gate_config_for_replay(config: GateConfig) -> GateConfig:
-    """The gated policy's settings: the gate enabled, the pre-draft margin gate off."""
+    """The gated policy's settings: the gate enabled, the fixed anchor-margin threshold off."""
     return replace(config, enabled=True, margin_threshold=0.0)
 
 

@@ -90,7 +90,7 @@ class RegimeConfig:
     window_ms: measured wall ms per window (> 0); a window also needs as many measured rounds
         as generations were in flight when it opened.
     decay: each new window of a regime multiplies that regime's earlier sums by it (in (0, 1]).
-    margin: a bucket's choice changes only when the other regime's rate beats the chosen
+    hysteresis: a bucket's choice changes only when the other regime's rate beats the chosen
         one's by this fraction (>= 0), and its first choice is "plain" only when plain beats
         gate by it: a switch costs (drafter sessions let go and primed again), so noise must
         not flip it, and on a tie the generations' own gates decide.
@@ -113,7 +113,7 @@ class RegimeConfig:
 
     window_ms: float = 1000.0
     decay: float = 0.8
-    margin: float = 0.05
+    hysteresis: float = 0.05
     explore: int = 2
     probe_min: int = 16
     probe_max: int = 64
@@ -121,7 +121,7 @@ class RegimeConfig:
 
     def __post_init__(self) -> None:
         _positive("window_ms", self.window_ms)
-        _positive("margin", self.margin, low_ok=True)
+        _positive("hysteresis", self.hysteresis, low_ok=True)
         decay = finite_float(self.decay)
         if decay is None or not 0 < decay <= 1:
             raise ValueError(f"decay={short_repr(self.decay)}: must be in (0, 1]")
@@ -136,7 +136,7 @@ class RegimeConfig:
             raise ValueError(f"probe_max={self.probe_max}: must be >= probe_min={self.probe_min}")
         # Plain floats from here on: a numpy or Fraction value would pass the checks above but
         # reach Stats, whose JSON has no encoding for it.
-        for name in ("window_ms", "decay", "margin", "probe_budget"):
+        for name in ("window_ms", "decay", "hysteresis", "probe_budget"):
             object.__setattr__(self, name, finite_float(getattr(self, name)))
 
 
@@ -296,15 +296,15 @@ class RegimePolicy:
 
     def _choose(self, index: int) -> str | None:
         """Bucket `index`'s choice from its rates: None until both regimes have `explore`
-        windows; the first is "plain" when plain beats gate by the margin, else "gate"; later
-        the other regime takes over only when it beats the chosen one by the margin."""
+        windows; the first is "plain" when plain beats gate by the hysteresis, else "gate"; later
+        the other regime takes over only when it beats the chosen one by the hysteresis."""
         b = self.buckets[index]
         if min(b.rates[r].windows for r in REGIMES) < self.config.explore:
             return None
         rates = {r: b.rates[r].tok_per_ms for r in REGIMES}
         current = b.chosen or "gate"
         other = _other(current)
-        return other if rates[other] > rates[current] * (1.0 + self.config.margin) else current
+        return other if rates[other] > rates[current] * (1.0 + self.config.hysteresis) else current
 
     def _open(self, bucket: int, in_flight: int, previous: _Window | None, transit: bool = False) -> None:
         """Open the next window of `bucket`. `transit`: the load fell into it from a higher
@@ -391,7 +391,8 @@ class RegimePolicy:
         floor when longer) and per regime windows and
         tok_per_ms (None before any)."""
         c, w = self.config, self.window
-        out = {"window_ms": c.window_ms, "decay": c.decay, "margin": c.margin, "explore": c.explore,
+        # "margin": the Stats RPC's published key for the hysteresis
+        out = {"window_ms": c.window_ms, "decay": c.decay, "margin": c.hysteresis, "explore": c.explore,
                "probe_min": c.probe_min, "probe_max": c.probe_max, "probe_budget": c.probe_budget,
                "discarded_windows": self.discarded, "buckets": [],
                "window": None if w is None else {"in_flight": bucket_name(w.bucket), "regime": w.regime,

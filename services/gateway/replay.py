@@ -14,7 +14,7 @@ confidence below t, t chosen leave-one-workload-out), gated (the Gate, cold at t
 workload, or with `warm` warm-started from the other workloads' calibration, `replay_warm.py`)
 and gated+margin (the Gate with the pre-draft margin gate; only when the rounds carry anchor
 margins and the margin threshold is > 0). The gated policies always run the gate enabled,
-whatever GateConfig.enabled (DEEPSEEK_DSPARK_GATE) says.
+whatever GateConfig.enabled (DSPARK_GATE) says.
 
 A policy can submit at most the recorded `submitted` length, because only those positions were
 verified; submitting n <= submitted gets accepted = min(recorded accepted, n). Round costs come
@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
-from services.analysis.calibration import expected_calibration_error
+from services.gateway.estimator import expected_calibration_error
 from services.gateway.gate import Calibration, CostModel, Gate, GateConfig
 from services.gateway.record import RoundStats
 from services.gateway.references import (  # noqa: F401 - replayed_round is re-exported
@@ -214,7 +214,7 @@ def skipped_policies(log: RoundLog, config: GateConfig) -> dict[str, str]:
     if not any(r.anchor_margin is not None for r in log.rounds):
         skip["gated+margin"] = "needs rounds with anchor_margin"
     elif config.margin_threshold <= 0:
-        skip["gated+margin"] = "needs margin_threshold > 0 (DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD)"
+        skip["gated+margin"] = "needs margin_threshold > 0 (DSPARK_GATE_MARGIN_THRESHOLD)"
     return skip
 
 
@@ -380,7 +380,7 @@ def report_to_dict(report: ReplayReport) -> dict:
         "config": config,
         "gated_policies_gate_enabled": True,
         "note": "the gated policies always run the gate enabled; config.gate_env_enabled is "
-        "DEEPSEEK_DSPARK_GATE, which the replay does not use",
+        "DSPARK_GATE, which the replay does not use",
         "policies": list(report.overall.results),
         "skipped_policies": dict(report.skipped),
         "workloads": [_workload_dict(w) for w in report.workloads],

@@ -19,7 +19,7 @@ import logging
 import time
 
 from services.common.logs import FIELDS
-from services.gateway.scheduler import FinalEvent, GenerationParams
+from services.gateway.events import FinalEvent, GenerationParams
 
 log = logging.getLogger("dspark.requests")
 

@@ -12,8 +12,9 @@ anchor x[n] (streamed as the first completion token) and the prompt's last min(n
 which prime the drafter. Each round, with the anchor x[p] at position p:
   1. gated only: the gateway's regime policy (`RegimePolicy.may_draft`, docs/gate.md §14) may
      run the round plain when the gateway measures more tokens per ms without drafting at its
-     concurrency; then the pre-draft margin gate (`Gate.should_draft`): skip drafting when the
-     anchor's margin is below DEEPSEEK_DSPARK_GATE_MARGIN_THRESHOLD;
+     concurrency; then the pre-draft gate (`Gate.pre_draft`): skip drafting when the anchor's
+     logit margin is below DSPARK_GATE_MARGIN_THRESHOLD, when drafting has lost at
+     its margin bin (threshold auto) or, gate enabled, in the recent drafted rounds;
   2. draft d1..dB and confidence logits from anchor x[p], seed position p-1;
   3. length choice k <= B: `always` submits max_n, `gated` asks the gate; max_n caps k by the
      request's max_draft_tokens, the remaining max_tokens (a round adds k+1 tokens at most)
@@ -60,7 +61,7 @@ from services.gateway.costs import CostTracker
 from services.gateway.drafter_link import MAX_DEFERRED_ROWS, DrafterLink
 from services.gateway.drafters import DraftCheck, DrafterFaults, DrafterSupply
 from services.gateway.events import FinalEvent, GenerationParams, ModelLimits, ProcessStats, TokenEvent
-from services.gateway.gate import Gate, GateConfig, LengthChoice
+from services.gateway.gate import PRE_DRAFT_SKIPS, Gate, GateConfig, LengthChoice
 from services.gateway.load import LoadSeen, PricingStats, VerifierLoad, VerifierOccupancy, priced_at_load
 from services.gateway.metrics import GenerationMetrics, NoGenerationMetrics
 from services.gateway.regime import RegimePolicy
@@ -82,7 +83,7 @@ class Scheduler:
     Args:
         limits: the served model's limits.
         tokenizer: text <-> ids.
-        gate_config: DEEPSEEK_DSPARK_GATE_* settings; `enabled` picks the default spec mode.
+        gate_config: DSPARK_GATE_* settings; `enabled` picks the default spec mode.
         verify_mode: "sequential" or "batched".
         cost_mode: "configured" or "measured" (see `services.gateway.costs`).
         costs: the process's `CostTracker` (None: a new one over `gate_config`'s costs, nothing pinned).
@@ -349,7 +350,7 @@ class _Generation:
             self.seen.observe(res.step_rows, own_rows, res.committed_tokens_per_ms)
             a, drafter, t0 = res.accepted, self.link.session, time.perf_counter()
             # the gate or the regime kept this round from drafting: its rows wait for the next draft
-            defer = plan.reason in (Reason.ANCHOR_MARGIN, Reason.REGIME)
+            defer = plan.reason in (*PRE_DRAFT_SKIPS, Reason.REGIME)
             await self.link.commit(res.rows, pos, [anchor, *drafts[:a]], pos, defer)
             if alone and not defer and drafter is not None and self.link.session is drafter:  # a re-prime is no commit cost
                 s.costs.add_commit((time.perf_counter() - t0) * 1e3)
@@ -363,7 +364,7 @@ class _Generation:
 
     async def _plan(self, anchor: int, pos: int, margin: float, tc) -> _Plan:
         """What this round submits and why: the pre-draft checks (for gated, the gateway's
-        regime, then the margin gate), the draft, then the length
+        regime, then the pre-draft gate), the draft, then the length
         (`always` submits the cap, `gated` asks the gate; without confidences, the cap)."""
         # One regime decision per round: a round that reopened a drafter session under one
         # window must not let it go under the next.
@@ -387,8 +388,9 @@ class _Generation:
             self.s.pricing_stats.add(self.seen)
             self.gate.pricing = priced_at_load(self.cost, self.step_table, self.seen, self.gate.rate(),
                                                self.s.limits.block_size)
-        if not self.gate.should_draft(margin):
-            return _Plan(Reason.ANCHOR_MARGIN)
+        skip = self.gate.pre_draft(margin)
+        if skip is not None:
+            return _Plan(skip)
         await self.link.flush()  # the rows of rounds that did not draft, before the drafter drafts
         reply, draft_ms = await self.link.draft(anchor, pos, tc, self.p.sampling, self.s.draft_check,
                                                 self._needs_probs)
@@ -432,7 +434,8 @@ class _Generation:
         the round recorder all read it."""
         self.counters.add(r)
         for key, value in (("drafted", r.drafted), ("submitted", r.submitted), ("accepted", r.accepted),
-                           ("gate_decision", r.decision), ("verify_ms", r.verify_ms if r.submitted else r.plain_ms)):
+                           ("gate_decision", r.decision), ("gate_reason", r.reason.value),
+                           ("verify_ms", r.verify_ms if r.submitted else r.plain_ms)):
             span.set_attribute(f"spec_decode.{key}", value)
         if r.draft_ms is not None:
             span.set_attribute("spec_decode.draft_ms", r.draft_ms)

@@ -1,9 +1,9 @@
 """Gateway gRPC servicer: validates requests, opens backend streams, runs the scheduler.
 
-This module owns the client-facing RPCs, request validation, the backend channels, the
-start-up identity check and the start-up cost profile's wiring. It must not run a round (the
-scheduler does), time one (`services.gateway.profile` does) or read the environment (its
-settings arrive as a `GatewaySettings`).
+This module owns the client-facing RPCs, request validation, the start-up identity check and
+the start-up cost profile's wiring. It must not run a round (the scheduler does), time one
+(`services.gateway.profile` does), open a backend channel (`services.gateway.backends.Backends`
+does) or read the environment (its settings arrive as a `GatewaySettings`).
 
 Client-facing: `Generate` (server streaming), `Abort` and `Stats`. Every Generate has a
 `request_id` (the client's, validated, or a generated uuid4 hex) echoed in every message, set
@@ -21,8 +21,9 @@ carries its `TokenLogprob`. Each generation opens one verifier
 drafter failure, within `DSPARK_DRAFTER_FAILOVERS`); all are closed when the generation ends,
 fails or the client cancels. `connect_backends` checks at start that the drafter and the
 verifier serve the same model and refuses to pair them otherwise, naming the differing fields.
-The backend channels reconnect at most `MAX_RECONNECT_BACKOFF_MS` apart, so a backend that
-restarts is used again within about that long (see docs/services.md §4). `measure_costs` runs
+The backend channels (`services.gateway.backends.Backends`) reconnect at most
+`MAX_RECONNECT_BACKOFF_MS` apart, so a backend that restarts is used again within about that
+long (see docs/services.md §4). `measure_costs` runs
 the start-up cost profile of `DSPARK_GATE_COSTS=measured` (docs/gate.md §12) after
 `connect_backends`, before the gateway serves.
 """
@@ -37,15 +38,12 @@ import secrets
 from typing import Sequence
 
 import grpc
-from opentelemetry.sdk.trace import TracerProvider
 
-from dspark_proto.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
+from dspark_proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from dsv4.sampling import SEED_LIMIT, SamplingParams
 from services.common.sampling_wire import logprob_to_proto, params_from_proto
-from services.common.server import channel_options
-from services.common.settings import GatewaySettings, backend_target
-from services.common.telemetry import client_interceptors
-from services.gateway.backends import BackendError, GrpcDrafterSession, GrpcVerifierSession
+from services.common.settings import GatewaySettings
+from services.gateway.backends import BackendError, Backends, GrpcDrafterSession, GrpcVerifierSession
 from services.gateway.costs import CostTracker
 from services.gateway.drafters import DrafterSupply
 from services.gateway.profile import ProfileError, ProfileSettings, profile_backends
@@ -65,17 +63,6 @@ IDENTITY_FIELDS = ("config_hash", "vocab_size", "block_size", "window_size", "ta
                    "row_width", "max_seq_len", "noise_token_id")
 
 
-# Reconnect pacing of the backend channels. gRPC's default backoff (1 s, growing x1.6 up to
-# 120 s) left a restarted drafter unused for ~14 s, every generation meanwhile running plain.
-# A dead backend costs one refused connect per channel and second at this pace; the connect
-# timeout itself (`grpc.min_reconnect_backoff_ms`, 20 s) stays gRPC's, so a slow handshake
-# over a real network is not cut short. gRPC adds up to 20 % jitter to each wait.
-INITIAL_RECONNECT_BACKOFF_MS = 100
-MAX_RECONNECT_BACKOFF_MS = 1000
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", INITIAL_RECONNECT_BACKOFF_MS),
-                     ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
-
-
 class IdentityMismatch(RuntimeError):
     """The drafter and the verifier serve different models."""
 
@@ -87,34 +74,6 @@ def compare_identities(verifier: common_pb2.ModelIdentity, drafter: common_pb2.M
              for f in IDENTITY_FIELDS if getattr(verifier, f) != getattr(drafter, f)]
     if diffs:
         raise IdentityMismatch("drafter and verifier serve different models; " + "; ".join(diffs))
-
-
-class Backends:
-    """Channels and stubs to the verifier and (optionally) the drafter."""
-
-    def __init__(self, settings: GatewaySettings, provider: TracerProvider | None = None,
-                 credentials: grpc.ChannelCredentials | None = None, options: Sequence[tuple[str, object]] = ()):
-        self.settings = settings
-        # round_robin: a target that resolves to several addresses (`ipv4:a,b`, `dns:///` of a
-        # headless Service) spreads the Session streams over the replicas, one stream each.
-        opts = channel_options() + [("grpc.lb_policy_name", "round_robin"), *RECONNECT_OPTIONS, *options]
-        inter = client_interceptors(provider)
-
-        def channel(target: str) -> grpc.aio.Channel:
-            if credentials is not None:
-                return grpc.aio.secure_channel(target, credentials, options=opts, interceptors=inter)
-            return grpc.aio.insecure_channel(target, options=opts, interceptors=inter)
-
-        self.verifier_channel = channel(backend_target(settings.verifier_target, "verifier target"))
-        self.verifier = verifier_pb2_grpc.VerifierStub(self.verifier_channel)
-        self.drafter_channel = (channel(backend_target(settings.drafter_target, "drafter target"))
-                                if settings.drafter_target else None)
-        self.drafter = drafter_pb2_grpc.DrafterStub(self.drafter_channel) if self.drafter_channel else None
-
-    async def close(self) -> None:
-        for ch in (self.verifier_channel, self.drafter_channel):
-            if ch is not None:
-                await ch.close()
 
 
 async def connect_backends(backends: Backends) -> tuple[ModelLimits, common_pb2.ModelIdentity]:

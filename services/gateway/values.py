@@ -59,7 +59,7 @@ _COST_RULE = (lambda v: 0.0 <= v <= MAX_COST_MS, f"in [0, {MAX_COST_MS:g}] (ms)"
 # Field -> (predicate on the normalised value, rule in words).
 _RULES = {
     "margin_threshold": (lambda v: v >= 0, ">= 0"),
-    "margin": (lambda v: v >= 1.0, ">= 1"),
+    "win_factor": (lambda v: v >= 1.0, ">= 1"),
     "min_draft": (lambda v: 0 <= v <= MAX_MIN_DRAFT, f"an integer in [0, {MAX_MIN_DRAFT}]"),
     "decay": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
     "draft_ms": _COST_RULE,
@@ -68,6 +68,12 @@ _RULES = {
     "plain_ms": (lambda v: MIN_COST_MS <= v <= MAX_COST_MS, f"in [{MIN_COST_MS:g}, {MAX_COST_MS:g}] (ms)"),
     "prior_weight": (lambda v: v > 0, "> 0"),
 }
+
+
+def rule_text(field_name: str) -> str:
+    """The valid values of GateConfig field `field_name`, in words (docs/settings.md).
+    Raises KeyError for a field that is not a setting."""
+    return "0, 1, true, false" if field_name == "enabled" else _RULES[field_name][1]
 
 
 def check_setting(field_name: str, value: object, name: str, raw: str | None = None) -> bool | int | float:

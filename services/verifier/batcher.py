@@ -58,7 +58,8 @@ from typing import Callable
 import torch
 
 from dsv4.sampling import GREEDY, SamplingParams
-from dsv4.trunk import Trunk, as_int
+from dsv4.scalars import as_int
+from dsv4.trunk import Trunk
 from services.common.sessions import UnknownSessionError
 from services.common.schedule import Schedule, Step
 from services.common.step_queue import StepQueue
@@ -136,7 +137,7 @@ class StepLoop(StepQueue):
         if not batchable(engine.model):
             raise ValueError(f"the step loop drives a plain Trunk, a top-k dump wrapper over one or a TPTrunk, "
                              f"got {type(engine.model).__name__}")
-        self.prefill_chunk = as_int(prefill_chunk, "prefill_chunk")
+        self.prefill_chunk = as_int("prefill_chunk", prefill_chunk)
         if self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be >= 1 (tokens per step)")
         schedule = Schedule(gather_s, self.AWAY_KINDS, self.prefill_chunk)

@@ -86,7 +86,8 @@ from services.verifier.committed import CommittedRows, CommittedTail
 from services.verifier.work import SessionRecord, StepResult, VerifyResult, abandon, absorb, top2_margin
 
 from dsv4.sampling import GREEDY, SamplingParams
-from dsv4.trunk import EXACT_ROWS, Trunk, as_int
+from dsv4.scalars import as_int
+from dsv4.trunk import EXACT_ROWS, Trunk
 
 __all__ = ["SessionLimitError", "UnknownSessionError", "SessionRecord", "StepResult", "VerifyResult",
            "VerifierEngine", "abandon", "absorb", "per_session_bytes", "top2_margin"]
@@ -114,7 +115,7 @@ def _token_list(ids: object, name: str) -> list[int]:
     if not isinstance(ids, (list, tuple)):
         raise ValueError(f"{name} must be a list, tuple or 1-D integer tensor of token ids, "
                          f"got {type(ids).__name__}")
-    return [as_int(v, f"{name}[{i}]") for i, v in enumerate(ids)]
+    return [as_int(f"{name}[{i}]", v) for i, v in enumerate(ids)]
 
 
 class VerifierEngine(SessionHost[SessionRecord]):
@@ -136,11 +137,11 @@ class VerifierEngine(SessionHost[SessionRecord]):
 
     def __init__(self, model: Trunk, max_sessions: int = 16, prefill_keep_rows: int | None = None,
                  limit_rule: str = ""):
-        max_sessions = as_int(max_sessions, "max_sessions")
+        max_sessions = as_int("max_sessions", max_sessions)
         if max_sessions < 1:
             raise ValueError(f"max_sessions={max_sessions}: must be >= 1")
         if prefill_keep_rows is not None:
-            prefill_keep_rows = as_int(prefill_keep_rows, "prefill_keep_rows")
+            prefill_keep_rows = as_int("prefill_keep_rows", prefill_keep_rows)
             if prefill_keep_rows < 0:
                 raise ValueError(f"prefill_keep_rows={prefill_keep_rows}: must be >= 0")
         self.model, self.cfg = model, model.cfg
@@ -184,7 +185,7 @@ class VerifierEngine(SessionHost[SessionRecord]):
             ValueError: count not an integer >= 0, or nothing committed yet (both named).
             UnknownSessionError: `sid` not open.
         """
-        count = as_int(count, "rows count")
+        count = as_int("rows count", count)
         with self._table.locked(sid) as s:
             return s.committed.tail(count)
 
@@ -242,8 +243,8 @@ class VerifierEngine(SessionHost[SessionRecord]):
             UnknownSessionError: `sid` not open.
         """
         s = self._get(sid)
-        token_id = as_int(token_id, "token_id")
-        position = as_int(position, "position")
+        token_id = as_int("token_id", token_id)
+        position = as_int("position", position)
         self._check_position(sid, s, position)
         if position >= self.cfg.max_seq_len:
             raise ValueError(f"decode position={position}: must be < max_seq_len={self.cfg.max_seq_len}")
@@ -272,8 +273,8 @@ class VerifierEngine(SessionHost[SessionRecord]):
         s = self._get(sid)
         if mode not in VERIFY_MODES:
             raise ValueError(f"verify mode={mode!r}: must be one of {VERIFY_MODES}")
-        anchor = as_int(anchor, "anchor")
-        position = as_int(position, "position")
+        anchor = as_int("anchor", anchor)
+        position = as_int("position", position)
         draft_ids = _token_list(drafts, "drafts")
         self._check_position(sid, s, position)
         ids = [anchor, *draft_ids]

@@ -1,13 +1,13 @@
-"""`DSV4_TOPK_DIAG=K`: the verifier's trunk writes the top-K ids and logits of every forward (for `dspark parity`).
+"""`DSPARK_TOPK_DIAG=K`: the verifier's trunk writes the top-K ids and logits of every forward (for `dspark parity`).
 
 Owns the dump file format and its writing; the wrapper never changes a result of the trunk it
 wraps, and it reads no environment (K and the folder arrive as `TopKDiagSettings`).
 
 `maybe_wrap(model, setting, rank)` returns `model` unchanged when `setting` is None (what
-`services.settings` makes of `DSV4_TOPK_DIAG` unset or 0); for K >= 1 it returns a
+`services.settings` makes of `DSPARK_TOPK_DIAG` unset or 0); for K >= 1 it returns a
 `TopKDiagTrunk` that forwards every call to the model and, after each
 prefill (or prompt chunk), decode and verify block, appends one JSON line to
-`$DSV4_TOPK_DIAG_DIR/topk-rank{rank}-pid{pid}.jsonl` (default directory: the working one;
+`$DSPARK_TOPK_DIAG_DIR/topk-rank{rank}-pid{pid}.jsonl` (default directory: the working one;
 a second wrapped trunk in the same process writes `...-pid{pid}-1.jsonl`, and so on).
 The verifier wraps its trunk with it (`services.app.verifier_engine`), and under tensor
 parallelism every rank wraps its own shard (`services.verifier.tp`), so each rank writes its
@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
-ENV_K = "DSV4_TOPK_DIAG"
-ENV_DIR = "DSV4_TOPK_DIAG_DIR"  # named in errors about the dump folder
+ENV_K = "DSPARK_TOPK_DIAG"
+ENV_DIR = "DSPARK_TOPK_DIAG_DIR"  # named in errors about the dump folder
 FORMAT = "dspark-topk"
 MAX_K = 4096
 _WRAPPED = itertools.count()

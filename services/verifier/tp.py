@@ -21,13 +21,13 @@ command and one set of collectives per step, whatever the number of sessions in 
 
 Start-up order (a short rendezvous loses ranks while rank 0 loads 167 GB, docs/architecture.md
 §12): rank 0 opens a TCP store, spawns the workers, every rank announces itself in the store
-and waits for the others (bounded by `DSV4_TP_INIT_TIMEOUT_S`, default 600 s), the process
+and waits for the others (bounded by `DSPARK_TP_INIT_TIMEOUT_S`, default 600 s), the process
 group is created, and only then does each rank load and shard its weights; rank 0 waits for
 every worker's "ready" within the same init deadline. The process side of that order, with
 `TPWorkerError`, is `services.verifier.tp_start`'s; `TPSettings` is `services.verifier.tp_worker`'s
 (every rank is built with it); both are re-exported here.
 
-Failure policy: each collective fails after `DSV4_TP_CALL_TIMEOUT_S` (default 120 s, the
+Failure policy: each collective fails after `DSPARK_TP_CALL_TIMEOUT_S` (default 120 s, the
 process group's op timeout), a dead peer fails it at once (gloo sees the closed socket),
 and rank 0 watches the worker processes while it waits for their acknowledgements. A dead,
 stalled or diverging worker raises `TPWorkerError` on rank 0 within about the call timeout,
@@ -368,9 +368,9 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
         kernels: the `kernels/` implementations every rank's trunk uses (None = torch).
     Raises:
         ValueError: tp < 1, bad device, cfg None with weights not a path, an invalid
-            DSV4_TP_* variable (named), or (strict) a size tp does not divide.
+            DSPARK_TP_* variable (named), or (strict) a size tp does not divide.
         TPWorkerError: a worker failed to start, died, or did not join and load within
-            the init timeout (`DSV4_TP_INIT_TIMEOUT_S`).
+            the init timeout (`DSPARK_TP_INIT_TIMEOUT_S`).
     """
     settings = TPSettings() if settings is None else settings
     if not isinstance(tp, int) or tp < 1:

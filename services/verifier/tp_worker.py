@@ -33,13 +33,13 @@ if TYPE_CHECKING:
     from kernels.select import KernelConfig
     from services.verifier.topk_diag import TopKDiagSettings
 
-ENV_INIT_TIMEOUT = "DSV4_TP_INIT_TIMEOUT_S"  # the variables of TPSettings, named in its errors
-ENV_CALL_TIMEOUT = "DSV4_TP_CALL_TIMEOUT_S"
+ENV_INIT_TIMEOUT = "DSPARK_TP_INIT_TIMEOUT_S"  # the variables of TPSettings, named in its errors
+ENV_CALL_TIMEOUT = "DSPARK_TP_CALL_TIMEOUT_S"
 
 
 @dataclass(frozen=True)
 class TPSettings:
-    """TP timeouts in seconds (`services.settings`: `DSV4_TP_INIT_TIMEOUT_S`, `DSV4_TP_CALL_TIMEOUT_S`).
+    """TP timeouts in seconds (`services.settings`: `DSPARK_TP_INIT_TIMEOUT_S`, `DSPARK_TP_CALL_TIMEOUT_S`).
 
     init_timeout_s: rendezvous plus weight loading of every rank.
     call_timeout_s: one proxied call (the process group's per-collective timeout).
@@ -95,7 +95,7 @@ def build_rank(spec: RankSpec, comm: dtp.Collectives) -> Trunk:
     weights = spec.weights
     if isinstance(weights, str):
         _, weights = load_trunk_weights(weights, spec.cfg, dtype=spec.dtype)
-    from services.verifier.topk_diag import maybe_wrap  # DSV4_TOPK_DIAG: one dump file per rank
+    from services.verifier.topk_diag import maybe_wrap  # DSPARK_TOPK_DIAG: one dump file per rank
     return maybe_wrap(dtp.build_rank_trunk(spec.cfg, weights, comm, spec.plan, spec.dtype, spec.quant_sim,
                                            spec.deterministic_reduce, spec.device(comm.rank), spec.kernels),
                       spec.topk, comm.rank)
