@@ -30,7 +30,7 @@ setup: $(VENV)/.installed
 # always-k and gated generations of four prompts, then the table (training/demo.py).
 # DEMO_ARGS: the demo's options, e.g. make demo DEMO_ARGS="--port-base 52150 --repeats 5"
 demo: setup
-	@echo "demo: starting the three services on the bundled model (serving within about 10-30 s), then"
+	@echo "demo: starting the three services on the bundled model (serving within about 10-60 s), then"
 	@echo "demo: four prompts as plain / always-k / gated generations and the table"
 	$(PY) -m training.demo $(DEMO_ARGS)
 

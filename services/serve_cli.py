@@ -63,7 +63,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                     help="checkpoint folder all three load (default: $DSPARK_CHECKPOINT, else the random tiny model)")
     up.add_argument("--oracle", action="store_true", help="use the oracle drafter")
     up.add_argument("--port-base", type=int, default=DEFAULT_PORTS["gateway"],
-                    help="gateway port; the verifier listens on port-base + 1, the drafter on + 2")
+                    help="gateway port; the verifier listens on port-base + 1, the drafter on + 2, HTTP on + 3")
     up.add_argument("--metrics-port", type=int, default=None,
                     help="Prometheus metrics: gateway on this port, verifier on + 1, drafter on + 2 "
                          "(default: none; $DSPARK_METRICS_PORT is not used by up)")
