@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 
 import pytest
 
@@ -57,3 +58,29 @@ def test_tokenize_both_forms_still_work(front):
     code, chat = _post(front.http_port, "/tokenize",
                        json.dumps({"messages": [{"role": "user", "content": "ab"}]}).encode())
     assert code == 200 and chat["count"] > 2
+
+
+def _raw_post(port: int, path: str, body: bytes, extra_header: bytes) -> tuple[int, dict]:
+    head = (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            + extra_header + b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
+    with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S) as sock:
+        sock.sendall(head + body)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    status = int(data.split(b" ", 2)[1])
+    return status, json.loads(data.split(b"\r\n\r\n", 1)[1] or b"{}")
+
+
+@pytest.mark.parametrize("header", [b"Authorization: Bearer caf\xc3\xa9", b"Authorization: Bearer a\x01b"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_authorization_header_grpc_cannot_carry_is_a_400_not_a_500(front, header, stream):
+    # Without a configured token the header is forwarded as gRPC metadata; a non-ASCII or
+    # control character made the gRPC call fail before it started: 500 "Invalid metadata".
+    body = json.dumps({"prompt": "ab", "max_tokens": 2, "stream": stream}).encode()
+    code, reply = _raw_post(front.http_port, "/v1/completions", body, header)
+    assert code == 400, reply
+    assert reply["error"]["type"] == "invalid_request_error"
+    assert reply["error"]["message"].startswith("Authorization header:"), reply
+    assert "caf" not in reply["error"]["message"]  # the token is never echoed
+    assert not any(front.wait_idle(TIMEOUT_S).values())
