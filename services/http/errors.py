@@ -85,7 +85,8 @@ async def api_error_handler(request: Request, exc: ApiError) -> JSONResponse:
 
 # Pydantic names the member of a union it tried in `loc` ("str", "list[int]", a model's class
 # name): not a field of the request.
-_UNION_TAGS = ("body", "str", "int", "float", "bool", "none", "TextPart", "StreamOptions")
+_UNION_TAGS = ("body", "str", "int", "float", "bool", "none", "TextPart", "StreamOptions",
+               "TokenizeChat", "TokenizeCompletion")
 
 
 def _field_path(loc) -> str:

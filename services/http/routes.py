@@ -79,12 +79,19 @@ class Front:
 
     def authorize(self, request: Request) -> str | None:
         """The Authorization header to forward. Raises ApiError 401 when a token is required
-        and the header does not carry it (the message never echoes what was sent)."""
+        and the header does not carry it (the message never echoes what was sent), 400 when it
+        holds a character that gRPC metadata cannot carry (not printable ASCII)."""
         header = request.headers.get("authorization")
         if self.auth is not None:
             reason = self.auth.check([("authorization", header)] if header is not None else [])
             if reason is not None:
                 raise ApiError(401, MISSING_HEADER if reason == MISSING else reason, code="invalid_api_key")
+        if header is not None:
+            bad = next((i for i, ch in enumerate(header) if not " " <= ch <= "~"), None)
+            if bad is not None:  # gRPC metadata carries printable ASCII only: forwarding it would fail as a 500
+                raise ApiError(400, f"Authorization header: character {bad} is not printable ASCII "
+                                    f"(U+{ord(header[bad]):04X}); send the bearer token as printable ASCII",
+                               code="invalid_header")
         return header
 
     def template(self) -> ChatTemplate:

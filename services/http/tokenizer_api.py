@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Union
+from typing import Annotated, Union
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from services.gateway.tokenizer import HFTokenizer
 from services.http.errors import invalid
@@ -55,6 +55,17 @@ class Detokenize(BaseModel):
     tokens: list[int] = Field(max_length=MAX_DETOKENIZE_IDS)
 
 
+def _tokenize_form(body) -> str:
+    """Which form a /tokenize body is: a body with `messages` is a chat, anything else a text
+    prompt, so a bad `prompt` is refused naming `prompt` (not a missing `messages`)."""
+    return "TokenizeChat" if isinstance(body, dict) and "messages" in body else "TokenizeCompletion"
+
+
+TokenizeBody = Annotated[Union[Annotated[TokenizeChat, Tag("TokenizeChat")],
+                               Annotated[TokenizeCompletion, Tag("TokenizeCompletion")]],
+                         Discriminator(_tokenize_form)]
+
+
 def tokenizer_info(checkpoint: str | None, tokenizer) -> dict:
     """GET /tokenizer_info: the checkpoint's tokenizer_config.json (chat template included),
     with `tokenizer_class` set: the file's, else "PreTrainedTokenizerFast" for a tokenizer.json,
@@ -75,7 +86,7 @@ def add_tokenizer_routes(app: FastAPI, front, info: dict) -> None:
     chat_template, model); info: the /tokenizer_info body."""
 
     @app.post("/tokenize")
-    async def tokenize(body: Union[TokenizeChat, TokenizeCompletion], request: Request):
+    async def tokenize(body: TokenizeBody, request: Request):
         front.authorize(request)
         front.check_model(body.model)
         if isinstance(body, TokenizeChat):
