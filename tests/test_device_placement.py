@@ -17,6 +17,7 @@ from services import app, cli
 from services.common.device import DeviceUnavailable, check_available, default_dtype, to_host
 from services.common.settings import BackendSettings, parse_device
 from services.settings import backend_settings, read_settings
+from services.verifier.batcher import StepVerifier
 
 BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "dspark-small"
 HAS_CUDA = torch.cuda.is_available()
@@ -79,7 +80,8 @@ def test_to_host_leaves_cpu_tensors_alone():
 
 
 def _run(engine, prompt: list[int], steps: int, params: SamplingParams):
-    """(tokens, rows of every call) of a prefill then `steps` decodes on a fresh session."""
+    """(tokens, rows of every call) of a prefill then `steps` decodes on a fresh session, through
+    the step loop (`StepVerifier`: a batch of one)."""
     sid = engine.open_session()
     res = engine.prefill(sid, prompt, params)
     tokens, rows = [res.next_token], [res.rows]
@@ -95,13 +97,18 @@ def test_cpu_verifier_through_the_device_path_equals_the_host_loader_bitwise(par
     """The served path (parsed device, its default dtype, shard reads onto the device) against
     the loader as it was before devices: the checkpoint read on the host, an fp32 Trunk."""
     device = parse_device("cpu")
-    new = app.verifier_engine(app.load_trunk(BUNDLED, device=device, dtype=default_dtype(device)), BackendSettings())
+    new = StepVerifier(app.verifier_engine(app.load_trunk(BUNDLED, device=device, dtype=default_dtype(device)),
+                                           BackendSettings()))
     cfg, weights = load_trunk_weights(BUNDLED)
     trunk = Trunk(cfg)
     trunk.load_weights(weights)
-    old = app.verifier_engine(trunk, BackendSettings())
+    old = StepVerifier(app.verifier_engine(trunk, BackendSettings()))
     prompt = [5, 17, 99, 3, 42, 8]
-    got, want = _run(new, prompt, 4, params), _run(old, prompt, 4, params)
+    try:
+        got, want = _run(new, prompt, 4, params), _run(old, prompt, 4, params)
+    finally:
+        new.close()
+        old.close()
     assert got[0] == want[0]
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
 
