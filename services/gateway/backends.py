@@ -25,6 +25,8 @@ import torch
 
 from dspark_proto.v1 import common_pb2, drafter_pb2, verifier_pb2
 from dsv4.sampling import GREEDY, SamplingParams, TokenLogprob
+from services.common.constraint import Constraint
+from services.common.constraint_wire import constraint_to_proto
 from services.common.sampling_wire import logprob_from_proto, logprob_to_proto, params_to_proto
 from services.common.tensors import from_proto, to_proto
 
@@ -124,7 +126,7 @@ class DraftReply:
 class VerifierSession(Protocol):
     # `sampling` is fixed for the session's life: decode and verify choose with it.
     async def prefill(self, token_ids: Sequence[int], trace: common_pb2.TraceContext,
-                      sampling: SamplingParams = GREEDY) -> VerifierReply: ...
+                      sampling: SamplingParams = GREEDY, constraint: Constraint | None = None) -> VerifierReply: ...
     async def decode(self, token_id: int, position: int, trace: common_pb2.TraceContext) -> VerifierReply: ...
     # draft_probs [k, V] fp32: the rejection rule's q of each draft (None otherwise)
     async def verify(self, anchor: int, drafts: Sequence[int], position: int, mode: str,
@@ -235,10 +237,12 @@ class GrpcVerifierSession:
                              r.timing.forward_ms, r.timing.rollback_bytes, logprobs, r.step_rows,
                              r.committed_tokens_per_ms)
 
-    async def prefill(self, token_ids, trace, sampling=GREEDY):
+    async def prefill(self, token_ids, trace, sampling=GREEDY, constraint=None):
         req = verifier_pb2.PrefillRequest(token_ids=list(token_ids))
         if sampling != GREEDY:  # unset is greedy: a plain request stays byte-identical to before
             req.sampling.CopyFrom(params_to_proto(sampling))
+        if constraint is not None:
+            req.constraint.CopyFrom(constraint_to_proto(constraint))
         return await self._ask(trace, prefill=req)
 
     async def decode(self, token_id, position, trace):
@@ -320,8 +324,8 @@ class LocalVerifierSession:
     async def _run(self, record):
         return await asyncio.wrap_future(self.steps.submit(record))
 
-    async def prefill(self, token_ids, trace, sampling=GREEDY):
-        r = await self._run(self.engine.admit_prefill(self.sid, list(token_ids), sampling))
+    async def prefill(self, token_ids, trace, sampling=GREEDY, constraint=None):
+        r = await self._run(self.engine.admit_prefill(self.sid, list(token_ids), sampling, constraint))
         return VerifierReply(r.next_token, r.margin, 0, wire_rows(r.rows), r.positions.start, r.forward_ms,
                              logprobs=_wire_logprobs(r.logprobs))
 

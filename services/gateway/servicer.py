@@ -41,6 +41,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from dspark_proto.v1 import common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
 from dsv4.sampling import SEED_LIMIT, SamplingParams
+from services.common.constraint_wire import constraint_from_proto
 from services.common.sampling_wire import logprob_to_proto, params_from_proto
 from services.common.server import channel_options
 from services.common.settings import GatewaySettings, backend_target
@@ -251,7 +252,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             params = self.scheduler.params(
                 request.prompt, list(request.prompt_token_ids), request.max_tokens, _SPEC.get(request.spec, ""),
                 request.temperature, list(request.stop_token_ids), list(request.stop), request.ignore_eos,
-                request.label, sampling, request.max_draft_tokens)
+                request.label, sampling, request.max_draft_tokens,
+                constraint_from_proto(request.constraint) if request.HasField("constraint") else None)
             running = self.running.register(rid)
         except DuplicateRequestId as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
