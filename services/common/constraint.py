@@ -166,10 +166,25 @@ class GrammarVocab:
         except (RuntimeError, ValueError, TypeError) as exc:
             raise ConstraintError(f"{c.field}: the {c.kind.replace('_', ' ')} does not compile: "
                                   f"{_library_message(exc)}") from None
+        if c.kind in ("json_schema", "json_object"):
+            grammar = _strict_json_strings(grammar)
         if not productive(str(grammar)):
             raise ConstraintError(f"{c.field}: the {c.kind.replace('_', ' ')} has no accepting path "
                                   "(its root rule derives no finite string)")
         return self._compiler.compile_grammar(grammar)
+
+
+# XGrammar 0.2.9 writes the characters of a length-bounded JSON string as [^"\\\r\n]: a raw
+# control character would pass, which JSON forbids (a strict parser refuses the output).
+_LOOSE_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_STRICT_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+
+
+def _strict_json_strings(grammar: xgr.Grammar) -> xgr.Grammar:
+    """`grammar` with every JSON string character class excluding control characters."""
+    text = str(grammar)
+    return grammar if _LOOSE_STRING_CHAR not in text else xgr.Grammar.from_ebnf(
+        text.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR))
 
 
 def _library_message(exc: Exception) -> str:
