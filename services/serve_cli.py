@@ -259,7 +259,7 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
         trunk = app.load_trunk(s.checkpoint, tp=tp, device=getattr(args, "device", "cpu"),
                                verify_numerics=s.backend.verify_numerics, model=s.model, tp_settings=s.tp,
                                topk=s.topk)
-        engine = app.verifier_engine(trunk, s.backend, available_memory_bytes())
+        engine = app.verifier_engine(trunk, s.backend, available_memory_bytes(), app.grammar_vocab(s.checkpoint, trunk.cfg))
         metrics = _serve_metrics(m.VerifierMetrics(engine), s, args.host, endpoints) if want else None
         profile = app.StepProfileSettings() if s.backend.step_profile else None
         return await app.start_verifier(engine, port, s.backend.verify_mode, provider, args.host, credentials=tls,
@@ -274,7 +274,7 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
         metrics = _serve_metrics(m.DrafterMetrics(engine), s, args.host, endpoints) if want else None
         return await app.start_drafter(engine, port, provider, args.host, credentials=tls, max_connection_age_s=age,
                                        metrics=metrics, gather_s=s.backend.step_gather_ms / 1e3,
-                                       torch_threads=threads)
+                                       torch_threads=threads, vocab=app.grammar_vocab(s.checkpoint, model.cfg))
     from services.gateway.metrics import GatewayMetrics
     metrics = (_serve_metrics(GatewayMetrics(model=m.served_model_name(s.checkpoint)), s, args.host, endpoints)
                if want else None)

@@ -232,6 +232,15 @@ def checkpoint_vocab(checkpoint: str | Path | None, vocab_size: int, eos_token_i
     return byte_vocab(vocab_size, eos_token_id)
 
 
+def resolve_vocab(vocab, vocab_size: int, eos_token_id: int) -> GrammarVocab:
+    """A service's grammar vocabulary from what it was given: a `GrammarVocab`, a zero-argument
+    callable making one (built on the first constrained request: serving without constraints
+    never pays for a large vocabulary), or None (the byte vocabulary of vocab_size)."""
+    if isinstance(vocab, GrammarVocab):
+        return vocab
+    return byte_vocab(vocab_size, eos_token_id) if vocab is None else vocab()
+
+
 # ---------------------------------------------------------------------------- productivity
 _RULE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*) ::= (.*)$")
 _LITERAL = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]')

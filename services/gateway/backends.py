@@ -138,8 +138,11 @@ class VerifierSession(Protocol):
 
 
 class DrafterSession(Protocol):
+    # constraint: (the generation's output constraint, its first output position), sent with a
+    # priming commit (token_first_position 0) so the drafter drafts inside the grammar.
     async def commit(self, rows: torch.Tensor, first_position: int, token_ids: Sequence[int],
-                     token_first_position: int, trace: common_pb2.TraceContext) -> None: ...
+                     token_first_position: int, trace: common_pb2.TraceContext,
+                     constraint: tuple[Constraint, int] | None = None) -> None: ...
     async def draft(self, anchor: int, seed_position: int, trace: common_pb2.TraceContext,
                     sampling: SamplingParams = GREEDY) -> DraftReply: ...
     async def close(self) -> None: ...
@@ -284,9 +287,12 @@ class GrpcDrafterSession:
                                                 f"the request's is {position}")
         return r
 
-    async def commit(self, rows, first_position, token_ids, token_first_position, trace):
+    async def commit(self, rows, first_position, token_ids, token_first_position, trace, constraint=None):
         req = drafter_pb2.CommitRequest(rows=to_proto(rows), first_position=first_position,
                                         token_ids=list(token_ids), token_first_position=token_first_position)
+        if constraint is not None:
+            req.constraint.CopyFrom(constraint_to_proto(constraint[0]))
+            req.constraint_first_position = constraint[1]
         await self._ask(drafter_pb2.DrafterRequest(trace=trace, commit=req), first_position + rows.shape[0] - 1)
 
     async def draft(self, anchor, seed_position, trace, sampling=GREEDY):
@@ -354,7 +360,8 @@ class LocalDrafterSession:
     def __init__(self, engine):
         self.engine, self.sid = engine, engine.open_session()
 
-    async def commit(self, rows, first_position, token_ids, token_first_position, trace):
+    async def commit(self, rows, first_position, token_ids, token_first_position, trace, constraint=None):
+        # in process the drafter drafts blind: the verifier's mask alone keeps the output exact
         def run():
             if self.engine.observes_tokens and token_ids:  # services.drafter.interface.Drafter
                 self.engine.observe_tokens(self.sid, token_first_position, list(token_ids))

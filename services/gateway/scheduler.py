@@ -263,6 +263,8 @@ class _Generation:
         self.counters = RoundStats()  # folded from this generation's round records
         self.link = DrafterLink(drafters if can_draft else None, verifier, sched.drafter_faults, metrics,
                                 self.counters, awake=self._regime_drafts())
+        if p.constraint is not None:
+            self.link.constraint = (p.constraint, len(p.prompt_ids))
         gate_cfg = sched.gate_config
         if p.spec == "gated":
             gate_cfg = dataclasses.replace(gate_cfg, enabled=sched.limits.confidence_head)

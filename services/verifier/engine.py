@@ -86,7 +86,7 @@ from services.verifier.committed import CommittedRows, CommittedTail
 from services.verifier.work import SessionRecord, StepResult, VerifyResult, abandon, absorb, top2_margin
 
 from dsv4.sampling import GREEDY, SamplingParams
-from services.common.constraint import Constraint, GrammarVocab, byte_vocab
+from services.common.constraint import Constraint, GrammarVocab, resolve_vocab
 from services.verifier.grammar import GrammarState
 from dsv4.trunk import EXACT_ROWS, Trunk, as_int
 
@@ -129,8 +129,9 @@ class VerifierEngine(SessionHost[SessionRecord]):
             drafter's rings can hold).
         limit_rule: how max_sessions was chosen, one line for Info
             (`services.common.limits.SessionLimit.rule`; "" when not said).
-        vocab: the `GrammarVocab` constrained sessions compile against (default: the byte
-            vocabulary of the model's vocab_size, what a checkpoint without tokenizer.json uses).
+        vocab: the `GrammarVocab` constrained sessions compile against, or a callable making
+            it on first use (None: the byte vocabulary of the model's vocab_size, what a
+            checkpoint without tokenizer.json uses; `services.common.constraint.resolve_vocab`).
     Raises:
         ValueError: max_sessions not an integer >= 1, prefill_keep_rows not None or an
             integer >= 0.
@@ -139,7 +140,7 @@ class VerifierEngine(SessionHost[SessionRecord]):
     """
 
     def __init__(self, model: Trunk, max_sessions: int = 16, prefill_keep_rows: int | None = None,
-                 limit_rule: str = "", vocab: GrammarVocab | None = None):
+                 limit_rule: str = "", vocab=None):
         max_sessions = as_int(max_sessions, "max_sessions")
         if max_sessions < 1:
             raise ValueError(f"max_sessions={max_sessions}: must be >= 1")
@@ -157,8 +158,8 @@ class VerifierEngine(SessionHost[SessionRecord]):
     @property
     def vocab(self) -> GrammarVocab:
         """The grammar vocabulary (built on first use: unconstrained serving never pays for it)."""
-        if self._vocab is None:
-            self._vocab = byte_vocab(self.cfg.vocab_size, self.cfg.eos_token_id)
+        if not isinstance(self._vocab, GrammarVocab):
+            self._vocab = resolve_vocab(self._vocab, self.cfg.vocab_size, self.cfg.eos_token_id)
         return self._vocab
 
     # ------------------------------------------------------------------ sessions
