@@ -120,3 +120,139 @@ def test_validity_and_exactness_grid_over_twenty_schemas(oracle_exact, dspark_ex
     n = len(run_grid(oracle_exact, SCHEMAS, (0.0, 0.7, 1.0), ("always", "gated")))
     n += len(run_grid(dspark_exact, SCHEMAS[:8], (0.0, 0.7), ("always",), ("sequential",)))
     assert n >= 200, n
+
+
+# ---------------------------------------------------------------------------- scripted and failing drafters
+from dspark_proto.v1 import drafter_pb2_grpc, gateway_pb2_grpc  # noqa: E402
+from services.app import start_gateway  # noqa: E402
+from services.common.constraint import byte_vocab, make_constraint  # noqa: E402
+from services.common.server import start_server  # noqa: E402
+from services.common.settings import GatewaySettings  # noqa: E402
+from services.drafter.servicer import DrafterServicer  # noqa: E402
+from services.verifier.grammar import GrammarState  # noqa: E402
+from services.verifier.servicer import verifier_identity  # noqa: E402
+from services_fixtures import collect  # noqa: E402
+from test_drafter_faults import ScriptedDrafter  # noqa: E402
+
+CHOICE_SCHEMA = SCHEMAS[14]  # nested object with an enum: forced keys and free strings
+
+
+def grammatical_detours(target: list[int], schema: dict, prompt_len: int, vocab_size: int, block: int):
+    """A drafter script whose every block is: the target's own token at the first drafted
+    position, then a token the grammar allows there that is NOT the target's (rejected), then
+    tokens the grammar allows after that detour. `target`: prompt + plain constrained output.
+    Returns (script, commits seen)."""
+    compiled = byte_vocab(vocab_size, 1).compile(make_constraint("json_schema", schema))
+    commits = []
+
+    def script(op, req, reply):
+        if op == "commit":
+            commits.append(req.commit)
+            return
+        first = req.draft.seed_position + 2  # position of the first draft
+        state = GrammarState(compiled, vocab_size, 1)
+        for t in target[prompt_len:first]:
+            state.accept(t)
+        tokens = []
+        for j in range(block):
+            q = first + j
+            allowed = state.allowed().nonzero().flatten().tolist()
+            want = target[q] if q < len(target) else 1
+            pick = want if j == 0 else next((a for a in allowed if a != want), want)
+            tokens.append(pick)
+            state.accept(pick)
+            if pick == 1:
+                break
+        reply.ClearField("tokens")
+        reply.tokens.extend(tokens)
+        reply.ClearField("confidence_logits")
+        reply.confidence_logits.extend([4.0] * len(tokens))
+    return script, commits
+
+
+def test_grammatical_then_rejected_drafts_never_advance_the_matcher():
+    """A scripted drafter proposes, every round, one accepted token then grammatical tokens the
+    target rejects: the output equals constrained plain decode (batched verify, exact numerics),
+    and the priming commit carried the constraint."""
+    async def run():
+        engine = verifier_engine(exact_trunk(), BackendSettings(verify_numerics="exact"))
+        verifier = await start_verifier(engine)
+        identity = verifier_identity(engine)
+        identity.role, identity.confidence_head, identity.drafter_kind = "drafter", True, "scripted"
+        cfg = engine.cfg
+        scripted = ScriptedDrafter(identity, cfg.dspark_block_size)
+        drafter = await start_server("dspark.v1.Drafter",
+                                     lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(scripted, s))
+        gw, _, backends = await start_gateway(GatewaySettings(
+            verifier_target=f"127.0.0.1:{verifier.port}", drafter_target=f"127.0.0.1:{drafter.port}",
+            verify_mode="batched", cost_mode="configured", startup_timeout_s=10.0), GateConfig())
+        try:
+            import grpc
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
+                stub = gateway_pb2_grpc.GatewayStub(ch)
+                plain = await collect(stub, schema_request(CHOICE_SCHEMA, "off"))
+                prompt = list(b"json:")
+                target = [b + 2 for b in prompt] + plain.token_ids
+                scripted.script, commits = grammatical_detours(target, CHOICE_SCHEMA, len(prompt), cfg.vocab_size,
+                                                               cfg.dspark_block_size)
+                spec = await collect(stub, schema_request(CHOICE_SCHEMA, "always"))
+                return plain, spec, commits
+        finally:
+            await gw.stop(0)
+            await backends.close()
+            await drafter.stop(0)
+            await verifier.stop(0)
+
+    plain, spec, commits = service_loop().run(run(), 300)
+    check_valid(plain, CHOICE_SCHEMA)
+    assert spec.token_ids == plain.token_ids
+    st = spec.final.spec_stats
+    assert st.accepted > 0 and st.submitted - st.accepted >= st.rounds - st.plain_rounds - 1  # a detour a round
+    assert commits[0].HasField("constraint") and commits[0].constraint_first_position == len(b"json:")
+    assert all(not c.HasField("constraint") for c in commits[1:])
+
+
+class FailingOnce(DrafterServicer):
+    """A real drafter (live oracle) whose `fail_at`-th draft reply, once, names another session:
+    the gateway drops the session as failed and fails over to a new one, primed again with the
+    constraint and every committed token."""
+
+    fail_at = 3
+
+    async def _handle(self, sid, request, received):
+        response = await super()._handle(sid, request, received)
+        if request.WhichOneof("op") == "draft":
+            self.drafts = getattr(self, "drafts", 0) + 1
+            if self.drafts == self.fail_at:
+                response.session_tag += 1
+        return response
+
+
+def test_a_drafter_failing_mid_generation_re_primes_its_matcher_and_output_equals_plain(oracle_exact):
+    async def run():
+        servicer = FailingOnce(drafter_engine(tiny_trunk(), oracle=True))
+        drafter = await start_server("dspark.v1.Drafter",
+                                     lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s))
+        gw, _, backends = await start_gateway(GatewaySettings(
+            verifier_target=oracle_exact.verifier_target, drafter_target=f"127.0.0.1:{drafter.port}",
+            verify_mode="batched", cost_mode="configured", startup_timeout_s=10.0), GateConfig())
+        try:
+            import grpc
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
+                stub = gateway_pb2_grpc.GatewayStub(ch)
+                plain = await collect(stub, schema_request(SCHEMAS[2], "off"))
+                before = servicer.grammars is not None
+                spec = await collect(stub, schema_request(SCHEMAS[2], "always"))
+                return plain, spec, before
+        finally:
+            await gw.stop(0)
+            await backends.close()
+            await drafter.stop(0)
+
+    plain, spec, masking = service_loop().run(run(), 300)
+    assert masking and spec.token_ids == plain.token_ids
+    st = spec.final.spec_stats
+    assert st.drafter_failovers == 1 and not st.drafter_failed
+    # an uncorrupted oracle inside the grammar proposes exactly the target's tokens: after the
+    # failover its re-primed matcher keeps every draft accepted
+    assert st.accepted == st.submitted > 0
