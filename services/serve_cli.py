@@ -85,6 +85,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--label", default="", help="workload label for the gateway's recorded rounds")
     gen.add_argument("--json", action="store_true", help="print each streamed message as one JSON line")
     _sampling_args(gen)
+    shape = gen.add_mutually_exclusive_group()  # docs/structured.md: one constraint per request
+    shape.add_argument("--json-schema", metavar="FILE", help="output matches this JSON Schema (a file)")
+    shape.add_argument("--json-object", action="store_true", help="output is one JSON object")
+    shape.add_argument("--regex", metavar="R", help="output matches this regular expression")
+    shape.add_argument("--grammar", metavar="FILE", help="output matches this EBNF / GBNF grammar (a file)")
+    shape.add_argument("--choice", metavar="A,B,...", help="output is one of these comma-separated strings")
     gen.set_defaults(func=_generate)
 
     stats = sub.add_parser("stats", help="print a gateway's process totals (Gateway.Stats)")
