@@ -142,3 +142,12 @@ def test_bundled_tokenizer_vocab_keeps_special_tokens_out():
     allowed = state.allowed()
     assert not allowed[0] and not allowed[4095] and allowed.sum() > 0  # bos, the noise token
     assert vocab.info.vocab_size == 4096
+
+
+def test_forced_run_is_the_single_allowed_tokens_and_leaves_the_matcher():
+    state = GrammarState(VOCAB.compile(make_constraint("json_schema", {
+        "type": "object", "properties": {"color": {"enum": ["red", "green"]}}, "required": ["color"]})), 512, 1)
+    forced = state.forced_run(64)
+    assert TOK.decode(forced) == '{"color": "'  # then red / green: a choice
+    assert state.accepted == 0 and state.allows(ord("{") + 2)
+    assert state.forced_run(3) == forced[:3]

@@ -91,9 +91,24 @@ class GrammarState:
             self.accepted = int(accepted)
             self._version += 1
 
-    def forced(self) -> str:
-        """The text the grammar forces next (its only continuation; "" when it has a choice)."""
-        return self._matcher.find_jump_forward_string()
+    def forced_run(self, limit: int) -> list[int]:
+        """The tokens the grammar forces next, at most `limit`: while exactly one token is
+        allowed (eos excluded), that token. The matcher is left as it was. These are exactly
+        the tokens any rule would choose there (one allowed token wins every draw), which is
+        what makes jump-forward exact (docs/structured.md); a string the grammar forces but the
+        vocabulary can spell several ways is not forced here.
+        """
+        run, start = [], self.accepted
+        try:
+            while len(run) < limit and not self.finished:
+                allowed = self.allowed().nonzero().flatten()
+                if allowed.numel() != 1 or int(allowed[0]) == self.eos_token_id:
+                    break
+                run.append(int(allowed[0]))
+                self.accept(run[-1])
+        finally:
+            self.rollback_to(start)
+        return run
 
     # ------------------------------------------------------------------ the bitmask
     def _fill(self) -> "GrammarState":
