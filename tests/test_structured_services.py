@@ -170,6 +170,14 @@ def grammatical_detours(target: list[int], schema: dict, prompt_len: int, vocab_
     return script, commits
 
 
+async def _close(gateway, backends, *servers) -> None:
+    """Stop a gateway, its backend channels, then `servers` in order."""
+    await gateway.stop(0)
+    await backends.close()
+    for server in servers:
+        await server.stop(0)
+
+
 def test_grammatical_then_rejected_drafts_never_advance_the_matcher():
     """A scripted drafter proposes, every round, one accepted token then grammatical tokens the
     target rejects: the output equals constrained plain decode (batched verify, exact numerics),
@@ -198,10 +206,7 @@ def test_grammatical_then_rejected_drafts_never_advance_the_matcher():
                 spec = await collect(stub, schema_request(CHOICE_SCHEMA, "always"))
                 return plain, spec, commits
         finally:
-            await gw.stop(0)
-            await backends.close()
-            await drafter.stop(0)
-            await verifier.stop(0)
+            await _close(gw, backends, drafter, verifier)
 
     plain, spec, commits = service_loop().run(run(), 300)
     check_valid(plain, CHOICE_SCHEMA)
@@ -245,9 +250,7 @@ def test_a_drafter_failing_mid_generation_re_primes_its_matcher_and_output_equal
                 spec = await collect(stub, schema_request(SCHEMAS[2], "always"))
                 return plain, spec, before
         finally:
-            await gw.stop(0)
-            await backends.close()
-            await drafter.stop(0)
+            await _close(gw, backends, drafter)
 
     plain, spec, masking = service_loop().run(run(), 300)
     assert masking and spec.token_ids == plain.token_ids
