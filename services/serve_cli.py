@@ -85,12 +85,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--label", default="", help="workload label for the gateway's recorded rounds")
     gen.add_argument("--json", action="store_true", help="print each streamed message as one JSON line")
     _sampling_args(gen)
-    shape = gen.add_mutually_exclusive_group()  # docs/structured.md: one constraint per request
-    shape.add_argument("--json-schema", metavar="FILE", help="output matches this JSON Schema (a file)")
-    shape.add_argument("--json-object", action="store_true", help="output is one JSON object")
-    shape.add_argument("--regex", metavar="R", help="output matches this regular expression")
-    shape.add_argument("--grammar", metavar="FILE", help="output matches this EBNF / GBNF grammar (a file)")
-    shape.add_argument("--choice", metavar="A,B,...", help="output is one of these comma-separated strings")
+    _constraint_args(gen)
     gen.set_defaults(func=_generate)
 
     stats = sub.add_parser("stats", help="print a gateway's process totals (Gateway.Stats)")
@@ -110,6 +105,16 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs", type=int, default=0, help="top alternatives per token (0..20; with --json)")
     p.add_argument("--sampling-rule", choices=("default", "coupled", "rejection"), default="default",
                    help="acceptance rule of speculative sampling (default: the gateway's DSPARK_SAMPLING_RULE)")
+
+
+def _constraint_args(p: argparse.ArgumentParser) -> None:
+    """`dspark generate`'s output constraint flags, one at most (docs/structured.md)."""
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="output matches this JSON Schema (a file)")
+    shape.add_argument("--json-object", action="store_true", help="output is one JSON object")
+    shape.add_argument("--regex", metavar="R", help="output matches this regular expression")
+    shape.add_argument("--grammar", metavar="FILE", help="output matches this EBNF / GBNF grammar (a file)")
+    shape.add_argument("--choice", metavar="A,B,...", help="output is one of these comma-separated strings")
 
 
 def _client_args(p: argparse.ArgumentParser, timeout: float) -> None:
