@@ -151,3 +151,13 @@ def test_forced_run_is_the_single_allowed_tokens_and_leaves_the_matcher():
     assert TOK.decode(forced) == '{"color": "'  # then red / green: a choice
     assert state.accepted == 0 and state.allows(ord("{") + 2)
     assert state.forced_run(3) == forced[:3]
+
+
+def test_a_constraint_no_token_can_start_is_refused():
+    from services.common.constraint import GrammarVocab
+    vocab = GrammarVocab(["", "", "a", "b"], 4, 1)  # spells only a and b
+    with pytest.raises(ConstraintError, match="guided_regex: no token of the model's vocabulary can start"):
+        vocab.compile(make_constraint("regex", "c+", "guided_regex"))
+    state = GrammarState(vocab.compile(make_constraint("regex", "a+")), 4, 1)
+    state.accept(2)
+    assert state.allowed().tolist() == [False, True, True, False]  # eos may end it, or more a

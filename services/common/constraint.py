@@ -171,7 +171,11 @@ class GrammarVocab:
         if not productive(str(grammar)):
             raise ConstraintError(f"{c.field}: the {c.kind.replace('_', ' ')} has no accepting path "
                                   "(its root rule derives no finite string)")
-        return self._compiler.compile_grammar(grammar)
+        compiled = self._compiler.compile_grammar(grammar)
+        if not _can_start(compiled, self.vocab_size):
+            raise ConstraintError(f"{c.field}: no token of the model's vocabulary can start the "
+                                  f"{c.kind.replace('_', ' ')}")
+        return compiled
 
 
 # XGrammar 0.2.9 writes the characters of a length-bounded JSON string as [^"\\\r\n]: a raw
@@ -185,6 +189,13 @@ def _strict_json_strings(grammar: xgr.Grammar) -> xgr.Grammar:
     text = str(grammar)
     return grammar if _LOOSE_STRING_CHAR not in text else xgr.Grammar.from_ebnf(
         text.replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR))
+
+
+def _can_start(compiled: xgr.CompiledGrammar, vocab_size: int) -> bool:
+    """Whether the vocabulary allows some first token (eos counts: an empty output is one)."""
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
 
 
 def _library_message(exc: Exception) -> str:

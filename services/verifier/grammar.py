@@ -65,8 +65,15 @@ class GrammarState:
 
     def mask(self, row: torch.Tensor) -> torch.Tensor:
         """A copy of the logits `row` ([V] or [1, V], any float dtype, any device) with every
-        forbidden token at -inf, the bitmask applied on the row's device."""
+        forbidden token at -inf, the bitmask applied on the row's device.
+
+        Raises:
+            GrammarError: no token of the vocabulary continues the grammar here (a grammar
+                needing text no token spells); the request fails rather than leave it.
+        """
         out = row.reshape(1, -1).clone()
+        if not self._fill().bitmask.any():
+            raise GrammarError("no token of the model's vocabulary continues the constraint here")
         bitmask = self._fill().bitmask.to(out.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=self.vocab_size)
         return out.reshape(row.shape)
