@@ -15,6 +15,7 @@ oracle drafter the trunk).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -29,6 +30,8 @@ from dsv4.dspark import DSparkDraft, load_draft_module
 from dsv4.init import random_weights
 from dsv4.trunk import Trunk
 from dsv4.settings import Settings as ModelSettings
+from kernels.select import KernelConfig
+from services.common.constraint import checkpoint_vocab
 from services.common.limits import session_limit
 from services.common.server import RunningServer, start_server
 from services.common.settings import DEFAULT_MAX_CONNECTION_AGE_S, BackendSettings, GatewaySettings
@@ -198,18 +201,19 @@ async def start_drafter(engine, port: int = 0, provider: TracerProvider | None =
                         host: str = "127.0.0.1", credentials: grpc.ServerCredentials | None = None,
                         max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S, metrics=None,
                         step_loop: bool = True, gather_s: float = 0.0,
-                        torch_threads: int | None = None) -> RunningServer:
+                        torch_threads: int | None = None, vocab=None, mask_drafts: bool = True) -> RunningServer:
     """Serve the Drafter over `engine` (a `DrafterEngine` or an oracle drafter), as
     `start_verifier`; metrics: a `services.common.metrics.DrafterMetrics` (None: none).
     step_loop: run every session's commits and drafts in one batched step loop
     (`services.drafter.steps`) when the engine is a TP=1 `DrafterEngine`; False, or an
     oracle: one thread per call. The loop stops with the server. gather_s, torch_threads: as
-    `start_verifier`'s.
+    `start_verifier`'s. vocab: the `GrammarVocab` constrained sessions draft inside (None: the
+    byte vocabulary); mask_drafts False drafts blind (benchmarks: acceptance without the mask).
     Raises RuntimeError: port not bound; ValueError: gather_s negative or not finite."""
     steps = None
     if step_loop and drafter_batchable(engine):
         steps = DraftStepLoop(engine, None if metrics is None else metrics.record_step, gather_s, torch_threads)
-    servicer = DrafterServicer(engine, provider, metrics, steps)
+    servicer = DrafterServicer(engine, provider, metrics, steps, vocab, mask_drafts)
     return await _serve_with_loop("dspark.v1.Drafter",
                                   lambda s: drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, s),
                                   steps, port, host, provider, credentials, max_connection_age_s)
@@ -271,11 +275,12 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
 
 
 def verifier_engine(model: Trunk, settings: BackendSettings | None = None,
-                    available_bytes: int | None = None) -> VerifierEngine:
+                    available_bytes: int | None = None, vocab=None) -> VerifierEngine:
     """A `VerifierEngine` over `model` (a `Trunk`, TP proxy or top-k wrapper) with the
     session limit `services.common.limits.session_limit` chooses from `settings.max_sessions`
     (default `BackendSettings()`), the model's per-session bytes and `available_bytes`
-    (memory available at start-up, bytes; None: unknown, the fallback limit).
+    (memory available at start-up, bytes; None: unknown, the fallback limit); vocab: the
+    grammar vocabulary of constrained sessions (`grammar_vocab`; None: the byte vocabulary).
 
     Raises:
         ValueError: not one session fits in the memory rule (`session_limit`).
@@ -283,7 +288,13 @@ def verifier_engine(model: Trunk, settings: BackendSettings | None = None,
     settings = BackendSettings() if settings is None else settings
     limit = session_limit(per_session_bytes(model), settings.max_sessions, available_bytes)
     log.info("verifier: %d sessions at most (%s)", limit.limit, limit.rule)
-    return VerifierEngine(model, max_sessions=limit.limit, limit_rule=limit.rule)
+    return VerifierEngine(model, max_sessions=limit.limit, limit_rule=limit.rule, vocab=vocab)
+
+
+def grammar_vocab(checkpoint: str | Path | None, cfg):
+    """The grammar vocabulary of a checkpoint, built on first use (a callable for
+    `verifier_engine` / `start_drafter`): its tokenizer.json's, else the byte vocabulary."""
+    return functools.cache(lambda: checkpoint_vocab(checkpoint, cfg.vocab_size, cfg.eos_token_id))
 
 
 def drafter_engine(module_or_trunk, oracle: bool = False, settings: BackendSettings | None = None,

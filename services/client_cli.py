@@ -89,6 +89,11 @@ def _generate(args) -> int:
         print("dspark generate: --logprobs prints with --json only; add --json", file=sys.stderr)
         return 2
     try:
+        args.constraint = cli_constraint(args)
+    except ValueError as e:
+        print(f"dspark generate: {e}", file=sys.stderr)
+        return 2
+    try:
         return asyncio.run(_generate_async(args))
     except grpc.aio.AioRpcError as e:
         print(f"dspark generate: {args.target}: {rpc_failure(e, args.timeout)}", file=sys.stderr)
@@ -96,6 +101,43 @@ def _generate(args) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the stream is cancelled; a line, not a traceback
         print("\ndspark generate: interrupted", file=sys.stderr)
         return 130
+
+
+def cli_constraint(args) -> common_pb2.Constraint | None:
+    """The wire constraint of `dspark generate`'s --json-schema / --json-object / --regex /
+    --grammar / --choice (at most one; None without any). The gateway compiles it.
+
+    Raises:
+        ValueError: a file that cannot be read, a schema file that is not JSON, an empty
+            choice (each naming the flag).
+    """
+    if getattr(args, "json_schema", None) is not None:
+        text = _read_flag_file("--json-schema", args.json_schema)
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-schema={args.json_schema!r}: not JSON: {e}") from None
+        return common_pb2.Constraint(json_schema=text)
+    if getattr(args, "json_object", False):
+        return common_pb2.Constraint(json_object=True)
+    if getattr(args, "regex", None) is not None:
+        return common_pb2.Constraint(regex=args.regex)
+    if getattr(args, "grammar", None) is not None:
+        return common_pb2.Constraint(grammar=_read_flag_file("--grammar", args.grammar))
+    if getattr(args, "choice", None) is not None:
+        choices = args.choice.split(",")
+        if not all(choices):
+            raise ValueError(f"--choice={args.choice!r}: every comma-separated choice must be non-empty")
+        return common_pb2.Constraint(choice=common_pb2.ChoiceList(choices=choices))
+    return None
+
+
+def _read_flag_file(flag: str, path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read(1 << 20)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag}={path!r}: cannot read: {getattr(e, 'strerror', None) or e}") from None
 
 
 def final_line(msg: gateway_pb2.GenerateResponse, sampled: bool = True) -> str:
@@ -119,6 +161,8 @@ async def _generate_async(args) -> int:
                                       sampling_rule=_RULES[args.sampling_rule])
     if args.seed is not None:
         req.seed = args.seed
+    if args.constraint is not None:
+        req.constraint.CopyFrom(args.constraint)
     async with _channel(args) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         async for msg in stub.Generate(req, timeout=args.timeout, metadata=_metadata(args)):

@@ -87,6 +87,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--label", default="", help="workload label for the gateway's recorded rounds")
     gen.add_argument("--json", action="store_true", help="print each streamed message as one JSON line")
     _sampling_args(gen)
+    _constraint_args(gen)
     gen.set_defaults(func=_generate)
 
     stats = sub.add_parser("stats", help="print a gateway's process totals (Gateway.Stats)")
@@ -106,6 +107,16 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs", type=int, default=0, help="top alternatives per token (0..20; with --json)")
     p.add_argument("--sampling-rule", choices=("default", "coupled", "rejection"), default="default",
                    help="acceptance rule of speculative sampling (default: the gateway's DSPARK_SAMPLING_RULE)")
+
+
+def _constraint_args(p: argparse.ArgumentParser) -> None:
+    """`dspark generate`'s output constraint flags, one at most (docs/structured.md)."""
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE", help="output matches this JSON Schema (a file)")
+    shape.add_argument("--json-object", action="store_true", help="output is one JSON object")
+    shape.add_argument("--regex", metavar="R", help="output matches this regular expression")
+    shape.add_argument("--grammar", metavar="FILE", help="output matches this EBNF / GBNF grammar (a file)")
+    shape.add_argument("--choice", metavar="A,B,...", help="output is one of these comma-separated strings")
 
 
 def _client_args(p: argparse.ArgumentParser, timeout: float) -> None:
@@ -298,7 +309,7 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
         trunk = app.load_trunk(s.checkpoint, tp=tp, device=s.backend.device, dtype=default_dtype(s.backend.device),
                                verify_numerics=s.backend.verify_numerics, model=s.model, tp_settings=s.tp,
                                topk=s.topk)
-        engine = app.verifier_engine(trunk, s.backend, available_memory_bytes())
+        engine = app.verifier_engine(trunk, s.backend, available_memory_bytes(), app.grammar_vocab(s.checkpoint, trunk.cfg))
         metrics = _serve_metrics(m.VerifierMetrics(engine), s, args.host, endpoints) if want else None
         profile = app.StepProfileSettings() if s.backend.step_profile else None
         return await app.start_verifier(engine, port, s.backend.verify_mode, provider, args.host, credentials=tls,
@@ -314,7 +325,7 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
         metrics = _serve_metrics(m.DrafterMetrics(engine), s, args.host, endpoints) if want else None
         return await app.start_drafter(engine, port, provider, args.host, credentials=tls, max_connection_age_s=age,
                                        metrics=metrics, gather_s=s.backend.step_gather_ms / 1e3,
-                                       torch_threads=threads)
+                                       torch_threads=threads, vocab=app.grammar_vocab(s.checkpoint, model.cfg))
     from services.gateway.metrics import GatewayMetrics
     metrics = (_serve_metrics(GatewayMetrics(model=m.served_model_name(s.checkpoint)), s, args.host, endpoints)
                if want else None)

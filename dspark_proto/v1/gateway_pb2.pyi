@@ -20,7 +20,7 @@ SPEC_MODE_ALWAYS: SpecMode
 SPEC_MODE_GATED: SpecMode
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "spec", "stop_token_ids", "stop", "ignore_eos", "label", "request_id", "max_draft_tokens", "top_p", "top_k", "min_p", "seed", "logprobs", "sampling_rule")
+    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "spec", "stop_token_ids", "stop", "ignore_eos", "label", "request_id", "max_draft_tokens", "top_p", "top_k", "min_p", "seed", "logprobs", "sampling_rule", "constraint")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class GenerateRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_RULE_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
@@ -55,7 +56,8 @@ class GenerateRequest(_message.Message):
     seed: int
     logprobs: int
     sampling_rule: _common_pb2.SamplingRule
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., spec: _Optional[_Union[SpecMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., label: _Optional[str] = ..., request_id: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., sampling_rule: _Optional[_Union[_common_pb2.SamplingRule, str]] = ...) -> None: ...
+    constraint: _common_pb2.Constraint
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., spec: _Optional[_Union[SpecMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., label: _Optional[str] = ..., request_id: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., sampling_rule: _Optional[_Union[_common_pb2.SamplingRule, str]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

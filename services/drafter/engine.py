@@ -145,8 +145,15 @@ class DrafterEngine(SessionHost[DraftState], Drafter):
         Raises:
             ValueError, UnknownSessionError: as `draft`.
         """
+        return self.draft_guided(sid, anchor, seed_position, params, None)
+
+    def draft_guided(self, sid: int, anchor: int, seed_position: int, params: SamplingParams,
+                     guide) -> SampledDraft:
+        """`draft_sampled` inside a grammar: `guide` (`services.drafter.grammar.DraftGuide`, or
+        None) masks each slot's logits, after the Markov bias, before the slot is drawn; q is
+        then the masked distribution. Raises: as `draft`."""
         sampler = DraftSampler(params, seed_position)
         with self._table.locked(sid) as state:
-            out = self.module.draft(state, anchor, seed_position, sampler)
+            out = self.module.draft(state, anchor, seed_position, sampler if guide is None else guide.wrap(sampler))
         conf = None if out.confidence is None else out.confidence.detach().float().cpu()
         return SampledDraft(out.tokens, conf, sampler.probs()[:len(out.tokens)])

@@ -102,6 +102,14 @@ class Drafter(Protocol):
         probs = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.int64), vocab).float()
         return SampledDraft(list(tokens), conf, probs.reshape(len(tokens), vocab))
 
+    def draft_guided(self, sid: int, anchor: int, seed_position: int, params: SamplingParams,
+                     guide) -> SampledDraft:
+        """Draft inside a grammar: `guide` (`services.drafter.grammar.DraftGuide`) masks each
+        slot's logits before the slot is chosen under `params` and follows the choice. This
+        default, for drafters whose proposal reads no logits (the scripted oracle), is
+        `draft_sampled` unguided. Raises: as `draft`."""
+        return self.draft_sampled(sid, anchor, seed_position, params)
+
     def observe_tokens(self, sid: int, first_position: int, token_ids: Sequence[int]) -> None:
         """Take the committed token ids of positions first_position.. (called only when
         `observes_tokens` is True).

@@ -146,14 +146,22 @@ class LiveOracleDrafter(SessionHost[_LiveSession], Drafter):
         the trunk's logits with the TOKEN stream keyed by (seed, q), exactly what the coupled
         verifier picks there; corrupted by the schedule like `draft`. q is one-hot on each
         proposal (the proposal is a function of the context). Raises like `draft`."""
+        return self.draft_guided(sid, anchor, seed_position, params, None)
+
+    def draft_guided(self, sid: int, anchor: int, seed_position: int, params: SamplingParams,
+                     guide) -> SampledDraft:
+        """`draft_sampled` inside a grammar: `guide` (`services.drafter.grammar.DraftGuide`, or
+        None) masks the trunk's logits before each pick and follows each (corrupted) token."""
+        mask = (lambda logits: logits) if guide is None else guide.mask
         tokens, conf = self._continue(sid, anchor, seed_position, lambda q, logits: int(
-            keyed_choice(logits.reshape(1, -1), params, [q])[0]))
+            keyed_choice(mask(logits).reshape(1, -1), params, [q])[0]), guide)
         probs = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.int64), self.cfg.vocab_size).float()
         return SampledDraft(tokens, conf, probs.reshape(len(tokens), self.cfg.vocab_size))
 
     def _continue(self, sid: int, anchor: int, seed_position: int,
-                  pick: Callable[[int, torch.Tensor], int]) -> tuple[list[int], torch.Tensor]:
-        """Decode the continuation, pick(position, logits [V]) choosing each token; see `draft`."""
+                  pick: Callable[[int, torch.Tensor], int], guide=None) -> tuple[list[int], torch.Tensor]:
+        """Decode the continuation, pick(position, logits [V]) choosing each token (`guide`, if
+        any, follows each token as drafted, corrupted ones included); see `draft`."""
         anchor, p = check_draft_args(self.cfg, anchor, seed_position)
         with self._table.locked(sid) as s:
             check_seed(s.last_position, p)
@@ -168,5 +176,7 @@ class LiveOracleDrafter(SessionHost[_LiveSession], Drafter):
             token = pick(p + 2 + j, self.trunk.decode(state, token, p + 1 + j, taps=False).logits.reshape(-1))
             bad = every > 0 and (p + j) % every == every - 1
             tokens.append((token + 1) % V if bad else token)
+            if guide is not None:
+                guide.took(tokens[-1])
             conf.append(self.doubtful if bad else self.confident)
         return tokens, torch.tensor(conf, dtype=torch.float32)

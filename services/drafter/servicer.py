@@ -23,6 +23,7 @@ from services.common.telemetry import message_span
 from services.common.sampling_wire import params_from_proto
 from services.common.tensors import from_proto, to_proto
 from services.drafter.interface import Drafter, SampledDraft, feed_tokens
+from services.drafter.grammar import DraftGrammars
 from services.drafter.steps import DraftStepLoop, DraftStepStats
 
 
@@ -51,13 +52,20 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
         metrics: a `services.common.metrics.DrafterMetrics` fed each answered call (None: none).
         steps: the step loop over `engine` that runs every commit and draft (None: one thread
             per call).
+        vocab: the `GrammarVocab` a constrained session compiles against, a callable making it
+            on first use, or None (the byte vocabulary of the model's vocab_size).
+        mask_drafts: draft inside each constrained session's grammar (docs/structured.md);
+            False drafts blind, which only benchmarks want (acceptance with and without).
     """
 
     def __init__(self, engine: Drafter, provider: TracerProvider | None = None, metrics=None,
-                 steps: DraftStepLoop | None = None):
+                 steps: DraftStepLoop | None = None, vocab=None, mask_drafts: bool = True):
         self.engine, self.provider, self.metrics, self.steps = engine, provider, metrics, steps
         ident = engine.identity()
         self.row_width = ident["row_width"]
+        cfg = getattr(engine, "cfg", None) or getattr(getattr(engine, "module", None), "cfg", None)
+        eos = 1 if cfg is None else cfg.eos_token_id  # 1: the DeepSeek convention, for engines without a config
+        self.grammars = DraftGrammars(ident["vocab_size"], eos, vocab) if mask_drafts else None
 
     async def Info(self, request, context):
         return identity_message(self.engine.identity(), self.engine.max_sessions, self.engine.num_sessions,
@@ -95,31 +103,53 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
         Raises ValueError for a bad sampling value (the field named) or a bad draft."""
         params = params_from_proto(d.sampling, field="draft.sampling")  # unset: all zero, greedy
         step_ms = None
-        if self.steps is not None:
-            reply = await asyncio.wrap_future(
-                self.steps.submit_draft(sid, d.anchor, d.seed_position, None if params.greedy else params))
-            value, step_ms = reply.value, reply.step_ms
-        elif params.greedy:
-            value = await asyncio.to_thread(self.engine.draft, sid, d.anchor, d.seed_position)
-        else:
-            value = await asyncio.to_thread(self.engine.draft_sampled, sid, d.anchor, d.seed_position, params)
+        guide = None if self.grammars is None else self.grammars.guide(sid, d.anchor, d.seed_position)
+        try:
+            value, step_ms = await self._drafted(sid, d, params, guide)
+        finally:
+            if guide is not None:
+                guide.end()
         sampled = isinstance(value, SampledDraft)
         tokens, conf = (value.tokens, value.confidence) if sampled else value
         response = drafter_pb2.DrafterResponse(tokens=tokens, confidence_logits=[] if conf is None else conf.tolist(),
                                                committed_through=d.seed_position)
-        if sampled and params.rule == "rejection":  # the coupled rule never reads q
+        if sampled and params.rule == "rejection" and not params.greedy:  # the coupled rule never reads q
             response.draft_probs.CopyFrom(to_proto(value.probs, "float32"))
         return response, step_ms
+
+    async def _drafted(self, sid: int, d, params, guide) -> tuple[object, float | None]:
+        """(the engine's draft value, the step's ms or None) in the step loop or on a thread."""
+        step_ms = None
+        if self.steps is not None:
+            reply = await asyncio.wrap_future(
+                self.steps.submit_draft(sid, d.anchor, d.seed_position, None if params.greedy else params, guide))
+            value, step_ms = reply.value, reply.step_ms
+        elif guide is not None:
+            value = await asyncio.to_thread(self.engine.draft_guided, sid, d.anchor, d.seed_position, params, guide)
+        elif params.greedy:
+            value = await asyncio.to_thread(self.engine.draft, sid, d.anchor, d.seed_position)
+        else:
+            value = await asyncio.to_thread(self.engine.draft_sampled, sid, d.anchor, d.seed_position, params)
+        return value, step_ms
 
     async def _commit(self, sid: int, commit) -> tuple[drafter_pb2.DrafterResponse, float | None]:
         """A commit in the step loop's next step, or on a thread of its own; returns (the
         response, the step's ms or None without a loop)."""
         if self.steps is None:
-            return await asyncio.to_thread(self._commit_now, sid, commit), None
+            response = await asyncio.to_thread(self._commit_now, sid, commit)
+            self._observe(sid, commit)
+            return response, None
         rows, positions = self._commit_rows(commit)
         feed_tokens(self.engine, sid, commit.token_first_position, commit.token_ids)  # a no-op: DSpark only
         reply = await asyncio.wrap_future(self.steps.submit_commit(sid, rows, positions))
+        self._observe(sid, commit)
         return drafter_pb2.DrafterResponse(committed_through=positions[-1]), reply.step_ms
+
+    def _observe(self, sid: int, commit) -> None:
+        """A commit that landed: the session's grammar follows its tokens (a priming commit, the
+        one with tokens from position 0, sets the session's constraint or clears it)."""
+        if self.grammars is not None:
+            self.grammars.commit(sid, commit)
 
     def _commit_now(self, sid: int, commit) -> drafter_pb2.DrafterResponse:
         # The rows' wire shape is checked before the token ids are fed: an observing drafter

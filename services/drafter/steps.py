@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from dsv4.sampling import DraftSampler, SamplingParams
+from dsv4.sampling import GREEDY, DraftSampler, SamplingParams
 from services.common.sessions import UnknownSessionError
 from services.common.schedule import Schedule, Step
 from services.common.step_queue import StepQueue
@@ -125,17 +125,20 @@ class DraftStepLoop(StepQueue):
         self._enqueue(request)
         return request.future
 
-    def submit_draft(self, sid: int, anchor: int, seed_position: int, params: SamplingParams | None = None) -> Future:
+    def submit_draft(self, sid: int, anchor: int, seed_position: int, params: SamplingParams | None = None,
+                     guide=None) -> Future:
         """Queue a draft (see `DrafterEngine.draft`); the future's `StepReply.value` is (tokens,
         confidence logits [n] fp32 on CPU or None), or it fails as the engine's call would.
         params: sampling parameters (None or greedy: the argmax); sampled, the value is a
         `SampledDraft` as `DrafterEngine.draft_sampled` returns (probabilistic drafting).
+        guide: a `services.drafter.grammar.DraftGuide` masking each slot (None: none); the
+        value is then a `SampledDraft` whatever the params (greedy: q one-hot).
 
         Raises:
             ValueError: the session already has a request in the loop (one at a time).
             RuntimeError: the loop is closed.
         """
-        request = _Request(sid, "draft", (anchor, seed_position, params), Future())
+        request = _Request(sid, "draft", (anchor, seed_position, params, guide), Future())
         self._enqueue(request)
         return request.future
 
@@ -197,10 +200,12 @@ class DraftStepLoop(StepQueue):
         if not ok:
             return done
         # sampled drafts choose inside the Markov loop, each with its own request's seed and params
-        samplers = [None if p is None or p.greedy else DraftSampler(p, seed) for _, seed, p in (r.args for r, _ in ok)]
+        samplers = [DraftSampler(p or GREEDY, seed) if g is not None or not (p is None or p.greedy) else None
+                     for _, seed, p, g in (r.args for r, _ in ok)]
+        choosers = [s if s is None or r.args[3] is None else r.args[3].wrap(s) for (r, _), s in zip(ok, samplers)]
         try:
             outs = self.module.draft_batch([s for _, s in ok], [r.args[0] for r, _ in ok], [r.args[1] for r, _ in ok],
-                                           samplers)
+                                           choosers)
         except Exception as exc:  # the forward failed: every draft of the step gets it
             return done + [(r, None, exc) for r, _ in ok]
         for (r, _), out, sampler in zip(ok, outs, samplers):

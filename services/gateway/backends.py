@@ -29,6 +29,8 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from dspark_proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from dsv4.sampling import GREEDY, SamplingParams, TokenLogprob
+from services.common.constraint import Constraint
+from services.common.constraint_wire import constraint_to_proto
 from services.common.sampling_wire import logprob_from_proto, logprob_to_proto, params_to_proto
 from services.common.server import channel_options
 from services.common.settings import GatewaySettings, backend_target
@@ -131,7 +133,7 @@ class DraftReply:
 class VerifierSession(Protocol):
     # `sampling` is fixed for the session's life: decode and verify choose with it.
     async def prefill(self, token_ids: Sequence[int], trace: common_pb2.TraceContext,
-                      sampling: SamplingParams = GREEDY) -> VerifierReply: ...
+                      sampling: SamplingParams = GREEDY, constraint: Constraint | None = None) -> VerifierReply: ...
     async def decode(self, token_id: int, position: int, trace: common_pb2.TraceContext) -> VerifierReply: ...
     # draft_probs [k, V] fp32: the rejection rule's q of each draft (None otherwise)
     async def verify(self, anchor: int, drafts: Sequence[int], position: int, mode: str,
@@ -143,8 +145,11 @@ class VerifierSession(Protocol):
 
 
 class DrafterSession(Protocol):
+    # constraint: (the generation's output constraint, its first output position), sent with a
+    # priming commit (token_first_position 0) so the drafter drafts inside the grammar.
     async def commit(self, rows: torch.Tensor, first_position: int, token_ids: Sequence[int],
-                     token_first_position: int, trace: common_pb2.TraceContext) -> None: ...
+                     token_first_position: int, trace: common_pb2.TraceContext,
+                     constraint: tuple[Constraint, int] | None = None) -> None: ...
     async def draft(self, anchor: int, seed_position: int, trace: common_pb2.TraceContext,
                     sampling: SamplingParams = GREEDY) -> DraftReply: ...
     async def close(self) -> None: ...
@@ -242,10 +247,12 @@ class GrpcVerifierSession:
                              r.timing.forward_ms, r.timing.rollback_bytes, logprobs, r.step_rows,
                              r.committed_tokens_per_ms)
 
-    async def prefill(self, token_ids, trace, sampling=GREEDY):
+    async def prefill(self, token_ids, trace, sampling=GREEDY, constraint=None):
         req = verifier_pb2.PrefillRequest(token_ids=list(token_ids))
         if sampling != GREEDY:  # unset is greedy: a plain request stays byte-identical to before
             req.sampling.CopyFrom(params_to_proto(sampling))
+        if constraint is not None:
+            req.constraint.CopyFrom(constraint_to_proto(constraint))
         return await self._ask(trace, prefill=req)
 
     async def decode(self, token_id, position, trace):
@@ -287,9 +294,12 @@ class GrpcDrafterSession:
                                                 f"the request's is {position}")
         return r
 
-    async def commit(self, rows, first_position, token_ids, token_first_position, trace):
+    async def commit(self, rows, first_position, token_ids, token_first_position, trace, constraint=None):
         req = drafter_pb2.CommitRequest(rows=to_proto(rows), first_position=first_position,
                                         token_ids=list(token_ids), token_first_position=token_first_position)
+        if constraint is not None:
+            req.constraint.CopyFrom(constraint_to_proto(constraint[0]))
+            req.constraint_first_position = constraint[1]
         await self._ask(drafter_pb2.DrafterRequest(trace=trace, commit=req), first_position + rows.shape[0] - 1)
 
     async def draft(self, anchor, seed_position, trace, sampling=GREEDY):
@@ -327,8 +337,8 @@ class LocalVerifierSession:
     async def _run(self, record):
         return await asyncio.wrap_future(self.steps.submit(record))
 
-    async def prefill(self, token_ids, trace, sampling=GREEDY):
-        r = await self._run(self.engine.admit_prefill(self.sid, list(token_ids), sampling))
+    async def prefill(self, token_ids, trace, sampling=GREEDY, constraint=None):
+        r = await self._run(self.engine.admit_prefill(self.sid, list(token_ids), sampling, constraint))
         return VerifierReply(r.next_token, r.margin, 0, wire_rows(r.rows), r.positions.start, r.forward_ms,
                              logprobs=_wire_logprobs(r.logprobs))
 
@@ -357,7 +367,8 @@ class LocalDrafterSession:
     def __init__(self, engine):
         self.engine, self.sid = engine, engine.open_session()
 
-    async def commit(self, rows, first_position, token_ids, token_first_position, trace):
+    async def commit(self, rows, first_position, token_ids, token_first_position, trace, constraint=None):
+        # in process the drafter drafts blind: the verifier's mask alone keeps the output exact
         def run():
             if self.engine.observes_tokens and token_ids:  # services.drafter.interface.Drafter
                 self.engine.observe_tokens(self.sid, token_first_position, list(token_ids))

@@ -65,6 +65,8 @@ class DrafterLink:
         self.asleep = not awake and supply is not None and supply.can_reopen
         self.session: DrafterSession | None = supply.open() if supply is not None and not self.asleep else None
         self.committed: list[int] = []  # tokens of the positions the verifier has committed
+        # (output constraint, first output position): sent with every priming commit
+        self.constraint: tuple | None = None
         self._pending: list[tuple] = []  # deferred commits: (rows, first_position, token_ids, token_first)
         self._full_gap = 0  # rounds between asks while the drafter is full (0: it is not)
         self._full_wait = 0  # plain rounds left before the next ask
@@ -118,7 +120,8 @@ class DrafterLink:
         tokens = [t for _, _, ids, _ in pending for t in ids]
         try:
             await self.session.commit(rows, pending[0][1], tokens, pending[0][3],
-                                      trace_context(trace.get_current_span()))
+                                      trace_context(trace.get_current_span()),
+                                      **self._priming(pending[0][3]))
         except BackendError as exc:
             await self.failed(exc)  # a new session is primed with these rows too
 
@@ -240,11 +243,17 @@ class DrafterLink:
         kept = await self.verifier.rows(0, tc)
         last = kept.first_position + kept.rows.shape[0]
         try:  # the oracle drafter needs every committed token; the DSpark one ignores them
-            await new.commit(kept.rows, kept.first_position, self.committed[:last], 0, tc)
+            await new.commit(kept.rows, kept.first_position, self.committed[:last], 0, tc, **self._priming(0))
         except BackendError as exc:
             return exc
         span.add_event("drafter_failover", {"first_position": kept.first_position, "rows": kept.rows.shape[0]})
         return None
+
+    def _priming(self, token_first: int) -> dict:
+        """The constraint keyword of a commit whose tokens start at `token_first`: a priming
+        commit (0) of a constrained generation carries it; others carry nothing (a plain
+        generation's commits stay as they were)."""
+        return {"constraint": self.constraint} if token_first == 0 and self.constraint is not None else {}
 
     def _count_failure(self, exc: BackendError, outcome: str) -> None:
         """Count one drafter failure by reason (process stats, metrics) and log it once."""

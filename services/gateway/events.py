@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
+from services.common.constraint import Constraint
 from dsv4.sampling import GREEDY, SamplingParams, TokenLogprob
 from services.gateway.record import RoundStats
 from services.gateway.warm import WarmBands, sampling_band
@@ -44,6 +45,7 @@ class GenerationParams:
     # by the time a generation runs (the servicer draws one when the request had none).
     sampling: SamplingParams = GREEDY
     max_drafts: int = 0  # drafted tokens a round may submit at most (0 = the block size)
+    constraint: Constraint | None = None  # the output constraint (docs/structured.md); compiled at admission
 
 
 @dataclass(frozen=True)

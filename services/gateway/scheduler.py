@@ -45,6 +45,7 @@ token carries the verifier's `TokenLogprob`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
@@ -54,6 +55,7 @@ from opentelemetry.sdk.trace import TracerProvider
 import torch
 
 from dsv4.sampling import SamplingParams, TokenLogprob
+from services.common.constraint import Constraint, GrammarVocab, vocab_of
 from services.common.settings import VERIFY_MODES
 from services.common.telemetry import TRACER_NAME, trace_context
 from services.gateway.backends import DrafterSession, VerifierSession
@@ -135,18 +137,21 @@ class Scheduler:
     def params(self, prompt: str, prompt_ids: Sequence[int], max_tokens: int, spec: str,
                temperature: float = 0.0, stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
                ignore_eos: bool = False, label: str = "live", sampling: SamplingParams | None = None,
-               max_drafts: int = 0) -> GenerationParams:
+               max_drafts: int = 0, constraint: Constraint | None = None) -> GenerationParams:
         """Validate a request into `GenerationParams`. max_drafts: drafted tokens a round may
         submit at most (always: a fixed k; gated: a cap on the gate's choice; 0 = block size).
 
         sampling: how tokens are chosen (the servicer builds it, seed included); None is
         `SamplingParams(temperature=temperature)` (seed 0, the coupled rule), otherwise
-        `temperature` is ignored.
+        `temperature` is ignored. constraint: the output constraint, compiled here against the
+        gateway's vocabulary so a bad one is refused before any session opens.
         Raises:
             ValueError: naming the value: a bad temperature (NaN, negative), an empty
                 prompt, a token id outside [0, vocab), max_tokens <= 0, prompt + max_tokens
                 beyond max_seq_len, an unknown spec mode, a stop token id out of range, a blank
-                or reserved workload label, max_drafts outside [0, block_size].
+                or reserved workload label, max_drafts outside [0, block_size], a constraint
+                that does not compile (`ConstraintError`, naming its field) or one with
+                ignore_eos (a grammar ends the generation with eos).
         """
         lim = self.limits
         if sampling is None:
@@ -173,8 +178,18 @@ class Scheduler:
         if not 0 <= max_drafts <= lim.block_size:
             raise ValueError(f"max_draft_tokens={max_drafts}: must be in [0, block_size={lim.block_size}] "
                              "(0 = the block size)")
+        if constraint is not None:
+            if ignore_eos:
+                raise ValueError(f"{constraint.field} with ignore_eos: a constrained generation ends with eos "
+                                 "once its grammar completes (docs/structured.md)")
+            self.grammar_vocab.compile(constraint)
         return GenerationParams(tuple(ids), max_tokens, spec, frozenset(stops), tuple(s for s in stop if s),
-                                label or "live", sampling=sampling, max_drafts=max_drafts)
+                                label or "live", sampling=sampling, max_drafts=max_drafts, constraint=constraint)
+
+    @functools.cached_property
+    def grammar_vocab(self) -> GrammarVocab:
+        """The tokenizer's grammar vocabulary (built on the first constrained request)."""
+        return vocab_of(self.tokenizer, self.limits.vocab_size, self.limits.eos_token_id)
 
     # ------------------------------------------------------------------ generation
     async def generate(self, p: GenerationParams, verifier: VerifierSession,
@@ -267,6 +282,8 @@ class _Generation:
                                   sched.pricing_stats)
         self.link = DrafterLink(drafters if can_draft else None, verifier, sched.drafter_faults, metrics,
                                 self.counters, awake=self._regime_drafts())
+        if p.constraint is not None:
+            self.link.constraint = (p.constraint, len(p.prompt_ids))
         self.detok = Detokenizer(sched.tokenizer, p.stop)
         self.out: list[int] = []
         self.finish: str | None = None
@@ -279,7 +296,7 @@ class _Generation:
         anchor's first), then one FinalEvent. Raises BackendError when the verifier fails."""
         p = self.p
         with self.s.tracer.start_as_current_span("gateway.prefill") as span, self.s.occupancy.call():
-            first = await self.verifier.prefill(p.prompt_ids, trace_context(span), p.sampling)
+            first = await self.verifier.prefill(p.prompt_ids, trace_context(span), p.sampling, p.constraint)
         self.ttft_ms = (time.perf_counter() - self.t0) * 1e3
         if not self._regime_drafts():
             await self.link.sleep()  # no prime now: a drafter is primed when this generation drafts

@@ -42,6 +42,7 @@ import grpc
 
 from dspark_proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from dsv4.sampling import SamplingParams
+from services.common.constraint_wire import constraint_from_proto
 from services.common.sampling_wire import logprob_to_proto, params_from_proto
 from services.common.settings import GatewaySettings
 from services.gateway.auth import tenant_of
@@ -228,7 +229,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             params = self.scheduler.params(
                 request.prompt, list(request.prompt_token_ids), request.max_tokens, _SPEC[request.spec],
                 request.temperature, list(request.stop_token_ids), list(request.stop), request.ignore_eos,
-                request.label, sampling, request.max_draft_tokens)
+                request.label, sampling, request.max_draft_tokens,
+                constraint_from_proto(request.constraint) if request.HasField("constraint") else None)
             running = self.running.register(rid, tenant_of(context.invocation_metadata()))
         except DuplicateRequestId as exc:
             await refuse(context, rid, grpc.StatusCode.ALREADY_EXISTS, str(exc))

@@ -64,6 +64,11 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _Tok
         self._tok = _Tok.from_file(str(path))
 
+    @property
+    def hf(self):
+        """The underlying `tokenizers.Tokenizer` (the grammar vocabulary reads its tokens)."""
+        return self._tok
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 

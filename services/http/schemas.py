@@ -20,11 +20,13 @@ naming the field, with `dsv4.sampling.SamplingParams`' own message.
 Extensions beyond OpenAI (vLLM spells the last three the same way): `spec` ("off", "always",
 "gated"; default: the gateway's), `ignore_eos`, `stop_token_ids`, and `return_token_ids`
 (each choice and chunk then carries the completion's token ids as `token_ids`).
+Structured output: `response_format` and the vLLM/SGLang `guided_*` / `structured_outputs`
+fields (`services.http.structured`, docs/structured.md).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -33,6 +35,10 @@ from dspark_proto.v1 import common_pb2, gateway_pb2
 from dsv4.sampling import SamplingParams
 from services.http.errors import invalid
 from services.http.unsupported import CHAT_ONLY, SHARED, first_unsupported
+from services.http.structured import constraint_message
+
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "structured_outputs")
 
 SPEC_MODES = {None: gateway_pb2.SPEC_MODE_DEFAULT, "off": gateway_pb2.SPEC_MODE_OFF,
               "always": gateway_pb2.SPEC_MODE_ALWAYS, "gated": gateway_pb2.SPEC_MODE_GATED}
@@ -110,6 +116,13 @@ class GenerationFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list, max_length=1024)
     return_token_ids: bool = False
+    # structured output (services.http.structured checks their shapes; docs/structured.md)
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     # Fields OpenAI's API documents as "or null" whose type here is not Optional: null means
     # the default (clients built from that spec send `"logprobs": null` and the like).
@@ -154,6 +167,12 @@ class GenerationFields(BaseModel):
         bad = [t for t in self.stop_token_ids if not 0 <= t <= INT32_MAX]
         if bad:
             raise invalid("stop_token_ids", f"stop_token_ids: {bad[0]} is not a token id")
+        self.constraint()
+
+    def constraint(self) -> common_pb2.Constraint | None:
+        """The body's output constraint on the wire (None: unconstrained). Raises ApiError 400
+        naming the field (`services.http.structured`)."""
+        return constraint_message({name: getattr(self, name) for name in STRUCTURED_FIELDS})
 
     def sampling(self, logprobs: int) -> SamplingParams:
         """The request's sampling values checked by `SamplingParams` (seed 0 stands in for an
@@ -208,6 +227,9 @@ class GenerationFields(BaseModel):
             ignore_eos=self.ignore_eos, request_id=request_id)
         if self.seed is not None:
             req.seed = self.internal_seed
+        constraint = self.constraint()
+        if constraint is not None:
+            req.constraint.CopyFrom(constraint)
         return req
 
 

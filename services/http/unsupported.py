@@ -44,10 +44,6 @@ def _number(neutral: float) -> Callable[[Any], bool]:
         isinstance(value, (int, float)) and not isinstance(value, bool) and value == neutral)
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or value == {"type": "text"}
-
-
 def _no_tool_choice(value: Any) -> bool:
     return value is None or value in ("none", "auto")
 
@@ -58,16 +54,14 @@ def _text_modalities(value: Any) -> bool:
 
 # field -> (is the value neutral?, what the neutral value is, for the message, whether only chat
 # takes it). The penalties and logit_bias are sampling controls the verifier does not apply
-# yet; the guided and tool fields constrain the output; the chat-template fields would render
-# another prompt.
+# yet; the tool fields constrain the output (structured output is services.http.structured's);
+# the chat-template fields would render another prompt.
 _FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     "logit_bias": (_zero_bias, "{} or only zero biases", False),
     "repetition_penalty": (_number(1), "1", False),
     "min_tokens": (_number(0), "0", False),
-    "response_format": (_text_format, '{"type": "text"}', False),
     "bad_words": (_falsy, "[]", False),
-    **dict.fromkeys(("allowed_token_ids", "prompt_logprobs", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar", "structured_outputs", "logits_processors", "truncate_prompt_tokens",
+    **dict.fromkeys(("allowed_token_ids", "prompt_logprobs", "logits_processors", "truncate_prompt_tokens",
                      "reasoning_effort", "verbosity", "web_search_options"), (_none, "null", False)),
     **dict.fromkeys(("use_beam_search", "include_stop_str_in_output", "return_tokens_as_token_ids"),
                     (_is(False), "false", False)),

@@ -88,6 +88,8 @@ from services.verifier.work import SessionRecord, StepResult, VerifyResult, aban
 from dsv4.sampling import GREEDY, SamplingParams
 from dsv4.scalars import as_int
 from dsv4.trunk import EXACT_ROWS, Trunk
+from services.common.constraint import Constraint, GrammarVocab, resolve_vocab
+from services.common.grammar import GrammarState
 
 __all__ = ["SessionLimitError", "UnknownSessionError", "SessionRecord", "StepResult", "VerifyResult",
            "VerifierEngine", "abandon", "absorb", "per_session_bytes", "top2_margin"]
@@ -128,6 +130,9 @@ class VerifierEngine(SessionHost[SessionRecord]):
             drafter's rings can hold).
         limit_rule: how max_sessions was chosen, one line for Info
             (`services.common.limits.SessionLimit.rule`; "" when not said).
+        vocab: the `GrammarVocab` constrained sessions compile against, or a callable making
+            it on first use (None: the byte vocabulary of the model's vocab_size, what a
+            checkpoint without tokenizer.json uses; `services.common.constraint.resolve_vocab`).
     Raises:
         ValueError: max_sessions not an integer >= 1, prefill_keep_rows not None or an
             integer >= 0.
@@ -136,7 +141,7 @@ class VerifierEngine(SessionHost[SessionRecord]):
     """
 
     def __init__(self, model: Trunk, max_sessions: int = 16, prefill_keep_rows: int | None = None,
-                 limit_rule: str = ""):
+                 limit_rule: str = "", vocab=None):
         max_sessions = as_int("max_sessions", max_sessions)
         if max_sessions < 1:
             raise ValueError(f"max_sessions={max_sessions}: must be >= 1")
@@ -149,6 +154,14 @@ class VerifierEngine(SessionHost[SessionRecord]):
         self._table: SessionTable[SessionRecord] = SessionTable(max_sessions)
         self.limit_rule = limit_rule
         self._session_bytes: int | None = None
+        self._vocab = vocab
+
+    @property
+    def vocab(self) -> GrammarVocab:
+        """The grammar vocabulary (built on first use: unconstrained serving never pays for it)."""
+        if not isinstance(self._vocab, GrammarVocab):
+            self._vocab = resolve_vocab(self._vocab, self.cfg.vocab_size, self.cfg.eos_token_id)
+        return self._vocab
 
     # ------------------------------------------------------------------ sessions
     def open_session(self) -> int:
@@ -203,16 +216,19 @@ class VerifierEngine(SessionHost[SessionRecord]):
 
     # ------------------------------------------------------------------ admission
     def admit_prefill(self, sid: int, token_ids: list[int] | torch.Tensor,
-                      sampling: SamplingParams = GREEDY) -> SessionRecord:
+                      sampling: SamplingParams = GREEDY, constraint: Constraint | None = None) -> SessionRecord:
         """Admit the prompt x[0..n-1] (positions 0..n-1) of `sid`: validate it and make it the
         session's request in flight (`SessionRecord.begin`); returns the record, for
         `StepLoop.submit`. Its result is the first anchor x[n], chosen with `sampling`, which the
-        session keeps for every later token.
+        session keeps for every later token. `constraint`: the session's output constraint
+        (docs/structured.md), compiled here: every token the session chooses from then on is
+        chosen among the tokens its grammar allows.
 
         Raises:
             ValueError: empty prompt, non-integer ids, ids out of range, prompt longer than
                 max_seq_len, session already prefilled, sampling not a SamplingParams, a
-                request of `sid` already in flight; the session is unchanged then.
+                request of `sid` already in flight, a constraint that does not compile
+                (`ConstraintError`); the session is unchanged then.
             UnknownSessionError: `sid` not open.
         """
         s = self._get(sid)
@@ -226,8 +242,12 @@ class VerifierEngine(SessionHost[SessionRecord]):
         if len(ids) > self.cfg.max_seq_len:
             raise ValueError(f"prompt length {len(ids)} exceeds max_seq_len={self.cfg.max_seq_len}")
         self._check_range(ids)
+        grammar = None
+        if constraint is not None:
+            grammar = GrammarState(self.vocab.compile(constraint), self.cfg.vocab_size, self.cfg.eos_token_id)
         s.begin("prefill", ids, 0, keep=self.keep_rows)
         s.sampling = sampling  # fixed once the prefill completes (`prefilled`)
+        s.grammar = grammar
         return s
 
     def admit_decode(self, sid: int, token_id: int, position: int) -> SessionRecord:

@@ -19,6 +19,7 @@ import time
 from opentelemetry.sdk.trace import TracerProvider
 
 from dspark_proto.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from services.common.constraint_wire import constraint_from_proto
 from services.common.sampling_wire import logprob_to_proto, params_from_proto
 from services.common.session_stream import SessionStreamServicer
 from services.common.telemetry import message_span
@@ -101,7 +102,8 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
                 sampling = GREEDY  # an unset message is greedy, as before sampling existed
                 if p.HasField("sampling"):
                     sampling = params_from_proto(p.sampling, field="prefill.sampling")
-                res = await self._run("prefill", sid, ids, sampling)
+                constraint = constraint_from_proto(p.constraint, field="prefill.constraint")
+                res = await self._run("prefill", sid, ids, sampling, constraint)
                 response, rows = self._step_response(res), len(ids)
             elif op == "decode":
                 d = request.decode

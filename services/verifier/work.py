@@ -27,6 +27,7 @@ import torch
 
 from services.verifier.choice import choose, judge
 from services.verifier.committed import CommittedRows
+from services.common.grammar import GrammarState
 
 from dsv4.batch import BatchItem
 from dsv4.sampling import GREEDY, SamplingParams, TokenLogprob, token_logprobs
@@ -104,6 +105,8 @@ class SessionRecord:
     fed in chunks counts its prompt positions forwarded in `done` and keeps the tap rows
     [<= keep, T*D] fp32 of the last `keep` of them in `rows`. forward_ms: wall time of the
     forwards it took part in so far (ms).
+    grammar: the session's output constraint's matcher over its committed tokens (None:
+    unconstrained); every row is scored over the tokens it allows (docs/structured.md).
     """
 
     sid: int
@@ -122,6 +125,7 @@ class SessionRecord:
     rows: list[torch.Tensor] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     forward_ms: float = 0.0
+    grammar: GrammarState | None = None
 
     def begin(self, op: str, ids: list[int], position: int, mode: str = "batched",
               draft_probs: torch.Tensor | None = None, keep: int = 0) -> "SessionRecord":
@@ -188,7 +192,8 @@ def absorb(s: SessionRecord, out, ms: float, model=None) -> StepResult | VerifyR
         return _absorb_chunk(s, out)
     params = s.sampling
     if s.op == "decode":
-        token = choose(out.logits, params, s.position + 1)
+        token = choose(_allowed(s, out.logits), params, s.position + 1)
+        _commit_token(s, token)
         lp = token_logprobs(out.logits.reshape(1, -1), [token], params.logprobs)
         result = StepResult(token, top2_margin(out.logits)[1], out.taps, range(s.position, s.position + 1),
                             s.forward_ms, tuple(lp))
@@ -220,10 +225,26 @@ def _judge_row(s: SessionRecord, row: torch.Tensor, i: int) -> int | None:
     logprob of the token taken at the next position: None when draft i + 1 is accepted, else
     the token chosen there (the correction, or past the last draft the bonus token)."""
     params = s.sampling
-    token = judge(row, s.ids, i, params, s.position, s.draft_probs)
+    token = judge(_allowed(s, row), s.ids, i, params, s.position, s.draft_probs)
     taken = s.ids[i + 1] if token is None else token
+    _commit_token(s, taken)
     s.logprobs += token_logprobs(row.reshape(1, -1), [taken], params.logprobs)
     return token
+
+
+def _allowed(s: SessionRecord, row: torch.Tensor) -> torch.Tensor:
+    """The logits row [V] a token is chosen from: under a constraint, a copy with the tokens
+    the grammar forbids after the committed tokens at -inf (on the row's device). A drafted
+    token it forbids can then never be the target's choice: a mismatch at that position. The
+    raw row still gives the logprobs and the margin."""
+    return row if s.grammar is None else s.grammar.mask(row)
+
+
+def _commit_token(s: SessionRecord, token: int) -> None:
+    """Advance the session's matcher past a token it commits (the only place it advances:
+    a rejected draft is never accepted into it)."""
+    if s.grammar is not None:
+        s.grammar.accept(token)
 
 
 def _absorb_chunk(s: SessionRecord, out) -> StepResult | None:
@@ -237,7 +258,8 @@ def _absorb_chunk(s: SessionRecord, out) -> StepResult | None:
     if s.done < len(s.ids):
         return None
     n = s.done
-    token = choose(out.logits, s.sampling, n)
+    token = choose(_allowed(s, out.logits), s.sampling, n)
+    _commit_token(s, token)
     result = StepResult(token, top2_margin(out.logits)[1], tail, range(n - tail.shape[0], n), s.forward_ms,
                         tuple(token_logprobs(out.logits.reshape(1, -1), [token], s.sampling.logprobs)))
     s.committed.add(result.rows, result.positions, token, result.margin)

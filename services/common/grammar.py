@@ -1,0 +1,148 @@
+"""One generation's grammar matcher and the vocabulary mask it puts on a logits row.
+
+`GrammarState` holds an XGrammar matcher over the tokens a generation has committed (or, on
+the drafter, drafted): `mask(row)` returns the row with every token the grammar forbids after
+those tokens set to -inf, computed on the row's device; `accept(token)` advances it;
+`checkpoint()` / `rollback_to(n)` undo tokens accepted tentatively (the drafter's block).
+The verifier advances its state only on committed tokens, so a rejected draft never moves it
+(docs/structured.md). It holds no request and no model; callers hold the session's lock.
+
+Grammar completion. Where the grammar may end, the model's eos is allowed beside whatever
+may continue; once the grammar can continue no further (terminated, or completed with
+nothing left to add), eos is the only token allowed, so a generation ends there instead of
+padding (the failure of vLLM #55313).
+
+Dimension legend: V = vocab_size (the logits width), W = ceil(V / 32) bitmask words.
+"""
+
+from __future__ import annotations
+
+import torch
+import xgrammar as xgr
+
+
+class GrammarError(RuntimeError):
+    """The matcher refused a token it was asked to accept (a caller let a forbidden token through)."""
+
+
+class GrammarState:
+    """The matcher of one generation over one compiled grammar.
+
+    Args:
+        compiled: `xgrammar.CompiledGrammar` (`services.common.constraint.GrammarVocab.compile`).
+        vocab_size: V, the logits width the masks cover.
+        eos_token_id: the stop token (forced once the grammar has nothing left to add).
+        rollback: tokens `rollback_to` may undo (the drafter's block size; 0 on the verifier).
+    Not thread safe.
+    """
+
+    def __init__(self, compiled, vocab_size: int, eos_token_id: int, rollback: int = 0):
+        self._matcher = xgr.GrammarMatcher(compiled)  # unlimited rollback (-1)
+        self.vocab_size, self.eos_token_id = int(vocab_size), int(eos_token_id)
+        self._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)  # [1, W] int32, CPU
+        self.accepted = 0  # tokens accepted so far (rollback counts them back)
+        self.any_other_than_eos = True
+        self._version, self._filled_at = 0, -1  # state changes so far; the one the bitmask was filled at
+
+    @property
+    def finished(self) -> bool:
+        """The grammar has nothing left to add: only eos may follow (or eos was accepted)."""
+        m = self._matcher
+        return m.is_terminated() or (m.is_completed() and not self._fill().any_other_than_eos)
+
+    def allowed(self) -> torch.Tensor:
+        """[V] bool on CPU: the tokens the grammar allows next."""
+        words = self._fill().bitmask[0]
+        bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+        return bits.reshape(-1)[: self.vocab_size].bool()
+
+    def allows(self, token: int) -> bool:
+        """Whether `token` is allowed next."""
+        t = int(token)
+        if not 0 <= t < self.vocab_size:
+            return False
+        return bool((int(self._fill().bitmask[0, t >> 5]) >> (t & 31)) & 1)
+
+    def mask(self, row: torch.Tensor) -> torch.Tensor:
+        """A copy of the logits `row` ([V] or [1, V], any float dtype, any device) with every
+        forbidden token at -inf, the bitmask applied on the row's device.
+
+        Raises:
+            GrammarError: no token of the vocabulary continues the grammar here (a grammar
+                needing text no token spells); the request fails rather than leave it.
+        """
+        out = row.reshape(1, -1).clone()
+        if not self._fill().bitmask.any():
+            raise GrammarError("no token of the model's vocabulary continues the constraint here")
+        bitmask = self._fill().bitmask.to(out.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=self.vocab_size)
+        return out.reshape(row.shape)
+
+    def accept(self, token: int) -> None:
+        """Advance past `token`. Raises GrammarError: the grammar forbids it."""
+        t = int(token)
+        if self._matcher.is_terminated():
+            if t == self.eos_token_id:
+                return  # eos after eos: the generation has ended; nothing to advance
+            raise GrammarError(f"token {t} after the grammar terminated")
+        if not self.allows(t) or not self._matcher.accept_token(t):
+            raise GrammarError(f"token {t} is not allowed by the grammar here")
+        self.accepted += 1
+        self._version += 1
+
+    def rollback_to(self, accepted: int) -> None:
+        """Undo the tokens accepted after the count `accepted` (within `rollback`)."""
+        back = self.accepted - int(accepted)
+        if back > 0:
+            self._matcher.rollback(back)
+            self.accepted = int(accepted)
+            self._version += 1
+
+    def forced_run(self, limit: int) -> list[int]:
+        """The tokens the grammar forces next, at most `limit`: while exactly one token is
+        allowed (eos excluded), that token. The matcher is left as it was. These are exactly
+        the tokens any rule would choose there (one allowed token wins every draw), which is
+        what makes jump-forward exact (docs/structured.md); a string the grammar forces but the
+        vocabulary can spell several ways is not forced here.
+        """
+        run, start = [], self.accepted
+        try:
+            while len(run) < limit and not self.finished:
+                allowed = self.allowed().nonzero().flatten()
+                if allowed.numel() != 1 or int(allowed[0]) == self.eos_token_id:
+                    break
+                run.append(int(allowed[0]))
+                self.accept(run[-1])
+        finally:
+            self.rollback_to(start)
+        return run
+
+    # ------------------------------------------------------------------ the bitmask
+    def _fill(self) -> "GrammarState":
+        """Fill the bitmask for the current state (once per state); eos alone once finished."""
+        if self._filled_at != self._version:
+            m = self._matcher
+            if m.is_terminated():
+                self._eos_only()
+            else:
+                m.fill_next_token_bitmask(self._bitmask)
+                eos_word, eos_bit = self.eos_token_id >> 5, self.eos_token_id & 31
+                other = self._bitmask.clone()
+                other[0, eos_word] &= ~(1 << eos_bit)
+                self.any_other_than_eos = bool(other.any())
+                if not self.any_other_than_eos:
+                    self._eos_only()
+            self._filled_at = self._version
+        return self
+
+    def _eos_only(self) -> None:
+        self._bitmask.zero_()
+        word, bit = self.eos_token_id >> 5, self.eos_token_id & 31
+        value = 1 << bit
+        self._bitmask[0, word] = value - (1 << 32) if value >= 1 << 31 else value  # int32 two's complement
+        self.any_other_than_eos = False
+
+    @property
+    def bitmask(self) -> torch.Tensor:
+        """[1, W] int32 on CPU: the last filled bitmask (bit t of word t // 32: token t allowed)."""
+        return self._bitmask
