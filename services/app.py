@@ -30,7 +30,6 @@ from dsv4.dspark import DSparkDraft, load_draft_module
 from dsv4.init import random_weights
 from dsv4.trunk import Trunk
 from dsv4.settings import Settings as ModelSettings
-from kernels.select import KernelConfig
 from services.common.constraint import checkpoint_vocab
 from services.common.limits import session_limit
 from services.common.server import RunningServer, start_server

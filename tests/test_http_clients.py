@@ -278,7 +278,7 @@ def test_every_request_gets_an_access_log_line_refused_ones_too(front, caplog):
     assert (status, big, missing) == (400, 413, 404)
     assert records[0].request_id == ok.id and records[1].request_id == headers["x-request-id"]
     assert all(r.ms >= 0 and len(r.request_id) >= 32 for r in records)
-    assert records[0].getMessage().startswith(f"POST /v1/completions 200 ") and ok.id in records[0].getMessage()
+    assert records[0].getMessage().startswith("POST /v1/completions 200 ") and ok.id in records[0].getMessage()
 
 
 def test_model_by_id_head_health_and_metrics_without_a_redirect(front):

@@ -72,9 +72,10 @@ class GrammarState:
                 needing text no token spells); the request fails rather than leave it.
         """
         out = row.reshape(1, -1).clone()
-        if not self._fill().bitmask.any():
+        bitmask = self._fill().bitmask
+        if not bitmask.any():
             raise GrammarError("no token of the model's vocabulary continues the constraint here")
-        bitmask = self._fill().bitmask.to(out.device, non_blocking=True)
+        bitmask = bitmask.to(out.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=self.vocab_size)
         return out.reshape(row.shape)
 

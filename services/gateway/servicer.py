@@ -44,7 +44,6 @@ from dspark_proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from dsv4.sampling import SamplingParams
 from services.common.constraint_wire import constraint_from_proto
 from services.common.sampling_wire import logprob_to_proto, params_from_proto
-from services.common.settings import GatewaySettings
 from services.gateway.auth import tenant_of
 from services.gateway.backends import BackendError, Backends, GrpcDrafterSession, GrpcVerifierSession
 from services.gateway.costs import CostTracker

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from dspark_proto.v1 import gateway_pb2, gateway_pb2_grpc
 from services.common.server import channel_options
 from services.common.settings import check_seconds
-from services.http.errors import ApiError, from_rpc_error
+from services.http.errors import from_rpc_error
 
 HEALTH_TIMEOUT_S = 5.0
 
