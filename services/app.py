@@ -263,7 +263,8 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
     regime = RegimePolicy() if settings.regime else None
     warm = WarmStart(settings.warm_max_weight) if settings.warm_start else None
     scheduler = Scheduler(limits, tokenizer, gate_config, settings.verify_mode, settings.cost_mode,
-                          provider, recorder, metrics, costs, load, regime, warm)
+                          provider, recorder, metrics, costs, load, regime, warm,
+                          jump_forward=settings.jump_forward)
     servicer = GatewayServicer(scheduler, backends)
     auth = [BearerTokenInterceptor(settings.token)] if settings.token else []
     running = await start_server("dspark.v1.Gateway",

@@ -20,7 +20,7 @@ from services.app import (drafter_engine, load_trunk, start_drafter, start_verif
 from services.common.settings import BackendSettings
 from services.gateway.gate import GateConfig
 from structured_schemas import SCHEMAS
-from services_fixtures import ServiceStack, gen_request, service_loop, tiny_draft_module, tiny_trunk
+from services_fixtures import ServiceStack, collect, gen_request, service_loop, tiny_draft_module, tiny_trunk
 
 MAX_TOKENS = 200  # every schema bounds its output well inside this (tests/structured_schemas.py)
 
@@ -113,6 +113,31 @@ def test_regex_choice_and_grammar_constraints_end_in_their_language(oracle_exact
     assert oracle_exact.generate(req, "batched").final.text in ("alpha", "beta", "gamma")
 
 
+def test_jump_forward_commits_forced_runs_and_output_equals_plain_decode(oracle_exact):
+    """Jump-forward on (the stack's gateway) against a gateway that never submits forced runs
+    (true plain decode): the same tokens, greedy and seeded, spec off and always, in fewer
+    rounds off; every forced token was accepted (the verifier's grammar forces it too)."""
+    async def plain_gateway():
+        return await oracle_exact.start_gateway("batched", jump_forward=False)
+
+    gw = service_loop().run(plain_gateway())
+    try:
+        for (i, schema), t in itertools.product(((0, SCHEMAS[0]),), (0.0, 0.7)):
+            plain = service_loop().run(collect(gw.stub, schema_request(schema, "off", t, seed=i)), 120)
+            check_valid(plain, schema)
+            assert plain.final.spec_stats.forced_rounds == 0
+            for spec in ("off", "always"):
+                jumped = oracle_exact.generate(schema_request(schema, spec, t, seed=i), "batched")
+                assert jumped.token_ids == plain.token_ids, (i, t, spec)
+                st = jumped.final.spec_stats
+                if spec == "off":
+                    assert st.forced_rounds > 0 and st.forced_tokens >= st.forced_rounds
+                    assert st.rounds == plain.final.spec_stats.rounds - st.forced_tokens
+                    assert st.submitted == 0  # forced tokens are not drafts: acceptance figures stay the drafter's
+    finally:
+        service_loop().run(gw.close())
+
+
 @pytest.mark.slow
 def test_validity_and_exactness_grid_over_twenty_schemas(oracle_exact, dspark_exact):
     """>= 200 generations: 21 schemas x T in {0, 0.7, 1.0} x {off, always, gated}, batched
@@ -131,7 +156,6 @@ from services.common.settings import GatewaySettings  # noqa: E402
 from services.drafter.servicer import DrafterServicer  # noqa: E402
 from services.common.grammar import GrammarState  # noqa: E402
 from services.verifier.servicer import verifier_identity  # noqa: E402
-from services_fixtures import collect  # noqa: E402
 from test_drafter_faults import ScriptedDrafter  # noqa: E402
 
 CHOICE_SCHEMA = SCHEMAS[14]  # nested object with an enum: forced keys and free strings

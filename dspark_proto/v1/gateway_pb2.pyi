@@ -68,7 +68,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpecStats(_message.Message):
-    __slots__ = ("rounds", "drafted", "submitted", "accepted", "acceptance_rate", "mean_acceptance_length", "margin_skipped_rounds", "truncated_rounds", "skipped_after_draft", "plain_rounds", "drafter_failed", "drafter_failovers")
+    __slots__ = ("rounds", "drafted", "submitted", "accepted", "acceptance_rate", "mean_acceptance_length", "margin_skipped_rounds", "truncated_rounds", "skipped_after_draft", "plain_rounds", "drafter_failed", "drafter_failovers", "forced_rounds", "forced_tokens")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     SUBMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,8 @@ class SpecStats(_message.Message):
     PLAIN_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FAILED_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FAILOVERS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted: int
     submitted: int
@@ -93,7 +95,9 @@ class SpecStats(_message.Message):
     plain_rounds: int
     drafter_failed: bool
     drafter_failovers: int
-    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., submitted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., margin_skipped_rounds: _Optional[int] = ..., truncated_rounds: _Optional[int] = ..., skipped_after_draft: _Optional[int] = ..., plain_rounds: _Optional[int] = ..., drafter_failed: _Optional[bool] = ..., drafter_failovers: _Optional[int] = ...) -> None: ...
+    forced_rounds: int
+    forced_tokens: int
+    def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., submitted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., margin_skipped_rounds: _Optional[int] = ..., truncated_rounds: _Optional[int] = ..., skipped_after_draft: _Optional[int] = ..., plain_rounds: _Optional[int] = ..., drafter_failed: _Optional[bool] = ..., drafter_failovers: _Optional[int] = ..., forced_rounds: _Optional[int] = ..., forced_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text_delta", "finished", "finish_reason", "usage", "spec_stats", "text", "time_to_first_token_ms", "request_id", "prompt_tokens", "completion_tokens", "matched_token_id", "matched_stop_str", "spec_draft_tokens", "spec_accepted_tokens", "logprobs", "seed")

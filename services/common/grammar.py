@@ -103,20 +103,33 @@ class GrammarState:
         """The tokens the grammar forces next, at most `limit`: while exactly one token is
         allowed (eos excluded), that token. The matcher is left as it was. These are exactly
         the tokens any rule would choose there (one allowed token wins every draw), which is
-        what makes jump-forward exact (docs/structured.md); a string the grammar forces but the
-        vocabulary can spell several ways is not forced here.
+        what makes jump-forward exact (docs/structured.md §6); a string the grammar forces but
+        the vocabulary can spell several ways is not forced here.
         """
         run, start = [], self.accepted
         try:
             while len(run) < limit and not self.finished:
-                allowed = self.allowed().nonzero().flatten()
-                if allowed.numel() != 1 or int(allowed[0]) == self.eos_token_id:
+                token = self._only_token()
+                if token is None or token == self.eos_token_id:
                     break
-                run.append(int(allowed[0]))
-                self.accept(run[-1])
+                run.append(token)
+                self.accept(token)
         finally:
             self.rollback_to(start)
         return run
+
+    def _only_token(self) -> int | None:
+        """The one token the bitmask allows, or None when it allows none or several (a scan
+        of the W words, not of the V bits: this runs once per committed token on the gateway)."""
+        words = self._fill().bitmask[0]
+        nonzero = words.nonzero()
+        if nonzero.numel() != 1:
+            return None
+        index = int(nonzero[0, 0])
+        word = int(words[index]) & 0xFFFFFFFF
+        if word & (word - 1):
+            return None  # two bits or more in the one word
+        return index * 32 + word.bit_length() - 1
 
     # ------------------------------------------------------------------ the bitmask
     def _fill(self) -> "GrammarState":

@@ -153,6 +153,8 @@ class GatewaySettings:
     embedding or a test gets the same draft lengths whatever ran before), while a served
     gateway (`services.settings`) turns it on.
     warm_max_weight: the most observations per confidence bucket a warm start lends, in (0, 1e6].
+    jump_forward: submit the tokens a constrained generation's grammar forces as certain
+    drafts in rounds that verify no drafts (docs/structured.md §6); False for measurement.
     round_timeout_s: deadline of one backend reply. generation_timeout_s: deadline of one
     generation's backend streams. startup_timeout_s: deadline of the backends' Info at start.
     drafter_failovers: drafter re-primes a generation may make after a drafter failure.
@@ -178,12 +180,13 @@ class GatewaySettings:
     regime: bool = False
     warm_start: bool = False
     warm_max_weight: float = 10.0
+    jump_forward: bool = True
 
     def __post_init__(self) -> None:
         check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
         check_choice("sampling_rule", self.sampling_rule, SAMPLING_RULES)
         check_choice("cost_mode", self.cost_mode, COST_MODES)
-        for name in ("load_aware", "regime", "warm_start"):
+        for name in ("load_aware", "regime", "warm_start", "jump_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         weight = self.warm_max_weight

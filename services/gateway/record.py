@@ -253,7 +253,9 @@ class RoundStats:
     (k > 0), plain_rounds (k = 0), margin_skipped_rounds, truncated_rounds, skipped_after_draft,
     tokens (committed: accepted + 1 per round), time_ms (the rounds' modelled cost, ms).
     `gate`: the gate's view of the same rounds. drafter_failovers and drafter_failed are not
-    round facts: the scheduler's drafter failover sets them on a generation's stats.
+    round facts: the scheduler's drafter failover sets them on a generation's stats; nor are
+    forced_rounds and forced_tokens (jump-forward's rounds, recorded as the rounds without
+    drafts they replace).
     """
 
     rounds: int = 0
@@ -269,6 +271,8 @@ class RoundStats:
     time_ms: float = 0.0
     drafter_failovers: int = 0   # new drafter sessions re-primed after a drafter failed
     drafter_failed: bool = False  # the generation went on with plain decode
+    forced_rounds: int = 0  # jump-forward: rounds that verified forced tokens (docs/structured.md §6)
+    forced_tokens: int = 0  # forced tokens those rounds committed (not in `tokens`: the record counts the plain step)
     gate: GateStats = field(default_factory=GateStats)
 
     def add(self, r: RoundRecord) -> None:

@@ -64,6 +64,7 @@ from services.gateway.drafter_link import MAX_DEFERRED_ROWS, DrafterLink
 from services.gateway.drafters import DraftCheck, DrafterFaults, DrafterSupply
 from services.gateway.events import FinalEvent, GenerationParams, ModelLimits, ProcessStats, TokenEvent
 from services.gateway.gate import PRE_DRAFT_SKIPS, Gate, GateConfig
+from services.gateway.jump_forward import JumpForward
 from services.gateway.load import PricingStats, VerifierLoad, VerifierOccupancy
 from services.gateway.metrics import GenerationMetrics, NoGenerationMetrics
 from services.gateway.regime import RegimePolicy
@@ -113,7 +114,7 @@ class Scheduler:
                  provider: TracerProvider | None = None, recorder: list[Round] | None = None, metrics=None,
                  costs: CostTracker | None = None, load: VerifierLoad | None = None,
                  regime: RegimePolicy | None = None, warm: WarmStart | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, jump_forward: bool = True):
         if verify_mode not in VERIFY_MODES:
             raise ValueError(f"verify mode={verify_mode!r}: must be one of {VERIFY_MODES}")
         self.limits, self.tokenizer, self.gate_config = limits, tokenizer, gate_config
@@ -126,6 +127,7 @@ class Scheduler:
         self.load = load
         self.regime = regime
         self.clock = clock
+        self.jump_forward = jump_forward  # submit the tokens a grammar forces as certain drafts
         self.in_flight = 0  # generations inside `generate` (the regime policy's concurrency)
         self.occupancy = VerifierOccupancy()  # generations inside a verifier call (the cover of load pricing)
         self.pricing_stats = PricingStats()  # the rounds priced at load (the Stats RPC)
@@ -282,8 +284,12 @@ class _Generation:
                                   sched.pricing_stats)
         self.link = DrafterLink(drafters if can_draft else None, verifier, sched.drafter_faults, metrics,
                                 self.counters, awake=self._regime_drafts())
+        self.jump: JumpForward | None = None  # the forced runs of a constrained generation
         if p.constraint is not None:
             self.link.constraint = (p.constraint, len(p.prompt_ids))
+            if sched.jump_forward:
+                lim = sched.limits
+                self.jump = JumpForward(sched.grammar_vocab, p.constraint, lim.vocab_size, lim.eos_token_id)
         self.detok = Detokenizer(sched.tokenizer, p.stop)
         self.out: list[int] = []
         self.finish: str | None = None
@@ -302,10 +308,14 @@ class _Generation:
             await self.link.sleep()  # no prime now: a drafter is primed when this generation drafts
         await self.link.commit(first.rows, first.first_position, p.prompt_ids, 0)
         pos, anchor, margin = len(p.prompt_ids), first.next_token, first.margin
+        if self.jump is not None:
+            self.jump.commit([anchor])
         yield self._emit([anchor], first.logprobs)
         while self.finish is None:
             a, new, margin, logprobs = await self._round(anchor, pos, margin)
             pos, anchor = pos + a + 1, new[-1]
+            if self.jump is not None:
+                self.jump.commit(new)
             yield self._emit(new, logprobs)
         yield FinalEvent(self.finish, len(p.prompt_ids), len(self.out), self.detok.text,
                          self.detok.finish(), self.counters, self._gate_report(), self.ttft_ms, self.matched_stop,
@@ -347,6 +357,10 @@ class _Generation:
             span.set_attribute("spec_decode.round", self.counters.rounds + 1)
             span.set_attribute("spec_decode.anchor_margin", margin)
             plan = await self._plan(anchor, pos, margin, tc)
+            if plan.k == 0 and self.jump is not None:
+                forced = self.jump.forced(self._max_drafts(s.limits.block_size, pos))
+                if forced:
+                    return await self._forced_round(anchor, pos, margin, plan, forced, span, tc)
             drafts, k = plan.drafts, plan.k
             t0 = time.perf_counter()
             if k > 0:
@@ -382,6 +396,30 @@ class _Generation:
                 confidence_logits=None if plan.conf is None else tuple(plan.conf), anchor_margin=margin,
                 draft_ms=plan.draft_ms, verify_ms=verify_ms if k > 0 else None, plain_ms=verify_ms if k == 0 else None))
             return a, [*drafts[:a], res.next_token], res.margin, res.logprobs
+
+    async def _forced_round(self, anchor: int, pos: int, margin: float, plan: _Plan, forced: list[int], span, tc
+                            ) -> tuple[int, list[int], float, tuple[TokenLogprob, ...]]:
+        """Jump-forward (docs/structured.md §6): a round that would not verify drafts submits
+        the run `forced` the grammar forces after the anchor as drafts instead, one verify
+        for len(forced) + 1 tokens. The verifier judges them as any drafts (it accepts all of
+        them unless its grammar disagrees). Recorded as the round `plan` decided (no drafts
+        submitted: the gate and the costs learn nothing from it, the forced tokens are in
+        `forced_rounds` / `forced_tokens`); returns as `_round`."""
+        s = self.s
+        q = self.jump.probs(forced) if self._needs_probs else None
+        with s.occupancy.call():
+            res = await self.verifier.verify(anchor, forced, pos, s.verify_mode, tc, q)
+        a = res.accepted
+        defer = plan.reason in (*PRE_DRAFT_SKIPS, Reason.REGIME)  # as the round it replaces
+        await self.link.commit(res.rows, pos, [anchor, *forced[:a]], pos, defer)
+        self.counters.forced_rounds += 1
+        self.counters.forced_tokens += a
+        span.set_attribute("spec_decode.forced", a)
+        self._record(span, RoundRecord(
+            plan.reason, len(plan.drafts), 0, 0, self.cost,
+            confidence_logits=None if plan.conf is None else tuple(plan.conf), anchor_margin=margin,
+            draft_ms=plan.draft_ms))
+        return a, [*forced[:a], res.next_token], res.margin, res.logprobs
 
     async def _plan(self, anchor: int, pos: int, margin: float, tc) -> _Plan:
         """What this round submits and why: the pre-draft checks (for gated, the gateway's

@@ -363,4 +363,4 @@ def spec_stats(c: RoundStats) -> gateway_pb2.SpecStats:
         acceptance_rate=c.acceptance_rate, mean_acceptance_length=c.mean_acceptance_length,
         margin_skipped_rounds=c.margin_skipped_rounds, truncated_rounds=c.truncated_rounds,
         skipped_after_draft=c.skipped_after_draft, plain_rounds=c.plain_rounds, drafter_failed=c.drafter_failed,
-        drafter_failovers=c.drafter_failovers)
+        drafter_failovers=c.drafter_failovers, forced_rounds=c.forced_rounds, forced_tokens=c.forced_tokens)
