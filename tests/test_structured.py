@@ -161,3 +161,43 @@ def test_a_constraint_no_token_can_start_is_refused():
     state = GrammarState(vocab.compile(make_constraint("regex", "a+")), 4, 1)
     state.accept(2)
     assert state.allowed().tolist() == [False, True, True, False]  # eos may end it, or more a
+
+
+def test_prefetched_masks_along_a_draft_path_equal_fresh_fills():
+    """`prefetch(path)` fills the masks of the states along a verify's drafts beside the
+    forward: each state reached by accepting a prefix of the path gets exactly the mask a
+    fresh fill gives; a state off the path (a rejected draft, a correction) is filled anew;
+    the matcher is left where it was."""
+    compiled = VOCAB.compile(make_constraint("json_schema", {
+        "type": "object", "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer"}},
+        "required": ["color", "n"]}))
+    text = list(b'{"color": "green", "n": 12}')
+    ids = [b + 2 for b in text]
+    state, fresh = GrammarState(compiled, 512, 1), GrammarState(compiled, 512, 1)
+    for t in ids[:10]:
+        state.accept(t)
+        fresh.accept(t)
+    state.prefetch(ids[10:14])  # g r e e
+    for t in ids[10:13]:
+        assert torch.equal(state.allowed(), fresh.allowed())
+        state.accept(t)
+        fresh.accept(t)
+    assert state.prefetched_hits == 3 and state.accepted == 13
+    state.prefetch([ord("x") + 2, ord("e") + 2])  # forbidden first: only the current state's mask
+    assert torch.equal(state.allowed(), fresh.allowed()) and state.prefetched_hits == 4
+    state.accept(ord("e") + 2)
+    fresh.accept(ord("e") + 2)
+    assert torch.equal(state.allowed(), fresh.allowed()) and state.prefetched_hits == 4  # off the path: a fill
+    state.prefetch(ids[14:20])
+    state.rollback_to(12)  # waits for the job; the matcher was where it was left
+    fresh.rollback_to(12)
+    assert torch.equal(state.allowed(), fresh.allowed()) and state.prefetched_hits == 4
+    assert state.forced_run(8) == fresh.forced_run(8)
+
+
+def test_forced_run_reads_the_top_bit_of_a_word():
+    """Token 31 (the sign bit of bitmask word 0) as the one allowed token."""
+    from services.common.constraint import GrammarVocab
+    vocab = GrammarVocab([""] * 31 + ["q"] + [""] * 32, 64, 1)
+    state = GrammarState(vocab.compile(make_constraint("regex", "qq")), 64, 1)
+    assert state.forced_run(5) == [31, 31]

@@ -139,6 +139,8 @@ class SessionRecord:
         self.op, self.ids, self.position, self.mode = op, ids, position, mode
         self.draft_probs, self.keep, self.future = draft_probs, keep, Future()
         self.done, self.rows, self.logprobs, self.forward_ms = 0, [], [], 0.0
+        if self.grammar is not None and op != "prefill":
+            self.grammar.prefetch(ids[1:])  # the rows' masks fill while the forward runs (docs/structured.md §7)
         return self
 
     def end(self) -> None:
