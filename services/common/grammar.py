@@ -136,8 +136,9 @@ class GrammarState:
             for j in range(len(path) + 1):
                 self._compute()
                 masks.append((self._bitmask.clone(), self.any_other_than_eos))
-                if j == len(path) or not self._bit(path[j]) or not self._matcher.accept_token(path[j]):
-                    break
+                m = self._matcher
+                if j == len(path) or m.is_terminated() or not self._bit(path[j]) or not m.accept_token(path[j]):
+                    break  # past a forbidden draft (or eos) no row is scored in this state
                 self.accepted += 1
         finally:
             if self.accepted > base:
