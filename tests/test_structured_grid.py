@@ -92,7 +92,8 @@ def test_small_grid_is_valid_and_exact(targets):
 
 @pytest.mark.slow
 def test_full_grid_over_twenty_one_schemas_is_valid_and_exact(targets):
-    rows = service_loop().run(run_grid(targets, list(range(len(SCHEMAS))), (0.0, 0.7, 1.0), kills=3), 3600)
+    rows = service_loop().run(run_grid(targets, list(range(len(SCHEMAS))), (0.0, 0.7, 1.0), kills=3,
+                                       log=print), 3600)
     print(summary(rows))
     assert len(rows) >= 200 and len({r.schema for r in rows}) >= 20
     assert all(r.valid and r.exact and not r.why for r in rows), summary(rows)
