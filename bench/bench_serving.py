@@ -72,13 +72,15 @@ INFO_TIMEOUT_S = 10.0
 
 
 async def generate(stub, prompt: str, arm: str, max_tokens: int,
-                   rounds: list[tuple[int, int, int]] | None = None) -> GenerationTrace:
+                   rounds: list[tuple[int, int, int]] | None = None, label: str | None = None) -> GenerationTrace:
     """One Generate call of `arm`; the arrival time and token count of every message. With
-    `rounds`, appends the final message's (rounds, drafts submitted, plain rounds).
+    `rounds`, appends the final message's (rounds, drafts submitted, plain rounds). `label`:
+    the workload its recorded rounds carry (default: the prompt's workload name).
     Raises grpc.aio.AioRpcError on a failed call."""
     spec, k = ARMS[arm]
+    label = label or next((name for name, text in WORKLOADS.items() if text == prompt), "live")
     req = gateway_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, spec=spec, max_draft_tokens=k,
-                                      ignore_eos=True, label="live")
+                                      ignore_eos=True, label=label)
     trace = GenerationTrace(time.perf_counter())
     async for msg in stub.Generate(req, timeout=CALL_TIMEOUT_S):
         if msg.token_ids:
@@ -329,8 +331,12 @@ async def start_stacks(args, env: dict[str, str], console: Console, stacks: dict
     `stacks` is filled as processes start, so the caller can stop them if this raises."""
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_serving_"))
     for i, numerics in enumerate(args.numerics):
+        record = None
+        if args.record_rounds:
+            path = Path(args.record_rounds)
+            record = path if len(args.numerics) == 1 else path.with_name(f"{path.stem}-{numerics}{path.suffix}")
         spec = StackSpec(args.checkpoint, args.port_base + 10 * i, log_dir, numerics,
-                         max_sessions=max(args.streams) + 8, threads=args.threads)
+                         max_sessions=max(args.streams) + 8, threads=args.threads, record_rounds=record)
         stacks[numerics] = {"procs": ServiceProcesses(spec, env)}
     console.print(f"services starting (logs in {log_dir})")
     started = time.perf_counter()  # the stacks start side by side: report each one's time from here
@@ -344,7 +350,7 @@ async def start_stacks(args, env: dict[str, str], console: Console, stacks: dict
         st["verifier"] = verifier_pb2_grpc.VerifierStub(st["channels"][1])
         console.print(f"{numerics}: serving after {waited:.0f} s on port-base {spec.port_base}")
         for arm in args.arms:
-            await generate(st["gateway"], WORKLOADS["code"], arm, 8)
+            await generate(st["gateway"], WORKLOADS["code"], arm, 8, label="warmup")
 
 
 async def gateway_regimes(stacks: dict[str, dict], console: Console) -> dict:
@@ -452,6 +458,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     + " (flags given explicitly still win)")
     ap.add_argument("--json", default=None, help="write raw cells, medians and ratios to this file")
     ap.add_argument("--log-dir", default=None, help="the services' logs (default: a new temporary folder)")
+    ap.add_argument("--record-rounds", default=None, metavar="FILE",
+                    help="the gateway records every round to FILE (replay format; FILE-<numerics> with "
+                         "several numerics), each generation labelled with its workload, the start-up "
+                         "warm-up generations with 'warmup'")
     ap.add_argument("--from-json", default=None, metavar="FILE",
                     help="run nothing: print the tables of an earlier run's --json FILE")
     args = ap.parse_args(argv)

@@ -48,6 +48,8 @@ class StackSpec:
         benchmark compare two versions of the code side by side).
     env: settings laid over the caller's environment last (e.g. DSPARK_STEP_GATHER_MS).
     tp: the verifier's `--tp` (>= 1; TP > 1 starts its worker ranks as well).
+    record_rounds: the gateway's `--record-rounds` file (every round, written at its shutdown;
+        None: not recorded).
     Raises:
         ValueError: a field outside its range, named with its value.
     """
@@ -61,6 +63,7 @@ class StackSpec:
     root: Path = REPO_ROOT
     env: tuple[tuple[str, str], ...] = ()
     tp: int = 1
+    record_rounds: Path | None = None
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -114,6 +117,8 @@ class ServiceProcesses:
                 log = open(self.log_path(name), "wb")
                 cmd = [sys.executable, "-m", "services.cli", "serve", name, "--port", str(spec.ports[name]), *ckpt]
                 cmd += ["--tp", str(spec.tp)] if name == "verifier" and spec.tp > 1 else []
+                if name == "gateway" and spec.record_rounds is not None:
+                    cmd += ["--record-rounds", str(spec.record_rounds)]
                 with log:
                     self.procs[name] = subprocess.Popen(cmd, env=env, cwd=spec.root, stdout=log,
                                                         stderr=subprocess.STDOUT, start_new_session=True)
