@@ -13,8 +13,11 @@ Three stages, each a child process of its own (the services' own command lines):
    --record-rounds FILE`: what bench_serving's own four prompts draft and accept, each round
    labelled with its prompt's workload (the start-up warm-up generations, labelled `warmup`,
    are dropped).
-3. **Bench**: `bench_serving --numerics fast --arms ... --streams ... --repeats R --json`,
-   the real figures (medians over R interleaved repetitions).
+3. **Bench**: `bench_serving --numerics fast --arms ... --streams ... --repeats R
+   --fresh-gateway --warmup 0 --json`, the real figures (medians over R interleaved
+   repetitions). The gateway restarts before every gated cell, so the gated arm starts cold
+   in every cell, as the simulator runs it (a long-lived gateway carries its regime and warm
+   start from cell to cell, which the simulator's cells do not model).
 
 Then `dspark simulate --costs SHAPE --shared-compute --rounds FILE` runs the same cells: the
 same closed loop (each stream runs `--per-stream` generations back to back), a prompt length
@@ -87,7 +90,8 @@ def stage_bench(args, work: Path) -> dict:
     out = work / "bench.json"
     if not out.exists():
         _run(["bench.bench_serving", "--numerics", "fast", "--arms", *args.arms, "--streams", *map(str, args.streams),
-              "--repeats", str(args.repeats), "--per-stream", str(args.per_stream), "--max-tokens",
+              "--repeats", str(args.repeats), "--fresh-gateway", "--warmup", "0",
+              "--per-stream", str(args.per_stream), "--max-tokens",
               str(args.max_tokens), "--port-base", str(args.port_base), "--checkpoint", args.checkpoint,
               "--json", str(out)], args.nice)
     return json.loads(out.read_text())["medians"]["fast"]
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     shape = Path(args.shape) if args.shape else work / "shape.json"
     if not shape.exists():
-        _run(["bench.sim_cpu_shape", "--checkpoint", args.checkpoint], args.nice, out=shape)
+        _run(["bench.sim_cpu_shape", "--checkpoint", args.checkpoint, "--repeats", "5"], args.nice, out=shape)
     rounds = stage_rounds(args, work)
     real = stage_bench(args, work)
     sim = stage_simulate(args, shape, rounds)
