@@ -97,13 +97,13 @@ def load_trunk(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32
                               kernels=model.kernel_config())
     if checkpoint is None:
         cfg = random_tiny_config()
-        weights = random_weights(cfg, "trunk", TINY_SEED)
-    else:
-        from dsv4.checkpoint import load_trunk_weights
-        cfg, weights = load_trunk_weights(checkpoint, dtype=_decode_dtype(dtype, device), device=device)
+        weights = random_weights(cfg, "trunk", TINY_SEED).items()
+    else:  # one decoded tensor at a time, onto the device: never the model twice, never on the host
+        from dsv4.checkpoint import stream_trunk_weights
+        cfg, weights = stream_trunk_weights(checkpoint, dtype=_decode_dtype(dtype, device), device=device)
     trunk = Trunk(cfg, dtype=dtype, device=device, verify_numerics=verify_numerics,
                   deterministic_reduce=model.moe_deterministic_reduce, kernels=model.kernel_config())
-    trunk.load_weights(weights)
+    trunk.load_streamed(weights)
     return maybe_wrap(trunk, topk)
 
 
