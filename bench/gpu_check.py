@@ -286,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="--services: gateway port; verifier + 1, drafter + 2; the TP=2 stack + 10..12")
     ap.add_argument("--out", default="gpu_step_table.json", help="--services: the step-table file written")
     ap.add_argument("--log-dir", default="gpu_check_logs", help="--services: the services' log folder")
+    ap.add_argument("--v4-dir", default="gpu_check_v4",
+                    help="--services: folder of the V4-Flash-shaped random checkpoint (reused when complete; "
+                         "about 16 GB); 'none' skips that stage")
     args = ap.parse_args(argv)
     if args.dry_run:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -303,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.services:
         from bench.gpu_services import check_services
-        check_services(rep, args.dry_run, args.port_base, Path(args.out), Path(args.log_dir))
+        v4_dir = None if args.v4_dir == "none" else Path(args.v4_dir)
+        check_services(rep, args.dry_run, args.port_base, Path(args.out), Path(args.log_dir), v4_dir)
         rep.print()
         print(f"{time.perf_counter() - t0:.1f} s")
         return 1 if rep.failed else 0
