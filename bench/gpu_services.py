@@ -143,10 +143,9 @@ def stack_spec(port_base: int, log_dir: Path, device: str, profile: bool = True)
                      verify_numerics="exact", max_sessions=80, env=env)
 
 
-def check_services(rep, dry_run: bool, port_base: int, out: Path, log_dir: Path, v4_dir: Path | None = None) -> None:
-    """Every section on the bundled model (see the module docstring), then TP = 2, then the
-    V4-Flash-shaped stage (`bench.gpu_v4`; its checkpoint in `v4_dir`, None: skipped); writes
-    `out` (and the V4 stage's table beside it, `<out>-v4.json`)."""
+def check_services(rep, dry_run: bool, port_base: int, out: Path, log_dir: Path) -> None:
+    """Every section on the bundled model (see the module docstring), then TP = 2; writes
+    `out`. The V4-Flash-shaped stage (section 5) is `bench.gpu_v4.check_v4`, run after this."""
     import torch
 
     streams = [1, 4] if dry_run else [1, 4, 16, 64]
@@ -162,11 +161,6 @@ def check_services(rep, dry_run: bool, port_base: int, out: Path, log_dir: Path,
     rep.info("services: drafter step ms (commits + drafts)", f"{tables['drafter']['step_ms']:.2f}")
     rep.info("services: step-table file", str(out))
     check_tp2(rep, dry_run, port_base + 10, log_dir, max_tokens)
-    if v4_dir is None:
-        rep.info("V4: V4-Flash-shaped random model", "skipped (--v4-dir none)")
-        return
-    from bench.gpu_v4 import check_v4
-    check_v4(rep, dry_run, port_base + 20, log_dir, v4_dir, out.with_name(out.stem + "-v4.json"))
 
 
 def check_tp2(rep, dry_run: bool, port_base: int, log_dir: Path, max_tokens: int) -> None:
@@ -181,20 +175,20 @@ def check_tp2(rep, dry_run: bool, port_base: int, log_dir: Path, max_tokens: int
         return
     spec = StackSpec(checkpoint=str(BUNDLED), port_base=port_base, log_dir=log_dir, verify_numerics="fast",
                      max_sessions=16, tp=2, env=(("DSPARK_DEVICE", "cuda:0"), ("DSPARK_VERIFY_MODE", "sequential")))
-    asyncio.run(run_stack(spec, _Prefixed(rep, "TP=2 "), [4], max_tokens))
+    asyncio.run(run_stack(spec, Prefixed(rep, "TP=2 "), [4], max_tokens))
 
 
-class _Prefixed:
+class Prefixed:
     """A Report view that prefixes every row name (the TP=2 stack's rows)."""
 
     def __init__(self, rep, prefix: str):
-        self.rep, self.prefix, self.rows = rep, prefix, _PrefixedRows(rep.rows, prefix)
+        self.rep, self.prefix, self.rows = rep, prefix, PrefixedRows(rep.rows, prefix)
 
     def info(self, name: str, value: str) -> None:
         self.rep.info(self.prefix + name, value)
 
 
-class _PrefixedRows:
+class PrefixedRows:
     def __init__(self, rows: list, prefix: str):
         self.target, self.prefix = rows, prefix
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from bench.gpu_services import Prefixed, device_for, run_stack
 from bench.service_procs import StackSpec
 from dsv4.config import ModelConfig, tiny_config
 from dsv4.random_checkpoint import write_random_checkpoint
@@ -117,7 +118,6 @@ def ensure_checkpoint(folder: Path, cfg: ModelConfig) -> tuple[int, bool]:
 def check_v4(rep, dry_run: bool, port_base: int, log_dir: Path, work_dir: Path, out: Path) -> None:
     """The stage: the budget, the checkpoint, then the services' sections on it (prompts off /
     always / gated == plain, 1 and 4 streams, the step tables written to `out`)."""
-    from bench.gpu_services import _Prefixed, device_for, run_stack
 
     if dry_run:
         cfg, note = toy_shaped(), "toy dimensions (dry run)"
@@ -136,7 +136,7 @@ def check_v4(rep, dry_run: bool, port_base: int, log_dir: Path, work_dir: Path, 
     spec = StackSpec(checkpoint=str(work_dir), port_base=port_base, log_dir=log_dir, verify_numerics="exact",
                      max_sessions=16, env=env)
     max_tokens = 4 if dry_run else 16
-    tables = asyncio.run(run_stack(spec, _Prefixed(rep, "V4: "), [1] if dry_run else [1, 4], max_tokens))
+    tables = asyncio.run(run_stack(spec, Prefixed(rep, "V4: "), [1] if dry_run else [1, 4], max_tokens))
     name = "cpu (dry run)" if dry_run else torch.cuda.get_device_name(0)
     out.write_text(json.dumps({"device": name, "model": f"v4-flash-shaped-{cfg.n_layers}L", **tables}, indent=1) + "\n")
     rep.info("V4: step-table file", str(out))

@@ -16,8 +16,10 @@ Loading dequantises (docs/model.md §6.3): an fp8 or fp4 `X.weight` + `X.scale` 
 Two consumer sets read the same folder: the trunk consumes every non-`mtp.` tensor, the
 drafter `mtp.*` plus `embed.weight` and `head.weight`; each loader validates its own set
 against the expected inventory and ignores the other set's names. Shards are streamed: one
-open at a time, only the consumer's tensors read, so peak memory is about the loaded model
-plus one shard.
+open at a time, only the consumer's tensors read. `load_*_weights` return the whole logical
+dict (peak: the decoded model); `stream_*_weights` yield one decoded parameter at a time, so a
+model that copies each in and drops it (`Trunk.load_streamed`, as the services load) peaks at
+itself plus one parameter, never twice its size.
 
 Every way a folder can be broken raises `CheckpointError` (a ValueError) naming the file,
 and the tensor and its shard where one is at fault: missing or unreadable files (a folder,
