@@ -160,9 +160,10 @@ class DSparkDraft(nn.Module):
     def load_streamed(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy the full logical drafter weights one at a time as `items` yields them
         (`dsv4.checkpoint.stream_drafter_weights`), each sharded for this TP rank (other ranks'
-        experts dropped unread into the module): the device holds the module plus one decoded
-        parameter. Each tensor gets `load_weights`' checks. Not atomic: the module is unloaded
-        from the call until the last tensor is in, and stays so on failure.
+        experts never copied): the device holds the module plus one decoded parameter. Each
+        tensor gets `load_weights`' checks (at TP > 1 the finiteness check sees this rank's
+        slice only). Not atomic: the module is unloaded from the call until the last tensor
+        is in, and stays so on failure.
 
         Raises:
             ValueError: the first unexpected, repeated, mis-shaped or failing tensor, or the

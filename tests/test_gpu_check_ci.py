@@ -101,3 +101,18 @@ def test_v4_shaped_toy_stack_serves_speculation_equal_to_plain(toy_checkpoint):
     for name in ("repeat", "code", "prose", "math"):
         assert rows[f"services: {name}: always, gated == plain"][1:] == ("4 tokens", "equal", "ok")
     assert rows["services: 1 streams, always == plain"][3] == "ok"
+
+
+def test_flash_shaped_keeps_v4_flash_sizes_and_takes_its_layers_from_layer_2():
+    from bench.gpu_v4 import flash_shaped
+    from dsv4.config import ModelConfig
+
+    flash, one, two = ModelConfig(), flash_shaped(1), flash_shaped(2)
+    same = ("dim", "n_heads", "head_dim", "n_routed_experts", "n_activated_experts", "moe_inter_dim", "vocab_size",
+            "index_topk", "window_size", "o_groups", "weight_dtype", "expert_dtype", "n_mtp_layers")
+    assert all(getattr(two, f) == getattr(flash, f) for f in same)
+    assert one.compress_ratios == (4, 0, 0, 0) and two.compress_ratios == (4, 128, 0, 0, 0)
+    assert (one.n_hash_layers, two.n_hash_layers) == (1, 1)  # Flash's layer 2 is its last hash-routed one
+    assert two.dspark_target_layer_ids == (0, 1) and one.quant_sim
+    with pytest.raises(ValueError, match="n_layers=0"):
+        flash_shaped(0)
