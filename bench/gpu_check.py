@@ -321,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.gpu_services import check_services
         t1 = time.perf_counter()
         out, log_dir = Path(args.out), Path(args.log_dir)
+        out.parent.mkdir(parents=True, exist_ok=True)  # found missing only after minutes otherwise
         check_services(rep, args.dry_run, args.port_base, out, log_dir)
         if args.v4_dir == "none":
             rep.info("V4: V4-Flash-shaped random model", "skipped (--v4-dir none)")
@@ -328,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             from bench.gpu_v4 import check_v4
             check_v4(rep, args.dry_run, args.port_base + 20, log_dir, Path(args.v4_dir),
                      out.with_name(out.stem + "-v4.json"))
-        rep.info("services: wall", f"{time.perf_counter() - t1:.1f} s")
+        rep.info("services and V4 stage: wall", f"{time.perf_counter() - t1:.1f} s")
     if args.all and not args.dry_run:
         check_cuda_tests(rep)
     rep.print()
