@@ -21,6 +21,7 @@ from dspark_proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from services.common.session_stream import SessionStreamServicer
 from services.common.telemetry import message_span
 from services.common.sampling_wire import params_from_proto
+from services.common.device import to_pinned
 from services.common.tensors import from_proto, to_proto
 from services.drafter.interface import Drafter, SampledDraft, feed_tokens
 from services.drafter.grammar import DraftGrammars
@@ -63,6 +64,8 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
         self.engine, self.provider, self.metrics, self.steps = engine, provider, metrics, steps
         ident = engine.identity()
         self.row_width = ident["row_width"]
+        module = getattr(engine, "module", None)  # a DSpark module; the oracle drafter runs on the CPU
+        self.device = module.embed.weight.device if module is not None else torch.device("cpu")
         cfg = getattr(engine, "cfg", None) or getattr(getattr(engine, "module", None), "cfg", None)
         eos = 1 if cfg is None else cfg.eos_token_id  # 1: the DeepSeek convention, for engines without a config
         self.grammars = DraftGrammars(ident["vocab_size"], eos, vocab) if mask_drafts else None
@@ -162,7 +165,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
     def _commit_rows(self, commit) -> tuple[torch.Tensor, range]:
         """A commit's rows [R, row_width] fp32 and positions first..first+R-1, wire-checked.
         Raises ValueError naming the shape, dtype or first position."""
-        rows = from_proto(commit.rows, max_elements=1 << 26)
+        rows = from_proto(commit.rows, max_elements=1 << 26)  # a new CPU tensor
         if rows.ndim != 2 or rows.shape[1] != self.row_width:
             raise ValueError(f"commit rows have shape {list(rows.shape)}, expected [R, row_width={self.row_width}]")
         if not rows.is_floating_point():
@@ -170,4 +173,5 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
         first = commit.first_position
         if first < 0:
             raise ValueError(f"commit first_position={first}: must be >= 0")
-        return rows.float(), range(first, first + rows.shape[0])
+        # pinned when the module is on a GPU: the rings' commit step copies it over in one DMA
+        return to_pinned(rows.float(), self.device), range(first, first + rows.shape[0])
