@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 
 import grpc
 import openai
@@ -197,3 +198,17 @@ def test_openai_client_bad_controls_are_400_naming_the_field(http_client, extra,
 def test_every_control_keeps_speculation_exact_sequential_and_batched(oracle_exact, dspark_exact, name):
     for stack, t in itertools.product((oracle_exact, dspark_exact), (0.0, 0.8)):
         check_speculation_equals_plain(stack, t, CONTROLS[name], modes=("batched", "sequential"))
+
+
+def test_dspark_generate_flags(oracle_exact, capsys):
+    from services.cli import main
+    gw = oracle_exact.gateway("batched")
+    args = ["generate", PROMPT, "--target", gw.target, "--max-tokens", "6", "--spec", "always", "--ignore-eos",
+            "--json", "--timeout", "60"]
+    assert main(args + ["--logit-bias", "300=100", "--frequency-penalty", "0.5", "--bad-word", "x"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [t for m in lines for t in m.get("token_ids", [])] == [300] * 6
+    assert main(args + ["--logit-bias", "300:1"]) == 2
+    assert "--logit-bias='300:1': must be ID=BIAS" in capsys.readouterr().err
+    assert main(args + ["--presence-penalty", "3"]) == 1
+    assert "presence_penalty=3: must lie in [-2, 2]" in capsys.readouterr().err
