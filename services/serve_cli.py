@@ -87,7 +87,6 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--label", default="", help="workload label for the gateway's recorded rounds")
     gen.add_argument("--json", action="store_true", help="print each streamed message as one JSON line")
     _sampling_args(gen)
-    _control_args(gen)
     _constraint_args(gen)
     gen.set_defaults(func=_generate)
 
@@ -108,6 +107,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs", type=int, default=0, help="top alternatives per token (0..20; with --json)")
     p.add_argument("--sampling-rule", choices=("default", "coupled", "rejection"), default="default",
                    help="acceptance rule of speculative sampling (default: the gateway's DSPARK_SAMPLING_RULE)")
+    _control_args(p)
 
 
 def _control_args(p: argparse.ArgumentParser) -> None:

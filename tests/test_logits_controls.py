@@ -96,6 +96,23 @@ def test_bad_values_are_refused_naming_them(kwargs, words):
     assert words in str(err.value)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: the CPU path is tested above")
+def test_the_transform_runs_on_the_rows_device_bitwise_as_on_the_cpu():
+    c = LogitsControls(logit_bias=((2, 1.5),), presence_penalty=0.5, frequency_penalty=0.25,
+                       repetition_penalty=1.7, min_tokens=5, stop_ids=(1,), bad_words=((5, 6),))
+    row = torch.randn(V, generator=torch.Generator().manual_seed(0))
+    outs = []
+    for device in ("cpu", "cuda"):
+        s = ControlState(c, V, prompt_ids=[12])
+        for t in (3, 3, 5, 9):
+            s.accept(t)
+        s.rollback_to(3)
+        x = s.apply(row.to(device))
+        assert x.device.type == device
+        outs.append(x.cpu())
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_a_token_outside_the_vocabulary_is_named():
     with pytest.raises(ValueError, match=r"logit_bias key 16 outside \[0, vocab_size=16\)"):
         LogitsControls(logit_bias=((16, 1.0),)).check_vocab(V)

@@ -24,6 +24,7 @@ Dimension legend: V = vocab_size (the logits width).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -34,7 +35,8 @@ from services.common.grammar import GrammarState
 MAX_BIAS = 100.0  # OpenAI's logit_bias range [-100, 100]
 MAX_PENALTY = 2.0  # OpenAI's presence / frequency range [-2, 2]
 MAX_BIASED_TOKENS = 1024  # logit_bias entries per request (OpenAI caps at 300; we are wider)
-MAX_BAD_WORDS = 128  # bad word sequences per request
+MAX_BAD_WORDS = 128  # bad words per request (each tokenized up to two ways: as given, after a space)
+MAX_BAD_WORD_SEQUENCES = 2 * MAX_BAD_WORDS  # their token-id spellings
 MAX_BAD_WORD_TOKENS = 32  # tokens in one bad word
 
 
@@ -93,8 +95,8 @@ class LogitsControls:
             raise ValueError(f"min_tokens={self.min_tokens!r}: must be an integer >= 0")
         for t in self.stop_ids:
             _token("min_tokens stop id", t)
-        if len(self.bad_words) > MAX_BAD_WORDS:
-            raise ValueError(f"bad_words: {len(self.bad_words)} words; at most {MAX_BAD_WORDS}")
+        if len(self.bad_words) > MAX_BAD_WORD_SEQUENCES:
+            raise ValueError(f"bad_words: {len(self.bad_words)} token sequences; at most {MAX_BAD_WORD_SEQUENCES}")
         for word in self.bad_words:
             if not 0 < len(word) <= MAX_BAD_WORD_TOKENS:
                 raise ValueError(f"bad_words: a word of {len(word)} tokens; each needs 1..{MAX_BAD_WORD_TOKENS}")
@@ -115,6 +117,20 @@ class LogitsControls:
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"{name} {bad[0]} outside [0, vocab_size={vocab_size})")
+
+    def for_generation(self, stop_ids, vocab_size: int, max_tokens: int) -> "LogitsControls | None":
+        """These controls for one generation: stop_ids set to `stop_ids` (what min_tokens
+        masks: eos unless ignore_eos, and the request's stop token ids), checked against the
+        model; None when they change nothing.
+
+        Raises:
+            ValueError: a token id outside [0, vocab_size) (named), or min_tokens > max_tokens.
+        """
+        c = dataclasses.replace(self, stop_ids=tuple(sorted(int(t) for t in stop_ids)))
+        c.check_vocab(vocab_size)
+        if c.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens={c.min_tokens}: must be <= max_tokens={max_tokens}")
+        return c if c.active else None
 
 
 def _token(name: str, value) -> None:

@@ -188,12 +188,7 @@ class Scheduler:
                 raise ValueError(f"{constraint.field} with ignore_eos: a constrained generation ends with eos "
                                  "once its grammar completes (docs/structured.md)")
             self.grammar_vocab.compile(constraint)
-        if controls is not None:
-            controls = dataclasses.replace(controls, stop_ids=tuple(sorted(stops)))
-            controls.check_vocab(lim.vocab_size)
-            if controls.min_tokens > max_tokens:
-                raise ValueError(f"min_tokens={controls.min_tokens}: must be <= max_tokens={max_tokens}")
-            controls = controls if controls.active else None
+        controls = None if controls is None else controls.for_generation(stops, lim.vocab_size, max_tokens)
         return GenerationParams(tuple(ids), max_tokens, spec, frozenset(stops), tuple(s for s in stop if s),
                                 label or "live", sampling=sampling, max_drafts=max_drafts, constraint=constraint,
                                 controls=controls)

@@ -43,7 +43,7 @@ import grpc
 from dspark_proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from dsv4.sampling import SamplingParams
 from services.common.constraint_wire import constraint_from_proto
-from services.common.controls import LogitsControls
+from services.common.controls import MAX_BAD_WORDS, LogitsControls
 from services.common.controls_wire import controls_from_proto
 from services.common.sampling_wire import logprob_to_proto, params_from_proto
 from services.gateway.auth import tenant_of
@@ -309,8 +309,10 @@ def request_controls(request: gateway_pb2.GenerateRequest, tokenizer) -> LogitsC
 
     Raises:
         ValueError: naming the GenerateRequest field and value (`LogitsControls`' checks),
-            or an empty bad word.
+            a blank bad word, or more than MAX_BAD_WORDS of them.
     """
+    if len(request.bad_words) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words: {len(request.bad_words)} words; at most {MAX_BAD_WORDS}")
     words: list[tuple[int, ...]] = []
     for i, word in enumerate(request.bad_words):
         if not word.strip():
