@@ -22,7 +22,7 @@ from services.app import drafter_engine, load_trunk, start_drafter, start_verifi
 from services.common.settings import BackendSettings
 from services.gateway.gate import GateConfig
 from services.http.server import RANDOM_MODEL_ID as MODEL, start_http_front
-from services_fixtures import ServiceStack, collect, gen_request, service_loop, tiny_draft_module, tiny_trunk
+from services_fixtures import ServiceStack, gen_request, service_loop, tiny_draft_module, tiny_trunk
 
 PROMPT = "the quick brown fox"
 EOS = 1

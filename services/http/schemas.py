@@ -158,8 +158,9 @@ class GenerationFields(BaseModel):
                 negative temperature, top_p outside (0, 1], top_k < -1, min_p outside [0, 1],
                 logprobs outside 0..20), a seed outside [-2**63, 2**63), a logits control
                 `LogitsControls` refuses (a bias or penalty out of range, NaN, a logit_bias key
-                that is no token id), more than MAX_STOP_STRINGS stop strings or one longer than MAX_STOP_CHARS, a
-                negative or too large stop token id, an `UNSUPPORTED` field set.
+                that is no token id), more than MAX_STOP_STRINGS stop strings or one longer
+                than MAX_STOP_CHARS, a negative or too large stop token id, an `UNSUPPORTED`
+                field set.
         """
         if self.seed is not None and not -SEED_SPACE <= self.seed < SEED_SPACE:
             raise invalid("seed", f"seed={self.seed}: must lie in [-2**63, 2**63) (a signed 64-bit integer)")
