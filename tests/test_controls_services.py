@@ -212,3 +212,17 @@ def test_dspark_generate_flags(oracle_exact, capsys):
     assert "--logit-bias='300:1': must be ID=BIAS" in capsys.readouterr().err
     assert main(args + ["--presence-penalty", "3"]) == 1
     assert "presence_penalty=3: must lie in [-2, 2]" in capsys.readouterr().err
+
+
+def test_controls_inside_a_grammar_keep_speculation_exact(oracle_exact):
+    """The grammar mask after the controls, one per-row hook on both sides: a bias toward a
+    letter the regex allows, a penalty against repeating it, min_tokens inside the grammar."""
+    controls = {"logit_bias": {ord("q") + 2: 5.0}, "frequency_penalty": 2.0, "min_tokens": 3, "ignore_eos": False}
+    outs = []
+    for spec in ("off", "always"):
+        req = request(spec, 0.8, max_tokens=24, **controls)
+        req.constraint.regex = "[a-z]{2,8}"
+        outs.append(oracle_exact.generate(req, "batched"))
+    text = outs[0].final.text
+    assert outs[0].token_ids == outs[1].token_ids and 2 <= len(text) <= 8 and text.isalpha() and "q" in text
+    assert outs[0].final.finish_reason == "stop"

@@ -188,13 +188,14 @@ class ControlState:
         banned = self._banned()
         if banned:
             x[banned] = -math.inf
+        present = self._counts > 0 if c.repetition_penalty != 1 or c.presence_penalty else None
         if c.repetition_penalty != 1:
-            seen = self._prompt_seen | (self._counts > 0)
-            x = torch.where(seen, torch.where(x > 0, x / c.repetition_penalty, x * c.repetition_penalty), x)
+            r = c.repetition_penalty  # divided, not multiplied by 1/r: vLLM's rounding
+            x = torch.where(self._prompt_seen | present, torch.where(x > 0, x / r, x * r), x)
         if c.frequency_penalty:
             x -= c.frequency_penalty * self._counts
         if c.presence_penalty:
-            x -= c.presence_penalty * (self._counts > 0).float()
+            x -= c.presence_penalty * present.float()
         if self.grammar is not None:
             x = self.grammar.mask(x)
         return x.reshape(row.shape)
