@@ -69,7 +69,7 @@ def dspark_exact():
     stack.close()
 
 
-def request(spec: str, temperature: float = 0.0, max_tokens: int = 20, seed: int = 5, rule: int = 0, **controls):
+def request(spec: str, temperature: float = 0.0, max_tokens: int = 16, seed: int = 5, rule: int = 0, **controls):
     req = gen_request(PROMPT, max_tokens=max_tokens, spec=spec, temperature=temperature,
                       ignore_eos=controls.pop("ignore_eos", True))
     if temperature > 0:
@@ -114,7 +114,7 @@ def test_a_banned_token_never_appears_and_a_forced_one_always_does(oracle_exact)
     free = oracle_exact.generate(request("always", 0.8), "batched").token_ids
     banned = max(set(free), key=free.count)  # the plain run's most frequent token
     out = oracle_exact.generate(request("always", 0.8, logit_bias={banned: -100.0}), "batched").token_ids
-    assert banned not in out and len(out) == 20
+    assert banned not in out and len(out) == 16
     forced = oracle_exact.generate(request("gated", 0.8, max_tokens=8, logit_bias={300: 100.0}), "batched")
     assert forced.token_ids == [300] * 8
 
@@ -146,7 +146,7 @@ def test_dspark_drafter_drafts_under_the_controls(dspark_exact):
     ({"presence_penalty": float("nan")}, "presence_penalty=nan: must be a finite number"),
     ({"frequency_penalty": -2.5}, "frequency_penalty=-2.5: must lie in [-2, 2]"),
     ({"repetition_penalty": -1.0}, "repetition_penalty=-1: must be > 0"),
-    ({"min_tokens": 30}, "min_tokens=30: must be <= max_tokens=20"),
+    ({"min_tokens": 30}, "min_tokens=30: must be <= max_tokens=16"),
     ({"bad_words": [" "]}, "bad_words[0]=' ': must hold text"),
 ])
 def test_bad_controls_are_invalid_argument_naming_the_field(oracle_exact, fields, words):
@@ -172,7 +172,7 @@ def test_openai_client_controls_equal_the_grpc_request(oracle_exact, http_client
             "presence_penalty": mix["presence_penalty"], "seed": 5, "temperature": 0.8}
     extra = {"repetition_penalty": mix["repetition_penalty"], "min_tokens": mix["min_tokens"],
              "bad_words": mix["bad_words"], "spec": "gated", "return_token_ids": True}
-    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, extra_body=extra, **body)
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, extra_body=extra, **body)
     tokens = out.choices[0].model_extra["token_ids"]
     want = oracle_exact.generate(request("off", 0.8, **mix), "batched").token_ids
     assert tokens == want and 59 not in tokens
