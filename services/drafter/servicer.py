@@ -24,7 +24,7 @@ from services.common.sampling_wire import params_from_proto
 from services.common.device import to_pinned
 from services.common.tensors import from_proto, to_proto
 from services.drafter.interface import Drafter, SampledDraft, feed_tokens
-from services.drafter.grammar import DraftGrammars
+from services.drafter.controls import DraftControls
 from services.drafter.steps import DraftStepLoop, DraftStepStats
 
 
@@ -55,8 +55,9 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
             per call).
         vocab: the `GrammarVocab` a constrained session compiles against, a callable making it
             on first use, or None (the byte vocabulary of the model's vocab_size).
-        mask_drafts: draft inside each constrained session's grammar (docs/structured.md);
-            False drafts blind, which only benchmarks want (acceptance with and without).
+        mask_drafts: draft from the rows each session's grammar and logits controls leave
+            (docs/structured.md, docs/sampling.md); False drafts blind, which only benchmarks
+            want (acceptance with and without).
     """
 
     def __init__(self, engine: Drafter, provider: TracerProvider | None = None, metrics=None,
@@ -68,7 +69,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
         self.device = module.embed.weight.device if module is not None else torch.device("cpu")
         cfg = getattr(engine, "cfg", None) or getattr(getattr(engine, "module", None), "cfg", None)
         eos = 1 if cfg is None else cfg.eos_token_id  # 1: the DeepSeek convention, for engines without a config
-        self.grammars = DraftGrammars(ident["vocab_size"], eos, vocab) if mask_drafts else None
+        self.controls = DraftControls(ident["vocab_size"], eos, vocab) if mask_drafts else None
 
     async def Info(self, request, context):
         return identity_message(self.engine.identity(), self.engine.max_sessions, self.engine.num_sessions,
@@ -106,7 +107,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
         Raises ValueError for a bad sampling value (the field named) or a bad draft."""
         params = params_from_proto(d.sampling, field="draft.sampling")  # unset: all zero, greedy
         step_ms = None
-        guide = None if self.grammars is None else self.grammars.guide(sid, d.anchor, d.seed_position)
+        guide = None if self.controls is None else self.controls.guide(sid, d.anchor, d.seed_position)
         try:
             value, step_ms = await self._drafted(sid, d, params, guide)
         finally:
@@ -149,10 +150,11 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
         return drafter_pb2.DrafterResponse(committed_through=positions[-1]), reply.step_ms
 
     def _observe(self, sid: int, commit) -> None:
-        """A commit that landed: the session's grammar follows its tokens (a priming commit, the
-        one with tokens from position 0, sets the session's constraint or clears it)."""
-        if self.grammars is not None:
-            self.grammars.commit(sid, commit)
+        """A commit that landed: the session's controls follow its tokens (a priming commit, the
+        one with tokens from position 0, sets the session's constraint and logits controls or
+        clears them)."""
+        if self.controls is not None:
+            self.controls.commit(sid, commit)
 
     def _commit_now(self, sid: int, commit) -> drafter_pb2.DrafterResponse:
         # The rows' wire shape is checked before the token ids are fed: an observing drafter
