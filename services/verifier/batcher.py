@@ -174,11 +174,12 @@ class StepLoop(StepQueue):
 
     # ------------------------------------------------------------------ a caller that waits
     def prefill(self, sid: int, token_ids, sampling: SamplingParams = GREEDY,
-                timeout_s: float | None = None) -> StepResult:
-        """Admit a prefill (`VerifierEngine.admit_prefill`), run it in the next steps and wait
-        up to `timeout_s` (s; None: no limit) for its result. Raises what admission or the
-        step raises, TimeoutError past the deadline."""
-        return self.submit(self.engine.admit_prefill(sid, token_ids, sampling)).result(timeout_s)
+                timeout_s: float | None = None, controls=None) -> StepResult:
+        """Admit a prefill (`VerifierEngine.admit_prefill`, with the session's logits
+        `controls` or None), run it in the next steps and wait up to `timeout_s` (s; None: no
+        limit) for its result. Raises what admission or the step raises, TimeoutError past
+        the deadline."""
+        return self.submit(self.engine.admit_prefill(sid, token_ids, sampling, None, controls)).result(timeout_s)
 
     def decode(self, sid: int, token_id: int, position: int, timeout_s: float | None = None) -> StepResult:
         """As `prefill`, for `VerifierEngine.admit_decode`."""

@@ -20,6 +20,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from dspark_proto.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.common.constraint_wire import constraint_from_proto
+from services.common.controls_wire import controls_from_proto
 from services.common.sampling_wire import logprob_to_proto, params_from_proto
 from services.common.session_stream import SessionStreamServicer
 from services.common.telemetry import message_span
@@ -103,7 +104,8 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
                 if p.HasField("sampling"):
                     sampling = params_from_proto(p.sampling, field="prefill.sampling")
                 constraint = constraint_from_proto(p.constraint, field="prefill.constraint")
-                res = await self._run("prefill", sid, ids, sampling, constraint)
+                controls = controls_from_proto(p.controls, "prefill.controls") if p.HasField("controls") else None
+                res = await self._run("prefill", sid, ids, sampling, constraint, controls)
                 response, rows = self._step_response(res), len(ids)
             elif op == "decode":
                 d = request.decode
