@@ -115,20 +115,28 @@ def test_regex_choice_and_grammar_constraints_end_in_their_language(oracle_exact
 
 def test_jump_forward_commits_forced_runs_and_output_equals_plain_decode(oracle_exact):
     """Jump-forward on (the stack's gateway) against a gateway that never submits forced runs
-    (true plain decode): the same tokens, greedy (spec off and always) and seeded (off), in
+    (true plain decode): the same tokens, greedy (spec off and always), seeded (off) and
+    seeded with logits controls beside the grammar (repetition penalty, a logit bias), in
     fewer rounds off; every forced token was accepted (the verifier's grammar forces it too)."""
     async def plain_gateway():
         return await oracle_exact.start_gateway("batched", jump_forward=False)
 
+    def request(spec: str, t: float, controls: bool):
+        req = schema_request(SCHEMAS[0], spec, t, seed=3)
+        if controls:
+            req.repetition_penalty = 1.5
+            req.logit_bias[ord("a") + 2] = 4.0
+        return req
+
     gw = service_loop().run(plain_gateway())
     try:
-        for (i, schema), t in itertools.product(((0, SCHEMAS[0]),), (0.0, 0.7)):
-            plain = service_loop().run(collect(gw.stub, schema_request(schema, "off", t, seed=i)), 120)
-            check_valid(plain, schema)
+        for t, controls in ((0.0, False), (0.7, False), (0.7, True)):
+            plain = service_loop().run(collect(gw.stub, request("off", t, controls)), 120)
+            check_valid(plain, SCHEMAS[0])
             assert plain.final.spec_stats.forced_rounds == 0
             for spec in ("off", "always") if t == 0 else ("off",):
-                jumped = oracle_exact.generate(schema_request(schema, spec, t, seed=i), "batched")
-                assert jumped.token_ids == plain.token_ids, (i, t, spec)
+                jumped = oracle_exact.generate(request(spec, t, controls), "batched")
+                assert jumped.token_ids == plain.token_ids, (t, controls, spec)
                 st = jumped.final.spec_stats
                 if spec == "off":
                     assert st.forced_rounds > 0 and st.forced_tokens >= st.forced_rounds
