@@ -178,8 +178,10 @@ def test_prefetched_masks_along_a_draft_path_equal_fresh_fills():
         state.accept(t)
         fresh.accept(t)
     state.prefetch(ids[10:14])  # g r e e
+    row = torch.randn(512, generator=torch.Generator().manual_seed(0))
     for t in ids[10:13]:
         assert torch.equal(state.allowed(), fresh.allowed())
+        assert torch.equal(state.mask(row), fresh.mask(row))  # the prefetched CPU path, bitwise
         state.accept(t)
         fresh.accept(t)
     assert state.prefetched_hits == 3 and state.accepted == 13
