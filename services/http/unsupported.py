@@ -61,7 +61,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     "repetition_penalty": (_number(1), "1", False),
     "min_tokens": (_number(0), "0", False),
     "bad_words": (_falsy, "[]", False),
-    **dict.fromkeys(("allowed_token_ids", "prompt_logprobs", "logits_processors", "truncate_prompt_tokens",
+    **dict.fromkeys(("allowed_token_ids", "logits_processors", "truncate_prompt_tokens",
                      "reasoning_effort", "verbosity", "web_search_options"), (_none, "null", False)),
     **dict.fromkeys(("use_beam_search", "include_stop_str_in_output", "return_tokens_as_token_ids"),
                     (_is(False), "false", False)),
