@@ -25,8 +25,8 @@ from services.gateway.gate import GateConfig
 from services.http.server import RANDOM_MODEL_ID, start_http_front
 from services_fixtures import SPEC, service_loop, tiny_draft_module, tiny_tokenizer
 
-PROMPT_IDS = [7, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110, 32, 102, 111, 120, 33]
-GENERATED = 50  # prompt + completion = 70 tokens: the scored sequence crosses a 64-row exact prompt tile
+PROMPT_IDS = [7, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110, 32, 102, 111, 120, 33] * 2 + [9] * 4
+GENERATED = 22  # prompt + completion = 66 tokens: the scored sequence crosses a 64-row exact prompt tile
 SMALL_CHUNK = 7  # the second verifier's prefill chunk: the prompt in 10 chunks, none on a tile boundary
 TIMEOUT_S = 120
 
@@ -90,9 +90,9 @@ async def _messages(stub, req: gateway_pb2.GenerateRequest) -> list[gateway_pb2.
     return [m async for m in stub.Generate(req, timeout=TIMEOUT_S)]
 
 
-def _generate(stub, spec: str, logprobs: int = 2) -> tuple[list[int], list]:
+def _generate(stub, spec: str, logprobs: int = 2, max_tokens: int = GENERATED) -> tuple[list[int], list]:
     """(completion ids, their TokenLogprob messages) of a greedy generation after PROMPT_IDS."""
-    req = gateway_pb2.GenerateRequest(prompt_token_ids=PROMPT_IDS, max_tokens=GENERATED, spec=SPEC[spec],
+    req = gateway_pb2.GenerateRequest(prompt_token_ids=PROMPT_IDS, max_tokens=max_tokens, spec=SPEC[spec],
                                       ignore_eos=True, logprobs=logprobs)
     msgs = run(_messages(stub, req))
     return [t for m in msgs for t in m.token_ids], [lp for m in msgs for lp in m.logprobs]
@@ -140,8 +140,8 @@ def test_prompt_logprobs_equal_the_decode_logprobs_bitwise_under_every_spec_mode
 
 def test_a_generation_with_prompt_logprobs_streams_them_first_and_generates_the_same(stack):
     stub = stack.stubs["small_chunks"]
-    plain, _ = _generate(stub, "always")
-    req = gateway_pb2.GenerateRequest(prompt_token_ids=PROMPT_IDS, max_tokens=GENERATED, spec=SPEC["always"],
+    plain, _ = _generate(stub, "off", max_tokens=8)
+    req = gateway_pb2.GenerateRequest(prompt_token_ids=PROMPT_IDS, max_tokens=8, spec=SPEC["always"],
                                       ignore_eos=True, prompt_logprobs=3)
     msgs = run(_messages(stub, req))
     assert [t for m in msgs for t in m.token_ids] == plain
@@ -246,3 +246,12 @@ def test_echo_without_logprobs_returns_the_prompt_and_max_tokens_0_scores_only(s
     r = client.completions.create(model=RANDOM_MODEL_ID, prompt="hello there", max_tokens=0, echo=True)
     assert r.choices[0].text == "hello there" and r.choices[0].logprobs is None
     assert r.usage.completion_tokens == 0 and r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("field, value", [("prompt_logprobs", 1), ("echo", True)])
+def test_chat_refuses_prompt_scoring_rather_than_ignoring_it(stack, field, value):
+    """The random model has a chat template; chat has no prompt scoring, so the fields are refused."""
+    with pytest.raises(openai.BadRequestError) as err:
+        stack.client().chat.completions.create(model=RANDOM_MODEL_ID, messages=[{"role": "user", "content": "x"}],
+                                               max_tokens=1, extra_body={field: value})
+    assert err.value.param == field and "not supported" in err.value.message

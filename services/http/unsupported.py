@@ -70,7 +70,9 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     **dict.fromkeys(("tools", "functions", "chat_template_kwargs"), (_falsy, "null, [] or {}", True)),
     **dict.fromkeys(("tool_choice", "function_call"), (_no_tool_choice, '"none" or "auto" (no tools)', True)),
     **dict.fromkeys(("chat_template", "documents", "audio"), (_none, "null (the model's own)", True)),
-    **dict.fromkeys(("continue_final_message", "add_special_tokens"), (_is(False), "false", True)),
+    **dict.fromkeys(("continue_final_message", "add_special_tokens", "echo"), (_is(False), "false", True)),
+    # prompt scoring is /v1/completions' (services.http.echo); chat would score the rendered template
+    "prompt_logprobs": (_none, "null (score prompts on /v1/completions)", True),
     "add_generation_prompt": (_is(True), "true", True),
     "modalities": (_text_modalities, '["text"]', True),
 }
