@@ -26,7 +26,6 @@ import asyncio
 import time
 
 import openai
-import torch
 
 from dsv4.batch import BatchItem
 from services import app

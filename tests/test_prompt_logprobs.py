@@ -40,6 +40,7 @@ class Stack:
     closers: list = field(default_factory=list)
     stubs: dict[str, gateway_pb2_grpc.GatewayStub] = field(default_factory=dict)
     base_url: str = ""
+    drafter_engine: object = None
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0, timeout=TIMEOUT_S)
@@ -55,7 +56,8 @@ async def _start() -> Stack:
     stack = Stack()
     backend = BackendSettings(verify_numerics="exact")
     trunk = app.load_trunk(None, verify_numerics="exact")
-    drafter = await app.start_drafter(app.drafter_engine(tiny_draft_module(), settings=backend))
+    stack.drafter_engine = app.drafter_engine(tiny_draft_module(), settings=backend)
+    drafter = await app.start_drafter(stack.drafter_engine)
     stack.servers.append(drafter)
     for name, chunk in (("one_chunk", 64), ("small_chunks", SMALL_CHUNK)):
         verifier = await app.start_verifier(app.verifier_engine(trunk, backend), prefill_chunk=chunk)
@@ -90,12 +92,13 @@ async def _messages(stub, req: gateway_pb2.GenerateRequest) -> list[gateway_pb2.
     return [m async for m in stub.Generate(req, timeout=TIMEOUT_S)]
 
 
-def _generate(stub, spec: str, logprobs: int = 2, max_tokens: int = GENERATED) -> tuple[list[int], list]:
-    """(completion ids, their TokenLogprob messages) of a greedy generation after PROMPT_IDS."""
+def _generate(stub, spec: str, logprobs: int = 2, max_tokens: int = GENERATED) -> tuple[list[int], list, int]:
+    """(completion ids, their TokenLogprob messages, drafts it verified) of a greedy generation
+    after PROMPT_IDS."""
     req = gateway_pb2.GenerateRequest(prompt_token_ids=PROMPT_IDS, max_tokens=max_tokens, spec=SPEC[spec],
                                       ignore_eos=True, logprobs=logprobs)
     msgs = run(_messages(stub, req))
-    return [t for m in msgs for t in m.token_ids], [lp for m in msgs for lp in m.logprobs]
+    return [t for m in msgs for t in m.token_ids], [lp for m in msgs for lp in m.logprobs], msgs[-1].spec_draft_tokens
 
 
 def _score(stub, ids: list[int], top: int = 2) -> gateway_pb2.GenerateResponse:
@@ -113,34 +116,30 @@ def _fields(records) -> list[tuple]:
 
 # ---------------------------------------------------------------------------- gRPC: the property
 def test_prompt_logprobs_equal_the_decode_logprobs_bitwise_under_every_spec_mode_and_chunking(stack):
-    """Each spec mode's generation, scored back through both verifiers: the completion tokens'
-    prompt logprobs are bitwise the streamed ones (a plain decode's under exact numerics: spec
-    off; verify blocks' under always and gated), and the prompt's own records agree between a
-    one-chunk and a 7-token-chunk prefill and across modes."""
+    """Each spec mode's generation gives one sequence (greedy, exact numerics); scored back
+    through a one-chunk and a 7-token-chunk prefill, its completion tokens get bitwise the
+    logprobs each mode streamed (a plain decode's rows under off; verify blocks' under always
+    and gated), and the two prefills agree on every record."""
     stub = stack.stubs["one_chunk"]
-    plain_ids, _ = _generate(stub, "off")
-    prompt_part = None
-    for spec in ("off", "always", "gated"):
-        ids, streamed = _generate(stub, spec)
-        assert ids == plain_ids and len(ids) == GENERATED  # greedy, exact: one sequence
-        for name in ("one_chunk", "small_chunks"):
-            scored = _score(stack.stubs[name], PROMPT_IDS + ids).prompt_logprobs
-            assert len(scored) == len(PROMPT_IDS) + GENERATED - 1
-            assert [r.token_id for r in scored] == PROMPT_IDS[1:] + ids
-            # token 0 of the completion was chosen by the prefill's last row, the rest by decode / verify rows
-            assert _fields(scored[len(PROMPT_IDS) - 1:]) == _fields(streamed), (spec, name)
-            if prompt_part is None:
-                prompt_part = _fields(scored[:len(PROMPT_IDS) - 1])
-            assert _fields(scored[:len(PROMPT_IDS) - 1]) == prompt_part
-            ranks = [r.rank for r in scored[len(PROMPT_IDS) - 1:]]
-            assert ranks == [1] * GENERATED  # greedy tokens are the most likely
-    assert any(r.rank > 1 for r in run(_messages(stub, gateway_pb2.GenerateRequest(
-        prompt_token_ids=PROMPT_IDS, max_tokens=1, prompt_logprobs=0)))[0].prompt_logprobs)
+    runs = {spec: _generate(stub, spec) for spec in ("off", "always", "gated")}
+    ids = runs["off"][0]
+    assert len(ids) == GENERATED and all(run[0] == ids for run in runs.values())
+    assert runs["always"][2] > 0  # its logprobs came from verify blocks
+    scored = {name: _score(stack.stubs[name], PROMPT_IDS + ids).prompt_logprobs
+              for name in ("one_chunk", "small_chunks")}
+    assert _fields(scored["one_chunk"]) == _fields(scored["small_chunks"])
+    records = scored["one_chunk"]
+    assert [r.token_id for r in records] == PROMPT_IDS[1:] + ids
+    completion = records[len(PROMPT_IDS) - 1:]  # its first token was chosen by the prefill's last row
+    for spec, (_, streamed, _) in runs.items():
+        assert _fields(completion) == _fields(streamed), spec
+    assert [r.rank for r in completion] == [1] * GENERATED  # greedy tokens are the most likely
+    assert all(r.rank >= 1 for r in records) and any(r.rank > 1 for r in records[:len(PROMPT_IDS) - 1])
 
 
 def test_a_generation_with_prompt_logprobs_streams_them_first_and_generates_the_same(stack):
     stub = stack.stubs["small_chunks"]
-    plain, _ = _generate(stub, "off", max_tokens=8)
+    plain = _generate(stub, "off", max_tokens=8)[0]
     req = gateway_pb2.GenerateRequest(prompt_token_ids=PROMPT_IDS, max_tokens=8, spec=SPEC["always"],
                                       ignore_eos=True, prompt_logprobs=3)
     msgs = run(_messages(stub, req))
@@ -241,11 +240,36 @@ def test_bad_prompt_scoring_is_a_400_naming_the_field(stack, body, param, words)
     assert err.value.param == param and words in err.value.message
 
 
-def test_echo_without_logprobs_returns_the_prompt_and_max_tokens_0_scores_only(stack):
+def _drafter_sessions_opened(stack, work) -> int:
+    """Drafter sessions opened while `work()` ran (session ids are handed out in order)."""
+    engine = stack.drafter_engine
+    before = engine.open_session()
+    engine.close_session(before)
+    work()
+    after = engine.open_session()
+    engine.close_session(after)
+    return after - before - 1
+
+
+def test_echo_without_logprobs_returns_the_prompt_and_max_tokens_0_opens_no_drafter_session(stack):
     client = stack.client()
-    r = client.completions.create(model=RANDOM_MODEL_ID, prompt="hello there", max_tokens=0, echo=True)
-    assert r.choices[0].text == "hello there" and r.choices[0].logprobs is None
-    assert r.usage.completion_tokens == 0 and r.choices[0].finish_reason == "length"
+
+    def score():
+        r = client.completions.create(model=RANDOM_MODEL_ID, prompt="hello there", max_tokens=0, echo=True,
+                                      extra_body={"spec": "always"})
+        assert r.choices[0].text == "hello there" and r.choices[0].logprobs is None
+        assert r.usage.completion_tokens == 0 and r.choices[0].finish_reason == "length"
+        chunks = list(client.completions.create(model=RANDOM_MODEL_ID, prompt="hello there", max_tokens=0,
+                                                echo=True, logprobs=0, stream=True))
+        assert [c.choices[0].text for c in chunks] == ["hello there", ""]
+        assert chunks[0].choices[0].logprobs.token_logprobs[0] is None
+        assert chunks[1].choices[0].finish_reason == "length"
+
+    def generate():
+        client.completions.create(model=RANDOM_MODEL_ID, prompt="hello there", max_tokens=4, echo=True,
+                                  extra_body={"spec": "always"})
+    assert _drafter_sessions_opened(stack, score) == 0
+    assert _drafter_sessions_opened(stack, generate) == 1  # the control: a generation that drafts opens one
 
 
 @pytest.mark.parametrize("field, value", [("prompt_logprobs", 1), ("echo", True)])
