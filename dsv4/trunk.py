@@ -38,7 +38,7 @@ reference holds in bf16, nor the bf16-stored compressor, weights_proj, gate and 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -47,7 +47,7 @@ from dsv4.attention import Attention
 from dsv4.batch import BatchItem, finish, join_pieces, layer, run_pass
 from dsv4.config import ModelConfig
 from dsv4.inventory import trunk_params
-from dsv4.layers import Embedding, Linear, RMSNorm, frozen_param
+from dsv4.layers import Embedding, Linear, RMSNorm, copy_streamed, frozen_param
 from dsv4.mhc import hc_head, hc_post, hc_pre
 from dsv4.moe import MoE, Route
 from dsv4.numerics import EXACT_ROWS, FastNumerics, numerics_for
@@ -232,6 +232,20 @@ class Trunk(nn.Module):
         with torch.no_grad():
             for n, t in own.items():
                 t.copy_(weights[n])  # casts dtype and device; cannot fail on validated input
+        pack_quantised(self)
+        self._loaded = True
+
+    def load_streamed(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy logical weights into the model one at a time as `items` yields them
+        (`dsv4.checkpoint.stream_trunk_weights`): the device holds the model plus one decoded
+        parameter, never the model twice. Each tensor gets `load_weights`' checks. Not atomic:
+        the model is unloaded from the call until the last tensor is in, and stays so on failure.
+
+        Raises:
+            ValueError: the first unexpected, repeated or failing tensor, or the missing names.
+        """
+        self._loaded = False
+        copy_streamed(self.state_dict(keep_vars=True), items, self._weight_problem)
         pack_quantised(self)
         self._loaded = True
 

@@ -18,16 +18,18 @@ VERIFY_MODE_SEQUENTIAL: VerifyMode
 VERIFY_MODE_BATCHED: VerifyMode
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("token_ids", "sampling", "constraint", "prompt_logprobs")
+    __slots__ = ("token_ids", "sampling", "constraint", "prompt_logprobs", "controls")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CONTROLS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     constraint: _common_pb2.Constraint
     prompt_logprobs: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    controls: _common_pb2.LogitsControls
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., controls: _Optional[_Union[_common_pb2.LogitsControls, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("token_id", "position")

@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass, field
 
 from services.common.constraint import Constraint
+from services.common.controls import LogitsControls
 from dsv4.sampling import GREEDY, SamplingParams, TokenLogprob
 from services.gateway.record import RoundStats
 from services.gateway.warm import WarmBands, sampling_band
@@ -46,6 +47,8 @@ class GenerationParams:
     sampling: SamplingParams = GREEDY
     max_drafts: int = 0  # drafted tokens a round may submit at most (0 = the block size)
     constraint: Constraint | None = None  # the output constraint (docs/structured.md); compiled at admission
+    # logits controls (docs/sampling.md), stop_ids set to the stop token ids; None: none
+    controls: LogitsControls | None = None
     # Prompt logprobs: None = not asked; else the top alternatives per prompt token (0..20).
     prompt_logprobs: int | None = None
 

@@ -56,6 +56,7 @@ import torch
 
 from dsv4.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from services.common.constraint import Constraint, GrammarVocab, vocab_of
+from services.common.controls import LogitsControls
 from services.common.settings import VERIFY_MODES
 from services.common.telemetry import TRACER_NAME, trace_context
 from services.gateway.backends import DrafterSession, VerifierSession
@@ -138,6 +139,7 @@ class Scheduler:
                temperature: float = 0.0, stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
                ignore_eos: bool = False, label: str = "live", sampling: SamplingParams | None = None,
                max_drafts: int = 0, constraint: Constraint | None = None,
+               controls: LogitsControls | None = None,
                prompt_logprobs: int | None = None) -> GenerationParams:
         """Validate a request into `GenerationParams`. max_drafts: drafted tokens a round may
         submit at most (always: a fixed k; gated: a cap on the gate's choice; 0 = block size).
@@ -147,7 +149,9 @@ class Scheduler:
         sampling: how tokens are chosen (the servicer builds it, seed included); None is
         `SamplingParams(temperature=temperature)` (seed 0, the coupled rule), otherwise
         `temperature` is ignored. constraint: the output constraint, compiled here against the
-        gateway's vocabulary so a bad one is refused before any session opens.
+        gateway's vocabulary so a bad one is refused before any session opens. controls: the
+        logits controls (docs/sampling.md); their stop_ids are set here to the stop token ids
+        (eos unless ignore_eos, and stop_token_ids), which min_tokens masks.
         Raises:
             ValueError: naming the value: a bad temperature (NaN, negative), an empty
                 prompt, a token id outside [0, vocab), max_tokens < 0, or 0 without prompt
@@ -155,7 +159,8 @@ class Scheduler:
                 beyond max_seq_len, an unknown spec mode, a stop token id out of range, a blank
                 or reserved workload label, max_drafts outside [0, block_size], a constraint
                 that does not compile (`ConstraintError`, naming its field) or one with
-                ignore_eos (a grammar ends the generation with eos).
+                ignore_eos (a grammar ends the generation with eos), a controls token id outside
+                the vocabulary (named) or min_tokens > max_tokens.
         """
         lim = self.limits
         if sampling is None:
@@ -190,9 +195,10 @@ class Scheduler:
                 raise ValueError(f"{constraint.field} with ignore_eos: a constrained generation ends with eos "
                                  "once its grammar completes (docs/structured.md)")
             self.grammar_vocab.compile(constraint)
+        controls = None if controls is None else controls.for_generation(stops, lim.vocab_size, max_tokens)
         return GenerationParams(tuple(ids), max_tokens, spec, frozenset(stops), tuple(s for s in stop if s),
                                 label or "live", sampling=sampling, max_drafts=max_drafts, constraint=constraint,
-                                prompt_logprobs=prompt_logprobs)
+                                controls=controls, prompt_logprobs=prompt_logprobs)
 
     @functools.cached_property
     def grammar_vocab(self) -> GrammarVocab:
@@ -292,7 +298,9 @@ class _Generation:
                                 self.counters, awake=self._regime_drafts())
         if p.constraint is not None:
             self.link.constraint = (p.constraint, len(p.prompt_ids))
-        self.detok = Detokenizer(sched.tokenizer, p.stop)
+        if p.controls is not None:
+            self.link.controls = (p.controls, len(p.prompt_ids))
+        self.detok = Detokenizer(sched.tokenizer, p.stop, 0 if p.controls is None else p.controls.min_tokens)
         self.out: list[int] = []
         self.finish: str | None = None
         self.matched_stop: int | str | None = None
@@ -308,7 +316,7 @@ class _Generation:
         p = self.p
         with self.s.tracer.start_as_current_span("gateway.prefill") as span, self.s.occupancy.call():
             first = await self.verifier.prefill(p.prompt_ids, trace_context(span), p.sampling, p.constraint,
-                                                p.prompt_logprobs)
+                                                p.controls, p.prompt_logprobs)
         self.ttft_ms = (time.perf_counter() - self.t0) * 1e3
         if p.max_tokens == 0:
             self.finish = "length"

@@ -43,6 +43,8 @@ import grpc
 from dspark_proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from dsv4.sampling import SamplingParams
 from services.common.constraint_wire import constraint_from_proto
+from services.common.controls import MAX_BAD_WORDS, LogitsControls
+from services.common.controls_wire import controls_from_proto
 from services.common.sampling_wire import logprob_to_proto, params_from_proto
 from services.gateway.auth import tenant_of
 from services.gateway.backends import BackendError, Backends, GrpcDrafterSession, GrpcVerifierSession
@@ -230,6 +232,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 request.temperature, list(request.stop_token_ids), list(request.stop), request.ignore_eos,
                 request.label, sampling, request.max_draft_tokens,
                 constraint_from_proto(request.constraint) if request.HasField("constraint") else None,
+                request_controls(request, self.scheduler.tokenizer),
                 request.prompt_logprobs if request.HasField("prompt_logprobs") else None)
             running = self.running.register(rid, tenant_of(context.invocation_metadata()))
         except DuplicateRequestId as exc:
@@ -297,6 +300,40 @@ def request_sampling(request: gateway_pb2.GenerateRequest, default_rule: str) ->
     try:
         return params_from_proto(msg, default_rule, field="GenerateRequest")
     except ValueError as exc:  # "GenerateRequest.top_p=..." -> "top_p=...": the client's own field name
+        raise ValueError(str(exc).removeprefix("GenerateRequest.")) from None
+
+
+def request_controls(request: gateway_pb2.GenerateRequest, tokenizer) -> LogitsControls | None:
+    """The logits controls of a GenerateRequest (None: every field neutral), floats at their
+    float32 wire values; `bad_words` are tokenized here with the gateway's `tokenizer`, each
+    as given and after a space (how it reads mid-text), as vLLM does.
+
+    Raises:
+        ValueError: naming the GenerateRequest field and value (`LogitsControls`' checks),
+            a blank bad word, or more than MAX_BAD_WORDS of them.
+    """
+    if len(request.bad_words) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words: {len(request.bad_words)} words; at most {MAX_BAD_WORDS}")
+    words: list[tuple[int, ...]] = []
+    for i, word in enumerate(request.bad_words):
+        if not word.strip():
+            raise ValueError(f"bad_words[{i}]={word!r}: must hold text")
+        for text in (word, " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text))
+            if ids and ids not in words:
+                words.append(ids)
+    msg = common_pb2.LogitsControls(presence_penalty=request.presence_penalty,
+                                    frequency_penalty=request.frequency_penalty,
+                                    repetition_penalty=request.repetition_penalty, min_tokens=request.min_tokens)
+    for token, bias in request.logit_bias.items():
+        msg.logit_bias[token] = bias
+    for ids in words:
+        msg.bad_words.add(ids=list(ids))
+    if msg == common_pb2.LogitsControls():
+        return None
+    try:
+        return controls_from_proto(msg, field="GenerateRequest")
+    except ValueError as exc:  # the client's own field name, as request_sampling's
         raise ValueError(str(exc).removeprefix("GenerateRequest.")) from None
 
 

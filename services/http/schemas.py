@@ -20,6 +20,10 @@ naming the field, with `dsv4.sampling.SamplingParams`' own message. Prompt scori
 with its tokens' logprobs when `logprobs` is set; vLLM's `prompt_logprobs` (0..20) returns
 vLLM's per-prompt-token list; with either, `max_tokens` may be 0 (score the prompt only).
 
+Logits controls (docs/sampling.md): OpenAI's `logit_bias`, `presence_penalty` and
+`frequency_penalty`, vLLM's `repetition_penalty`, `min_tokens` and `bad_words`; each applied
+exactly, under speculation too. Logprobs stay the raw ones (vLLM's default).
+
 Extensions beyond OpenAI (vLLM spells the last three the same way): `spec` ("off", "always",
 "gated"; default: the gateway's), `ignore_eos`, `stop_token_ids`, and `return_token_ids`
 (each choice and chunk then carries the completion's token ids as `token_ids`).
@@ -36,10 +40,12 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from dspark_proto.v1 import common_pb2, gateway_pb2
 from dsv4.sampling import MAX_LOGPROBS, SamplingParams
+from services.common.controls import MAX_BAD_WORDS, LogitsControls
 from services.http.errors import invalid
 from services.http.unsupported import CHAT_ONLY, SHARED, first_unsupported
 from services.http.structured import constraint_message
 
+_CONTROL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias")
 STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                      "structured_outputs")
 
@@ -112,8 +118,14 @@ class GenerationFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    # logits controls (docs/sampling.md); OpenAI's two penalties, logit_bias (token id as a
+    # decimal string -> bias), and vLLM's repetition_penalty, min_tokens and bad_words
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    bad_words: list[Text] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     # extensions
     spec: Literal["off", "always", "gated"] | None = None
     ignore_eos: bool = False
@@ -130,7 +142,7 @@ class GenerationFields(BaseModel):
     # Fields OpenAI's API documents as "or null" whose type here is not Optional: null means
     # the default (clients built from that spec send `"logprobs": null` and the like).
     NULLABLE: ClassVar[frozenset[str]] = frozenset(
-        {"stream", "n", "presence_penalty", "frequency_penalty", "logprobs", "echo"})
+        {"stream", "n", "presence_penalty", "frequency_penalty", "logprobs", "echo", "min_tokens"})
 
     @model_validator(mode="before")
     @classmethod
@@ -147,9 +159,11 @@ class GenerationFields(BaseModel):
         Raises:
             ApiError: 400 naming the field: a sampling value `SamplingParams` refuses (NaN or
                 negative temperature, top_p outside (0, 1], top_k < -1, min_p outside [0, 1],
-                logprobs outside 0..20), a seed outside [-2**63, 2**63), a non-zero penalty,
-                more than MAX_STOP_STRINGS stop strings or one longer than MAX_STOP_CHARS, a
-                negative or too large stop token id, an `UNSUPPORTED` field set.
+                logprobs outside 0..20), a seed outside [-2**63, 2**63), a logits control
+                `LogitsControls` refuses (a bias or penalty out of range, NaN, a logit_bias key
+                that is no token id), more than MAX_STOP_STRINGS stop strings or one longer
+                than MAX_STOP_CHARS, a negative or too large stop token id, an `UNSUPPORTED`
+                field set.
         """
         if self.seed is not None and not -SEED_SPACE <= self.seed < SEED_SPACE:
             raise invalid("seed", f"seed={self.seed}: must lie in [-2**63, 2**63) (a signed 64-bit integer)")
@@ -164,13 +178,31 @@ class GenerationFields(BaseModel):
         if long is not None:
             raise invalid("stop", f"stop: a string of {len(long)} characters ({long[:20]!r}...); "
                                   f"at most {MAX_STOP_CHARS}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise invalid(name, f"{name}={getattr(self, name):g}: penalties are not supported (0)")
+        self.controls()
         bad = [t for t in self.stop_token_ids if not 0 <= t <= INT32_MAX]
         if bad:
             raise invalid("stop_token_ids", f"stop_token_ids: {bad[0]} is not a token id")
         self.constraint()
+
+    def controls(self) -> LogitsControls:
+        """The body's logits controls, checked by `LogitsControls` (bad_words stay text: the
+        gateway tokenizes them). Raises ApiError 400 naming the field (and the logit_bias key)."""
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit() or int(key) > INT32_MAX:
+                raise invalid("logit_bias", f"logit_bias key {key!r}: must be a token id (a decimal integer)")
+            bias.append((int(key), value))
+        for name, value in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty),
+                            ("repetition_penalty", self.repetition_penalty), *(("logit_bias", v) for _, v in bias)]:
+            _check_float32(name, value)
+        if any(not w.strip() for w in self.bad_words or ()):
+            raise invalid("bad_words", "bad_words: an empty word; each must hold text")
+        try:
+            return LogitsControls(tuple(sorted(bias)), self.presence_penalty, self.frequency_penalty,
+                                  1.0 if self.repetition_penalty is None else self.repetition_penalty, self.min_tokens)
+        except ValueError as exc:  # LogitsControls' messages start with the field's name
+            message = str(exc)
+            raise invalid(next((f for f in _CONTROL_FIELDS if message.startswith(f)), "logit_bias"), message) from None
 
     def constraint(self) -> common_pb2.Constraint | None:
         """The body's output constraint on the wire (None: unconstrained). Raises ApiError 400
@@ -232,6 +264,11 @@ class GenerationFields(BaseModel):
             ignore_eos=self.ignore_eos, request_id=request_id, prompt_logprobs=prompt_logprobs)
         if self.seed is not None:
             req.seed = self.internal_seed
+        c = self.controls()
+        req.presence_penalty, req.frequency_penalty = c.presence_penalty, c.frequency_penalty
+        req.repetition_penalty, req.min_tokens = c.repetition_penalty, c.min_tokens
+        req.logit_bias.update(dict(c.logit_bias))
+        req.bad_words.extend(self.bad_words or ())
         constraint = self.constraint()
         if constraint is not None:
             req.constraint.CopyFrom(constraint)

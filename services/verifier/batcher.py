@@ -174,11 +174,12 @@ class StepLoop(StepQueue):
 
     # ------------------------------------------------------------------ a caller that waits
     def prefill(self, sid: int, token_ids, sampling: SamplingParams = GREEDY,
-                timeout_s: float | None = None, prompt_logprobs: int | None = None) -> StepResult:
-        """Admit a prefill (`VerifierEngine.admit_prefill`, prompt logprobs included), run it
-        in the next steps and wait up to `timeout_s` (s; None: no limit) for its result.
-        Raises what admission or the step raises, TimeoutError past the deadline."""
-        record = self.engine.admit_prefill(sid, token_ids, sampling, prompt_logprobs=prompt_logprobs)
+                timeout_s: float | None = None, controls=None, prompt_logprobs: int | None = None) -> StepResult:
+        """Admit a prefill (`VerifierEngine.admit_prefill`, with the session's logits
+        `controls` or None, and the prompt logprobs it asks for), run it in the next steps and
+        wait up to `timeout_s` (s; None: no limit) for its result. Raises what admission or
+        the step raises, TimeoutError past the deadline."""
+        record = self.engine.admit_prefill(sid, token_ids, sampling, None, controls, prompt_logprobs)
         return self.submit(record).result(timeout_s)
 
     def decode(self, sid: int, token_id: int, position: int, timeout_s: float | None = None) -> StepResult:

@@ -27,7 +27,7 @@ import torch
 
 from services.verifier.choice import choose, judge
 from services.verifier.committed import CommittedRows
-from services.common.grammar import GrammarState
+from services.common.controls import ControlState
 
 from dsv4.batch import BatchItem
 from dsv4.sampling import GREEDY, SamplingParams, TokenLogprob, token_logprobs
@@ -108,8 +108,10 @@ class SessionRecord:
     fed in chunks counts its prompt positions forwarded in `done` and keeps the tap rows
     [<= keep, T*D] fp32 of the last `keep` of them in `rows`. forward_ms: wall time of the
     forwards it took part in so far (ms).
-    grammar: the session's output constraint's matcher over its committed tokens (None:
-    unconstrained); every row is scored over the tokens it allows (docs/structured.md).
+    controls: the session's logits controls and output constraint over its committed tokens
+    (`services.common.controls.ControlState`; None: neither): every row a token is chosen
+    from, and every draft judged by, is the row they transform (docs/sampling.md,
+    docs/structured.md).
     prompt_logprobs: a prefill's top alternatives per prompt token (0..MAX_LOGPROBS), None
     when it asked for no prompt logprobs; prompt_records the records of the prompt tokens
     scored so far (one per prompt token after the first, in order).
@@ -131,7 +133,7 @@ class SessionRecord:
     rows: list[torch.Tensor] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     forward_ms: float = 0.0
-    grammar: GrammarState | None = None
+    controls: ControlState | None = None
     prompt_logprobs: int | None = None
     prompt_records: list[TokenLogprob] = field(default_factory=list)
 
@@ -246,18 +248,20 @@ def _judge_row(s: SessionRecord, row: torch.Tensor, i: int) -> int | None:
 
 
 def _allowed(s: SessionRecord, row: torch.Tensor) -> torch.Tensor:
-    """The logits row [V] a token is chosen from: under a constraint, a copy with the tokens
-    the grammar forbids after the committed tokens at -inf (on the row's device). A drafted
-    token it forbids can then never be the target's choice: a mismatch at that position. The
-    raw row still gives the logprobs and the margin."""
-    return row if s.grammar is None else s.grammar.mask(row)
+    """The logits row [V] a token is chosen from (and a draft judged by): the session's
+    controls applied on the row's device after the tokens committed so far, which in a
+    verify block include the rows before this one (`services.common.controls`): logit_bias,
+    penalties, min_tokens and bad_words, then the grammar mask. A drafted token the grammar
+    forbids can then never be the target's choice: a mismatch at that position. The raw row
+    still gives the logprobs (vLLM's default, raw) and the gate's margin."""
+    return row if s.controls is None else s.controls.apply(row)
 
 
 def _commit_token(s: SessionRecord, token: int) -> None:
-    """Advance the session's matcher past a token it commits (the only place it advances:
-    a rejected draft is never accepted into it)."""
-    if s.grammar is not None:
-        s.grammar.accept(token)
+    """Advance the session's controls past a token it commits (the only place they advance:
+    a rejected draft is never counted)."""
+    if s.controls is not None:
+        s.controls.accept(token)
 
 
 def _absorb_chunk(s: SessionRecord, out) -> StepResult | None:
