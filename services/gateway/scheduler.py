@@ -165,12 +165,7 @@ class Scheduler:
         lim = self.limits
         if sampling is None:
             sampling = SamplingParams(temperature=float(temperature))
-        ids = list(prompt_ids) if len(prompt_ids) else self.tokenizer.encode(prompt)
-        if not ids:
-            raise ValueError("empty prompt: give prompt text or prompt_token_ids")
-        bad = [t for t in ids if not 0 <= t < lim.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} outside [0, vocab_size={lim.vocab_size})")
+        ids = self._prompt_ids(prompt, prompt_ids)
         if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs={prompt_logprobs}: must lie in 0..{MAX_LOGPROBS}")
         if max_tokens < 0 or (max_tokens == 0 and prompt_logprobs is None):
@@ -199,6 +194,18 @@ class Scheduler:
         return GenerationParams(tuple(ids), max_tokens, spec, frozenset(stops), tuple(s for s in stop if s),
                                 label or "live", sampling=sampling, max_drafts=max_drafts, constraint=constraint,
                                 controls=controls, prompt_logprobs=prompt_logprobs)
+
+    def _prompt_ids(self, prompt: str, prompt_ids: Sequence[int]) -> list[int]:
+        """The prompt's token ids: `prompt_ids`, else `prompt` tokenized. Raises ValueError on
+        an empty prompt or an id outside [0, vocab_size) (named)."""
+        ids = list(prompt_ids) if len(prompt_ids) else self.tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError("empty prompt: give prompt text or prompt_token_ids")
+        vocab = self.limits.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} outside [0, vocab_size={vocab})")
+        return ids
 
     @functools.cached_property
     def grammar_vocab(self) -> GrammarVocab:
