@@ -17,6 +17,7 @@ import bisect
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 from services.analysis.serving_stats import GenerationTrace
 from services.common.schedule import Schedule
@@ -142,6 +143,7 @@ class Gateway:
                        verify_base_ms=self.cost.verify_base_ms, verify_slope_ms=self.cost.verify_slope_ms,
                        plain_ms=self.cost.plain_ms), **dict(arm.gate))
         self.in_flight = 0  # generations inside `generate` (the regime's concurrency)
+        self.gateway_free = 0.0  # when the gateway's event loop is next free (ms)
         self.inside = 0  # generations inside a verifier call (the cover of load pricing)
         self.traces: dict[int, list[GenerationTrace]] = {}  # per stream, its generations in order
         self.drafted_rounds = self.rounds = self.submitted = 0
@@ -207,11 +209,21 @@ class Gateway:
             nxt.begin()
 
     def call(self, loop: SimLoop, request: Request) -> None:
-        """Send `request` to `loop`; it arrives rpc_ms / 2 later, its reply as much after its step."""
+        """Send `request` to `loop`; it arrives rpc_ms / 2 later, its reply as much after its
+        step. A verifier reply then waits its turn at the gateway (`_gateway_turn`)."""
         half = self.model.rpc_ms / 2
         reply = request.reply
-        request.reply = lambda end_ms, rows: self.clock.at(end_ms + half, reply, rows)
+        if loop is self.verifier and self.model.gateway_ms > 0:
+            request.reply = lambda end_ms, rows: self.clock.at(end_ms + half, self._gateway_turn, reply, rows)
+        else:
+            request.reply = lambda end_ms, rows: self.clock.at(end_ms + half, reply, rows)
         self.clock.at(self.clock.now + half, loop.submit, request)
+
+    def _gateway_turn(self, reply: Callable, rows: int) -> None:
+        """The gateway's one event loop takes verifier replies one at a time, gateway_ms each:
+        a step that answers 16 sessions releases their next rounds 16 x gateway_ms apart."""
+        self.gateway_free = max(self.clock.now, self.gateway_free) + self.model.gateway_ms
+        self.clock.at(self.gateway_free, reply, rows)
 
 
 class _Generation:
