@@ -140,6 +140,7 @@ def stage_simulate(args, shape: Path, rounds: Path) -> dict:
     """The simulator's cells {streams: {arm: figures}} at `shape`, shared compute."""
     low, high = prompt_lengths(args.checkpoint)
     cmd = [sys.executable, "-m", "services.cli", "simulate", "--costs", str(shape), "--shared-compute",
+           "--cores", str(args.cores),
            "--rounds", str(rounds), "--arms", *args.arms, "--streams", *map(str, args.streams),
            "--per-stream", str(args.per_stream), "--prompt", f"uniform:{low}:{high}", "--output", str(args.max_tokens),
            "--max-sessions", str(max(args.streams) + 8), "--seed", str(args.seed), "--json"]
@@ -195,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate-streams", type=int, default=8,
                     help="the plain calibration cell's concurrency (keep it out of --streams)")
     ap.add_argument("--seed", type=int, default=0, help="the simulator's seed")
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1,
+                    help="cores of the simulator's shared pool (default: this machine's)")
     ap.add_argument("--rpc-ms", type=float, default=0.7,
                     help="one gateway <-> service call in the simulator (ms; default: bench_services' 2.07 ms "
                          "of gRPC per round over its three calls)")

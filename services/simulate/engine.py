@@ -66,6 +66,7 @@ class RunConfig:
     gather_s: float = 0.05
     prefill_chunk: int = 64
     shared_compute: bool = False
+    cores: int = 1  # the shared pool's cores (processor sharing; docs/simulate.md §3)
     drafters: int = 1
     gate_costs: CostModel | None = None  # the gates' cost model; None: the model's single-stream costs
 
@@ -124,12 +125,15 @@ class Gateway:
     def __init__(self, model: ServiceModel, config: RunConfig, arm: Arm):
         self.model, self.config, self.arm = model, config, arm
         self.clock = Clock()
-        shared = Pool()
-        self.verifier = SimLoop(self.clock, shared, Schedule(config.gather_s, VERIFIER_AWAY, config.prefill_chunk),
+        shared = Pool(self.clock, config.cores)
+        own = lambda: shared if config.shared_compute else Pool(self.clock)  # noqa: E731 - a pool per loop, or one
+        self.verifier = SimLoop(self.clock, own(), Schedule(config.gather_s, VERIFIER_AWAY, config.prefill_chunk),
                                 self._verifier_ms, self._verifier_step)
-        self.drafters = [SimLoop(self.clock, shared if config.shared_compute else Pool(),
-                                 Schedule(config.gather_s, DRAFTER_AWAY), self._drafter_ms)
+        self.drafters = [SimLoop(self.clock, own(), Schedule(config.gather_s, DRAFTER_AWAY), self._drafter_ms)
                          for _ in range(config.drafters)]
+        self.gateway_pool = own()
+        self.turns: list[tuple[Callable, int]] = []  # verifier replies waiting for the gateway's event loop
+        self.turning = False
         self.placed = 0  # generations placed on drafters so far (round robin)
         self.sessions: SessionTable = SessionTable(config.max_sessions)
         self.admission: list = []  # generations waiting for a verifier session, first come first served
@@ -143,7 +147,6 @@ class Gateway:
                        verify_base_ms=self.cost.verify_base_ms, verify_slope_ms=self.cost.verify_slope_ms,
                        plain_ms=self.cost.plain_ms), **dict(arm.gate))
         self.in_flight = 0  # generations inside `generate` (the regime's concurrency)
-        self.gateway_free = 0.0  # when the gateway's event loop is next free (ms)
         self.inside = 0  # generations inside a verifier call (the cover of load pricing)
         self.traces: dict[int, list[GenerationTrace]] = {}  # per stream, its generations in order
         self.drafted_rounds = self.rounds = self.submitted = 0
@@ -220,10 +223,24 @@ class Gateway:
         self.clock.at(self.clock.now + half, loop.submit, request)
 
     def _gateway_turn(self, reply: Callable, rows: int) -> None:
-        """The gateway's one event loop takes verifier replies one at a time, gateway_ms each:
-        a step that answers 16 sessions releases their next rounds 16 x gateway_ms apart."""
-        self.gateway_free = max(self.clock.now, self.gateway_free) + self.model.gateway_ms
-        self.clock.at(self.gateway_free, reply, rows)
+        """The gateway's one event loop takes verifier replies one at a time, gateway_ms of
+        work each (on the shared pool under --shared-compute): a step that answers 16 sessions
+        releases their next rounds 16 x gateway_ms apart."""
+        self.turns.append((reply, rows))
+        if not self.turning:
+            self._next_turn()
+
+    def _next_turn(self) -> None:
+        if not self.turns:
+            self.turning = False
+            return
+        self.turning = True
+        reply, rows = self.turns.pop(0)
+
+        def done() -> None:
+            self._next_turn()
+            reply(rows)
+        self.gateway_pool.run(self.model.gateway_ms, done)
 
 
 class _Generation:
