@@ -201,3 +201,24 @@ def test_the_gateway_takes_verifier_replies_one_at_a_time():
     assert two["ttft_p50_ms"] == pytest.approx(28.0) and two["wall_s"] == pytest.approx(0.034)
     with pytest.raises(ValueError, match="gateway_ms"):
         ServiceModel("bad", flat, flat, flat, gateway_ms=-1.0)
+
+
+@pytest.mark.parametrize("cores, ends", [(1, [20.0, 20.0]), (2, [10.0, 10.0]), (1, None)])
+def test_a_shared_pool_slows_its_jobs_down_by_processor_sharing(cores, ends):
+    """Two 10 ms jobs started together end at 20 ms on one core (each at half speed) and at
+    10 ms on two. A 10 ms job with a 5 ms one beside it on one core: both run at half speed
+    until the short one ends at 10 ms, then the long one alone ends at 15 ms."""
+    from services.simulate.loops import Clock, Pool
+    clock = Clock()
+    pool = Pool(clock, cores)
+    done: list[float] = []
+    if ends is None:
+        pool.run(10.0, lambda: done.append(clock.now))
+        pool.run(5.0, lambda: done.append(clock.now))
+        clock.run()
+        assert done == [10.0, 15.0]
+        return
+    for _ in range(2):
+        pool.run(10.0, lambda: done.append(clock.now))
+    clock.run()
+    assert done == ends
