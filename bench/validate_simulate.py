@@ -19,6 +19,15 @@ Three stages, each a child process of its own (the services' own command lines):
    in every cell, as the simulator runs it (a long-lived gateway carries its regime and warm
    start from cell to cell, which the simulator's cells do not model).
 
+Between 2 and 3, a **calibration** cell: plain at `--calibrate-streams` (8, a load the
+comparison does not use) through bench_serving. Two costs the in-process shape cannot see are
+read from it and written into the shape the simulator runs (`shape-calibrated.json`):
+`session_ms`, what each session adds to a served verifier step beyond the bare forward (the
+served step's ms from the verifier's Info minus the shape's step at the same rows, per
+session: serialising replies in the same process takes the forward's core and GIL), and
+`gateway_ms`, the gateway's and client's work per verifier reply, done one at a time (the
+inter-token gap beyond the served step and the network, per session in the step).
+
 Then `dspark simulate --costs SHAPE --shared-compute --rounds FILE` runs the same cells: the
 same closed loop (each stream runs `--per-stream` generations back to back), a prompt length
 drawn over the four prompts' token lengths, `--max-tokens` tokens out, the bench's session
@@ -97,10 +106,41 @@ def stage_bench(args, work: Path) -> dict:
     return json.loads(out.read_text())["medians"]["fast"]
 
 
+def stage_calibrate(args, work: Path, shape: Path) -> Path:
+    """The calibration cell (module docstring): `shape` with session_ms and gateway_ms from a
+    served plain cell at args.calibrate_streams streams. Raises ValueError on a shape without
+    a verifier table."""
+    out = work / "calibration.json"
+    if not out.exists():
+        _run(["bench.bench_serving", "--numerics", "fast", "--arms", "plain", "--streams", str(args.calibrate_streams),
+              "--repeats", "1", "--warmup", "0", "--per-stream", str(args.per_stream), "--max-tokens",
+              str(args.max_tokens), "--port-base", str(args.port_base), "--checkpoint", args.checkpoint,
+              "--json", str(out)], args.nice)
+    cell = json.loads(out.read_text())["medians"]["fast"][str(args.calibrate_streams)]["plain"]
+    sessions, step_ms = cell["sessions_per_step"]["median"], cell["verifier_step_ms"]["median"]
+    from services.simulate.models import load_model
+    model = load_model(str(shape))
+    session_ms = max(step_ms - model.verifier.ms_at(sessions), 0.0) / sessions
+    gateway_ms = max(cell["itl_p50_ms"]["median"] - step_ms - args.rpc_ms, 0.0) / sessions
+    calibrated = work / "shape-calibrated.json"
+    obj = json.loads(Path(shape).read_text())
+    obj["verifier"]["session_ms"] = round(session_ms, 3)
+    obj["gateway_ms"] = round(gateway_ms, 3)
+    obj["rpc_ms"] = args.rpc_ms
+    obj["notes"] = (f"{obj.get('notes', '')} calibrated by bench.validate_simulate from served plain at "
+                    f"{args.calibrate_streams} streams: step {step_ms:.1f} ms over {sessions:.2f} sessions, "
+                    f"ITL p50 {cell['itl_p50_ms']['median']:.1f} ms").strip()
+    calibrated.write_text(json.dumps(obj, indent=1))
+    print(f"calibration: session_ms {session_ms:.3f}, gateway_ms {gateway_ms:.3f} (plain, "
+          f"{args.calibrate_streams} streams: step {step_ms:.1f} ms, {sessions:.2f} sessions)")
+    return calibrated
+
+
 def stage_simulate(args, shape: Path, rounds: Path) -> dict:
     """The simulator's cells {streams: {arm: figures}} at `shape`, shared compute."""
     low, high = prompt_lengths(args.checkpoint)
     cmd = [sys.executable, "-m", "services.cli", "simulate", "--costs", str(shape), "--shared-compute",
+           "--cores", str(args.cores),
            "--rounds", str(rounds), "--arms", *args.arms, "--streams", *map(str, args.streams),
            "--per-stream", str(args.per_stream), "--prompt", f"uniform:{low}:{high}", "--output", str(args.max_tokens),
            "--max-sessions", str(max(args.streams) + 8), "--seed", str(args.seed), "--json"]
@@ -153,7 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-stream", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--port-base", type=int, default=50400)
+    ap.add_argument("--calibrate-streams", type=int, default=8,
+                    help="the plain calibration cell's concurrency (keep it out of --streams)")
     ap.add_argument("--seed", type=int, default=0, help="the simulator's seed")
+    ap.add_argument("--cores", type=int, default=os.cpu_count() or 1,
+                    help="cores of the simulator's shared pool (default: this machine's)")
+    ap.add_argument("--rpc-ms", type=float, default=0.7,
+                    help="one gateway <-> service call in the simulator (ms; default: bench_services' 2.07 ms "
+                         "of gRPC per round over its three calls)")
     ap.add_argument("--nice", type=int, default=0, help="niceness of the measuring children (negative: root)")
     ap.add_argument("--shape", default=None, help="the cpu shape file (default WORKDIR/shape.json, measured if absent)")
     ap.add_argument("--workdir", default="/tmp/dspark-validate", help="every stage's output, kept between runs")
@@ -165,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     if not shape.exists():
         _run(["bench.sim_cpu_shape", "--checkpoint", args.checkpoint, "--repeats", "5"], args.nice, out=shape)
     rounds = stage_rounds(args, work)
+    calibrated = stage_calibrate(args, work, shape)
     real = stage_bench(args, work)
-    sim = stage_simulate(args, shape, rounds)
+    sim = stage_simulate(args, calibrated, rounds)
     rows = compare(real, sim, args.streams, args.arms)
     print(markdown(rows))
     within = sum(row[k]["within"] for row in rows for k, _, _ in FIGURES)

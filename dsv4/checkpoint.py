@@ -35,7 +35,7 @@ import contextlib
 import json
 import struct
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -260,7 +260,7 @@ def load_drafter_weights(
 
 def stream_trunk_weights(
     path: str | Path, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
+    device: torch.device | str = "cpu", select: Callable[[str], bool] | None = None,
 ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
     """`load_trunk_weights` one parameter at a time: (cfg, iterator of (logical name, tensor)).
 
@@ -269,8 +269,11 @@ def stream_trunk_weights(
     parameter at a time onto `device`, so a consumer that copies each into its model and drops
     it (`Trunk.load_streamed`) holds the model plus one parameter, never two copies of the
     model. Decoding errors (NaN / inf) are raised by the iterator, naming tensor and shard.
+    select(logical name): whether to read that parameter at all (default every one); a TP
+    rank passes its own (`dsv4.tp.shard_name`), so other ranks' experts are never read from
+    disk, and their values are checked by the rank that owns them.
     """
-    cfg, items, _ = _load(Path(path), cfg, dtype, "trunk", device)
+    cfg, items, _ = _load(Path(path), cfg, dtype, "trunk", device, select)
     return cfg, items
 
 
@@ -283,7 +286,8 @@ def stream_drafter_weights(
     return _load(Path(path), cfg, dtype, "drafter", device)
 
 
-def _load(folder: Path, cfg: ModelConfig | None, dtype: torch.dtype, part: str, device: torch.device | str = "cpu"):
+def _load(folder: Path, cfg: ModelConfig | None, dtype: torch.dtype, part: str, device: torch.device | str = "cpu",
+          select: Callable[[str], bool] | None = None):
     """(cfg, iterator of decoded (name, tensor), confidence head present), after every check
     that needs no tensor data."""
     if dtype not in LOAD_DTYPES:
@@ -296,6 +300,10 @@ def _load(folder: Path, cfg: ModelConfig | None, dtype: torch.dtype, part: str, 
     expected = stored_inventory(params)
     _check_names(folder, part, expected, own)
     _check_headers(folder, part, expected, own)
+    if select is not None:  # unread parameters: every stored part of theirs left out
+        params = [p for p in params if select(p.name)]
+        kept = {s for p in params for s in p.stored()}
+        own = {name: shard for name, shard in own.items() if name in kept}
     return cfg, _stream(folder, params, own, dtype, device), has_conf
 
 

@@ -360,9 +360,10 @@ class Trunk(nn.Module):
         Returns per item, in order, what `decode` (ForwardOutput: logits [V] fp32, taps [1, T*D]
         or None) or `forward_block` (BlockOutput, the item's block left open) returns for it,
         or for a prompt chunk (`BatchItem.prefill_chunk`) a ForwardOutput of its last
-        position (logits [V] fp32, taps [min(keep_rows, S), T*D] or None), its positions
-        committed: equal to rounding in fast mode, bitwise in exact mode whatever the other
-        items are (and, for a prompt, however it was cut into chunks).
+        position (logits [V] fp32, taps [min(keep_rows, S), T*D] or None, and with
+        `all_logits` prompt_logits [S, V] fp32 of every position), its positions committed:
+        equal to rounding in fast mode, bitwise in exact mode whatever the other items are
+        (and, for a prompt, however it was cut into chunks).
         Raises (every item checked before any state changes):
             ValueError: an empty batch, an item that is not a BatchItem, one state in two
                 items, any item that `decode` / `forward_block` would reject, or a prompt
@@ -373,9 +374,9 @@ class Trunk(nn.Module):
         groups = batch_jobs(self, items)  # every item checked before any state changes
         results = iter(run_pass(self, self.numerics, [job for group in groups for job in group]))
         outs = []
-        for group in groups:
+        for item, group in zip(items, groups):
             parts = [next(results) for _ in group]
-            outs.append(join_pieces(parts) if group[0].call.prefill else finish(group[0], *parts[0]))
+            outs.append(join_pieces(parts, item.all_logits) if item.prefill else finish(group[0], *parts[0]))
         return outs
 
     def rollback(self, state: TrunkState, undo: BlockUndo, keep: int, ring: bool = True,

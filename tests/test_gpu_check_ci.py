@@ -9,7 +9,6 @@ per stack, the bundled model too) is tests/test_gpu_check_services.py, marked sl
 from __future__ import annotations
 
 import asyncio
-import weakref
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from bench.gpu_check import Report
 from bench.gpu_services import Targets, run_checks
 from bench.gpu_v4 import ensure_checkpoint, toy_shaped
 from dsv4.checkpoint import load_trunk_weights, weight_map
+from model_fixtures import each_dropped_before_the_next
 from services.app import drafter_engine, load_drafter, load_trunk, start_drafter, start_gateway, start_verifier, \
     verifier_engine
 from services.common.settings import BackendSettings, GatewaySettings
@@ -54,24 +54,13 @@ def test_streamed_load_equals_the_dict_load(toy_checkpoint):
     cfg, weights = load_trunk_weights(toy_checkpoint)
     a, b = Trunk(cfg), Trunk(cfg)
     a.load_weights(weights)
-    b.load_streamed(_each_dropped_before_the_next(stream_trunk_weights(toy_checkpoint)[1]))
+    b.load_streamed(each_dropped_before_the_next(stream_trunk_weights(toy_checkpoint)[1]))
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(x, y), name
     c = Trunk(cfg)
     with pytest.raises(ValueError, match=r"missing: \['hc_head_base', 'hc_head_scale', 'head.weight'\]"):
         c.load_streamed(list(weights.items())[:-3])
     assert not c.loaded
-
-
-def _each_dropped_before_the_next(items):
-    """The stream, asserting that nobody (reader, loader, model) still holds a tensor once the
-    next one is read: the device never holds the decoded model beside the loaded one."""
-    last = None
-    for name, t in items:
-        assert last is None or last[1]() is None, f"{last[0]} is still referenced when {name} is read"
-        last = (name, weakref.ref(t))
-        yield name, t
-        del t
 
 
 async def _serve_and_check(folder) -> Report:

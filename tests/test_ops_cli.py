@@ -79,9 +79,11 @@ def test_ctrl_c_in_generate_prints_one_line_and_no_traceback():
         proc = subprocess.Popen([sys.executable, "-m", "services.cli", "generate", "hi", "--target",
                                  f"127.0.0.1:{port}"], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_reaches_it)
-        time.sleep(3.0)  # past the imports, inside the call
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=CLI_TIMEOUT_S)
+        silent.settimeout(CLI_TIMEOUT_S)
+        conn, _ = silent.accept()  # the client connected: past its imports, inside the call
+        with conn:
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=CLI_TIMEOUT_S)
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err
     assert err.strip().splitlines()[-1] == "dspark generate: interrupted"

@@ -6,6 +6,7 @@ tests/test_simulate_live.py. No timing is measured: every time here is virtual.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -181,3 +182,43 @@ def test_a_gated_stream_that_stops_drafting_moves_on_through_the_recording():
     gw.run()
     # rounds 1-2 read the poor rounds (1 token each), then position 2 reads good (accepted 1)
     assert [acc for _, _, acc in gw.decisions[0]][:4] == [0, 0, 1, 1]
+
+
+def test_the_gateway_takes_verifier_replies_one_at_a_time():
+    """gateway_ms = 3 on a flat 10 ms verifier step, plain decode, no gather or network. One
+    stream: prefill [0, 10], its reply's turn [10, 13] (token 1), decode [13, 23], turn [23, 26]
+    (token 2), decode [26, 36], turn [36, 39] (token 3). Two streams at gateway_ms = 12: s0's
+    prefill [0, 10] and turn [10, 22]; s1's prefill [10, 20] waits for that turn to end, so its
+    turn is [22, 34], not [20, 32]."""
+    flat = StepTimes((1.0, 100.0), (10.0, 10.0))
+    model = ServiceModel("turns", flat, StepTimes((1.0,), (4.0,)), StepTimes((1.0,), (1.0,)), gateway_ms=3.0)
+    config = RunConfig(block_size=2, gather_s=0.0, max_seq_len=64)
+    from services.simulate.engine import StreamSpec
+    one = simulate_cell(model, config, arm_registry(2)["plain"], [StreamSpec(0, 0.0, 1, 3, [ROUND], 0)])
+    assert one["wall_s"] == pytest.approx(0.039) and one["itl_p50_ms"] == pytest.approx(13.0)
+    slow = dataclasses.replace(model, gateway_ms=12.0)
+    two = simulate_cell(slow, config, arm_registry(2)["plain"], [StreamSpec(s, 0.0, 1, 1, [ROUND], 0) for s in range(2)])
+    assert two["ttft_p50_ms"] == pytest.approx(28.0) and two["wall_s"] == pytest.approx(0.034)
+    with pytest.raises(ValueError, match="gateway_ms"):
+        ServiceModel("bad", flat, flat, flat, gateway_ms=-1.0)
+
+
+@pytest.mark.parametrize("cores, ends", [(1, [20.0, 20.0]), (2, [10.0, 10.0]), (1, None)])
+def test_a_shared_pool_slows_its_jobs_down_by_processor_sharing(cores, ends):
+    """Two 10 ms jobs started together end at 20 ms on one core (each at half speed) and at
+    10 ms on two. A 10 ms job with a 5 ms one beside it on one core: both run at half speed
+    until the short one ends at 10 ms, then the long one alone ends at 15 ms."""
+    from services.simulate.loops import Clock, Pool
+    clock = Clock()
+    pool = Pool(clock, cores)
+    done: list[float] = []
+    if ends is None:
+        pool.run(10.0, lambda: done.append(clock.now))
+        pool.run(5.0, lambda: done.append(clock.now))
+        clock.run()
+        assert done == [10.0, 15.0]
+        return
+    for _ in range(2):
+        pool.run(10.0, lambda: done.append(clock.now))
+    clock.run()
+    assert done == ends

@@ -232,7 +232,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 request.temperature, list(request.stop_token_ids), list(request.stop), request.ignore_eos,
                 request.label, sampling, request.max_draft_tokens,
                 constraint_from_proto(request.constraint) if request.HasField("constraint") else None,
-                request_controls(request, self.scheduler.tokenizer))
+                request_controls(request, self.scheduler.tokenizer),
+                request.prompt_logprobs if request.HasField("prompt_logprobs") else None)
             running = self.running.register(rid, tenant_of(context.invocation_metadata()))
         except DuplicateRequestId as exc:
             await refuse(context, rid, grpc.StatusCode.ALREADY_EXISTS, str(exc))
@@ -356,7 +357,8 @@ class ResponseStream:
         self.completion_tokens = 0
         self.text = ""  # the text streamed so far (the final message of an aborted generation)
 
-    def _message(self, token_ids: Sequence[int], text_delta: str, logprobs=(), **final) -> gateway_pb2.GenerateResponse:
+    def _message(self, token_ids: Sequence[int], text_delta: str, logprobs=(), prompt_logprobs=(),
+                 **final) -> gateway_pb2.GenerateResponse:
         self.completion_tokens += len(token_ids)
         self.text += text_delta
         if final.get("finished"):
@@ -364,13 +366,15 @@ class ResponseStream:
         return gateway_pb2.GenerateResponse(
             token_ids=token_ids, text_delta=text_delta, request_id=self.request_id,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-            logprobs=[logprob_to_proto(r) for r in logprobs], **final)
+            logprobs=[logprob_to_proto(r) for r in logprobs],
+            prompt_logprobs=[logprob_to_proto(r) for r in prompt_logprobs], **final)
 
     def response(self, event: TokenEvent | FinalEvent) -> gateway_pb2.GenerateResponse:
-        """A streamed message for a `TokenEvent` (with one `TokenLogprob` per token), the final
-        one for the `FinalEvent` (with the seed used)."""
+        """A streamed message for a `TokenEvent` (with one `TokenLogprob` per token, and the
+        prompt logprobs on the first), the final one for the `FinalEvent` (with the seed used,
+        and the prompt logprobs of a prompt scored without generating)."""
         if not isinstance(event, FinalEvent):
-            return self._message(event.token_ids, event.text_delta, event.logprobs)
+            return self._message(event.token_ids, event.text_delta, event.logprobs, event.prompt_logprobs)
         matched = {}
         if isinstance(event.matched_stop, str):
             matched["matched_stop_str"] = event.matched_stop
@@ -378,7 +382,7 @@ class ResponseStream:
             matched["matched_token_id"] = event.matched_stop
         c = event.counters
         return self._message(
-            [], event.text_delta, finished=True, finish_reason=event.finish_reason,
+            [], event.text_delta, (), event.prompt_logprobs, finished=True, finish_reason=event.finish_reason,
             usage=gateway_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
             spec_stats=spec_stats(c), text=event.text + event.text_delta,
             time_to_first_token_ms=event.time_to_first_token_ms,

@@ -15,7 +15,10 @@ gateway's). `seed` is a signed 64-bit integer, as in OpenAI's and vLLM's APIs; a
 samples as s + 2**63 (`internal_seed`). `top_k` -1 means off, as 0 does (vLLM's spelling).
 Logprobs: completions' integer `logprobs` (0..20 alternatives), chat's
 `logprobs` + `top_logprobs`; they are the target model's raw logprobs. A bad value is a 400
-naming the field, with `dsv4.sampling.SamplingParams`' own message.
+naming the field, with `dsv4.sampling.SamplingParams`' own message. Prompt scoring
+(completions only, `services.http.echo`): `echo` returns the prompt before the completion,
+with its tokens' logprobs when `logprobs` is set; vLLM's `prompt_logprobs` (0..20) returns
+vLLM's per-prompt-token list; with either, `max_tokens` may be 0 (score the prompt only).
 
 Logits controls (docs/sampling.md): OpenAI's `logit_bias`, `presence_penalty` and
 `frequency_penalty`, vLLM's `repetition_penalty`, `min_tokens` and `bad_words`; each applied
@@ -36,7 +39,7 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from dspark_proto.v1 import common_pb2, gateway_pb2
-from dsv4.sampling import SamplingParams
+from dsv4.sampling import MAX_LOGPROBS, SamplingParams
 from services.common.controls import MAX_BAD_WORDS, LogitsControls
 from services.http.errors import invalid
 from services.http.unsupported import CHAT_ONLY, SHARED, first_unsupported
@@ -246,17 +249,19 @@ class GenerationFields(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def generate_request(self, request_id: str, max_tokens: int, prompt: str = "",
-                         prompt_ids: list[int] | None = None, logprobs: int = 0) -> gateway_pb2.GenerateRequest:
+                         prompt_ids: list[int] | None = None, logprobs: int = 0,
+                         prompt_logprobs: int | None = None) -> gateway_pb2.GenerateRequest:
         """The gRPC request of this body (checked by `check_common` first): `prompt` text or
         `prompt_ids` (int32 token ids); request_id: the response's id, which the gateway
-        carries on its spans and log lines; logprobs: top alternatives per token. The seed
-        is `internal_seed` (unset when the body has none: the gateway draws one)."""
+        carries on its spans and log lines; logprobs: top alternatives per token;
+        prompt_logprobs: top alternatives per prompt token (None: no prompt logprobs). The
+        seed is `internal_seed` (unset when the body has none: the gateway draws one)."""
         req = gateway_pb2.GenerateRequest(
             prompt=prompt, prompt_token_ids=prompt_ids or [], max_tokens=max_tokens,
             temperature=self.temperature or 0.0, top_p=self.top_p or 0.0, top_k=self.top_k_or_off,
             min_p=self.min_p or 0.0, logprobs=logprobs, sampling_rule=SAMPLING_RULES[self.sampling_rule],
             spec=SPEC_MODES[self.spec], stop=self.stops, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, request_id=request_id)
+            ignore_eos=self.ignore_eos, request_id=request_id, prompt_logprobs=prompt_logprobs)
         if self.seed is not None:
             req.seed = self.internal_seed
         c = self.controls()
@@ -284,11 +289,16 @@ def _check_float32(name: str, value: float | None) -> None:
 class CompletionRequest(GenerationFields):
     """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of either (a
     batch: one choice per prompt, times `n`); `logprobs`: null or 0..20 alternatives per
-    token; `echo` false; `best_of` null or equal to `n`; `suffix` null."""
+    token; `echo`: return the prompt (and its logprobs) before the completion;
+    `prompt_logprobs` (vLLM's extension): null or 0..20 alternatives per prompt token;
+    `max_tokens` 0 only with echo or prompt_logprobs (the prompt is scored, nothing is
+    generated); `best_of` null or equal to `n`; `suffix` null."""
 
     prompt: Annotated[Union[str, list[int], list[str], list[list[int]]], AfterValidator(_unicode_texts)]
+    max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None
     best_of: int | None = None
     suffix: Text | None = None
 
@@ -297,13 +307,18 @@ class CompletionRequest(GenerationFields):
 
         Raises:
             ApiError: 400 naming the field: a bad sampling value (`check_common`), logprobs
-                outside 0..20, echo, best_of other than n (no ranking of candidates), a
-                suffix, no prompt or an empty one, more than MAX_CHOICES prompts x n, a token
-                id outside int32.
+                or prompt_logprobs outside 0..20, max_tokens 0 without echo or
+                prompt_logprobs, best_of other than n (no ranking of candidates), a suffix,
+                no prompt or an empty one, more than MAX_CHOICES prompts x n, a token id
+                outside int32.
         """
         self.check_common(self.top_alternatives)
-        if self.echo:
-            raise invalid("echo", "echo=true: not supported (false)")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise invalid("prompt_logprobs", f"prompt_logprobs={self.prompt_logprobs}: must lie in 0..{MAX_LOGPROBS} "
+                                             "(or null)")
+        if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
+            raise invalid("max_tokens", "max_tokens=0: must be >= 1, or 0 with echo=true or prompt_logprobs set "
+                                        "(score the prompt without generating)")
         if self.best_of not in (None, self.n):
             raise invalid("best_of", f"best_of={self.best_of}: candidates are not ranked here; "
                                      f"best_of must be null or equal n={self.n}")

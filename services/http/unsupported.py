@@ -45,7 +45,7 @@ def _text_modalities(value: Any) -> bool:
 # takes it). The tool fields constrain the output (structured output is services.http.structured's);
 # the chat-template fields would render another prompt.
 _FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
-    **dict.fromkeys(("allowed_token_ids", "prompt_logprobs", "logits_processors", "truncate_prompt_tokens",
+    **dict.fromkeys(("allowed_token_ids", "logits_processors", "truncate_prompt_tokens",
                      "reasoning_effort", "verbosity", "web_search_options"), (_none, "null", False)),
     **dict.fromkeys(("use_beam_search", "include_stop_str_in_output", "return_tokens_as_token_ids"),
                     (_is(False), "false", False)),
@@ -54,7 +54,9 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     **dict.fromkeys(("tools", "functions", "chat_template_kwargs"), (_falsy, "null, [] or {}", True)),
     **dict.fromkeys(("tool_choice", "function_call"), (_no_tool_choice, '"none" or "auto" (no tools)', True)),
     **dict.fromkeys(("chat_template", "documents", "audio"), (_none, "null (the model's own)", True)),
-    **dict.fromkeys(("continue_final_message", "add_special_tokens"), (_is(False), "false", True)),
+    **dict.fromkeys(("continue_final_message", "add_special_tokens", "echo"), (_is(False), "false", True)),
+    # prompt scoring is /v1/completions' (services.http.echo); chat would score the rendered template
+    "prompt_logprobs": (_none, "null (score prompts on /v1/completions)", True),
     "add_generation_prompt": (_is(True), "true", True),
     "modalities": (_text_modalities, '["text"]', True),
 }

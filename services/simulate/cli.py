@@ -18,6 +18,7 @@ NUMBERS = (
     ("--per-stream", int, 1, "generations each closed-loop stream runs back to back"),
     ("--requests", int, 64, "open loop: generations per cell"),
     ("--drafters", int, 1, "drafter replicas (sessions placed round robin)"),
+    ("--cores", int, 1, "--shared-compute: cores of the shared pool (each step or gateway turn uses at most one)"),
     ("--max-sessions", int, 256, "the verifier's session limit (DSPARK_MAX_SESSIONS)"),
     ("--gather-ms", float, 50.0, "the step loops' gather window (DSPARK_STEP_GATHER_MS)"),
     ("--prefill-chunk", int, 64, "prompt tokens per verifier step (DSPARK_PREFILL_CHUNK)"),
@@ -75,7 +76,7 @@ def _inputs(args):
     from services.simulate.models import load_model
     from services.simulate.run import Load, arm_registry, parse_lengths, workloads
 
-    for name in ("per_stream", "requests", "max_sessions", "prefill_chunk", "block_size", "drafters"):
+    for name in ("per_stream", "requests", "max_sessions", "prefill_chunk", "block_size", "drafters", "cores"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
     bad = [n for n in args.streams if n < 1]
@@ -103,7 +104,7 @@ def _inputs(args):
         raise ValueError(f"--arms {unknown[0]!r}: unknown; known: {', '.join(registry)}")
     arms = [registry[a] for a in dict.fromkeys(args.arms or registry)]
     config = RunConfig(block_size=args.block_size, max_sessions=args.max_sessions, gather_s=args.gather_ms / 1e3,
-                       prefill_chunk=args.prefill_chunk, shared_compute=args.shared_compute,
+                       prefill_chunk=args.prefill_chunk, shared_compute=args.shared_compute, cores=args.cores,
                        drafters=args.drafters)
     return model, config, arms, loads, groups, lengths
 
@@ -120,7 +121,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     result["inputs"] = {"costs": model.name, "model": model.to_dict(), "workloads": sorted(groups),
                         "rounds": list(args.rounds) if args.rounds else "synthetic (generated)",
                         "arms": [a.name for a in arms], "loads": [ld.label for ld in loads], "prompt": str(prompt),
-                        "output": str(output), "shared_compute": config.shared_compute,
+                        "output": str(output), "shared_compute": config.shared_compute, "cores": config.cores,
                         "max_sessions": config.max_sessions, "drafters": config.drafters,
                         "gather_ms": config.gather_s * 1e3,
                         "prefill_chunk": config.prefill_chunk, "seed": args.seed}

@@ -17,6 +17,7 @@ import bisect
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 from services.analysis.serving_stats import GenerationTrace
 from services.common.schedule import Schedule
@@ -65,6 +66,7 @@ class RunConfig:
     gather_s: float = 0.05
     prefill_chunk: int = 64
     shared_compute: bool = False
+    cores: int = 1  # the shared pool's cores (processor sharing; docs/simulate.md §3)
     drafters: int = 1
     gate_costs: CostModel | None = None  # the gates' cost model; None: the model's single-stream costs
 
@@ -123,12 +125,15 @@ class Gateway:
     def __init__(self, model: ServiceModel, config: RunConfig, arm: Arm):
         self.model, self.config, self.arm = model, config, arm
         self.clock = Clock()
-        shared = Pool()
-        self.verifier = SimLoop(self.clock, shared, Schedule(config.gather_s, VERIFIER_AWAY, config.prefill_chunk),
+        shared = Pool(self.clock, config.cores)
+        own = lambda: shared if config.shared_compute else Pool(self.clock)  # noqa: E731 - a pool per loop, or one
+        self.verifier = SimLoop(self.clock, own(), Schedule(config.gather_s, VERIFIER_AWAY, config.prefill_chunk),
                                 self._verifier_ms, self._verifier_step)
-        self.drafters = [SimLoop(self.clock, shared if config.shared_compute else Pool(),
-                                 Schedule(config.gather_s, DRAFTER_AWAY), self._drafter_ms)
+        self.drafters = [SimLoop(self.clock, own(), Schedule(config.gather_s, DRAFTER_AWAY), self._drafter_ms)
                          for _ in range(config.drafters)]
+        self.gateway_pool = own()
+        self.turns: list[tuple[Callable, int]] = []  # verifier replies waiting for the gateway's event loop
+        self.turning = False
         self.placed = 0  # generations placed on drafters so far (round robin)
         self.sessions: SessionTable = SessionTable(config.max_sessions)
         self.admission: list = []  # generations waiting for a verifier session, first come first served
@@ -207,11 +212,35 @@ class Gateway:
             nxt.begin()
 
     def call(self, loop: SimLoop, request: Request) -> None:
-        """Send `request` to `loop`; it arrives rpc_ms / 2 later, its reply as much after its step."""
+        """Send `request` to `loop`; it arrives rpc_ms / 2 later, its reply as much after its
+        step. A verifier reply then waits its turn at the gateway (`_gateway_turn`)."""
         half = self.model.rpc_ms / 2
         reply = request.reply
-        request.reply = lambda end_ms, rows: self.clock.at(end_ms + half, reply, rows)
+        if loop is self.verifier and self.model.gateway_ms > 0:
+            request.reply = lambda end_ms, rows: self.clock.at(end_ms + half, self._gateway_turn, reply, rows)
+        else:
+            request.reply = lambda end_ms, rows: self.clock.at(end_ms + half, reply, rows)
         self.clock.at(self.clock.now + half, loop.submit, request)
+
+    def _gateway_turn(self, reply: Callable, rows: int) -> None:
+        """The gateway's one event loop takes verifier replies one at a time, gateway_ms of
+        work each (on the shared pool under --shared-compute): a step that answers 16 sessions
+        releases their next rounds 16 x gateway_ms apart."""
+        self.turns.append((reply, rows))
+        if not self.turning:
+            self._next_turn()
+
+    def _next_turn(self) -> None:
+        if not self.turns:
+            self.turning = False
+            return
+        self.turning = True
+        reply, rows = self.turns.pop(0)
+
+        def done() -> None:
+            self._next_turn()
+            reply(rows)
+        self.gateway_pool.run(self.model.gateway_ms, done)
 
 
 class _Generation:

@@ -4,8 +4,9 @@ A `SimLoop` is one backend's step loop (verifier or drafter) in the event simula
 requests into the very `services.common.schedule.Schedule` the live loops hold, asks it how
 long to gather, takes its steps, prices each step with the step-time model, and releases or
 carries each request when the step ends. Only the forward is modelled (a step of R rows over S
-sessions takes `step_ms(requests, chunks)` ms of virtual time). With a shared `Pool`
-(`--shared-compute`) a step also waits for the other loop's step to finish.
+sessions takes `step_ms(requests, chunks)` ms of work). A step runs on its loop's `Pool`: alone
+on separate hardware, or sharing `--cores` cores with the other loop and the gateway's turns
+(`--shared-compute`), where it slows down while more jobs than cores run.
 """
 
 from __future__ import annotations
@@ -57,25 +58,58 @@ class Request:
 
 
 class Pool:
-    """Compute shared by the loops (`--shared-compute`): one step at a time, first come first
-    served. Without sharing each loop gets its own pool."""
+    """Compute shared by the jobs that run on it: `cores` cores, processor sharing. Each job
+    (a loop's step, a gateway turn) is single-threaded, so it runs at min(1, cores / jobs
+    running) of full speed: alone or with fewer jobs than cores at full speed, with more they
+    all slow down alike. Separate hardware is one pool per loop (`--shared-compute` off: one
+    job at a time, at full speed); `--shared-compute` puts the verifier, the drafter and the
+    gateway's turns on one pool of `--cores` (`RunConfig.cores`).
 
-    def __init__(self) -> None:
-        self.busy = False
-        self.waiting: list[Callable[[], None]] = []
+    Raises ValueError when cores < 1.
+    """
 
-    def acquire(self, fn: Callable[[], None]) -> None:
-        if self.busy:
-            self.waiting.append(fn)
-        else:
-            self.busy = True
-            fn()
+    def __init__(self, clock: Clock, cores: int = 1) -> None:
+        if cores < 1:
+            raise ValueError(f"cores={cores}: a pool needs at least one core")
+        self.clock, self.cores = clock, cores
+        self._left: dict[int, float] = {}  # job -> work left (ms at full speed)
+        self._done: dict[int, Callable[[], None]] = {}
+        self._since = 0.0  # when `_left` was last brought up to date (ms)
+        self._ids = 0
+        self._epoch = 0  # completion events of an older epoch are stale
 
-    def release(self) -> None:
-        if self.waiting:
-            self.waiting.pop(0)()
-        else:
-            self.busy = False
+    def run(self, work_ms: float, done: Callable[[], None]) -> None:
+        """Start a job of `work_ms` ms of full-speed work now; `done()` runs when it ends."""
+        self._advance()
+        self._ids += 1
+        self._left[self._ids], self._done[self._ids] = work_ms, done
+        self._plan()
+
+    def _speed(self) -> float:
+        return min(1.0, self.cores / len(self._left)) if self._left else 1.0
+
+    def _advance(self) -> None:
+        """Charge the running jobs for the time since the last change."""
+        now, speed = self.clock.now, self._speed()
+        for job in self._left:
+            self._left[job] -= (now - self._since) * speed
+        self._since = now
+
+    def _plan(self) -> None:
+        """Schedule the next completion at the current speed (older events go stale)."""
+        self._epoch += 1
+        if self._left:
+            job = min(self._left, key=lambda j: (self._left[j], j))
+            self.clock.at(self.clock.now + max(self._left[job], 0.0) / self._speed(), self._finish, job, self._epoch)
+
+    def _finish(self, job: int, epoch: int) -> None:
+        if epoch != self._epoch:
+            return
+        self._advance()
+        del self._left[job]
+        done = self._done.pop(job)
+        self._plan()
+        done()
 
 
 @dataclass
@@ -104,7 +138,7 @@ class SimLoop:
                  on_step: Callable | None = None):
         self.clock, self.pool, self.schedule, self.step_ms, self.on_step = clock, pool, schedule, step_ms, on_step
         self.stats = LoopStats()
-        self._state = "idle"  # idle | gathering | waiting (for the pool) | stepping
+        self._state = "idle"  # idle | gathering | stepping
         self._timer = 0  # generation of the gather timer: a stale one does nothing
         self._last_step_s = 0.0
 
@@ -120,8 +154,7 @@ class SimLoop:
             return
         wait = self.schedule.wait_s(self.clock.now / 1e3, self._last_step_s)
         if wait <= 1e-9:  # ms -> s rounding may leave a deadline a hair after its own timer
-            self._state = "waiting"
-            self.pool.acquire(self._start)
+            self._start()
         elif self._state != "gathering":
             self._state = "gathering"
             self._timer += 1
@@ -137,9 +170,11 @@ class SimLoop:
         self._state = "stepping"
         step = self.schedule.take()
         ms = self.step_ms(step)
-        self.clock.at(self.clock.now + ms, self._end, step, ms)
+        t0 = self.clock.now
+        self.pool.run(ms, lambda: self._end(step, self.clock.now - t0))
 
     def _end(self, step, ms: float) -> None:
+        """A step ended after `ms` of wall time (its work, slowed by what shared its pool)."""
         now = self.clock.now
         self._last_step_s = ms / 1e3
         rows = sum(step.chunk(r) if r.op == "prefill" else r.rows for r in step.requests)
@@ -162,7 +197,6 @@ class SimLoop:
         if self.on_step is not None:
             self.on_step(step.requests, rows, ms, now)
         self._state = "idle"
-        self.pool.release()
         for r in done:
             r.reply(now, rows)
         if self._state == "idle":

@@ -42,7 +42,12 @@ MAX_SESSIONS = 4096  # the widest drafter step a single-stream source is extende
 class ServiceModel:
     """Step times of one deployment (module docstring). name: where it came from.
 
-    Raises ValueError naming the field when session_ms or rpc_ms is negative or not finite.
+    session_ms: a verifier step's cost per session in it (ms); rpc_ms: one call's network time,
+    half each way (ms); gateway_ms: the gateway's own work on one verifier reply (ms: streaming
+    its tokens to the client, the next round's decisions), done one reply at a time, as the
+    gateway's one event loop does.
+    Raises ValueError naming the field when session_ms, rpc_ms or gateway_ms is negative or not
+    finite.
     """
 
     name: str
@@ -51,9 +56,10 @@ class ServiceModel:
     commit: StepTimes
     session_ms: float = 0.0
     rpc_ms: float = 0.0
+    gateway_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for field in ("session_ms", "rpc_ms"):
+        for field in ("session_ms", "rpc_ms", "gateway_ms"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{field}={value!r}: must be a finite number of ms >= 0")
@@ -83,7 +89,7 @@ class ServiceModel:
             return {key: list(t.rows), "ms": list(t.ms)}
         return {"name": self.name, "verifier": {**table(self.verifier, "rows"), "session_ms": self.session_ms},
                 "drafter": {"draft": table(self.draft, "sessions"), "commit": table(self.commit, "sessions")},
-                "rpc_ms": self.rpc_ms}
+                "rpc_ms": self.rpc_ms, "gateway_ms": self.gateway_ms}
 
 
 def _table(obj: object, key: str, where: str) -> StepTimes:
@@ -113,7 +119,7 @@ def model_from_dict(obj: object, name: str) -> ServiceModel:
     naming the field on an unknown key, a missing table or a bad value."""
     if not isinstance(obj, dict):
         raise ValueError(f"{name}: a shape file holds one object")
-    unknown = set(obj) - {"name", "source", "verifier", "drafter", "rpc_ms", "notes"}
+    unknown = set(obj) - {"name", "source", "verifier", "drafter", "rpc_ms", "gateway_ms", "notes"}
     if unknown:
         raise ValueError(f"{name}: unknown key(s) {sorted(unknown)}")
     ver, dra = obj.get("verifier"), obj.get("drafter")
@@ -125,7 +131,8 @@ def model_from_dict(obj: object, name: str) -> ServiceModel:
         raise ValueError(f"{name}: drafter: unknown key(s) {sorted(set(dra) - {'draft', 'commit'})}")
     draft = _table(dra.get("draft"), "sessions", f"{name}: drafter.draft")
     commit = _table(dra.get("commit", {"sessions": [1], "ms": [0.0]}), "sessions", f"{name}: drafter.commit")
-    return ServiceModel(str(obj.get("name", name)), verifier, draft, commit, session_ms, obj.get("rpc_ms", 0.0))
+    return ServiceModel(str(obj.get("name", name)), verifier, draft, commit, session_ms, obj.get("rpc_ms", 0.0),
+                        obj.get("gateway_ms", 0.0))
 
 
 def from_single_stream(costs: dict[str, float], name: str, max_rows: int = 8192) -> ServiceModel:

@@ -105,8 +105,10 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
                     sampling = params_from_proto(p.sampling, field="prefill.sampling")
                 constraint = constraint_from_proto(p.constraint, field="prefill.constraint")
                 controls = controls_from_proto(p.controls, "prefill.controls") if p.HasField("controls") else None
-                res = await self._run("prefill", sid, ids, sampling, constraint, controls)
+                scored = p.prompt_logprobs if p.HasField("prompt_logprobs") else None
+                res = await self._run("prefill", sid, ids, sampling, constraint, controls, scored)
                 response, rows = self._step_response(res), len(ids)
+                response.prompt_logprobs.extend(logprob_to_proto(r) for r in res.prompt_logprobs)
             elif op == "decode":
                 d = request.decode
                 res = await self._run("decode", sid, d.token_id, d.position)
