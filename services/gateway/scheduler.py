@@ -339,13 +339,9 @@ class _Generation:
             await self.link.sleep()  # no prime now: a drafter is primed when this generation drafts
         await self.link.commit(first.rows, first.first_position, p.prompt_ids, 0)
         pos, anchor, margin = len(p.prompt_ids), first.next_token, first.margin
-<<<<<<< HEAD
         if self.jump is not None:
             self.jump.commit([anchor])
-        yield self._emit([anchor], first.logprobs)
-=======
         yield dataclasses.replace(self._emit([anchor], first.logprobs), prompt_logprobs=first.prompt_logprobs)
->>>>>>> main
         while self.finish is None:
             a, new, margin, logprobs = await self._round(anchor, pos, margin)
             pos, anchor = pos + a + 1, new[-1]
