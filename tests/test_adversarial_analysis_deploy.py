@@ -5,6 +5,7 @@ one-line error naming the value (CLI: exit 2) or a correct result."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import os
@@ -77,12 +78,26 @@ BAD_ROUNDS = [  # (round attributes, message after "FILE:1: span 'spec_decode.ro
 ]
 
 
+def _in_process(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`dspark ARGS` run by `services.cli.main` in this process (no interpreter start-up), as
+    the CompletedProcess `_cli` gives; exit statuses from argparse's SystemExit included."""
+    from services.cli import main
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["dspark", *args], code, out.out, out.err)
+
+
 @pytest.mark.parametrize("attrs, message", BAD_ROUNDS)
-def test_trace_report_names_file_line_span_and_attribute_of_a_bad_round_value(tmp_path, attrs, message):
-    # before: TypeError / IndexError tracebacks, or a bare "invalid literal for int()" without a file
+def test_trace_report_names_file_line_span_and_attribute_of_a_bad_round_value(tmp_path, capsys, attrs, message):
+    # before: TypeError / IndexError tracebacks, or a bare "invalid literal for int()" without a file.
+    # In process: the command's own code path; the first case also runs the real command line.
     path = _write(tmp_path / "t.jsonl", [_span("spec_decode.round", R, G, attrs)])
     for command in ("trace-report", "calibrate"):
-        got = _one_line_error(_cli(command, path), command)
+        run = _cli if attrs is BAD_ROUNDS[0][0] else functools.partial(_in_process, capsys)
+        got = _one_line_error(run(command, path), command)
         assert got == f"{path}:1: span 'spec_decode.round' {R}: {message}"
 
 
@@ -98,7 +113,7 @@ def test_trace_report_names_bad_generation_and_child_span_values(tmp_path):
         "(a finite number >= 0 ms)"
 
 
-def test_malformed_spans_and_json_are_one_line_errors(tmp_path):
+def test_malformed_spans_and_json_are_one_line_errors(tmp_path, capsys):
     good = _span("spec_decode.round", R, G, ROUND)
     cases = [
         ({**good, "name": 5}, "span name 5 is not a string"),
@@ -116,7 +131,7 @@ def test_malformed_spans_and_json_are_one_line_errors(tmp_path):
     ]
     for i, (value, message) in enumerate(cases):
         path = _write(tmp_path / f"bad{i}.jsonl", [value])
-        assert _one_line_error(_cli("trace-report", path), "trace-report") == f"{path}:1: {message}"
+        assert _one_line_error(_in_process(capsys, "trace-report", path), "trace-report") == f"{path}:1: {message}"
     deep = tmp_path / "deep.jsonl"
     deep.write_text("[" * 100_000 + "]" * 100_000 + "\n")  # before: RecursionError traceback
     assert _one_line_error(_cli("trace-report", str(deep)), "trace-report") == f"{deep}:1: JSON nested too deeply"
