@@ -32,7 +32,8 @@ PYTHON_CLIENTS = ("openai==3.63.0", "lm-eval==0.4.13", "guidellm==0.8.1", "aiper
 class Target:
     """The running stack: gateway and verifier gRPC addresses (host:port), the HTTP API's base
     URL (".../v1"), the repository's protos/ folder (the include root), the served model's id
-    (what /v1/models lists) and its checkpoint folder (None: the random tiny model)."""
+    (what /v1/models lists), its checkpoint folder (None: the random tiny model) and the
+    verifier's numerics ("fast" / "exact", DSPARK_VERIFY_NUMERICS)."""
 
     grpc: str
     verifier: str
@@ -40,6 +41,7 @@ class Target:
     protos: Path
     model_id: str = ""
     checkpoint: Path | None = None
+    numerics: str = "fast"
 
     @property
     def http_root(self) -> str:

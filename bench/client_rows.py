@@ -33,6 +33,7 @@ from pathlib import Path
 from bench.client_kit import (BUNDLED, CLIENT_TIMEOUT_S, REPO_ROOT, Row, Target, client, client_venv,
                               project_python, result_line, run, tail, versions)
 
+HTTP_ROWS = ("openai", "langchain", "lm-eval", "guidellm", "aiperf")  # the rows this module registers
 SCRIPTS = REPO_ROOT / "bench" / "client_scripts"
 LM_EVAL_TASKS = REPO_ROOT / "bench" / "lm_eval_tasks"
 REQUESTS = 5              # guidellm's and aiperf's request count
@@ -131,7 +132,7 @@ def lm_eval_row(target: Target, folder: Path) -> Row:
             done.append(f"{label} ({model}): {n} items, exact_match {value:.3f}")
             continue
         check = run([project_python(), "-m", "bench.lm_eval_score", "--samples", str(samples), "--checkpoint",
-                     str(tokenizer_folder(target)), "--numerics", os.environ.get("DSPARK_VERIFY_NUMERICS", "fast")],
+                     str(tokenizer_folder(target)), "--numerics", target.numerics],
                     REPO_ROOT, CLIENT_TIMEOUT_S)
         row = result_line("mc", check)
         (done if row.works else failed).append(f"mc ({model}) vs in-process: {row.reason}")

@@ -1,31 +1,33 @@
 """The clients people already use, run against `dspark up`: one row per client, works or fails
 and why (issue 36). Not in CI (it installs packages from the registries); CI runs the request
-shapes these clients send as fixtures instead.
+shapes these clients send as fixtures instead (tests/test_http_clients.py).
 
-Starts `dspark up --port-base P` (the random tiny model unless `--checkpoint`) as a child of
-its own, waits until the gateway reports SERVING and the HTTP API answers, runs each selected
-client against it, stops it (SIGTERM, as Ctrl-C would) and prints one table:
-client | result (works / fails / not run) | reason. Exit status 0 when every row that ran works.
+Starts `dspark up --port-base P` (the bundled assets/dspark-small unless `--checkpoint`; exact
+verifier numerics unless `--numerics fast`) as a child of its own, waits until the gateway
+reports SERVING and the HTTP API answers, runs each selected client against it, stops it
+(SIGTERM, as Ctrl-C would) and prints one table: client | result (works / fails) | reason.
+Exit status 0 when every row works.
 
 Every client is installed apart from the project's environment, under `--workdir` (default
 /tmp/dspark-clients; kept between runs, so a second run installs nothing): npm packages in a
-folder of their own per client, Python clients in one virtual environment (`client_venv`).
-Nothing is installed into the repository.
+folder of their own, the Python clients in one virtual environment (`client_kit.client_venv`,
+pins in `client_kit.PYTHON_CLIENTS`). Nothing is installed into the repository, and nothing
+is downloaded from a model hub (the clients load the checkpoint folder as their tokenizer).
 
-Rows (`CLIENTS`, by name; `--clients` picks some):
+Rows (`--clients` picks some, in `ORDER`):
 
+* `openai`, `langchain`, `lm-eval`, `guidellm`, `aiperf`: bench/client_rows.py (what each
+  checks is in its docstring; lm-eval's multiple-choice scores are compared with the model's
+  own logits in process by bench/lm_eval_score.py).
 * `node-grpc`: bench/node_client/gateway_client.js with @grpc/grpc-js and @grpc/proto-loader
   (versions in bench/node_client/package.json) over the repository's protos/, the include
   root: a sampled generation, the seed the gateway drew replayed from JavaScript as a number
   (the same tokens), the x-request-id metadata echoed in messages and trailers, a bad request
   INVALID_ARGUMENT with a request id in its trailers.
 
-Extension point: the HTTP clients (`PENDING`: openai, lm-eval, guidellm, aiperf, langchain) are
-listed as "not run" until a row is registered for them. A row is a function `(Target, Path)
--> Row` registered with `@client("name")`; it gets the running stack's addresses and a folder
-of its own under the workdir, installs what it needs there (Python packages through
-`client_venv(workdir, [...])`, which returns the environment's python), and must not raise:
-a failure is a Row with works=False and the reason.
+A row is a function `(Target, Path) -> Row` registered with `@client("name")`
+(bench/client_kit.py); it gets the running stack's addresses and a folder of its own under the
+workdir and must not raise: a failure is a Row with works=False and the reason.
 """
 
 from __future__ import annotations
@@ -45,12 +47,12 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench import client_rows  # noqa: F401  (registers the HTTP clients' rows)
+from bench.client_rows import HTTP_ROWS  # importing it registers the HTTP clients' rows
 from bench.client_kit import (CLIENTS, INSTALL_TIMEOUT_S, CLIENT_TIMEOUT_S, BUNDLED, REPO_ROOT, Row, Target,
                               client, run, tail)
 
 # The table's order: the HTTP clients as a new user meets them, then the gRPC client.
-ORDER = ("openai", "langchain", "lm-eval", "guidellm", "aiperf", "node-grpc")
+ORDER = (*HTTP_ROWS, "node-grpc")
 NODE_CLIENT = REPO_ROOT / "bench" / "node_client"
 READY_TIMEOUT_S = 300.0     # `dspark up` until the gateway serves and the HTTP API answers
 
@@ -89,18 +91,19 @@ def node_grpc(target: Target, folder: Path) -> Row:
 class Stack:
     """`dspark up --port-base P` as a child process in a session of its own; `stop()` ends it."""
 
-    def __init__(self, port_base: int, checkpoint: Path | None, log: Path):
+    def __init__(self, port_base: int, checkpoint: Path | None, log: Path, numerics: str = "fast"):
         cmd = [sys.executable, "-m", "services.cli", "up", "--port-base", str(port_base)]
         if checkpoint:
             cmd += ["--checkpoint", str(checkpoint)]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH"))
+        env = dict(os.environ, DSPARK_VERIFY_NUMERICS=numerics, PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH"))
                                                           if p))
         self.log_path = log
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)
         self.target = Target(f"127.0.0.1:{port_base}", f"127.0.0.1:{port_base + 1}",
-                             f"http://127.0.0.1:{port_base + 3}/v1", REPO_ROOT / "protos", checkpoint=checkpoint)
+                             f"http://127.0.0.1:{port_base + 3}/v1", REPO_ROOT / "protos", checkpoint=checkpoint,
+                             numerics=numerics)
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Until the gateway is SERVING on grpc.health.v1 and GET /v1/models answers 200; then
@@ -169,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", type=Path, default=BUNDLED,
                     help="model folder (default: the bundled assets/dspark-small, whose folder lm-eval, "
                          "guidellm and aiperf load as their tokenizer)")
+    ap.add_argument("--numerics", choices=("exact", "fast"), default="exact",
+                    help="the verifier's DSPARK_VERIFY_NUMERICS; exact (default) makes lm-eval's multiple-choice "
+                         "scores bitwise comparable with the in-process ones")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/dspark-clients"),
                     help="where the clients are installed (outside the repository; kept between runs)")
     ap.add_argument("--clients", nargs="+", default=list(ORDER), choices=ORDER, metavar="NAME",
@@ -176,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the rows to this file")
     args = ap.parse_args(argv)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    stack = Stack(args.port_base, args.checkpoint, args.workdir / f"dspark-up-{args.port_base}.log")
+    stack = Stack(args.port_base, args.checkpoint, args.workdir / f"dspark-up-{args.port_base}.log", args.numerics)
     try:
         stack.wait_ready()
         rows = check_all(args.clients, stack.target, args.workdir)
