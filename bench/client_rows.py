@@ -47,7 +47,8 @@ def offline_env(folder: Path) -> dict:
 
 
 def tokenizer_folder(target: Target) -> Path:
-    """The folder the clients load their tokenizer from: the served checkpoint's."""
+    """The folder the clients load their tokenizer from: the served checkpoint's (the bundled
+    one for the random tiny model, whose own tokenizer has no folder: counts then differ)."""
     return (target.checkpoint or BUNDLED).resolve()
 
 
@@ -57,6 +58,9 @@ def _python(folder: Path) -> Path:
 
 
 def _script_row(name: str, script: str, target: Target, folder: Path, dists: list[str]) -> Row:
+    """Row `name` from bench/client_scripts/`script` run by the clients' python with the HTTP
+    base URL and the model id, its reason followed by the versions of `dists`. Raises
+    subprocess.TimeoutExpired: the script ran past CLIENT_TIMEOUT_S."""
     python = _python(folder)
     folder.mkdir(parents=True, exist_ok=True)
     res = run([str(python), str(SCRIPTS / script), target.http_base_url, target.model_id], folder,
