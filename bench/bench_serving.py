@@ -72,13 +72,15 @@ INFO_TIMEOUT_S = 10.0
 
 
 async def generate(stub, prompt: str, arm: str, max_tokens: int,
-                   rounds: list[tuple[int, int, int]] | None = None) -> GenerationTrace:
+                   rounds: list[tuple[int, int, int]] | None = None, label: str | None = None) -> GenerationTrace:
     """One Generate call of `arm`; the arrival time and token count of every message. With
-    `rounds`, appends the final message's (rounds, drafts submitted, plain rounds).
+    `rounds`, appends the final message's (rounds, drafts submitted, plain rounds). `label`:
+    the workload its recorded rounds carry (default: the prompt's workload name).
     Raises grpc.aio.AioRpcError on a failed call."""
     spec, k = ARMS[arm]
+    label = label or next((name for name, text in WORKLOADS.items() if text == prompt), "live")
     req = gateway_pb2.GenerateRequest(prompt=prompt, max_tokens=max_tokens, spec=spec, max_draft_tokens=k,
-                                      ignore_eos=True, label="live")
+                                      ignore_eos=True, label=label)
     trace = GenerationTrace(time.perf_counter())
     async for msg in stub.Generate(req, timeout=CALL_TIMEOUT_S):
         if msg.token_ids:
@@ -108,10 +110,10 @@ async def run_stream(stub, prompts: list[str], arm: str, max_tokens: int,
     return [await generate(stub, p, arm, max_tokens, rounds) for p in prompts]
 
 
-async def verifier_steps(stub) -> tuple[int, float]:
-    """(batch steps so far, sessions summed over them) from the verifier's Info."""
+async def verifier_steps(stub) -> tuple[int, float, float]:
+    """(batch steps so far, sessions summed over them, their ms summed) from the verifier's Info."""
     info = await stub.Info(common_pb2.InfoRequest(), timeout=INFO_TIMEOUT_S)
-    return info.steps, info.batch_size_mean * info.steps
+    return info.steps, info.batch_size_mean * info.steps, info.step_ms_mean * info.steps
 
 
 def cpu_s(pids: dict[str, int]) -> dict[str, float]:
@@ -131,19 +133,21 @@ async def run_cell(stack: dict, streams: int, arm: str, max_tokens: int, per_str
     sessions per batch step over the cell, and the generations' drafts submitted per round
     and share of plain rounds (from each final message's SpecStats), and the three services'
     CPU ms per completion token (summed, and per service under `cpu_ms_per_token_by_service`)."""
-    steps0, sessions0 = await verifier_steps(stack["verifier"])
+    steps0, sessions0, ms0 = await verifier_steps(stack["verifier"])
     cpu0 = cpu_s(stack["procs"].pids)
     rounds: list[tuple[int, int, int]] = []
     traces = await asyncio.gather(*(run_stream(stack["gateway"], stream_prompts(streams, i, per_stream), arm, max_tokens,
                                                rounds) for i in range(streams)))
     cpu1 = cpu_s(stack["procs"].pids)
-    steps1, sessions1 = await verifier_steps(stack["verifier"])
+    steps1, sessions1, ms1 = await verifier_steps(stack["verifier"])
     out = cell_figures(traces).as_dict()
     # The services' CPU per token: what a policy costs the shared cores, whatever else runs on the machine.
     per_token = 1e3 / max(out["tokens"], 1)
     out["cpu_ms_per_token"] = (sum(cpu1.values()) - sum(cpu0.values())) * per_token
     out["cpu_ms_per_token_by_service"] = {name: (cpu1[name] - cpu0[name]) * per_token for name in cpu1}
     out["sessions_per_step"] = (sessions1 - sessions0) / max(steps1 - steps0, 1)
+    out["verifier_step_ms"] = (ms1 - ms0) / max(steps1 - steps0, 1)  # the mean step's forward wall time
+    out["verifier_util"] = (ms1 - ms0) / 1e3 / max(out["wall_s"], 1e-9)  # share of the cell's wall time in steps
     total = max(sum(r for r, _, _ in rounds), 1)
     out["drafts_per_round"] = sum(s for _, s, _ in rounds) / total
     out["plain_round_share"] = sum(p for _, _, p in rounds) / total
@@ -185,6 +189,9 @@ async def run_grid(args, stacks: dict[str, dict], console: Console) -> dict:
         for streams in args.streams:
             for numerics, stack in stacks.items():
                 for arm in rotated(args.arms, rep):
+                    if args.fresh_gateway and arm == "gated":
+                        stack["procs"].restart_gateway()
+                        await stack["procs"].wait_serving()
                     cell = await run_cell(stack, streams, arm, args.max_tokens, args.per_stream)
                     raw[numerics][streams][arm].append(cell)
                     console.print(f"rep {rep + 1}/{args.repeats} streams {streams:>2} {numerics:<5} {arm:<5} "
@@ -329,8 +336,12 @@ async def start_stacks(args, env: dict[str, str], console: Console, stacks: dict
     `stacks` is filled as processes start, so the caller can stop them if this raises."""
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="bench_serving_"))
     for i, numerics in enumerate(args.numerics):
+        record = None
+        if args.record_rounds:
+            path = Path(args.record_rounds)
+            record = path if len(args.numerics) == 1 else path.with_name(f"{path.stem}-{numerics}{path.suffix}")
         spec = StackSpec(args.checkpoint, args.port_base + 10 * i, log_dir, numerics,
-                         max_sessions=max(args.streams) + 8, threads=args.threads)
+                         max_sessions=max(args.streams) + 8, threads=args.threads, record_rounds=record)
         stacks[numerics] = {"procs": ServiceProcesses(spec, env)}
     console.print(f"services starting (logs in {log_dir})")
     started = time.perf_counter()  # the stacks start side by side: report each one's time from here
@@ -344,7 +355,7 @@ async def start_stacks(args, env: dict[str, str], console: Console, stacks: dict
         st["verifier"] = verifier_pb2_grpc.VerifierStub(st["channels"][1])
         console.print(f"{numerics}: serving after {waited:.0f} s on port-base {spec.port_base}")
         for arm in args.arms:
-            await generate(st["gateway"], WORKLOADS["code"], arm, 8)
+            await generate(st["gateway"], WORKLOADS["code"], arm, 8, label="warmup")
 
 
 async def gateway_regimes(stacks: dict[str, dict], console: Console) -> dict:
@@ -452,6 +463,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     + " (flags given explicitly still win)")
     ap.add_argument("--json", default=None, help="write raw cells, medians and ratios to this file")
     ap.add_argument("--log-dir", default=None, help="the services' logs (default: a new temporary folder)")
+    ap.add_argument("--record-rounds", default=None, metavar="FILE",
+                    help="the gateway records every round to FILE (replay format; FILE-<numerics> with "
+                         "several numerics), each generation labelled with its workload, the start-up "
+                         "warm-up generations with 'warmup'")
+    ap.add_argument("--fresh-gateway", action="store_true",
+                    help="restart the gateway before every gated cell, so the arm starts cold (no gate, "
+                         "regime or warm start learned from earlier cells), as `dspark simulate` runs it")
     ap.add_argument("--from-json", default=None, metavar="FILE",
                     help="run nothing: print the tables of an earlier run's --json FILE")
     args = ap.parse_args(argv)

@@ -24,7 +24,10 @@ fails (2 when no CUDA device and no --dry-run). Sections:
 `--services` runs the services' check instead (bench/gpu_services.py: the three services
 with verifier and drafter on the GPU, exactness of speculation against plain decode at 1..64
 streams, the measured step table written for a simulator, TP = 2 over NCCL where 2 devices
-exist). `--dry-run` runs every section on the CPU at small sizes (kernels under TRITON_INTERPRET=1,
+exist, then the same on a V4-Flash-shaped random checkpoint, bench/gpu_v4.py). `--all` runs
+both, then the test cases that need CUDA (keyed-noise bits CPU == GPU, steps under
+`torch.cuda.set_sync_debug_mode`), into one table: the first GPU session's one command
+(`bench/gpu_day.sh`, meant to finish within 8 minutes on one H100). `--dry-run` runs every section on the CPU at small sizes (kernels under TRITON_INTERPRET=1,
 one repeat) so CI can check that the script works without a GPU; its timings mean nothing.
 """
 
@@ -282,10 +285,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=20, help="timing repeats (dry run: 1)")
     ap.add_argument("--services", action="store_true",
                     help="the three services on the GPU instead of the kernel checks (bench/gpu_services.py)")
+    ap.add_argument("--all", action="store_true",
+                    help="the first GPU session's one command: kernels and trunk, the services (bundled, TP = 2, "
+                         "V4-Flash-shaped) and the CUDA-only tests, in one table (bench/gpu_day.sh)")
     ap.add_argument("--port-base", type=int, default=50150,
-                    help="--services: gateway port; verifier + 1, drafter + 2; the TP=2 stack + 10..12")
+                    help="--services: gateway port; verifier + 1, drafter + 2; the TP=2 stack + 10..12, "
+                         "the V4 stack + 20..22")
     ap.add_argument("--out", default="gpu_step_table.json", help="--services: the step-table file written")
     ap.add_argument("--log-dir", default="gpu_check_logs", help="--services: the services' log folder")
+    ap.add_argument("--v4-dir", default="gpu_check_v4",
+                    help="--services: folder of the V4-Flash-shaped random checkpoint (reused when complete; "
+                         "about 16 GB); 'none' skips that stage")
     args = ap.parse_args(argv)
     if args.dry_run:
         if os.environ.get("TRITON_INTERPRET") != "1":
@@ -301,19 +311,44 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rep = Report()
     t0 = time.perf_counter()
-    if args.services:
+    if not args.services or args.all:
+        g = torch.Generator().manual_seed(int(time.time()))  # fresh inputs every run
+        check_kernels(rep, dev, args.dry_run, repeats, g)
+        check_bandwidth_and_slope(rep, dev, args.dry_run, repeats, g)
+        check_trunk(rep, dev, args.dry_run, repeats)
+        rep.info("kernels and trunk: wall", f"{time.perf_counter() - t0:.1f} s")
+    if args.services or args.all:
         from bench.gpu_services import check_services
-        check_services(rep, args.dry_run, args.port_base, Path(args.out), Path(args.log_dir))
-        rep.print()
-        print(f"{time.perf_counter() - t0:.1f} s")
-        return 1 if rep.failed else 0
-    g = torch.Generator().manual_seed(int(time.time()))  # fresh inputs every run
-    check_kernels(rep, dev, args.dry_run, repeats, g)
-    check_bandwidth_and_slope(rep, dev, args.dry_run, repeats, g)
-    check_trunk(rep, dev, args.dry_run, repeats)
+        t1 = time.perf_counter()
+        out, log_dir = Path(args.out), Path(args.log_dir)
+        out.parent.mkdir(parents=True, exist_ok=True)  # found missing only after minutes otherwise
+        check_services(rep, args.dry_run, args.port_base, out, log_dir)
+        if args.v4_dir == "none":
+            rep.info("V4: V4-Flash-shaped random model", "skipped (--v4-dir none)")
+        else:
+            from bench.gpu_v4 import check_v4
+            check_v4(rep, args.dry_run, args.port_base + 20, log_dir, Path(args.v4_dir),
+                     out.with_name(out.stem + "-v4.json"))
+        rep.info("services and V4 stage: wall", f"{time.perf_counter() - t1:.1f} s")
+    if args.all and not args.dry_run:
+        check_cuda_tests(rep)
     rep.print()
     print(f"{time.perf_counter() - t0:.1f} s")
     return 1 if rep.failed else 0
+
+
+CUDA_TESTS = ("tests/test_keyed_noise.py", "tests/test_host_sync.py")  # their CUDA cases skip without a GPU
+
+
+def check_cuda_tests(rep: Report) -> None:
+    """The test cases that need CUDA (keyed noise: CPU bits == GPU bits; a verifier and a
+    drafter step under `torch.cuda.set_sync_debug_mode("error")`), as one row: pytest's summary."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *CUDA_TESTS],
+                          capture_output=True, text=True, timeout=300)
+    summary = (proc.stdout.strip().splitlines() or ["no output"])[-1]
+    rep.rows.append(("pytest " + " ".join(CUDA_TESTS), summary, "passed", "ok" if proc.returncode == 0 else "FAIL"))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@ numerics, and through the gateway's public API:
    writes them as a step-table file (format below) a simulator reads, so its `gpu` shape can
    be a measurement instead of a roofline model;
 4. checks TP = 2 over NCCL where two CUDA devices exist (a TP = 2 verifier's plain output
-   equals the TP = 1 one's tokens), and reports one clear skip line where they do not.
+   equals the TP = 1 one's tokens), and reports one clear skip line where they do not;
+5. repeats 1-3 on a random checkpoint of V4-Flash's real shape and formats, with as many
+   trunk layers as fit 70 GB beside the drafter (`bench.gpu_v4`: 1 layer; the dry run: the
+   same structure at toy sizes), its step tables in `<out>-v4.json`.
 
 Step-table file (JSON), times in ms per step of the whole batch:
     {"device": "NVIDIA H100 80GB HBM3", "model": "dspark-small",
@@ -31,6 +34,7 @@ import asyncio
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -84,8 +88,9 @@ async def check_streams(stub, rep, plain: dict[str, list[int]], streams: list[in
         _equal(rep, f"services: {n} streams, always == plain", same, f"{tok / wall:.1f} tok/s aggregate")
 
 
-async def step_tables(spec: StackSpec) -> dict:
-    """Section 3: the verifier's batch-step table and the drafter's step time, from `Info`."""
+async def step_tables(spec) -> dict:
+    """Section 3: the verifier's batch-step table and the drafter's step time, from `Info`;
+    spec: anything with `verifier_target` and `drafter_target` (a StackSpec, a `Targets`)."""
     async with grpc.aio.insecure_channel(spec.verifier_target) as v, \
             grpc.aio.insecure_channel(spec.drafter_target) as d:
         vi = await verifier_pb2_grpc.VerifierStub(v).Info(common_pb2.InfoRequest(), timeout=30)
@@ -95,17 +100,32 @@ async def step_tables(spec: StackSpec) -> dict:
             "drafter": {"step_ms": di.drafter_step_ms_mean, "sessions_per_step": di.drafter_batch_size_mean}}
 
 
+@dataclass(frozen=True)
+class Targets:
+    """Where a running stack listens ("host:port" each): what sections 1-3 talk to."""
+
+    gateway_target: str
+    verifier_target: str
+    drafter_target: str
+
+
+async def run_checks(targets, rep, streams: list[int], max_tokens: int) -> dict:
+    """Sections 1-3 against a running stack (`Targets` or a StackSpec); returns its step tables."""
+    async with grpc.aio.insecure_channel(targets.gateway_target) as ch:
+        stub = gateway_pb2_grpc.GatewayStub(ch)
+        plain = await check_prompts(stub, rep, max_tokens)
+        await check_streams(stub, rep, plain, streams, max_tokens)
+    return await step_tables(targets)
+
+
 async def run_stack(spec: StackSpec, rep, streams: list[int], max_tokens: int) -> dict:
-    """Start one stack, run sections 1-3 on it, stop it; returns its step tables."""
+    """Start one stack of `dspark serve` processes, run sections 1-3 on it, stop it; returns
+    its step tables."""
     procs = ServiceProcesses(spec, dict(os.environ))
     try:
         waited = await procs.wait_serving(timeout_s=600)
         rep.info("services: start-up", f"{waited:.1f} s")
-        async with grpc.aio.insecure_channel(spec.gateway_target) as ch:
-            stub = gateway_pb2_grpc.GatewayStub(ch)
-            plain = await check_prompts(stub, rep, max_tokens)
-            await check_streams(stub, rep, plain, streams, max_tokens)
-        return await step_tables(spec)
+        return await run_checks(spec, rep, streams, max_tokens)
     finally:
         procs.stop()
 
@@ -124,7 +144,8 @@ def stack_spec(port_base: int, log_dir: Path, device: str, profile: bool = True)
 
 
 def check_services(rep, dry_run: bool, port_base: int, out: Path, log_dir: Path) -> None:
-    """Every section on the bundled model (see the module docstring); writes `out`."""
+    """Every section on the bundled model (see the module docstring), then TP = 2; writes
+    `out`. The V4-Flash-shaped stage (section 5) is `bench.gpu_v4.check_v4`, run after this."""
     import torch
 
     streams = [1, 4] if dry_run else [1, 4, 16, 64]
@@ -140,8 +161,6 @@ def check_services(rep, dry_run: bool, port_base: int, out: Path, log_dir: Path)
     rep.info("services: drafter step ms (commits + drafts)", f"{tables['drafter']['step_ms']:.2f}")
     rep.info("services: step-table file", str(out))
     check_tp2(rep, dry_run, port_base + 10, log_dir, max_tokens)
-    rep.info("services: V4-Flash-shaped random model", "not run: needs a random checkpoint writer that "
-             "streams one layer at a time (see docs/deployment.md §4)")
 
 
 def check_tp2(rep, dry_run: bool, port_base: int, log_dir: Path, max_tokens: int) -> None:
@@ -156,20 +175,20 @@ def check_tp2(rep, dry_run: bool, port_base: int, log_dir: Path, max_tokens: int
         return
     spec = StackSpec(checkpoint=str(BUNDLED), port_base=port_base, log_dir=log_dir, verify_numerics="fast",
                      max_sessions=16, tp=2, env=(("DSPARK_DEVICE", "cuda:0"), ("DSPARK_VERIFY_MODE", "sequential")))
-    asyncio.run(run_stack(spec, _Prefixed(rep, "TP=2 "), [4], max_tokens))
+    asyncio.run(run_stack(spec, Prefixed(rep, "TP=2 "), [4], max_tokens))
 
 
-class _Prefixed:
+class Prefixed:
     """A Report view that prefixes every row name (the TP=2 stack's rows)."""
 
     def __init__(self, rep, prefix: str):
-        self.rep, self.prefix, self.rows = rep, prefix, _PrefixedRows(rep.rows, prefix)
+        self.rep, self.prefix, self.rows = rep, prefix, PrefixedRows(rep.rows, prefix)
 
     def info(self, name: str, value: str) -> None:
         self.rep.info(self.prefix + name, value)
 
 
-class _PrefixedRows:
+class PrefixedRows:
     def __init__(self, rows: list, prefix: str):
         self.target, self.prefix = rows, prefix
 

@@ -48,6 +48,8 @@ class StackSpec:
         benchmark compare two versions of the code side by side).
     env: settings laid over the caller's environment last (e.g. DSPARK_STEP_GATHER_MS).
     tp: the verifier's `--tp` (>= 1; TP > 1 starts its worker ranks as well).
+    record_rounds: the gateway's `--record-rounds` file (every round, written at its shutdown;
+        None: not recorded).
     Raises:
         ValueError: a field outside its range, named with its value.
     """
@@ -61,6 +63,7 @@ class StackSpec:
     root: Path = REPO_ROOT
     env: tuple[tuple[str, str], ...] = ()
     tp: int = 1
+    record_rounds: Path | None = None
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -108,18 +111,39 @@ class ServiceProcesses:
                    DSPARK_STARTUP_TIMEOUT_S="300", OMP_NUM_THREADS=str(spec.threads),
                    PYTHONPATH=os.pathsep.join(p for p in (str(spec.root), env.get("PYTHONPATH", "")) if p))
         env.update(spec.env)
-        ckpt = ["--checkpoint", spec.checkpoint] if spec.checkpoint else []
+        self._env = env
         try:
             for name in SERVICES:  # the gateway last: it asks both backends for their identity at start
-                log = open(self.log_path(name), "wb")
-                cmd = [sys.executable, "-m", "services.cli", "serve", name, "--port", str(spec.ports[name]), *ckpt]
-                cmd += ["--tp", str(spec.tp)] if name == "verifier" and spec.tp > 1 else []
-                with log:
-                    self.procs[name] = subprocess.Popen(cmd, env=env, cwd=spec.root, stdout=log,
-                                                        stderr=subprocess.STDOUT, start_new_session=True)
+                self._spawn(name)
         except BaseException:
             self.stop()
             raise
+
+    def _spawn(self, name: str) -> None:
+        """Start service `name`'s child (its log appended to). Raises OSError."""
+        spec = self.spec
+        ckpt = ["--checkpoint", spec.checkpoint] if spec.checkpoint else []
+        cmd = [sys.executable, "-m", "services.cli", "serve", name, "--port", str(spec.ports[name]), *ckpt]
+        cmd += ["--tp", str(spec.tp)] if name == "verifier" and spec.tp > 1 else []
+        if name == "gateway" and spec.record_rounds is not None:
+            cmd += ["--record-rounds", str(spec.record_rounds)]
+        with open(self.log_path(name), "ab") as log:
+            self.procs[name] = subprocess.Popen(cmd, env=self._env, cwd=spec.root, stdout=log,
+                                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def restart_gateway(self, timeout_s: float = 30.0) -> None:
+        """Stop the gateway (SIGTERM, then SIGKILL after timeout_s) and start a new one: a gateway
+        process with nothing learned (gates, regime, warm start). Wait with `wait_serving`.
+        Raises OSError when it cannot be started."""
+        p = self.procs["gateway"]
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+        self._spawn("gateway")
 
     def log_path(self, name: str) -> Path:
         return self.spec.log_dir / f"{name}-{self.spec.ports[name]}.log"

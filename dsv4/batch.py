@@ -41,7 +41,8 @@ class BatchItem:
     * `BatchItem.prefill_chunk`: S prompt tokens at start_pos.. (`prefill` True), committed
       as they run (no undo record): the whole prompt from 0, or one chunk of it continuing a
       state prefilled up to start_pos; `keep_rows`: how many of its last positions' tap rows
-      it returns (None: no taps).
+      it returns (None: no taps); `all_logits`: it also returns the logits of every one of
+      its positions (prompt logprobs), not only of its last.
 
     Values are checked by `Trunk.forward_batch`, exactly as `decode` / `forward_block` /
     `prefill` check theirs."""
@@ -53,6 +54,7 @@ class BatchItem:
     taps: bool = True
     prefill: bool = False
     keep_rows: Any = None
+    all_logits: bool = False
 
     @classmethod
     def decode(cls, state: TrunkState, token_id: Any, position: Any, taps: bool = True) -> "BatchItem":
@@ -65,12 +67,15 @@ class BatchItem:
         return cls(state, token_ids, start_pos, True, True)
 
     @classmethod
-    def prefill_chunk(cls, state: TrunkState, token_ids: Any, start_pos: Any, keep_rows: Any = None) -> "BatchItem":
+    def prefill_chunk(cls, state: TrunkState, token_ids: Any, start_pos: Any, keep_rows: Any = None,
+                      all_logits: bool = False) -> "BatchItem":
         """Prompt tokens token_ids [S] at start_pos.. (= state.next_position), committed; its
         output is a ForwardOutput with the logits [V] fp32 of position start_pos + S - 1 and,
         unless keep_rows is None, the tap rows [min(keep_rows, S), T*D] fp32 of its last
-        positions. `Trunk.prefill(state, ids, keep)` is the item of the whole prompt at 0."""
-        return cls(state, token_ids, start_pos, False, keep_rows is not None, True, keep_rows)
+        positions; with `all_logits`, also `prompt_logits` [S, V] fp32, the logits of every
+        position (the head then runs over all S rows, otherwise over the last one only).
+        `Trunk.prefill(state, ids, keep)` is the item of the whole prompt at 0."""
+        return cls(state, token_ids, start_pos, False, keep_rows is not None, True, keep_rows, bool(all_logits))
 
 
 @dataclass(frozen=True)
@@ -136,27 +141,31 @@ def finish(job: Job, logits: torch.Tensor, taps: torch.Tensor | None) -> Forward
 
 
 def prompt_pieces(state: TrunkState, start: int, ids: torch.Tensor, keep: int | None,
-                  max_tokens: int | None) -> list[Job]:
+                  max_tokens: int | None, all_logits: bool = False) -> list[Job]:
     """A validated prompt chunk, ids [S] int64 at start.. on `state`, as its jobs: one, or
     (exact numerics, `max_tokens` = PROMPT_ROWS) consecutive pieces of at most max_tokens
     tokens, each one exact prompt tile. Logits are asked of the last piece only (position
-    start + S - 1); the tap rows of the chunk's last `keep` positions (None: no taps) are
-    spread over the pieces that hold them, so `join_pieces` returns them in order."""
+    start + S - 1), or with `all_logits` of every position of every piece; the tap rows of
+    the chunk's last `keep` positions (None: no taps) are spread over the pieces that hold
+    them, so `join_pieces` returns them in order."""
     S = ids.shape[0]
     step = max_tokens or S
     jobs = []
     for a in range(0, S, step):
         b = min(a + step, S)
         taps = None if keep is None else max(0, min(b - a, b - (S - keep)))
-        jobs.append(Job(state, Call(start + a, b - a, None, prefill=True), ids[a:b], int(b == S), taps))
+        n_logits = b - a if all_logits else int(b == S)
+        jobs.append(Job(state, Call(start + a, b - a, None, prefill=True), ids[a:b], n_logits, taps))
     return jobs
 
 
-def join_pieces(parts: list[tuple[torch.Tensor, torch.Tensor | None]]) -> ForwardOutput:
+def join_pieces(parts: list[tuple[torch.Tensor, torch.Tensor | None]], all_logits: bool = False) -> ForwardOutput:
     """The pass results of a chunk's `prompt_pieces` -> its ForwardOutput: logits [V] fp32
-    of its last position, taps [min(keep, S), T*D] fp32 (or None) of its last positions."""
+    of its last position, taps [min(keep, S), T*D] fp32 (or None) of its last positions and,
+    with `all_logits`, prompt_logits [S, V] fp32 of every position."""
     taps = None if parts[-1][1] is None else torch.cat([t for _, t in parts])
-    return ForwardOutput(logits=parts[-1][0][0], taps=taps)
+    every = torch.cat([lg for lg, _ in parts]) if all_logits else None
+    return ForwardOutput(logits=parts[-1][0][-1], taps=taps, prompt_logits=every)
 
 
 def _last_rows(spans: list[tuple[int, int]], counts: list[int], device: torch.device) -> torch.Tensor:

@@ -16,8 +16,10 @@ Loading dequantises (docs/model.md §6.3): an fp8 or fp4 `X.weight` + `X.scale` 
 Two consumer sets read the same folder: the trunk consumes every non-`mtp.` tensor, the
 drafter `mtp.*` plus `embed.weight` and `head.weight`; each loader validates its own set
 against the expected inventory and ignores the other set's names. Shards are streamed: one
-open at a time, only the consumer's tensors read, so peak memory is about the loaded model
-plus one shard.
+open at a time, only the consumer's tensors read. `load_*_weights` return the whole logical
+dict (peak: the decoded model); `stream_*_weights` yield one decoded parameter at a time, so a
+model that copies each in and drops it (`Trunk.load_streamed`, as the services load) peaks at
+itself plus one parameter, never twice its size.
 
 Every way a folder can be broken raises `CheckpointError` (a ValueError) naming the file,
 and the tensor and its shard where one is at fault: missing or unreadable files (a folder,
@@ -33,7 +35,7 @@ import contextlib
 import json
 import struct
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -233,8 +235,10 @@ def load_trunk_weights(
             shape, or decodes to NaN / inf (the message names the tensor and its shard), or
             a file is unreadable (see the module docstring); `mtp.*` names are ignored.
     """
-    cfg, weights, _ = _load(Path(path), cfg, dtype, "trunk", device)
-    return cfg, weights
+    cfg, items, _ = _load(Path(path), cfg, dtype, "trunk", device)
+    order = [p.name for p in trunk_params(cfg)]
+    weights = dict(items)
+    return cfg, {name: weights[name] for name in order}
 
 
 def load_drafter_weights(
@@ -248,10 +252,44 @@ def load_drafter_weights(
     optional, docs/model.md §7.4). Raises CheckpointError like the trunk loader, for drafter tensors
     only; other non-`mtp.` names are ignored.
     """
+    cfg, items, has_conf = _load(Path(path), cfg, dtype, "drafter", device)
+    order = [p.name for p in drafter_params(cfg, has_conf)]
+    weights = dict(items)
+    return cfg, {name: weights[name] for name in order}, has_conf
+
+
+def stream_trunk_weights(
+    path: str | Path, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu", select: Callable[[str], bool] | None = None,
+) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """`load_trunk_weights` one parameter at a time: (cfg, iterator of (logical name, tensor)).
+
+    Names, dtypes and shapes of every shard are checked before this returns (the same
+    CheckpointErrors as `load_trunk_weights`); the iterator then reads and decodes one
+    parameter at a time onto `device`, so a consumer that copies each into its model and drops
+    it (`Trunk.load_streamed`) holds the model plus one parameter, never two copies of the
+    model. Decoding errors (NaN / inf) are raised by the iterator, naming tensor and shard.
+    select(logical name): whether to read that parameter at all (default every one); a TP
+    rank passes its own (`dsv4.tp.shard_name`), so other ranks' experts are never read from
+    disk, and their values are checked by the rank that owns them.
+    """
+    cfg, items, _ = _load(Path(path), cfg, dtype, "trunk", device, select)
+    return cfg, items
+
+
+def stream_drafter_weights(
+    path: str | Path, cfg: ModelConfig | None = None, dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]], bool]:
+    """`load_drafter_weights` one parameter at a time, as `stream_trunk_weights`:
+    (cfg, iterator of (logical name, tensor), confidence_head present)."""
     return _load(Path(path), cfg, dtype, "drafter", device)
 
 
-def _load(folder: Path, cfg: ModelConfig | None, dtype: torch.dtype, part: str, device: torch.device | str = "cpu"):
+def _load(folder: Path, cfg: ModelConfig | None, dtype: torch.dtype, part: str, device: torch.device | str = "cpu",
+          select: Callable[[str], bool] | None = None):
+    """(cfg, iterator of decoded (name, tensor), confidence head present), after every check
+    that needs no tensor data."""
     if dtype not in LOAD_DTYPES:
         raise ValueError(f"dtype={dtype!r}: must be torch.float32 or torch.bfloat16")
     cfg = cfg if cfg is not None else read_config(folder)
@@ -262,6 +300,10 @@ def _load(folder: Path, cfg: ModelConfig | None, dtype: torch.dtype, part: str, 
     expected = stored_inventory(params)
     _check_names(folder, part, expected, own)
     _check_headers(folder, part, expected, own)
+    if select is not None:  # unread parameters: every stored part of theirs left out
+        params = [p for p in params if select(p.name)]
+        kept = {s for p in params for s in p.stored()}
+        own = {name: shard for name, shard in own.items() if name in kept}
     return cfg, _stream(folder, params, own, dtype, device), has_conf
 
 
@@ -291,12 +333,11 @@ def _check_headers(folder: Path, part: str, expected: Mapping[str, TensorSpec], 
 
 
 def _stream(folder: Path, params: list[Param], own: Mapping[str, str], dtype: torch.dtype,
-            device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Read the checked tensors shard by shard onto `device`, decoding each parameter there
-    once its parts are in."""
+            device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Read the checked tensors shard by shard onto `device`, yielding each parameter (logical
+    name, decoded tensor) once its stored parts are in; only a split pair's first part waits."""
     owner = {stored: p for p in params for stored in p.stored()}
     pending: dict[str, torch.Tensor] = {}  # parts of parameters not yet complete (split pairs)
-    out: dict[str, torch.Tensor] = {}
     shard_of: dict[str, str] = {}
     for shard, names in _by_shard(own, own).items():
         with _open_shard(folder, shard, device) as f:
@@ -310,11 +351,12 @@ def _stream(folder: Path, params: list[Param], own: Mapping[str, str], dtype: to
                 parts = p.stored()
                 if all(s in pending for s in parts):
                     try:
-                        out[p.name] = decode_param(p, {s: pending.pop(s) for s in parts}, dtype)
+                        value = decode_param(p, {s: pending.pop(s) for s in parts}, dtype)
                     except CheckpointError as e:
                         where = " and ".join(sorted({repr(shard_of[s]) for s in parts}))
                         raise CheckpointError(f"{folder}: shard {where}: {e}") from None
-    return {p.name: out[p.name] for p in params}
+                    yield p.name, value
+                    del value  # the consumer holds it now, or has dropped it
 
 
 @contextlib.contextmanager

@@ -51,7 +51,7 @@ all-reduces per stage). Parameter names equal `dsv4.inventory.drafter_params(cfg
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -62,7 +62,7 @@ from dsv4.dspark_rings import DraftState, check_rings, check_state, new_rings, w
 from dsv4.dspark_stage import ConfidenceHead, DraftMoE, DSparkStage, MarkovHead
 from dsv4.dspark_tp import DraftTP
 from dsv4.host_sync import host_copy
-from dsv4.layers import Embedding, Linear
+from dsv4.layers import Embedding, Linear, copy_streamed
 from dsv4.mhc import hc_head
 from dsv4.settings import Settings
 from dsv4.trunk import DTYPES
@@ -156,6 +156,29 @@ class DSparkDraft(nn.Module):
             for n, t in own.items():
                 t.copy_(local[n].to(device=t.device, dtype=t.dtype))
         self._loaded = True
+
+    def load_streamed(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy the full logical drafter weights one at a time as `items` yields them
+        (`dsv4.checkpoint.stream_drafter_weights`), each sharded for this TP rank (other ranks'
+        experts never copied): the device holds the module plus one decoded parameter. Each
+        tensor gets `load_weights`' checks (at TP > 1 the finiteness check sees this rank's
+        slice only). Not atomic: the module is unloaded from the call until the last tensor
+        is in, and stays so on failure.
+
+        Raises:
+            ValueError: the first unexpected, repeated, mis-shaped or failing tensor, or the
+                missing names.
+        """
+        self._loaded = False
+        copy_streamed(self.state_dict(keep_vars=True), self._local(items), _stream_problem)
+        self._loaded = True
+
+    def _local(self, items: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """This rank's slice of each full tensor of `items` (none for another rank's expert)."""
+        for name, t in items:
+            if not torch.is_tensor(t):
+                raise ValueError(f"load_streamed: {weight_problem(name, t)}")
+            yield from self.tp.shard_weights(self.cfg, {name: t}).items()
 
     def share_embed_head(self, embed: Embedding, head: Linear) -> None:
         """In-process setups only: use the trunk's `embed` and `head` modules instead of own copies.
@@ -396,6 +419,14 @@ def _cut(out: DraftOutput, n: int) -> DraftOutput:
     return DraftOutput(out.tokens[:n], out.logits[:n], conf, out.hidden[:n])
 
 
+def _stream_problem(name: str, t: torch.Tensor, own: torch.Tensor) -> str | None:
+    """`DSparkDraft.load_weights`' checks of one streamed tensor (None: loadable)."""
+    why = weight_problem(name, t)
+    if not why and tuple(t.shape) != tuple(own.shape):
+        why = f"mis-shaped {name}: got {tuple(t.shape)}, expected {tuple(own.shape)}"
+    return why or None
+
+
 def load_draft_module(path, dtype: torch.dtype = torch.float32, tp: DraftTP | None = None,
                       device: torch.device | str = "cpu", deterministic_reduce: bool | None = None,
                       decode_dtype: torch.dtype = torch.float32) -> DSparkDraft:
@@ -410,12 +441,12 @@ def load_draft_module(path, dtype: torch.dtype = torch.float32, tp: DraftTP | No
             with NaN or Inf (named, by the checkpoint reader or `DSparkDraft.load_weights`).
         CheckpointError: a drafter tensor missing, unexpected or mis-shaped.
     """
-    from dsv4.checkpoint import load_drafter_weights
+    from dsv4.checkpoint import stream_drafter_weights
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype}: must be torch.float32 or torch.bfloat16")
-    cfg, weights, has_conf = load_drafter_weights(path, dtype=decode_dtype, device=device)
+    cfg, weights, has_conf = stream_drafter_weights(path, dtype=decode_dtype, device=device)
     module = DSparkDraft(cfg, dtype=dtype, deterministic_reduce=deterministic_reduce, confidence_head=has_conf,
                          tp=tp, device=device)
-    module.load_weights(weights)
+    module.load_streamed(weights)  # one decoded tensor at a time: never the module twice
     return module

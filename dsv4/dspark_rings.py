@@ -128,7 +128,7 @@ def _plan_write(cfg: ModelConfig, stages: Sequence, like: torch.Tensor, state: D
     row, batch-size invariant). Raises ValueError (arguments); writes nothing."""
     check_state(cfg, state, len(stages), like)
     pos = check_commit(cfg, state.last_position, rows, positions)
-    rows = rows.to(like.device)
+    rows = rows.to(like.device, non_blocking=rows.is_pinned())  # pinned: one DMA, the host goes on
     last = max(state.last_position, pos[-1])
     todo = [(i, p) for i, p in enumerate(pos) if p > last - cfg.window_size]
     computed = [_row_keys(stages, rows[i:i + 1], p) for i, p in todo]

@@ -15,7 +15,9 @@ from dsv4.config import ModelConfig
 from dsv4.inventory import Param, drafter_params, trunk_params
 
 
-def _init_one(p: Param, cfg: ModelConfig, g: torch.Generator) -> torch.Tensor:
+def init_param(p: Param, cfg: ModelConfig, g: torch.Generator) -> torch.Tensor:
+    """One logical parameter's random value (module docstring's rules): p.shape, fp32
+    (int64 for `tid2eid`), drawn from `g`."""
     name, shape = p.name, p.shape
     leaf = name.rsplit(".", 1)[-1]
     if name.endswith("tid2eid"):
@@ -64,9 +66,14 @@ def random_weights(
     out = {}
     for name in sorted(params):
         # One generator per tensor, seeded from (seed, name): values do not depend on part.
-        g = torch.Generator().manual_seed((seed * 1_000_003 + _stable_hash(name)) % 2**63)
-        out[name] = _init_one(params[name], cfg, g)
+        g = param_generator(seed, name)
+        out[name] = init_param(params[name], cfg, g)
     return out
+
+
+def param_generator(seed: int, name: str) -> torch.Generator:
+    """The generator of parameter `name`'s values under `seed` (independent of the others)."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + _stable_hash(name)) % 2**63)
 
 
 def _stable_hash(s: str) -> int:

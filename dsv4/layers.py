@@ -18,7 +18,7 @@ tensor is), so choosing the kernel changes results by GEMM rounding only.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +38,36 @@ def pad_rows(t: torch.Tensor, n: int) -> torch.Tensor:
 def frozen_param(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     """An uninitialised parameter without grad (weights come from `load_weights`)."""
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def copy_streamed(own: Mapping[str, torch.Tensor], items: Iterable[tuple[str, torch.Tensor]],
+                  problem: Callable[[str, torch.Tensor, torch.Tensor], str | None]) -> None:
+    """Copy weights into a module's tensors one at a time, as a checkpoint stream yields them.
+
+    own: the module's `state_dict(keep_vars=True)` (each copy casts to the tensor's dtype and
+    device); items: (name, tensor) pairs, each dropped after its copy, so the caller never
+    holds a second copy of the model; problem(name, value, own tensor): why a value cannot be
+    loaded, or None. Not atomic: a failure leaves some tensors copied (the caller keeps its
+    model marked unloaded).
+
+    Raises:
+        ValueError: the first unexpected, repeated or failing tensor (named), or, at the end,
+            every name the stream never yielded.
+    """
+    seen: set[str] = set()
+    with torch.no_grad():
+        for name, value in items:
+            if name not in own or name in seen:
+                raise ValueError(f"load_streamed: {'repeated' if name in seen else 'unexpected'} weight {name!r}")
+            why = problem(name, value, own[name])
+            if why:
+                raise ValueError(f"load_streamed: {why}")
+            own[name].copy_(value)
+            seen.add(name)
+            del value
+    missing = sorted(set(own) - seen)
+    if missing:
+        raise ValueError(f"load_streamed: missing: {missing}")
 
 
 class RMSNorm(nn.Module):

@@ -182,16 +182,20 @@ def logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torc
 class TokenLogprob:
     """One chosen token's logprob under the target's raw distribution (natural log), and its
     `top` alternatives: top_ids / top_logprobs in descending logprob, lowest id first among
-    ties (empty when none were asked for)."""
+    ties (empty when none were asked for). rank: the token's rank in the distribution, the
+    count of ids at least as likely (1 for the most likely; vLLM's `rank`), computed for
+    prompt logprobs only (0: not computed)."""
 
     token_id: int
     logprob: float
     top_ids: tuple[int, ...] = ()
     top_logprobs: tuple[float, ...] = ()
+    rank: int = 0
 
 
-def token_logprobs(logits: torch.Tensor, tokens, top: int) -> list[TokenLogprob]:
-    """`logprobs` as records: logits [S, V], tokens S ids, top 0..MAX_LOGPROBS -> S records.
+def token_logprobs(logits: torch.Tensor, tokens, top: int, ranks: bool = False) -> list[TokenLogprob]:
+    """`logprobs` as records: logits [S, V], tokens S ids, top 0..MAX_LOGPROBS -> S records;
+    `ranks`: also each token's rank (one more pass over the row's V logprobs).
 
     Each row is computed on its own, so a token's logprob does not depend on how many rows
     the caller's forward held (a block verify and a decode agree whenever their logits do).
@@ -206,7 +210,8 @@ def token_logprobs(logits: torch.Tensor, tokens, top: int) -> list[TokenLogprob]
     out = []
     for i, t in enumerate(tokens):
         chosen, values, ids = logprobs(logits[i:i + 1], torch.tensor([t]), top)
-        out.append(TokenLogprob(t, float(chosen[0]), tuple(ids[0].tolist()), tuple(values[0].tolist())))
+        rank = int((logits[i].float().log_softmax(-1) >= chosen[0]).sum()) if ranks else 0
+        out.append(TokenLogprob(t, float(chosen[0]), tuple(ids[0].tolist()), tuple(values[0].tolist()), rank))
     return out
 
 

@@ -11,7 +11,9 @@ marks a per-rank count (Hr = H / ws, Gr = groups on the rank, Vr = V / ws, Er = 
 The model is built on the meta device, its sharded parameters are replaced by per-rank
 shapes, a few modules get per-rank attributes (`Attention.n_heads/groups`,
 `Indexer.n_heads`, `MoE.experts/expert_offset`), and it is then materialised and loaded
-with `shard_weights`. Collectives, all sums over the ranks in fp32:
+tensor by tensor: `shard_tensor` cuts one full tensor to the rank's part (`shard_weights` is it
+over a dict, `shard_stream` over a checkpoint stream, so a rank reading a checkpoint holds its
+shard plus one decoded tensor). Collectives, all sums over the ranks in fp32:
 
   * `embed` (vocab rows): each rank looks up its own rows, zeroes ids outside them, all-reduce.
   * attention: `wq_b` rows, `attn_sink`, `wo_a` rows of the rank's heads/groups; `wo_b`
@@ -40,7 +42,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -217,10 +219,9 @@ def _attention_slices(cfg: ModelConfig, plan: ShardPlan, rank: int) -> tuple[sli
     return rows, slice(j0 * Dh, (j0 + Hr) * Dh), rows
 
 
-def shard_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], plan: ShardPlan,
-                  rank: int) -> dict[str, torch.Tensor]:
-    """Rank `rank`'s logical weights (views of `weights`, `trunk_params` names; its routed
-    experts renumbered from 0) for a trunk built by `build_rank_trunk` with `plan`.
+def shard_name(cfg: ModelConfig, plan: ShardPlan, rank: int, name: str) -> str | None:
+    """Rank `rank`'s name for logical trunk tensor `name` (a routed expert renumbered from 0 on
+    its rank), or None when the tensor is another rank's expert (this rank never reads it).
 
     Raises:
         ValueError: rank outside [0, world_size).
@@ -228,28 +229,69 @@ def shard_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], plan: S
     ws = plan.world_size
     if not 0 <= rank < ws:
         raise ValueError(f"rank={rank}: must lie in [0, {ws})")
-    out: dict[str, torch.Tensor] = {}
+    parts = name.split(".")
+    if not (plan.experts and parts[2:4] == ["ffn", "experts"]):
+        return name
     Er = cfg.n_routed_experts // ws
-    for name, t in weights.items():
-        parts = name.split(".")
-        if plan.vocab and name in ("embed.weight", "head.weight"):
-            t = _part(t, 0, rank, ws)
-        elif plan.attention_split and parts[2:3] == ["attn"] and parts[3] in ("wq_b", "attn_sink"):
-            t = _part(t, 0, rank, ws)
-        elif plan.attention_split and name.endswith("attn.wo_a.weight"):
-            rows, cols, _ = _attention_slices(cfg, plan, rank)
-            t = t[rows, cols]
-        elif plan.attention_split and name.endswith("attn.wo_b.weight"):
-            t = t[:, _attention_slices(cfg, plan, rank)[2]]
-        elif plan.indexer and name.endswith(("indexer.wq_b.weight", "indexer.weights_proj.weight")):
-            t = _part(t, 0, rank, ws)
-        elif plan.experts and parts[2:4] == ["ffn", "experts"]:
-            e = int(parts[4]) - rank * Er
-            if not 0 <= e < Er:
-                continue  # another rank's expert
-            name = ".".join(parts[:4] + [str(e)] + parts[5:])
-        out[name] = t
-    return out
+    e = int(parts[4]) - rank * Er
+    return ".".join(parts[:4] + [str(e)] + parts[5:]) if 0 <= e < Er else None
+
+
+def shard_tensor(cfg: ModelConfig, plan: ShardPlan, rank: int, name: str,
+                 t: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    """Rank `rank`'s part of ONE full logical trunk tensor: (its name on the rank, a view of
+    `t`: rows / columns of the rank's vocab, heads, groups or index heads; `t` itself when
+    replicated), or None for another rank's expert. Same dtype and device as `t`.
+
+    Raises:
+        ValueError: rank outside [0, world_size).
+    """
+    local = shard_name(cfg, plan, rank, name)
+    if local is None:
+        return None
+    ws, parts = plan.world_size, name.split(".")
+    if plan.vocab and name in ("embed.weight", "head.weight"):
+        t = _part(t, 0, rank, ws)
+    elif plan.attention_split and parts[2:3] == ["attn"] and parts[3] in ("wq_b", "attn_sink"):
+        t = _part(t, 0, rank, ws)
+    elif plan.attention_split and name.endswith("attn.wo_a.weight"):
+        rows, cols, _ = _attention_slices(cfg, plan, rank)
+        t = t[rows, cols]
+    elif plan.attention_split and name.endswith("attn.wo_b.weight"):
+        t = t[:, _attention_slices(cfg, plan, rank)[2]]
+    elif plan.indexer and name.endswith(("indexer.wq_b.weight", "indexer.weights_proj.weight")):
+        t = _part(t, 0, rank, ws)
+    return local, t
+
+
+def shard_weights(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], plan: ShardPlan,
+                  rank: int) -> dict[str, torch.Tensor]:
+    """Rank `rank`'s logical weights (views of `weights`, `trunk_params` names; its routed
+    experts renumbered from 0) for a trunk built by `build_rank_trunk` with `plan`: `shard_tensor`
+    of every tensor.
+
+    Raises:
+        ValueError: rank outside [0, world_size).
+    """
+    shard_name(cfg, plan, rank, "embed.weight")  # checks the rank even for an empty dict
+    return dict(s for name, t in weights.items() if (s := shard_tensor(cfg, plan, rank, name, t)))
+
+
+def shard_stream(cfg: ModelConfig, plan: ShardPlan, rank: int,
+                 items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """`shard_tensor` of each (name, full tensor) as `items` yields it (another rank's experts
+    skipped), for `Trunk.load_streamed`: the full tensor and its slice are dropped before the
+    next one is pulled, so a streamed rank holds its shard plus one decoded tensor.
+
+    Raises:
+        ValueError: rank outside [0, world_size) (when the first item is pulled).
+    """
+    for name, t in items:
+        local = shard_tensor(cfg, plan, rank, name, t)
+        del t  # the slice alone keeps the tensor alive until the consumer has copied it
+        if local is not None:
+            yield local
+        del local
 
 
 # ---------------------------------------------------------------------------- parallel modules
@@ -294,16 +336,21 @@ class VocabParallelHead(Linear):
 
 
 # ---------------------------------------------------------------------------- the rank's trunk
-def build_rank_trunk(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], comm: Collectives,
-                     plan: ShardPlan, dtype: torch.dtype = torch.float32, quant_sim: bool | None = None,
-                     deterministic_reduce: bool | None = None,
+def build_rank_trunk(cfg: ModelConfig, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                     comm: Collectives, plan: ShardPlan, dtype: torch.dtype = torch.float32,
+                     quant_sim: bool | None = None, deterministic_reduce: bool | None = None,
                      device: torch.device | str = "cpu", kernels: KernelConfig | None = None) -> Trunk:
-    """This rank's loaded `Trunk` shard: full logical `weights` in, `plan` applied.
+    """This rank's loaded `Trunk` shard on `device`: full logical weights in, `plan` applied.
 
+    weights: a mapping name -> full tensor (`Trunk.load_weights`, atomic), or an iterable of
+    (name, full tensor) pairs such as `dsv4.checkpoint.stream_trunk_weights` yields, each
+    sliced by `shard_stream` and copied in one at a time (`Trunk.load_streamed`: the rank
+    holds its shard plus one decoded tensor, never the whole model). Both give the same bits.
     Every rank must build with the same cfg, plan, dtype and flags; the returned model's
     forward calls collectives, so all ranks must then run the same calls in the same order.
     Raises:
-        ValueError: plan.world_size != comm.world_size, or what `Trunk.load_weights` raises.
+        ValueError: plan.world_size != comm.world_size, or what `Trunk.load_weights` /
+            `Trunk.load_streamed` raise.
     """
     if plan.world_size != comm.world_size:
         raise ValueError(f"plan for tp={plan.world_size} used with a group of {comm.world_size} ranks")
@@ -312,7 +359,10 @@ def build_rank_trunk(cfg: ModelConfig, weights: Mapping[str, torch.Tensor], comm
     wire_quantised_gemms(model, trunk_params(cfg), model.kernels)  # the sharded linears are new modules
     _materialise(model, device)
     _restore_rope(model, cfg, device)
-    model.load_weights(shard_weights(cfg, weights, plan, comm.rank))
+    if isinstance(weights, Mapping):
+        model.load_weights(shard_weights(cfg, weights, plan, comm.rank))
+    else:
+        model.load_streamed(shard_stream(cfg, plan, comm.rank, weights))
     return model
 
 

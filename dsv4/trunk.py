@@ -38,7 +38,7 @@ reference holds in bf16, nor the bf16-stored compressor, weights_proj, gate and 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -47,7 +47,7 @@ from dsv4.attention import Attention
 from dsv4.batch import BatchItem, finish, join_pieces, layer, run_pass
 from dsv4.config import ModelConfig
 from dsv4.inventory import trunk_params
-from dsv4.layers import Embedding, Linear, RMSNorm, frozen_param
+from dsv4.layers import Embedding, Linear, RMSNorm, copy_streamed, frozen_param
 from dsv4.mhc import hc_head, hc_post, hc_pre
 from dsv4.moe import MoE, Route
 from dsv4.numerics import EXACT_ROWS, FastNumerics, numerics_for
@@ -235,6 +235,20 @@ class Trunk(nn.Module):
         pack_quantised(self)
         self._loaded = True
 
+    def load_streamed(self, items: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy logical weights into the model one at a time as `items` yields them
+        (`dsv4.checkpoint.stream_trunk_weights`): the device holds the model plus one decoded
+        parameter, never the model twice. Each tensor gets `load_weights`' checks. Not atomic:
+        the model is unloaded from the call until the last tensor is in, and stays so on failure.
+
+        Raises:
+            ValueError: the first unexpected, repeated or failing tensor, or the missing names.
+        """
+        self._loaded = False
+        copy_streamed(self.state_dict(keep_vars=True), items, self._weight_problem)
+        pack_quantised(self)
+        self._loaded = True
+
     def _weight_problem(self, n: str, w: Any, own: torch.Tensor) -> str | None:
         """Why weight `n` cannot be loaded into parameter/buffer `own`, or None."""
         if not torch.is_tensor(w):
@@ -346,9 +360,10 @@ class Trunk(nn.Module):
         Returns per item, in order, what `decode` (ForwardOutput: logits [V] fp32, taps [1, T*D]
         or None) or `forward_block` (BlockOutput, the item's block left open) returns for it,
         or for a prompt chunk (`BatchItem.prefill_chunk`) a ForwardOutput of its last
-        position (logits [V] fp32, taps [min(keep_rows, S), T*D] or None), its positions
-        committed: equal to rounding in fast mode, bitwise in exact mode whatever the other
-        items are (and, for a prompt, however it was cut into chunks).
+        position (logits [V] fp32, taps [min(keep_rows, S), T*D] or None, and with
+        `all_logits` prompt_logits [S, V] fp32 of every position), its positions committed:
+        equal to rounding in fast mode, bitwise in exact mode whatever the other items are
+        (and, for a prompt, however it was cut into chunks).
         Raises (every item checked before any state changes):
             ValueError: an empty batch, an item that is not a BatchItem, one state in two
                 items, any item that `decode` / `forward_block` would reject, or a prompt
@@ -359,9 +374,9 @@ class Trunk(nn.Module):
         groups = batch_jobs(self, items)  # every item checked before any state changes
         results = iter(run_pass(self, self.numerics, [job for group in groups for job in group]))
         outs = []
-        for group in groups:
+        for item, group in zip(items, groups):
             parts = [next(results) for _ in group]
-            outs.append(join_pieces(parts) if group[0].call.prefill else finish(group[0], *parts[0]))
+            outs.append(join_pieces(parts, item.all_logits) if item.prefill else finish(group[0], *parts[0]))
         return outs
 
     def rollback(self, state: TrunkState, undo: BlockUndo, keep: int, ring: bool = True,

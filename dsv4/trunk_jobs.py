@@ -132,7 +132,7 @@ def chunk_jobs(model: CheckedTrunk, item: BatchItem) -> list[Job]:
     keep = None if item.keep_rows is None else as_int("keep_rows", item.keep_rows)
     if keep is not None and keep < 0:
         raise ValueError(f"keep_rows={keep}: must be >= 0")
-    return prompt_pieces(state, start, ids, keep, model.numerics.prompt_tokens)
+    return prompt_pieces(state, start, ids, keep, model.numerics.prompt_tokens, item.all_logits)
 
 
 def decode_job(model: CheckedTrunk, item: BatchItem) -> Job:

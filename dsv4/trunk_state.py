@@ -67,7 +67,10 @@ class BlockOutput:
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    """logits [V] fp32 of the last position; taps [rows, T*D] fp32 or None."""
+    """logits [V] fp32 of the last position; taps [rows, T*D] fp32 or None; prompt_logits
+    [S, V] fp32 of every position of a prompt chunk that asked for them
+    (`BatchItem.prefill_chunk(all_logits=True)`), else None."""
 
     logits: torch.Tensor
     taps: torch.Tensor | None
+    prompt_logits: torch.Tensor | None = None

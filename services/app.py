@@ -80,7 +80,8 @@ def load_trunk(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32
     decode) is TP=1 only. model: the numerics switches (default `ModelSettings()`); topk: dump
     every forward's top-k logits (`services.verifier.topk_diag`; every TP rank its own file).
     device: "cpu" or "cuda:N" (`services.common.settings.parse_device`); TP=1 runs there and
-    reads the checkpoint straight onto it, shard by shard; TP > 1 on a GPU puts rank r on cuda:r.
+    reads the checkpoint straight onto it, one decoded tensor at a time into the model
+    (`Trunk.load_streamed`: never the model twice); TP > 1 on a GPU puts rank r on cuda:r.
     Raises:
         ValueError: exact numerics requested with tp > 1; what the checkpoint loader raises.
     """
@@ -97,20 +98,21 @@ def load_trunk(checkpoint: str | Path | None, dtype: torch.dtype = torch.float32
                               kernels=model.kernel_config())
     if checkpoint is None:
         cfg = random_tiny_config()
-        weights = random_weights(cfg, "trunk", TINY_SEED)
-    else:
-        from dsv4.checkpoint import load_trunk_weights
-        cfg, weights = load_trunk_weights(checkpoint, dtype=_decode_dtype(dtype, device), device=device)
+        weights = random_weights(cfg, "trunk", TINY_SEED).items()
+    else:  # one decoded tensor at a time, onto the device: never the model twice, never on the host
+        from dsv4.checkpoint import stream_trunk_weights
+        cfg, weights = stream_trunk_weights(checkpoint, dtype=_decode_dtype(dtype, device), device=device)
     trunk = Trunk(cfg, dtype=dtype, device=device, verify_numerics=verify_numerics,
                   deterministic_reduce=model.moe_deterministic_reduce, kernels=model.kernel_config())
-    trunk.load_weights(weights)
+    trunk.load_streamed(weights)
     return maybe_wrap(trunk, topk)
 
 
 def _decode_dtype(dtype: torch.dtype, device: str) -> torch.dtype:
     """The dtype a checkpoint's fp8 / fp4 tensors are decoded to: the model's own on a GPU
-    (the logical weights then take no more device memory than the model), fp32 on a CPU, the
-    bits the CPU has always loaded (fp32 decode, then the model's cast)."""
+    (a decoded tensor, streamed into the model one at a time, then takes no more device memory
+    than its parameter), fp32 on a CPU, the bits the CPU has always loaded (fp32 decode, then
+    the model's cast)."""
     return torch.float32 if device == "cpu" else dtype
 
 

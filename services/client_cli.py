@@ -79,6 +79,10 @@ def _generate(args) -> int:
     if args.max_tokens <= 0:
         print(f"dspark generate: --max-tokens={args.max_tokens} must be > 0", file=sys.stderr)
         return 2
+    if not 0 <= getattr(args, "min_tokens", 0) <= args.max_tokens:
+        print(f"dspark generate: --min-tokens={args.min_tokens} must lie in [0, --max-tokens={args.max_tokens}]",
+              file=sys.stderr)
+        return 2
     if args.seed is not None and not 0 <= args.seed < SEED_LIMIT:  # the wire's uint64 would refuse it less clearly
         print(f"dspark generate: --seed={args.seed} must lie in [0, 2**63)", file=sys.stderr)
         return 2
@@ -90,6 +94,7 @@ def _generate(args) -> int:
         return 2
     try:
         args.constraint = cli_constraint(args)
+        args.logit_bias_map = cli_logit_bias(getattr(args, "logit_bias", []))
     except ValueError as e:
         print(f"dspark generate: {e}", file=sys.stderr)
         return 2
@@ -132,6 +137,27 @@ def cli_constraint(args) -> common_pb2.Constraint | None:
     return None
 
 
+def cli_logit_bias(items) -> dict[int, float]:
+    """`--logit-bias ID=BIAS` flags -> {token id: bias} (the gateway checks the ranges).
+
+    Raises:
+        ValueError: an item not ID=BIAS with an integer ID and a number BIAS, or an ID given twice (named).
+    """
+    out: dict[int, float] = {}
+    for item in items:
+        token, sep, bias = item.partition("=")
+        try:
+            t, b = int(token), float(bias)
+        except ValueError:
+            t = None
+        if not sep or t is None or not 0 <= t < 2 ** 31:
+            raise ValueError(f"--logit-bias={item!r}: must be ID=BIAS (a token id and a number)")
+        if t in out:
+            raise ValueError(f"--logit-bias: token {t} given twice")
+        out[t] = b
+    return out
+
+
 def _read_flag_file(flag: str, path: str) -> str:
     try:
         with open(path, encoding="utf-8") as f:
@@ -163,6 +189,12 @@ async def _generate_async(args) -> int:
         req.seed = args.seed
     if args.constraint is not None:
         req.constraint.CopyFrom(args.constraint)
+    req.logit_bias.update(getattr(args, "logit_bias_map", {}))
+    req.presence_penalty = getattr(args, "presence_penalty", 0.0)
+    req.frequency_penalty = getattr(args, "frequency_penalty", 0.0)
+    req.repetition_penalty = getattr(args, "repetition_penalty", 1.0)
+    req.min_tokens = getattr(args, "min_tokens", 0)
+    req.bad_words.extend(getattr(args, "bad_word", []))
     async with _channel(args) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         async for msg in stub.Generate(req, timeout=args.timeout, metadata=_metadata(args)):

@@ -107,6 +107,19 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--logprobs", type=int, default=0, help="top alternatives per token (0..20; with --json)")
     p.add_argument("--sampling-rule", choices=("default", "coupled", "rejection"), default="default",
                    help="acceptance rule of speculative sampling (default: the gateway's DSPARK_SAMPLING_RULE)")
+    _control_args(p)
+
+
+def _control_args(p: argparse.ArgumentParser) -> None:
+    """`dspark generate`'s logits control flags (the gateway validates the values; docs/sampling.md §5a)."""
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS (in [-100, 100]) to token ID's logit (repeatable; -100 bans, +100 forces)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over generated tokens, in [-2, 2]")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over generated tokens, in [-2, 2]")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="vLLM's, over prompt and generated tokens, > 0 (1: off)")
+    p.add_argument("--min-tokens", type=int, default=0, help="no eos or stop token before this many tokens")
+    p.add_argument("--bad-word", action="append", default=[], help="a word never to generate (repeatable)")
 
 
 def _constraint_args(p: argparse.ArgumentParser) -> None:

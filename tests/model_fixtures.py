@@ -4,6 +4,9 @@ and ape (`varied_weights`), and the same rounded to their checkpoint storage for
 
 from __future__ import annotations
 
+import weakref
+from typing import Iterable, Iterator
+
 import torch
 
 from dsv4.codecs import fp4_decode, fp4_encode, fp8_decode, fp8_encode
@@ -57,3 +60,18 @@ def tiny_trunk_with(numerics: str) -> Trunk:
     model = Trunk(cfg, verify_numerics=numerics)
     model.load_weights(random_weights(cfg, "trunk", seed=3))
     return model
+
+
+def each_dropped_before_the_next(items: Iterable[tuple[str, torch.Tensor]],
+                                 names: list[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The (name, tensor) stream `items`, asserting that nobody (reader, slicer, loader, model)
+    still holds a tensor once the next one is read: the device never holds the decoded model
+    beside the loaded one. `names`, when given, records every name read, in order."""
+    last = None
+    for name, t in items:
+        assert last is None or last[1]() is None, f"{last[0]} is still referenced when {name} is read"
+        last = (name, weakref.ref(t))
+        if names is not None:
+            names.append(name)
+        yield name, t
+        del t

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4.checkpoint import load_trunk_weights
-from dsv4.dspark import load_draft_module
+from dsv4.checkpoint import load_drafter_weights, load_trunk_weights
+from dsv4.dspark import DSparkDraft
 from dsv4.sampling import SamplingParams
 from dsv4.trunk import Trunk
 from services import app, cli
-from services.common.device import DeviceUnavailable, check_available, default_dtype, to_host
+from services.common.device import DeviceUnavailable, check_available, default_dtype, to_host, to_pinned
 from services.common.settings import BackendSettings, parse_device
 from services.settings import backend_settings, read_settings
 from services.verifier.batcher import StepVerifier
@@ -79,6 +79,12 @@ def test_to_host_leaves_cpu_tensors_alone():
     assert to_host(t) is t
 
 
+def test_rows_bound_for_the_cpu_are_not_pinned():
+    """Only a CUDA-bound commit is staged in page-locked memory (a CPU drafter copies nothing)."""
+    t = torch.arange(6.0).reshape(2, 3)
+    assert to_pinned(t, torch.device("cpu")) is t
+
+
 def _run(engine, prompt: list[int], steps: int, params: SamplingParams):
     """(tokens, rows of every call) of a prefill then `steps` decodes on a fresh session, through
     the step loop (`StepVerifier`: a batch of one)."""
@@ -115,7 +121,12 @@ def test_cpu_verifier_through_the_device_path_equals_the_host_loader_bitwise(par
 
 def test_cpu_drafter_through_the_device_path_equals_the_host_loader_bitwise():
     device = parse_device("cpu")
+    """The served drafter (streamed one tensor at a time onto the device) against the whole
+    logical dict read on the host and loaded at once."""
     new = app.load_drafter(BUNDLED, device=device, dtype=default_dtype(device)).state_dict()
-    old = load_draft_module(BUNDLED).state_dict()
+    cfg, weights, conf = load_drafter_weights(BUNDLED)
+    module = DSparkDraft(cfg, confidence_head=conf)
+    module.load_weights(weights)
+    old = module.state_dict()
     assert new.keys() == old.keys()
     assert all(new[k].device.type == "cpu" and torch.equal(new[k], old[k]) for k in old)

@@ -182,8 +182,9 @@ def test_stop_string_and_max_tokens(front):
     ({"extra_body": {"top_k": -2}}, "top_k", "top_k=-2: must be >= 0"),
     ({"extra_body": {"min_p": 1.5}}, "min_p", "min_p=1.5: must lie in [0, 1]"),
     ({"n": 2, "best_of": 3}, "best_of", "best_of=3: candidates are not ranked here"),
-    ({"logit_bias": {"5": -100}}, "logit_bias", "logit_bias={'5': -100}: not supported"),
-    ({"max_tokens": 0}, "max_tokens", "max_tokens: Input should be greater than or equal to 1"),
+    ({"logit_bias": {"5": -100.5}}, "logit_bias", "logit_bias[5]=-100.5: must lie in [-100, 100]"),
+    ({"max_tokens": 0}, "max_tokens", "max_tokens=0: must be >= 1, or 0 with echo=true or prompt_logprobs set"),
+    ({"max_tokens": -1}, "max_tokens", "max_tokens: Input should be greater than or equal to 0"),
 ])
 def test_unsupported_fields_are_400_naming_the_field(front, kwargs, param, words):
     args = {"model": RANDOM_MODEL_ID, "prompt": PROMPT, "max_tokens": 4} | kwargs

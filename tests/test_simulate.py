@@ -152,3 +152,32 @@ def test_an_empty_rounds_file_is_one_error_line(tmp_path, capsys):
     path.write_text('{"format": "dspark-rounds", "version": 1, "metadata": {}, "rounds": []}')
     code, out, err = _run_cli(capsys, "--rounds", str(path), "--streams", "1")
     assert code == 2 and out == "" and err.count("\n") == 1 and "rounds.json" in err, err
+
+
+def test_the_recording_is_read_at_the_generations_text_position():
+    """Recorded rounds [drafted a=1, not drafted, drafted a=3] start at text positions 0, 2, 3
+    and cover 7 tokens. A draft reads the first drafted round at or after its position: a
+    generation that moved on by plain tokens reaches the next recorded round (it does not meet
+    the round it skipped again), and the text wraps."""
+    from services.simulate.engine import RecordedText
+    a, skipped, b = Round("w", (1.0, 1.0), 2, 1), Round("w", (), 0, 0), Round("w", (2.0,) * 4, 4, 3)
+    text = RecordedText([a, skipped, b])
+    assert text.length == 7 and text.starts == [0, 3]
+    assert all(text.at(t) is a for t in (0, 4, 7, 14))  # 4 is inside b: the next start is 7, a again
+    assert all(text.at(t) is b for t in (1, 2, 3, 10))
+    assert text.start(1) == 3
+    with pytest.raises(ValueError, match="without a drafted one"):
+        RecordedText([skipped])
+
+
+def test_a_gated_stream_that_stops_drafting_moves_on_through_the_recording():
+    """A poor stretch (two rounds of 0 accepted) then good rounds: k1 from the start meets the
+    poor rounds once, then accepts every good round; its decisions follow the text position."""
+    poor, good = Round("w", (-9.0,) * 5, 5, 0), Round("w", (9.0,) * 5, 5, 5)
+    from services.simulate.engine import StreamSpec
+    from services.simulate.engine import Gateway
+    gw = Gateway(_hand_model(), RunConfig(block_size=5, gather_s=0.0, max_seq_len=64), arm_registry(5)["k1"])
+    gw.start([StreamSpec(0, 0.0, 1, 16, [poor, poor] + [good] * 6, 0)])
+    gw.run()
+    # rounds 1-2 read the poor rounds (1 token each), then position 2 reads good (accepted 1)
+    assert [acc for _, _, acc in gw.decisions[0]][:4] == [0, 0, 1, 1]

@@ -55,8 +55,7 @@ def _simulated(recorded: list[Round], gate_costs) -> list[tuple[int, int]]:
     model = ServiceModel("flat", flat, flat, flat)
     config = RunConfig(block_size=5, max_seq_len=tiny_trunk().cfg.max_seq_len, gate_costs=gate_costs)
     gw = Gateway(model, config, arm_registry(5)["gate-only"])
-    drafted = [r for r in recorded if r.confidence_logits]
-    gw.start([StreamSpec(0, 0.0, len(tiny_tokenizer().encode(PROMPT)), MAX_TOKENS, drafted, 0)])
+    gw.start([StreamSpec(0, 0.0, len(tiny_tokenizer().encode(PROMPT)), MAX_TOKENS, recorded, 0)])
     gw.run()
     return [(k, accepted) for _, k, accepted in gw.decisions[0]]
 

@@ -246,7 +246,7 @@ def test_a_drafter_failing_mid_generation_re_primes_its_matcher_and_output_equal
             async with grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}") as ch:
                 stub = gateway_pb2_grpc.GatewayStub(ch)
                 plain = await collect(stub, schema_request(SCHEMAS[2], "off"))
-                before = servicer.grammars is not None
+                before = servicer.controls is not None
                 spec = await collect(stub, schema_request(SCHEMAS[2], "always"))
                 return plain, spec, before
         finally:

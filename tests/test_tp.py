@@ -22,15 +22,16 @@ import torch
 import torch.distributed as dist
 
 from dsv4 import tp as dtp
-from dsv4.checkpoint import save_checkpoint
+from dsv4.checkpoint import load_trunk_weights, save_checkpoint, stream_trunk_weights
 from dsv4.config import tiny_config
 from dsv4.trunk import Trunk
-from model_fixtures import varied_weights
+from model_fixtures import each_dropped_before_the_next, varied_weights
 from services.verifier.engine import VerifierEngine
 from verifier_fixtures import StepVerifier
 from services.settings import read_settings, tp_settings
 from services.verifier.tp import (ENV_CALL_TIMEOUT, ENV_INIT_TIMEOUT, TPSettings, TPWorkerError,
                                   start_tp_trunk)
+from services.verifier.tp_worker import RankSpec, build_rank
 from tp_faults import worker_faults
 
 CFG = tiny_config()
@@ -291,3 +292,45 @@ def test_checkpoint_folder_loads_on_every_rank(tmp_path, ref):
     assert tokens == ref_tokens
     assert max(rel(a, b) for a, b in zip(logits, ref_logits)) < TOL
     assert rel(ref_logits[0], greedy(ref, 0)[1][0]) > TOL  # it did read the quantised folder
+
+
+def test_each_rank_streams_its_shard_bitwise_equal_to_the_dict_load(tmp_path):
+    """TP = 2, ranks as threads over gloo: a rank streaming the checkpoint (`build_rank`, the
+    services' path) holds bitwise the parameters that slicing the whole decoded dict gives, and
+    forwards bitwise the same logits; every full tensor (and its slice) is released before the
+    next is read, and a rank never reads another rank's experts."""
+    save_checkpoint(tmp_path, CFG, W)
+    plan, store = dtp.plan_sharding(CFG, 2, strict=True), dist.HashStore()
+    _, full = load_trunk_weights(tmp_path)  # the dict path: the whole decoded model on the host
+    spec = RankSpec(CFG, str(tmp_path), plan, torch.float32, None, None, "gloo", 0, TPSettings(), 1)
+    results, read = [None] * 2, [[], []]
+
+    def rank(r):
+        try:
+            comm = dtp.connect(store, r, 2, "gloo", 30)
+            streamed, sliced = build_rank(spec, comm), dtp.build_rank_trunk(CFG, full, comm, plan)
+            mine = lambda n: dtp.shard_name(CFG, plan, r, n) is not None  # noqa: E731
+            stream = each_dropped_before_the_next(stream_trunk_weights(tmp_path, CFG, select=mine)[1], read[r])
+            checked = dtp.build_rank_trunk(CFG, stream, comm, plan)
+            same = [n for n, t in sliced.state_dict().items()
+                    if torch.equal(t, streamed.state_dict()[n]) and torch.equal(t, checked.state_dict()[n])]
+            results[r] = same, len(sliced.state_dict()), greedy(streamed, 4)[1], greedy(sliced, 4)[1]
+        except BaseException as e:  # raised below, on the test's thread
+            results[r] = e
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    Er = CFG.n_routed_experts // 2
+    for r in range(2):
+        if isinstance(results[r], BaseException):
+            raise results[r]
+        same, n_params, streamed_logits, sliced_logits = results[r]
+        assert len(same) == n_params
+        assert all(torch.equal(a, b) for a, b in zip(streamed_logits, sliced_logits))
+        experts = {int(n.split(".")[4]) for n in read[r] if ".ffn.experts." in n}
+        assert experts == set(range(r * Er, (r + 1) * Er))
+        assert len(read[r]) == len(full) - (CFG.n_routed_experts - Er) * 3 * CFG.n_layers
+    assert rel(results[0][2][0], greedy(start_tp_trunk(CFG, W, 1), 0)[1][0]) > TOL  # it did read the quantised folder

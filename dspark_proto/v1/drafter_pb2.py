@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dspark_proto.v1 import common_pb2 as dspark__proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64spark_proto/v1/drafter.proto\x12\tdspark.v1\x1a\x1c\x64spark_proto/v1/common.proto\"\xc7\x01\n\rCommitRequest\x12\x1f\n\x04rows\x18\x01 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\x03\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x1c\n\x14token_first_position\x18\x04 \x01(\x03\x12)\n\nconstraint\x18P \x01(\x0b\x32\x15.dspark.v1.Constraint\x12!\n\x19\x63onstraint_first_position\x18Q \x01(\x03\"b\n\x0c\x44raftRequest\x12\x0e\n\x06\x61nchor\x18\x01 \x01(\x05\x12\x15\n\rseed_position\x18\x02 \x01(\x03\x12+\n\x08sampling\x18< \x01(\x0b\x32\x19.dspark.v1.SamplingParams\"\xa9\x01\n\x0e\x44rafterRequest\x12&\n\x05trace\x18\x01 \x01(\x0b\x32\x17.dspark.v1.TraceContext\x12*\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x18.dspark.v1.CommitRequestH\x00\x12(\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x17.dspark.v1.DraftRequestH\x00\x12\x13\n\x0bsession_tag\x18\x04 \x01(\x04\x42\x04\n\x02op\"\xbe\x01\n\x0f\x44rafterResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x19\n\x11\x63onfidence_logits\x18\x02 \x03(\x02\x12\x19\n\x11\x63ommitted_through\x18\x03 \x01(\x03\x12(\n\x06timing\x18\x04 \x01(\x0b\x32\x18.dspark.v1.ComputeTiming\x12\x13\n\x0bsession_tag\x18\x05 \x01(\x04\x12&\n\x0b\x64raft_probs\x18< \x01(\x0b\x32\x11.dspark.v1.Tensor2\x89\x01\n\x07\x44rafter\x12\x44\n\x07Session\x12\x19.dspark.v1.DrafterRequest\x1a\x1a.dspark.v1.DrafterResponse(\x01\x30\x01\x12\x38\n\x04Info\x12\x16.dspark.v1.InfoRequest\x1a\x18.dspark.v1.ModelIdentityBH\n\x0cio.dspark.v1B\x0c\x44rafterProtoP\x01Z(dspark-serving/gen/go/dspark/v1;dsparkv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64spark_proto/v1/drafter.proto\x12\tdspark.v1\x1a\x1c\x64spark_proto/v1/common.proto\"\x95\x02\n\rCommitRequest\x12\x1f\n\x04rows\x18\x01 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\x03\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x1c\n\x14token_first_position\x18\x04 \x01(\x03\x12)\n\nconstraint\x18P \x01(\x0b\x32\x15.dspark.v1.Constraint\x12!\n\x19\x63onstraint_first_position\x18Q \x01(\x03\x12+\n\x08\x63ontrols\x18\x64 \x01(\x0b\x32\x19.dspark.v1.LogitsControls\x12\x1f\n\x17\x63ontrols_first_position\x18\x65 \x01(\x03\"b\n\x0c\x44raftRequest\x12\x0e\n\x06\x61nchor\x18\x01 \x01(\x05\x12\x15\n\rseed_position\x18\x02 \x01(\x03\x12+\n\x08sampling\x18< \x01(\x0b\x32\x19.dspark.v1.SamplingParams\"\xa9\x01\n\x0e\x44rafterRequest\x12&\n\x05trace\x18\x01 \x01(\x0b\x32\x17.dspark.v1.TraceContext\x12*\n\x06\x63ommit\x18\x02 \x01(\x0b\x32\x18.dspark.v1.CommitRequestH\x00\x12(\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x17.dspark.v1.DraftRequestH\x00\x12\x13\n\x0bsession_tag\x18\x04 \x01(\x04\x42\x04\n\x02op\"\xbe\x01\n\x0f\x44rafterResponse\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x19\n\x11\x63onfidence_logits\x18\x02 \x03(\x02\x12\x19\n\x11\x63ommitted_through\x18\x03 \x01(\x03\x12(\n\x06timing\x18\x04 \x01(\x0b\x32\x18.dspark.v1.ComputeTiming\x12\x13\n\x0bsession_tag\x18\x05 \x01(\x04\x12&\n\x0b\x64raft_probs\x18< \x01(\x0b\x32\x11.dspark.v1.Tensor2\x89\x01\n\x07\x44rafter\x12\x44\n\x07Session\x12\x19.dspark.v1.DrafterRequest\x1a\x1a.dspark.v1.DrafterResponse(\x01\x30\x01\x12\x38\n\x04Info\x12\x16.dspark.v1.InfoRequest\x1a\x18.dspark.v1.ModelIdentityBH\n\x0cio.dspark.v1B\x0c\x44rafterProtoP\x01Z(dspark-serving/gen/go/dspark/v1;dsparkv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,13 +34,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\014io.dspark.v1B\014DrafterProtoP\001Z(dspark-serving/gen/go/dspark/v1;dsparkv1'
   _globals['_COMMITREQUEST']._serialized_start=75
-  _globals['_COMMITREQUEST']._serialized_end=274
-  _globals['_DRAFTREQUEST']._serialized_start=276
-  _globals['_DRAFTREQUEST']._serialized_end=374
-  _globals['_DRAFTERREQUEST']._serialized_start=377
-  _globals['_DRAFTERREQUEST']._serialized_end=546
-  _globals['_DRAFTERRESPONSE']._serialized_start=549
-  _globals['_DRAFTERRESPONSE']._serialized_end=739
-  _globals['_DRAFTER']._serialized_start=742
-  _globals['_DRAFTER']._serialized_end=879
+  _globals['_COMMITREQUEST']._serialized_end=352
+  _globals['_DRAFTREQUEST']._serialized_start=354
+  _globals['_DRAFTREQUEST']._serialized_end=452
+  _globals['_DRAFTERREQUEST']._serialized_start=455
+  _globals['_DRAFTERREQUEST']._serialized_end=624
+  _globals['_DRAFTERRESPONSE']._serialized_start=627
+  _globals['_DRAFTERRESPONSE']._serialized_end=817
+  _globals['_DRAFTER']._serialized_start=820
+  _globals['_DRAFTER']._serialized_end=957
 # @@protoc_insertion_point(module_scope)

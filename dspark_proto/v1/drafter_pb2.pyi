@@ -8,20 +8,24 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class CommitRequest(_message.Message):
-    __slots__ = ("rows", "first_position", "token_ids", "token_first_position", "constraint", "constraint_first_position")
+    __slots__ = ("rows", "first_position", "token_ids", "token_first_position", "constraint", "constraint_first_position", "controls", "controls_first_position")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    CONTROLS_FIELD_NUMBER: _ClassVar[int]
+    CONTROLS_FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
     rows: _common_pb2.Tensor
     first_position: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_first_position: int
     constraint: _common_pb2.Constraint
     constraint_first_position: int
-    def __init__(self, rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_first_position: _Optional[int] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., constraint_first_position: _Optional[int] = ...) -> None: ...
+    controls: _common_pb2.LogitsControls
+    controls_first_position: int
+    def __init__(self, rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., token_first_position: _Optional[int] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., constraint_first_position: _Optional[int] = ..., controls: _Optional[_Union[_common_pb2.LogitsControls, _Mapping]] = ..., controls_first_position: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("anchor", "seed_position", "sampling")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dspark_proto.v1 import common_pb2 as dspark__proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64spark_proto/v1/gateway.proto\x12\tdspark.v1\x1a\x1c\x64spark_proto/v1/common.proto\"\xb4\x03\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12!\n\x04spec\x18\x05 \x01(\x0e\x32\x13.dspark.v1.SpecMode\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\r\n\x05label\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x18\n\x10max_draft_tokens\x18( \x01(\x05\x12\r\n\x05top_p\x18< \x01(\x02\x12\r\n\x05top_k\x18= \x01(\x05\x12\r\n\x05min_p\x18> \x01(\x02\x12\x11\n\x04seed\x18? \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18@ \x01(\x05\x12.\n\rsampling_rule\x18\x41 \x01(\x0e\x32\x17.dspark.v1.SamplingRule\x12)\n\nconstraint\x18P \x01(\x0b\x32\x15.dspark.v1.ConstraintB\x07\n\x05_seed\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xa9\x02\n\tSpecStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x05\x12\x11\n\tsubmitted\x18\x03 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1e\n\x16mean_acceptance_length\x18\x06 \x01(\x01\x12\x1d\n\x15margin_skipped_rounds\x18\x07 \x01(\x05\x12\x18\n\x10truncated_rounds\x18\x08 \x01(\x05\x12\x1b\n\x13skipped_after_draft\x18\t \x01(\x05\x12\x14\n\x0cplain_rounds\x18\n \x01(\x05\x12\x16\n\x0e\x64rafter_failed\x18\x0b \x01(\x08\x12\x19\n\x11\x64rafter_failovers\x18\x0c \x01(\x05\"\xdb\x03\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.dspark.v1.Usage\x12(\n\nspec_stats\x18\x06 \x01(\x0b\x32\x14.dspark.v1.SpecStats\x12\x0c\n\x04text\x18\x07 \x01(\t\x12\x1e\n\x16time_to_first_token_ms\x18\x08 \x01(\x01\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x15\n\rprompt_tokens\x18\n \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x0b \x01(\x05\x12\x1a\n\x10matched_token_id\x18\x0c \x01(\x05H\x00\x12\x1a\n\x10matched_stop_str\x18\r \x01(\tH\x00\x12\x19\n\x11spec_draft_tokens\x18\x0e \x01(\x05\x12\x1c\n\x14spec_accepted_tokens\x18\x0f \x01(\x05\x12)\n\x08logprobs\x18< \x03(\x0b\x32\x17.dspark.v1.TokenLogprob\x12\x0c\n\x04seed\x18= \x01(\x04\x42\x0e\n\x0cmatched_stop\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x1d\n\rStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t*_\n\x08SpecMode\x12\x15\n\x11SPEC_MODE_DEFAULT\x10\x00\x12\x11\n\rSPEC_MODE_OFF\x10\x01\x12\x14\n\x10SPEC_MODE_ALWAYS\x10\x02\x12\x13\n\x0fSPEC_MODE_GATED\x10\x03\x32\xc8\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.dspark.v1.GenerateRequest\x1a\x1b.dspark.v1.GenerateResponse0\x01\x12:\n\x05Stats\x12\x17.dspark.v1.StatsRequest\x1a\x18.dspark.v1.StatsResponse\x12:\n\x05\x41\x62ort\x12\x17.dspark.v1.AbortRequest\x1a\x18.dspark.v1.AbortResponseBH\n\x0cio.dspark.v1B\x0cGatewayProtoP\x01Z(dspark-serving/gen/go/dspark/v1;dsparkv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x64spark_proto/v1/gateway.proto\x12\tdspark.v1\x1a\x1c\x64spark_proto/v1/common.proto\"\xcf\x05\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12!\n\x04spec\x18\x05 \x01(\x0e\x32\x13.dspark.v1.SpecMode\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\r\n\x05label\x18\t \x01(\t\x12\x12\n\nrequest_id\x18\n \x01(\t\x12\x18\n\x10max_draft_tokens\x18( \x01(\x05\x12\r\n\x05top_p\x18< \x01(\x02\x12\r\n\x05top_k\x18= \x01(\x05\x12\r\n\x05min_p\x18> \x01(\x02\x12\x11\n\x04seed\x18? \x01(\x04H\x00\x88\x01\x01\x12\x10\n\x08logprobs\x18@ \x01(\x05\x12.\n\rsampling_rule\x18\x41 \x01(\x0e\x32\x17.dspark.v1.SamplingRule\x12)\n\nconstraint\x18P \x01(\x0b\x32\x15.dspark.v1.Constraint\x12\x1c\n\x0fprompt_logprobs\x18Z \x01(\x05H\x01\x88\x01\x01\x12=\n\nlogit_bias\x18\x64 \x03(\x0b\x32).dspark.v1.GenerateRequest.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x65 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x66 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18g \x01(\x02\x12\x12\n\nmin_tokens\x18h \x01(\x05\x12\x11\n\tbad_words\x18i \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobs\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xa9\x02\n\tSpecStats\x12\x0e\n\x06rounds\x18\x01 \x01(\x05\x12\x0f\n\x07\x64rafted\x18\x02 \x01(\x05\x12\x11\n\tsubmitted\x18\x03 \x01(\x05\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1e\n\x16mean_acceptance_length\x18\x06 \x01(\x01\x12\x1d\n\x15margin_skipped_rounds\x18\x07 \x01(\x05\x12\x18\n\x10truncated_rounds\x18\x08 \x01(\x05\x12\x1b\n\x13skipped_after_draft\x18\t \x01(\x05\x12\x14\n\x0cplain_rounds\x18\n \x01(\x05\x12\x16\n\x0e\x64rafter_failed\x18\x0b \x01(\x08\x12\x19\n\x11\x64rafter_failovers\x18\x0c \x01(\x05\"\x8d\x04\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\ntext_delta\x18\x02 \x01(\t\x12\x10\n\x08\x66inished\x18\x03 \x01(\x08\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.dspark.v1.Usage\x12(\n\nspec_stats\x18\x06 \x01(\x0b\x32\x14.dspark.v1.SpecStats\x12\x0c\n\x04text\x18\x07 \x01(\t\x12\x1e\n\x16time_to_first_token_ms\x18\x08 \x01(\x01\x12\x12\n\nrequest_id\x18\t \x01(\t\x12\x15\n\rprompt_tokens\x18\n \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x0b \x01(\x05\x12\x1a\n\x10matched_token_id\x18\x0c \x01(\x05H\x00\x12\x1a\n\x10matched_stop_str\x18\r \x01(\tH\x00\x12\x19\n\x11spec_draft_tokens\x18\x0e \x01(\x05\x12\x1c\n\x14spec_accepted_tokens\x18\x0f \x01(\x05\x12)\n\x08logprobs\x18< \x03(\x0b\x32\x17.dspark.v1.TokenLogprob\x12\x0c\n\x04seed\x18= \x01(\x04\x12\x30\n\x0fprompt_logprobs\x18Z \x03(\x0b\x32\x17.dspark.v1.TokenLogprobB\x0e\n\x0cmatched_stop\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"\x1d\n\rStatsResponse\x12\x0c\n\x04json\x18\x01 \x01(\t*_\n\x08SpecMode\x12\x15\n\x11SPEC_MODE_DEFAULT\x10\x00\x12\x11\n\rSPEC_MODE_OFF\x10\x01\x12\x14\n\x10SPEC_MODE_ALWAYS\x10\x02\x12\x13\n\x0fSPEC_MODE_GATED\x10\x03\x32\xc8\x01\n\x07Gateway\x12\x45\n\x08Generate\x12\x1a.dspark.v1.GenerateRequest\x1a\x1b.dspark.v1.GenerateResponse0\x01\x12:\n\x05Stats\x12\x17.dspark.v1.StatsRequest\x1a\x18.dspark.v1.StatsResponse\x12:\n\x05\x41\x62ort\x12\x17.dspark.v1.AbortRequest\x1a\x18.dspark.v1.AbortResponseBH\n\x0cio.dspark.v1B\x0cGatewayProtoP\x01Z(dspark-serving/gen/go/dspark/v1;dsparkv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,24 +33,28 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dspark_proto.v1.gateway_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\014io.dspark.v1B\014GatewayProtoP\001Z(dspark-serving/gen/go/dspark/v1;dsparkv1'
-  _globals['_SPECMODE']._serialized_start=1465
-  _globals['_SPECMODE']._serialized_end=1560
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_SPECMODE']._serialized_start=1798
+  _globals['_SPECMODE']._serialized_end=1893
   _globals['_GENERATEREQUEST']._serialized_start=75
-  _globals['_GENERATEREQUEST']._serialized_end=511
-  _globals['_USAGE']._serialized_start=513
-  _globals['_USAGE']._serialized_end=570
-  _globals['_SPECSTATS']._serialized_start=573
-  _globals['_SPECSTATS']._serialized_end=870
-  _globals['_GENERATERESPONSE']._serialized_start=873
-  _globals['_GENERATERESPONSE']._serialized_end=1348
-  _globals['_ABORTREQUEST']._serialized_start=1350
-  _globals['_ABORTREQUEST']._serialized_end=1384
-  _globals['_ABORTRESPONSE']._serialized_start=1386
-  _globals['_ABORTRESPONSE']._serialized_end=1416
-  _globals['_STATSREQUEST']._serialized_start=1418
-  _globals['_STATSREQUEST']._serialized_end=1432
-  _globals['_STATSRESPONSE']._serialized_start=1434
-  _globals['_STATSRESPONSE']._serialized_end=1463
-  _globals['_GATEWAY']._serialized_start=1563
-  _globals['_GATEWAY']._serialized_end=1763
+  _globals['_GENERATEREQUEST']._serialized_end=794
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=717
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=765
+  _globals['_USAGE']._serialized_start=796
+  _globals['_USAGE']._serialized_end=853
+  _globals['_SPECSTATS']._serialized_start=856
+  _globals['_SPECSTATS']._serialized_end=1153
+  _globals['_GENERATERESPONSE']._serialized_start=1156
+  _globals['_GENERATERESPONSE']._serialized_end=1681
+  _globals['_ABORTREQUEST']._serialized_start=1683
+  _globals['_ABORTREQUEST']._serialized_end=1717
+  _globals['_ABORTRESPONSE']._serialized_start=1719
+  _globals['_ABORTRESPONSE']._serialized_end=1749
+  _globals['_STATSREQUEST']._serialized_start=1751
+  _globals['_STATSREQUEST']._serialized_end=1765
+  _globals['_STATSRESPONSE']._serialized_start=1767
+  _globals['_STATSRESPONSE']._serialized_end=1796
+  _globals['_GATEWAY']._serialized_start=1896
+  _globals['_GATEWAY']._serialized_end=2096
 # @@protoc_insertion_point(module_scope)

@@ -20,7 +20,14 @@ SPEC_MODE_ALWAYS: SpecMode
 SPEC_MODE_GATED: SpecMode
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "spec", "stop_token_ids", "stop", "ignore_eos", "label", "request_id", "max_draft_tokens", "top_p", "top_k", "min_p", "seed", "logprobs", "sampling_rule", "constraint")
+    __slots__ = ("prompt", "prompt_token_ids", "max_tokens", "temperature", "spec", "stop_token_ids", "stop", "ignore_eos", "label", "request_id", "max_draft_tokens", "top_p", "top_k", "min_p", "seed", "logprobs", "sampling_rule", "constraint", "prompt_logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "bad_words")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +46,13 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_RULE_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
@@ -57,7 +71,14 @@ class GenerateRequest(_message.Message):
     logprobs: int
     sampling_rule: _common_pb2.SamplingRule
     constraint: _common_pb2.Constraint
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., spec: _Optional[_Union[SpecMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., label: _Optional[str] = ..., request_id: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., sampling_rule: _Optional[_Union[_common_pb2.SamplingRule, str]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: int
+    logit_bias: _containers.ScalarMap[int, float]
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_tokens: int
+    bad_words: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., spec: _Optional[_Union[SpecMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., label: _Optional[str] = ..., request_id: _Optional[str] = ..., max_draft_tokens: _Optional[int] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., sampling_rule: _Optional[_Union[_common_pb2.SamplingRule, str]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ..., bad_words: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -96,7 +117,7 @@ class SpecStats(_message.Message):
     def __init__(self, rounds: _Optional[int] = ..., drafted: _Optional[int] = ..., submitted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_acceptance_length: _Optional[float] = ..., margin_skipped_rounds: _Optional[int] = ..., truncated_rounds: _Optional[int] = ..., skipped_after_draft: _Optional[int] = ..., plain_rounds: _Optional[int] = ..., drafter_failed: _Optional[bool] = ..., drafter_failovers: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text_delta", "finished", "finish_reason", "usage", "spec_stats", "text", "time_to_first_token_ms", "request_id", "prompt_tokens", "completion_tokens", "matched_token_id", "matched_stop_str", "spec_draft_tokens", "spec_accepted_tokens", "logprobs", "seed")
+    __slots__ = ("token_ids", "text_delta", "finished", "finish_reason", "usage", "spec_stats", "text", "time_to_first_token_ms", "request_id", "prompt_tokens", "completion_tokens", "matched_token_id", "matched_stop_str", "spec_draft_tokens", "spec_accepted_tokens", "logprobs", "seed", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_DELTA_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +135,7 @@ class GenerateResponse(_message.Message):
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text_delta: str
     finished: bool
@@ -131,7 +153,8 @@ class GenerateResponse(_message.Message):
     spec_accepted_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     seed: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., spec_stats: _Optional[_Union[SpecStats, _Mapping]] = ..., text: _Optional[str] = ..., time_to_first_token_ms: _Optional[float] = ..., request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., matched_token_id: _Optional[int] = ..., matched_stop_str: _Optional[str] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., seed: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text_delta: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., spec_stats: _Optional[_Union[SpecStats, _Mapping]] = ..., text: _Optional[str] = ..., time_to_first_token_ms: _Optional[float] = ..., request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., matched_token_id: _Optional[int] = ..., matched_stop_str: _Optional[str] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., seed: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -18,14 +18,18 @@ VERIFY_MODE_SEQUENTIAL: VerifyMode
 VERIFY_MODE_BATCHED: VerifyMode
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("token_ids", "sampling", "constraint")
+    __slots__ = ("token_ids", "sampling", "constraint", "prompt_logprobs", "controls")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    CONTROLS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     constraint: _common_pb2.Constraint
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: int
+    controls: _common_pb2.LogitsControls
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., constraint: _Optional[_Union[_common_pb2.Constraint, _Mapping]] = ..., prompt_logprobs: _Optional[int] = ..., controls: _Optional[_Union[_common_pb2.LogitsControls, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("token_id", "position")
@@ -70,7 +74,7 @@ class VerifierRequest(_message.Message):
     def __init__(self, trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., rows: _Optional[_Union[RowsRequest, _Mapping]] = ...) -> None: ...
 
 class VerifierResponse(_message.Message):
-    __slots__ = ("next_token", "margin", "accepted", "rows", "first_position", "next_position", "timing", "step_rows", "committed_tokens_per_ms", "logprobs")
+    __slots__ = ("next_token", "margin", "accepted", "rows", "first_position", "next_position", "timing", "step_rows", "committed_tokens_per_ms", "logprobs", "prompt_logprobs")
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MARGIN_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +85,7 @@ class VerifierResponse(_message.Message):
     STEP_ROWS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKENS_PER_MS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     next_token: int
     margin: float
     accepted: int
@@ -91,4 +96,5 @@ class VerifierResponse(_message.Message):
     step_rows: int
     committed_tokens_per_ms: float
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, next_token: _Optional[int] = ..., margin: _Optional[float] = ..., accepted: _Optional[int] = ..., rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_position: _Optional[int] = ..., next_position: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ComputeTiming, _Mapping]] = ..., step_rows: _Optional[int] = ..., committed_tokens_per_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, next_token: _Optional[int] = ..., margin: _Optional[float] = ..., accepted: _Optional[int] = ..., rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_position: _Optional[int] = ..., next_position: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ComputeTiming, _Mapping]] = ..., step_rows: _Optional[int] = ..., committed_tokens_per_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...

@@ -3,7 +3,7 @@ host crossing per reply.
 
 Owns the check that a device exists (made at start-up, before any model loads), the default
 dtype per device and the pinned host buffers that
-hidden rows cross through once per reply (docs/deployment.md §4). The spelling (`cpu`,
+hidden rows cross through once per reply, each way (docs/deployment.md §4). The spelling (`cpu`,
 `cuda`, `cuda:N`) is `services.common.settings.parse_device`, so reading settings needs no
 torch. It never moves a model: `services.app` passes the parsed device to the loaders.
 
@@ -58,3 +58,15 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
         return t
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     return host.copy_(t)
+
+
+def to_pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The host side of a reply's one host-to-device crossing (a drafter's commit rows):
+    t (CPU) bound for `device` -> the same values in a pinned (page-locked) buffer when
+    `device` is CUDA, so the copy onto it is a single DMA without a staging copy, issued with
+    `non_blocking=True` (the step's kernels follow it on the same stream); t itself when
+    `device` is the CPU (nothing crosses).
+    """
+    if device.type != "cuda":
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)

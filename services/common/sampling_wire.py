@@ -52,7 +52,8 @@ def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
 def logprob_to_proto(record: TokenLogprob) -> common_pb2.TokenLogprob:
     """One logprob record -> `TokenLogprob` (logprobs travel as float32)."""
     return common_pb2.TokenLogprob(token_id=record.token_id, logprob=record.logprob,
-                                   top_ids=list(record.top_ids), top_logprobs=list(record.top_logprobs))
+                                   top_ids=list(record.top_ids), top_logprobs=list(record.top_logprobs),
+                                   rank=record.rank)
 
 
 def logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
@@ -60,4 +61,4 @@ def logprob_from_proto(msg: common_pb2.TokenLogprob) -> TokenLogprob:
     if len(msg.top_ids) != len(msg.top_logprobs):
         raise ValueError(f"TokenLogprob of token {msg.token_id}: {len(msg.top_ids)} top_ids but "
                          f"{len(msg.top_logprobs)} top_logprobs")
-    return TokenLogprob(msg.token_id, msg.logprob, tuple(msg.top_ids), tuple(msg.top_logprobs))
+    return TokenLogprob(msg.token_id, msg.logprob, tuple(msg.top_ids), tuple(msg.top_logprobs), msg.rank)

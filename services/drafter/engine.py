@@ -149,7 +149,7 @@ class DrafterEngine(SessionHost[DraftState], Drafter):
 
     def draft_guided(self, sid: int, anchor: int, seed_position: int, params: SamplingParams,
                      guide) -> SampledDraft:
-        """`draft_sampled` inside a grammar: `guide` (`services.drafter.grammar.DraftGuide`, or
+        """`draft_sampled` inside a grammar: `guide` (`services.drafter.controls.DraftGuide`, or
         None) masks each slot's logits, after the Markov bias, before the slot is drawn; q is
         then the masked distribution. Raises: as `draft`."""
         sampler = DraftSampler(params, seed_position)

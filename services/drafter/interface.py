@@ -104,7 +104,7 @@ class Drafter(Protocol):
 
     def draft_guided(self, sid: int, anchor: int, seed_position: int, params: SamplingParams,
                      guide) -> SampledDraft:
-        """Draft inside a grammar: `guide` (`services.drafter.grammar.DraftGuide`) masks each
+        """Draft inside a grammar: `guide` (`services.drafter.controls.DraftGuide`) masks each
         slot's logits before the slot is chosen under `params` and follows the choice. This
         default, for drafters whose proposal reads no logits (the scripted oracle), is
         `draft_sampled` unguided. Raises: as `draft`."""

@@ -150,9 +150,9 @@ class LiveOracleDrafter(SessionHost[_LiveSession], Drafter):
 
     def draft_guided(self, sid: int, anchor: int, seed_position: int, params: SamplingParams,
                      guide) -> SampledDraft:
-        """`draft_sampled` inside a grammar: `guide` (`services.drafter.grammar.DraftGuide`, or
+        """`draft_sampled` inside a grammar: `guide` (`services.drafter.controls.DraftGuide`, or
         None) masks the trunk's logits before each pick and follows each (corrupted) token."""
-        mask = (lambda logits: logits) if guide is None else guide.mask
+        mask = (lambda logits: logits) if guide is None else guide.apply
         tokens, conf = self._continue(sid, anchor, seed_position, lambda q, logits: int(
             keyed_choice(mask(logits).reshape(1, -1), params, [q])[0]), guide)
         probs = torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.int64), self.cfg.vocab_size).float()

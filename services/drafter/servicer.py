@@ -21,9 +21,10 @@ from dspark_proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc
 from services.common.session_stream import SessionStreamServicer
 from services.common.telemetry import message_span
 from services.common.sampling_wire import params_from_proto
+from services.common.device import to_pinned
 from services.common.tensors import from_proto, to_proto
 from services.drafter.interface import Drafter, SampledDraft, feed_tokens
-from services.drafter.grammar import DraftGrammars
+from services.drafter.controls import DraftControls
 from services.drafter.steps import DraftStepLoop, DraftStepStats
 
 
@@ -54,8 +55,9 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
             per call).
         vocab: the `GrammarVocab` a constrained session compiles against, a callable making it
             on first use, or None (the byte vocabulary of the model's vocab_size).
-        mask_drafts: draft inside each constrained session's grammar (docs/structured.md);
-            False drafts blind, which only benchmarks want (acceptance with and without).
+        mask_drafts: draft from the rows each session's grammar and logits controls leave
+            (docs/structured.md, docs/sampling.md); False drafts blind, which only benchmarks
+            want (acceptance with and without).
     """
 
     def __init__(self, engine: Drafter, provider: TracerProvider | None = None, metrics=None,
@@ -63,9 +65,11 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
         self.engine, self.provider, self.metrics, self.steps = engine, provider, metrics, steps
         ident = engine.identity()
         self.row_width = ident["row_width"]
+        module = getattr(engine, "module", None)  # a DSpark module; the oracle drafter runs on the CPU
+        self.device = module.embed.weight.device if module is not None else torch.device("cpu")
         cfg = getattr(engine, "cfg", None) or getattr(getattr(engine, "module", None), "cfg", None)
         eos = 1 if cfg is None else cfg.eos_token_id  # 1: the DeepSeek convention, for engines without a config
-        self.grammars = DraftGrammars(ident["vocab_size"], eos, vocab) if mask_drafts else None
+        self.controls = DraftControls(ident["vocab_size"], eos, vocab) if mask_drafts else None
 
     async def Info(self, request, context):
         return identity_message(self.engine.identity(), self.engine.max_sessions, self.engine.num_sessions,
@@ -103,7 +107,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
         Raises ValueError for a bad sampling value (the field named) or a bad draft."""
         params = params_from_proto(d.sampling, field="draft.sampling")  # unset: all zero, greedy
         step_ms = None
-        guide = None if self.grammars is None else self.grammars.guide(sid, d.anchor, d.seed_position)
+        guide = None if self.controls is None else self.controls.guide(sid, d.anchor, d.seed_position)
         try:
             value, step_ms = await self._drafted(sid, d, params, guide)
         finally:
@@ -146,10 +150,11 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
         return drafter_pb2.DrafterResponse(committed_through=positions[-1]), reply.step_ms
 
     def _observe(self, sid: int, commit) -> None:
-        """A commit that landed: the session's grammar follows its tokens (a priming commit, the
-        one with tokens from position 0, sets the session's constraint or clears it)."""
-        if self.grammars is not None:
-            self.grammars.commit(sid, commit)
+        """A commit that landed: the session's controls follow its tokens (a priming commit, the
+        one with tokens from position 0, sets the session's constraint and logits controls or
+        clears them)."""
+        if self.controls is not None:
+            self.controls.commit(sid, commit)
 
     def _commit_now(self, sid: int, commit) -> drafter_pb2.DrafterResponse:
         # The rows' wire shape is checked before the token ids are fed: an observing drafter
@@ -162,7 +167,7 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
     def _commit_rows(self, commit) -> tuple[torch.Tensor, range]:
         """A commit's rows [R, row_width] fp32 and positions first..first+R-1, wire-checked.
         Raises ValueError naming the shape, dtype or first position."""
-        rows = from_proto(commit.rows, max_elements=1 << 26)
+        rows = from_proto(commit.rows, max_elements=1 << 26)  # a new CPU tensor
         if rows.ndim != 2 or rows.shape[1] != self.row_width:
             raise ValueError(f"commit rows have shape {list(rows.shape)}, expected [R, row_width={self.row_width}]")
         if not rows.is_floating_point():
@@ -170,4 +175,5 @@ class DrafterServicer(SessionStreamServicer, drafter_pb2_grpc.DrafterServicer):
         first = commit.first_position
         if first < 0:
             raise ValueError(f"commit first_position={first}: must be >= 0")
-        return rows.float(), range(first, first + rows.shape[0])
+        # pinned when the module is on a GPU: the rings' commit step copies it over in one DMA
+        return to_pinned(rows.float(), self.device), range(first, first + rows.shape[0])

@@ -131,7 +131,7 @@ class DraftStepLoop(StepQueue):
         confidence logits [n] fp32 on CPU or None), or it fails as the engine's call would.
         params: sampling parameters (None or greedy: the argmax); sampled, the value is a
         `SampledDraft` as `DrafterEngine.draft_sampled` returns (probabilistic drafting).
-        guide: a `services.drafter.grammar.DraftGuide` masking each slot (None: none); the
+        guide: a `services.drafter.controls.DraftGuide` masking each slot (None: none); the
         value is then a `SampledDraft` whatever the params (greedy: q one-hot).
 
         Raises:

@@ -31,6 +31,8 @@ from dspark_proto.v1 import common_pb2, drafter_pb2, drafter_pb2_grpc, verifier_
 from dsv4.sampling import GREEDY, SamplingParams, TokenLogprob
 from services.common.constraint import Constraint
 from services.common.constraint_wire import constraint_to_proto
+from services.common.controls import LogitsControls
+from services.common.controls_wire import controls_to_proto
 from services.common.sampling_wire import logprob_from_proto, logprob_to_proto, params_to_proto
 from services.common.server import channel_options
 from services.common.settings import GatewaySettings, backend_target
@@ -104,7 +106,8 @@ class VerifierReply:
     drafts, then next_token), empty from a verifier that sends none. step_rows: rows (tokens)
     of the verifier batch step that completed a decode / verify; committed_tokens_per_ms: the
     verifier's recent committed tokens per wall ms (both 0 when the verifier reports none: no
-    step loop, or an in-process session)."""
+    step loop, or an in-process session). prompt_logprobs: a prefill that asked for them, one
+    record per prompt token after the first (else empty)."""
 
     next_token: int
     margin: float
@@ -116,6 +119,7 @@ class VerifierReply:
     logprobs: tuple[TokenLogprob, ...] = ()
     step_rows: int = 0
     committed_tokens_per_ms: float = 0.0
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -132,8 +136,11 @@ class DraftReply:
 
 class VerifierSession(Protocol):
     # `sampling` is fixed for the session's life: decode and verify choose with it.
+    # prompt_logprobs: None, or the top alternatives of the prompt logprobs the reply carries.
     async def prefill(self, token_ids: Sequence[int], trace: common_pb2.TraceContext,
-                      sampling: SamplingParams = GREEDY, constraint: Constraint | None = None) -> VerifierReply: ...
+                      sampling: SamplingParams = GREEDY, constraint: Constraint | None = None,
+                      controls: LogitsControls | None = None,
+                      prompt_logprobs: int | None = None) -> VerifierReply: ...
     async def decode(self, token_id: int, position: int, trace: common_pb2.TraceContext) -> VerifierReply: ...
     # draft_probs [k, V] fp32: the rejection rule's q of each draft (None otherwise)
     async def verify(self, anchor: int, drafts: Sequence[int], position: int, mode: str,
@@ -145,11 +152,13 @@ class VerifierSession(Protocol):
 
 
 class DrafterSession(Protocol):
-    # constraint: (the generation's output constraint, its first output position), sent with a
-    # priming commit (token_first_position 0) so the drafter drafts inside the grammar.
+    # constraint / controls: (the generation's output constraint / logits controls, its first
+    # output position), sent with a priming commit (token_first_position 0) so the drafter
+    # drafts inside the grammar, from the rows the controls transform.
     async def commit(self, rows: torch.Tensor, first_position: int, token_ids: Sequence[int],
                      token_first_position: int, trace: common_pb2.TraceContext,
-                     constraint: tuple[Constraint, int] | None = None) -> None: ...
+                     constraint: tuple[Constraint, int] | None = None,
+                     controls: tuple[LogitsControls, int] | None = None) -> None: ...
     async def draft(self, anchor: int, seed_position: int, trace: common_pb2.TraceContext,
                     sampling: SamplingParams = GREEDY) -> DraftReply: ...
     async def close(self) -> None: ...
@@ -241,14 +250,17 @@ class GrpcVerifierSession:
         r = await self._s.ask(verifier_pb2.VerifierRequest(trace=trace, **op))
         try:
             logprobs = tuple(logprob_from_proto(m) for m in r.logprobs)
+            prompt = tuple(logprob_from_proto(m) for m in r.prompt_logprobs)
         except ValueError as exc:
             raise BackendError("verifier", f"invalid reply: {exc}", grpc.StatusCode.DATA_LOSS) from None
         return VerifierReply(r.next_token, r.margin, r.accepted, from_proto(r.rows).float(), r.first_position,
                              r.timing.forward_ms, r.timing.rollback_bytes, logprobs, r.step_rows,
-                             r.committed_tokens_per_ms)
+                             r.committed_tokens_per_ms, prompt)
 
-    async def prefill(self, token_ids, trace, sampling=GREEDY, constraint=None):
-        req = verifier_pb2.PrefillRequest(token_ids=list(token_ids))
+    async def prefill(self, token_ids, trace, sampling=GREEDY, constraint=None, controls=None, prompt_logprobs=None):
+        req = verifier_pb2.PrefillRequest(token_ids=list(token_ids), prompt_logprobs=prompt_logprobs)
+        if controls is not None:
+            req.controls.CopyFrom(controls_to_proto(controls))
         if sampling != GREEDY:  # unset is greedy: a plain request stays byte-identical to before
             req.sampling.CopyFrom(params_to_proto(sampling))
         if constraint is not None:
@@ -294,9 +306,13 @@ class GrpcDrafterSession:
                                                 f"the request's is {position}")
         return r
 
-    async def commit(self, rows, first_position, token_ids, token_first_position, trace, constraint=None):
+    async def commit(self, rows, first_position, token_ids, token_first_position, trace, constraint=None,
+                     controls=None):
         req = drafter_pb2.CommitRequest(rows=to_proto(rows), first_position=first_position,
                                         token_ids=list(token_ids), token_first_position=token_first_position)
+        if controls is not None:
+            req.controls.CopyFrom(controls_to_proto(controls[0]))
+            req.controls_first_position = controls[1]
         if constraint is not None:
             req.constraint.CopyFrom(constraint_to_proto(constraint[0]))
             req.constraint_first_position = constraint[1]
@@ -337,10 +353,11 @@ class LocalVerifierSession:
     async def _run(self, record):
         return await asyncio.wrap_future(self.steps.submit(record))
 
-    async def prefill(self, token_ids, trace, sampling=GREEDY, constraint=None):
-        r = await self._run(self.engine.admit_prefill(self.sid, list(token_ids), sampling, constraint))
+    async def prefill(self, token_ids, trace, sampling=GREEDY, constraint=None, controls=None, prompt_logprobs=None):
+        r = await self._run(self.engine.admit_prefill(self.sid, list(token_ids), sampling, constraint, controls,
+                                                      prompt_logprobs))
         return VerifierReply(r.next_token, r.margin, 0, wire_rows(r.rows), r.positions.start, r.forward_ms,
-                             logprobs=_wire_logprobs(r.logprobs))
+                             logprobs=_wire_logprobs(r.logprobs), prompt_logprobs=_wire_logprobs(r.prompt_logprobs))
 
     async def decode(self, token_id, position, trace):
         r = await self._run(self.engine.admit_decode(self.sid, token_id, position))
@@ -367,7 +384,8 @@ class LocalDrafterSession:
     def __init__(self, engine):
         self.engine, self.sid = engine, engine.open_session()
 
-    async def commit(self, rows, first_position, token_ids, token_first_position, trace, constraint=None):
+    async def commit(self, rows, first_position, token_ids, token_first_position, trace, constraint=None,
+                     controls=None):
         # in process the drafter drafts blind: the verifier's mask alone keeps the output exact
         def run():
             if self.engine.observes_tokens and token_ids:  # services.drafter.interface.Drafter

@@ -67,6 +67,8 @@ class DrafterLink:
         self.committed: list[int] = []  # tokens of the positions the verifier has committed
         # (output constraint, first output position): sent with every priming commit
         self.constraint: tuple | None = None
+        # (logits controls, first output position): sent with every priming commit
+        self.controls: tuple | None = None
         self._pending: list[tuple] = []  # deferred commits: (rows, first_position, token_ids, token_first)
         self._full_gap = 0  # rounds between asks while the drafter is full (0: it is not)
         self._full_wait = 0  # plain rounds left before the next ask
@@ -250,10 +252,13 @@ class DrafterLink:
         return None
 
     def _priming(self, token_first: int) -> dict:
-        """The constraint keyword of a commit whose tokens start at `token_first`: a priming
-        commit (0) of a constrained generation carries it; others carry nothing (a plain
-        generation's commits stay as they were)."""
-        return {"constraint": self.constraint} if token_first == 0 and self.constraint is not None else {}
+        """The constraint and controls keywords of a commit whose tokens start at `token_first`:
+        a priming commit (0) of a generation that has them carries them; others carry nothing
+        (a plain generation's commits stay as they were)."""
+        if token_first != 0:
+            return {}
+        extra = {"constraint": self.constraint, "controls": self.controls}
+        return {k: v for k, v in extra.items() if v is not None}
 
     def _count_failure(self, exc: BackendError, outcome: str) -> None:
         """Count one drafter failure by reason (process stats, metrics) and log it once."""

@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass, field
 
 from services.common.constraint import Constraint
+from services.common.controls import LogitsControls
 from dsv4.sampling import GREEDY, SamplingParams, TokenLogprob
 from services.gateway.record import RoundStats
 from services.gateway.warm import WarmBands, sampling_band
@@ -46,17 +47,23 @@ class GenerationParams:
     sampling: SamplingParams = GREEDY
     max_drafts: int = 0  # drafted tokens a round may submit at most (0 = the block size)
     constraint: Constraint | None = None  # the output constraint (docs/structured.md); compiled at admission
+    # logits controls (docs/sampling.md), stop_ids set to the stop token ids; None: none
+    controls: LogitsControls | None = None
+    # Prompt logprobs: None = not asked; else the top alternatives per prompt token (0..20).
+    prompt_logprobs: int | None = None
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     """Tokens committed and streamed in one round (after stop checks), their text delta and
     one `TokenLogprob` per token (the target's raw distribution; empty when the verifier sent
-    none)."""
+    none). prompt_logprobs: the first event of a generation that asked for them, one record
+    per prompt token after the first (else empty)."""
 
     token_ids: list[int]
     text_delta: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,8 @@ class FinalEvent:
     # (they pick the band) and the confidence logits of its last drafted rounds, oldest first.
     sampling: SamplingParams = GREEDY
     recent_confidences: tuple[tuple[float, ...], ...] = ()
+    # A prompt scored without generating (max_tokens 0): its prompt logprobs, as TokenEvent's.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass

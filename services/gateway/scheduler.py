@@ -54,8 +54,9 @@ from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 import torch
 
-from dsv4.sampling import SamplingParams, TokenLogprob
+from dsv4.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from services.common.constraint import Constraint, GrammarVocab, vocab_of
+from services.common.controls import LogitsControls
 from services.common.settings import VERIFY_MODES
 from services.common.telemetry import TRACER_NAME, trace_context
 from services.gateway.backends import DrafterSession, VerifierSession
@@ -137,33 +138,39 @@ class Scheduler:
     def params(self, prompt: str, prompt_ids: Sequence[int], max_tokens: int, spec: str,
                temperature: float = 0.0, stop_token_ids: Sequence[int] = (), stop: Sequence[str] = (),
                ignore_eos: bool = False, label: str = "live", sampling: SamplingParams | None = None,
-               max_drafts: int = 0, constraint: Constraint | None = None) -> GenerationParams:
+               max_drafts: int = 0, constraint: Constraint | None = None,
+               controls: LogitsControls | None = None,
+               prompt_logprobs: int | None = None) -> GenerationParams:
         """Validate a request into `GenerationParams`. max_drafts: drafted tokens a round may
         submit at most (always: a fixed k; gated: a cap on the gate's choice; 0 = block size).
+        prompt_logprobs: None, or the top alternatives (0..MAX_LOGPROBS) of the prompt
+        logprobs the first event carries; with it, max_tokens may be 0 (score the prompt only).
 
         sampling: how tokens are chosen (the servicer builds it, seed included); None is
         `SamplingParams(temperature=temperature)` (seed 0, the coupled rule), otherwise
         `temperature` is ignored. constraint: the output constraint, compiled here against the
-        gateway's vocabulary so a bad one is refused before any session opens.
+        gateway's vocabulary so a bad one is refused before any session opens. controls: the
+        logits controls (docs/sampling.md); their stop_ids are set here to the stop token ids
+        (eos unless ignore_eos, and stop_token_ids), which min_tokens masks.
         Raises:
             ValueError: naming the value: a bad temperature (NaN, negative), an empty
-                prompt, a token id outside [0, vocab), max_tokens <= 0, prompt + max_tokens
+                prompt, a token id outside [0, vocab), max_tokens < 0, or 0 without prompt
+                logprobs, prompt_logprobs outside 0..MAX_LOGPROBS, prompt + max_tokens
                 beyond max_seq_len, an unknown spec mode, a stop token id out of range, a blank
                 or reserved workload label, max_drafts outside [0, block_size], a constraint
                 that does not compile (`ConstraintError`, naming its field) or one with
-                ignore_eos (a grammar ends the generation with eos).
+                ignore_eos (a grammar ends the generation with eos), a controls token id outside
+                the vocabulary (named) or min_tokens > max_tokens.
         """
         lim = self.limits
         if sampling is None:
             sampling = SamplingParams(temperature=float(temperature))
-        ids = list(prompt_ids) if len(prompt_ids) else self.tokenizer.encode(prompt)
-        if not ids:
-            raise ValueError("empty prompt: give prompt text or prompt_token_ids")
-        bad = [t for t in ids if not 0 <= t < lim.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} outside [0, vocab_size={lim.vocab_size})")
-        if max_tokens <= 0:
-            raise ValueError(f"max_tokens={max_tokens}: must be > 0")
+        ids = self._prompt_ids(prompt, prompt_ids)
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs={prompt_logprobs}: must lie in 0..{MAX_LOGPROBS}")
+        if max_tokens < 0 or (max_tokens == 0 and prompt_logprobs is None):
+            raise ValueError(f"max_tokens={max_tokens}: must be > 0 (0 only with prompt_logprobs set: "
+                             "score the prompt without generating)")
         if len(ids) + max_tokens > lim.max_seq_len:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens={max_tokens} exceeds "
                              f"max_seq_len={lim.max_seq_len}")
@@ -183,8 +190,22 @@ class Scheduler:
                 raise ValueError(f"{constraint.field} with ignore_eos: a constrained generation ends with eos "
                                  "once its grammar completes (docs/structured.md)")
             self.grammar_vocab.compile(constraint)
+        controls = None if controls is None else controls.for_generation(stops, lim.vocab_size, max_tokens)
         return GenerationParams(tuple(ids), max_tokens, spec, frozenset(stops), tuple(s for s in stop if s),
-                                label or "live", sampling=sampling, max_drafts=max_drafts, constraint=constraint)
+                                label or "live", sampling=sampling, max_drafts=max_drafts, constraint=constraint,
+                                controls=controls, prompt_logprobs=prompt_logprobs)
+
+    def _prompt_ids(self, prompt: str, prompt_ids: Sequence[int]) -> list[int]:
+        """The prompt's token ids: `prompt_ids`, else `prompt` tokenized. Raises ValueError on
+        an empty prompt or an id outside [0, vocab_size) (named)."""
+        ids = list(prompt_ids) if len(prompt_ids) else self.tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError("empty prompt: give prompt text or prompt_token_ids")
+        vocab = self.limits.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} outside [0, vocab_size={vocab})")
+        return ids
 
     @functools.cached_property
     def grammar_vocab(self) -> GrammarVocab:
@@ -284,7 +305,9 @@ class _Generation:
                                 self.counters, awake=self._regime_drafts())
         if p.constraint is not None:
             self.link.constraint = (p.constraint, len(p.prompt_ids))
-        self.detok = Detokenizer(sched.tokenizer, p.stop)
+        if p.controls is not None:
+            self.link.controls = (p.controls, len(p.prompt_ids))
+        self.detok = Detokenizer(sched.tokenizer, p.stop, 0 if p.controls is None else p.controls.min_tokens)
         self.out: list[int] = []
         self.finish: str | None = None
         self.matched_stop: int | str | None = None
@@ -293,23 +316,37 @@ class _Generation:
 
     async def run(self) -> AsyncIterator[TokenEvent | FinalEvent]:
         """Prefill, then rounds until a stop condition; yields a TokenEvent per round (the first
-        anchor's first), then one FinalEvent. Raises BackendError when the verifier fails."""
+        anchor's first, with the prompt logprobs when asked), then one FinalEvent. A prompt
+        scored without generating (max_tokens 0) yields the FinalEvent alone, with its prompt
+        logprobs: no token is streamed and no drafter is primed. Raises BackendError when the
+        verifier fails."""
         p = self.p
         with self.s.tracer.start_as_current_span("gateway.prefill") as span, self.s.occupancy.call():
-            first = await self.verifier.prefill(p.prompt_ids, trace_context(span), p.sampling, p.constraint)
+            first = await self.verifier.prefill(p.prompt_ids, trace_context(span), p.sampling, p.constraint,
+                                                p.controls, p.prompt_logprobs)
         self.ttft_ms = (time.perf_counter() - self.t0) * 1e3
+        if p.max_tokens == 0:
+            self.finish = "length"
+            yield self._final(first.prompt_logprobs)
+            return
         if not self._regime_drafts():
             await self.link.sleep()  # no prime now: a drafter is primed when this generation drafts
         await self.link.commit(first.rows, first.first_position, p.prompt_ids, 0)
         pos, anchor, margin = len(p.prompt_ids), first.next_token, first.margin
-        yield self._emit([anchor], first.logprobs)
+        yield dataclasses.replace(self._emit([anchor], first.logprobs), prompt_logprobs=first.prompt_logprobs)
         while self.finish is None:
             a, new, margin, logprobs = await self._round(anchor, pos, margin)
             pos, anchor = pos + a + 1, new[-1]
             yield self._emit(new, logprobs)
-        yield FinalEvent(self.finish, len(p.prompt_ids), len(self.out), self.detok.text,
-                         self.detok.finish(), self.counters, self._gate_report(), self.ttft_ms, self.matched_stop,
-                         p.sampling, self.gate.recent_confidences())
+        yield self._final()
+
+    def _final(self, prompt_logprobs: Sequence[TokenLogprob] = ()) -> FinalEvent:
+        """The generation's FinalEvent (`finish` set); prompt_logprobs: those of a prompt
+        scored without generating."""
+        p = self.p
+        return FinalEvent(self.finish, len(p.prompt_ids), len(self.out), self.detok.text,
+                          self.detok.finish(), self.counters, self._gate_report(), self.ttft_ms, self.matched_stop,
+                          p.sampling, self.gate.recent_confidences(), tuple(prompt_logprobs))
 
     def _gate_report(self) -> dict:
         """The gate's counters of this generation with the gate's current estimate and weight per bucket."""

@@ -43,6 +43,8 @@ import grpc
 from dspark_proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from dsv4.sampling import SamplingParams
 from services.common.constraint_wire import constraint_from_proto
+from services.common.controls import MAX_BAD_WORDS, LogitsControls
+from services.common.controls_wire import controls_from_proto
 from services.common.sampling_wire import logprob_to_proto, params_from_proto
 from services.gateway.auth import tenant_of
 from services.gateway.backends import BackendError, Backends, GrpcDrafterSession, GrpcVerifierSession
@@ -229,7 +231,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 request.prompt, list(request.prompt_token_ids), request.max_tokens, _SPEC[request.spec],
                 request.temperature, list(request.stop_token_ids), list(request.stop), request.ignore_eos,
                 request.label, sampling, request.max_draft_tokens,
-                constraint_from_proto(request.constraint) if request.HasField("constraint") else None)
+                constraint_from_proto(request.constraint) if request.HasField("constraint") else None,
+                request_controls(request, self.scheduler.tokenizer),
+                request.prompt_logprobs if request.HasField("prompt_logprobs") else None)
             running = self.running.register(rid, tenant_of(context.invocation_metadata()))
         except DuplicateRequestId as exc:
             await refuse(context, rid, grpc.StatusCode.ALREADY_EXISTS, str(exc))
@@ -299,6 +303,40 @@ def request_sampling(request: gateway_pb2.GenerateRequest, default_rule: str) ->
         raise ValueError(str(exc).removeprefix("GenerateRequest.")) from None
 
 
+def request_controls(request: gateway_pb2.GenerateRequest, tokenizer) -> LogitsControls | None:
+    """The logits controls of a GenerateRequest (None: every field neutral), floats at their
+    float32 wire values; `bad_words` are tokenized here with the gateway's `tokenizer`, each
+    as given and after a space (how it reads mid-text), as vLLM does.
+
+    Raises:
+        ValueError: naming the GenerateRequest field and value (`LogitsControls`' checks),
+            a blank bad word, or more than MAX_BAD_WORDS of them.
+    """
+    if len(request.bad_words) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words: {len(request.bad_words)} words; at most {MAX_BAD_WORDS}")
+    words: list[tuple[int, ...]] = []
+    for i, word in enumerate(request.bad_words):
+        if not word.strip():
+            raise ValueError(f"bad_words[{i}]={word!r}: must hold text")
+        for text in (word, " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text))
+            if ids and ids not in words:
+                words.append(ids)
+    msg = common_pb2.LogitsControls(presence_penalty=request.presence_penalty,
+                                    frequency_penalty=request.frequency_penalty,
+                                    repetition_penalty=request.repetition_penalty, min_tokens=request.min_tokens)
+    for token, bias in request.logit_bias.items():
+        msg.logit_bias[token] = bias
+    for ids in words:
+        msg.bad_words.add(ids=list(ids))
+    if msg == common_pb2.LogitsControls():
+        return None
+    try:
+        return controls_from_proto(msg, field="GenerateRequest")
+    except ValueError as exc:  # the client's own field name, as request_sampling's
+        raise ValueError(str(exc).removeprefix("GenerateRequest.")) from None
+
+
 async def close_generation(verifier, drafters: DrafterSupply | None) -> None:
     """Close `verifier` (a `VerifierSession`), then every session of `drafters`, the drafters
     even when closing the verifier raised (a cancel included, which is re-raised after)."""
@@ -319,7 +357,8 @@ class ResponseStream:
         self.completion_tokens = 0
         self.text = ""  # the text streamed so far (the final message of an aborted generation)
 
-    def _message(self, token_ids: Sequence[int], text_delta: str, logprobs=(), **final) -> gateway_pb2.GenerateResponse:
+    def _message(self, token_ids: Sequence[int], text_delta: str, logprobs=(), prompt_logprobs=(),
+                 **final) -> gateway_pb2.GenerateResponse:
         self.completion_tokens += len(token_ids)
         self.text += text_delta
         if final.get("finished"):
@@ -327,13 +366,15 @@ class ResponseStream:
         return gateway_pb2.GenerateResponse(
             token_ids=token_ids, text_delta=text_delta, request_id=self.request_id,
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
-            logprobs=[logprob_to_proto(r) for r in logprobs], **final)
+            logprobs=[logprob_to_proto(r) for r in logprobs],
+            prompt_logprobs=[logprob_to_proto(r) for r in prompt_logprobs], **final)
 
     def response(self, event: TokenEvent | FinalEvent) -> gateway_pb2.GenerateResponse:
-        """A streamed message for a `TokenEvent` (with one `TokenLogprob` per token), the final
-        one for the `FinalEvent` (with the seed used)."""
+        """A streamed message for a `TokenEvent` (with one `TokenLogprob` per token, and the
+        prompt logprobs on the first), the final one for the `FinalEvent` (with the seed used,
+        and the prompt logprobs of a prompt scored without generating)."""
         if not isinstance(event, FinalEvent):
-            return self._message(event.token_ids, event.text_delta, event.logprobs)
+            return self._message(event.token_ids, event.text_delta, event.logprobs, event.prompt_logprobs)
         matched = {}
         if isinstance(event.matched_stop, str):
             matched["matched_stop_str"] = event.matched_stop
@@ -341,7 +382,7 @@ class ResponseStream:
             matched["matched_token_id"] = event.matched_stop
         c = event.counters
         return self._message(
-            [], event.text_delta, finished=True, finish_reason=event.finish_reason,
+            [], event.text_delta, (), event.prompt_logprobs, finished=True, finish_reason=event.finish_reason,
             usage=gateway_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
             spec_stats=spec_stats(c), text=event.text + event.text_delta,
             time_to_first_token_ms=event.time_to_first_token_ms,

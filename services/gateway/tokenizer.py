@@ -93,11 +93,13 @@ class Detokenizer:
     `add(token_id)` returns the text delta that became final with this token. Text is held
     back while it ends in an incomplete UTF-8 sequence (U+FFFD) or could be the start of a
     stop string, so the deltas always concatenate to `text`. When a stop string appears,
-    `stopped` is set and the text is cut before it (the stop string is not returned).
+    `stopped` is set and the text is cut before it (the stop string is not returned). Stop
+    strings are looked for only once more than `min_tokens` tokens were added (vLLM's rule:
+    min_tokens holds every stop condition off).
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), min_tokens: int = 0):
+        self.tokenizer, self.min_tokens = tokenizer, int(min_tokens)
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
         self.text = ""          # text released so far
@@ -106,7 +108,7 @@ class Detokenizer:
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
         full = self.tokenizer.decode(self.ids)
-        cut = self._stop_at(full)
+        cut = self._stop_at(full) if len(self.ids) > self.min_tokens else None
         if cut is not None:
             self.stopped = True
             return self._release(full[:cut])

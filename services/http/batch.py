@@ -154,18 +154,20 @@ class Admission:
                 pass
 
     async def collect(self, choice: Choice) -> tuple[gateway_pb2.GenerateResponse, list[int],
-                                                     list[common_pb2.TokenLogprob]]:
-        """The final message of `choice`, its completion token ids and their logprobs.
+                                                     list[common_pb2.TokenLogprob], list[common_pb2.TokenLogprob]]:
+        """The final message of `choice`, its completion token ids, their logprobs and its
+        prompt logprobs (those its first message carries; empty when not asked).
         Raises ApiError as `open` does, or 502 when the stream ends without a final message."""
         message, stream = await self.open(choice.request)
         token_ids: list[int] = []
         logprobs: list[common_pb2.TokenLogprob] = []
+        prompt_logprobs = list(message.prompt_logprobs)
         try:
             while message is not None:
                 token_ids.extend(message.token_ids)
                 logprobs.extend(message.logprobs)
                 if message.finished:
-                    return message, token_ids, logprobs
+                    return message, token_ids, logprobs, prompt_logprobs
                 message = await anext(stream, None)
         finally:
             await self.close(stream)

@@ -19,6 +19,7 @@ has started, its failed write does.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
@@ -31,6 +32,7 @@ from dspark_proto.v1 import gateway_pb2
 from services.gateway.auth import MISSING, BearerTokenInterceptor
 from services.gateway.tokenizer import Tokenizer
 from services.http.batch import Admission, Choice, plan
+from services.http.echo import PromptPart, PromptScoring
 from services.http.chat import ChatTemplate
 from services.http.errors import (ApiError, api_error_handler, internal_error_handler,
                                   validation_error_handler)
@@ -161,12 +163,20 @@ def _add_generation_routes(app: FastAPI, front: Front) -> None:
         authorization = front.authorize(request)
         front.check_model(body.model)
         prompts = body.checked()
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        scoring = PromptScoring(body.echo, body.logprobs, body.prompt_logprobs, prompts, body.n)
+        scored = scoring.alternatives(max_tokens)
+        if scoring.asked:  # the prompt's tokens as the gateway will score them, to name them in the reply
+            prompts = [(text, ids or front.tokenizer.encode(text)) for text, ids in prompts]
+            scoring = dataclasses.replace(scoring, prompts=prompts)
         shape = Shape(front.model.id, chat=False)
-        reqs = [body.generate_request(shape.id, body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, text, ids,
-                                      body.top_alternatives) for text, ids in prompts]
+        reqs = [body.generate_request(shape.id, max_tokens, "" if scoring.asked else text, ids, body.top_alternatives,
+                                      scored) for text, ids in prompts]
         choices, seed = plan(reqs, body.n, body.internal_seed, shape.id)
-        fmt = (lambda: LogprobFormatter(front.tokenizer, chat=False)) if body.logprobs is not None else None
-        return await _respond(front.client, choices, seed, body, shape, authorization, request, fmt)
+        fmt = (lambda: LogprobFormatter(front.tokenizer, chat=False, top=body.logprobs)) \
+            if body.logprobs is not None else None
+        return await _respond(front.client, choices, seed, body, shape, authorization, request, fmt,
+                              scoring if scoring.asked else None, front.tokenizer)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -188,20 +198,22 @@ async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> 
 
 
 async def _respond(client: GatewayClient, choices: list[Choice], seed: int | None, body, shape: Shape,
-                   authorization: str | None, request: Request, fmt: Callable[[], LogprobFormatter] | None = None):
+                   authorization: str | None, request: Request, fmt: Callable[[], LogprobFormatter] | None = None,
+                   scoring: PromptScoring | None = None, tokenizer: Tokenizer | None = None):
     """The whole response, or the SSE stream once a first gateway message arrived; `choices`
     run concurrently through one `Admission`; seed: the request's (None: the gateway's draw,
     read from the final message); `fmt` makes a choice's logprob formatter (None: logprobs
-    null). The response carries `x-request-id`: the response id.
+    null); `scoring`: what each choice returns about its prompt (echo, prompt logprobs; None:
+    nothing), with `tokenizer` to name its tokens. The response carries `x-request-id`: the
+    response id.
     Raises ApiError: the calls failed before any message (the mapped status), or the client
     disconnected before the response started (499)."""
     admission = Admission(client, authorization, client.generate_timeout_s)
     headers = {"x-request-id": shape.id}
     if not body.stream:
         results = await _unless_disconnected(request, admission.collect_all(choices))
-        out = [shape.choice(c.index, final, ids if body.return_token_ids else None,
-                            fmt().body(logprobs) if fmt is not None else None)
-               for c, (final, ids, logprobs) in zip(choices, results)]
+        out = [_whole_choice(shape, c.index, r, body.return_token_ids, fmt() if fmt is not None else None,
+                             scoring, tokenizer) for c, r in zip(choices, results)]
         finals = [(c.j, r[0]) for c, r in zip(choices, results)]
         return JSONResponse(shape.whole(out, finals, results[0][0].seed if seed is None else seed),
                             headers=headers)
@@ -214,8 +226,29 @@ async def _respond(client: GatewayClient, choices: list[Choice], seed: int | Non
         await stream.aclose()
         raise
     fmts = {c.index: fmt() for c in choices} if fmt is not None else None
-    return StreamingResponse(_events(stream, first, shape, body, {c.index: c.j for c in choices}, fmts),
+    echo = None if scoring is None else (lambda index, records: scoring.part(
+        index, records, tokenizer, fmts[index] if fmts is not None else None))
+    return StreamingResponse(_events(stream, first, shape, body, {c.index: c.j for c in choices}, fmts, echo),
                              media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+
+def _whole_choice(shape: Shape, index: int, result: tuple, with_ids: bool, fmt: LogprobFormatter | None,
+                  scoring: PromptScoring | None, tokenizer: Tokenizer | None) -> dict:
+    """Choice `index` of a whole response from its `Admission.collect` result; the prompt part
+    (`scoring`) first, so the completion's text_offset continues after the prompt."""
+    final, ids, logprobs, prompt_records = result
+    part = None if scoring is None else _prompt_part(scoring, index, prompt_records, tokenizer, fmt)
+    choice = shape.choice(index, final, ids if with_ids else None, fmt.body(logprobs) if fmt is not None else None)
+    return choice if part is None else part.apply(choice, choice["logprobs"])
+
+
+def _prompt_part(scoring: PromptScoring, index: int, records, tokenizer: Tokenizer,
+                 fmt: LogprobFormatter | None) -> PromptPart:
+    """`scoring.part`, a mismatch with the gateway's records answered 502 (the gateway's fault)."""
+    try:
+        return scoring.part(index, records, tokenizer, fmt)
+    except ValueError as exc:
+        raise ApiError(502, f"prompt logprobs: {exc}", code="bad_gateway") from None
 
 
 async def _disconnected(request: Request) -> None:
@@ -250,11 +283,14 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 async def _events(stream: AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]],
                   first: tuple[int, gateway_pb2.GenerateResponse], shape: Shape, body, js: dict[int, int],
-                  fmts: dict[int, LogprobFormatter] | None = None) -> AsyncIterator[bytes]:
+                  fmts: dict[int, LogprobFormatter] | None = None,
+                  echo: Callable[[int, list], PromptPart] | None = None) -> AsyncIterator[bytes]:
     """The SSE events of a request's choices, as their messages arrive: per choice (chat: a
-    role chunk first), a chunk per gateway message with new text (or, with `return_token_ids`
-    or logprobs asked for, new ids), its finish chunk; then (`include_usage`) the usage chunk
-    over every choice (js: choice index -> which of its prompt's n it is), then [DONE]."""
+    role chunk first; completions with `echo`: a chunk of its prompt part, from the prompt
+    records of its first message), a chunk per gateway message with new text (or, with
+    `return_token_ids` or logprobs asked for, new ids), its finish chunk; then
+    (`include_usage`) the usage chunk over every choice (js: choice index -> which of its
+    prompt's n it is), then [DONE]."""
     include_usage, token_ids = body.include_usage, body.return_token_ids
     started: set[int] = set()
     finals: list[tuple[int, gateway_pb2.GenerateResponse]] = []
@@ -265,6 +301,15 @@ async def _events(stream: AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]
             if shape.chat and index not in started:
                 started.add(index)
                 yield sse(shape.chunk("", first=True, with_usage_field=include_usage, index=index))
+            if echo is not None and index not in started:
+                started.add(index)
+                try:
+                    part = echo(index, list(message.prompt_logprobs))
+                except ValueError as exc:
+                    raise ApiError(502, f"prompt logprobs: {exc}", code="bad_gateway") from None
+                chunk = shape.chunk("", with_usage_field=include_usage, index=index)
+                part.apply(chunk["choices"][0], None)
+                yield sse(chunk)
             fmt = fmts[index] if fmts is not None else None
             if message.finished:
                 finals.append((js[index], message))

@@ -15,7 +15,14 @@ gateway's). `seed` is a signed 64-bit integer, as in OpenAI's and vLLM's APIs; a
 samples as s + 2**63 (`internal_seed`). `top_k` -1 means off, as 0 does (vLLM's spelling).
 Logprobs: completions' integer `logprobs` (0..20 alternatives), chat's
 `logprobs` + `top_logprobs`; they are the target model's raw logprobs. A bad value is a 400
-naming the field, with `dsv4.sampling.SamplingParams`' own message.
+naming the field, with `dsv4.sampling.SamplingParams`' own message. Prompt scoring
+(completions only, `services.http.echo`): `echo` returns the prompt before the completion,
+with its tokens' logprobs when `logprobs` is set; vLLM's `prompt_logprobs` (0..20) returns
+vLLM's per-prompt-token list; with either, `max_tokens` may be 0 (score the prompt only).
+
+Logits controls (docs/sampling.md): OpenAI's `logit_bias`, `presence_penalty` and
+`frequency_penalty`, vLLM's `repetition_penalty`, `min_tokens` and `bad_words`; each applied
+exactly, under speculation too. Logprobs stay the raw ones (vLLM's default).
 
 Extensions beyond OpenAI (vLLM spells the last three the same way): `spec` ("off", "always",
 "gated"; default: the gateway's), `ignore_eos`, `stop_token_ids`, and `return_token_ids`
@@ -32,11 +39,13 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from dspark_proto.v1 import common_pb2, gateway_pb2
-from dsv4.sampling import SamplingParams
+from dsv4.sampling import MAX_LOGPROBS, SamplingParams
+from services.common.controls import MAX_BAD_WORDS, LogitsControls
 from services.http.errors import invalid
 from services.http.unsupported import CHAT_ONLY, SHARED, first_unsupported
 from services.http.structured import constraint_message
 
+_CONTROL_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias")
 STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                      "structured_outputs")
 
@@ -109,8 +118,14 @@ class GenerationFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    # logits controls (docs/sampling.md); OpenAI's two penalties, logit_bias (token id as a
+    # decimal string -> bias), and vLLM's repetition_penalty, min_tokens and bad_words
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = Field(default=0, ge=0, le=INT32_MAX)
+    bad_words: list[Text] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     # extensions
     spec: Literal["off", "always", "gated"] | None = None
     ignore_eos: bool = False
@@ -127,7 +142,7 @@ class GenerationFields(BaseModel):
     # Fields OpenAI's API documents as "or null" whose type here is not Optional: null means
     # the default (clients built from that spec send `"logprobs": null` and the like).
     NULLABLE: ClassVar[frozenset[str]] = frozenset(
-        {"stream", "n", "presence_penalty", "frequency_penalty", "logprobs", "echo"})
+        {"stream", "n", "presence_penalty", "frequency_penalty", "logprobs", "echo", "min_tokens"})
 
     @model_validator(mode="before")
     @classmethod
@@ -144,9 +159,11 @@ class GenerationFields(BaseModel):
         Raises:
             ApiError: 400 naming the field: a sampling value `SamplingParams` refuses (NaN or
                 negative temperature, top_p outside (0, 1], top_k < -1, min_p outside [0, 1],
-                logprobs outside 0..20), a seed outside [-2**63, 2**63), a non-zero penalty,
-                more than MAX_STOP_STRINGS stop strings or one longer than MAX_STOP_CHARS, a
-                negative or too large stop token id, an `UNSUPPORTED` field set.
+                logprobs outside 0..20), a seed outside [-2**63, 2**63), a logits control
+                `LogitsControls` refuses (a bias or penalty out of range, NaN, a logit_bias key
+                that is no token id), more than MAX_STOP_STRINGS stop strings or one longer
+                than MAX_STOP_CHARS, a negative or too large stop token id, an `UNSUPPORTED`
+                field set.
         """
         if self.seed is not None and not -SEED_SPACE <= self.seed < SEED_SPACE:
             raise invalid("seed", f"seed={self.seed}: must lie in [-2**63, 2**63) (a signed 64-bit integer)")
@@ -161,13 +178,31 @@ class GenerationFields(BaseModel):
         if long is not None:
             raise invalid("stop", f"stop: a string of {len(long)} characters ({long[:20]!r}...); "
                                   f"at most {MAX_STOP_CHARS}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise invalid(name, f"{name}={getattr(self, name):g}: penalties are not supported (0)")
+        self.controls()
         bad = [t for t in self.stop_token_ids if not 0 <= t <= INT32_MAX]
         if bad:
             raise invalid("stop_token_ids", f"stop_token_ids: {bad[0]} is not a token id")
         self.constraint()
+
+    def controls(self) -> LogitsControls:
+        """The body's logits controls, checked by `LogitsControls` (bad_words stay text: the
+        gateway tokenizes them). Raises ApiError 400 naming the field (and the logit_bias key)."""
+        bias = []
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit() or int(key) > INT32_MAX:
+                raise invalid("logit_bias", f"logit_bias key {key!r}: must be a token id (a decimal integer)")
+            bias.append((int(key), value))
+        for name, value in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty),
+                            ("repetition_penalty", self.repetition_penalty), *(("logit_bias", v) for _, v in bias)]:
+            _check_float32(name, value)
+        if any(not w.strip() for w in self.bad_words or ()):
+            raise invalid("bad_words", "bad_words: an empty word; each must hold text")
+        try:
+            return LogitsControls(tuple(sorted(bias)), self.presence_penalty, self.frequency_penalty,
+                                  1.0 if self.repetition_penalty is None else self.repetition_penalty, self.min_tokens)
+        except ValueError as exc:  # LogitsControls' messages start with the field's name
+            message = str(exc)
+            raise invalid(next((f for f in _CONTROL_FIELDS if message.startswith(f)), "logit_bias"), message) from None
 
     def constraint(self) -> common_pb2.Constraint | None:
         """The body's output constraint on the wire (None: unconstrained). Raises ApiError 400
@@ -214,19 +249,26 @@ class GenerationFields(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def generate_request(self, request_id: str, max_tokens: int, prompt: str = "",
-                         prompt_ids: list[int] | None = None, logprobs: int = 0) -> gateway_pb2.GenerateRequest:
+                         prompt_ids: list[int] | None = None, logprobs: int = 0,
+                         prompt_logprobs: int | None = None) -> gateway_pb2.GenerateRequest:
         """The gRPC request of this body (checked by `check_common` first): `prompt` text or
         `prompt_ids` (int32 token ids); request_id: the response's id, which the gateway
-        carries on its spans and log lines; logprobs: top alternatives per token. The seed
-        is `internal_seed` (unset when the body has none: the gateway draws one)."""
+        carries on its spans and log lines; logprobs: top alternatives per token;
+        prompt_logprobs: top alternatives per prompt token (None: no prompt logprobs). The
+        seed is `internal_seed` (unset when the body has none: the gateway draws one)."""
         req = gateway_pb2.GenerateRequest(
             prompt=prompt, prompt_token_ids=prompt_ids or [], max_tokens=max_tokens,
             temperature=self.temperature or 0.0, top_p=self.top_p or 0.0, top_k=self.top_k_or_off,
             min_p=self.min_p or 0.0, logprobs=logprobs, sampling_rule=SAMPLING_RULES[self.sampling_rule],
             spec=SPEC_MODES[self.spec], stop=self.stops, stop_token_ids=self.stop_token_ids,
-            ignore_eos=self.ignore_eos, request_id=request_id)
+            ignore_eos=self.ignore_eos, request_id=request_id, prompt_logprobs=prompt_logprobs)
         if self.seed is not None:
             req.seed = self.internal_seed
+        c = self.controls()
+        req.presence_penalty, req.frequency_penalty = c.presence_penalty, c.frequency_penalty
+        req.repetition_penalty, req.min_tokens = c.repetition_penalty, c.min_tokens
+        req.logit_bias.update(dict(c.logit_bias))
+        req.bad_words.extend(self.bad_words or ())
         constraint = self.constraint()
         if constraint is not None:
             req.constraint.CopyFrom(constraint)
@@ -247,11 +289,16 @@ def _check_float32(name: str, value: float | None) -> None:
 class CompletionRequest(GenerationFields):
     """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of either (a
     batch: one choice per prompt, times `n`); `logprobs`: null or 0..20 alternatives per
-    token; `echo` false; `best_of` null or equal to `n`; `suffix` null."""
+    token; `echo`: return the prompt (and its logprobs) before the completion;
+    `prompt_logprobs` (vLLM's extension): null or 0..20 alternatives per prompt token;
+    `max_tokens` 0 only with echo or prompt_logprobs (the prompt is scored, nothing is
+    generated); `best_of` null or equal to `n`; `suffix` null."""
 
     prompt: Annotated[Union[str, list[int], list[str], list[list[int]]], AfterValidator(_unicode_texts)]
+    max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     logprobs: int | None = None
     echo: bool = False
+    prompt_logprobs: int | None = None
     best_of: int | None = None
     suffix: Text | None = None
 
@@ -260,13 +307,18 @@ class CompletionRequest(GenerationFields):
 
         Raises:
             ApiError: 400 naming the field: a bad sampling value (`check_common`), logprobs
-                outside 0..20, echo, best_of other than n (no ranking of candidates), a
-                suffix, no prompt or an empty one, more than MAX_CHOICES prompts x n, a token
-                id outside int32.
+                or prompt_logprobs outside 0..20, max_tokens 0 without echo or
+                prompt_logprobs, best_of other than n (no ranking of candidates), a suffix,
+                no prompt or an empty one, more than MAX_CHOICES prompts x n, a token id
+                outside int32.
         """
         self.check_common(self.top_alternatives)
-        if self.echo:
-            raise invalid("echo", "echo=true: not supported (false)")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise invalid("prompt_logprobs", f"prompt_logprobs={self.prompt_logprobs}: must lie in 0..{MAX_LOGPROBS} "
+                                             "(or null)")
+        if self.max_tokens == 0 and not (self.echo or self.prompt_logprobs is not None):
+            raise invalid("max_tokens", "max_tokens=0: must be >= 1, or 0 with echo=true or prompt_logprobs set "
+                                        "(score the prompt without generating)")
         if self.best_of not in (None, self.n):
             raise invalid("best_of", f"best_of={self.best_of}: candidates are not ranked here; "
                                      f"best_of must be null or equal n={self.n}")

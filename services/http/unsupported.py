@@ -3,7 +3,8 @@
 Owns the one table of such fields and their neutral values (the value that changes nothing,
 which passes). A request that sets any of them to anything else is refused with a 400 naming
 the field, never served as if the field were absent: a client that bans a token with
-`logit_bias` must not get that token back silently. Fields the server honours, and fields
+`logit_bias` must not get that token back silently (logit_bias and the penalties are honoured
+now; docs/sampling.md). Fields the server honours, and fields
 that change nothing about the tokens (`user`, `metadata`, `store`, `service_tier`,
 `parallel_tool_calls` without tools, ...), are not listed; they are declared on the request
 models or ignored as unknown.
@@ -27,21 +28,9 @@ def _falsy(value: Any) -> bool:
     return value is None or value is False or value == [] or value == {}
 
 
-def _zero_bias(value: Any) -> bool:
-    """An absent or empty logit_bias, or one whose every bias is 0."""
-    return value is None or (isinstance(value, dict) and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0 for v in value.values()))
-
-
 def _is(neutral: bool) -> Callable[[Any], bool]:
     """Absent, or exactly the boolean `neutral`."""
     return lambda value: value is None or value is neutral
-
-
-def _number(neutral: float) -> Callable[[Any], bool]:
-    """Absent, or a number (not a boolean) equal to `neutral`."""
-    return lambda value: value is None or (
-        isinstance(value, (int, float)) and not isinstance(value, bool) and value == neutral)
 
 
 def _no_tool_choice(value: Any) -> bool:
@@ -53,15 +42,10 @@ def _text_modalities(value: Any) -> bool:
 
 
 # field -> (is the value neutral?, what the neutral value is, for the message, whether only chat
-# takes it). The penalties and logit_bias are sampling controls the verifier does not apply
-# yet; the tool fields constrain the output (structured output is services.http.structured's);
+# takes it). The tool fields constrain the output (structured output is services.http.structured's);
 # the chat-template fields would render another prompt.
 _FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
-    "logit_bias": (_zero_bias, "{} or only zero biases", False),
-    "repetition_penalty": (_number(1), "1", False),
-    "min_tokens": (_number(0), "0", False),
-    "bad_words": (_falsy, "[]", False),
-    **dict.fromkeys(("allowed_token_ids", "prompt_logprobs", "logits_processors", "truncate_prompt_tokens",
+    **dict.fromkeys(("allowed_token_ids", "logits_processors", "truncate_prompt_tokens",
                      "reasoning_effort", "verbosity", "web_search_options"), (_none, "null", False)),
     **dict.fromkeys(("use_beam_search", "include_stop_str_in_output", "return_tokens_as_token_ids"),
                     (_is(False), "false", False)),
@@ -70,7 +54,9 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     **dict.fromkeys(("tools", "functions", "chat_template_kwargs"), (_falsy, "null, [] or {}", True)),
     **dict.fromkeys(("tool_choice", "function_call"), (_no_tool_choice, '"none" or "auto" (no tools)', True)),
     **dict.fromkeys(("chat_template", "documents", "audio"), (_none, "null (the model's own)", True)),
-    **dict.fromkeys(("continue_final_message", "add_special_tokens"), (_is(False), "false", True)),
+    **dict.fromkeys(("continue_final_message", "add_special_tokens", "echo"), (_is(False), "false", True)),
+    # prompt scoring is /v1/completions' (services.http.echo); chat would score the rendered template
+    "prompt_logprobs": (_none, "null (score prompts on /v1/completions)", True),
     "add_generation_prompt": (_is(True), "true", True),
     "modalities": (_text_modalities, '["text"]', True),
 }

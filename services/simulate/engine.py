@@ -13,7 +13,9 @@ min(recorded accepted, k)). docs/simulate.md §3 states the protocol step by ste
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 from services.analysis.serving_stats import GenerationTrace
@@ -70,7 +72,8 @@ class RunConfig:
 @dataclass
 class StreamSpec:
     """One generation to run: its stream, arrival (virtual ms), prompt and output lengths
-    (tokens), its workload's recorded drafted rounds and where it starts reading them."""
+    (tokens), its workload's recorded rounds (drafted or not, in recorded order) and the
+    drafted round it starts reading at."""
 
     stream: int
     arrival_ms: float
@@ -79,6 +82,39 @@ class StreamSpec:
     rounds: list[Round]
     offset: int
     then: StreamSpec | None = None  # the stream's next generation (closed loop), sent when this one ends
+
+
+class RecordedText:
+    """A recording's rounds laid out along the text they committed, so a generation reads the
+    round at its own text position however it moved there.
+
+    Recorded round i starts at text position starts[i] = sum over j < i of (accepted_j + 1)
+    (a round that did not draft committed one token) and the recording is `length` tokens long
+    (it wraps). `at(t)` is the first drafted round starting at or after position t (mod
+    length): a generation that emitted plain tokens, or accepted fewer drafts than the
+    recording did, moves on through the text as the real one would, instead of meeting the
+    round it skipped again at its next draft.
+
+    Raises:
+        ValueError: a recording without a drafted round (one with confidence_logits).
+    """
+
+    def __init__(self, rounds: list[Round]):
+        starts = list(itertools.accumulate((r.accepted + 1 for r in rounds), initial=0))
+        self.length = starts.pop()
+        self.drafted = [r for r in rounds if r.confidence_logits]
+        if not self.drafted:
+            raise ValueError(f"a recording of {len(rounds)} rounds without a drafted one: nothing to replay")
+        self.starts = [t for t, r in zip(starts, rounds) if r.confidence_logits]
+
+    def at(self, position: int) -> Round:
+        """The drafted round a draft from text position `position` (tokens, >= 0) replays."""
+        i = bisect.bisect_left(self.starts, position % self.length)
+        return self.drafted[i % len(self.drafted)]
+
+    def start(self, offset: int) -> int:
+        """The text position of drafted round `offset` (mod their number)."""
+        return self.starts[offset % len(self.starts)]
 
 
 class Gateway:
@@ -110,6 +146,14 @@ class Gateway:
         self.traces: dict[int, list[GenerationTrace]] = {}  # per stream, its generations in order
         self.drafted_rounds = self.rounds = self.submitted = 0
         self.decisions: dict[int, list[tuple[str, int, int]]] = {}  # per stream: (reason, k, accepted) per round
+        self._texts: dict[int, RecordedText] = {}  # by id of a workload's rounds list
+
+    def recorded_text(self, rounds: list[Round]) -> RecordedText:
+        """The `RecordedText` of a workload's rounds (built once per list)."""
+        text = self._texts.get(id(rounds))
+        if text is None:
+            text = self._texts[id(rounds)] = RecordedText(rounds)
+        return text
 
     def _verifier_ms(self, step) -> float:
         rows = sum(step.chunk(r) if r.op == "prefill" else r.rows for r in step.requests)
@@ -183,7 +227,8 @@ class _Generation:
         self.sid = -1
         self.emitted = 0
         self.pos = spec.prompt
-        self.cursor = spec.offset
+        self.text = gw.recorded_text(spec.rounds)
+        self.text_pos = self.text.start(spec.offset)  # where this generation is in the recording
         self.deferred = False  # committed rows held back for the next draft
         self.margin: float | None = None
         self.decisions = gw.decisions.setdefault(spec.stream, [])
@@ -216,14 +261,13 @@ class _Generation:
 
     # ------------------------------------------------------------------ rounds
     def _round(self) -> None:
-        # The next recorded drafted round: its anchor margin decides before the draft, and
-        # only a round that drafts uses it up (its confidences and matches are the draft's).
-        rec = self.spec.rounds[self.cursor % len(self.spec.rounds)]
+        # The recorded round at this generation's text position: its anchor margin decides
+        # before the draft, its confidences and matches are the draft's.
+        rec = self.text.at(self.text_pos)
         self.margin = rec.anchor_margin
         reason = self._plan()
         if reason is not None:
             return self._submit(rec, reason, None, 0)
-        self.cursor += 1
         if self.deferred:  # the link's flush: the held rows go before the draft
             self.deferred = False
             return self._drafter(Request(self.sid, "commit", reply=lambda rows: self._draft(rec)))
@@ -264,6 +308,7 @@ class _Generation:
         gw.inside -= 1
         self.policy.observe(conf, k, accepted, rows, k + 1 if k else 1, gw.rate.tokens_per_ms())
         self.pos += accepted + 1
+        self.text_pos += accepted + 1
         if gw.regime is not None:
             gw.regime.record(max(gw.in_flight, 1), accepted + 1, gw.clock.now / 1e3, self.policy.spec == "gated")
         self._emit(accepted + 1)

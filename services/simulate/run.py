@@ -86,13 +86,16 @@ class Load:
 
 
 def workloads(logs: list[RoundLog], only: str | None = None) -> dict[str, list[Round]]:
-    """The drafted rounds (those with confidences) of each workload of `logs`, in file order;
-    `only`: just that workload. Raises ValueError when nothing is left to replay."""
+    """The rounds of each workload of `logs` that holds a drafted round (one with
+    confidences), in file order, the rounds that did not draft included (each moved the text
+    on by one token); `only`: just that workload. Raises ValueError when nothing is left to
+    replay."""
     out: dict[str, list[Round]] = {}
     for log in logs:
         for r in log.rounds:
-            if r.confidence_logits and (only is None or r.workload == only):
+            if only is None or r.workload == only:
                 out.setdefault(r.workload, []).append(r)
+    out = {name: rounds for name, rounds in out.items() if any(r.confidence_logits for r in rounds)}
     if not out:
         what = f"workload {only!r}" if only is not None else "the rounds file(s)"
         raise ValueError(f"{what}: no drafted round (with confidence_logits) to replay")
@@ -109,7 +112,8 @@ def stream_specs(load: Load, groups: dict[str, list[Round]], prompt: Lengths, ou
 
     def spec(stream: int, arrival: float) -> StreamSpec:
         rounds = groups[names[int(rng.integers(len(names)))]]
-        return StreamSpec(stream, arrival, prompt.draw(rng), output.draw(rng), rounds, int(rng.integers(len(rounds))))
+        drafted = sum(1 for r in rounds if r.confidence_logits)
+        return StreamSpec(stream, arrival, prompt.draw(rng), output.draw(rng), rounds, int(rng.integers(drafted)))
 
     if load.rate is not None:
         gaps = rng.exponential(1e3 / load.rate, load.requests)

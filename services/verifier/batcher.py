@@ -174,11 +174,13 @@ class StepLoop(StepQueue):
 
     # ------------------------------------------------------------------ a caller that waits
     def prefill(self, sid: int, token_ids, sampling: SamplingParams = GREEDY,
-                timeout_s: float | None = None) -> StepResult:
-        """Admit a prefill (`VerifierEngine.admit_prefill`), run it in the next steps and wait
-        up to `timeout_s` (s; None: no limit) for its result. Raises what admission or the
-        step raises, TimeoutError past the deadline."""
-        return self.submit(self.engine.admit_prefill(sid, token_ids, sampling)).result(timeout_s)
+                timeout_s: float | None = None, controls=None, prompt_logprobs: int | None = None) -> StepResult:
+        """Admit a prefill (`VerifierEngine.admit_prefill`, with the session's logits
+        `controls` or None, and the prompt logprobs it asks for), run it in the next steps and
+        wait up to `timeout_s` (s; None: no limit) for its result. Raises what admission or
+        the step raises, TimeoutError past the deadline."""
+        record = self.engine.admit_prefill(sid, token_ids, sampling, None, controls, prompt_logprobs)
+        return self.submit(record).result(timeout_s)
 
     def decode(self, sid: int, token_id: int, position: int, timeout_s: float | None = None) -> StepResult:
         """As `prefill`, for `VerifierEngine.admit_decode`."""
@@ -302,9 +304,10 @@ class StepVerifier:
     def __getattr__(self, name: str):
         return getattr(self.engine, name)
 
-    def prefill(self, sid: int, token_ids, sampling: SamplingParams = GREEDY) -> StepResult:
+    def prefill(self, sid: int, token_ids, sampling: SamplingParams = GREEDY,
+                prompt_logprobs: int | None = None) -> StepResult:
         """`StepLoop.prefill` with this object's deadline."""
-        return self.steps.prefill(sid, token_ids, sampling, self.timeout_s)
+        return self.steps.prefill(sid, token_ids, sampling, self.timeout_s, prompt_logprobs)
 
     def decode(self, sid: int, token_id: int, position: int) -> StepResult:
         """`StepLoop.decode` with this object's deadline."""

@@ -85,11 +85,12 @@ from services.verifier.choice import check_draft_probs
 from services.verifier.committed import CommittedRows, CommittedTail
 from services.verifier.work import SessionRecord, StepResult, VerifyResult, abandon, absorb, top2_margin
 
-from dsv4.sampling import GREEDY, SamplingParams
+from dsv4.sampling import GREEDY, MAX_LOGPROBS, SamplingParams
 from dsv4.scalars import as_int
 from dsv4.trunk import EXACT_ROWS, Trunk
 from services.common.constraint import Constraint, GrammarVocab, resolve_vocab
 from services.common.grammar import GrammarState
+from services.common.controls import LogitsControls, control_state
 
 __all__ = ["SessionLimitError", "UnknownSessionError", "SessionRecord", "StepResult", "VerifyResult",
            "VerifierEngine", "abandon", "absorb", "per_session_bytes", "top2_margin"]
@@ -216,22 +217,36 @@ class VerifierEngine(SessionHost[SessionRecord]):
 
     # ------------------------------------------------------------------ admission
     def admit_prefill(self, sid: int, token_ids: list[int] | torch.Tensor,
-                      sampling: SamplingParams = GREEDY, constraint: Constraint | None = None) -> SessionRecord:
+                      sampling: SamplingParams = GREEDY, constraint: Constraint | None = None,
+                      controls: LogitsControls | None = None,
+                      prompt_logprobs: int | None = None) -> SessionRecord:
         """Admit the prompt x[0..n-1] (positions 0..n-1) of `sid`: validate it and make it the
         session's request in flight (`SessionRecord.begin`); returns the record, for
         `StepLoop.submit`. Its result is the first anchor x[n], chosen with `sampling`, which the
         session keeps for every later token. `constraint`: the session's output constraint
         (docs/structured.md), compiled here: every token the session chooses from then on is
-        chosen among the tokens its grammar allows.
+        chosen among the tokens its grammar allows. `controls`: its logits controls
+        (logit_bias, penalties, min_tokens, bad_words; docs/sampling.md), applied to every row
+        it chooses a token from, after the tokens it committed before that row.
+        `prompt_logprobs`: None, or the top alternatives (0..MAX_LOGPROBS) of the prompt
+        logprobs the result then carries: the raw logprob of every prompt token after the
+        first, from the logits of the position before it (docs/sampling.md §5); the head then
+        runs over every prompt row.
 
         Raises:
             ValueError: empty prompt, non-integer ids, ids out of range, prompt longer than
                 max_seq_len, session already prefilled, sampling not a SamplingParams, a
                 request of `sid` already in flight, a constraint that does not compile
-                (`ConstraintError`); the session is unchanged then.
+                (`ConstraintError`), controls not a LogitsControls or naming a token id outside
+                the vocabulary, prompt_logprobs not an integer in 0..MAX_LOGPROBS (named); the
+                session is unchanged then.
             UnknownSessionError: `sid` not open.
         """
         s = self._get(sid)
+        if controls is not None and not isinstance(controls, LogitsControls):
+            raise ValueError(f"controls must be a services.common.controls.LogitsControls, got {type(controls).__name__}")
+        if controls is not None:
+            controls.check_vocab(self.cfg.vocab_size)
         if not isinstance(sampling, SamplingParams):
             raise ValueError(f"sampling must be a dsv4.sampling.SamplingParams, got {type(sampling).__name__}")
         if s.prefilled:
@@ -242,12 +257,16 @@ class VerifierEngine(SessionHost[SessionRecord]):
         if len(ids) > self.cfg.max_seq_len:
             raise ValueError(f"prompt length {len(ids)} exceeds max_seq_len={self.cfg.max_seq_len}")
         self._check_range(ids)
+        if prompt_logprobs is not None:
+            prompt_logprobs = as_int("prompt_logprobs", prompt_logprobs)
+            if not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"prompt_logprobs={prompt_logprobs}: must lie in 0..{MAX_LOGPROBS}")
         grammar = None
         if constraint is not None:
             grammar = GrammarState(self.vocab.compile(constraint), self.cfg.vocab_size, self.cfg.eos_token_id)
-        s.begin("prefill", ids, 0, keep=self.keep_rows)
+        s.begin("prefill", ids, 0, keep=self.keep_rows, prompt_logprobs=prompt_logprobs)
         s.sampling = sampling  # fixed once the prefill completes (`prefilled`)
-        s.grammar = grammar
+        s.controls = control_state(controls, self.cfg.vocab_size, ids, grammar)
         return s
 
     def admit_decode(self, sid: int, token_id: int, position: int) -> SessionRecord:

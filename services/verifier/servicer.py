@@ -20,6 +20,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from dspark_proto.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from services.common.constraint_wire import constraint_from_proto
+from services.common.controls_wire import controls_from_proto
 from services.common.sampling_wire import logprob_to_proto, params_from_proto
 from services.common.session_stream import SessionStreamServicer
 from services.common.telemetry import message_span
@@ -103,8 +104,11 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
                 if p.HasField("sampling"):
                     sampling = params_from_proto(p.sampling, field="prefill.sampling")
                 constraint = constraint_from_proto(p.constraint, field="prefill.constraint")
-                res = await self._run("prefill", sid, ids, sampling, constraint)
+                controls = controls_from_proto(p.controls, "prefill.controls") if p.HasField("controls") else None
+                scored = p.prompt_logprobs if p.HasField("prompt_logprobs") else None
+                res = await self._run("prefill", sid, ids, sampling, constraint, controls, scored)
                 response, rows = self._step_response(res), len(ids)
+                response.prompt_logprobs.extend(logprob_to_proto(r) for r in res.prompt_logprobs)
             elif op == "decode":
                 d = request.decode
                 res = await self._run("decode", sid, d.token_id, d.position)

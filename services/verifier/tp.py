@@ -49,7 +49,7 @@ import torch
 
 from dsv4 import tp as dtp
 from dsv4.batch import BatchItem
-from dsv4.checkpoint import load_trunk_weights, read_config
+from dsv4.checkpoint import read_config, stream_trunk_weights
 from dsv4.config import ModelConfig
 from dsv4.trunk import BlockOutput, ForwardOutput, Trunk, TrunkState
 from services.verifier.tp_start import (ENV_CALL_TIMEOUT, ENV_INIT_TIMEOUT, TPSettings, TPWorkerError, Worker,
@@ -357,7 +357,8 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
     Args:
         cfg: model config; None reads it from the checkpoint folder `weights`.
         weights: logical weights (name -> tensor, `trunk_params` names) or a checkpoint folder
-            that every rank reads itself.
+            that every rank streams itself, straight onto its device, one decoded tensor at a
+            time cut to its shard (`tp_worker.build_rank`): no rank holds the whole model.
         tp: ranks; 1 returns a loaded plain `Trunk` (no processes, no torch.distributed).
         device: "cpu" (gloo) or "cuda" (NCCL, rank r on cuda:r).
         settings: timeouts; default `TPSettings()`.
@@ -385,7 +386,10 @@ def start_tp_trunk(cfg: ModelConfig | None, weights: Mapping[str, torch.Tensor] 
         cfg = read_config(weights)
     if tp == 1:
         model = Trunk(cfg, dtype, quant_sim, deterministic_reduce, device=device, kernels=kernels)
-        model.load_weights(load_trunk_weights(weights, cfg, dtype)[1] if isinstance(weights, str) else weights)
+        if isinstance(weights, str):  # one decoded tensor at a time, onto the device: no host copy
+            model.load_streamed(stream_trunk_weights(weights, cfg, dtype, device=model.embed.weight.device)[1])
+        else:
+            model.load_weights(weights)
         return model
     if device == "cuda" and torch.cuda.device_count() < tp:
         raise ValueError(f"tp={tp} needs {tp} CUDA devices, found {torch.cuda.device_count()}")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from dsv4 import tp as dtp
-from dsv4.checkpoint import load_trunk_weights
+from dsv4.checkpoint import stream_trunk_weights
 from dsv4.config import ModelConfig
 from dsv4.batch import BatchItem
 from dsv4.trunk import BlockOutput, Trunk, TrunkState
@@ -88,13 +88,21 @@ class RankSpec:
 
 
 def build_rank(spec: RankSpec, comm: dtp.Collectives) -> Trunk:
-    """Load (a checkpoint path is read by every rank itself) and shard this rank's trunk.
+    """Load and shard this rank's trunk on `spec.device(rank)`.
 
+    A checkpoint path is streamed by every rank itself, straight onto its device, one decoded
+    tensor at a time (`stream_trunk_weights`, decoded to `spec.dtype`), each cut to the rank's
+    part and copied in (`dtp.build_rank_trunk`); other ranks' experts are never read. So a
+    rank's peak is its shard plus one decoded tensor, on its device: no host copy of the model.
     Raises whatever loading raises (a missing or mismatched checkpoint: ValueError / OSError).
     """
     weights = spec.weights
     if isinstance(weights, str):
-        _, weights = load_trunk_weights(weights, spec.cfg, dtype=spec.dtype)
+        def mine(name: str) -> bool:  # not another rank's expert
+            return dtp.shard_name(spec.cfg, spec.plan, comm.rank, name) is not None
+
+        _, weights = stream_trunk_weights(weights, spec.cfg, dtype=spec.dtype, device=spec.device(comm.rank),
+                                          select=mine)
     from services.verifier.topk_diag import maybe_wrap  # DSPARK_TOPK_DIAG: one dump file per rank
     return maybe_wrap(dtp.build_rank_trunk(spec.cfg, weights, comm, spec.plan, spec.dtype, spec.quant_sim,
                                            spec.deterministic_reduce, spec.device(comm.rank), spec.kernels),

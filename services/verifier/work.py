@@ -27,7 +27,7 @@ import torch
 
 from services.verifier.choice import choose, judge
 from services.verifier.committed import CommittedRows
-from services.common.grammar import GrammarState
+from services.common.controls import ControlState
 
 from dsv4.batch import BatchItem
 from dsv4.sampling import GREEDY, SamplingParams, TokenLogprob, token_logprobs
@@ -46,6 +46,8 @@ class StepResult:
     forward_ms: wall time of the model forward (ms).
     logprobs: one record, next_token's (raw target logprob and the session's top-N).
     step_rows: rows (tokens) of the step-loop batch step that completed it; 0 outside one.
+    prompt_logprobs: a prefill that asked for them: n - 1 records, those of prompt tokens
+        x[1..n-1], each from the raw logits of the position before it (empty otherwise).
     """
 
     next_token: int
@@ -55,6 +57,7 @@ class StepResult:
     forward_ms: float
     logprobs: tuple[TokenLogprob, ...] = ()
     step_rows: int = 0
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,13 @@ class SessionRecord:
     fed in chunks counts its prompt positions forwarded in `done` and keeps the tap rows
     [<= keep, T*D] fp32 of the last `keep` of them in `rows`. forward_ms: wall time of the
     forwards it took part in so far (ms).
-    grammar: the session's output constraint's matcher over its committed tokens (None:
-    unconstrained); every row is scored over the tokens it allows (docs/structured.md).
+    controls: the session's logits controls and output constraint over its committed tokens
+    (`services.common.controls.ControlState`; None: neither): every row a token is chosen
+    from, and every draft judged by, is the row they transform (docs/sampling.md,
+    docs/structured.md).
+    prompt_logprobs: a prefill's top alternatives per prompt token (0..MAX_LOGPROBS), None
+    when it asked for no prompt logprobs; prompt_records the records of the prompt tokens
+    scored so far (one per prompt token after the first, in order).
     """
 
     sid: int
@@ -125,10 +133,13 @@ class SessionRecord:
     rows: list[torch.Tensor] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     forward_ms: float = 0.0
-    grammar: GrammarState | None = None
+    controls: ControlState | None = None
+    prompt_logprobs: int | None = None
+    prompt_records: list[TokenLogprob] = field(default_factory=list)
 
     def begin(self, op: str, ids: list[int], position: int, mode: str = "batched",
-              draft_probs: torch.Tensor | None = None, keep: int = 0) -> "SessionRecord":
+              draft_probs: torch.Tensor | None = None, keep: int = 0,
+              prompt_logprobs: int | None = None) -> "SessionRecord":
         """Make the admitted request the one in flight; returns self.
 
         Raises:
@@ -139,11 +150,13 @@ class SessionRecord:
         self.op, self.ids, self.position, self.mode = op, ids, position, mode
         self.draft_probs, self.keep, self.future = draft_probs, keep, Future()
         self.done, self.rows, self.logprobs, self.forward_ms = 0, [], [], 0.0
+        self.prompt_logprobs, self.prompt_records = prompt_logprobs, []
         return self
 
     def end(self) -> None:
         """The request left the step loop (answered or failed): the session may send again."""
         self.op, self.ids, self.draft_probs, self.future, self.rows, self.logprobs = None, [], None, None, [], []
+        self.prompt_logprobs, self.prompt_records = None, []
 
     @property
     def stepwise(self) -> bool:
@@ -158,9 +171,11 @@ class SessionRecord:
     def item(self, chunk: int) -> BatchItem:
         """The forward input of this step: the decode, the next position of a stepwise verify,
         the whole verify block, or the next `chunk` prompt tokens (from position `done`, with
-        the tap rows the prefill can still return)."""
+        the tap rows the prefill can still return, and the logits of every row when it asked
+        for prompt logprobs)."""
         if self.op == "prefill":
-            return BatchItem.prefill_chunk(self.state, self.ids[self.done:self.done + chunk], self.done, self.keep)
+            return BatchItem.prefill_chunk(self.state, self.ids[self.done:self.done + chunk], self.done, self.keep,
+                                           all_logits=self.prompt_logprobs is not None)
         if self.op == "decode":
             return BatchItem.decode(self.state, self.ids[0], self.position)
         if self.stepwise:
@@ -233,25 +248,31 @@ def _judge_row(s: SessionRecord, row: torch.Tensor, i: int) -> int | None:
 
 
 def _allowed(s: SessionRecord, row: torch.Tensor) -> torch.Tensor:
-    """The logits row [V] a token is chosen from: under a constraint, a copy with the tokens
-    the grammar forbids after the committed tokens at -inf (on the row's device). A drafted
-    token it forbids can then never be the target's choice: a mismatch at that position. The
-    raw row still gives the logprobs and the margin."""
-    return row if s.grammar is None else s.grammar.mask(row)
+    """The logits row [V] a token is chosen from (and a draft judged by): the session's
+    controls applied on the row's device after the tokens committed so far, which in a
+    verify block include the rows before this one (`services.common.controls`): logit_bias,
+    penalties, min_tokens and bad_words, then the grammar mask. A drafted token the grammar
+    forbids can then never be the target's choice: a mismatch at that position. The raw row
+    still gives the logprobs (vLLM's default, raw) and the gate's margin."""
+    return row if s.controls is None else s.controls.apply(row)
 
 
 def _commit_token(s: SessionRecord, token: int) -> None:
-    """Advance the session's matcher past a token it commits (the only place it advances:
-    a rejected draft is never accepted into it)."""
-    if s.grammar is not None:
-        s.grammar.accept(token)
+    """Advance the session's controls past a token it commits (the only place they advance:
+    a rejected draft is never counted)."""
+    if s.controls is not None:
+        s.controls.accept(token)
 
 
 def _absorb_chunk(s: SessionRecord, out) -> StepResult | None:
     """Take one prefill chunk's ForwardOutput (logits [V] fp32 of its last position, taps
-    [<= keep, T*D] fp32 of its last positions) into `s`; once the chunk that ends the prompt
-    is in, commit the prefill (the one place a prefill completes) and return its result: the
-    next token and margin of position n-1 and the tap rows of the last min(n, keep)."""
+    [<= keep, T*D] fp32 of its last positions, prompt_logits [S, V] fp32 when the prefill
+    asked for prompt logprobs) into `s`; once the chunk that ends the prompt is in, commit
+    the prefill (the one place a prefill completes) and return its result: the next token
+    and margin of position n-1, the tap rows of the last min(n, keep) and the prompt
+    tokens' logprob records."""
+    if out.prompt_logits is not None:
+        _score_prompt(s, s.done, out.prompt_logits)
     s.done = s.state.next_position  # a prompt starts at 0: positions forwarded so far
     tail = torch.cat([*s.rows, out.taps])[-s.keep:] if s.keep else out.taps[:0]
     s.rows = [tail]  # only the rows the result can still return are held
@@ -261,10 +282,22 @@ def _absorb_chunk(s: SessionRecord, out) -> StepResult | None:
     token = choose(_allowed(s, out.logits), s.sampling, n)
     _commit_token(s, token)
     result = StepResult(token, top2_margin(out.logits)[1], tail, range(n - tail.shape[0], n), s.forward_ms,
-                        tuple(token_logprobs(out.logits.reshape(1, -1), [token], s.sampling.logprobs)))
+                        tuple(token_logprobs(out.logits.reshape(1, -1), [token], s.sampling.logprobs)),
+                        prompt_logprobs=tuple(s.prompt_records))
     s.committed.add(result.rows, result.positions, token, result.margin)
     s.prefilled = True  # only once the whole prompt is in
     return result
+
+
+def _score_prompt(s: SessionRecord, start: int, logits: torch.Tensor) -> None:
+    """Record the logprobs of the prompt tokens a chunk's rows predict: logits [S, V] fp32 of
+    positions start..start+S-1 give the raw logprob (and top s.prompt_logprobs alternatives)
+    of x[start+1..start+S], those inside the prompt (the last position's row predicts the
+    first generated token instead). Each row on its own (`token_logprobs`), so a record is the
+    one a decode at that position would give for that token whenever their logits agree."""
+    targets = s.ids[start + 1:start + 1 + logits.shape[0]]
+    if targets:
+        s.prompt_records += token_logprobs(logits[:len(targets)], targets, s.prompt_logprobs, ranks=True)
 
 
 def abandon(s: SessionRecord) -> None:

@@ -1,0 +1,180 @@
+"""Validate `dspark simulate` against the real services: `python -m bench.validate_simulate`.
+
+Owns the comparison docs/simulate.md §5 reports: the simulator at a measured CPU shape with
+`--shared-compute` against `bench_serving` on the same box, for the same arms, concurrencies,
+prompts and lengths. It prints one side-by-side table (and writes `--json`); it asserts
+nothing, as every benchmark here.
+
+Three stages, each a child process of its own (the services' own command lines):
+
+1. **Shape** (`--shape FILE`, measured unless the file exists): `bench.sim_cpu_shape` on the
+   checkpoint, one torch thread, as the services run here.
+2. **Rounds**: `bench_serving --arms k5 --streams 1 --per-stream 4 --repeats 1 --warmup 0
+   --record-rounds FILE`: what bench_serving's own four prompts draft and accept, each round
+   labelled with its prompt's workload (the start-up warm-up generations, labelled `warmup`,
+   are dropped).
+3. **Bench**: `bench_serving --numerics fast --arms ... --streams ... --repeats R
+   --fresh-gateway --warmup 0 --json`, the real figures (medians over R interleaved
+   repetitions). The gateway restarts before every gated cell, so the gated arm starts cold
+   in every cell, as the simulator runs it (a long-lived gateway carries its regime and warm
+   start from cell to cell, which the simulator's cells do not model).
+
+Then `dspark simulate --costs SHAPE --shared-compute --rounds FILE` runs the same cells: the
+same closed loop (each stream runs `--per-stream` generations back to back), a prompt length
+drawn over the four prompts' token lengths, `--max-tokens` tokens out, the bench's session
+limit and rpc cost from the shape. The table gives, per arm and concurrency, aggregate tok/s
+and verifier sessions per step, real (median [min-max]) and simulated, and their ratio.
+
+    python -m bench.validate_simulate [--port-base 50400] [--repeats 3] [--streams 1 4 16]
+        [--arms plain k5 gated] [--workdir DIR] [--json FILE] [--nice N]
+
+`--nice N` runs the bench children at that niceness (negative needs root): on a machine
+shared with other work it keeps the measured services from being starved.
+`--workdir` keeps every stage's output; a stage whose output is already there is not run
+again (delete the file to re-measure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.bench_serving import WORKLOADS
+from services.gateway.rounds import RoundLog, load_rounds, save_rounds
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+STAGE_TIMEOUT_S = 3600.0
+
+
+def _run(cmd: list[str], nice: int, out: Path | None = None) -> None:
+    """Run a stage as a child at niceness `nice`, stdout to `out` (or the terminal).
+    Raises RuntimeError naming the command when it fails."""
+    full = (["nice", "-n", str(nice)] if nice else []) + [sys.executable, "-m", *cmd]
+    print("$", " ".join(full), flush=True)
+    with open(out, "w") if out else open(os.devnull, "w") as sink:
+        rc = subprocess.run(full, cwd=REPO_ROOT, stdout=sink if out else None, timeout=STAGE_TIMEOUT_S).returncode
+    if rc != 0:
+        raise RuntimeError(f"stage failed with status {rc}: {' '.join(full)}")
+
+
+def prompt_lengths(checkpoint: str) -> tuple[int, int]:
+    """(shortest, longest) token length of bench_serving's four prompts under the checkpoint's
+    tokenizer (the simulator draws a prompt length uniformly between them)."""
+    from services.gateway.tokenizer import HFTokenizer
+    tok = HFTokenizer(Path(checkpoint) / "tokenizer.json")
+    lengths = [len(tok.encode(text)) for text in WORKLOADS.values()]
+    return min(lengths), max(lengths)
+
+
+def stage_rounds(args, work: Path) -> Path:
+    """Stage 2: the k5 rounds of bench_serving's prompts, warm-up dropped."""
+    kept = work / "rounds.json"
+    if kept.exists():
+        return kept
+    raw = work / "rounds-raw.json"
+    _run(["bench.bench_serving", "--numerics", "fast", "--arms", "k5", "--streams", "1", "--per-stream", "4",
+          "--repeats", "1", "--warmup", "0", "--max-tokens", str(args.max_tokens), "--port-base", str(args.port_base),
+          "--checkpoint", args.checkpoint, "--record-rounds", str(raw)], args.nice)
+    log = load_rounds(raw)
+    save_rounds(RoundLog(tuple(r for r in log.rounds if r.workload != "warmup"),
+                         {**log.metadata, "source": "bench.validate_simulate: bench_serving k5, 1 stream"}), kept)
+    return kept
+
+
+def stage_bench(args, work: Path) -> dict:
+    """Stage 3: bench_serving's figures {streams: {arm: {figure: {median, low, high}}}}."""
+    out = work / "bench.json"
+    if not out.exists():
+        _run(["bench.bench_serving", "--numerics", "fast", "--arms", *args.arms, "--streams", *map(str, args.streams),
+              "--repeats", str(args.repeats), "--fresh-gateway", "--warmup", "0",
+              "--per-stream", str(args.per_stream), "--max-tokens",
+              str(args.max_tokens), "--port-base", str(args.port_base), "--checkpoint", args.checkpoint,
+              "--json", str(out)], args.nice)
+    return json.loads(out.read_text())["medians"]["fast"]
+
+
+def stage_simulate(args, shape: Path, rounds: Path) -> dict:
+    """The simulator's cells {streams: {arm: figures}} at `shape`, shared compute."""
+    low, high = prompt_lengths(args.checkpoint)
+    cmd = [sys.executable, "-m", "services.cli", "simulate", "--costs", str(shape), "--shared-compute",
+           "--rounds", str(rounds), "--arms", *args.arms, "--streams", *map(str, args.streams),
+           "--per-stream", str(args.per_stream), "--prompt", f"uniform:{low}:{high}", "--output", str(args.max_tokens),
+           "--max-sessions", str(max(args.streams) + 8), "--seed", str(args.seed), "--json"]
+    print("$", " ".join(cmd), flush=True)
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=STAGE_TIMEOUT_S, check=True)
+    return {int(load): row for load, row in json.loads(done.stdout)["cells"].items()}
+
+
+FIGURES = (("aggregate_tok_s", "tok/s", 0.15), ("sessions_per_step", "sessions/step", 0.20))
+
+
+def compare(real: dict, sim: dict, streams: list[int], arms: list[str]) -> list[dict]:
+    """One row per (streams, arm): each figure's real median [min, max], simulated value,
+    sim / real, and whether it is within the issue's tolerance (15 % tok/s, 20 % sessions)."""
+    rows = []
+    for s in streams:
+        for arm in arms:
+            row = {"streams": s, "arm": arm}
+            for key, _, tol in FIGURES:
+                r = real[str(s)][arm][key]
+                v = sim[s][arm][key]
+                ratio = v / r["median"] if r["median"] else float("nan")
+                row[key] = {"real": r, "sim": v, "ratio": ratio, "within": abs(ratio - 1) <= tol}
+            rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The side-by-side table as Markdown (bench/README.md's form)."""
+    head = "| streams | arm | real tok/s (median [min-max]) | sim tok/s | sim ÷ real | real sessions/step | " \
+           "sim sessions/step | sim ÷ real |\n|---|---|---|---|---|---|---|---|"
+    lines = [head]
+    for row in rows:
+        cells = []
+        for key, _, _ in FIGURES:
+            f = row[key]
+            r = f["real"]
+            mark = "" if f["within"] else " ✗"
+            cells += [f"{r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]", f"{f['sim']:.2f}", f"{f['ratio']:.2f}{mark}"]
+        lines.append(f"| {row['streams']} | {row['arm']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--checkpoint", default="assets/dspark-small")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--arms", nargs="+", default=["plain", "k5", "gated"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--per-stream", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--port-base", type=int, default=50400)
+    ap.add_argument("--seed", type=int, default=0, help="the simulator's seed")
+    ap.add_argument("--nice", type=int, default=0, help="niceness of the measuring children (negative: root)")
+    ap.add_argument("--shape", default=None, help="the cpu shape file (default WORKDIR/shape.json, measured if absent)")
+    ap.add_argument("--workdir", default="/tmp/dspark-validate", help="every stage's output, kept between runs")
+    ap.add_argument("--json", default=None, help="write the comparison rows to this file")
+    args = ap.parse_args(argv)
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    shape = Path(args.shape) if args.shape else work / "shape.json"
+    if not shape.exists():
+        _run(["bench.sim_cpu_shape", "--checkpoint", args.checkpoint, "--repeats", "5"], args.nice, out=shape)
+    rounds = stage_rounds(args, work)
+    real = stage_bench(args, work)
+    sim = stage_simulate(args, shape, rounds)
+    rows = compare(real, sim, args.streams, args.arms)
+    print(markdown(rows))
+    within = sum(row[k]["within"] for row in rows for k, _, _ in FIGURES)
+    print(f"{within} of {len(rows) * len(FIGURES)} figures within tolerance (tok/s 15 %, sessions/step 20 %)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
