@@ -295,22 +295,30 @@ def test_model_by_id_head_health_and_metrics_without_a_redirect(front):
 
 
 # ---------------------------------------------------------------------------- client shapes
-# lm-eval 0.4 `local-completions` generate_until with tokenized requests and --batch_size 2
+# Captured from the clients themselves (bench/clients.py's pins: lm-eval 0.4.13, guidellm 0.8.1,
+# aiperf 0.13.0, langchain-openai 1.8.1), only the model id and the texts changed.
+# lm-eval `local-completions` generate_until, tokenized requests, --batch_size 2: `until` plus
+# the tokenizer's eos text as stop strings, its default seed
 LM_EVAL_GENERATE_UNTIL = {"prompt": [[86, 105, 104, 35, 84], [53, 34, 52, 34, 54]], "model": RANDOM_MODEL_ID,
-                          "max_tokens": 8, "temperature": 0, "stop": ["\n\n", "Question:"], "seed": 1234}
-# guidellm 0.8 chat with --data prompt_tokens/output_tokens (its default endpoint)
+                          "max_tokens": 8, "temperature": 0.0, "stop": ["\n", "<|eos|>"], "seed": 1234}
+# lm-eval `local-chat-completions --apply_chat_template` generate_until
+LM_EVAL_CHAT = {"messages": [{"role": "user", "content": "def square(x):\n    return"}], "model": RANDOM_MODEL_ID,
+                "max_tokens": 8, "temperature": 0.0, "stop": ["\n"], "seed": 1234}
+# guidellm `run` with synthetic data: chat (its default request type), streamed
 GUIDELLM_CHAT = {"model": RANDOM_MODEL_ID, "stream": True,
                  "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-                 "max_completion_tokens": 6, "stop": None, "ignore_eos": True,
+                 "max_completion_tokens": 6, "ignore_eos": True,
                  "messages": [{"role": "user", "content": [{"type": "text", "text": "alpha beta gamma"}]}]}
-# aiperf 0.13 chat (its default endpoint), streaming
-AIPERF_CHAT = {"messages": [{"role": "user", "name": "text", "content": "delta epsilon"}],
-               "model": RANDOM_MODEL_ID, "stream": True, "max_completion_tokens": 6,
-               "stream_options": {"include_usage": True}}
-# langchain-openai 1.x `OpenAI(...).batch([...])`: one completions call per 20 prompts
-LANGCHAIN_BATCH = {"prompt": ["first", "second", "third"], "model": RANDOM_MODEL_ID, "temperature": 0.7,
-                   "top_p": 1, "frequency_penalty": 0, "presence_penalty": 0, "n": 1, "logit_bias": {},
-                   "max_tokens": 5, "seed": 42, "logprobs": None, "stream": False}
+# aiperf `profile --streaming`: chat (its default endpoint type)
+AIPERF_CHAT = {"messages": [{"role": "user", "content": "delta epsilon"}], "model": RANDOM_MODEL_ID, "stream": True,
+               "max_completion_tokens": 6, "stream_options": {"include_usage": True}}
+# langchain-openai `OpenAI(...).batch([...])`: one completions call per 20 prompts
+LANGCHAIN_BATCH = {"model": RANDOM_MODEL_ID, "prompt": ["first", "second", "third"], "frequency_penalty": 0,
+                   "logprobs": None, "max_tokens": 5, "n": 1, "presence_penalty": 0, "seed": None,
+                   "temperature": 0.0, "top_p": 1}
+# langchain-openai `ChatOpenAI(...).invoke("...")`
+LANGCHAIN_CHAT = {"model": RANDOM_MODEL_ID, "stream": False, "messages": [{"content": "Say hello.", "role": "user"}],
+                  "max_completion_tokens": 5, "temperature": 0.0}
 
 
 def _sse(body: bytes) -> list[dict]:
@@ -321,9 +329,11 @@ def _sse(body: bytes) -> list[dict]:
 
 @pytest.mark.parametrize("name, path, body, choices", [
     ("lm-eval", "/v1/completions", LM_EVAL_GENERATE_UNTIL, 2),
+    ("lm-eval chat", "/v1/chat/completions", LM_EVAL_CHAT, 1),
     ("guidellm", "/v1/chat/completions", GUIDELLM_CHAT, 1),
     ("aiperf", "/v1/chat/completions", AIPERF_CHAT, 1),
-    ("langchain", "/v1/completions", LANGCHAIN_BATCH, 3)])
+    ("langchain", "/v1/completions", LANGCHAIN_BATCH, 3),
+    ("langchain chat", "/v1/chat/completions", LANGCHAIN_CHAT, 1)])
 def test_the_request_shapes_real_clients_send_are_served(front, name, path, body, choices):
     status, _, raw = front.request("POST", path, body)
     assert status == 200, raw
@@ -336,7 +346,9 @@ def test_the_request_shapes_real_clients_send_are_served(front, name, path, body
         out = json.loads(raw)
         assert sorted(c["index"] for c in out["choices"]) == list(range(choices))
         assert all(c["finish_reason"] in ("stop", "length") for c in out["choices"])
-        assert out["usage"]["completion_tokens"] <= body["max_tokens"] * choices
+        assert out["object"] == ("chat.completion" if "messages" in body else "text_completion")
+        limit = body.get("max_tokens") or body["max_completion_tokens"]
+        assert 1 <= out["usage"]["completion_tokens"] <= limit * choices
 
 
 # ---------------------------------------------------------------------------- tenants
