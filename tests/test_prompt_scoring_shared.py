@@ -1,0 +1,65 @@
+"""Every choice of a prompt returns the prompt part its first choice (j = 0) scored.
+
+Found by the adversarial pass: `n` choices each scored their own prefill, and under fast
+numerics (`dspark up`'s default) a row rounds differently with the rows batched beside it,
+so `echo` with `n=3` returned three prompt parts that differed in the last bits (choice 0
+prefilled alone, choices 1 and 2 together). Now only choice j = 0 asks for alternatives and
+the others are given its records, whole or streamed (`services/http/echo.py`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from dspark_proto.v1 import common_pb2, gateway_pb2
+from services.http.batch import plan
+from services.http.echo import first_records, score_once, with_first_records
+
+
+def _requests(prompt_logprobs: int, max_tokens: int) -> list[gateway_pb2.GenerateRequest]:
+    return [gateway_pb2.GenerateRequest(prompt_token_ids=ids, max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
+            for ids in ([5, 6, 7], [8, 9])]
+
+
+def test_only_each_prompts_first_choice_asks_for_alternatives():
+    choices, _ = plan(_requests(3, 4), 3, 11, "cmpl-x")
+    score_once(choices, 4)
+    asked = [(c.index, c.request.HasField("prompt_logprobs")) for c in choices]
+    assert asked == [(0, True), (1, False), (2, False), (3, True), (4, False), (5, False)]
+    assert [c.request.prompt_logprobs for c in choices if c.j == 0] == [3, 3]
+    # scoring without generating: the gateway requires the field, so j > 0 asks for 0 alternatives
+    choices, _ = plan(_requests(3, 0), 2, 11, "cmpl-x")
+    score_once(choices, 0)
+    assert [(c.request.HasField("prompt_logprobs"), c.request.prompt_logprobs) for c in choices] == \
+        [(True, 3), (True, 0), (True, 3), (True, 0)]
+
+
+def _record(logprob: float) -> common_pb2.TokenLogprob:
+    return common_pb2.TokenLogprob(token_id=1, logprob=logprob, rank=1)
+
+
+def test_whole_responses_take_the_first_choices_records():
+    choices, _ = plan(_requests(1, 2), 2, 3, "cmpl-y")
+    results = [(None, [], [], [_record(-float(c.index))]) for c in choices]  # each choice's own records
+    shared = first_records(results, choices)
+    assert [r[0].logprob for r in shared] == [0.0, 0.0, -2.0, -2.0]
+
+
+def test_a_later_choices_messages_wait_for_the_first_choices_records_and_keep_their_order():
+    js = {0: 0, 1: 1, 2: 2}
+    first = gateway_pb2.GenerateResponse(text_delta="a0", prompt_logprobs=[_record(-1.5)])
+    own = gateway_pb2.GenerateResponse(text_delta="b0", prompt_logprobs=[_record(-1.25)])
+    items = [(1, own), (2, gateway_pb2.GenerateResponse(text_delta="c0")),
+             (1, gateway_pb2.GenerateResponse(text_delta="b1")), (0, first),
+             (2, gateway_pb2.GenerateResponse(text_delta="c1")), (0, gateway_pb2.GenerateResponse(text_delta="a1"))]
+
+    async def source():
+        for item in items:
+            yield item
+
+    async def collect():
+        return [(i, m.text_delta, [r.logprob for r in records]) async for i, m, records in with_first_records(source(), js)]
+
+    out = asyncio.run(collect())
+    assert out == [(0, "a0", [-1.5]), (1, "b0", [-1.5]), (2, "c0", [-1.5]), (1, "b1", [-1.5]),
+                   (2, "c1", [-1.5]), (0, "a1", [-1.5])]
