@@ -184,6 +184,9 @@ def test_openai_client_controls_equal_the_grpc_request(oracle_exact, http_client
     ({"presence_penalty": 3}, "presence_penalty", "presence_penalty=3: must lie in [-2, 2]"),
     ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty=0: must be > 0"),
     ({"min_tokens": -1}, "min_tokens", "min_tokens"),
+    # the gateway's refusals (INVALID_ARGUMENT) name their field as `param` too
+    ({"min_tokens": 9}, "min_tokens", "min_tokens=9: must be <= max_tokens=4"),
+    ({"bad_words": ["ab" * 40]}, "bad_words", "bad_words: a word of 80 tokens; each needs 1..32"),
 ])
 def test_openai_client_bad_controls_are_400_naming_the_field(http_client, extra, param, words):
     client, _ = http_client
