@@ -1,10 +1,11 @@
-"""Every choice of a prompt returns the prompt part its first choice (j = 0) scored.
+"""Regressions from the adversarial pass over prompt scoring and logits controls.
 
-Found by the adversarial pass: `n` choices each scored their own prefill, and under fast
-numerics (`dspark up`'s default) a row rounds differently with the rows batched beside it,
+Every choice of a prompt returns the prompt part its first choice (j = 0) scored. Before,
+`n` choices each scored their own prefill, and under fast numerics (`dspark up`'s default) a row rounds differently with the rows batched beside it,
 so `echo` with `n=3` returned three prompt parts that differed in the last bits (choice 0
 prefilled alone, choices 1 and 2 together). Now only choice j = 0 asks for alternatives and
-the others are given its records, whole or streamed (`services/http/echo.py`).
+the others are given its records, whole or streamed (`services/http/echo.py`). And a bad word
+too long is refused as soon as it is tokenized (`services/gateway/servicer.request_controls`).
 """
 
 from __future__ import annotations
@@ -63,3 +64,26 @@ def test_a_later_choices_messages_wait_for_the_first_choices_records_and_keep_th
     out = asyncio.run(collect())
     assert out == [(0, "a0", [-1.5]), (1, "b0", [-1.5]), (2, "c0", [-1.5]), (1, "b1", [-1.5]),
                    (2, "c1", [-1.5]), (0, "a1", [-1.5])]
+
+
+def test_a_bad_word_too_long_is_refused_before_the_rest_are_tokenized():
+    """Found by the adversarial pass: 128 bad words of 30,000 characters (a 4 MiB body) were
+    all tokenized, two spellings each, on the gateway's event loop (2 s), before any was
+    found too long; the first too-long word now ends it."""
+    import pytest
+    from services.gateway.servicer import request_controls
+    from services_fixtures import tiny_tokenizer
+
+    class Counting(type(tiny_tokenizer())):
+        calls = 0
+
+        def encode(self, text):
+            Counting.calls += 1
+            return super().encode(text)
+
+    base = tiny_tokenizer()
+    tokenizer = Counting(base.vocab_size, base.eos_token_id)
+    req = gateway_pb2.GenerateRequest(prompt="x", max_tokens=4, bad_words=["ok", "w" * 3000] + ["w" * 3000] * 126)
+    with pytest.raises(ValueError, match=r"^bad_words: a word of 3000 tokens; each needs 1\.\.32$"):
+        request_controls(req, tokenizer)
+    assert Counting.calls == 3  # "ok" twice, then the first long word once
