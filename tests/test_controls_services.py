@@ -22,7 +22,7 @@ from services.app import drafter_engine, load_trunk, start_drafter, start_verifi
 from services.common.settings import BackendSettings
 from services.gateway.gate import GateConfig
 from services.http.server import RANDOM_MODEL_ID as MODEL, start_http_front
-from services_fixtures import ServiceStack, gen_request, service_loop, tiny_draft_module, tiny_trunk
+from services_fixtures import ServiceStack, gen_request, service_loop, tiny_draft_module, tiny_tokenizer, tiny_trunk
 
 PROMPT = "the quick brown fox"
 EOS = 1
@@ -128,6 +128,21 @@ def test_min_tokens_holds_eos_and_stop_ids_off(oracle_exact):
     out = oracle_exact.generate(request("always", **stop), "batched")
     assert out.token_ids[-1] == 300 and 300 not in out.token_ids[:3] and len(out.token_ids) == 4
     assert out.final.finish_reason == "stop" and out.final.matched_token_id == 300
+
+
+def test_min_tokens_holds_stop_strings_off_with_ignore_eos(oracle_exact):
+    """Found by the adversarial pass: with ignore_eos, no stop_token_ids and no other control,
+    min_tokens masks no token, so the controls were dropped as neutral and the stop strings
+    were looked for from the first token: `min_tokens` 4 stopped after 1 token."""
+    plain = oracle_exact.generate(request("off"), "batched").token_ids
+    # a non-byte id decodes to "<id>" (ByteTokenizer): ">" would stop among the first 4 tokens
+    assert ">" in tiny_tokenizer().decode(plain[:4]), plain
+    for spec in ("off", "always"):
+        req = request(spec, min_tokens=4)
+        req.stop.append(">")
+        out = oracle_exact.generate(req, "batched")
+        assert len(out.token_ids) > 4 and out.token_ids == plain[:len(out.token_ids)], out.token_ids
+        assert out.final.finish_reason == "stop"
 
 
 def test_dspark_drafter_drafts_under_the_controls(dspark_exact):
