@@ -87,3 +87,15 @@ def test_a_bad_word_too_long_is_refused_before_the_rest_are_tokenized():
     with pytest.raises(ValueError, match=r"^bad_words: a word of 3000 tokens; each needs 1\.\.32$"):
         request_controls(req, tokenizer)
     assert Counting.calls == 3  # "ok" twice, then the first long word once
+
+
+def test_a_stop_string_released_under_min_tokens_does_not_stop_a_later_token():
+    """Found by the adversarial pass: the first stop check after min_tokens looked one
+    character too far back, so a stop string released while min_tokens held the checks off,
+    ending right at the released text, stopped the next token (which holds none of it)."""
+    from services.gateway.tokenizer import ByteTokenizer, Detokenizer
+
+    detok = Detokenizer(ByteTokenizer(4096), stop=[">"], min_tokens=1)
+    assert detok.add(300) == "<300>"          # min_tokens: not checked, released whole
+    assert detok.add(ord("x") + 2) == "x" and not detok.stopped
+    assert detok.add(301) == "<301" and detok.stopped  # a new ">" stops, cut before it
