@@ -81,6 +81,8 @@ GATEWAY_FIELDS = frozenset({
     "logprobs", "prompt_logprobs", "logit_bias", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "min_tokens", "bad_words"})
 _LEADING_NAME = re.compile(r"([a-z_]+)(?=[=\[: ]|$)")
+# messages whose first words are not the field's name
+_MESSAGE_PREFIX_PARAMS = (("stop token id ", "stop_token_ids"),)
 
 
 def from_rpc_error(exc: grpc.aio.AioRpcError) -> ApiError:
@@ -91,8 +93,10 @@ def from_rpc_error(exc: grpc.aio.AioRpcError) -> ApiError:
     status = HTTP_STATUS.get(exc.code(), 500)
     message = exc.details() or exc.code().name
     param = None
-    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and (m := _LEADING_NAME.match(message)):
-        param = m.group(1) if m.group(1) in GATEWAY_FIELDS else None
+    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        named = [field for prefix, field in _MESSAGE_PREFIX_PARAMS if message.startswith(prefix)]
+        m = _LEADING_NAME.match(message)
+        param = named[0] if named else (m.group(1) if m and m.group(1) in GATEWAY_FIELDS else None)
     return ApiError(status, message, param=param, code=exc.code().name.lower())
 
 
