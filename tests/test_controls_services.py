@@ -196,6 +196,9 @@ def test_openai_client_controls_equal_the_grpc_request(oracle_exact, http_client
 @pytest.mark.parametrize("extra, param, words", [
     ({"logit_bias": {"5": -101}}, "logit_bias", "logit_bias[5]=-101: must lie in [-100, 100]"),
     ({"logit_bias": {"x": 1}}, "logit_bias", "logit_bias key 'x': must be a token id"),
+    # non-ASCII digits (str.isdigit() holds for them, int() refuses "²"): were a 500
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias", "logit_bias key '\u00b2': must be a token id"),
+    ({"logit_bias": {"\u0663": 1}}, "logit_bias", "logit_bias key '\u0663': must be a token id"),
     ({"presence_penalty": 3}, "presence_penalty", "presence_penalty=3: must lie in [-2, 2]"),
     ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty=0: must be > 0"),
     ({"min_tokens": -1}, "min_tokens", "min_tokens"),
