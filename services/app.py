@@ -168,9 +168,21 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
         raise
     steps.on_step = _step_hook(load, metrics)
     servicer = VerifierServicer(engine, default_mode, provider, tp, metrics, steps, load)
-    return await _serve_with_loop("dspark.v1.Verifier",
-                                  lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
-                                  steps, port, host, provider, credentials, max_connection_age_s)
+    running = await _serve_with_loop("dspark.v1.Verifier",
+                                     lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
+                                     steps, port, host, provider, credentials, max_connection_age_s)
+    if hasattr(engine.model, "on_broken"):  # a TP driver: a failed worker leaves it refusing every call
+        engine.model.on_broken = _health_when_broken(running, asyncio.get_running_loop())
+    return running
+
+
+def _health_when_broken(running: RunningServer, loop: asyncio.AbstractEventLoop) -> Callable[[str], None]:
+    """A TP trunk's `on_broken` (called on the step loop's thread): log the reason and turn
+    the server NOT_SERVING on its event loop."""
+    def broken(why: str) -> None:
+        log.error("verifier: the TP trunk is unusable (%s); health is NOT_SERVING, restart the verifier", why)
+        asyncio.run_coroutine_threadsafe(running.not_serving(), loop)
+    return broken
 
 
 async def _serve_with_loop(service: str, add, steps, port: int, host: str, provider, credentials,

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
+import struct
 import sys
 
 import grpc
@@ -89,6 +91,10 @@ def _generate(args) -> int:
     bad = _client_checks(args, "generate")
     if bad is not None:
         return bad
+    problem = float_flag_problem(args)
+    if problem is not None:
+        print(f"dspark generate: {problem}", file=sys.stderr)
+        return 2
     if args.logprobs and not args.json:  # the text view has no place for them: say so, do not drop them silently
         print("dspark generate: --logprobs prints with --json only; add --json", file=sys.stderr)
         return 2
@@ -106,6 +112,37 @@ def _generate(args) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the stream is cancelled; a line, not a traceback
         print("\ndspark generate: interrupted", file=sys.stderr)
         return 130
+
+
+_FLOAT_FLAGS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+def float_flag_problem(args) -> str | None:
+    """What is wrong with `dspark generate`'s float flags that the gateway cannot see, or None.
+
+    The wire carries them as float32: a finite non-zero value past float32's range would
+    arrive as 0 (1e-50 for --repetition-penalty or --top-p: the wire's "unset", so silently
+    off) or as inf, so it is refused here, as the HTTP API refuses it. --repetition-penalty 0
+    (or below) and --top-p 0 are refused too: 0 is the wire's "unset", so the gateway would
+    never see them.
+    NaN and inf go through, for the gateway to refuse naming the field."""
+    for name in _FLOAT_FLAGS:
+        value = getattr(args, name, None)
+        if value is None or not math.isfinite(value) or value == 0:
+            continue
+        try:
+            carried = struct.unpack("<f", struct.pack("<f", value))[0]
+        except OverflowError:
+            carried = math.inf
+        if carried == 0 or math.isinf(carried):
+            return (f"--{name.replace('_', '-')}={value:g}: outside the float32 range the wire carries "
+                    f"(magnitude 1.4e-45 to 3.4e38, or 0)")
+    penalty = getattr(args, "repetition_penalty", 1.0)
+    if penalty <= 0:  # False for NaN: the gateway names that one
+        return f"--repetition-penalty={penalty:g} must be > 0 (1 is off)"
+    if getattr(args, "top_p", 1.0) == 0:  # also the wire's "unset" (1)
+        return "--top-p=0 must lie in (0, 1]"
+    return None
 
 
 def cli_constraint(args) -> common_pb2.Constraint | None:

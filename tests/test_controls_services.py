@@ -22,7 +22,7 @@ from services.app import drafter_engine, load_trunk, start_drafter, start_verifi
 from services.common.settings import BackendSettings
 from services.gateway.gate import GateConfig
 from services.http.server import RANDOM_MODEL_ID as MODEL, start_http_front
-from services_fixtures import ServiceStack, gen_request, service_loop, tiny_draft_module, tiny_trunk
+from services_fixtures import ServiceStack, gen_request, service_loop, tiny_draft_module, tiny_tokenizer, tiny_trunk
 
 PROMPT = "the quick brown fox"
 EOS = 1
@@ -130,6 +130,21 @@ def test_min_tokens_holds_eos_and_stop_ids_off(oracle_exact):
     assert out.final.finish_reason == "stop" and out.final.matched_token_id == 300
 
 
+def test_min_tokens_holds_stop_strings_off_with_ignore_eos(oracle_exact):
+    """Found by the adversarial pass: with ignore_eos, no stop_token_ids and no other control,
+    min_tokens masks no token, so the controls were dropped as neutral and the stop strings
+    were looked for from the first token: `min_tokens` 4 stopped after 1 token."""
+    plain = oracle_exact.generate(request("off"), "batched").token_ids
+    # a non-byte id decodes to "<id>" (ByteTokenizer): ">" would stop among the first 4 tokens
+    assert ">" in tiny_tokenizer().decode(plain[:4]), plain
+    for spec in ("off", "always"):
+        req = request(spec, min_tokens=4)
+        req.stop.append(">")
+        out = oracle_exact.generate(req, "batched")
+        assert len(out.token_ids) > 4 and out.token_ids == plain[:len(out.token_ids)], out.token_ids
+        assert out.final.finish_reason == "stop"
+
+
 def test_dspark_drafter_drafts_under_the_controls(dspark_exact):
     """The DSpark drafter's own slots (DraftSampler under DraftGuide): coupled output equals
     plain; under the rejection rule (lossless in distribution, not bitwise) a banned token
@@ -181,9 +196,15 @@ def test_openai_client_controls_equal_the_grpc_request(oracle_exact, http_client
 @pytest.mark.parametrize("extra, param, words", [
     ({"logit_bias": {"5": -101}}, "logit_bias", "logit_bias[5]=-101: must lie in [-100, 100]"),
     ({"logit_bias": {"x": 1}}, "logit_bias", "logit_bias key 'x': must be a token id"),
+    # non-ASCII digits (str.isdigit() holds for them, int() refuses "²"): were a 500
+    ({"logit_bias": {"\u00b2": 1}}, "logit_bias", "logit_bias key '\u00b2': must be a token id"),
+    ({"logit_bias": {"\u0663": 1}}, "logit_bias", "logit_bias key '\u0663': must be a token id"),
     ({"presence_penalty": 3}, "presence_penalty", "presence_penalty=3: must lie in [-2, 2]"),
     ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty=0: must be > 0"),
     ({"min_tokens": -1}, "min_tokens", "min_tokens"),
+    # the gateway's refusals (INVALID_ARGUMENT) name their field as `param` too
+    ({"min_tokens": 9}, "min_tokens", "min_tokens=9: must be <= max_tokens=4"),
+    ({"bad_words": ["ab" * 40]}, "bad_words", "bad_words: a word of 80 tokens; each needs 1..32"),
 ])
 def test_openai_client_bad_controls_are_400_naming_the_field(http_client, extra, param, words):
     client, _ = http_client

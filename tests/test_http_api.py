@@ -199,9 +199,14 @@ def test_gateway_refusals_map_to_http_statuses(front):
     with pytest.raises(openai.BadRequestError) as err:  # the gateway's INVALID_ARGUMENT
         client.completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=1000)
     assert "exceeds max_seq_len=256" in err.value.message and err.value.code == "invalid_argument"
+    assert err.value.param == "prompt"  # the gateway's message starts with the field it refused
     with pytest.raises(openai.BadRequestError) as err:  # a token id outside the vocabulary
         client.completions.create(model=RANDOM_MODEL_ID, prompt=[5, 10**6], max_tokens=2, stream=True)
     assert "prompt token id 1000000 outside" in err.value.message
+    assert err.value.param == "prompt"
+    with pytest.raises(openai.BadRequestError) as err:  # not "stop": the message's first word
+        client.completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=2, extra_body={"stop_token_ids": [10**6]})
+    assert "stop token id 1000000 outside" in err.value.message and err.value.param == "stop_token_ids"
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
     assert "model='gpt-4'" in err.value.message and err.value.param == "model"

@@ -279,3 +279,23 @@ def test_chat_refuses_prompt_scoring_rather_than_ignoring_it(stack, field, value
         stack.client().chat.completions.create(model=RANDOM_MODEL_ID, messages=[{"role": "user", "content": "x"}],
                                                max_tokens=1, extra_body={field: value})
     assert err.value.param == field and "not supported" in err.value.message
+
+
+def test_streamed_choices_of_a_prompt_carry_its_first_choices_prompt_part(stack):
+    """n = 3 choices of two prompts, streamed: each choice's first chunk is its prompt part,
+    the same for every choice of a prompt (the first choice's records, `with_first_records`),
+    and each choice's chunks join to the whole response's choice."""
+    client = stack.client()
+    prompts = ["The quick brown fox", "jumps over"]
+    body = dict(model=RANDOM_MODEL_ID, prompt=prompts, max_tokens=3, n=3, temperature=0.9, seed=8, echo=True,
+                logprobs=1, extra_body={"prompt_logprobs": 2, "ignore_eos": True})
+    whole = client.completions.create(**body)
+    chunks = [c for c in client.completions.create(stream=True, **body) if c.choices]
+    for choice in whole.choices:
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == choice.index]
+        sibling = whole.choices[choice.index - choice.index % 3]
+        assert mine[0].text == prompts[choice.index // 3]
+        assert mine[0].model_extra["prompt_logprobs"] == sibling.model_extra["prompt_logprobs"]
+        assert choice.logprobs.token_logprobs[:len(mine[0].logprobs.tokens)] == mine[0].logprobs.token_logprobs
+        assert "".join(c.text for c in mine) == choice.text
+        assert [v for c in mine if c.logprobs for v in c.logprobs.token_logprobs] == choice.logprobs.token_logprobs

@@ -165,3 +165,18 @@ def test_generate_refuses_a_token_that_cannot_be_sent_naming_its_source_but_not_
     message = _error(out, "dspark generate: ")
     assert message == f"{source}: the token must be printable ASCII without spaces (value not shown)"
     assert "s3cret" not in out.stderr and "two" not in out.stderr and "t\u00f6k" not in out.stderr
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--repetition-penalty", "0", "--repetition-penalty=0 must be > 0 (1 is off)"),  # the wire's 0 is "unset"
+    ("--repetition-penalty", "-1", "--repetition-penalty=-1 must be > 0"),
+    ("--repetition-penalty", "1e-50", "--repetition-penalty=1e-50: outside the float32 range"),  # would arrive as 0
+    ("--top-p", "1e-50", "--top-p=1e-50: outside the float32 range"),
+    ("--top-p", "0", "--top-p=0 must lie in (0, 1]"),
+    ("--temperature", "1e39", "--temperature=1e+39: outside the float32 range"),  # would arrive as inf
+    ("--presence-penalty", "-1e-46", "--presence-penalty=-1e-46: outside the float32 range"),
+])
+def test_generate_refuses_a_float_flag_the_wire_would_turn_into_unset_or_inf(flag, value, words, capsys):
+    from services.cli import main
+    assert main(["generate", "abc", "--target", f"127.0.0.1:{_free_port()}", "--timeout", "5", f"{flag}={value}"]) == 2
+    assert words in capsys.readouterr().err  # refused before connecting: nothing listens on the port

@@ -289,3 +289,34 @@ def test_worker_killed_mid_step_fails_every_request_of_the_step():
         steps.submit(engine.admit_decode(first, 1, 4))
     with pytest.raises(ProcessLookupError):  # close() reaped the worker
         os.kill(pid, 0)
+
+
+def test_a_dead_worker_turns_the_verifier_server_not_serving():
+    """Found by the adversarial pass: a verifier whose TP worker died refused every call but
+    kept reporting SERVING, so nothing took it out of rotation or restarted it."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    async def go():
+        px = start_tp_trunk(CFG, W, 2, settings=TPSettings(init_timeout_s=60, call_timeout_s=CALL_TIMEOUT_S))
+        server = await app.start_verifier(VerifierEngine(px, max_sessions=4), tp=2)
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        health = health_pb2_grpc.HealthStub(channel)
+
+        async def status(name: str) -> int:
+            return (await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=10)).status
+        try:
+            assert await status("dspark.v1.Verifier") == health_pb2.HealthCheckResponse.SERVING
+            pid = px.worker_pids[0]
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(TPWorkerError, match=rf"rank 1 \(pid {pid}\) died"):
+                await asyncio.to_thread(px.new_state)
+            deadline = time.monotonic() + 10
+            while await status("dspark.v1.Verifier") != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, "the verifier still reports SERVING"
+                await asyncio.sleep(0.05)
+            assert await status("") == health_pb2.HealthCheckResponse.NOT_SERVING
+        finally:
+            await channel.close()
+            await server.stop(0)
+            px.close(timeout_s=1.0)
+    asyncio.run(asyncio.wait_for(go(), TIMEOUT_S))

@@ -74,6 +74,13 @@ class RunningServer:
     service_name: str
     on_stop: list[Callable[[], None]] = field(default_factory=list)
 
+    async def not_serving(self) -> None:
+        """Report NOT_SERVING (overall and for the service) while still answering calls: the
+        service cannot serve any more (a verifier whose TP workers failed), so probes and load
+        balancers take it out and an orchestrator restarts it."""
+        for name in ("", self.service_name):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     async def stop(self, grace_s: float = 5.0) -> None:
         """Mark NOT_SERVING, then stop accepting and wait up to `grace_s` for open calls; then
         run `on_stop`."""

@@ -51,6 +51,9 @@ class GenerationParams:
     controls: LogitsControls | None = None
     # Prompt logprobs: None = not asked; else the top alternatives per prompt token (0..20).
     prompt_logprobs: int | None = None
+    # Stop strings are looked for only after this many tokens (the request's min_tokens; kept
+    # here because `controls` is None when min_tokens masks no token, e.g. with ignore_eos)
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -192,10 +192,11 @@ class Scheduler:
                 raise ValueError(f"{constraint.field} with ignore_eos: a constrained generation ends with eos "
                                  "once its grammar completes (docs/structured.md)")
             self.grammar_vocab.compile(constraint)
+        min_tokens = 0 if controls is None else controls.min_tokens
         controls = None if controls is None else controls.for_generation(stops, lim.vocab_size, max_tokens)
         return GenerationParams(tuple(ids), max_tokens, spec, frozenset(stops), tuple(s for s in stop if s),
                                 label or "live", sampling=sampling, max_drafts=max_drafts, constraint=constraint,
-                                controls=controls, prompt_logprobs=prompt_logprobs)
+                                controls=controls, prompt_logprobs=prompt_logprobs, min_tokens=min_tokens)
 
     def _prompt_ids(self, prompt: str, prompt_ids: Sequence[int]) -> list[int]:
         """The prompt's token ids: `prompt_ids`, else `prompt` tokenized. Raises ValueError on
@@ -313,7 +314,7 @@ class _Generation:
                 self.jump = JumpForward(sched.grammar_vocab, p.constraint, lim.vocab_size, lim.eos_token_id)
         if p.controls is not None:
             self.link.controls = (p.controls, len(p.prompt_ids))
-        self.detok = Detokenizer(sched.tokenizer, p.stop, 0 if p.controls is None else p.controls.min_tokens)
+        self.detok = Detokenizer(sched.tokenizer, p.stop, p.min_tokens)
         self.out: list[int] = []
         self.finish: str | None = None
         self.matched_stop: int | str | None = None

@@ -43,7 +43,7 @@ import grpc
 from dspark_proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from dsv4.sampling import SamplingParams
 from services.common.constraint_wire import constraint_from_proto
-from services.common.controls import MAX_BAD_WORDS, LogitsControls
+from services.common.controls import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, LogitsControls
 from services.common.controls_wire import controls_from_proto
 from services.common.sampling_wire import logprob_to_proto, params_from_proto
 from services.gateway.auth import tenant_of
@@ -310,7 +310,8 @@ def request_controls(request: gateway_pb2.GenerateRequest, tokenizer) -> LogitsC
 
     Raises:
         ValueError: naming the GenerateRequest field and value (`LogitsControls`' checks),
-            a blank bad word, or more than MAX_BAD_WORDS of them.
+            a blank bad word, more than MAX_BAD_WORDS of them, or one of more than
+            MAX_BAD_WORD_TOKENS tokens (refused as soon as it is tokenized, before the rest).
     """
     if len(request.bad_words) > MAX_BAD_WORDS:
         raise ValueError(f"bad_words: {len(request.bad_words)} words; at most {MAX_BAD_WORDS}")
@@ -320,6 +321,8 @@ def request_controls(request: gateway_pb2.GenerateRequest, tokenizer) -> LogitsC
             raise ValueError(f"bad_words[{i}]={word!r}: must hold text")
         for text in (word, " " + word.lstrip()):
             ids = tuple(tokenizer.encode(text))
+            if len(ids) > MAX_BAD_WORD_TOKENS:  # at once: the rest of a 4 MiB body is not tokenized for nothing
+                raise ValueError(f"bad_words: a word of {len(ids)} tokens; each needs 1..{MAX_BAD_WORD_TOKENS}")
             if ids and ids not in words:
                 words.append(ids)
     msg = common_pb2.LogitsControls(presence_penalty=request.presence_penalty,

@@ -123,7 +123,9 @@ class Detokenizer:
         return self._release(self.tokenizer.decode(self.ids))
 
     def _stop_at(self, full: str) -> int | None:
-        hits = [full.find(s, max(0, len(self.text) - len(s))) for s in self.stop]
+        # A stop string that ends inside the released text was released under min_tokens (it
+        # would have stopped the generation otherwise): look only at what overlaps new text.
+        hits = [full.find(s, max(0, len(self.text) - len(s) + 1)) for s in self.stop]
         hits = [h for h in hits if h >= 0]
         return min(hits) if hits else None
 

@@ -9,16 +9,24 @@ alternatives and the prompt token itself). The values are the gateway's prompt l
 the target's raw log-softmax at each prompt position, before temperature and filters
 (docs/sampling.md §5), computed by the verifier from the rows of the prefill.
 
-It decides which prompt logprobs the gateway is asked for (`PromptScoring.alternatives`)
-and never validates a field (`schemas.CompletionRequest.checked` does) or calls the gateway.
+It decides which prompt logprobs the gateway is asked for (`PromptScoring.alternatives`,
+`score_once`) and never validates a field (`schemas.CompletionRequest.checked` does) or
+calls the gateway.
+
+A prompt is scored once per request, by its first choice (j = 0), and every choice of the
+prompt returns that choice's records (`score_once`, `with_first_records`): under fast
+numerics a prefill's rows round differently with the rows batched beside them, so n
+choices each scoring their own prefill would return prompt parts that differ in the last
+bits; and the other choices then skip the alternatives' vocabulary sort per prompt row.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import AsyncIterator, Sequence
 
-from dspark_proto.v1 import common_pb2
+from dspark_proto.v1 import common_pb2, gateway_pb2
+from services.http.batch import Choice
 from services.gateway.tokenizer import Tokenizer
 from services.http.logprobs import LogprobFormatter
 
@@ -106,3 +114,43 @@ def vllm_entry(record: common_pb2.TokenLogprob, top: int, tokenizer: Tokenizer) 
     out.setdefault(str(record.token_id), {"logprob": record.logprob, "rank": record.rank,
                                           "decoded_token": tokenizer.decode([record.token_id])})
     return out
+
+
+def score_once(choices: Sequence[Choice], max_tokens: int) -> None:
+    """Ask only each prompt's first choice (j = 0) for prompt logprobs, in place: the others'
+    requests drop the field, or, scoring without generating (max_tokens 0, where the gateway
+    requires it), ask for 0 alternatives, the least the verifier computes."""
+    for choice in choices:
+        if choice.j > 0:
+            if max_tokens == 0:
+                choice.request.prompt_logprobs = 0
+            else:
+                choice.request.ClearField("prompt_logprobs")
+
+
+def first_records(results: Sequence[tuple], choices: Sequence[Choice]) -> list[list[common_pb2.TokenLogprob]]:
+    """Per choice (in `choices`' order, which is index order), the prompt records of its
+    prompt's first choice: results[i][3] (an `Admission.collect` result) of choice index - j."""
+    return [results[c.index - c.j][3] for c in choices]
+
+
+async def with_first_records(items: AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]], js: dict[int, int]
+                             ) -> AsyncIterator[tuple[int, gateway_pb2.GenerateResponse, list]]:
+    """(choice index, message, its prompt's records) for the interleaved streams `items`
+    (js: choice index -> j): the records are those of the first message of the prompt's first
+    choice (index - j), so a choice j > 0's messages are held, in order, until that message
+    has passed. A stream that ends with messages still held (its first choice never sent
+    one, which `Admission.stream_all` raises for) yields nothing more."""
+    records: dict[int, list] = {}
+    held: dict[int, list] = {}
+    async for index, message in items:
+        first = index - js[index]
+        if first in records:
+            yield index, message, records[first]
+        elif index != first:
+            held.setdefault(first, []).append((index, message))
+        else:
+            records[first] = list(message.prompt_logprobs)
+            yield index, message, records[first]
+            for other, kept in held.pop(first, []):
+                yield other, kept, records[first]

@@ -9,6 +9,7 @@ valid (the request models and the gateway do) and never puts a traceback in a bo
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 
 import grpc
@@ -71,12 +72,32 @@ def invalid(param: str, message: str) -> ApiError:
     return ApiError(400, message, param=param, code="invalid_value")
 
 
+# The gateway's GenerateRequest fields that the HTTP API carries under the same name: a
+# gateway refusal whose message starts with one of them ("min_tokens=30: must be <= ...",
+# "bad_words: a word of 40 tokens", "prompt of 1030 tokens + ...") names that field as
+# `param`, as the front's own checks do, so OpenAI clients read it from `err.param`.
+GATEWAY_FIELDS = frozenset({
+    "prompt", "max_tokens", "temperature", "stop", "stop_token_ids", "top_p", "top_k", "min_p", "seed",
+    "logprobs", "prompt_logprobs", "logit_bias", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_tokens", "bad_words"})
+_LEADING_NAME = re.compile(r"([a-z_]+)(?=[=\[: ]|$)")
+# messages whose first words are not the field's name
+_MESSAGE_PREFIX_PARAMS = (("stop token id ", "stop_token_ids"),)
+
+
 def from_rpc_error(exc: grpc.aio.AioRpcError) -> ApiError:
     """The ApiError of a failed Generate call: the status mapped by HTTP_STATUS (500 for any
     other code), the gateway's message (which names the value at fault), code = the gRPC
-    status name in lower case."""
+    status name in lower case; `param` the field the message starts with when the call was
+    refused as INVALID_ARGUMENT and that name is one of GATEWAY_FIELDS, else None."""
     status = HTTP_STATUS.get(exc.code(), 500)
-    return ApiError(status, exc.details() or exc.code().name, code=exc.code().name.lower())
+    message = exc.details() or exc.code().name
+    param = None
+    if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        named = [field for prefix, field in _MESSAGE_PREFIX_PARAMS if message.startswith(prefix)]
+        m = _LEADING_NAME.match(message)
+        param = named[0] if named else (m.group(1) if m and m.group(1) in GATEWAY_FIELDS else None)
+    return ApiError(status, message, param=param, code=exc.code().name.lower())
 
 
 async def api_error_handler(request: Request, exc: ApiError) -> JSONResponse:

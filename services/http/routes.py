@@ -32,7 +32,7 @@ from dspark_proto.v1 import gateway_pb2
 from services.gateway.auth import MISSING, BearerTokenInterceptor
 from services.gateway.tokenizer import Tokenizer
 from services.http.batch import Admission, Choice, plan
-from services.http.echo import PromptPart, PromptScoring
+from services.http.echo import PromptPart, PromptScoring, first_records, score_once, with_first_records
 from services.http.chat import ChatTemplate
 from services.http.errors import (ApiError, api_error_handler, internal_error_handler,
                                   validation_error_handler)
@@ -173,6 +173,8 @@ def _add_generation_routes(app: FastAPI, front: Front) -> None:
         reqs = [body.generate_request(shape.id, max_tokens, "" if scoring.asked else text, ids, body.top_alternatives,
                                       scored) for text, ids in prompts]
         choices, seed = plan(reqs, body.n, body.internal_seed, shape.id)
+        if scoring.asked:
+            score_once(choices, max_tokens)  # every choice of a prompt returns its first choice's records
         fmt = (lambda: LogprobFormatter(front.tokenizer, chat=False, top=body.logprobs)) \
             if body.logprobs is not None else None
         return await _respond(front.client, choices, seed, body, shape, authorization, request, fmt,
@@ -212,6 +214,8 @@ async def _respond(client: GatewayClient, choices: list[Choice], seed: int | Non
     headers = {"x-request-id": shape.id}
     if not body.stream:
         results = await _unless_disconnected(request, admission.collect_all(choices))
+        if scoring is not None:
+            results = [(*r[:3], records) for r, records in zip(results, first_records(results, choices))]
         out = [_whole_choice(shape, c.index, r, body.return_token_ids, fmt() if fmt is not None else None,
                              scoring, tokenizer) for c, r in zip(choices, results)]
         finals = [(c.j, r[0]) for c, r in zip(choices, results)]
@@ -287,24 +291,24 @@ async def _events(stream: AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]
                   echo: Callable[[int, list], PromptPart] | None = None) -> AsyncIterator[bytes]:
     """The SSE events of a request's choices, as their messages arrive: per choice (chat: a
     role chunk first; completions with `echo`: a chunk of its prompt part, from the prompt
-    records of its first message), a chunk per gateway message with new text (or, with
+    records of the first message of its prompt's first choice, `with_first_records`), a chunk per gateway message with new text (or, with
     `return_token_ids` or logprobs asked for, new ids), its finish chunk; then
     (`include_usage`) the usage chunk over every choice (js: choice index -> which of its
     prompt's n it is), then [DONE]."""
     include_usage, token_ids = body.include_usage, body.return_token_ids
     started: set[int] = set()
     finals: list[tuple[int, gateway_pb2.GenerateResponse]] = []
+    items = with_first_records(_after(first, stream), js) if echo is not None else \
+        ((index, message, None) async for index, message in _after(first, stream))
     try:
-        item: tuple[int, gateway_pb2.GenerateResponse] | None = first
-        while item is not None:
-            index, message = item
+        async for index, message, records in items:
             if shape.chat and index not in started:
                 started.add(index)
                 yield sse(shape.chunk("", first=True, with_usage_field=include_usage, index=index))
             if echo is not None and index not in started:
                 started.add(index)
                 try:
-                    part = echo(index, list(message.prompt_logprobs))
+                    part = echo(index, records)
                 except ValueError as exc:
                     raise ApiError(502, f"prompt logprobs: {exc}", code="bad_gateway") from None
                 chunk = shape.chunk("", with_usage_field=include_usage, index=index)
@@ -319,11 +323,18 @@ async def _events(stream: AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]
                                       token_ids=list(message.token_ids) if token_ids else None,
                                       logprobs=fmt.body(message.logprobs) if fmt is not None else None,
                                       index=index))
-            item = await anext(stream, None)
         if include_usage:
             yield sse(shape.usage_chunk(finals))
     except ApiError as exc:
         yield sse(exc.body())
     finally:
+        await items.aclose()
         await stream.aclose()  # cancels the calls when the client went away mid-stream
     yield DONE
+
+
+async def _after(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    """`first`, then the items of `rest`."""
+    yield first
+    async for item in rest:
+        yield item

@@ -189,7 +189,8 @@ class GenerationFields(BaseModel):
         gateway tokenizes them). Raises ApiError 400 naming the field (and the logit_bias key)."""
         bias = []
         for key, value in (self.logit_bias or {}).items():
-            if not key.strip().isdigit() or int(key) > INT32_MAX:
+            # ASCII digits only: str.isdigit() also holds for "²" and "①", which int() refuses (a 500)
+            if not (key.strip().isascii() and key.strip().isdigit()) or int(key) > INT32_MAX:
                 raise invalid("logit_bias", f"logit_bias key {key!r}: must be a token id (a decimal integer)")
             bias.append((int(key), value))
         for name, value in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty),

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -57,6 +58,8 @@ from services.verifier.tp_start import (ENV_CALL_TIMEOUT, ENV_INIT_TIMEOUT, TPSe
 from services.verifier.tp_worker import RankSpec, send, worker_main
 from kernels.select import KernelConfig
 from services.verifier.topk_diag import TopKDiagSettings
+
+log = logging.getLogger("dspark.verifier.tp")
 
 # The settings, errors and variable names are imported from here by services.settings, the app and tests.
 __all__ = ["ENV_CALL_TIMEOUT", "ENV_INIT_TIMEOUT", "TPSettings", "TPState", "TPTrunk", "TPWorkerError",
@@ -105,6 +108,10 @@ class TPTrunk:
         self._undo: dict[int, Any] = {}  # handle -> undo of its latest forward_block
         self._broken: str | None = None
         self._closed = False
+        # called once, with the reason, when the trunk becomes unusable (a dead, stalled or
+        # diverging worker; not close()): the verifier turns its health NOT_SERVING with it,
+        # so a probe or load balancer stops sending requests it can only refuse
+        self.on_broken: Callable[[str], None] | None = None
 
     # ------------------------------------------------------------------ Trunk interface
     def new_state(self) -> TPState:
@@ -266,7 +273,7 @@ class TPTrunk:
             except Exception as e:  # a collective that failed because a peer died or stalled lands here too
                 result, local_error = None, e
             except BaseException:  # interrupted mid-call: the workers may be inside a collective
-                self._broken = f"{op!r} was interrupted on rank 0"
+                self._break(f"{op!r} was interrupted on rank 0")
                 raise
             acks = self._collect(op, seq, start, local_error)
             errors = [(w.rank, text) for w, (kind, text) in zip(self._workers, acks) if kind == "error"]
@@ -326,8 +333,18 @@ class TPTrunk:
         return (f"TP worker rank {w.rank} (pid {w.proc.pid}) did not finish {op!r} within "
                 f"{self.settings.call_timeout_s:g} s ({ENV_CALL_TIMEOUT}); it is alive but stalled")
 
+    def _break(self, why: str) -> None:
+        """Mark the trunk unusable (every later call raises) and tell `on_broken`, once."""
+        first = self._broken is None
+        self._broken = self._broken or why
+        if first and self.on_broken is not None:
+            try:
+                self.on_broken(why)
+            except Exception:  # a reporting hook must not mask the worker's failure
+                log.exception("TP trunk: on_broken hook failed")
+
     def _fail(self, why: str, cause: BaseException | None = None):
-        self._broken = why
+        self._break(why)
         raise TPWorkerError(why + "; the TP trunk is unusable now: close() it and start a new one") from cause
 
 
