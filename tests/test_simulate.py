@@ -108,6 +108,28 @@ def test_single_stream_sources_keep_the_stated_costs():
     assert model.verifier_ms(1, 1) == 28.0 and model.verifier_ms(2, 1) == 33.0 and model.verifier_ms(4, 1) == 39.0
 
 
+
+def test_dspark_calibrate_output_is_a_cost_source(tmp_path, capsys):
+    """What `dspark calibrate` prints (DSPARK_GATE_*_MS lines) is what `--costs FILE` reads: the
+    bundled always-k recording fits draft and verify costs (no plain steps: exit 1), and with the
+    plain cost added by hand the file drives a simulation. The deprecated DEEPSEEK_ spelling of
+    older fits still parses to the same costs."""
+    assert main(["calibrate", "tests/data/bundled_rounds.json"]) == 1
+    printed = capsys.readouterr().out
+    fitted = {line.split("=")[0]: float(line.split("=")[1]) for line in printed.split()}
+    assert set(fitted) == {"DSPARK_GATE_DRAFT_MS", "DSPARK_GATE_VERIFY_BASE_MS", "DSPARK_GATE_VERIFY_SLOPE_MS"}
+    costs = parse_calibrate(printed, "fit.env")
+    assert costs == {"draft_ms": fitted["DSPARK_GATE_DRAFT_MS"], "verify_base_ms": fitted["DSPARK_GATE_VERIFY_BASE_MS"],
+                     "verify_slope_ms": fitted["DSPARK_GATE_VERIFY_SLOPE_MS"]}
+    assert parse_calibrate(printed.replace("DSPARK_GATE_", "DEEPSEEK_DSPARK_GATE_"), "old.env") == costs
+    path = tmp_path / "fit.env"
+    path.write_text(printed + "DSPARK_GATE_PLAIN_MS=60\n")
+    code, out, err = _run_cli(capsys, "--costs", str(path), "--arms", "plain", "k1", "--streams", "1",
+                              "--output", "16", "--json")
+    assert code == 0 and err == "", err
+    model = json.loads(out)["inputs"]["model"]
+    assert model["verifier"]["ms"][0] == 60.0 and model["drafter"]["draft"]["ms"][0] == costs["draft_ms"]
+
 def test_gpu_roofline_is_fitted_at_one_row():
     from services.simulate.models import roofline_check
     rows = {name: (model, peer) for name, model, peer in roofline_check()}

@@ -10,7 +10,7 @@ A `ServiceModel` gives, in ms of virtual time:
 * `rpc_ms`: one gateway <-> service round trip, paid by every call on top of its step.
 
 Sources (`load_model`): a built-in shape (`cpu`, `seed`, `gpu`), a JSON or TOML shape file,
-`dspark calibrate` output (its DEEPSEEK_DSPARK_GATE_*_MS lines), or a verifier's `Info`
+`dspark calibrate` output (its DSPARK_GATE_*_MS lines), or a verifier's `Info`
 (host:port: its profiled step table). Every source is checked: a negative, non-finite or
 non-monotone time raises ValueError naming the field and the value.
 """
@@ -162,18 +162,20 @@ def from_single_stream(costs: dict[str, float], name: str, max_rows: int = 8192)
 
 
 def parse_calibrate(text: str, name: str) -> dict[str, float]:
-    """The costs of `dspark calibrate` output (DEEPSEEK_DSPARK_GATE_<X>_MS=value lines; other
-    lines are ignored). Raises ValueError naming the line of a value that is not a number."""
+    """The costs of `dspark calibrate` output (DSPARK_GATE_<X>_MS=value lines; other lines are
+    ignored). The deprecated DEEPSEEK_DSPARK_GATE_<X>_MS spelling, which calibrate wrote before
+    the settings took the one DSPARK_ prefix, is read too, so older fits still load. Raises
+    ValueError naming the line of a value that is not a number, or the text when no line is one."""
     costs = {}
     for line in text.splitlines():
-        m = re.fullmatch(r"\s*(?:export\s+)?DEEPSEEK_DSPARK_GATE_([A-Z_]+)=(\S*)\s*", line)
+        m = re.fullmatch(r"\s*(?:export\s+)?(?:DEEPSEEK_)?DSPARK_GATE_([A-Z_]+)=(\S*)\s*", line)
         if m and m.group(1) in CALIBRATE_KEYS:
             try:
                 costs[CALIBRATE_KEYS[m.group(1)]] = float(m.group(2))
             except ValueError:
                 raise ValueError(f"{name}: {line.strip()!r}: not a number") from None
     if not costs:
-        raise ValueError(f"{name}: no DEEPSEEK_DSPARK_GATE_*_MS line (is it `dspark calibrate` output?)")
+        raise ValueError(f"{name}: no DSPARK_GATE_*_MS line (is it `dspark calibrate` output?)")
     return costs
 
 
