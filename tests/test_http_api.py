@@ -112,6 +112,28 @@ def test_completion_matches_grpc_tokens_usage_and_stats(front):
     assert r.object == "text_completion" and r.model == RANDOM_MODEL_ID and r.id.startswith("cmpl-")
 
 
+def test_accepted_prediction_tokens_count_only_what_the_completion_holds(front):
+    """A stop token inside a round's accepted block cuts the completion there: the drafts
+    accepted after it were verified (spec_stats.accepted counts them, as the gate learns) but
+    never streamed, so OpenAI's accepted_prediction_tokens leaves them out and never exceeds
+    the completion's drafted tokens (all but the first, which the prefill chose)."""
+    full = front.grpc(max_tokens=20, spec="always", ignore_eos=True).token_ids
+    cut_inside = 0
+    for i in range(2, 12):
+        if full[i] in full[:i]:
+            continue  # the stop must first appear at position i
+        r = front.client().completions.create(
+            model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=20, temperature=0,
+            extra_body={"ignore_eos": True, "spec": "always", "stop_token_ids": [full[i]]})
+        g = front.grpc(max_tokens=20, spec="always", ignore_eos=True, stop_token_ids=[full[i]])
+        details, stats = r.usage.completion_tokens_details, g.final.spec_stats
+        assert r.usage.completion_tokens == i + 1 == len(g.token_ids)
+        assert details.accepted_prediction_tokens == g.final.spec_accepted_tokens <= i
+        assert details.rejected_prediction_tokens == stats.submitted - details.accepted_prediction_tokens
+        cut_inside += stats.accepted > details.accepted_prediction_tokens
+    assert cut_inside > 0  # some stop did land inside an accepted block
+
+
 def test_token_id_prompt_and_one_element_batch_give_the_same_completion(front):
     ids = list(PROMPT.encode())
     ids = [b + 2 for b in ids]  # the random model's byte tokenizer: byte + 2

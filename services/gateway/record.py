@@ -255,7 +255,8 @@ class RoundStats:
     `gate`: the gate's view of the same rounds. drafter_failovers and drafter_failed are not
     round facts: the scheduler's drafter failover sets them on a generation's stats; nor are
     forced_rounds and forced_tokens (jump-forward's rounds, recorded as the rounds without
-    drafts they replace).
+    drafts they replace), nor unstreamed_accepted (accepted drafts a stop inside their block
+    cut from the completion; the scheduler counts them as it streams).
     """
 
     rounds: int = 0
@@ -273,6 +274,9 @@ class RoundStats:
     drafter_failed: bool = False  # the generation went on with plain decode
     forced_rounds: int = 0  # jump-forward: rounds that verified forced tokens (docs/structured.md §6)
     forced_tokens: int = 0  # forced tokens those rounds committed (not in `tokens`: the record counts the plain step)
+    # Accepted drafts after a stop condition inside their round's block: the verifier accepted
+    # them (`accepted` counts them, as the gate learns from them), the client never saw them.
+    unstreamed_accepted: int = 0
     gate: GateStats = field(default_factory=GateStats)
 
     def add(self, r: RoundRecord) -> None:

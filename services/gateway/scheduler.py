@@ -344,11 +344,15 @@ class _Generation:
             self.jump.commit([anchor])
         yield dataclasses.replace(self._emit([anchor], first.logprobs), prompt_logprobs=first.prompt_logprobs)
         while self.finish is None:
+            recorded = self.counters.accepted
             a, new, margin, logprobs = await self._round(anchor, pos, margin)
             pos, anchor = pos + a + 1, new[-1]
             if self.jump is not None:
                 self.jump.commit(new)
-            yield self._emit(new, logprobs)
+            event = self._emit(new, logprobs)
+            drafts = self.counters.accepted - recorded  # this round's accepted drafts (jump-forward's are not)
+            self.counters.unstreamed_accepted += drafts - min(drafts, len(event.token_ids))  # a stop inside the block
+            yield event
         yield self._final()
 
     def _final(self, prompt_logprobs: Sequence[TokenLogprob] = ()) -> FinalEvent:

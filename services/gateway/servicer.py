@@ -389,7 +389,7 @@ class ResponseStream:
             usage=gateway_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
             spec_stats=spec_stats(c), text=event.text + event.text_delta,
             time_to_first_token_ms=event.time_to_first_token_ms,
-            spec_draft_tokens=c.submitted, spec_accepted_tokens=c.accepted, **matched)
+            spec_draft_tokens=c.submitted, spec_accepted_tokens=c.accepted - c.unstreamed_accepted, **matched)
 
     def aborted(self) -> gateway_pb2.GenerateResponse:
         """The final message of an aborted generation: finish_reason "abort", the usage and

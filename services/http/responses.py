@@ -5,8 +5,9 @@ streamed chunks), `usage` with the prediction-token details and the `dspark` ext
 object, and the SSE framing. It holds no connection and decides nothing about a request.
 
 usage.completion_tokens_details: accepted_prediction_tokens = draft tokens the verifier
-accepted (`spec_accepted_tokens`); rejected_prediction_tokens = draft tokens submitted to
-verify and rejected (`spec_draft_tokens - spec_accepted_tokens`); drafts the gate dropped
+accepted that appear in the completion (`spec_accepted_tokens`: accepted drafts after a stop
+inside their block are not); rejected_prediction_tokens = draft tokens submitted to verify
+that do not appear in it (`spec_draft_tokens - spec_accepted_tokens`); drafts the gate dropped
 before verify are in neither (they are in `dspark.drafted`). A choice that ended on a stop
 carries what matched as `stop_reason` (a token id or a stop string; vLLM's field), else null. The `dspark` object carries the generation's `SpecStats` fields and
 `time_to_first_token_ms`, on the whole response and on the chunk that carries finish_reason;
