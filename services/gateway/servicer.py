@@ -31,6 +31,7 @@ the start-up cost profile of `DSPARK_GATE_COSTS=measured` (docs/gate.md §12) af
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -227,19 +228,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                          f"spec={request.spec}: not a SpecMode (0 default, 1 off, 2 always, 3 gated)")
         try:
             sampling = request_sampling(request, self.backends.settings.sampling_rule)
-            params = self.scheduler.params(
-                request.prompt, list(request.prompt_token_ids), request.max_tokens, _SPEC[request.spec],
-                request.temperature, list(request.stop_token_ids), list(request.stop), request.ignore_eos,
-                request.label, sampling, request.max_draft_tokens,
-                constraint_from_proto(request.constraint) if request.HasField("constraint") else None,
-                request_controls(request, self.scheduler.tokenizer),
-                request.prompt_logprobs if request.HasField("prompt_logprobs") else None)
+            # Tokenizing a prompt or bad words and compiling a grammar take up to seconds: off the
+            # event loop, which streams every other generation's tokens.
+            params = await asyncio.to_thread(self._params, request, sampling)
             running = self.running.register(rid, tenant_of(context.invocation_metadata()))
         except DuplicateRequestId as exc:
             await refuse(context, rid, grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except ValueError as exc:
             await refuse(context, rid, grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return rid, params, running
+
+    def _params(self, request, sampling):
+        """The request's `GenerationParams` (`Scheduler.params`). Raises ValueError naming a value."""
+        return self.scheduler.params(
+            request.prompt, list(request.prompt_token_ids), request.max_tokens, _SPEC[request.spec],
+            request.temperature, list(request.stop_token_ids), list(request.stop), request.ignore_eos,
+            request.label, sampling, request.max_draft_tokens,
+            constraint_from_proto(request.constraint) if request.HasField("constraint") else None,
+            request_controls(request, self.scheduler.tokenizer),
+            request.prompt_logprobs if request.HasField("prompt_logprobs") else None)
 
     async def Abort(self, request, context):
         if not request.request_id:

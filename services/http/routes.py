@@ -167,7 +167,8 @@ def _add_generation_routes(app: FastAPI, front: Front) -> None:
         scoring = PromptScoring(body.echo, body.logprobs, body.prompt_logprobs, prompts, body.n)
         scored = scoring.alternatives(max_tokens)
         if scoring.asked:  # the prompt's tokens as the gateway will score them, to name them in the reply
-            prompts = [(text, ids or front.tokenizer.encode(text)) for text, ids in prompts]
+            # Off the event loop: a long prompt takes seconds to tokenize, and the loop streams for everyone.
+            prompts = await asyncio.to_thread(lambda: [(text, ids or front.tokenizer.encode(text)) for text, ids in prompts])
             scoring = dataclasses.replace(scoring, prompts=prompts)
         shape = Shape(front.model.id, chat=False)
         reqs = [body.generate_request(shape.id, max_tokens, "" if scoring.asked else text, ids, body.top_alternatives,
@@ -185,7 +186,7 @@ def _add_generation_routes(app: FastAPI, front: Front) -> None:
         authorization = front.authorize(request)
         front.check_model(body.model)
         messages = body.checked()
-        ids = front.tokenizer.encode(front.template().render(messages))
+        ids = await asyncio.to_thread(lambda: front.tokenizer.encode(front.template().render(messages)))
         max_tokens = body.requested_max_tokens or max(1, front.model.max_seq_len - len(ids))
         shape = Shape(front.model.id, chat=True)
         req = body.generate_request(shape.id, max_tokens, prompt_ids=ids, logprobs=body.top_alternatives)

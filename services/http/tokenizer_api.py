@@ -10,6 +10,7 @@ gateway tokenizer's, exactly what a generation endpoint feeds the model for the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Annotated, Union
@@ -97,7 +98,7 @@ def add_tokenizer_routes(app: FastAPI, front, info: dict) -> None:
                                            add_generation_prompt=body.add_generation_prompt)
         else:
             text = body.prompt
-        ids = front.tokenizer.encode(text)
+        ids = await asyncio.to_thread(front.tokenizer.encode, text)  # off the loop that streams for everyone
         out = {"count": len(ids), "max_model_len": front.model.max_seq_len, "tokens": ids, "token_strs": None}
         if body.return_token_strs:
             out["token_strs"] = [front.tokenizer.token_str(i) for i in ids]
