@@ -430,3 +430,18 @@ def test_the_http_id_is_the_gateway_request_id(front):
     rest = list(chunks)
     assert reply.found and rest[-1].choices[0].finish_reason == "abort"
     assert rest[-1].model_extra["dspark"]["rounds"] < 200
+
+
+def test_request_validation_runs_off_the_event_loop(front, monkeypatch):
+    """Tokenizing a prompt (seconds for a 4 MiB one) and compiling a grammar must not hold the
+    event loop that streams every other generation: `Scheduler.params` runs on a worker
+    thread, for gRPC and HTTP requests alike."""
+    import threading
+    scheduler = front.gateway.scheduler
+    seen: list[str] = []
+    real = scheduler.params
+    monkeypatch.setattr(scheduler, "params", lambda *a, **kw: (seen.append(threading.current_thread().name),
+                                                                 real(*a, **kw))[1])
+    front.grpc(max_tokens=2)
+    front.client().completions.create(model=RANDOM_MODEL_ID, prompt=PROMPT, max_tokens=2)
+    assert len(seen) == 2 and "service-loop" not in seen  # the servers' event loop thread (services_fixtures)
