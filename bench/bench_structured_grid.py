@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import itertools
 import json
 import sys
@@ -230,16 +231,36 @@ def summary(rows: list[Row]) -> str:
 
 
 # ---------------------------------------------------------------------------- the bundled model
+async def start_grid_gateway(verifier_port: int, drafter_port: int, port: int = 0, checkpoint: str | None = None,
+                             startup_timeout_s: float = 10.0, **settings):
+    """A gateway over the grid's verifier and a drafter (batched verify, configured costs, the
+    GatewaySettings `settings` laid over): (server, scheduler, stub, close coroutine function)."""
+    import grpc
+
+    from services.app import start_gateway
+    from services.common.settings import GatewaySettings
+    from services.gateway.gate import GateConfig
+
+    gw, sched, backends = await start_gateway(GatewaySettings(
+        verifier_target=f"127.0.0.1:{verifier_port}", drafter_target=f"127.0.0.1:{drafter_port}",
+        verify_mode="batched", cost_mode="configured", startup_timeout_s=startup_timeout_s, **settings),
+        GateConfig(), port=port, checkpoint=checkpoint)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}")
+
+    async def close():
+        await channel.close()
+        await gw.stop(0)
+        await backends.close()
+    return gw, sched, gateway_pb2_grpc.GatewayStub(channel), close
+
+
 async def bundled_targets(args):
     """Servers over the bundled checkpoint in exact numerics; returns (targets, close)."""
-    import grpc
     import openai
 
-    from services.app import (drafter_engine, load_drafter, load_trunk, start_drafter, start_gateway,
-                              start_verifier, verifier_engine)
+    from services.app import drafter_engine, load_drafter, load_trunk, start_drafter, start_verifier, verifier_engine
     from services.common.constraint import checkpoint_vocab
-    from services.common.settings import BackendSettings, GatewaySettings
-    from services.gateway.gate import GateConfig
+    from services.common.settings import BackendSettings
     from services.http.server import start_http_front
 
     ckpt, base = args.checkpoint, args.port_base
@@ -252,21 +273,9 @@ async def bundled_targets(args):
     drafter = await start_drafter(drafter_engine(module), port=base + 2, vocab=grammar)
     closers, stubs = [], {}
 
-    async def gateway(port: int, drafter_port: int, **kw):
-        gw, sched, backends = await start_gateway(GatewaySettings(
-            verifier_target=f"127.0.0.1:{verifier.port}", drafter_target=f"127.0.0.1:{drafter_port}",
-            verify_mode="batched", cost_mode="configured", startup_timeout_s=30.0, **kw), GateConfig(),
-            port=port, checkpoint=ckpt)
-        ch = grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}")
-
-        async def close():
-            await ch.close()
-            await gw.stop(0)
-            await backends.close()
-        return gw, sched, gateway_pb2_grpc.GatewayStub(ch), close
-
-    _, _, stubs["plain"], c1 = await gateway(base + 3, drafter.port, jump_forward=False)
-    gw, sched, stubs["main"], c2 = await gateway(base + 4, drafter.port)
+    gateway = functools.partial(start_grid_gateway, verifier.port, checkpoint=ckpt, startup_timeout_s=30.0)
+    _, _, stubs["plain"], c1 = await gateway(drafter.port, port=base + 3, jump_forward=False)
+    gw, sched, stubs["main"], c2 = await gateway(drafter.port, port=base + 4)
     front = await start_http_front(gw, sched, ckpt, base + 5)
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{front.http.port}/v1", api_key="unused", max_retries=0,
                                 timeout=600.0)

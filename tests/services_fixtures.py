@@ -67,6 +67,13 @@ def tiny_trunk():
 
 
 @functools.lru_cache(maxsize=None)
+def exact_trunk():
+    """The random tiny trunk in exact verify numerics (a verifier whose batched verify is
+    bitwise plain decode; shared read-only)."""
+    return load_trunk(None, verify_numerics="exact")
+
+
+@functools.lru_cache(maxsize=None)
 def tiny_draft_module():
     """The DSpark module of the random tiny model (random weights, confidence head present)."""
     return load_drafter(None)
@@ -347,15 +354,19 @@ class ServiceStack:
         self.loop.run(self.aclose(), 30)
 
 
-async def astart_stack(drafter: str = "oracle", *, verifier_max_sessions: int = 16, drafter_max_sessions: int = 16,
-                       corrupt_every: int = 0, provider: TracerProvider | None = None,
-                       gate_config: GateConfig | None = None, loop: ServiceLoop | None = None) -> ServiceStack:
+async def astart_stack(drafter: str = "oracle", *, verifier_max_sessions: int | None = 16,
+                       drafter_max_sessions: int | None = 16, corrupt_every: int = 0,
+                       provider: TracerProvider | None = None, gate_config: GateConfig | None = None,
+                       loop: ServiceLoop | None = None, verify_numerics: str = "fast") -> ServiceStack:
     """Start a verifier and a drafter (`drafter`: "oracle" | "dspark" | "none") on port 0 over new
-    engines on the shared tiny model. Must run on `loop` (default: the process-wide one)."""
+    engines on the shared tiny model. verify_numerics "exact": the verifier runs `exact_trunk`
+    (the oracle still drafts from the fast one). A max_sessions of None sizes it from memory.
+    Must run on `loop` (default: the process-wide one)."""
     if drafter not in DRAFTERS:
         raise ValueError(f"drafter={drafter!r}: must be one of {DRAFTERS}")
     trunk = tiny_trunk()
-    v_engine = verifier_engine(trunk, BackendSettings(max_sessions=verifier_max_sessions))
+    v_engine = verifier_engine(exact_trunk() if verify_numerics == "exact" else trunk,
+                               BackendSettings(max_sessions=verifier_max_sessions, verify_numerics=verify_numerics))
     verifier = await start_verifier(v_engine, provider=provider)
     d_engine, d_server = None, None
     if drafter != "none":
@@ -388,5 +399,28 @@ def oracle_stack():
 def dspark_stack():
     """Verifier + DSpark drafter with the tiny model's random weights (drafts mostly rejected)."""
     stack = start_stack("dspark")
+    yield stack
+    stack.close()
+
+
+def start_exact_stack(drafter: str) -> ServiceStack:
+    """An exact-numerics verifier beside `drafter` ("oracle": the live oracle corrupting every
+    third draft slot, so drafts are both accepted and rejected; "dspark"), memory-sized limits."""
+    return start_stack(drafter, verify_numerics="exact", corrupt_every=3 if drafter == "oracle" else 0,
+                       verifier_max_sessions=None, drafter_max_sessions=None)
+
+
+@pytest.fixture(scope="module")
+def oracle_exact():
+    """`start_exact_stack("oracle")` for a module."""
+    stack = start_exact_stack("oracle")
+    yield stack
+    stack.close()
+
+
+@pytest.fixture(scope="module")
+def dspark_exact():
+    """`start_exact_stack("dspark")` for a module."""
+    stack = start_exact_stack("dspark")
     yield stack
     stack.close()

@@ -10,7 +10,6 @@ the gateway (batched verify) and its HTTP front. The per-control grid is `slow`.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 
@@ -18,11 +17,9 @@ import grpc
 import openai
 import pytest
 
-from services.app import drafter_engine, load_trunk, start_drafter, start_verifier, verifier_engine
-from services.common.settings import BackendSettings
-from services.gateway.gate import GateConfig
 from services.http.server import RANDOM_MODEL_ID as MODEL, start_http_front
-from services_fixtures import ServiceStack, gen_request, service_loop, tiny_draft_module, tiny_tokenizer, tiny_trunk
+from services_fixtures import (ServiceStack, dspark_exact, gen_request, oracle_exact,  # noqa: F401 (fixtures)
+                               tiny_tokenizer)
 
 PROMPT = "the quick brown fox"
 EOS = 1
@@ -39,34 +36,6 @@ CONTROLS = {
     "mix": {"logit_bias": {100: 4.0, 59: -100.0}, "frequency_penalty": 1.5, "presence_penalty": -0.5,
             "repetition_penalty": 1.3, "min_tokens": 6, "bad_words": ["2r"], "ignore_eos": False},
 }
-
-
-@functools.lru_cache(maxsize=None)
-def exact_trunk():
-    return load_trunk(None, verify_numerics="exact")
-
-
-async def _astack(drafter: str) -> ServiceStack:
-    v_engine = verifier_engine(exact_trunk(), BackendSettings(verify_numerics="exact"))
-    verifier = await start_verifier(v_engine)
-    d_engine = (drafter_engine(tiny_trunk(), oracle=True, corrupt_every=3) if drafter == "oracle"
-                else drafter_engine(tiny_draft_module()))
-    d_server = await start_drafter(d_engine)
-    return ServiceStack(service_loop(), drafter, v_engine, d_engine, verifier, d_server, GateConfig(), None)
-
-
-@pytest.fixture(scope="module")
-def oracle_exact():
-    stack = service_loop().run(_astack("oracle"), 60)
-    yield stack
-    stack.close()
-
-
-@pytest.fixture(scope="module")
-def dspark_exact():
-    stack = service_loop().run(_astack("dspark"), 60)
-    yield stack
-    stack.close()
 
 
 def request(spec: str, temperature: float = 0.0, max_tokens: int = 16, seed: int = 5, rule: int = 0, **controls):

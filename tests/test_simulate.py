@@ -14,7 +14,7 @@ import pytest
 from services.cli import main
 from services.gateway.load import StepTimes
 from services.gateway.rounds import Round
-from services.simulate.engine import RunConfig
+from services.simulate.engine import Gateway, RecordedText, RunConfig, StreamSpec
 from services.simulate.models import ServiceModel, from_single_stream, load_model, parse_calibrate
 from services.simulate.run import Lengths, Load, arm_registry, simulate_cell, stream_specs
 
@@ -49,8 +49,7 @@ def test_two_streams_follow_the_hand_computed_schedule():
 
 
 def stream_spec(stream: int):
-    from services.simulate.engine import StreamSpec
-    return StreamSpec(stream, 0.0, 1, 5, [ROUND], 0)
+    return StreamSpec(stream, 0.0, 1, 5, RecordedText([ROUND]), 0)
 
 
 def test_gathering_lets_two_decodes_share_a_step():
@@ -86,8 +85,8 @@ def test_every_arm_of_a_cell_sees_the_same_streams():
     groups = {"a": [ROUND, Round("a", (1.0,), 1, 0)], "b": [ROUND]}
     one = stream_specs(Load(4), groups, Lengths(8, 16), Lengths(32, 32), 3)
     two = stream_specs(Load(4), groups, Lengths(8, 16), Lengths(32, 32), 3)
-    assert [(s.prompt, s.offset, s.rounds[0].workload) for s in one] == \
-        [(s.prompt, s.offset, s.rounds[0].workload) for s in two]
+    assert [(s.prompt, s.offset, s.text.drafted[0].workload) for s in one] == \
+        [(s.prompt, s.offset, s.text.drafted[0].workload) for s in two]
 
 
 def test_open_loop_arrivals_start_at_zero_and_rise():
@@ -182,7 +181,6 @@ def test_the_recording_is_read_at_the_generations_text_position():
     and cover 7 tokens. A draft reads the first drafted round at or after its position: a
     generation that moved on by plain tokens reaches the next recorded round (it does not meet
     the round it skipped again), and the text wraps."""
-    from services.simulate.engine import RecordedText
     a, skipped, b = Round("w", (1.0, 1.0), 2, 1), Round("w", (), 0, 0), Round("w", (2.0,) * 4, 4, 3)
     text = RecordedText([a, skipped, b])
     assert text.length == 7 and text.starts == [0, 3]
@@ -197,10 +195,8 @@ def test_a_gated_stream_that_stops_drafting_moves_on_through_the_recording():
     """A poor stretch (two rounds of 0 accepted) then good rounds: k1 from the start meets the
     poor rounds once, then accepts every good round; its decisions follow the text position."""
     poor, good = Round("w", (-9.0,) * 5, 5, 0), Round("w", (9.0,) * 5, 5, 5)
-    from services.simulate.engine import StreamSpec
-    from services.simulate.engine import Gateway
     gw = Gateway(_hand_model(), RunConfig(block_size=5, gather_s=0.0, max_seq_len=64), arm_registry(5)["k1"])
-    gw.start([StreamSpec(0, 0.0, 1, 16, [poor, poor] + [good] * 6, 0)])
+    gw.start([StreamSpec(0, 0.0, 1, 16, RecordedText([poor, poor] + [good] * 6), 0)])
     gw.run()
     # rounds 1-2 read the poor rounds (1 token each), then position 2 reads good (accepted 1)
     assert [acc for _, _, acc in gw.decisions[0]][:4] == [0, 0, 1, 1]
@@ -215,11 +211,11 @@ def test_the_gateway_takes_verifier_replies_one_at_a_time():
     flat = StepTimes((1.0, 100.0), (10.0, 10.0))
     model = ServiceModel("turns", flat, StepTimes((1.0,), (4.0,)), StepTimes((1.0,), (1.0,)), gateway_ms=3.0)
     config = RunConfig(block_size=2, gather_s=0.0, max_seq_len=64)
-    from services.simulate.engine import StreamSpec
-    one = simulate_cell(model, config, arm_registry(2)["plain"], [StreamSpec(0, 0.0, 1, 3, [ROUND], 0)])
+    one = simulate_cell(model, config, arm_registry(2)["plain"], [StreamSpec(0, 0.0, 1, 3, RecordedText([ROUND]), 0)])
     assert one["wall_s"] == pytest.approx(0.039) and one["itl_p50_ms"] == pytest.approx(13.0)
     slow = dataclasses.replace(model, gateway_ms=12.0)
-    two = simulate_cell(slow, config, arm_registry(2)["plain"], [StreamSpec(s, 0.0, 1, 1, [ROUND], 0) for s in range(2)])
+    two = simulate_cell(slow, config, arm_registry(2)["plain"],
+                        [StreamSpec(s, 0.0, 1, 1, RecordedText([ROUND]), 0) for s in range(2)])
     assert two["ttft_p50_ms"] == pytest.approx(28.0) and two["wall_s"] == pytest.approx(0.034)
     with pytest.raises(ValueError, match="gateway_ms"):
         ServiceModel("bad", flat, flat, flat, gateway_ms=-1.0)

@@ -18,7 +18,7 @@ import pytest
 from services.gateway import gate as gate_module
 from services.gateway.load import StepTimes
 from services.gateway.rounds import Round
-from services.simulate.engine import Gateway, RunConfig, StreamSpec
+from services.simulate.engine import Gateway, RecordedText, RunConfig, StreamSpec
 from services.simulate.models import ServiceModel
 from services.simulate.run import arm_registry
 from tests.services_fixtures import collect, gen_request, start_stack, tiny_tokenizer, tiny_trunk  # noqa: F401
@@ -55,7 +55,7 @@ def _simulated(recorded: list[Round], gate_costs) -> list[tuple[int, int]]:
     model = ServiceModel("flat", flat, flat, flat)
     config = RunConfig(block_size=5, max_seq_len=tiny_trunk().cfg.max_seq_len, gate_costs=gate_costs)
     gw = Gateway(model, config, arm_registry(5)["gate-only"])
-    gw.start([StreamSpec(0, 0.0, len(tiny_tokenizer().encode(PROMPT)), MAX_TOKENS, recorded, 0)])
+    gw.start([StreamSpec(0, 0.0, len(tiny_tokenizer().encode(PROMPT)), MAX_TOKENS, RecordedText(recorded), 0)])
     gw.run()
     return [(k, accepted) for _, k, accepted in gw.decisions[0]]
 

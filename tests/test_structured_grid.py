@@ -11,45 +11,22 @@ generations over 21 schemas) is `slow`; a small one runs in CI."""
 
 from __future__ import annotations
 
-import functools
-
 import openai
 import pytest
 
-from bench.bench_structured_grid import GridTargets, run_grid, summary
-from dspark_proto.v1 import gateway_pb2_grpc
-from services.app import drafter_engine, load_trunk, start_drafter, start_gateway, start_verifier, verifier_engine
-from services.common.settings import BackendSettings, GatewaySettings
-from services.gateway.gate import GateConfig
+from bench.bench_structured_grid import GridTargets, run_grid, start_grid_gateway, summary
+from services.app import drafter_engine, start_drafter, start_verifier, verifier_engine
+from services.common.settings import BackendSettings
 from services.http.server import start_http_front
-from services_fixtures import service_loop, tiny_trunk
+from services_fixtures import exact_trunk, service_loop, tiny_trunk
 from structured_schemas import SCHEMAS
-
-
-@functools.lru_cache(maxsize=None)
-def exact_trunk():
-    return load_trunk(None, verify_numerics="exact")
-
-
-async def _gateway(verifier_port: int, drafter_port: int, **settings):
-    import grpc
-    gw, sched, backends = await start_gateway(GatewaySettings(
-        verifier_target=f"127.0.0.1:{verifier_port}", drafter_target=f"127.0.0.1:{drafter_port}",
-        verify_mode="batched", cost_mode="configured", startup_timeout_s=10.0, **settings), GateConfig())
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{gw.port}")
-
-    async def close():
-        await channel.close()
-        await gw.stop(0)
-        await backends.close()
-    return gw, sched, gateway_pb2_grpc.GatewayStub(channel), close
 
 
 async def _start():
     verifier = await start_verifier(verifier_engine(exact_trunk(), BackendSettings(verify_numerics="exact")))
     drafter = await start_drafter(drafter_engine(tiny_trunk(), oracle=True, corrupt_every=3))
-    _, _, plain, close_plain = await _gateway(verifier.port, drafter.port, jump_forward=False)
-    gw, sched, main, close_main = await _gateway(verifier.port, drafter.port)
+    _, _, plain, close_plain = await start_grid_gateway(verifier.port, drafter.port, jump_forward=False)
+    gw, sched, main, close_main = await start_grid_gateway(verifier.port, drafter.port)
     front = await start_http_front(gw, sched, None, 0, generate_timeout_s=120.0)
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{front.http.port}/v1", api_key="unused",
                                 max_retries=0, timeout=120.0)
@@ -57,7 +34,7 @@ async def _start():
 
     async def killable():
         victim = await start_drafter(drafter_engine(tiny_trunk(), oracle=True))
-        _, _, stub, close = await _gateway(verifier.port, victim.port)
+        _, _, stub, close = await start_grid_gateway(verifier.port, victim.port)
 
         async def close_both():
             await close()

@@ -9,48 +9,20 @@ corrupting every third slot or the DSpark drafter, gateway). The 200-generation 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import json
 
 import jsonschema
 import pytest
 
-from services.app import (drafter_engine, load_trunk, start_drafter, start_verifier, verifier_engine)
 from services.common.settings import BackendSettings
 from services.gateway.gate import GateConfig
 from structured_schemas import SCHEMAS
-from services_fixtures import ServiceStack, collect, gen_request, service_loop, tiny_draft_module, tiny_trunk
+from services.app import drafter_engine, start_verifier, verifier_engine
+from services_fixtures import (ServiceStack, collect, dspark_exact, exact_trunk, gen_request,  # noqa: F401 (fixtures)
+                               oracle_exact, service_loop, tiny_trunk)
 
 MAX_TOKENS = 200  # every schema bounds its output well inside this (tests/structured_schemas.py)
-
-
-@functools.lru_cache(maxsize=None)
-def exact_trunk():
-    return load_trunk(None, verify_numerics="exact")
-
-
-async def _astack(drafter: str) -> ServiceStack:
-    v_engine = verifier_engine(exact_trunk(), BackendSettings(verify_numerics="exact"))
-    verifier = await start_verifier(v_engine)
-    d_engine = (drafter_engine(tiny_trunk(), oracle=True, corrupt_every=3) if drafter == "oracle"
-                else drafter_engine(tiny_draft_module()))
-    d_server = await start_drafter(d_engine)
-    return ServiceStack(service_loop(), drafter, v_engine, d_engine, verifier, d_server, GateConfig(), None)
-
-
-@pytest.fixture(scope="module")
-def oracle_exact():
-    stack = service_loop().run(_astack("oracle"), 60)
-    yield stack
-    stack.close()
-
-
-@pytest.fixture(scope="module")
-def dspark_exact():
-    stack = service_loop().run(_astack("dspark"), 60)
-    yield stack
-    stack.close()
 
 
 def schema_request(schema: dict, spec: str, temperature: float = 0.0, seed: int = 7, prompt: str = "json:"):

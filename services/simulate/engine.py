@@ -71,21 +71,6 @@ class RunConfig:
     gate_costs: CostModel | None = None  # the gates' cost model; None: the model's single-stream costs
 
 
-@dataclass
-class StreamSpec:
-    """One generation to run: its stream, arrival (virtual ms), prompt and output lengths
-    (tokens), its workload's recorded rounds (drafted or not, in recorded order) and the
-    drafted round it starts reading at."""
-
-    stream: int
-    arrival_ms: float
-    prompt: int
-    output: int
-    rounds: list[Round]
-    offset: int
-    then: StreamSpec | None = None  # the stream's next generation (closed loop), sent when this one ends
-
-
 class RecordedText:
     """A recording's rounds laid out along the text they committed, so a generation reads the
     round at its own text position however it moved there.
@@ -117,6 +102,20 @@ class RecordedText:
     def start(self, offset: int) -> int:
         """The text position of drafted round `offset` (mod their number)."""
         return self.starts[offset % len(self.starts)]
+
+
+@dataclass
+class StreamSpec:
+    """One generation to run: its stream, arrival (virtual ms), prompt and output lengths
+    (tokens), its workload's recording and the drafted round it starts reading at."""
+
+    stream: int
+    arrival_ms: float
+    prompt: int
+    output: int
+    text: RecordedText
+    offset: int
+    then: StreamSpec | None = None  # the stream's next generation (closed loop), sent when this one ends
 
 
 class Gateway:
@@ -151,14 +150,6 @@ class Gateway:
         self.traces: dict[int, list[GenerationTrace]] = {}  # per stream, its generations in order
         self.drafted_rounds = self.rounds = self.submitted = 0
         self.decisions: dict[int, list[tuple[str, int, int]]] = {}  # per stream: (reason, k, accepted) per round
-        self._texts: dict[int, RecordedText] = {}  # by id of a workload's rounds list
-
-    def recorded_text(self, rounds: list[Round]) -> RecordedText:
-        """The `RecordedText` of a workload's rounds (built once per list)."""
-        text = self._texts.get(id(rounds))
-        if text is None:
-            text = self._texts[id(rounds)] = RecordedText(rounds)
-        return text
 
     def _verifier_ms(self, step) -> float:
         rows = sum(step.chunk(r) if r.op == "prefill" else r.rows for r in step.requests)
@@ -256,8 +247,8 @@ class _Generation:
         self.sid = -1
         self.emitted = 0
         self.pos = spec.prompt
-        self.text = gw.recorded_text(spec.rounds)
-        self.text_pos = self.text.start(spec.offset)  # where this generation is in the recording
+        self.text = spec.text
+        self.text_pos = spec.text.start(spec.offset)  # where this generation is in the recording
         self.deferred = False  # committed rows held back for the next draft
         self.margin: float | None = None
         self.decisions = gw.decisions.setdefault(spec.stream, [])

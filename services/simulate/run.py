@@ -18,7 +18,7 @@ import numpy as np
 
 from services.analysis.serving_stats import cell_figures
 from services.gateway.rounds import Round, RoundLog
-from services.simulate.engine import Arm, Gateway, RunConfig, StreamSpec
+from services.simulate.engine import Arm, Gateway, RecordedText, RunConfig, StreamSpec
 from services.simulate.models import ServiceModel
 
 
@@ -109,11 +109,12 @@ def stream_specs(load: Load, groups: dict[str, list[Round]], prompt: Lengths, ou
     workload, a start in its rounds and its lengths."""
     rng = np.random.default_rng([seed, load.streams, load.per_stream, 0 if load.rate is None else 1])
     names = sorted(groups)
+    texts = {name: RecordedText(groups[name]) for name in names}
 
     def spec(stream: int, arrival: float) -> StreamSpec:
-        rounds = groups[names[int(rng.integers(len(names)))]]
-        drafted = sum(1 for r in rounds if r.confidence_logits)
-        return StreamSpec(stream, arrival, prompt.draw(rng), output.draw(rng), rounds, int(rng.integers(drafted)))
+        text = texts[names[int(rng.integers(len(names)))]]
+        return StreamSpec(stream, arrival, prompt.draw(rng), output.draw(rng), text,
+                          int(rng.integers(len(text.drafted))))
 
     if load.rate is not None:
         gaps = rng.exponential(1e3 / load.rate, load.requests)
