@@ -69,6 +69,7 @@ class RunConfig:
     cores: int = 1  # the shared pool's cores (processor sharing; docs/simulate.md §3)
     drafters: int = 1
     gate_costs: CostModel | None = None  # the gates' cost model; None: the model's single-stream costs
+    prime_rows: int = 64  # tap rows a prefill primes the drafter with (the verifier's prefill_keep_rows)
 
 
 class RecordedText:
@@ -157,7 +158,7 @@ class Gateway:
 
     def _drafter_ms(self, step) -> float:
         drafts = sum(r.op == "draft" for r in step.requests)
-        return self.model.drafter_ms(drafts, len(step.requests) - drafts)
+        return self.model.drafter_ms(drafts, sum(r.rows for r in step.requests if r.op == "commit"))
 
     def _verifier_step(self, requests, rows: int, ms: float, end_ms: float) -> None:
         tokens = sum(r.tokens for r in requests if r.op != "prefill" or r.left == 0)
@@ -250,6 +251,7 @@ class _Generation:
         self.text = spec.text
         self.text_pos = spec.text.start(spec.offset)  # where this generation is in the recording
         self.deferred = False  # committed rows held back for the next draft
+        self.uncommitted = 0  # committed tokens whose tap rows the drafter has not written yet
         self.margin: float | None = None
         self.decisions = gw.decisions.setdefault(spec.stream, [])
         self.drafter = gw.drafters[gw.placed % len(gw.drafters)]
@@ -266,6 +268,7 @@ class _Generation:
 
     def _prefilled(self, rows: int) -> None:
         self.gw.inside -= 1
+        self.uncommitted = min(self.spec.prompt, self.gw.config.prime_rows)
         self._emit(1)
         if self.emitted >= self.spec.output:
             return self._finish()
@@ -274,10 +277,15 @@ class _Generation:
         if not self.policy.regime_drafts(self.gw.in_flight):
             self.deferred = True  # asleep: primed when it drafts
             return self._round()
-        self._drafter(Request(self.sid, "commit", reply=lambda rows: self._round()))
+        self._commit(self._round)
 
     def _drafter(self, req: Request) -> None:
         self.gw.call(self.drafter, req)
+
+    def _commit(self, then: Callable[[], None]) -> None:
+        """Write the rows committed since the last commit into the drafter, then `then`."""
+        rows, self.uncommitted = max(self.uncommitted, 1), 0
+        self._drafter(Request(self.sid, "commit", rows=rows, reply=lambda _: then()))
 
     # ------------------------------------------------------------------ rounds
     def _round(self) -> None:
@@ -290,7 +298,7 @@ class _Generation:
             return self._submit(rec, reason, None, 0)
         if self.deferred:  # the link's flush: the held rows go before the draft
             self.deferred = False
-            return self._drafter(Request(self.sid, "commit", reply=lambda rows: self._draft(rec)))
+            return self._commit(lambda: self._draft(rec))
         self._draft(rec)
 
     def _plan(self) -> Reason | None:
@@ -329,6 +337,7 @@ class _Generation:
         self.policy.observe(conf, k, accepted, rows, k + 1 if k else 1, gw.rate.tokens_per_ms())
         self.pos += accepted + 1
         self.text_pos += accepted + 1
+        self.uncommitted += accepted + 1
         if gw.regime is not None:
             gw.regime.record(max(gw.in_flight, 1), accepted + 1, gw.clock.now / 1e3, self.policy.spec == "gated")
         self._emit(accepted + 1)
@@ -337,7 +346,7 @@ class _Generation:
         if reason in DEFERRED or self.policy.spec == "off":
             self.deferred = self.deferred or reason in DEFERRED
             return self._round()
-        self._drafter(Request(self.sid, "commit", reply=lambda rows: self._round()))
+        self._commit(self._round)
 
     def _emit(self, tokens: int) -> None:
         tokens = min(tokens, self.spec.output - self.emitted)

@@ -45,7 +45,7 @@ class Clock:
 class Request:
     """One call to a backend: its session, op ("prefill" | "decode" | "verify" on the
     verifier, "commit" | "draft" on the drafter), rows it forwards (a verify k + 1, a decode
-    1), prompt tokens still to forward (`left`), tokens it commits when answered (a verify
+    1, a commit the tap rows it writes), prompt tokens still to forward (`left`), tokens it commits when answered (a verify
     accepted + 1, a decode or prefill 1: the verifier's commit rate) and the callback of its
     reply (virtual ms, step rows)."""
 
