@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.gateway.decision import CostModel
-from services.gateway.load import StepTimes
+from services.common.budget import StepTimes
 from services.simulate.roofline import PEER_DRAFT_MS, PEER_PLAIN_MS, PEER_VERIFY, gpu_tables
 
 SHAPES = ("cpu", "seed", "gpu")

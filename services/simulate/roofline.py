@@ -19,7 +19,7 @@ prints the comparison.
 
 from __future__ import annotations
 
-from services.gateway.load import StepTimes
+from services.common.budget import StepTimes
 
 # Published config (docs/model.md §1).
 LAYERS, DIM, HEADS, HEAD_DIM, Q_LORA, O_LORA, O_GROUPS = 43, 4096, 64, 512, 1024, 1024, 8
