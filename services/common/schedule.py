@@ -60,13 +60,18 @@ R = TypeVar("R", bound=Scheduled)
 class ReturnGaps:
     """How long each session takes to send its next request after an answer, per kind of
     answer: an exponential average (weight GAP_WEIGHT on the newest gap) of seconds from the
-    answer to the next request; and, per session answered and not yet back, that answer."""
+    answer to the next request; and, per session answered and not yet back, that answer. A
+    session not yet seen after a kind of answer is expected to take what sessions in general
+    took after it (the same average over every session's gaps): a generation's prefill is
+    answered once, and whether its session turns straight around (a plain decode) or first
+    primes the drafter is learned from the sessions before it."""
 
     GAP_WEIGHT = 0.5  # sessions change phase (a gated generation drafting again): follow them fast
 
     def __init__(self) -> None:
         self._answered: dict[int, tuple[str, float]] = {}  # sid -> (kind, time s of the answer)
         self._gaps: dict[int, dict[str, float]] = {}  # sid -> {kind: mean gap s}
+        self._kinds: dict[str, float] = {}  # kind -> mean gap s over every session
 
     def answered(self, sid: int, kind: str, now: float) -> None:
         self._answered[sid] = (kind, now)
@@ -76,14 +81,16 @@ class ReturnGaps:
         last = self._answered.pop(sid, None)
         if last is not None:
             kind, t = last
-            gaps = self._gaps.setdefault(sid, {})
-            old = gaps.get(kind)
-            gaps[kind] = now - t if old is None else old + self.GAP_WEIGHT * (now - t - old)
+            for gaps, key in ((self._gaps.setdefault(sid, {}), kind), (self._kinds, kind)):
+                old = gaps.get(key)
+                gaps[key] = now - t if old is None else old + self.GAP_WEIGHT * (now - t - old)
 
     def expected(self, sid: int) -> float:
-        """The gap (s) expected before `sid` sends again after its last answer (0 when unknown)."""
+        """The gap (s) expected before `sid` sends again after its last answer: its own after
+        that kind, else every session's after that kind, else 0."""
         kind, _ = self._answered.get(sid, ("", 0.0))
-        return self._gaps.get(sid, {}).get(kind, 0.0)
+        own = self._gaps.get(sid, {}).get(kind)
+        return own if own is not None else self._kinds.get(kind, 0.0)
 
     def outstanding(self) -> list[tuple[int, str, float]]:
         """(sid, kind, answer time s) of every session answered and not yet back."""

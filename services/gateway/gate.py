@@ -70,13 +70,14 @@ class Reason(enum.Enum):
     ANCHOR_MARGIN = "anchor_margin"    # pre-draft: the anchor's logit margin is below MARGIN_THRESHOLD
     LEARNED_MARGIN = "learned_margin"  # pre-draft: drafting at this anchor-margin bin has lost (threshold auto)
     RECENT_LOSS = "recent_loss"        # pre-draft: the recent drafted rounds, re-priced, lost to plain decode
+    STEP_PRICE = "step_price"          # pre-draft: at the verifier step's price no draft would be admitted
     REGIME = "regime"                  # the gateway ran gated rounds plain at this concurrency (not drafted)
     BUDGET = "budget"                  # drafted, then cut by max_tokens / max_seq_len
     COST = "cost"                      # drafted, then cut by the gate's cost rule (to 0 included)
 
 
 # The reasons `Gate.pre_draft` gives for not drafting.
-PRE_DRAFT_SKIPS = (Reason.ANCHOR_MARGIN, Reason.LEARNED_MARGIN, Reason.RECENT_LOSS)
+PRE_DRAFT_SKIPS = (Reason.ANCHOR_MARGIN, Reason.LEARNED_MARGIN, Reason.RECENT_LOSS, Reason.STEP_PRICE)
 
 
 def _logit(value: object, where: str) -> float:

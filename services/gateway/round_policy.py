@@ -32,12 +32,13 @@ import operator
 from collections.abc import Sequence
 
 from services.gateway.gate import Gate, LengthChoice
-from services.common.budget import StepTimes
+from services.common.budget import StepTimes, admit_drafts
 from services.gateway.load import LoadSeen, PricingStats, priced_at_load
 from services.gateway.record import Reason, drafted_reason
 from services.gateway.regime import RegimePolicy
 
 BUDGETS = ("off", "trim", "full")
+RECENT_BLOCKS = 8  # the budgeted blocks the pre-draft price check averages
 
 
 class RoundPolicy:
@@ -70,6 +71,7 @@ class RoundPolicy:
         self.max_tokens, self.request_max_drafts = max_tokens, max_drafts
         self.pricing_stats = pricing_stats
         self.seen = LoadSeen()
+        self.recent: list[tuple[float, ...]] = []  # survivals of the last RECENT_BLOCKS budgeted blocks
 
     def regime_drafts(self, in_flight: int) -> bool:
         """Whether the gateway's regime lets this generation draft with `in_flight` (>= 0)
@@ -92,6 +94,8 @@ class RoundPolicy:
         verifier call now), then `Gate.pre_draft`: None drafts; a reason (one of
         `PRE_DRAFT_SKIPS`) decodes plain, nothing drafted. Raises ValueError on a NaN margin or
         a negative count."""
+        if self.budget != "off":
+            return self.gate.pre_draft(anchor_margin) or self._step_price()
         if self.step_table is not None:
             self.seen.observe_cover(others_inside)
             if self.pricing_stats is not None:
@@ -99,6 +103,20 @@ class RoundPolicy:
             self.gate.pricing = priced_at_load(self.gate.cost, self.step_table, self.seen, self.gate.rate(),
                                                self.block_size)
         return self.gate.pre_draft(anchor_margin)
+
+    def _step_price(self) -> Reason | None:
+        """With the step budget: STEP_PRICE when, at the verifier's last reported step (its
+        rows beside this generation's, lambda_sys and the step table), the budget would admit
+        no draft of a block like the recent drafted rounds' (their mean survivals): the draft
+        would be paid and then cut whole. None drafts (no table, rate or recent round yet)."""
+        blocks = self.recent
+        if self.step_table is None or self.seen.tokens_per_ms <= 0 or not blocks:
+            return None
+        width = min(len(b) for b in blocks)
+        mean = tuple(sum(b[j] for b in blocks) / len(blocks) for j in range(width))
+        base = self.seen.other_rows + 1
+        admitted = admit_drafts([mean], round(base), self.step_table, self.seen.tokens_per_ms)[0]
+        return Reason.STEP_PRICE if admitted == 0 else None
 
     def choose(self, confidences: Sequence[float] | None, drafted: int, pos: int, emitted: int
                ) -> tuple[Reason, int]:
@@ -115,7 +133,9 @@ class RoundPolicy:
         budget, confidences or drafts)."""
         if self.budget == "off" or confidences is None or k == 0:
             return None
-        return tuple(itertools.accumulate(self.gate.match_probs(confidences[:k]), operator.mul))
+        estimates = tuple(itertools.accumulate(self.gate.match_probs(confidences[:k]), operator.mul))
+        self.recent = [*self.recent[-(RECENT_BLOCKS - 1):], estimates]
+        return estimates
 
     def observe(self, confidences: Sequence[float] | None, k: int, accepted: int,
                 step_rows: int, own_rows: int, tokens_per_ms: float) -> None:

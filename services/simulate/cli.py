@@ -12,6 +12,8 @@ import json
 import sys
 import time
 
+ALIGNMENTS = ("free", "gather", "lockstep", "rate")  # services.common.alignment, by name
+
 DEFAULT_STREAMS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # The plain numeric options: flag, type, default, help.
 NUMBERS = (
@@ -55,6 +57,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    help="one gateway <-> service round trip (ms; default: the cost source's, 0 for shapes without one)")
     for flag, kind, default, text in NUMBERS:
         p.add_argument(flag, type=kind, default=default, help=text)
+    p.add_argument("--alignment", choices=ALIGNMENTS, default="gather",
+                   help="how the verifier's steps gather sessions (services.common.alignment; default gather)")
     p.add_argument("--json", action="store_true", help="print the results as JSON (byte-identical for one --seed)")
     p.add_argument("--png", default=None, metavar="FILE", help="also plot aggregate tok/s against load per arm")
     p.set_defaults(func=run_simulate)
@@ -105,7 +109,7 @@ def _inputs(args):
     arms = [registry[a] for a in dict.fromkeys(args.arms or registry)]
     config = RunConfig(block_size=args.block_size, max_sessions=args.max_sessions, gather_s=args.gather_ms / 1e3,
                        prefill_chunk=args.prefill_chunk, shared_compute=args.shared_compute, cores=args.cores,
-                       drafters=args.drafters)
+                       drafters=args.drafters, alignment=args.alignment)
     return model, config, arms, loads, groups, lengths
 
 
@@ -123,7 +127,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                         "arms": [a.name for a in arms], "loads": [ld.label for ld in loads], "prompt": str(prompt),
                         "output": str(output), "shared_compute": config.shared_compute, "cores": config.cores,
                         "max_sessions": config.max_sessions, "drafters": config.drafters,
-                        "gather_ms": config.gather_s * 1e3,
+                        "gather_ms": config.gather_s * 1e3, "alignment": config.alignment,
                         "prefill_chunk": config.prefill_chunk, "seed": args.seed}
     if args.png is not None:
         try:

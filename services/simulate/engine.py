@@ -24,6 +24,7 @@ from services.common.schedule import Schedule
 from services.common.sessions import SessionLimitError, SessionTable
 from services.gateway.decision import CostModel
 from services.gateway.gate import PRE_DRAFT_SKIPS, Gate, GateConfig
+from services.common.alignment import Free, Gather, Lockstep, RateGather
 from services.common.budget import StepBudget, StepTimes
 from services.gateway.record import Reason
 from services.gateway.regime import RegimePolicy
@@ -71,6 +72,8 @@ class RunConfig:
     drafters: int = 1
     gate_costs: CostModel | None = None  # the gates' cost model; None: the model's single-stream costs
     prime_rows: int = 64  # tap rows a prefill primes the drafter with (the verifier's prefill_keep_rows)
+    alignment: str = "gather"  # the verifier's gather rule: free | gather | lockstep | rate (services.common.alignment)
+    align_cap_s: float = 1.0  # the longest a lockstep or rate gather waits (s)
 
 
 class RecordedText:
@@ -128,7 +131,9 @@ class Gateway:
         self.clock = Clock()
         shared = Pool(self.clock, config.cores)
         own = lambda: shared if config.shared_compute else Pool(self.clock)  # noqa: E731 - a pool per loop, or one
-        self.verifier = SimLoop(self.clock, own(), Schedule(config.gather_s, VERIFIER_AWAY, config.prefill_chunk),
+        self.rows_per_session = float(config.block_size + 1)  # of the verifier's last batch step
+        self.verifier = SimLoop(self.clock, own(), Schedule(config.gather_s, VERIFIER_AWAY, config.prefill_chunk,
+                                                            self._alignment()),
                                 self._verifier_ms, self._verifier_step,
                                 StepBudget(self._prices) if arm.budget != "off" else None)
         self.drafters = [SimLoop(self.clock, own(), Schedule(config.gather_s, DRAFTER_AWAY), self._drafter_ms)
@@ -144,7 +149,7 @@ class Gateway:
         self.regime = RegimePolicy() if arm.regime else None
         self.budget_table = StepTimes(tuple(float(r) for r in ROW_BUCKETS),
                                       tuple(model.verifier_ms(r, 1) for r in ROW_BUCKETS))
-        self.step_table = self.budget_table if arm.load_pricing else None
+        self.step_table = self.budget_table if arm.load_pricing or arm.budget != "off" else None
         self.gate_config = dataclasses.replace(
             GateConfig(enabled=arm.spec == "gated", draft_ms=self.cost.draft_ms,
                        verify_base_ms=self.cost.verify_base_ms, verify_slope_ms=self.cost.verify_slope_ms,
@@ -154,6 +159,15 @@ class Gateway:
         self.traces: dict[int, list[GenerationTrace]] = {}  # per stream, its generations in order
         self.drafted_rounds = self.rounds = self.submitted = 0
         self.decisions: dict[int, list[tuple[str, int, int]]] = {}  # per stream: (reason, k, accepted) per round
+
+    def _alignment(self):
+        """The verifier schedule's gather rule named by the config."""
+        c = self.config
+        rules = {"free": Free, "gather": lambda: Gather(c.gather_s), "lockstep": lambda: Lockstep(c.align_cap_s),
+                 "rate": lambda: RateGather(lambda: (self.budget_table, self.rows_per_session), c.align_cap_s)}
+        if c.alignment not in rules:
+            raise ValueError(f"alignment={c.alignment!r}: must be one of {sorted(rules)}")
+        return rules[c.alignment]()
 
     def _prices(self) -> tuple[StepTimes, float]:
         """What the verifier's step budget prices with: its step table (the model's steps
@@ -169,6 +183,8 @@ class Gateway:
         return self.model.drafter_ms(drafts, sum(r.rows for r in step.requests if r.op == "commit"))
 
     def _verifier_step(self, requests, rows: int, ms: float, end_ms: float) -> None:
+        if not any(r.op == "prefill" for r in requests):
+            self.rows_per_session = rows / len(requests)
         tokens = sum(r.tokens for r in requests if r.op != "prefill" or r.left == 0)
         self.rate.add(tokens, ms, end_ms / 1e3)
 
