@@ -1,0 +1,139 @@
+"""Survival of a drafted block: P(draft position j is accepted AND every position before it is).
+
+This module owns the conditional acceptance estimate the gate's length choice (and a step's
+verification budget) prices a block with: per sampling band, decayed censored counts of
+(position class, confidence bucket) -> accepted given reached, turned into a survival curve
+S_j = prod_{i<=j} h(class(i), bucket(i)). It never decides (`decision.py` prices S), never
+counts rounds for reporting (the record fold does) and never reads the environment.
+docs/gate.md §4 states the model, why and how to tune it.
+
+Why not a product of per-bucket marginals. A position is observed only when every earlier
+position was accepted (censoring), so the per-bucket rate `BucketEstimator` learns is a
+hazard pooled over positions. On the bundled model's recorded rounds the hazard at equal
+confidence rises with the position: the first draft (right after the anchor) is the weakest,
+and a position reached through accepted drafts is more likely to be accepted itself
+(`bench/bench_survival.py`; e.g. confidence 1.5..3.0: 0.71 at position 0, 0.79 at 1, 0.82 at
+2+). Pooling over positions then overestimates S_0 (0.875 against the realised 0.845) and
+underestimates the tail (0.519 against 0.548 at j = 4), which shortens blocks that pay.
+
+The hazard of class c = min(j, classes - 1) and bucket b:
+
+    p_b    = the band's pooled per-bucket estimate (`BucketEstimator`: shrunk, monotone),
+    q_{cb} = (m_{cb} + w0 * p_b) / (o_{cb} + w0)     cell counts shrunk towards the pooled rate,
+    h_c    = weighted pool-adjacent-violators fit of q_{c.} over the buckets (weights o_{cb} + w0),
+             non-decreasing in confidence,
+
+so a cold cell borrows the pooled rate (1.0 when cold everywhere: a cold gate drafts the full
+block), and with `classes` = 1 the hazard is the pooled rate itself (the product of per-bucket
+rates, the model before this one). A cell's counts are multiplied by `decay` only when an
+observation lands in it, as in `BucketEstimator`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.gateway.estimator import BucketEstimator, pool_adjacent_violators
+from services.gateway.values import short_repr
+
+# The band of greedy generations (the warm start's name for T = 0, services.gateway.warm).
+GREEDY_BAND = "greedy"
+# Position classes: 0 (the draft after the anchor), 1, and 2+ (pooled: later positions are
+# reached rarely enough that separate cells would stay near their prior). bench_survival.py
+# measured the split; 1 class is the pooled per-bucket model.
+DEFAULT_POSITION_CLASSES = 3
+MAX_POSITION_CLASSES = 16
+
+
+class _BandTable:
+    """One band's counts: the pooled per-bucket estimator and the per-(class, bucket) cells."""
+
+    def __init__(self, buckets: int, classes: int, decay: float, prior_weight: float,
+                 matched: Sequence[float] | None, observed: Sequence[float] | None) -> None:
+        self.pooled = BucketEstimator(buckets, decay, prior_weight, matched, observed)
+        self.matched = [[0.0] * buckets for _ in range(classes)]
+        self.observed = [[0.0] * buckets for _ in range(classes)]
+        self._hazards: tuple[tuple[float, ...], ...] | None = None
+
+    def observe(self, buckets: Sequence[int], accepted: int, decay: float) -> None:
+        self.pooled.observe(buckets, accepted)
+        last = len(self.matched) - 1
+        for pos, b in enumerate(buckets):
+            c = min(pos, last)
+            self.matched[c][b] = self.matched[c][b] * decay + (1.0 if pos < accepted else 0.0)
+            self.observed[c][b] = self.observed[c][b] * decay + 1.0
+        self._hazards = None
+
+    def hazards(self, prior_weight: float) -> tuple[tuple[float, ...], ...]:
+        if self._hazards is None:
+            pooled = self.pooled.estimates()
+            if len(self.matched) == 1:
+                self._hazards = (pooled,)
+            else:
+                rows = []
+                for m_row, o_row in zip(self.matched, self.observed):
+                    raw = [(m + prior_weight * p) / (o + prior_weight) for m, o, p in zip(m_row, o_row, pooled)]
+                    fit = pool_adjacent_violators(raw, [o + prior_weight for o in o_row])
+                    rows.append(tuple(min(1.0, max(0.0, h)) for h in fit))
+                self._hazards = tuple(rows)
+        return self._hazards
+
+
+class SurvivalEstimator:
+    """Per sampling band, the hazard table h[class][bucket] and the survival of a block.
+
+    Args:
+        buckets: confidence buckets B (>= 1). classes: position classes C in [1, 16] (position
+            j is in class min(j, C - 1); C = 1 is the pooled per-bucket model).
+        decay: forgetting in (0, 1] per observation landing in a cell (and in a pooled bucket).
+        prior_weight: w0 > 0, pseudo-observations pulling a cell towards its band's pooled rate.
+        warm: optional {band: (matched, observed)} pooled per-bucket counts (B floats each) a
+            band starts from (the warm start lends pooled counts; its cells start empty).
+    Raises ValueError naming the value when classes is not an integer in [1, 16] or warm
+    counts do not have B entries.
+    """
+
+    def __init__(self, buckets: int, classes: int, decay: float, prior_weight: float,
+                 warm: dict[str, tuple[Sequence[float], Sequence[float]]] | None = None) -> None:
+        if isinstance(classes, bool) or not isinstance(classes, int) or not 1 <= classes <= MAX_POSITION_CLASSES:
+            raise ValueError(f"position classes={short_repr(classes)} must be an integer in [1, {MAX_POSITION_CLASSES}]")
+        self.buckets, self.classes, self.decay, self.prior_weight = buckets, classes, decay, prior_weight
+        self._bands = {band: _BandTable(buckets, classes, decay, prior_weight, m, o)
+                       for band, (m, o) in (warm or {}).items()}
+
+    def band(self, band: str) -> _BandTable:
+        """The counts of `band` (created cold on first use)."""
+        table = self._bands.get(band)
+        if table is None:
+            table = self._bands[band] = _BandTable(self.buckets, self.classes, self.decay, self.prior_weight,
+                                                   None, None)
+        return table
+
+    def observe(self, buckets: Sequence[int], accepted: int, band: str = GREEDY_BAND) -> None:
+        """Add one verified round's censored observations to `band`: `buckets[i]` (0..B-1) is the
+        bucket of observed position i, i.e. positions 0..min(accepted, submitted - 1); positions
+        < accepted were accepted, position `accepted` (when present) missed. Positions after
+        the first miss, and past the submitted count, were never compared and are not passed.
+        Inputs are trusted (the gate validates them)."""
+        self.band(band).observe(buckets, accepted, self.decay)
+
+    def hazards(self, band: str = GREEDY_BAND) -> tuple[tuple[float, ...], ...]:
+        """h[c][b] = P(a position of class c, bucket b is accepted | every earlier one was),
+        C tuples of B floats in [0, 1], each non-decreasing in b (1.0 everywhere when cold)."""
+        return self.band(band).hazards(self.prior_weight)
+
+    def survival(self, buckets: Sequence[int], band: str = GREEDY_BAND) -> tuple[float, ...]:
+        """S_j = P(position j accepted AND every position before it), one float in [0, 1] per
+        entry of `buckets` (bucket indices of the drafted positions, in order), non-increasing
+        in j. E[tokens(k)] = 1 + sum_{j<k} S_j. Buckets are trusted (0..B-1)."""
+        return survival_from_hazards(self.hazards(band), buckets)
+
+
+def survival_from_hazards(hazards: Sequence[Sequence[float]], buckets: Sequence[int]) -> tuple[float, ...]:
+    """The survival curve of a block from a hazard table h[class][bucket] (class = min(j, C - 1)):
+    S_j = prod_{i<=j} h[class(i)][buckets[i]]; len(buckets) floats in [0, 1], non-increasing."""
+    out, s, last = [], 1.0, len(hazards) - 1
+    for j, b in enumerate(buckets):
+        s *= hazards[min(j, last)][b]
+        out.append(s)
+    return tuple(out)
