@@ -19,14 +19,16 @@ underestimates the tail (0.519 against 0.548 at j = 4), which shortens blocks th
 The hazard of class c = min(j, classes - 1) and bucket b:
 
     p_b    = the band's pooled per-bucket estimate (`BucketEstimator`: shrunk, monotone),
-    q_{cb} = (m_{cb} + w0 * p_b) / (o_{cb} + w0)     cell counts shrunk towards the pooled rate,
-    h_c    = weighted pool-adjacent-violators fit of q_{c.} over the buckets (weights o_{cb} + w0),
+    q_{cb} = (m_{cb} + w1 * p_b) / (o_{cb} + w1)     cell counts shrunk towards the pooled rate,
+    h_c    = weighted pool-adjacent-violators fit of q_{c.} over the buckets (weights o_{cb} + w1),
              non-decreasing in confidence,
 
 so a cold cell borrows the pooled rate (1.0 when cold everywhere: a cold gate drafts the full
 block), and with `classes` = 1 the hazard is the pooled rate itself (the product of per-bucket
-rates, the model before this one). A cell's counts are multiplied by `decay` only when an
-observation lands in it, as in `BucketEstimator`.
+rates, the model before this one). w1 = CELL_PRIOR_WEIGHT: a cell splits a bucket's evidence
+C ways, so it needs a firmer pull towards the pooled rate than a bucket does (replayed on the
+committed and synthetic rounds, w1 = 3 beat 1 and 10, docs/gate.md §4). A cell's counts are
+multiplied by `decay` only when an observation lands in it, as in `BucketEstimator`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ GREEDY_BAND = "greedy"
 # measured the split; 1 class is the pooled per-bucket model.
 DEFAULT_POSITION_CLASSES = 3
 MAX_POSITION_CLASSES = 16
+# w1: pseudo-observations of the pooled per-bucket rate in each (class, bucket) cell.
+CELL_PRIOR_WEIGHT = 3.0
 
 
 class _BandTable:
@@ -64,7 +68,7 @@ class _BandTable:
             self.observed[c][b] = self.observed[c][b] * decay + 1.0
         self._hazards = None
 
-    def hazards(self, prior_weight: float) -> tuple[tuple[float, ...], ...]:
+    def hazards(self, cell_weight: float) -> tuple[tuple[float, ...], ...]:
         if self._hazards is None:
             pooled = self.pooled.estimates()
             if len(self.matched) == 1:
@@ -72,8 +76,8 @@ class _BandTable:
             else:
                 rows = []
                 for m_row, o_row in zip(self.matched, self.observed):
-                    raw = [(m + prior_weight * p) / (o + prior_weight) for m, o, p in zip(m_row, o_row, pooled)]
-                    fit = pool_adjacent_violators(raw, [o + prior_weight for o in o_row])
+                    raw = [(m + cell_weight * p) / (o + cell_weight) for m, o, p in zip(m_row, o_row, pooled)]
+                    fit = pool_adjacent_violators(raw, [o + cell_weight for o in o_row])
                     rows.append(tuple(min(1.0, max(0.0, h)) for h in fit))
                 self._hazards = tuple(rows)
         return self._hazards
@@ -86,18 +90,23 @@ class SurvivalEstimator:
         buckets: confidence buckets B (>= 1). classes: position classes C in [1, 16] (position
             j is in class min(j, C - 1); C = 1 is the pooled per-bucket model).
         decay: forgetting in (0, 1] per observation landing in a cell (and in a pooled bucket).
-        prior_weight: w0 > 0, pseudo-observations pulling a cell towards its band's pooled rate.
+        prior_weight: w0 > 0, pseudo-observations of a bucket's pooled prior (`BucketEstimator`).
+        cell_weight: w1 > 0, pseudo-observations pulling a cell towards its band's pooled rate.
         warm: optional {band: (matched, observed)} pooled per-bucket counts (B floats each) a
             band starts from (the warm start lends pooled counts; its cells start empty).
-    Raises ValueError naming the value when classes is not an integer in [1, 16] or warm
-    counts do not have B entries.
+    Raises ValueError naming the value when classes is not an integer in [1, 16], cell_weight
+    is not > 0, or warm counts do not have B entries.
     """
 
     def __init__(self, buckets: int, classes: int, decay: float, prior_weight: float,
-                 warm: dict[str, tuple[Sequence[float], Sequence[float]]] | None = None) -> None:
+                 warm: dict[str, tuple[Sequence[float], Sequence[float]]] | None = None,
+                 cell_weight: float = CELL_PRIOR_WEIGHT) -> None:
         if isinstance(classes, bool) or not isinstance(classes, int) or not 1 <= classes <= MAX_POSITION_CLASSES:
             raise ValueError(f"position classes={short_repr(classes)} must be an integer in [1, {MAX_POSITION_CLASSES}]")
+        if not cell_weight > 0:
+            raise ValueError(f"cell_weight={short_repr(cell_weight)} must be > 0")
         self.buckets, self.classes, self.decay, self.prior_weight = buckets, classes, decay, prior_weight
+        self.cell_weight = cell_weight
         self._bands = {band: _BandTable(buckets, classes, decay, prior_weight, m, o)
                        for band, (m, o) in (warm or {}).items()}
 
@@ -120,7 +129,7 @@ class SurvivalEstimator:
     def hazards(self, band: str = GREEDY_BAND) -> tuple[tuple[float, ...], ...]:
         """h[c][b] = P(a position of class c, bucket b is accepted | every earlier one was),
         C tuples of B floats in [0, 1], each non-decreasing in b (1.0 everywhere when cold)."""
-        return self.band(band).hazards(self.prior_weight)
+        return self.band(band).hazards(self.cell_weight)
 
     def survival(self, buckets: Sequence[int], band: str = GREEDY_BAND) -> tuple[float, ...]:
         """S_j = P(position j accepted AND every position before it), one float in [0, 1] per
