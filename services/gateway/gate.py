@@ -350,7 +350,7 @@ class Gate:
         return sum(draft_advantage(self._survival(conf), cost, lam) for conf in self._recent) / len(self._recent)
 
     def choose(self, confidence_logits: Sequence[float], max_n: int) -> LengthChoice:
-        """The post-draft verdict: k drafts to submit, in [0, max_n] (see decide_length).
+        """The post-draft verdict: k drafts to submit, in [0, max_n] (see decide_by_survival).
 
         `confidence_logits`: one per drafted position. `max_n` (tokens) is the caller's cap:
         min(drafted, remaining max_tokens budget, room before max_seq_len). Disabled gate: k =
