@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from services.gateway.decision import CostModel, decide_by_survival, decide_length, expected_tokens, survival_of
-from services.gateway.gate import NUM_BUCKETS, Calibration, Gate, GateConfig
+from services.gateway.gate import BUCKET_EDGES, NUM_BUCKETS, Calibration, Gate, GateConfig
 from services.gateway.references import HindsightGate, hindsight_hazards
 from services.gateway.rounds import Round
 from services.gateway.survival import GREEDY_BAND, SurvivalEstimator, survival_from_hazards
@@ -159,14 +159,15 @@ def test_bad_inputs_raise_naming_the_value():
     with pytest.raises(ValueError, match="NaN"):
         Gate(GateConfig()).survival([1.0, float("nan")])
     with pytest.raises(ValueError, match="cell_weight=0"):
-        SurvivalEstimator(NUM_BUCKETS, 3, 0.9, 1.0, cell_weight=0)
+        SurvivalEstimator(BUCKET_EDGES, 3, 0.9, 1.0, cell_weight=0)
     with pytest.raises(ValueError, match="position classes=0"):
-        SurvivalEstimator(NUM_BUCKETS, 0, 0.9, 1.0)
+        SurvivalEstimator(BUCKET_EDGES, 0, 0.9, 1.0)
 
 
 def test_bands_keep_separate_counts():
-    est = SurvivalEstimator(NUM_BUCKETS, 3, 1.0, 1.0)
-    est.observe([4, 4], 1, band="coupled:T(0.5,1]:unfiltered")
-    assert est.survival([4, 4], GREEDY_BAND) == (1.0, 1.0)  # the greedy band saw nothing
-    hot = est.survival([4, 4], "coupled:T(0.5,1]:unfiltered")
+    est = SurvivalEstimator(BUCKET_EDGES, 3, 1.0, 1.0)
+    est.observe([HIGH, HIGH], 1, band="coupled:T(0.5,1]:unfiltered")
+    assert est.survival([HIGH, HIGH], GREEDY_BAND) == (1.0, 1.0)  # the greedy band saw nothing
+    assert est.buckets([-0.5, 0.5, 6.0, HIGH]) == [1, 2, 5, 4]  # lower edge inclusive, as the gate's buckets
+    hot = est.survival([HIGH, HIGH], "coupled:T(0.5,1]:unfiltered")
     assert hot[0] < 1.0 and hot[1] < hot[0]

@@ -240,7 +240,7 @@ class Gate:
         self.config, self.band = config, band
         self.cost = config.cost_model()
         warm = {band: (calibration.matched, calibration.observed)} if calibration else None
-        self.survival_estimator = SurvivalEstimator(NUM_BUCKETS, config.position_classes, config.decay,
+        self.survival_estimator = SurvivalEstimator(BUCKET_EDGES, config.position_classes, config.decay,
                                                     config.prior_weight, warm)
         # The band's pooled per-bucket counts (the warm start lends and borrows these).
         self.estimator = self.survival_estimator.band(band).pooled
@@ -277,7 +277,8 @@ class Gate:
 
     def _survival(self, logits: Sequence[float]) -> tuple[float, ...]:
         """`survival` of validated logits."""
-        return survival_from_hazards(self.hazards(), [bisect.bisect_right(BUCKET_EDGES, c) for c in logits])
+        # Through hazards(), so a gate given fixed hazards (references.HindsightGate) prices alike.
+        return survival_from_hazards(self.hazards(), self.survival_estimator.buckets(logits))
 
     def rate(self) -> float:
         """lambda, the long-run rate estimate (tokens per ms): decayed tokens / decayed modelled
@@ -411,7 +412,7 @@ class Gate:
         by `observe`): positions 0..accepted-1 matched; position `accepted` missed if accepted <
         submitted; later positions are unknown and never recorded (docs/architecture.md §5)."""
         observed = confidence_logits[: min(accepted + 1, submitted)]
-        self.survival_estimator.observe([bisect.bisect_right(BUCKET_EDGES, c) for c in observed], accepted, self.band)
+        self.survival_estimator.observe(observed, accepted, self.band)
 
     def _settle(self, tokens: int, ms: float) -> None:
         """A drafted round's outcome: into rate() and, with margin_auto, its margin bin's gain

@@ -33,6 +33,7 @@ multiplied by `decay` only when an observation lands in it, as in `BucketEstimat
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 
 from services.gateway.estimator import BucketEstimator, pool_adjacent_violators
@@ -49,17 +50,19 @@ MAX_POSITION_CLASSES = 16
 CELL_PRIOR_WEIGHT = 3.0
 
 
-class _BandTable:
-    """One band's counts: the pooled per-bucket estimator and the per-(class, bucket) cells."""
+class BandCounts:
+    """One sampling band's counts: `pooled`, the per-bucket estimator over every position, and
+    per (class, bucket) cell the decayed `matched` and `observed` counts (C lists of B floats)."""
 
     def __init__(self, buckets: int, classes: int, decay: float, prior_weight: float,
-                 matched: Sequence[float] | None, observed: Sequence[float] | None) -> None:
+                 matched: Sequence[float] | None = None, observed: Sequence[float] | None = None) -> None:
         self.pooled = BucketEstimator(buckets, decay, prior_weight, matched, observed)
         self.matched = [[0.0] * buckets for _ in range(classes)]
         self.observed = [[0.0] * buckets for _ in range(classes)]
         self._hazards: tuple[tuple[float, ...], ...] | None = None
 
     def observe(self, buckets: Sequence[int], accepted: int, decay: float) -> None:
+        """One round's observed positions (their buckets, in order), the first `accepted` accepted."""
         self.pooled.observe(buckets, accepted)
         last = len(self.matched) - 1
         for pos, b in enumerate(buckets):
@@ -69,6 +72,7 @@ class _BandTable:
         self._hazards = None
 
     def hazards(self, cell_weight: float) -> tuple[tuple[float, ...], ...]:
+        """h[c][b] (module docstring), cached until the next observation."""
         if self._hazards is None:
             pooled = self.pooled.estimates()
             if len(self.matched) == 1:
@@ -87,55 +91,61 @@ class SurvivalEstimator:
     """Per sampling band, the hazard table h[class][bucket] and the survival of a block.
 
     Args:
-        buckets: confidence buckets B (>= 1). classes: position classes C in [1, 16] (position
-            j is in class min(j, C - 1); C = 1 is the pooled per-bucket model).
+        edges: confidence bucket edges (logits, ascending; B = len(edges) + 1 buckets, a logit
+            equal to an edge belongs to the bucket above it).
+        classes: position classes C in [1, 16] (position j is in class min(j, C - 1); C = 1 is
+            the pooled per-bucket model).
         decay: forgetting in (0, 1] per observation landing in a cell (and in a pooled bucket).
         prior_weight: w0 > 0, pseudo-observations of a bucket's pooled prior (`BucketEstimator`).
-        cell_weight: w1 > 0, pseudo-observations pulling a cell towards its band's pooled rate.
         warm: optional {band: (matched, observed)} pooled per-bucket counts (B floats each) a
             band starts from (the warm start lends pooled counts; its cells start empty).
+        cell_weight: w1 > 0, pseudo-observations pulling a cell towards its band's pooled rate.
     Raises ValueError naming the value when classes is not an integer in [1, 16], cell_weight
     is not > 0, or warm counts do not have B entries.
     """
 
-    def __init__(self, buckets: int, classes: int, decay: float, prior_weight: float,
+    def __init__(self, edges: Sequence[float], classes: int, decay: float, prior_weight: float,
                  warm: dict[str, tuple[Sequence[float], Sequence[float]]] | None = None,
                  cell_weight: float = CELL_PRIOR_WEIGHT) -> None:
         if isinstance(classes, bool) or not isinstance(classes, int) or not 1 <= classes <= MAX_POSITION_CLASSES:
             raise ValueError(f"position classes={short_repr(classes)} must be an integer in [1, {MAX_POSITION_CLASSES}]")
         if not cell_weight > 0:
             raise ValueError(f"cell_weight={short_repr(cell_weight)} must be > 0")
-        self.buckets, self.classes, self.decay, self.prior_weight = buckets, classes, decay, prior_weight
-        self.cell_weight = cell_weight
-        self._bands = {band: _BandTable(buckets, classes, decay, prior_weight, m, o)
+        self.edges = tuple(edges)
+        self.classes, self.decay, self.prior_weight, self.cell_weight = classes, decay, prior_weight, cell_weight
+        self._bands = {band: BandCounts(len(self.edges) + 1, classes, decay, prior_weight, m, o)
                        for band, (m, o) in (warm or {}).items()}
 
-    def band(self, band: str) -> _BandTable:
-        """The counts of `band` (created cold on first use)."""
-        table = self._bands.get(band)
-        if table is None:
-            table = self._bands[band] = _BandTable(self.buckets, self.classes, self.decay, self.prior_weight,
-                                                   None, None)
-        return table
+    def buckets(self, confidences: Sequence[float]) -> list[int]:
+        """Bucket index (0..B-1) of each confidence logit (trusted: numbers, not NaN)."""
+        return [bisect.bisect_right(self.edges, c) for c in confidences]
 
-    def observe(self, buckets: Sequence[int], accepted: int, band: str = GREEDY_BAND) -> None:
-        """Add one verified round's censored observations to `band`: `buckets[i]` (0..B-1) is the
-        bucket of observed position i, i.e. positions 0..min(accepted, submitted - 1); positions
-        < accepted were accepted, position `accepted` (when present) missed. Positions after
-        the first miss, and past the submitted count, were never compared and are not passed.
-        Inputs are trusted (the gate validates them)."""
-        self.band(band).observe(buckets, accepted, self.decay)
+    def band(self, band: str) -> BandCounts:
+        """The counts of `band` (created cold on first use)."""
+        counts = self._bands.get(band)
+        if counts is None:
+            counts = self._bands[band] = BandCounts(len(self.edges) + 1, self.classes, self.decay, self.prior_weight)
+        return counts
+
+    def observe(self, confidences: Sequence[float], accepted: int, band: str = GREEDY_BAND) -> None:
+        """Add one verified round's censored observations to `band`: `confidences[i]` is the
+        logit of observed position i, i.e. of positions 0..min(accepted, submitted - 1);
+        positions < accepted were accepted, position `accepted` (when present) missed. Positions
+        after the first miss, and past the submitted count, were never compared and are not
+        passed. Inputs are trusted (the gate validates them)."""
+        self.band(band).observe(self.buckets(confidences), accepted, self.decay)
 
     def hazards(self, band: str = GREEDY_BAND) -> tuple[tuple[float, ...], ...]:
         """h[c][b] = P(a position of class c, bucket b is accepted | every earlier one was),
         C tuples of B floats in [0, 1], each non-decreasing in b (1.0 everywhere when cold)."""
         return self.band(band).hazards(self.cell_weight)
 
-    def survival(self, buckets: Sequence[int], band: str = GREEDY_BAND) -> tuple[float, ...]:
+    def survival(self, confidences: Sequence[float], band: str = GREEDY_BAND) -> tuple[float, ...]:
         """S_j = P(position j accepted AND every position before it), one float in [0, 1] per
-        entry of `buckets` (bucket indices of the drafted positions, in order), non-increasing
-        in j. E[tokens(k)] = 1 + sum_{j<k} S_j. Buckets are trusted (0..B-1)."""
-        return survival_from_hazards(self.hazards(band), buckets)
+        drafted confidence logit (in order), non-increasing in j: E[tokens(k)] = 1 + sum_{j<k} S_j.
+        The function the gate's length choice and a step's budget both price a block with.
+        Confidences are trusted (numbers, not NaN; the gate validates them)."""
+        return survival_from_hazards(self.hazards(band), self.buckets(confidences))
 
 
 def survival_from_hazards(hazards: Sequence[Sequence[float]], buckets: Sequence[int]) -> tuple[float, ...]:
