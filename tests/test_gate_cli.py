@@ -82,6 +82,19 @@ def test_cost_overrides_and_env_reach_the_replay():
     assert doc["overall"]["policies"]["plain"]["tok_s"] == pytest.approx(1.0)
 
 
+def test_position_classes_flag_replays_the_pooled_product():
+    # One position class is the pooled per-bucket rate at every position (the model before the
+    # survival estimate, docs/gate.md §4): its synthetic prose figure is 3.43, the survival gate's 3.33.
+    result = run_cli("replay", "--synthetic", "--json", "--policy", "gated", "--position-classes", "1")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["config"]["position_classes"] == 1
+    tok_s = {w["workload"]: round(w["policies"]["gated"]["tok_s"], 2) for w in doc["workloads"]}
+    assert tok_s == {"repeat": 5.76, "code": 5.00, "prose": 3.43, "math": 3.19}
+    bad = run_cli("replay", "--synthetic", "--position-classes", "17")
+    assert bad.returncode == 2 and "--position-classes='17' must be an integer in [1, 16]" in bad.stderr
+
+
 def test_invalid_env_exits_2_naming_the_variable():
     result = run_cli("replay", "--synthetic", env={"DSPARK_GATE_DECAY": "2"})
     assert result.returncode == 2

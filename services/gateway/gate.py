@@ -23,8 +23,7 @@ from dataclasses import dataclass, fields
 from services.gateway.decision import (DEFAULT_WIN_FACTOR, CostModel, _check_count,  # noqa: F401 (re-exported)
                                       decide_by_survival, decide_length, draft_advantage, expected_tokens)  # noqa: F401
 from services.gateway.estimator import MarginGain, margin_bin
-from services.gateway.survival import (DEFAULT_POSITION_CLASSES, GREEDY_BAND, MAX_POSITION_CLASSES, SurvivalEstimator,
-                                      survival_from_hazards)
+from services.gateway.survival import DEFAULT_POSITION_CLASSES, GREEDY_BAND, SurvivalEstimator, survival_from_hazards
 from services.gateway.values import check_setting, finite_float, is_integer, short_repr
 
 # The reference calibration table's buckets (docs/architecture.md §12):
@@ -158,12 +157,6 @@ class GateConfig:
             if f.name == "margin_auto":
                 if not isinstance(self.margin_auto, bool):
                     raise ValueError(f"margin_auto={short_repr(self.margin_auto)} must be a bool")
-                continue
-            if f.name == "position_classes":
-                if not is_integer(self.position_classes) or not 1 <= self.position_classes <= MAX_POSITION_CLASSES:
-                    raise ValueError(f"position_classes={short_repr(self.position_classes)} must be an integer in "
-                                     f"[1, {MAX_POSITION_CLASSES}]")
-                object.__setattr__(self, f.name, int(self.position_classes))
                 continue
             object.__setattr__(self, f.name, check_setting(f.name, getattr(self, f.name), f.name))
         self.cost_model()  # the rule across the costs

@@ -37,7 +37,7 @@ import bisect
 from collections.abc import Sequence
 
 from services.gateway.estimator import BucketEstimator, pool_adjacent_violators
-from services.gateway.values import short_repr
+from services.gateway.values import MAX_POSITION_CLASSES, short_repr
 
 # The band of greedy generations (the warm start's name for T = 0, services.gateway.warm).
 GREEDY_BAND = "greedy"
@@ -45,7 +45,6 @@ GREEDY_BAND = "greedy"
 # reached rarely enough that separate cells would stay near their prior). bench_survival.py
 # measured the split; 1 class is the pooled per-bucket model.
 DEFAULT_POSITION_CLASSES = 3
-MAX_POSITION_CLASSES = 16
 # w1: pseudo-observations of the pooled per-bucket rate in each (class, bucket) cell.
 CELL_PRIOR_WEIGHT = 3.0
 
