@@ -52,6 +52,7 @@ from services.gateway.tokenizer import load_tokenizer
 from services.gateway.warm import WarmStart
 from services.verifier.batcher import DEFAULT_PREFILL_CHUNK, StepLoop, StepRecord
 from services.verifier.engine import VerifierEngine, per_session_bytes
+from services.common.budget import StepBudget
 from services.verifier.step_profile import StepProfileSettings, profile_steps
 from services.verifier.step_table import LoadTracker
 from services.verifier.servicer import VerifierServicer
@@ -167,6 +168,7 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
         steps.close()
         raise
     steps.on_step = _step_hook(load, metrics)
+    steps.budget = StepBudget(load.prices)  # blocks that carry estimates are cut to what they admit
     servicer = VerifierServicer(engine, default_mode, provider, tp, metrics, steps, load)
     running = await _serve_with_loop("dspark.v1.Verifier",
                                      lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),

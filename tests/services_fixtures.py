@@ -3,7 +3,9 @@
 What is here (import what you need; pytest picks up the fixtures a test module imports):
 
 * `tiny_trunk()`, `tiny_draft_module()`, `tiny_tokenizer()`: the random tiny model of
-  `services.app` (docs/model.md §13 config, max_seq_len 256, fixed seed), loaded once per process.
+  `services.app` (docs/model.md §13 config, max_seq_len 256, fixed seed), loaded once per process;
+  `bundled_trunk(numerics)`, `bundled_draft_module()`: the bundled trained model
+  (assets/dspark-small, `BUNDLED`), loaded once per process, for `astart_stack(model="bundled")`.
 * `ServiceLoop` / `service_loop()`: one asyncio event loop in a daemon thread for the whole
   test process. Servers, channels and clients all live on it; a synchronous test calls
   `loop.run(coro, timeout_s)`, which raises TimeoutError (and cancels the coroutine) when the
@@ -32,6 +34,7 @@ import functools
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Awaitable, Sequence
 
 import grpc
@@ -49,7 +52,7 @@ from services.gateway.backends import Backends, LocalDrafterSession, LocalVerifi
 from services.gateway.gate import GateConfig
 from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler
 from services.gateway.servicer import spec_stats
-from services.gateway.tokenizer import ByteTokenizer
+from services.gateway.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 RPC_TIMEOUT_S = 60.0     # deadline of one Generate / Session / Info call
 RUN_TIMEOUT_S = 120.0    # deadline of one `ServiceLoop.run`
@@ -57,6 +60,8 @@ SPEC = {"off": gateway_pb2.SPEC_MODE_OFF, "always": gateway_pb2.SPEC_MODE_ALWAYS
         "gated": gateway_pb2.SPEC_MODE_GATED, "default": gateway_pb2.SPEC_MODE_DEFAULT}
 _SPEC_NAME = {v: k for k, v in SPEC.items()}
 DRAFTERS = ("oracle", "dspark", "none")
+MODELS = ("tiny", "bundled")
+BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "dspark-small"  # the bundled trained model
 
 
 # ---------------------------------------------------------------------------- the model
@@ -77,6 +82,19 @@ def exact_trunk():
 def tiny_draft_module():
     """The DSpark module of the random tiny model (random weights, confidence head present)."""
     return load_drafter(None)
+
+
+@functools.lru_cache(maxsize=None)
+def bundled_trunk(verify_numerics: str = "fast"):
+    """The bundled model's trunk (assets/dspark-small, fp32 on the CPU) in `verify_numerics`
+    ("fast" | "exact"); shared read-only. Raises what `load_trunk` raises (a missing checkpoint)."""
+    return load_trunk(str(BUNDLED), verify_numerics=verify_numerics)
+
+
+@functools.lru_cache(maxsize=None)
+def bundled_draft_module():
+    """The bundled model's trained DSpark module (confidence head present); shared read-only."""
+    return load_drafter(str(BUNDLED))
 
 
 def tiny_tokenizer() -> ByteTokenizer:
@@ -216,16 +234,17 @@ class ServiceStack:
 
     Attributes: loop, drafter_kind, verifier_engine, drafter_engine (None for "none"),
     verifier / drafter (RunningServer), verifier_stub / drafter_stub (direct backend stubs on
-    the stack's own channels), gate_config, provider.
+    the stack's own channels), gate_config, provider, checkpoint (the model folder whose
+    tokenizer.json the gateways load; None: the byte tokenizer of the random model).
     """
 
     def __init__(self, loop: ServiceLoop, drafter_kind: str, verifier_engine, drafter_engine,
                  verifier: RunningServer, drafter: RunningServer | None, gate_config: GateConfig,
-                 provider: TracerProvider | None):
+                 provider: TracerProvider | None, checkpoint: Path | None = None):
         self.loop, self.drafter_kind = loop, drafter_kind
         self.verifier_engine, self.drafter_engine = verifier_engine, drafter_engine
         self.verifier, self.drafter = verifier, drafter
-        self.gate_config, self.provider = gate_config, provider
+        self.gate_config, self.provider, self.checkpoint = gate_config, provider, checkpoint
         self._gateways: dict[tuple, GatewayHandle] = {}
         self._channels: list[grpc.aio.Channel] = []
         self.verifier_stub = verifier_pb2_grpc.VerifierStub(self._channel(self.verifier_target))
@@ -257,7 +276,8 @@ class ServiceStack:
                             **overrides) -> GatewayHandle:
         """A new gateway over this stack's backends (the caller closes it with `close()`)."""
         server, scheduler, backends = await start_gateway(
-            self.settings(verify_mode, **overrides), self.gate_config, provider=self.provider, recorder=recorder)
+            self.settings(verify_mode, **overrides), self.gate_config, provider=self.provider, recorder=recorder,
+            checkpoint=self.checkpoint)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=channel_options())
         return GatewayHandle(server, scheduler, backends, channel, gateway_pb2_grpc.GatewayStub(channel))
 
@@ -287,7 +307,12 @@ class ServiceStack:
         cfg = self.verifier_engine.cfg
         confidence = (self.drafter_engine is not None and self.drafter_engine.identity()["confidence_head"])
         limits = ModelLimits(cfg.vocab_size, cfg.max_seq_len, cfg.eos_token_id, cfg.dspark_block_size, confidence)
-        return Scheduler(limits, tiny_tokenizer(), self.gate_config, verify_mode, "configured")
+        return Scheduler(limits, self.tokenizer(), self.gate_config, verify_mode, "configured")
+
+    def tokenizer(self) -> Tokenizer:
+        """The gateways' tokenizer: the checkpoint's tokenizer.json, else the byte tokenizer."""
+        cfg = self.verifier_engine.cfg
+        return load_tokenizer(self.checkpoint, cfg.vocab_size, cfg.eos_token_id)
 
     async def alocal_generate(self, req: gateway_pb2.GenerateRequest, verify_mode: str = "sequential") -> Generation:
         sched = self.local_scheduler(verify_mode)
@@ -357,16 +382,23 @@ class ServiceStack:
 async def astart_stack(drafter: str = "oracle", *, verifier_max_sessions: int | None = 16,
                        drafter_max_sessions: int | None = 16, corrupt_every: int = 0,
                        provider: TracerProvider | None = None, gate_config: GateConfig | None = None,
-                       loop: ServiceLoop | None = None, verify_numerics: str = "fast") -> ServiceStack:
+                       loop: ServiceLoop | None = None, verify_numerics: str = "fast",
+                       model: str = "tiny") -> ServiceStack:
     """Start a verifier and a drafter (`drafter`: "oracle" | "dspark" | "none") on port 0 over new
-    engines on the shared tiny model. verify_numerics "exact": the verifier runs `exact_trunk`
-    (the oracle still drafts from the fast one). A max_sessions of None sizes it from memory.
-    Must run on `loop` (default: the process-wide one)."""
+    engines on the shared model (`model`: "tiny", the random tiny model, or "bundled",
+    assets/dspark-small with its tokenizer). verify_numerics "exact": the verifier runs the
+    exact trunk (the oracle still drafts from the fast one). A max_sessions of None sizes it
+    from memory. Must run on `loop` (default: the process-wide one).
+    Raises ValueError naming an unknown drafter or model."""
     if drafter not in DRAFTERS:
         raise ValueError(f"drafter={drafter!r}: must be one of {DRAFTERS}")
-    trunk = tiny_trunk()
-    v_engine = verifier_engine(exact_trunk() if verify_numerics == "exact" else trunk,
-                               BackendSettings(max_sessions=verifier_max_sessions, verify_numerics=verify_numerics))
+    if model not in MODELS:
+        raise ValueError(f"model={model!r}: must be one of {MODELS}")
+    bundled = model == "bundled"
+    trunk = bundled_trunk() if bundled else tiny_trunk()
+    verifying = (bundled_trunk("exact") if bundled else exact_trunk()) if verify_numerics == "exact" else trunk
+    v_engine = verifier_engine(verifying, BackendSettings(max_sessions=verifier_max_sessions,
+                                                      verify_numerics=verify_numerics))
     verifier = await start_verifier(v_engine, provider=provider)
     d_engine, d_server = None, None
     if drafter != "none":
@@ -374,10 +406,10 @@ async def astart_stack(drafter: str = "oracle", *, verifier_max_sessions: int | 
         if drafter == "oracle":
             d_engine = drafter_engine(trunk, oracle=True, settings=d_settings, corrupt_every=corrupt_every)
         else:
-            d_engine = drafter_engine(tiny_draft_module(), settings=d_settings)
+            d_engine = drafter_engine(bundled_draft_module() if bundled else tiny_draft_module(), settings=d_settings)
         d_server = await start_drafter(d_engine, provider=provider)
     return ServiceStack(loop or service_loop(), drafter, v_engine, d_engine, verifier, d_server,
-                        gate_config or GateConfig(), provider)
+                        gate_config or GateConfig(), provider, BUNDLED if bundled else None)
 
 
 def start_stack(drafter: str = "oracle", **kwargs) -> ServiceStack:
@@ -403,11 +435,12 @@ def dspark_stack():
     stack.close()
 
 
-def start_exact_stack(drafter: str) -> ServiceStack:
+def start_exact_stack(drafter: str, model: str = "tiny") -> ServiceStack:
     """An exact-numerics verifier beside `drafter` ("oracle": the live oracle corrupting every
-    third draft slot, so drafts are both accepted and rejected; "dspark"), memory-sized limits."""
+    third draft slot, so drafts are both accepted and rejected; "dspark"), memory-sized limits,
+    on `model` ("tiny" | "bundled", see `astart_stack`)."""
     return start_stack(drafter, verify_numerics="exact", corrupt_every=3 if drafter == "oracle" else 0,
-                       verifier_max_sessions=None, drafter_max_sessions=None)
+                       verifier_max_sessions=None, drafter_max_sessions=None, model=model)
 
 
 @pytest.fixture(scope="module")

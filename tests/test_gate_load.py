@@ -24,7 +24,8 @@ from services.app import drafter_engine, start_drafter, start_verifier, verifier
 from services.common.settings import BackendSettings
 from services.gateway.decision import CostModel, decide_by_survival, decide_length, draft_advantage, survival_of
 from services.gateway.gate import BUCKET_EDGES, Gate, GateConfig
-from services.gateway.load import COVER_ALPHA, LoadSeen, StepTimes, VerifierOccupancy, priced_at_load
+from services.common.budget import StepTimes
+from services.gateway.load import COVER_ALPHA, LoadSeen, VerifierOccupancy, priced_at_load
 from services.settings import backend_settings, gateway_settings
 from services.verifier.batcher import StepLoop, StepRecord
 from services.verifier.step_profile import StepProfileSettings, profile_steps, row_targets, split_rows

@@ -152,9 +152,9 @@ def test_position_classes_outside_1_to_16_are_refused(value):
 
 
 def test_bad_inputs_raise_naming_the_value():
-    with pytest.raises(ValueError, match="survival \\[1\\]=0.6"):
+    with pytest.raises(ValueError, match=r"survival\[1\]=0.6"):
         decide_by_survival([0.5, 0.6], 2, SEED_COST)  # rises: not a survival curve
-    with pytest.raises(ValueError, match="survival \\[0\\]=nan"):
+    with pytest.raises(ValueError, match=r"survival\[0\]=nan"):
         decide_by_survival([float("nan")], 1, SEED_COST)
     with pytest.raises(ValueError, match="NaN"):
         Gate(GateConfig()).survival([1.0, float("nan")])
@@ -171,3 +171,16 @@ def test_bands_keep_separate_counts():
     assert est.buckets([-0.5, 0.5, 6.0, HIGH]) == [1, 2, 5, 4]  # lower edge inclusive, as the gate's buckets
     hot = est.survival([HIGH, HIGH], "coupled:T(0.5,1]:unfiltered")
     assert hot[0] < 1.0 and hot[1] < hot[0]
+
+
+def test_a_budgeted_verify_carries_the_gates_survival():
+    from services.gateway.round_policy import RoundPolicy
+
+    gate = Gate(GateConfig(decay=1.0))
+    for conf, accepted in _dependent_rounds(400):
+        gate.observe(conf, 3, accepted)
+    conf = [HIGH, HIGH, MID, HIGH]
+    trim = RoundPolicy("gated", gate, None, None, 5, 64, 32, budget="trim")
+    assert trim.survival(conf, 3) == gate.survival(conf[:3])  # the curve the length choice priced
+    assert trim.survival(conf, 3)[0] == pytest.approx(0.5, abs=0.06)  # not the pooled rate's 0.70
+    assert RoundPolicy("gated", gate, None, None, 5, 64, 32).survival(conf, 3) is None  # budget off

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from services.cli import main
-from services.gateway.load import StepTimes
+from services.common.budget import StepTimes
 from services.gateway.rounds import Round
 from services.simulate.engine import Gateway, RecordedText, RunConfig, StreamSpec
 from services.simulate.models import ServiceModel, from_single_stream, load_model, parse_calibrate

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 from services.gateway import gate as gate_module
-from services.gateway.load import StepTimes
+from services.common.budget import StepTimes
 from services.gateway.rounds import Round
 from services.simulate.engine import Gateway, RecordedText, RunConfig, StreamSpec
 from services.simulate.models import ServiceModel

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from dspark_proto.v1 import common_pb2 as dspark__proto_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64spark_proto/v1/verifier.proto\x12\tdspark.v1\x1a\x1c\x64spark_proto/v1/common.proto\"\xda\x01\n\x0ePrefillRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08sampling\x18< \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12)\n\nconstraint\x18P \x01(\x0b\x32\x15.dspark.v1.Constraint\x12\x1c\n\x0fprompt_logprobs\x18Z \x01(\x05H\x00\x88\x01\x01\x12+\n\x08\x63ontrols\x18\x64 \x01(\x0b\x32\x19.dspark.v1.LogitsControlsB\x12\n\x10_prompt_logprobs\"3\n\rDecodeRequest\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x10\n\x08position\x18\x02 \x01(\x03\"\x8e\x01\n\rVerifyRequest\x12\x0e\n\x06\x61nchor\x18\x01 \x01(\x05\x12\x0e\n\x06\x64rafts\x18\x02 \x03(\x05\x12\x10\n\x08position\x18\x03 \x01(\x03\x12#\n\x04mode\x18\x04 \x01(\x0e\x32\x15.dspark.v1.VerifyMode\x12&\n\x0b\x64raft_probs\x18< \x01(\x0b\x32\x11.dspark.v1.Tensor\"\x1c\n\x0bRowsRequest\x12\r\n\x05\x63ount\x18\x01 \x01(\x05\"\xed\x01\n\x0fVerifierRequest\x12&\n\x05trace\x18\x01 \x01(\x0b\x32\x17.dspark.v1.TraceContext\x12,\n\x07prefill\x18\x02 \x01(\x0b\x32\x19.dspark.v1.PrefillRequestH\x00\x12*\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32\x18.dspark.v1.DecodeRequestH\x00\x12*\n\x06verify\x18\x04 \x01(\x0b\x32\x18.dspark.v1.VerifyRequestH\x00\x12&\n\x04rows\x18\x05 \x01(\x0b\x32\x16.dspark.v1.RowsRequestH\x00\x42\x04\n\x02op\"\xd3\x02\n\x10VerifierResponse\x12\x12\n\nnext_token\x18\x01 \x01(\x05\x12\x0e\n\x06margin\x18\x02 \x01(\x02\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\x1f\n\x04rows\x18\x04 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x16\n\x0e\x66irst_position\x18\x05 \x01(\x03\x12\x15\n\rnext_position\x18\x06 \x01(\x03\x12(\n\x06timing\x18\x07 \x01(\x0b\x32\x18.dspark.v1.ComputeTiming\x12\x11\n\tstep_rows\x18( \x01(\x05\x12\x1f\n\x17\x63ommitted_tokens_per_ms\x18) \x01(\x01\x12)\n\x08logprobs\x18< \x03(\x0b\x32\x17.dspark.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18Z \x03(\x0b\x32\x17.dspark.v1.TokenLogprob*^\n\nVerifyMode\x12\x1b\n\x17VERIFY_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16VERIFY_MODE_SEQUENTIAL\x10\x01\x12\x17\n\x13VERIFY_MODE_BATCHED\x10\x02\x32\x8c\x01\n\x08Verifier\x12\x46\n\x07Session\x12\x1a.dspark.v1.VerifierRequest\x1a\x1b.dspark.v1.VerifierResponse(\x01\x30\x01\x12\x38\n\x04Info\x12\x16.dspark.v1.InfoRequest\x1a\x18.dspark.v1.ModelIdentityBI\n\x0cio.dspark.v1B\rVerifierProtoP\x01Z(dspark-serving/gen/go/dspark/v1;dsparkv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x64spark_proto/v1/verifier.proto\x12\tdspark.v1\x1a\x1c\x64spark_proto/v1/common.proto\"\xda\x01\n\x0ePrefillRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08sampling\x18< \x01(\x0b\x32\x19.dspark.v1.SamplingParams\x12)\n\nconstraint\x18P \x01(\x0b\x32\x15.dspark.v1.Constraint\x12\x1c\n\x0fprompt_logprobs\x18Z \x01(\x05H\x00\x88\x01\x01\x12+\n\x08\x63ontrols\x18\x64 \x01(\x0b\x32\x19.dspark.v1.LogitsControlsB\x12\n\x10_prompt_logprobs\"3\n\rDecodeRequest\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x10\n\x08position\x18\x02 \x01(\x03\"\xa0\x01\n\rVerifyRequest\x12\x0e\n\x06\x61nchor\x18\x01 \x01(\x05\x12\x0e\n\x06\x64rafts\x18\x02 \x03(\x05\x12\x10\n\x08position\x18\x03 \x01(\x03\x12#\n\x04mode\x18\x04 \x01(\x0e\x32\x15.dspark.v1.VerifyMode\x12&\n\x0b\x64raft_probs\x18< \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x10\n\x08survival\x18\x05 \x03(\x02\"\x1c\n\x0bRowsRequest\x12\r\n\x05\x63ount\x18\x01 \x01(\x05\"\xed\x01\n\x0fVerifierRequest\x12&\n\x05trace\x18\x01 \x01(\x0b\x32\x17.dspark.v1.TraceContext\x12,\n\x07prefill\x18\x02 \x01(\x0b\x32\x19.dspark.v1.PrefillRequestH\x00\x12*\n\x06\x64\x65\x63ode\x18\x03 \x01(\x0b\x32\x18.dspark.v1.DecodeRequestH\x00\x12*\n\x06verify\x18\x04 \x01(\x0b\x32\x18.dspark.v1.VerifyRequestH\x00\x12&\n\x04rows\x18\x05 \x01(\x0b\x32\x16.dspark.v1.RowsRequestH\x00\x42\x04\n\x02op\"\xf7\x02\n\x10VerifierResponse\x12\x12\n\nnext_token\x18\x01 \x01(\x05\x12\x0e\n\x06margin\x18\x02 \x01(\x02\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x05\x12\x1f\n\x04rows\x18\x04 \x01(\x0b\x32\x11.dspark.v1.Tensor\x12\x16\n\x0e\x66irst_position\x18\x05 \x01(\x03\x12\x15\n\rnext_position\x18\x06 \x01(\x03\x12(\n\x06timing\x18\x07 \x01(\x0b\x32\x18.dspark.v1.ComputeTiming\x12\x15\n\x08\x61\x64mitted\x18\x08 \x01(\x05H\x00\x88\x01\x01\x12\x11\n\tstep_rows\x18( \x01(\x05\x12\x1f\n\x17\x63ommitted_tokens_per_ms\x18) \x01(\x01\x12)\n\x08logprobs\x18< \x03(\x0b\x32\x17.dspark.v1.TokenLogprob\x12\x30\n\x0fprompt_logprobs\x18Z \x03(\x0b\x32\x17.dspark.v1.TokenLogprobB\x0b\n\t_admitted*^\n\nVerifyMode\x12\x1b\n\x17VERIFY_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16VERIFY_MODE_SEQUENTIAL\x10\x01\x12\x17\n\x13VERIFY_MODE_BATCHED\x10\x02\x32\x8c\x01\n\x08Verifier\x12\x46\n\x07Session\x12\x1a.dspark.v1.VerifierRequest\x1a\x1b.dspark.v1.VerifierResponse(\x01\x30\x01\x12\x38\n\x04Info\x12\x16.dspark.v1.InfoRequest\x1a\x18.dspark.v1.ModelIdentityBI\n\x0cio.dspark.v1B\rVerifierProtoP\x01Z(dspark-serving/gen/go/dspark/v1;dsparkv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,20 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dspark_proto.v1.verifier_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\014io.dspark.v1B\rVerifierProtoP\001Z(dspark-serving/gen/go/dspark/v1;dsparkv1'
-  _globals['_VERIFYMODE']._serialized_start=1106
-  _globals['_VERIFYMODE']._serialized_end=1200
+  _globals['_VERIFYMODE']._serialized_start=1160
+  _globals['_VERIFYMODE']._serialized_end=1254
   _globals['_PREFILLREQUEST']._serialized_start=76
   _globals['_PREFILLREQUEST']._serialized_end=294
   _globals['_DECODEREQUEST']._serialized_start=296
   _globals['_DECODEREQUEST']._serialized_end=347
   _globals['_VERIFYREQUEST']._serialized_start=350
-  _globals['_VERIFYREQUEST']._serialized_end=492
-  _globals['_ROWSREQUEST']._serialized_start=494
-  _globals['_ROWSREQUEST']._serialized_end=522
-  _globals['_VERIFIERREQUEST']._serialized_start=525
-  _globals['_VERIFIERREQUEST']._serialized_end=762
-  _globals['_VERIFIERRESPONSE']._serialized_start=765
-  _globals['_VERIFIERRESPONSE']._serialized_end=1104
-  _globals['_VERIFIER']._serialized_start=1203
-  _globals['_VERIFIER']._serialized_end=1343
+  _globals['_VERIFYREQUEST']._serialized_end=510
+  _globals['_ROWSREQUEST']._serialized_start=512
+  _globals['_ROWSREQUEST']._serialized_end=540
+  _globals['_VERIFIERREQUEST']._serialized_start=543
+  _globals['_VERIFIERREQUEST']._serialized_end=780
+  _globals['_VERIFIERRESPONSE']._serialized_start=783
+  _globals['_VERIFIERRESPONSE']._serialized_end=1158
+  _globals['_VERIFIER']._serialized_start=1257
+  _globals['_VERIFIER']._serialized_end=1397
 # @@protoc_insertion_point(module_scope)

@@ -40,18 +40,20 @@ class DecodeRequest(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("anchor", "drafts", "position", "mode", "draft_probs")
+    __slots__ = ("anchor", "drafts", "position", "mode", "draft_probs", "survival")
     ANCHOR_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    SURVIVAL_FIELD_NUMBER: _ClassVar[int]
     anchor: int
     drafts: _containers.RepeatedScalarFieldContainer[int]
     position: int
     mode: VerifyMode
     draft_probs: _common_pb2.Tensor
-    def __init__(self, anchor: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., mode: _Optional[_Union[VerifyMode, str]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+    survival: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, anchor: _Optional[int] = ..., drafts: _Optional[_Iterable[int]] = ..., position: _Optional[int] = ..., mode: _Optional[_Union[VerifyMode, str]] = ..., draft_probs: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., survival: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RowsRequest(_message.Message):
     __slots__ = ("count",)
@@ -74,7 +76,7 @@ class VerifierRequest(_message.Message):
     def __init__(self, trace: _Optional[_Union[_common_pb2.TraceContext, _Mapping]] = ..., prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., decode: _Optional[_Union[DecodeRequest, _Mapping]] = ..., verify: _Optional[_Union[VerifyRequest, _Mapping]] = ..., rows: _Optional[_Union[RowsRequest, _Mapping]] = ...) -> None: ...
 
 class VerifierResponse(_message.Message):
-    __slots__ = ("next_token", "margin", "accepted", "rows", "first_position", "next_position", "timing", "step_rows", "committed_tokens_per_ms", "logprobs", "prompt_logprobs")
+    __slots__ = ("next_token", "margin", "accepted", "rows", "first_position", "next_position", "timing", "admitted", "step_rows", "committed_tokens_per_ms", "logprobs", "prompt_logprobs")
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MARGIN_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +84,7 @@ class VerifierResponse(_message.Message):
     FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
     NEXT_POSITION_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
     STEP_ROWS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_TOKENS_PER_MS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -93,8 +96,9 @@ class VerifierResponse(_message.Message):
     first_position: int
     next_position: int
     timing: _common_pb2.ComputeTiming
+    admitted: int
     step_rows: int
     committed_tokens_per_ms: float
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
-    def __init__(self, next_token: _Optional[int] = ..., margin: _Optional[float] = ..., accepted: _Optional[int] = ..., rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_position: _Optional[int] = ..., next_position: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ComputeTiming, _Mapping]] = ..., step_rows: _Optional[int] = ..., committed_tokens_per_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    def __init__(self, next_token: _Optional[int] = ..., margin: _Optional[float] = ..., accepted: _Optional[int] = ..., rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., first_position: _Optional[int] = ..., next_position: _Optional[int] = ..., timing: _Optional[_Union[_common_pb2.ComputeTiming, _Mapping]] = ..., admitted: _Optional[int] = ..., step_rows: _Optional[int] = ..., committed_tokens_per_ms: _Optional[float] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...

@@ -9,21 +9,19 @@ in order): `admit` refuses a second one. Which sessions may exist at all (the se
 is `services.common.sessions.SessionTable.open`'s rule, checked when a session opens.
 
 Gathering. A session answered by a step usually sends its next request a few milliseconds
-later (its client turns the reply around), and on a CPU a step's cost is mostly per step,
-not per row. A loop that started the next step the moment any request was queued would
-therefore split the sessions into cohorts that alternate steps, each paying the whole
-per-step cost. So before a step the schedule waits for the sessions the previous step
-answered to queue again, at most the shorter of `gather_s` and the previous step's duration:
-a second step would cost about that much again, so waiting longer never pays, and on fast
-hardware the wait shrinks with the steps. It waits only for sessions expected back within
-that window. An answer of a kind in `away_kinds` sends its session to the other backend
+later (its client turns the reply around), and a step's cost is mostly per step, not per row,
+on a CPU or a weight-bound GPU. A loop that started the next step the moment any request was
+queued would therefore split the sessions into cohorts that alternate steps, each paying the
+whole per-step cost. So before a step the schedule asks its alignment
+(`services.common.alignment`: by default `Gather`, min(gather_s, the last step's duration)
+for the sessions the last step answered with a kind that turns straight around) which of
+the sessions answered and not yet back to await, and until when; it keeps, per session and
+kind of answer, how long the session took to send again (`ReturnGaps`), which is when it is
+expected back. An answer of a kind in `away_kinds` sends its session to the other backend
 first by the round protocol (a verify reply: the drafter commits and drafts before the next
-verify; a draft reply: the verifier verifies before the next commit), so it is never waited
-for; after other answers (a decode, a prefill, a commit, whose draft follows at once) the
-schedule keeps, per session and kind, how long the session took to send again
-(`ReturnGaps`) and waits only for those expected back within the window. It stops waiting
-as soon as those have queued (or closed, `forget`), so a lone session never waits. What a
-step computes never depends on this: only which requests share it.
+verify; a draft reply: the verifier verifies before the next commit). The wait stops as soon
+as the awaited sessions have queued (or closed, `forget`), so a lone session never waits.
+What a step computes never depends on this: only which requests share it.
 
 Chunked prefill (`prefill_chunk` C set: the verifier). A step takes every queued or carried
 request that is not a prompt, and at most C prompt tokens in all: first the rest of the
@@ -37,6 +35,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
+
+from services.common.alignment import Alignment, Gather, Returning
 
 
 class Scheduled(Protocol):
@@ -60,7 +60,7 @@ R = TypeVar("R", bound=Scheduled)
 class ReturnGaps:
     """How long each session takes to send its next request after an answer, per kind of
     answer: an exponential average (weight GAP_WEIGHT on the newest gap) of seconds from the
-    answer to the next request."""
+    answer to the next request; and, per session answered and not yet back, that answer."""
 
     GAP_WEIGHT = 0.5  # sessions change phase (a gated generation drafting again): follow them fast
 
@@ -84,6 +84,10 @@ class ReturnGaps:
         """The gap (s) expected before `sid` sends again after its last answer (0 when unknown)."""
         kind, _ = self._answered.get(sid, ("", 0.0))
         return self._gaps.get(sid, {}).get(kind, 0.0)
+
+    def outstanding(self) -> list[tuple[int, str, float]]:
+        """(sid, kind, answer time s) of every session answered and not yet back."""
+        return [(sid, kind, t) for sid, (kind, t) in self._answered.items()]
 
     def forget(self, sid: int) -> None:
         self._answered.pop(sid, None)
@@ -116,6 +120,7 @@ class Schedule(Generic[R]):
             (never waited for).
         prefill_chunk: C, the most prompt tokens one step forwards (an integer >= 1), or None
             to take every queued request (no prompts are chunked).
+        alignment: the gather rule (`services.common.alignment`; None: `Gather(gather_s)`).
     Raises:
         ValueError: gather_s negative, not finite or not a number; prefill_chunk not None or
             an integer >= 1 (named with its value).
@@ -123,7 +128,7 @@ class Schedule(Generic[R]):
     """
 
     def __init__(self, gather_s: float = 0.0, away_kinds: frozenset[str] = frozenset(),
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, alignment: Alignment | None = None):
         if isinstance(gather_s, bool) or not isinstance(gather_s, (int, float)) \
                 or not (math.isfinite(gather_s) and gather_s >= 0):
             raise ValueError(f"gather_s={gather_s!r}: must be a finite number of seconds >= 0")
@@ -131,13 +136,15 @@ class Schedule(Generic[R]):
                                           or prefill_chunk < 1):
             raise ValueError(f"prefill_chunk={prefill_chunk!r}: must be an integer >= 1 (tokens per step)")
         self.gather_s, self.away_kinds, self.prefill_chunk = float(gather_s), frozenset(away_kinds), prefill_chunk
+        self.alignment = Gather(gather_s) if alignment is None else alignment
         self.queue: list[R] = []  # admitted, not yet in a step, in arrival order
         self.carried: list[R] = []  # ran in the last step and continue in the next one
         self._inflight: set[int] = set()  # sessions with a request queued, carried or in a step
         self._gone: set[int] = set()  # forgotten while in flight: not expected back after it
-        self._returning: set[int] = set()  # sessions the last step answered, expected back soon
+        self._returning: set[int] = set()  # sessions the last step answered (every kind)
         self._gaps = ReturnGaps()
         self._awaited: set[int] | None = None  # the gather of the next step (None: not begun)
+        self._gone_since: set[int] = set()  # forgotten since the last step
         self._deadline = 0.0
 
     # ------------------------------------------------------------------ arrivals
@@ -161,6 +168,7 @@ class Schedule(Generic[R]):
     def forget(self, sid: int) -> None:
         """Session `sid` closed: no step waits for it. Unknown ids are ignored."""
         self._gaps.forget(sid)
+        self._gone_since.add(sid)
         if sid in self._inflight:  # its request is still held: `release` must not expect it back
             self._gone.add(sid)
         self._returning.discard(sid)
@@ -172,16 +180,15 @@ class Schedule(Generic[R]):
 
     def wait_s(self, now: float, last_step_s: float) -> float:
         """Seconds the next step should still wait for returning sessions at `now` (0: start
-        it). Call only while `pending()`; the first call after a step fixes the window
-        (min(gather_s, last_step_s) from `now`) and who is awaited: the sessions the last step
-        answered that are expected back within it. Call again after each arrival, forget or
-        timeout; `take` ends the gather."""
+        it). Call only while `pending()`; the first call after a step asks the alignment who
+        is awaited and until when (module docstring). Call again after each arrival, forget
+        or timeout; `take` ends the gather."""
         if self._awaited is None:
-            window = min(self.gather_s, last_step_s)
-            self._awaited = {sid for sid in self._returning if self._gaps.expected(sid) < window} \
-                if window > 0 else set()
-            self._deadline = now + window
-        self._awaited &= self._returning  # `forget` drops closed sessions
+            outstanding = [Returning(sid, t, self._gaps.expected(sid), kind in self.away_kinds, sid in self._returning)
+                           for sid, kind, t in self._gaps.outstanding() if sid not in self._inflight]
+            self._awaited, self._deadline = self.alignment.plan(now, last_step_s, len(self.queue) + len(self.carried),
+                                                                outstanding)
+        self._awaited -= self._gone_since  # `forget` drops closed sessions
         if not self._awaited - self._inflight:  # every awaited session has sent again
             return 0.0
         return max(0.0, self._deadline - now)
@@ -189,7 +196,7 @@ class Schedule(Generic[R]):
     def take(self) -> Step[R]:
         """The next step's requests (module docstring); they leave the queue and the carried
         list, and stay in flight until `release` or `carry`. Ends the gather."""
-        self._awaited, self._returning = None, set()
+        self._awaited, self._returning, self._gone_since = None, set(), set()
         carried = {id(r) for r in self.carried}
         if self.prefill_chunk is None:
             requests, self.queue, self.carried = self.carried + self.queue, [], []
@@ -224,7 +231,7 @@ class Schedule(Generic[R]):
         if sid in self._gone:
             self._gone.discard(sid)
             return
-        if answered and request.op not in self.away_kinds:
+        if answered:
             self._returning.add(sid)
             self._gaps.answered(sid, request.op, now)
 

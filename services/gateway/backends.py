@@ -107,7 +107,9 @@ class VerifierReply:
     of the verifier batch step that completed a decode / verify; committed_tokens_per_ms: the
     verifier's recent committed tokens per wall ms (both 0 when the verifier reports none: no
     step loop, or an in-process session). prompt_logprobs: a prefill that asked for them, one
-    record per prompt token after the first (else empty)."""
+    record per prompt token after the first (else empty). admitted: a verify's drafts the
+    verifier judged (fewer than submitted when its step's budget cut the block; None from a
+    verifier that reports none, which judged them all)."""
 
     next_token: int
     margin: float
@@ -120,6 +122,7 @@ class VerifierReply:
     step_rows: int = 0
     committed_tokens_per_ms: float = 0.0
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    admitted: int | None = None
 
 
 @dataclass(frozen=True)
@@ -143,8 +146,11 @@ class VerifierSession(Protocol):
                       prompt_logprobs: int | None = None) -> VerifierReply: ...
     async def decode(self, token_id: int, position: int, trace: common_pb2.TraceContext) -> VerifierReply: ...
     # draft_probs [k, V] fp32: the rejection rule's q of each draft (None otherwise)
+    # survival: per draft, P(drafts 1..j all accepted), the gate's estimate; the verifier's
+    # step budget may then judge only a prefix of the block (None: the whole block).
     async def verify(self, anchor: int, drafts: Sequence[int], position: int, mode: str,
-                     trace: common_pb2.TraceContext, draft_probs: torch.Tensor | None = None) -> VerifierReply: ...
+                     trace: common_pb2.TraceContext, draft_probs: torch.Tensor | None = None,
+                     survival: Sequence[float] | None = None) -> VerifierReply: ...
     # The last min(count, kept) committed rows (count 0: all kept, up to window_size); needed
     # only for drafter failover (the gRPC session has it, the in-process one does not).
     async def rows(self, count: int, trace: common_pb2.TraceContext) -> VerifierReply: ...
@@ -255,7 +261,7 @@ class GrpcVerifierSession:
             raise BackendError("verifier", f"invalid reply: {exc}", grpc.StatusCode.DATA_LOSS) from None
         return VerifierReply(r.next_token, r.margin, r.accepted, from_proto(r.rows).float(), r.first_position,
                              r.timing.forward_ms, r.timing.rollback_bytes, logprobs, r.step_rows,
-                             r.committed_tokens_per_ms, prompt)
+                             r.committed_tokens_per_ms, prompt, r.admitted if r.HasField("admitted") else None)
 
     async def prefill(self, token_ids, trace, sampling=GREEDY, constraint=None, controls=None, prompt_logprobs=None):
         req = verifier_pb2.PrefillRequest(token_ids=list(token_ids), prompt_logprobs=prompt_logprobs)
@@ -270,8 +276,9 @@ class GrpcVerifierSession:
     async def decode(self, token_id, position, trace):
         return await self._ask(trace, decode=verifier_pb2.DecodeRequest(token_id=token_id, position=position))
 
-    async def verify(self, anchor, drafts, position, mode, trace, draft_probs=None):
-        req = verifier_pb2.VerifyRequest(anchor=anchor, drafts=list(drafts), position=position, mode=_MODE_ENUM[mode])
+    async def verify(self, anchor, drafts, position, mode, trace, draft_probs=None, survival=None):
+        req = verifier_pb2.VerifyRequest(anchor=anchor, drafts=list(drafts), position=position, mode=_MODE_ENUM[mode],
+                                         survival=survival or ())
         if draft_probs is not None:
             req.draft_probs.CopyFrom(to_proto(draft_probs, "float32"))
         return await self._ask(trace, verify=req)
@@ -364,10 +371,12 @@ class LocalVerifierSession:
         return VerifierReply(r.next_token, r.margin, 0, wire_rows(r.rows), r.positions.start, r.forward_ms,
                              logprobs=_wire_logprobs(r.logprobs))
 
-    async def verify(self, anchor, drafts, position, mode, trace, draft_probs=None):
-        r = await self._run(self.engine.admit_verify(self.sid, anchor, list(drafts), position, mode, draft_probs))
+    async def verify(self, anchor, drafts, position, mode, trace, draft_probs=None, survival=None):
+        r = await self._run(self.engine.admit_verify(self.sid, anchor, list(drafts), position, mode, draft_probs,
+                                                     survival))
         return VerifierReply(r.bonus_token, r.margin, r.accepted, wire_rows(r.rows), r.positions.start,
-                             r.forward_ms, r.rollback_bytes, _wire_logprobs(r.logprobs))
+                             r.forward_ms, r.rollback_bytes, _wire_logprobs(r.logprobs), r.step_rows,
+                             admitted=r.admitted)
 
     async def close(self):
         self.engine.close_session(self.sid)

@@ -15,6 +15,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from services.common.budget import check_survival
 from services.gateway.values import MIN_COST_MS, check_setting, finite_float, is_integer, short_repr
 
 DEFAULT_WIN_FACTOR = 1.15
@@ -131,15 +132,6 @@ def survival_of(match_probs: Sequence[float]) -> tuple[float, ...]:
     return tuple(out)
 
 
-def _check_survival(survival: Sequence[float], n: int) -> None:
-    previous = 1.0
-    for pos, s in enumerate(survival[:n]):
-        if isinstance(s, bool) or not isinstance(s, numbers.Real) or not 0.0 <= s <= previous:
-            raise ValueError(f"survival [{pos}]={short_repr(s)} must be in [0, {previous!r}] (a probability, "
-                             "non-increasing in the position)")
-        previous = s
-
-
 def _expected_totals(survival: Sequence[float], n: int) -> list[float]:
     """E[tokens(k)] = 1 + sum_{j<k} S_j for k = 0..n (inputs already validated)."""
     totals = [1.0]
@@ -215,7 +207,7 @@ def decide_by_survival(
     lam = 1.0 / cost.plain_ms if rate is None else finite_float(rate)
     if lam is None or lam <= 0:
         raise ValueError(f"rate={short_repr(rate)} must be a finite number > 0 (tokens per ms)")
-    _check_survival(survival, max_n)
+    check_survival(survival[:max_n], max_n)
     if max_n == 0:
         return 0
     values = _values(survival, max_n, cost, lam)

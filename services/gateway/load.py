@@ -19,7 +19,6 @@ model it is handed) and never reads the environment.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import dataclasses
 import logging
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 import grpc
 
 from dspark_proto.v1 import common_pb2
+from services.common.budget import StepTimes
 from services.gateway.decision import CostModel
 from services.gateway.values import MIN_COST_MS
 
@@ -38,53 +38,6 @@ OTHER_ROWS_ALPHA = 0.5  # moving average of the other sessions' rows: follows lo
 # Moving average of the 0/1 cover samples (one per round): a single round moves the price of
 # the generation's own wait by at most 30 %, and a change of load shows within 3-4 rounds.
 COVER_ALPHA = 0.3
-
-
-@dataclass(frozen=True)
-class StepTimes:
-    """The verifier's batch-step time against rows: rows[i] (tokens, > 0, strictly increasing)
-    takes ms[i] (ms, finite, >= 0, non-decreasing). Raises ValueError naming the value when
-    the points break those rules or the tuples differ in length or are empty."""
-
-    rows: tuple[float, ...]
-    ms: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        rows, ms = tuple(float(r) for r in self.rows), tuple(float(m) for m in self.ms)
-        if not rows or len(rows) != len(ms):
-            raise ValueError(f"step table of {len(rows)} rows and {len(ms)} ms: need equal, non-zero lengths")
-        if not all(math.isfinite(r) and r > 0 for r in rows) or any(b <= a for a, b in zip(rows, rows[1:])):
-            raise ValueError(f"step table rows={rows}: must be finite, > 0 and strictly increasing")
-        if not all(math.isfinite(m) and 0 <= m < 1e8 for m in ms) or any(b < a for a, b in zip(ms, ms[1:])):
-            raise ValueError(f"step table ms={ms}: must be finite, in [0, 1e8) and non-decreasing")
-        object.__setattr__(self, "rows", rows)
-        object.__setattr__(self, "ms", ms)
-
-    @classmethod
-    def from_identity(cls, identity: common_pb2.ModelIdentity) -> StepTimes | None:
-        """The table of a verifier's Info (fields 29-30), or None when it reports none.
-        Raises ValueError as the constructor."""
-        if not identity.step_table_rows:
-            return None
-        return cls(tuple(identity.step_table_rows), tuple(identity.step_table_ms))
-
-    def ms_at(self, rows: float) -> float:
-        """Step time (ms) at `rows` tokens: linear between the points; the first point's ms
-        below it; beyond the last, the last segment's slope (flat with one point)."""
-        xs, ys = self.rows, self.ms
-        if rows <= xs[0]:
-            return ys[0]
-        i = bisect.bisect_left(xs, rows)
-        if i == len(xs):
-            if len(xs) == 1:
-                return ys[0]
-            i = len(xs) - 1
-        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
-
-    def marginal_ms(self, other_rows: float, k: int) -> float:
-        """What k drafts add to a step (ms): table(R + k + 1) - table(R + 1), R = other_rows."""
-        return self.ms_at(other_rows + k + 1) - self.ms_at(other_rows + 1)
 
 
 class VerifierOccupancy:

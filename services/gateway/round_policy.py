@@ -16,8 +16,13 @@ A round, as both callers run it:
     policy.pre_draft(margin, others_inside)    # False: margin-skipped (Reason.ANCHOR_MARGIN)
     ... draft ...
     reason, k = policy.choose(confidences, drafted, pos, emitted)
-    ... verify k drafts or decode ...
-    policy.observe(confidences, k, accepted, step_rows, own_rows, tokens_per_ms)
+    survival = policy.survival(confidences, k)  # None unless the verifier's step budget runs
+    ... verify k drafts (with survival) or decode; the verifier judged `admitted` <= k ...
+    policy.observe(confidences, admitted, accepted, step_rows, own_rows, tokens_per_ms)
+
+With the step budget (`budget`, services.common.budget): "trim" sends the gate's chosen k with
+the survival of each draft, so the verifier's step may cut the block further; "full" submits
+the cap (the gate keeps only the pre-draft decision) and the step alone chooses the length.
 """
 
 from __future__ import annotations
@@ -25,9 +30,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from services.gateway.gate import Gate, LengthChoice
-from services.gateway.load import LoadSeen, PricingStats, StepTimes, priced_at_load
+from services.common.budget import StepTimes
+from services.gateway.load import LoadSeen, PricingStats, priced_at_load
 from services.gateway.record import Reason, drafted_reason
 from services.gateway.regime import RegimePolicy
+
+BUDGETS = ("off", "trim", "full")
 
 
 class RoundPolicy:
@@ -43,11 +51,17 @@ class RoundPolicy:
         block_size: drafted tokens a round may hold at most (the drafter's block).
         max_seq_len, max_tokens, max_drafts: the request's limits (tokens; max_drafts 0 = the
             block size).
+        budget: "off" | "trim" | "full", how a gated generation uses the verifier's step budget
+            (module docstring); other spec modes never send estimates.
+    Raises ValueError on another budget.
     """
 
     def __init__(self, spec: str, gate: Gate, regime: RegimePolicy | None, step_table: StepTimes | None,
                  block_size: int, max_seq_len: int, max_tokens: int, max_drafts: int = 0,
-                 pricing_stats: PricingStats | None = None):
+                 pricing_stats: PricingStats | None = None, budget: str = "off"):
+        if budget not in BUDGETS:
+            raise ValueError(f"budget={budget!r}: must be one of {BUDGETS}")
+        self.budget = budget if spec == "gated" else "off"
         self.spec, self.gate, self.step_table = spec, gate, step_table
         self.regime = regime if spec == "gated" else None
         self.block_size, self.max_seq_len = block_size, max_seq_len
@@ -89,8 +103,18 @@ class RoundPolicy:
         """After a draft of `drafted` tokens: (why, k drafts to submit). Without confidences
         the cap is submitted; with them the gate chooses under the cap."""
         max_n = self.max_drafts(drafted, pos, emitted)
-        choice = LengthChoice(max_n, max_n) if confidences is None else self.gate.choose(confidences, max_n)
+        full = confidences is None or self.budget == "full"
+        choice = LengthChoice(max_n, max_n) if full else self.gate.choose(confidences, max_n)
         return drafted_reason(drafted, choice), choice.k
+
+    def survival(self, confidences: Sequence[float] | None, k: int) -> tuple[float, ...] | None:
+        """The estimates a verify of the first k drafts carries for the step's budget: per
+        draft j, P(drafts 1..j all accepted), the gate's survival estimate (`Gate.survival`,
+        the same curve its length choice priced; None without the budget, confidences or
+        drafts)."""
+        if self.budget == "off" or confidences is None or k == 0:
+            return None
+        return self.gate.survival(confidences[:k])
 
     def observe(self, confidences: Sequence[float] | None, k: int, accepted: int,
                 step_rows: int, own_rows: int, tokens_per_ms: float) -> None:

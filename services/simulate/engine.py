@@ -24,7 +24,7 @@ from services.common.schedule import Schedule
 from services.common.sessions import SessionLimitError, SessionTable
 from services.gateway.decision import CostModel
 from services.gateway.gate import PRE_DRAFT_SKIPS, Gate, GateConfig
-from services.gateway.load import StepTimes
+from services.common.budget import StepBudget, StepTimes
 from services.gateway.record import Reason
 from services.gateway.regime import RegimePolicy
 from services.gateway.round_policy import RoundPolicy
@@ -49,6 +49,7 @@ class Arm:
     regime: bool = False
     load_pricing: bool = False
     gate: tuple[tuple[str, object], ...] = ()
+    budget: str = "off"  # the verifier's step budget: "off" | "trim" | "full" (RoundPolicy)
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class RunConfig:
     cores: int = 1  # the shared pool's cores (processor sharing; docs/simulate.md §3)
     drafters: int = 1
     gate_costs: CostModel | None = None  # the gates' cost model; None: the model's single-stream costs
+    prime_rows: int = 64  # tap rows a prefill primes the drafter with (the verifier's prefill_keep_rows)
 
 
 class RecordedText:
@@ -127,7 +129,8 @@ class Gateway:
         shared = Pool(self.clock, config.cores)
         own = lambda: shared if config.shared_compute else Pool(self.clock)  # noqa: E731 - a pool per loop, or one
         self.verifier = SimLoop(self.clock, own(), Schedule(config.gather_s, VERIFIER_AWAY, config.prefill_chunk),
-                                self._verifier_ms, self._verifier_step)
+                                self._verifier_ms, self._verifier_step,
+                                StepBudget(self._prices) if arm.budget != "off" else None)
         self.drafters = [SimLoop(self.clock, own(), Schedule(config.gather_s, DRAFTER_AWAY), self._drafter_ms)
                          for _ in range(config.drafters)]
         self.gateway_pool = own()
@@ -139,8 +142,9 @@ class Gateway:
         self.rate = CommitRate()
         self.cost = config.gate_costs or model.single_stream(config.block_size)
         self.regime = RegimePolicy() if arm.regime else None
-        self.step_table = StepTimes(tuple(float(r) for r in ROW_BUCKETS),
-                                    tuple(model.verifier_ms(r, 1) for r in ROW_BUCKETS)) if arm.load_pricing else None
+        self.budget_table = StepTimes(tuple(float(r) for r in ROW_BUCKETS),
+                                      tuple(model.verifier_ms(r, 1) for r in ROW_BUCKETS))
+        self.step_table = self.budget_table if arm.load_pricing else None
         self.gate_config = dataclasses.replace(
             GateConfig(enabled=arm.spec == "gated", draft_ms=self.cost.draft_ms,
                        verify_base_ms=self.cost.verify_base_ms, verify_slope_ms=self.cost.verify_slope_ms,
@@ -151,13 +155,18 @@ class Gateway:
         self.drafted_rounds = self.rounds = self.submitted = 0
         self.decisions: dict[int, list[tuple[str, int, int]]] = {}  # per stream: (reason, k, accepted) per round
 
+    def _prices(self) -> tuple[StepTimes, float]:
+        """What the verifier's step budget prices with: its step table (the model's steps
+        of one session, as the served verifier's table holds them) and lambda_sys."""
+        return self.budget_table, self.rate.tokens_per_ms()
+
     def _verifier_ms(self, step) -> float:
         rows = sum(step.chunk(r) if r.op == "prefill" else r.rows for r in step.requests)
         return self.model.verifier_ms(rows, len(step.requests))
 
     def _drafter_ms(self, step) -> float:
         drafts = sum(r.op == "draft" for r in step.requests)
-        return self.model.drafter_ms(drafts, len(step.requests) - drafts)
+        return self.model.drafter_ms(drafts, sum(r.rows for r in step.requests if r.op == "commit"))
 
     def _verifier_step(self, requests, rows: int, ms: float, end_ms: float) -> None:
         tokens = sum(r.tokens for r in requests if r.op != "prefill" or r.left == 0)
@@ -243,13 +252,14 @@ class _Generation:
         self.gate = Gate(gw.gate_config)
         self.gate.cost = gw.cost
         self.policy = RoundPolicy(arm.spec, self.gate, gw.regime, gw.step_table, gw.config.block_size,
-                                  gw.config.max_seq_len, spec.output, arm.max_drafts)
+                                  gw.config.max_seq_len, spec.output, arm.max_drafts, budget=arm.budget)
         self.sid = -1
         self.emitted = 0
         self.pos = spec.prompt
         self.text = spec.text
         self.text_pos = spec.text.start(spec.offset)  # where this generation is in the recording
         self.deferred = False  # committed rows held back for the next draft
+        self.uncommitted = 0  # committed tokens whose tap rows the drafter has not written yet
         self.margin: float | None = None
         self.decisions = gw.decisions.setdefault(spec.stream, [])
         self.drafter = gw.drafters[gw.placed % len(gw.drafters)]
@@ -266,6 +276,7 @@ class _Generation:
 
     def _prefilled(self, rows: int) -> None:
         self.gw.inside -= 1
+        self.uncommitted = min(self.spec.prompt, self.gw.config.prime_rows)
         self._emit(1)
         if self.emitted >= self.spec.output:
             return self._finish()
@@ -274,10 +285,15 @@ class _Generation:
         if not self.policy.regime_drafts(self.gw.in_flight):
             self.deferred = True  # asleep: primed when it drafts
             return self._round()
-        self._drafter(Request(self.sid, "commit", reply=lambda rows: self._round()))
+        self._commit(self._round)
 
     def _drafter(self, req: Request) -> None:
         self.gw.call(self.drafter, req)
+
+    def _commit(self, then: Callable[[], None]) -> None:
+        """Write the rows committed since the last commit into the drafter, then `then`."""
+        rows, self.uncommitted = max(self.uncommitted, 1), 0
+        self._drafter(Request(self.sid, "commit", rows=rows, reply=lambda _: then()))
 
     # ------------------------------------------------------------------ rounds
     def _round(self) -> None:
@@ -290,7 +306,7 @@ class _Generation:
             return self._submit(rec, reason, None, 0)
         if self.deferred:  # the link's flush: the held rows go before the draft
             self.deferred = False
-            return self._drafter(Request(self.sid, "commit", reply=lambda rows: self._draft(rec)))
+            return self._commit(lambda: self._draft(rec))
         self._draft(rec)
 
     def _plan(self) -> Reason | None:
@@ -313,14 +329,20 @@ class _Generation:
         self._drafter(Request(self.sid, "draft", reply=drafted))
 
     def _submit(self, rec: Round, reason: Reason, conf, k: int) -> None:
-        accepted = min(rec.accepted, k)
-        self.decisions.append((reason.value, k, accepted))
-        req = Request(self.sid, "verify" if k else "decode", rows=k + 1 if k else 1, tokens=accepted + 1)
-        req.reply = lambda rows: self._verified(rec, reason, conf, k, accepted, rows)
+        # tokens: what the block commits when verified whole; a step budget's trim caps it
+        req = Request(self.sid, "verify" if k else "decode", rows=k + 1 if k else 1, tokens=min(rec.accepted, k) + 1,
+                      survival=self.policy.survival(conf, k))
+
+        def verified(rows: int) -> None:
+            admitted = req.rows - 1 if k else 0
+            accepted = min(rec.accepted, admitted)
+            self.decisions.append((reason.value, admitted, accepted))
+            self.gw.submitted += admitted
+            self._verified(rec, reason, conf, admitted, accepted, rows)
+        req.reply = verified
         gw = self.gw
         gw.rounds += 1
         gw.drafted_rounds += conf is not None
-        gw.submitted += k
         self._verifier(req)
 
     def _verified(self, rec: Round, reason: Reason, conf, k: int, accepted: int, rows: int) -> None:
@@ -329,6 +351,7 @@ class _Generation:
         self.policy.observe(conf, k, accepted, rows, k + 1 if k else 1, gw.rate.tokens_per_ms())
         self.pos += accepted + 1
         self.text_pos += accepted + 1
+        self.uncommitted += accepted + 1
         if gw.regime is not None:
             gw.regime.record(max(gw.in_flight, 1), accepted + 1, gw.clock.now / 1e3, self.policy.spec == "gated")
         self._emit(accepted + 1)
@@ -337,7 +360,7 @@ class _Generation:
         if reason in DEFERRED or self.policy.spec == "off":
             self.deferred = self.deferred or reason in DEFERRED
             return self._round()
-        self._drafter(Request(self.sid, "commit", reply=lambda rows: self._round()))
+        self._commit(self._round)
 
     def _emit(self, tokens: int) -> None:
         tokens = min(tokens, self.spec.output - self.emitted)

@@ -15,6 +15,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable
 
+from services.common.budget import StepBudget
 from services.common.schedule import Schedule
 
 
@@ -45,9 +46,11 @@ class Clock:
 class Request:
     """One call to a backend: its session, op ("prefill" | "decode" | "verify" on the
     verifier, "commit" | "draft" on the drafter), rows it forwards (a verify k + 1, a decode
-    1), prompt tokens still to forward (`left`), tokens it commits when answered (a verify
+    1, a commit the tap rows it writes), prompt tokens still to forward (`left`), tokens it commits when answered (a verify
     accepted + 1, a decode or prefill 1: the verifier's commit rate) and the callback of its
-    reply (virtual ms, step rows)."""
+    reply (virtual ms, step rows). A verify block may carry `survival` (per draft, the
+    gateway's P(drafts 1..j all accepted)) for the step's budget, which `trim`s it; its
+    `tokens` are then capped at the drafts it kept + 1 (what it accepts of them)."""
 
     sid: int
     op: str
@@ -55,6 +58,12 @@ class Request:
     left: int = 0
     tokens: int = 0
     reply: Callable[[float, int], None] | None = None
+    survival: tuple[float, ...] | None = None
+
+    def trim(self, drafts: int) -> None:
+        """The step's budget admitted only the first `drafts` drafts of this verify block."""
+        self.rows, self.tokens = drafts + 1, min(self.tokens, drafts + 1)
+        self.survival = self.survival[:drafts] if drafts else None
 
 
 class Pool:
@@ -132,11 +141,15 @@ class SimLoop:
         clock: the event queue. pool: the compute it steps on. schedule: the services' Schedule.
         step_ms: (requests, step) -> ms of the step's forward.
         on_step: called at each step's end with (requests, rows, ms, end ms); None: nothing.
+        budget: the verifier's step budget (`services.common.budget.StepBudget`), applied to
+            each step's requests before it is priced, as the served step loop applies it
+            before the forward (None: none).
     """
 
     def __init__(self, clock: Clock, pool: Pool, schedule: Schedule, step_ms: Callable,
-                 on_step: Callable | None = None):
+                 on_step: Callable | None = None, budget: StepBudget | None = None):
         self.clock, self.pool, self.schedule, self.step_ms, self.on_step = clock, pool, schedule, step_ms, on_step
+        self.budget = budget
         self.stats = LoopStats()
         self._state = "idle"  # idle | gathering | stepping
         self._timer = 0  # generation of the gather timer: a stale one does nothing
@@ -169,6 +182,8 @@ class SimLoop:
         self._timer += 1
         self._state = "stepping"
         step = self.schedule.take()
+        if self.budget is not None:
+            self.budget.apply(step.requests, _rows(step))
         ms = self.step_ms(step)
         t0 = self.clock.now
         self.pool.run(ms, lambda: self._end(step, self.clock.now - t0))
@@ -177,7 +192,7 @@ class SimLoop:
         """A step ended after `ms` of wall time (its work, slowed by what shared its pool)."""
         now = self.clock.now
         self._last_step_s = ms / 1e3
-        rows = sum(step.chunk(r) if r.op == "prefill" else r.rows for r in step.requests)
+        rows = _rows(step)
         st = self.stats
         st.steps += 1
         st.busy_ms += ms
@@ -201,3 +216,8 @@ class SimLoop:
             r.reply(now, rows)
         if self._state == "idle":
             self._consider()
+
+
+def _rows(step) -> int:
+    """Rows a step forwards: each prompt's chunk, every other request's rows."""
+    return sum(step.chunk(r) if r.op == "prefill" else r.rows for r in step.requests)

@@ -6,7 +6,8 @@ A `ServiceModel` gives, in ms of virtual time:
   + prompt rows forwarded in the step (a `StepTimes` table, the very type the gateway prices
   drafts with), sessions = the sessions in the step (their KV reads);
 * the drafter's step: `draft.ms_at(drafting sessions)` when any session drafts plus
-  `commit.ms_at(committing sessions)` when any commits (both `StepTimes` over sessions);
+  `commit.ms_at(rows committed)` when any session commits (`StepTimes` over sessions and
+  over tap rows written: a round commits its accepted drafts and bonus token);
 * `rpc_ms`: one gateway <-> service round trip, paid by every call on top of its step.
 
 Sources (`load_model`): a built-in shape (`cpu`, `seed`, `gpu`), a JSON or TOML shape file,
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.gateway.decision import CostModel
-from services.gateway.load import StepTimes
+from services.common.budget import StepTimes
 from services.simulate.roofline import PEER_DRAFT_MS, PEER_PLAIN_MS, PEER_VERIFY, gpu_tables
 
 SHAPES = ("cpu", "seed", "gpu")
@@ -68,9 +69,11 @@ class ServiceModel:
         """One verifier step of `rows` tokens over `sessions` sessions (ms)."""
         return self.verifier.ms_at(rows) + self.session_ms * sessions
 
-    def drafter_ms(self, drafts: int, commits: int) -> float:
-        """One drafter step with `drafts` drafting and `commits` committing sessions (ms)."""
-        return (self.draft.ms_at(drafts) if drafts else 0.0) + (self.commit.ms_at(commits) if commits else 0.0)
+    def drafter_ms(self, drafts: int, commit_rows: int) -> float:
+        """One drafter step with `drafts` drafting sessions and `commit_rows` tap rows committed
+        over all its committing sessions (ms)."""
+        return (self.draft.ms_at(drafts) if drafts else 0.0) + \
+            (self.commit.ms_at(commit_rows) if commit_rows else 0.0)
 
     def single_stream(self, block_size: int) -> CostModel:
         """The costs one generation alone pays, as the gate's `CostModel` (what `dspark
@@ -88,7 +91,7 @@ class ServiceModel:
         def table(t: StepTimes, key: str) -> dict:
             return {key: list(t.rows), "ms": list(t.ms)}
         return {"name": self.name, "verifier": {**table(self.verifier, "rows"), "session_ms": self.session_ms},
-                "drafter": {"draft": table(self.draft, "sessions"), "commit": table(self.commit, "sessions")},
+                "drafter": {"draft": table(self.draft, "sessions"), "commit": table(self.commit, "rows")},
                 "rpc_ms": self.rpc_ms, "gateway_ms": self.gateway_ms}
 
 
@@ -130,7 +133,7 @@ def model_from_dict(obj: object, name: str) -> ServiceModel:
     if set(dra) - {"draft", "commit"}:
         raise ValueError(f"{name}: drafter: unknown key(s) {sorted(set(dra) - {'draft', 'commit'})}")
     draft = _table(dra.get("draft"), "sessions", f"{name}: drafter.draft")
-    commit = _table(dra.get("commit", {"sessions": [1], "ms": [0.0]}), "sessions", f"{name}: drafter.commit")
+    commit = _table(dra.get("commit", {"rows": [1], "ms": [0.0]}), "rows", f"{name}: drafter.commit")
     return ServiceModel(str(obj.get("name", name)), verifier, draft, commit, session_ms, obj.get("rpc_ms", 0.0),
                         obj.get("gateway_ms", 0.0))
 
@@ -139,9 +142,10 @@ def from_single_stream(costs: dict[str, float], name: str, max_rows: int = 8192)
     """A ServiceModel from one stream's costs (the seed figures, `dspark calibrate` output):
     the verifier step is plain_ms at one row, verify(1) = verify_base_ms + verify_slope_ms at
     two (never below plain_ms), and grows by verify_slope_ms per further row, rows of other
-    sessions costing as a drafted row does; a drafter step of s sessions costs draft_ms
-    (commit_ms) times 1 + (s - 1) * verify_slope_ms / plain_ms, the verifier's measured
-    ratio of one more row to a whole step (docs/simulate.md §2.2). Raises ValueError naming
+    sessions costing as a drafted row does; a draft of s sessions costs draft_ms times
+    1 + (s - 1) * verify_slope_ms / plain_ms, the verifier's measured ratio of one more row to
+    a whole step, and a commit of r rows commit_ms times 1 + (r - 1) * that ratio
+    (docs/simulate.md §2.2). Raises ValueError naming
     a cost that is negative or not finite, or a missing one."""
     for key in ("draft_ms", "verify_slope_ms", "plain_ms"):
         value = costs.get(key)

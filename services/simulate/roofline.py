@@ -19,7 +19,7 @@ prints the comparison.
 
 from __future__ import annotations
 
-from services.gateway.load import StepTimes
+from services.common.budget import StepTimes
 
 # Published config (docs/model.md §1).
 LAYERS, DIM, HEADS, HEAD_DIM, Q_LORA, O_LORA, O_GROUPS = 43, 4096, 64, 512, 1024, 1024, 8
@@ -30,7 +30,7 @@ FP4_BYTES, FP8_BYTES, BF16_BYTES = 0.53125, 1.0, 2.0
 HBM_BYTES_PER_MS, FP8_FLOPS_PER_MS, TP = 3.35e9, 1.979e12, 4
 # The peer's single-stream costs the overheads are fitted to (ms, one row / one session).
 PEER_PLAIN_MS, PEER_DRAFT_MS, PEER_VERIFY = 72.7, 24.0, (71.0, 16.0)
-COMMIT_MS = 1.0  # assumed: a commit writes one row per stage; no measured figure exists
+COMMIT_MS = 1.0  # assumed for a commit of any rows (a few rows per stage); no measured figure exists
 CONTEXT = 1024  # tokens of context each session's attention reads (prompt + output)
 
 
@@ -82,7 +82,7 @@ def draft_roofline_ms(sessions: float) -> float:
 
 
 def gpu_tables() -> tuple[StepTimes, StepTimes, StepTimes, float]:
-    """(verifier step table over rows, draft and commit tables over sessions, session_ms)."""
+    """(verifier step table over rows, draft table over sessions, commit table over rows, session_ms)."""
     session_ms = kv_bytes() / (TP * HBM_BYTES_PER_MS)
     overhead = PEER_PLAIN_MS - trunk_roofline_ms(1) - session_ms
     rows = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 4096]

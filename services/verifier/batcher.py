@@ -60,6 +60,7 @@ import torch
 from dsv4.sampling import GREEDY, SamplingParams
 from dsv4.scalars import as_int
 from dsv4.trunk import Trunk
+from services.common.budget import StepBudget
 from services.common.sessions import UnknownSessionError
 from services.common.schedule import Schedule, Step
 from services.common.step_queue import StepQueue
@@ -83,7 +84,8 @@ def batchable(model: object) -> bool:
 @dataclass(frozen=True)
 class StepRecord:
     """One step: kind in STEP_KINDS ("prefill" when it carried a prompt chunk), sessions in
-    it, rows forwarded (tokens, the chunk's included), wall time (ms); prefill_rows: the
+    it, rows forwarded (tokens, the chunk's included), wall time (ms: from taking the step to
+    its last answer, the forward, the accept rule and rollbacks); prefill_rows: the
     prompt chunks' rows (tokens, 0 without one); prefills_done: prompts it completed;
     tokens: tokens committed by the requests it completed (a decode 1, a verify accepted + 1,
     a prefill its first anchor 1)."""
@@ -124,6 +126,9 @@ class StepLoop(StepQueue):
         gather_s: the longest wait (s) before a step for the sessions the previous step
             answered (`services.common.schedule`; 0: start a step as soon as work is queued).
         torch_threads: torch intra-op threads of the loop's thread (None: torch's default).
+        budget: the step's verification budget (`services.common.budget.StepBudget`): before
+            each step's forward it cuts the verify blocks that carry acceptance estimates to
+            the drafts it admits (None: every block is verified whole).
     Raises:
         ValueError: the engine's model is not `batchable`, prefill_chunk
             not an integer >= 1, or gather_s negative or not finite (named with its value).
@@ -133,7 +138,7 @@ class StepLoop(StepQueue):
 
     def __init__(self, engine: VerifierEngine, on_step: Callable[[StepRecord], None] | None = None,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, gather_s: float = 0.0,
-                 torch_threads: int | None = None):
+                 torch_threads: int | None = None, budget: StepBudget | None = None):
         if not batchable(engine.model):
             raise ValueError(f"the step loop drives a plain Trunk, a top-k dump wrapper over one or a TPTrunk, "
                              f"got {type(engine.model).__name__}")
@@ -142,7 +147,7 @@ class StepLoop(StepQueue):
             raise ValueError(f"prefill_chunk={self.prefill_chunk}: must be >= 1 (tokens per step)")
         schedule = Schedule(gather_s, self.AWAY_KINDS, self.prefill_chunk)
         super().__init__("verifier", StepStats(), on_step, log, schedule, torch_threads)
-        self.engine = engine
+        self.engine, self.budget = engine, budget
         self._start()
 
     AWAY_KINDS = frozenset({"verify"})  # its session commits and drafts on the drafter before the next verify
@@ -202,6 +207,7 @@ class StepLoop(StepQueue):
     def _step(self, step: Step) -> None:
         """Run and absorb one scheduled step: hold every live session, one forward over every
         record's rows, then resolve the complete requests and carry the rest."""
+        t0 = time.perf_counter()
         with contextlib.ExitStack() as held:
             live = []
             for r in sorted(step.requests, key=lambda r: r.sid):  # one lock order: no deadlock
@@ -212,12 +218,17 @@ class StepLoop(StepQueue):
                     self._finish(r, error=exc)
             if not live:
                 return
+            if self.budget is not None:
+                self.budget.apply(live, sum(step.chunk(r) if r.op == "prefill" else r.step_rows() for r in live))
             items = [r.item(step.chunk(r)) for r in live]
-            outs, ms = self._run(live, items)
+            outs, forward_ms = self._run(live, items)
             if outs is None:
                 return
             rows = sum(len(it.tokens) if (it.verify or it.prefill) else 1 for it in items)
-            done = [self._absorb(r, out, ms, rows) for r, out in zip(live, outs)]
+            done = [self._absorb(r, out, forward_ms, rows) for r, out in zip(live, outs)]
+        # The step's whole wall time, the accept rule and rollbacks included: what the loop is
+        # occupied with, so what the step table prices and the simulator replays.
+        ms = (time.perf_counter() - t0) * 1e3
         chunk = sum(len(it.tokens) for it in items if it.prefill)
         self._record(StepRecord("prefill" if chunk else "batch", len(live), rows, ms, chunk,
                                 sum(p for p, _ in done), sum(t for _, t in done)))

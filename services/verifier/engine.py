@@ -78,6 +78,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from services.common.budget import check_survival
 from services.common.sessions import (SessionHost, SessionLimitError, SessionTable,
                                       UnknownSessionError)
 from services.common.settings import VERIFY_MODES
@@ -291,7 +292,8 @@ class VerifierEngine(SessionHost[SessionRecord]):
         return s.begin("decode", [token_id], position)
 
     def admit_verify(self, sid: int, anchor: int, drafts: list[int], position: int,
-                     mode: str = "sequential", draft_probs: torch.Tensor | None = None) -> SessionRecord:
+                     mode: str = "sequential", draft_probs: torch.Tensor | None = None,
+                     survival=None) -> SessionRecord:
         """Admit a verify of [anchor, d1..dk] at positions position..position+k (module
         docstring); as `admit_prefill`.
 
@@ -300,12 +302,16 @@ class VerifierEngine(SessionHost[SessionRecord]):
         mode "sequential": one position per step, stopping at the first mismatch (exact).
         mode "batched": one (k+1)-position forward, then exact rollback of positions
         n+a+1..n+k (ring slots, compressor accumulators, compressed and indexer caches).
+        survival: k floats, P(drafts 1..j all accepted) per draft j (the gateway's estimates):
+        the step's budget may then verify only a prefix of the block
+        (`services.common.budget`; batched mode only; None or empty: the whole block).
         Raises:
             ValueError: unknown mode; anchor / position not an integer, drafts not a list /
                 tuple / 1-D integer tensor of integers (each named); wrong position (named),
                 ids out of range, a block that would run past max_seq_len, a batched block
                 of more than EXACT_ROWS tokens on an exact-numerics trunk; draft_probs missing
-                or malformed under the rejection rule (named); a request already in flight.
+                or malformed under the rejection rule (named); survival of another length than
+                the drafts, outside [0, 1] or rising; a request already in flight.
                 The session is unchanged then.
             UnknownSessionError: `sid` not open.
         """
@@ -319,7 +325,8 @@ class VerifierEngine(SessionHost[SessionRecord]):
         ids = [anchor, *draft_ids]
         self._check_block(position, ids, mode)
         q = check_draft_probs(s.sampling, draft_probs, len(draft_ids), self.cfg.vocab_size)
-        return s.begin("verify", ids, position, mode, draft_probs=q)
+        estimates = check_survival(survival, len(draft_ids)) if survival is not None and len(survival) else None
+        return s.begin("verify", ids, position, mode, draft_probs=q, survival=estimates)
 
     def _check_range(self, ids: list[int]) -> None:
         for i, t in enumerate(ids):

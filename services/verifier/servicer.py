@@ -147,13 +147,15 @@ class VerifierServicer(SessionStreamServicer, verifier_pb2_grpc.VerifierServicer
                 q = from_proto(v.draft_probs, max_elements=len(v.drafts) * self.engine.cfg.vocab_size)
             except ValueError as exc:
                 raise ValueError(f"verify.draft_probs: {exc}") from None
-        res = await self._run("verify", sid, v.anchor, list(v.drafts), v.position, mode, q)
+        survival = list(v.survival) or None
+        res = await self._run("verify", sid, v.anchor, list(v.drafts), v.position, mode, q, survival)
         response = verifier_pb2.VerifierResponse(
-            next_token=res.bonus_token, margin=res.margin, accepted=res.accepted,
+            next_token=res.bonus_token, margin=res.margin, accepted=res.accepted, admitted=res.admitted,
             rows=to_proto(res.rows), first_position=res.positions.start, next_position=res.positions.stop)
         response.timing.rollback_bytes = res.rollback_bytes
         span.set_attribute("spec_decode.accepted", res.accepted)
         span.set_attribute("spec_decode.submitted", len(v.drafts))
+        span.set_attribute("spec_decode.admitted", res.admitted)
         span.set_attribute("verifier.mode", mode)
         return res, response
 

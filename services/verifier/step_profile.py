@@ -4,15 +4,21 @@ Before the verifier serves, this module opens a few throw-away sessions, prefill
 prompt in each and times steps of chosen row counts (a verify block per session, split as
 evenly as the block size allows), seeding the step table
 (`services.verifier.step_table.LoadTracker.seed`). Each step is a step of the step loop
-itself (every session's request submitted at once, so they share one step), so the timings
-are what a served step pays. The sessions are closed afterwards whatever happens. It must
-run before the loop serves (its steps would otherwise share other sessions' steps) and never
-reads the environment (`StepProfileSettings` comes from the entry point).
+itself (every session's request submitted at once, so they share one step) and is timed as
+the loop reports it (`StepRecord.ms`: the forward, the accept rule and the rollbacks), so the
+timings are what a served step pays. The prompts and drafts are distinct tokens drawn from a
+fixed seed, as served text is: a block of one repeated token routes every row to the same
+experts and under-prices a mixture-of-experts step. The sessions are closed afterwards
+whatever happens. It must run before the loop serves (its steps would otherwise share other
+sessions' steps) and never reads the environment (`StepProfileSettings` comes from the entry
+point).
 """
 
 from __future__ import annotations
 
 import logging
+import queue
+import random
 import time
 from dataclasses import dataclass
 
@@ -78,30 +84,49 @@ def profile_steps(steps: StepLoop, load: LoadTracker, settings: StepProfileSetti
     t0, engine = time.perf_counter(), steps.engine
     free = engine.max_sessions - engine.num_sessions
     sids = [engine.open_session() for _ in range(max(0, min(settings.sessions, free)))]
+    tokens = random.Random(0)
+    reports: queue.Queue = queue.Queue()
+    hook, steps.on_step = steps.on_step, reports.put
     try:
         if not sids:
             return 0
-        anchors = {sid: steps.prefill(sid, _prompt(engine, settings.prompt_tokens)).next_token for sid in sids}
+        anchors = {sid: steps.prefill(sid, _prompt(engine, settings.prompt_tokens, tokens)).next_token
+                   for sid in sids}
         per = min(engine.cfg.dspark_block_size + 1, EXACT_ROWS)
         targets, timed = row_targets(len(sids), per), 0
-        _step(steps, anchors, split_rows(targets[-1], len(sids), per))
+        _step(steps, anchors, split_rows(targets[-1], len(sids), per), tokens)
         for rep in range(settings.repeats):
             for i in range(len(targets)):
                 rows = targets[(i + rep) % len(targets)]
                 if time.perf_counter() - t0 > settings.budget_s or not _room(engine, sids, per):
                     return timed
-                load.seed(rows, _step(steps, anchors, split_rows(rows, len(sids), per)))
+                _drain(reports)
+                _step(steps, anchors, split_rows(rows, len(sids), per), tokens)
+                load.seed(rows, _last_step(reports).ms)
                 timed += 1
         return timed
     finally:
+        steps.on_step = hook
         for sid in sids:
             engine.close_session(sid)
         log.info("step profile: %d dummy sessions in %.1f s", len(sids), time.perf_counter() - t0)
 
 
-def _prompt(engine: VerifierEngine, n: int) -> list[int]:
-    """A dummy prompt of n token ids (1, 2, ...; wrapped inside the vocabulary)."""
-    return [1 + i % (engine.cfg.vocab_size - 1) for i in range(n)]
+def _prompt(engine: VerifierEngine, n: int, tokens: random.Random) -> list[int]:
+    """A dummy prompt of n token ids drawn from `tokens` (1..vocab_size - 1)."""
+    return [tokens.randrange(1, engine.cfg.vocab_size) for _ in range(n)]
+
+
+def _drain(reports: queue.Queue) -> None:
+    """Drop the step reports of earlier steps (the prefills')."""
+    while not reports.empty():
+        reports.get_nowait()
+
+
+def _last_step(reports: queue.Queue, timeout_s: float = 60.0):
+    """The report of the step just answered: the loop publishes it after the step's last
+    answer, so it may arrive a moment after the results. Raises queue.Empty past timeout_s."""
+    return reports.get(timeout=timeout_s)
 
 
 def _room(engine: VerifierEngine, sids: list[int], per: int) -> bool:
@@ -109,16 +134,16 @@ def _room(engine: VerifierEngine, sids: list[int], per: int) -> bool:
     return all(engine.next_position(sid) + per + 1 < engine.cfg.max_seq_len for sid in sids)
 
 
-def _step(steps: StepLoop, anchors: dict[int, int], sizes: list[int]) -> float:
-    """One step of the loop: session i forwards a block of sizes[i] tokens (its anchor
-    repeated as drafts, or a decode for size 1), submitted together so they share the step;
-    each next anchor is kept. Returns the step's forward wall time (ms)."""
+def _step(steps: StepLoop, anchors: dict[int, int], sizes: list[int], tokens: random.Random) -> None:
+    """One step of the loop: session i forwards a block of sizes[i] tokens (its anchor and
+    sizes[i] - 1 drafts drawn from `tokens`, or a decode for size 1), submitted together so
+    they share the step; each next anchor is kept."""
     engine = steps.engine
     sids = sorted(anchors)[:len(sizes)]
+    vocab = engine.cfg.vocab_size
     records = [engine.admit_decode(sid, anchors[sid], engine.next_position(sid)) if size == 1 else
-               engine.admit_verify(sid, anchors[sid], [anchors[sid]] * (size - 1), engine.next_position(sid),
-                                   "batched") for sid, size in zip(sids, sizes)]
+               engine.admit_verify(sid, anchors[sid], [tokens.randrange(1, vocab) for _ in range(size - 1)],
+                                   engine.next_position(sid), "batched") for sid, size in zip(sids, sizes)]
     results = [f.result() for f in steps.submit_all(records)]
     for sid, result in zip(sids, results):
         anchors[sid] = result.bonus_token if isinstance(result, VerifyResult) else result.next_token
-    return max(r.forward_ms for r in results)

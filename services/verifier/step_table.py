@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dspark_proto.v1 import common_pb2
+from services.common.budget import StepTimes
 from services.common.monotone import non_decreasing
 
 # Lower edges of the row buckets (tokens forwarded in one step). Fine at the small sizes a
@@ -158,6 +159,13 @@ class LoadTracker:
         """lambda_sys: committed tokens per wall ms over recent steps (0.0 before any)."""
         with self._lock:
             return self.rate.tokens_per_ms()
+
+    def prices(self) -> tuple[StepTimes | None, float]:
+        """What the step's budget prices drafts with (`services.common.budget`): the fitted
+        table (None before any step) and lambda_sys (tokens per ms)."""
+        with self._lock:
+            snap, lam = self.table.snapshot(), self.rate.tokens_per_ms()
+        return (StepTimes(snap.rows, snap.ms) if snap.rows else None), lam
 
     def fill_identity(self, identity: common_pb2.ModelIdentity) -> None:
         """Write the table and the rate into ModelIdentity fields 29-34."""

@@ -76,6 +76,8 @@ class VerifyResult:
     rollback_bytes: bytes copied to restore the state after rejected positions (batched).
     forward_ms: wall time of the model forwards (ms).
     step_rows: rows (tokens) of the step-loop batch step that completed it; 0 outside one.
+    admitted: the drafts the verifier judged, k or fewer when the step's budget cut the block
+        (`services.common.budget`); accepted <= admitted.
     """
 
     accepted: int
@@ -88,6 +90,7 @@ class VerifyResult:
     forward_ms: float
     logprobs: tuple[TokenLogprob, ...] = ()  # a + 1 records: the accepted drafts, then bonus_token
     step_rows: int = 0
+    admitted: int = 0
 
 
 @dataclass(eq=False)  # compared by identity: one record per session
@@ -115,6 +118,9 @@ class SessionRecord:
     prompt_logprobs: a prefill's top alternatives per prompt token (0..MAX_LOGPROBS), None
     when it asked for no prompt logprobs; prompt_records the records of the prompt tokens
     scored so far (one per prompt token after the first, in order).
+    survival: a batched verify's per-draft P(drafts 1..j all accepted), the gateway's estimate
+    the step's budget admits drafts by (`services.common.budget`; None: the block is verified
+    whole).
     """
 
     sid: int
@@ -136,10 +142,11 @@ class SessionRecord:
     controls: ControlState | None = None
     prompt_logprobs: int | None = None
     prompt_records: list[TokenLogprob] = field(default_factory=list)
+    survival: tuple[float, ...] | None = None
 
     def begin(self, op: str, ids: list[int], position: int, mode: str = "batched",
               draft_probs: torch.Tensor | None = None, keep: int = 0,
-              prompt_logprobs: int | None = None) -> "SessionRecord":
+              prompt_logprobs: int | None = None, survival: tuple[float, ...] | None = None) -> "SessionRecord":
         """Make the admitted request the one in flight; returns self.
 
         Raises:
@@ -151,6 +158,7 @@ class SessionRecord:
         self.draft_probs, self.keep, self.future = draft_probs, keep, Future()
         self.done, self.rows, self.logprobs, self.forward_ms = 0, [], [], 0.0
         self.prompt_logprobs, self.prompt_records = prompt_logprobs, []
+        self.survival = survival if op == "verify" and mode == "batched" and len(ids) > 1 else None
         grammar = None if self.controls is None else self.controls.grammar
         if grammar is not None and op != "prefill":
             grammar.prefetch(ids[1:])  # the rows' masks fill while the forward runs (docs/structured.md §7)
@@ -159,7 +167,21 @@ class SessionRecord:
     def end(self) -> None:
         """The request left the step loop (answered or failed): the session may send again."""
         self.op, self.ids, self.draft_probs, self.future, self.rows, self.logprobs = None, [], None, None, [], []
-        self.prompt_logprobs, self.prompt_records = None, []
+        self.prompt_logprobs, self.prompt_records, self.survival = None, [], None
+
+    def step_rows(self) -> int:
+        """Rows a verify or decode forwards in its next step (a batched block all of them;
+        a prompt's chunk is the schedule's and not counted here)."""
+        return len(self.ids) if self.op == "verify" and not self.stepwise else 1
+
+    def trim(self, drafts: int) -> None:
+        """Cut the verify block in flight to its first `drafts` drafts (the step's budget
+        admitted no more; 0 <= drafts <= k): what is committed stays the same tokens, only
+        fewer of them this step."""
+        self.ids = self.ids[:drafts + 1]
+        if self.draft_probs is not None:
+            self.draft_probs = self.draft_probs[:drafts]
+        self.survival = self.survival[:drafts] if drafts else None
 
     @property
     def stepwise(self) -> bool:
@@ -226,14 +248,14 @@ def absorb(s: SessionRecord, out, ms: float, model=None) -> StepResult | VerifyR
         if token is None:
             return None
         result = VerifyResult(i, token, top2_margin(out.logits)[1], torch.cat(s.rows), range(n, n + i + 1),
-                              i + 1, 0, s.forward_ms, tuple(s.logprobs))
+                              i + 1, 0, s.forward_ms, tuple(s.logprobs), admitted=len(ids) - 1)
     else:  # a verify block is a transaction: judged row by row, then rolled back to what it accepted
         a = 0
         while (token := _judge_row(s, out.logits[a], a)) is None:
             a += 1
         copied = model.rollback(s.state, out.undo, keep=a + 1)
         result = VerifyResult(a, token, top2_margin(out.logits[a])[1], out.taps[: a + 1], range(n, n + a + 1),
-                              len(ids), copied, s.forward_ms, tuple(s.logprobs))
+                              len(ids), copied, s.forward_ms, tuple(s.logprobs), admitted=len(ids) - 1)
     s.committed.add(result.rows, result.positions, result.bonus_token, result.margin)
     return result
 
