@@ -1,10 +1,11 @@
-"""The gate's cost model and its decision rule, as pure functions of match probabilities.
+"""The gate's cost model and its decision rule, as pure functions of a block's survival curve.
 
 Owns `CostModel` (what a round costs, ms) and the arithmetic of the length choice: expected
 tokens from a block's survival curve (S_j = P(positions 0..j all accepted)), the long-run-rate
 objective (`decide_by_survival`; `decide_length` for independent positions) and the pre-draft
-value of drafting (`draft_advantage`), docs/gate.md §2. It keeps no state and never estimates probabilities
-(`services.gateway.estimator` does) or decides when to probe (`services.gateway.gate` does).
+value of drafting (`draft_advantage`), docs/gate.md §2. It keeps no state and never estimates
+probabilities (`services.gateway.survival` does) or decides when to probe (`services.gateway.gate`
+does).
 Units: costs in ms, expected tokens in tokens, rates in tokens per ms.
 """
 
