@@ -46,6 +46,7 @@ _OVERRIDES = (
     "min_draft",
     "decay",
     "margin_threshold",
+    "position_classes",
 )
 
 # The cost shapes of docs/gate.md §10: the reference setup's, and a cheap-verify one (a real
@@ -146,7 +147,8 @@ def _heading(report: ReplayReport) -> Text:
     cfg = report.config
     return Text(f"Replay of {printable(report.source)}\ncosts {printable(report.costs)}: draft {cfg.draft_ms:g} ms"
                 f" + verify {cfg.verify_base_ms:g} + {cfg.verify_slope_ms:g}·n ms, plain {cfg.plain_ms:g} ms; "
-                f"win factor {cfg.win_factor:g}, decay {cfg.decay:g}, min_draft {cfg.min_draft}\ngate "
+                f"win factor {cfg.win_factor:g}, decay {cfg.decay:g}, min_draft {cfg.min_draft}, position classes "
+                f"{cfg.position_classes}\ngate "
                 + ("cold at the start of each workload" if report.warm is None else
                    f"warm-started from the other workloads (at most {report.warm.max_weight:g} observations per bucket)"))
 

@@ -22,8 +22,8 @@ import pytest
 from dspark_proto.v1 import common_pb2, gateway_pb2, verifier_pb2
 from services.app import drafter_engine, start_drafter, start_verifier, verifier_engine
 from services.common.settings import BackendSettings
-from services.gateway.decision import CostModel, decide_length, draft_advantage
-from services.gateway.gate import BUCKET_EDGES, Gate, GateConfig, bucket_index
+from services.gateway.decision import CostModel, decide_by_survival, decide_length, draft_advantage, survival_of
+from services.gateway.gate import BUCKET_EDGES, Gate, GateConfig
 from services.common.budget import StepTimes
 from services.gateway.load import COVER_ALPHA, LoadSeen, VerifierOccupancy, priced_at_load
 from services.settings import backend_settings, gateway_settings
@@ -186,9 +186,9 @@ def test_cover_prices_the_own_wait_only_when_the_verifier_would_idle():
 def test_a_covered_wait_turns_a_skipped_draft_into_a_drafted_round():
     # value(n) = E[tokens(n)] - 0.1 * (draft + verify'(n) + commit), plain 1 - 0.1 * 10 = 0
     uncovered = priced_at_load(OWN_COST, TABLE, _seen([0]), 0.1, 5)
-    assert draft_advantage(PROBS, uncovered, 0.1) == pytest.approx(-1.4)     # best: 1.9 - 3.3 at n = 1
+    assert draft_advantage(survival_of(PROBS), uncovered, 0.1) == pytest.approx(-1.4)     # best: 1.9 - 3.3 at n = 1
     covered = priced_at_load(OWN_COST, TABLE, _seen([2]), 0.1, 5)
-    assert draft_advantage(PROBS, covered, 0.1) == pytest.approx(2.62 - 2.2 - 1e-4)  # n = 2 beats plain
+    assert draft_advantage(survival_of(PROBS), covered, 0.1) == pytest.approx(2.62 - 2.2 - 1e-4)  # n = 2 beats plain
     assert decide_length(PROBS, 5, covered, win_factor=1.0, rate=0.1) == 2
     alone = LoadSeen()
     alone.observe_cover(1)   # covered, but alone in its steps at its own rate: only the wait is cheaper
@@ -227,7 +227,7 @@ def test_load_seen_follows_replies_and_ignores_replies_without_a_step():
 
 def test_the_decision_is_a_function_of_confidences_estimates_and_load_only():
     """Non-anticipation: with the pricing set before the round, the gate's choice is what
-    decide_length gives on the bucket estimates of the confidences and the priced costs;
+    decide_by_survival gives on the survival of the confidences and the priced costs;
     no draft token and no later outcome enters it."""
     rng = random.Random(5)
     cfg = GateConfig(enabled=True, win_factor=1.0)
@@ -242,8 +242,7 @@ def test_the_decision_is_a_function_of_confidences_estimates_and_load_only():
         seen.observe(rng.randrange(1, 40), 1, rng.uniform(0.01, 0.5))
         gate.pricing = priced_at_load(COST, TABLE, seen, gate.rate(), 5)
         conf = [rng.uniform(-2, 8) for _ in range(5)]
-        est = gate.estimates()
-        expect = decide_length([est[bucket_index(c)] for c in conf], 5, gate.pricing, 1.0, 0, gate.rate())
+        expect = decide_by_survival(gate.survival(conf), 5, gate.pricing, 1.0, 0, gate.rate())
         assert gate.choose(conf, 5).k == expect
     assert len(BUCKET_EDGES) == 5
 
@@ -260,8 +259,7 @@ def test_with_cover_the_decision_is_still_a_function_of_confidences_estimates_an
             seen.observe_cover(rng.randrange(3))
         gate.pricing = priced_at_load(OWN_COST, TABLE, seen, gate.rate(), 5)
         conf = [rng.uniform(-2, 8) for _ in range(5)]
-        est = gate.estimates()
-        expect = decide_length([est[bucket_index(c)] for c in conf], 5, gate.pricing, 1.0, 0, gate.rate())
+        expect = decide_by_survival(gate.survival(conf), 5, gate.pricing, 1.0, 0, gate.rate())
         assert gate.choose(conf, 5).k == expect
 
 

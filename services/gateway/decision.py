@@ -1,9 +1,11 @@
-"""The gate's cost model and its decision rule, as pure functions of match probabilities.
+"""The gate's cost model and its decision rule, as pure functions of a block's survival curve.
 
 Owns `CostModel` (what a round costs, ms) and the arithmetic of the length choice: expected
-tokens, the long-run-rate objective (`decide_length`) and the pre-draft value of drafting
-(`draft_advantage`), docs/gate.md §2. It keeps no state and never estimates probabilities
-(`services.gateway.estimator` does) or decides when to probe (`services.gateway.gate` does).
+tokens from a block's survival curve (S_j = P(positions 0..j all accepted)), the long-run-rate
+objective (`decide_by_survival`; `decide_length` for independent positions) and the pre-draft
+value of drafting (`draft_advantage`), docs/gate.md §2. It keeps no state and never estimates
+probabilities (`services.gateway.survival` does) or decides when to probe (`services.gateway.gate`
+does).
 Units: costs in ms, expected tokens in tokens, rates in tokens per ms.
 """
 
@@ -14,6 +16,7 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from services.common.budget import check_survival
 from services.gateway.values import MIN_COST_MS, check_setting, finite_float, is_integer, short_repr
 
 DEFAULT_WIN_FACTOR = 1.15
@@ -117,17 +120,30 @@ class CostModel:
         return expected_tokens(match_probs, n) / self.round_ms(n)
 
 
-def _expected_totals(match_probs: Sequence[float], n: int) -> list[float]:
-    """E[tokens(k)] for k = 0..n (inputs already validated)."""
-    totals, prefix = [1.0], 1.0
-    for p in match_probs[:n]:
-        prefix *= p
-        totals.append(totals[-1] + prefix)
+def survival_of(match_probs: Sequence[float]) -> tuple[float, ...]:
+    """The survival curve of independent positions: S_j = prod_{i<=j} p_i (floats in [0, 1]).
+
+    Only right where each position's acceptance does not depend on the earlier ones; the gate
+    prices blocks with its conditional estimate instead (`services.gateway.survival`).
+    Inputs are trusted."""
+    out, s = [], 1.0
+    for p in match_probs:
+        s *= p
+        out.append(s)
+    return tuple(out)
+
+
+def _expected_totals(survival: Sequence[float], n: int) -> list[float]:
+    """E[tokens(k)] = 1 + sum_{j<k} S_j for k = 0..n (inputs already validated)."""
+    totals = [1.0]
+    for s in survival[:n]:
+        totals.append(totals[-1] + s)
     return totals
 
 
 def expected_tokens(match_probs: Sequence[float], n: int) -> float:
-    """E[tokens(n)] = 1 + sum_{i<n} prod_{j<=i} p_j (docs/gate.md §2), in tokens.
+    """E[tokens(n)] = 1 + sum_{i<n} prod_{j<=i} p_j for independent positions (docs/gate.md §2),
+    in tokens: the survival of `survival_of(match_probs)`.
 
     `match_probs[j]` is P(draft position j matches); the leading 1 is the bonus (or plain) token.
     Raises ValueError unless n is an integer in [0, len(match_probs)] and match_probs[:n] are
@@ -135,12 +151,12 @@ def expected_tokens(match_probs: Sequence[float], n: int) -> float:
     """
     n = _check_count("n", n, len(match_probs))
     _check_probs(match_probs, n)
-    return _expected_totals(match_probs, n)[n]
+    return _expected_totals(survival_of(match_probs[:n]), n)[n]
 
 
-def _values(match_probs: Sequence[float], max_n: int, cost: CostModel, rate: float) -> list[float]:
+def _values(survival: Sequence[float], max_n: int, cost: CostModel, rate: float) -> list[float]:
     """value(k) = E[tokens(k)] - rate * drafted_round_ms(k) for k = 0..max_n (tokens)."""
-    totals = _expected_totals(match_probs, max_n)
+    totals = _expected_totals(survival, max_n)
     return [totals[k] - rate * cost.drafted_round_ms(k) for k in range(max_n + 1)]
 
 
@@ -152,8 +168,28 @@ def decide_length(
     min_draft: int = 0,
     rate: float | None = None,
 ) -> int:
+    """`decide_by_survival` for independent positions: the survival is `survival_of(match_probs)`.
+
+    Raises ValueError as `decide_by_survival`, and on a probability outside [0, 1] (NaN
+    included) among match_probs[:max_n].
+    """
+    max_n = _check_count("max_n", max_n, len(match_probs))
+    _check_probs(match_probs, max_n)
+    return decide_by_survival(survival_of(match_probs[:max_n]), max_n, cost, win_factor, min_draft, rate)
+
+
+def decide_by_survival(
+    survival: Sequence[float],
+    max_n: int,
+    cost: CostModel,
+    win_factor: float = DEFAULT_WIN_FACTOR,
+    min_draft: int = 0,
+    rate: float | None = None,
+) -> int:
     """Draft tokens to submit after drafting: n* = argmax_n E[tokens(n)] - rate * cost(n).
 
+    `survival[j]` is P(draft position j accepted AND every position before it), non-increasing
+    in j, so E[tokens(n)] = 1 + sum_{j<n} survival[j] (`services.gateway.survival`).
     cost(n) = drafted_round_ms(n): draft + verify(n), or draft + plain for n = 0 (the draft is
     paid either way, so only verify(n) against a plain step tells the choices apart). `rate`
     (tokens per ms) is the long-run rate the generation earns; maximising this difference per
@@ -162,33 +198,35 @@ def decide_length(
     max_n]. A truncation (n < max_n, 0 included) is taken only when its value beats the full
     block's by more than (win_factor - 1) * E[tokens(max_n)]; ties between truncations go to the
     longer one. Raises ValueError naming the value on a max_n that is not an integer in [0,
-    len(match_probs)], a win_factor or min_draft GateConfig would reject, a probability outside
-    [0, 1] (NaN included), or a rate that is not a finite number > 0.
+    len(survival)], a win_factor or min_draft GateConfig would reject, a survival[:max_n] entry
+    outside [0, 1] (NaN included) or above the one before it, or a rate that is not a finite
+    number > 0.
     """
-    max_n = _check_count("max_n", max_n, len(match_probs))
+    max_n = _check_count("max_n", max_n, len(survival))
     factor = check_setting("win_factor", win_factor, "win_factor")
     floor = min(check_setting("min_draft", min_draft, "min_draft"), max_n)
     lam = 1.0 / cost.plain_ms if rate is None else finite_float(rate)
     if lam is None or lam <= 0:
         raise ValueError(f"rate={short_repr(rate)} must be a finite number > 0 (tokens per ms)")
-    _check_probs(match_probs, max_n)
+    check_survival(survival[:max_n], max_n)
     if max_n == 0:
         return 0
-    values = _values(match_probs, max_n, cost, lam)
+    values = _values(survival, max_n, cost, lam)
     best_n, best_value = max_n, -math.inf
     for n in range(floor, max_n):
         if values[n] >= best_value:
             best_n, best_value = n, values[n]
-    need = (factor - 1.0) * _expected_totals(match_probs, max_n)[max_n]
+    need = (factor - 1.0) * _expected_totals(survival, max_n)[max_n]
     if best_n < max_n and best_value - values[max_n] > need:
         return best_n
     return max_n
 
 
-def draft_advantage(match_probs: Sequence[float], cost: CostModel, rate: float) -> float:
+def draft_advantage(survival: Sequence[float], cost: CostModel, rate: float) -> float:
     """What drafting is worth before the draft, in tokens: max_k value(k) - value_plain, where
-    value_plain = 1 - rate * plain_ms is a round that does not draft. The draft's cost is in
-    every value(k), so a negative result says skipping the draft (saving draft + verify) wins.
-    Inputs are trusted (the gate's own estimates, rate > 0)."""
-    values = _values(match_probs, len(match_probs), cost, rate)
+    value_plain = 1 - rate * plain_ms is a round that does not draft and `survival[j]` is
+    P(positions 0..j all accepted). The draft's cost is in every value(k), so a negative result
+    says skipping the draft (saving draft + verify) wins. Inputs are trusted (the gate's own
+    estimates, rate > 0)."""
+    values = _values(survival, len(survival), cost, rate)
     return max(values) - (1.0 - rate * cost.plain_ms)

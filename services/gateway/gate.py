@@ -21,8 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from services.gateway.decision import (DEFAULT_WIN_FACTOR, CostModel, _check_count,  # noqa: F401 (re-exported)
-                                      decide_length, draft_advantage, expected_tokens)  # noqa: F401
-from services.gateway.estimator import BucketEstimator, MarginGain, margin_bin
+                                      decide_by_survival, decide_length, draft_advantage, expected_tokens)  # noqa: F401
+from services.gateway.estimator import MarginGain, margin_bin
+from services.gateway.survival import DEFAULT_POSITION_CLASSES, GREEDY_BAND, SurvivalEstimator, survival_from_hazards
 from services.gateway.values import check_setting, finite_float, is_integer, short_repr
 
 # The reference calibration table's buckets (docs/architecture.md §12):
@@ -133,7 +134,8 @@ class GateConfig:
     win_factor: factor a truncation must win by (>= 1). min_draft: floor on submitted drafts (tokens).
     decay: forgetting per observation in a bucket (and per drafted round of a margin bin).
     *_ms: cost model (ms). prior_weight: pseudo-observations of each bucket's pooled prior
-    (not an env var).
+    (not an env var). position_classes: position classes of the survival estimate (an integer
+    in [1, 16]; 1 = the pooled per-bucket rate at every position, docs/gate.md §4; not an env var).
     Values are normalised (numpy numbers to int/float, -0.0 to 0.0). Raises ValueError naming
     the field and value on an invalid setting.
     """
@@ -149,6 +151,7 @@ class GateConfig:
     plain_ms: float = 303.0
     prior_weight: float = DEFAULT_PRIOR_WEIGHT
     margin_auto: bool = False
+    position_classes: int = DEFAULT_POSITION_CLASSES
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -218,19 +221,23 @@ class Gate:
     never depend on concurrent generations. `calibration` optionally warm-starts the bucket
     counts from a frozen snapshot; the snapshot is copied, never written back.
     A round: pre_draft(margin) -> [draft] -> choose(confidences, max_n) -> [verify]
-    -> observe(confidences, submitted, accepted). Every decision reads `estimates()`. Besides
-    the estimator (`learn`), the gate keeps the long-run rate estimate `rate()` (decayed tokens
-    over decayed modelled ms of the rounds it decided), its recent drafted confidences for the
-    pre-draft decision, and the round count of its current losing streak (for probing). It
-    counts no rounds for reporting: the caller records each round (`services.gateway.record`).
+    -> observe(confidences, submitted, accepted). Every decision prices a block by its
+    `survival(confidences)` (services.gateway.survival); `band` names the sampling band the
+    generation's estimates belong to (docs/gate.md §6a). Besides the estimator (`learn`), the
+    gate keeps the long-run rate estimate `rate()` (decayed tokens over decayed modelled ms of
+    the rounds it decided), its recent drafted confidences for the pre-draft decision, and the
+    round count of its current losing streak (for probing). It counts no rounds for reporting:
+    the caller records each round (`services.gateway.record`).
     """
 
-    def __init__(self, config: GateConfig, calibration: Calibration | None = None) -> None:
-        self.config = config
+    def __init__(self, config: GateConfig, calibration: Calibration | None = None, band: str = GREEDY_BAND) -> None:
+        self.config, self.band = config, band
         self.cost = config.cost_model()
-        self.estimator = BucketEstimator(NUM_BUCKETS, config.decay, config.prior_weight,
-                                         calibration.matched if calibration else None,
-                                         calibration.observed if calibration else None)
+        warm = {band: (calibration.matched, calibration.observed)} if calibration else None
+        self.survival_estimator = SurvivalEstimator(BUCKET_EDGES, config.position_classes, config.decay,
+                                                    config.prior_weight, warm)
+        # The band's pooled per-bucket counts (the warm start lends and borrows these).
+        self.estimator = self.survival_estimator.band(band).pooled
         self.margin_gain = MarginGain(config.decay)
         self._tokens = self._ms = 0.0  # decayed sums behind rate()
         # Confidences of the last RECENT_ROUNDS drafted rounds; a warm start lends it the band's
@@ -250,6 +257,23 @@ class Gate:
         (`services.gateway.estimator.BucketEstimator`; 1.0 everywhere when cold)."""
         return self.estimator.estimates()
 
+    def hazards(self) -> tuple[tuple[float, ...], ...]:
+        """h[class][bucket] = P(accepted | every earlier position accepted), per position class
+        (`GateConfig.position_classes`) a tuple of NUM_BUCKETS floats in [0, 1]."""
+        return self.survival_estimator.hazards(self.band)
+
+    def survival(self, confidence_logits: Sequence[float]) -> tuple[float, ...]:
+        """S_j = P(draft position j accepted AND every position before it) for each drafted
+        position (floats in [0, 1], non-increasing in j; 1.0 everywhere when cold), from the
+        confidences alone: E[tokens(k)] = 1 + sum_{j<k} S_j. Raises ValueError naming the
+        position on a NaN or non-number confidence."""
+        return self._survival(_logits(confidence_logits))
+
+    def _survival(self, logits: Sequence[float]) -> tuple[float, ...]:
+        """`survival` of validated logits."""
+        # Through hazards(), so a gate given fixed hazards (references.HindsightGate) prices alike.
+        return survival_from_hazards(self.hazards(), self.survival_estimator.buckets(logits))
+
     def rate(self) -> float:
         """lambda, the long-run rate estimate (tokens per ms): decayed tokens / decayed modelled
         ms of this gate's rounds, never below the plain rate 1 / plain_ms (plain decode is always
@@ -267,10 +291,9 @@ class Gate:
         return tuple(tuple(c) for c in self._recent)
 
     def match_probs(self, confidence_logits: Sequence[float]) -> list[float]:
-        """P(match) per draft position from its confidence bucket alone.
-
-        Position adds nothing once confidence is known (docs/architecture.md §12). Raises
-        ValueError naming the position on a NaN or non-number confidence.
+        """The pooled P(match | bucket) per draft position from its confidence bucket alone
+        (what calibration reports read; decisions price `survival`). Raises ValueError naming
+        the position on a NaN or non-number confidence.
         """
         est = self.estimates()
         return [est[bucket_index(c)] for c in _logits(confidence_logits)]
@@ -318,12 +341,11 @@ class Gate:
         +inf before any round drafted (a cold gate drafts)."""
         if not self._recent:
             return math.inf
-        est, lam, cost = self.estimates(), self.rate(), self.pricing or self.cost
-        probs = [[est[bisect.bisect_right(BUCKET_EDGES, c)] for c in conf] for conf in self._recent]
-        return sum(draft_advantage(p, cost, lam) for p in probs) / len(probs)
+        lam, cost = self.rate(), self.pricing or self.cost
+        return sum(draft_advantage(self._survival(conf), cost, lam) for conf in self._recent) / len(self._recent)
 
     def choose(self, confidence_logits: Sequence[float], max_n: int) -> LengthChoice:
-        """The post-draft verdict: k drafts to submit, in [0, max_n] (see decide_length).
+        """The post-draft verdict: k drafts to submit, in [0, max_n] (see decide_by_survival).
 
         `confidence_logits`: one per drafted position. `max_n` (tokens) is the caller's cap:
         min(drafted, remaining max_tokens budget, room before max_seq_len). Disabled gate: k =
@@ -336,13 +358,13 @@ class Gate:
         max_n = _check_count("max_n", max_n, len(logits))
         n, probe = max_n, False
         if self.config.enabled:
-            est = self.estimates()
-            probs = [est[bisect.bisect_right(BUCKET_EDGES, c)] for c in logits[:max_n]]
+            survival = self._survival(logits[:max_n])
             probe = self._probe or self._probe_due()
             # A probe verifies at least one draft, the cheapest test of whether the drafter came
             # back: where verify is dear per draft, a whole block would cost most of the probe.
             floor = min(1, max_n) if probe else self.config.min_draft
-            n = decide_length(probs, max_n, self.pricing or self.cost, self.config.win_factor, floor, self.rate())
+            n = decide_by_survival(survival, max_n, self.pricing or self.cost, self.config.win_factor, floor,
+                                   self.rate())
         if probe or self._probe:
             self._gap = min(PROBE_PERIOD, 2 * self._gap)  # still losing: the next probe comes later
         elif n > 0:
@@ -384,7 +406,7 @@ class Gate:
         by `observe`): positions 0..accepted-1 matched; position `accepted` missed if accepted <
         submitted; later positions are unknown and never recorded (docs/architecture.md §5)."""
         observed = confidence_logits[: min(accepted + 1, submitted)]
-        self.estimator.observe([bisect.bisect_right(BUCKET_EDGES, c) for c in observed], accepted)
+        self.survival_estimator.observe(observed, accepted, self.band)
 
     def _settle(self, tokens: int, ms: float) -> None:
         """A drafted round's outcome: into rate() and, with margin_auto, its margin bin's gain

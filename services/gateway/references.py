@@ -6,7 +6,8 @@ causal loop that drives a `Gate` over recorded rounds, and the three reference p
 - best fixed k in hindsight: the k in 0..K (K = the largest recorded `submitted`) with the
   highest tok/s over the workload; k = 0 drafts nothing (every round a plain step);
 - calibrated gate in hindsight: a `Gate` whose estimates are the workload's true per-bucket
-  match rates, measured over all its rounds, and which learns nothing (`HindsightGate`); it
+  match rates and true hazards per (position class, bucket), measured over all its rounds, and
+  which learns nothing (`HindsightGate`); it
   makes every decision through the live gate's rule, so it is the limit of what the confidence
   signal allows that rule;
 - per-round oracle: knows each round's accepted count a, submits exactly k = a drafts (all of
@@ -158,28 +159,61 @@ def hindsight_rates(rounds: Sequence[Round]) -> BucketRates:
     return BucketRates(rates, tuple(tally.observed), tuple(tally.matched))
 
 
-class HindsightGate(Gate):
-    """A `Gate` that knows the true per-bucket match rates and learns nothing.
+def hindsight_hazards(rounds: Sequence[Round], classes: int) -> tuple[tuple[float, ...], ...]:
+    """The true hazards of `rounds` per position class (class of position j = min(j, classes -
+    1)) and bucket: accepted / reached over the censored observed positions, `classes` tuples
+    of NUM_BUCKETS floats; a cell never reached takes its bucket's pooled rate (hindsight_rates)."""
+    pooled = hindsight_rates(rounds).rates
+    matched = [[0] * NUM_BUCKETS for _ in range(classes)]
+    observed = [[0] * NUM_BUCKETS for _ in range(classes)]
+    for rec in rounds:
+        for pos in observed_positions(rec):
+            c, b = min(pos, classes - 1), bisect.bisect_right(BUCKET_EDGES, rec.confidence_logits[pos])
+            observed[c][b] += 1
+            matched[c][b] += pos < rec.accepted
+    return tuple(tuple(m / o if o else pooled[b] for b, (m, o) in enumerate(zip(m_row, o_row)))
+                 for m_row, o_row in zip(matched, observed))
 
-    `estimates()` returns the fixed `rates` [NUM_BUCKETS] (P(match), each in [0, 1]) and
+
+def _checked_rates(rates: Sequence[float], name: str) -> tuple[float, ...]:
+    values = tuple(float(r) for r in rates)
+    if len(values) != NUM_BUCKETS:
+        raise ValueError(f"{name}={short_repr(rates)}: need {NUM_BUCKETS} buckets, got {len(values)}")
+    for b, r in enumerate(values):
+        if not 0.0 <= r <= 1.0:
+            raise ValueError(f"{name}[{b}]={short_repr(r)} must be in [0, 1]")
+    return values
+
+
+class HindsightGate(Gate):
+    """A `Gate` that knows the true match rates and learns nothing.
+
+    `estimates()` returns the fixed `rates` [NUM_BUCKETS] (P(match), each in [0, 1]);
+    `hazards()` returns the fixed `hazards` (one tuple of NUM_BUCKETS rates per position class,
+    class of position j = min(j, len(hazards) - 1)), or `rates` at every position when None.
     `learn` (the estimator update) does nothing; `observe` still keeps the gate's long-run
     rate and pre-draft statistics, so every decision runs through the live gate's own rule. Raises
-    ValueError naming the value when `rates` has the wrong length or a rate outside [0, 1].
+    ValueError naming the value when `rates` or a hazard row has the wrong length or a rate
+    outside [0, 1], or `hazards` is empty.
     """
 
-    def __init__(self, config: GateConfig, rates: Sequence[float]) -> None:
+    def __init__(self, config: GateConfig, rates: Sequence[float],
+                 hazards: Sequence[Sequence[float]] | None = None) -> None:
         super().__init__(config)
-        values = tuple(float(r) for r in rates)
-        if len(values) != NUM_BUCKETS:
-            raise ValueError(f"rates={short_repr(rates)}: need {NUM_BUCKETS} buckets, got {len(values)}")
-        for b, r in enumerate(values):
-            if not 0.0 <= r <= 1.0:
-                raise ValueError(f"rates[{b}]={short_repr(r)} must be in [0, 1]")
-        self._rates = values
+        self._rates = _checked_rates(rates, "rates")
+        rows = (self._rates,) if hazards is None else tuple(
+            _checked_rates(row, f"hazards[{c}]") for c, row in enumerate(hazards))
+        if not rows:
+            raise ValueError("hazards must hold at least one position class")
+        self._hazards = rows
 
     def estimates(self) -> tuple[float, ...]:
         """The fixed per-bucket rates given at construction."""
         return self._rates
+
+    def hazards(self) -> tuple[tuple[float, ...], ...]:
+        """The fixed hazards given at construction (the rates at every position when none)."""
+        return self._hazards
 
     def learn(self, confidence_logits: Sequence[float], submitted: int, accepted: int) -> None:
         """Nothing: the rates are already the truth."""
@@ -191,9 +225,11 @@ def gate_config_for_replay(config: GateConfig) -> GateConfig:
 
 
 def replay_hindsight(rounds: Sequence[Round], config: GateConfig) -> tuple[BucketRates, RoundStats]:
-    """(the true rates, the calibrated-in-hindsight gate's totals) over `rounds`."""
+    """(the true rates, the calibrated-in-hindsight gate's totals) over `rounds`: the gate is
+    given the true hazards per (position class, bucket) at config.position_classes."""
     rates = hindsight_rates(rounds)
-    return rates, replay_through_gate(rounds, HindsightGate(gate_config_for_replay(config), rates.rates))
+    hazards = hindsight_hazards(rounds, config.position_classes)
+    return rates, replay_through_gate(rounds, HindsightGate(gate_config_for_replay(config), rates.rates, hazards))
 
 
 # ---------------------------------------------------------------------------- per-round oracle

@@ -27,8 +27,6 @@ the cap (the gate keeps only the pre-draft decision) and the step alone chooses 
 
 from __future__ import annotations
 
-import itertools
-import operator
 from collections.abc import Sequence
 
 from services.gateway.gate import Gate, LengthChoice
@@ -129,11 +127,12 @@ class RoundPolicy:
 
     def survival(self, confidences: Sequence[float] | None, k: int) -> tuple[float, ...] | None:
         """The estimates a verify of the first k drafts carries for the step's budget: per
-        draft j, P(drafts 1..j all accepted) from the gate's estimates (None without the
-        budget, confidences or drafts)."""
+        draft j, P(drafts 1..j all accepted), the gate's survival estimate (`Gate.survival`,
+        the same curve its length choice priced; None without the budget, confidences or
+        drafts)."""
         if self.budget == "off" or confidences is None or k == 0:
             return None
-        estimates = tuple(itertools.accumulate(self.gate.match_probs(confidences[:k]), operator.mul))
+        estimates = tuple(self.gate.survival(confidences[:k]))
         self.recent = [*self.recent[-(RECENT_BLOCKS - 1):], estimates]
         return estimates
 

@@ -297,8 +297,8 @@ class _Generation:
         elif p.spec == "always":
             gate_cfg = dataclasses.replace(gate_cfg, enabled=False)
         self.cost = sched.costs.model(sched.cost_mode)  # snapshot: decisions and records of this generation
-        bands = sched.stats.warm if p.spec == "gated" else None
-        self.gate = Gate(gate_cfg, None if bands is None else bands.calibration(sampling_band(p.sampling)))
+        bands, band = sched.stats.warm if p.spec == "gated" else None, sampling_band(p.sampling)
+        self.gate = Gate(gate_cfg, None if bands is None else bands.calibration(band), band)
         self.gate.cost = self.cost
         priced = sched.load is not None and sched.cost_mode == "measured" and p.spec == "gated"
         self.policy = RoundPolicy(p.spec, self.gate, sched.regime, sched.load.table if priced else None,

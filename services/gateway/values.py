@@ -17,6 +17,8 @@ import reprlib
 MIN_COST_MS = 1e-3
 MAX_COST_MS = 1e7
 MAX_MIN_DRAFT = 1_000_000
+# Position classes of the gate's survival estimate (services.gateway.survival): at most 16.
+MAX_POSITION_CLASSES = 16
 
 _SWITCH_WORDS = {"1": True, "true": True, "0": False, "false": False}
 # ASCII decimal forms only: no '+', '_', non-ASCII digits, inf or nan (float() and int() take them all).
@@ -67,7 +69,10 @@ _RULES = {
     "verify_slope_ms": _COST_RULE,
     "plain_ms": (lambda v: MIN_COST_MS <= v <= MAX_COST_MS, f"in [{MIN_COST_MS:g}, {MAX_COST_MS:g}] (ms)"),
     "prior_weight": (lambda v: v > 0, "> 0"),
+    "position_classes": (lambda v: 1 <= v <= MAX_POSITION_CLASSES, f"an integer in [1, {MAX_POSITION_CLASSES}]"),
 }
+# Fields whose values are integers (ASCII decimal digits when parsed from text).
+_INTEGER_FIELDS = ("min_draft", "position_classes")
 
 
 def rule_text(field_name: str) -> str:
@@ -87,7 +92,7 @@ def check_setting(field_name: str, value: object, name: str, raw: str | None = N
             raise ValueError(f"{name}={shown} must be a bool")
         return value
     ok, rule = _RULES[field_name]
-    if field_name == "min_draft":
+    if field_name in _INTEGER_FIELDS:
         if not is_integer(value) or not ok(value):
             raise ValueError(f"{name}={shown} must be {rule}")
         return int(value)
@@ -111,11 +116,11 @@ def parse_setting(field_name: str, raw: str, name: str) -> bool | int | float:
         if text.lower() not in _SWITCH_WORDS:
             raise ValueError(f"{name}={short_repr(raw)} is not one of 0, 1, true, false")
         return _SWITCH_WORDS[text.lower()]
-    if field_name == "min_draft":
+    if field_name in _INTEGER_FIELDS:
         if not _INT_TEXT.fullmatch(text):
             raise ValueError(f"{name}={short_repr(raw)} is not an integer (ASCII decimal digits)")
         if len(text.lstrip("-")) > 20:  # int() refuses > 4300 digits; anything this long is out of range
-            raise ValueError(f"{name}={short_repr(raw)} must be {_RULES['min_draft'][1]}")
+            raise ValueError(f"{name}={short_repr(raw)} must be {_RULES[field_name][1]}")
         return check_setting(field_name, int(text), name, raw)
     value = decimal(raw)
     if value is None:

@@ -22,9 +22,9 @@ from typing import Sequence
 from dsv4.sampling import SamplingParams
 from services.gateway.gate import RECENT_ROUNDS, Calibration
 from services.gateway.record import GateStats
+from services.gateway.survival import GREEDY_BAND  # T = 0's band: one name for the warm start and the estimate
 from services.gateway.values import finite_float, is_integer, parse_setting, short_repr
 
-GREEDY_BAND = "greedy"
 # Upper edges of the sampled temperature bands: (0, 0.5], (0.5, 1.0], and above 1.0.
 TEMPERATURE_EDGES = (0.5, 1.0)
 # Observations per bucket a warm start may lend a new gate. About what the gate's own decay
