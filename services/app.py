@@ -52,6 +52,7 @@ from services.gateway.tokenizer import load_tokenizer
 from services.gateway.warm import WarmStart
 from services.verifier.batcher import DEFAULT_PREFILL_CHUNK, StepLoop, StepRecord
 from services.verifier.engine import VerifierEngine, per_session_bytes
+from services.common.alignment import Free, Gather, Lockstep, RateGather
 from services.common.budget import StepBudget
 from services.verifier.step_profile import StepProfileSettings, profile_steps
 from services.verifier.step_table import LoadTracker
@@ -60,6 +61,8 @@ from services.verifier.topk_diag import TopKDiagSettings, maybe_wrap
 
 if TYPE_CHECKING:  # imports torch.distributed: loaded only when tp > 1
     from services.verifier.tp import TPSettings
+
+LOCKSTEP_CAP_S = 1.0  # the longest a lockstep or rate gather of the verifier waits (s)
 
 TINY_SEED = 0
 log = logging.getLogger("dspark.app")
@@ -142,7 +145,7 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
                          max_connection_age_s: float = DEFAULT_MAX_CONNECTION_AGE_S, metrics=None,
                          prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
                          step_profile: StepProfileSettings | None = None, gather_s: float = 0.0,
-                         torch_threads: int | None = None) -> RunningServer:
+                         torch_threads: int | None = None, alignment: str = "gather") -> RunningServer:
     """Serve the Verifier over `engine` on host:port (0 = any free port); `default_mode` is the
     verify path of requests that name none; credentials: TLS (None = plaintext);
     max_connection_age_s: clients reconnect after it (s); metrics: a
@@ -154,7 +157,8 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
     (None: live steps alone fill it). gather_s: the loop's longest wait (s) before a step for
     the sessions the previous step answered (`services.common.schedule`; 0: none).
     torch_threads: torch intra-op threads of the step loop's thread (None: torch's default;
-    `dspark serve` passes DSPARK_TORCH_THREADS, `services.common.threads`).
+    `dspark serve` passes DSPARK_TORCH_THREADS, `services.common.threads`). alignment: how the
+    loop gathers sessions before a step (STEP_ALIGNMENTS, `services.common.alignment`).
     Raises:
         RuntimeError: port not bound.
         ValueError: prefill_chunk not an integer >= 1, gather_s negative or not finite
@@ -169,6 +173,7 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
         raise
     steps.on_step = _step_hook(load, metrics)
     steps.budget = StepBudget(load.prices)  # blocks that carry estimates are cut to what they admit
+    steps.schedule.alignment = verifier_alignment(alignment, gather_s, load, steps)
     servicer = VerifierServicer(engine, default_mode, provider, tp, metrics, steps, load)
     running = await _serve_with_loop("dspark.v1.Verifier",
                                      lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
@@ -176,6 +181,17 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
     if hasattr(engine.model, "on_broken"):  # a TP driver: a failed worker leaves it refusing every call
         engine.model.on_broken = _health_when_broken(running, asyncio.get_running_loop())
     return running
+
+
+def verifier_alignment(name: str, gather_s: float, load: LoadTracker, steps: StepLoop):
+    """The verifier loop's gather rule named `name` (STEP_ALIGNMENTS): `rate` prices arrivals on
+    the step table with the rows per session of the loop's last batch step; `lockstep` and `rate`
+    wait at most LOCKSTEP_CAP_S. Raises ValueError on another name."""
+    rules = {"gather": lambda: Gather(gather_s), "free": Free, "lockstep": lambda: Lockstep(LOCKSTEP_CAP_S),
+             "rate": lambda: RateGather(lambda: (load.prices()[0], steps.rows_per_session()), LOCKSTEP_CAP_S)}
+    if name not in rules:
+        raise ValueError(f"step alignment={name!r}: must be one of {sorted(rules)}")
+    return rules[name]()
 
 
 def _health_when_broken(running: RunningServer, loop: asyncio.AbstractEventLoop) -> Callable[[str], None]:
@@ -280,7 +296,7 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
     warm = WarmStart(settings.warm_max_weight) if settings.warm_start else None
     scheduler = Scheduler(limits, tokenizer, gate_config, settings.verify_mode, settings.cost_mode,
                           provider, recorder, metrics, costs, load, regime, warm,
-                          jump_forward=settings.jump_forward)
+                          jump_forward=settings.jump_forward, step_budget=settings.step_budget)
     servicer = GatewayServicer(scheduler, backends)
     auth = [BearerTokenInterceptor(settings.token)] if settings.token else []
     running = await start_server("dspark.v1.Gateway",

@@ -328,7 +328,8 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
         return await app.start_verifier(engine, port, s.backend.verify_mode, provider, args.host, credentials=tls,
                                         tp=tp, max_connection_age_s=age, metrics=metrics,
                                         prefill_chunk=s.backend.prefill_chunk, step_profile=profile,
-                                        gather_s=s.backend.step_gather_ms / 1e3, torch_threads=threads)
+                                        gather_s=s.backend.step_gather_ms / 1e3, torch_threads=threads,
+                                        alignment=s.backend.step_alignment)
     if s.service == "drafter":
         device, dtype = s.backend.device, default_dtype(s.backend.device)
         model = (app.load_trunk(s.checkpoint, model=s.model, device=device, dtype=dtype) if args.oracle

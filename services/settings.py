@@ -204,7 +204,7 @@ def gateway_settings(environ: Environ) -> GatewaySettings:
         drafter_failovers=_int(environ, var("DSPARK_DRAFTER_FAILOVERS")), token=token,
         pinned_costs=tuple(f for f in PINNABLE_COSTS if lookup(environ, GATE_VARS[f])[1] is not None),
         sampling_rule=_choice(environ, var("DSPARK_SAMPLING_RULE")),
-        load_aware=True, regime=True, warm_start=True)
+        load_aware=True, regime=True, warm_start=True, step_budget=_choice(environ, var("DSPARK_STEP_BUDGET")))
 
 
 def client_token(flag: str | None, environ: Environ) -> tuple[str, str]:
@@ -245,6 +245,7 @@ def backend_settings(environ: Environ, device_flag: str | None = None) -> Backen
                            verify_mode=_choice(environ, var("DSPARK_VERIFY_MODE")),
                            verify_numerics=_choice(environ, var("DSPARK_VERIFY_NUMERICS")),
                            step_profile=True, step_gather_ms=_int(environ, var("DSPARK_STEP_GATHER_MS")),
+                           step_alignment=_choice(environ, var("DSPARK_STEP_ALIGNMENT")),
                            torch_threads=_int(environ, var("DSPARK_TORCH_THREADS")))
 
 

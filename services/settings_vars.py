@@ -28,7 +28,7 @@ from services.common.settings import (COST_MODES, DEFAULT_MAX_CONNECTION_AGE_S, 
                                       HTTP_MAX_BODY_BYTES,
                                       DEFAULT_TORCH_THREADS, EXPORTERS, LOG_FORMATS, MAX_CONNECTION_AGE_S,
                                       MAX_STEP_GATHER_MS, MAX_TIMEOUT_S, MAX_TORCH_THREADS, MIN_TIMEOUT_S,
-                                      SAMPLING_RULES, VERIFY_MODES, VERIFY_NUMERICS, BackendSettings,
+                                      SAMPLING_RULES, STEP_ALIGNMENTS, STEP_BUDGETS, VERIFY_MODES, VERIFY_NUMERICS, BackendSettings,
                                       GatewaySettings, ServeSettings)
 from services.gateway.gate import ENV_VARS as GATE_ENV_VARS, GateConfig
 from services.gateway.values import rule_text
@@ -162,6 +162,11 @@ VARS: tuple[Var, ...] = (
     Var("DSPARK_STEP_GATHER_MS", "integer", DEFAULT_STEP_GATHER_MS, BACKENDS, "The longest (ms) a verifier or "
         "drafter step waits for the sessions the previous step answered, never longer than that step took; "
         "0: no wait.", "verifier", low=0, high=MAX_STEP_GATHER_MS, field="backend.step_gather_ms"),
+    Var("DSPARK_STEP_ALIGNMENT", "choice", BackendSettings.step_alignment, ("verifier",), "How the verifier's "
+        "steps gather sessions: `gather` (wait for the sessions the last step answered that turn straight "
+        "around), `free` (never wait), `lockstep` (wait for every session, drafting ones included) or `rate` "
+        "(wait for the arrivals that maximise sessions per step ms on the step table); docs/simulate.md §6.",
+        "verifier", choices=STEP_ALIGNMENTS, field="backend.step_alignment"),
     _secs("DSPARK_TP_INIT_TIMEOUT_S", 600.0, ("verifier",), "Deadline of tensor-parallel start-up: every rank "
           "joins the process group and loads its shard.", "verifier", aliases=("DSV4_TP_INIT_TIMEOUT_S",),
           field="tp.init_timeout_s"),
@@ -184,6 +189,10 @@ VARS: tuple[Var, ...] = (
         "sampled requests that leave theirs unset: `coupled` (one output per seed, whatever the speculation) "
         "or `rejection` (lossless in distribution); docs/sampling.md.", "gateway", choices=SAMPLING_RULES,
         field="gateway.sampling_rule", key=True),
+    Var("DSPARK_STEP_BUDGET", "choice", GatewaySettings.step_budget, ("gateway",), "How gated generations use "
+        "the verifier's step budget: `off` (the gate chooses each length), `trim` (each verify carries its "
+        "drafts' survival estimates and the verifier's step may cut it) or `full` (the step chooses every "
+        "length); docs/gate.md §15.", "gateway", choices=STEP_BUDGETS, field="gateway.step_budget"),
     Var("DSPARK_DRAFTER_FAILOVERS", "integer", GatewaySettings.drafter_failovers, ("gateway",), "New drafter "
         "sessions a generation may re-prime after its drafter failed; 0: plain decode at once.", "gateway",
         low=0, high=INT32_MAX, field="gateway.drafter_failovers"),

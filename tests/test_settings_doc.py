@@ -58,7 +58,7 @@ def test_every_variable_read_is_declared_and_read_by_the_processes_it_names():
 
 def test_one_prefix_and_the_reasoned_exceptions():
     names = [v.name for v in VARS]
-    assert len(names) == len(set(names)) == 49  # 53 before: 50 project, 2 OTEL_, TRITON_INTERPRET; 5 cut, 2 added (HTTP body limit, device)
+    assert len(names) == len(set(names)) == 51  # 53 before: 50 project, 2 OTEL_, TRITON_INTERPRET; 5 cut, 4 added (HTTP body limit, device, step alignment, step budget)
     assert [n for n in names if not n.startswith("DSPARK_")] == ["OTEL_TRACES_EXPORTER", "OTEL_SERVICE_NAME"]
     assert sum(v.key for v in VARS) == 6
     assert sum(len(v.aliases) for v in VARS) == 16

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 SAMPLING_RULES = ("coupled", "rejection")
 # verify paths of the verifier: one forward per draft token, or one forward of the block + rollback
 VERIFY_MODES = ("sequential", "batched")
+STEP_BUDGETS = ("off", "trim", "full")  # services.gateway.round_policy
+STEP_ALIGNMENTS = ("gather", "free", "lockstep", "rate")  # services.common.alignment
 # where the gate's costs come from: the configured *_MS values, or measured (start-up profile + live rounds)
 COST_MODES = ("configured", "measured")
 # the gate's cost fields a DSPARK_GATE_*_MS variable sets; measured costs never replace them
@@ -155,6 +157,10 @@ class GatewaySettings:
     warm_max_weight: the most observations per confidence bucket a warm start lends, in (0, 1e6].
     jump_forward: submit the tokens a constrained generation's grammar forces as certain
     drafts in rounds that verify no drafts (docs/structured.md §6); False for measurement.
+    step_budget: how gated generations use the verifier's step budget (STEP_BUDGETS, docs/gate.md
+    §15): "off" (the gate alone chooses each length), "trim" (each verify carries its drafts'
+    survival estimates and the step may cut the gate's length), "full" (the gate keeps the
+    pre-draft decision, the step chooses every length).
     round_timeout_s: deadline of one backend reply. generation_timeout_s: deadline of one
     generation's backend streams. startup_timeout_s: deadline of the backends' Info at start.
     drafter_failovers: drafter re-primes a generation may make after a drafter failure.
@@ -181,9 +187,11 @@ class GatewaySettings:
     warm_start: bool = False
     warm_max_weight: float = 10.0
     jump_forward: bool = True
+    step_budget: str = "off"
 
     def __post_init__(self) -> None:
         check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
+        check_choice("step_budget", self.step_budget, STEP_BUDGETS)
         check_choice("sampling_rule", self.sampling_rule, SAMPLING_RULES)
         check_choice("cost_mode", self.cost_mode, COST_MODES)
         for name in ("load_aware", "regime", "warm_start", "jump_forward"):
@@ -250,6 +258,8 @@ class BackendSettings:
     drafter's step loops, before a step, for the sessions the previous step answered to send
     again, never longer than that step took (`services.common.step_queue`); 0 here (steps start as soon as work is queued),
     `services.settings` defaults it to DEFAULT_STEP_GATHER_MS.
+    step_alignment: how the verifier's step loop gathers sessions before a step
+    (STEP_ALIGNMENTS, `services.common.alignment`; the drafter's loop always gathers).
     torch_threads: torch intra-op threads of every thread of the process that runs the model
     (1..MAX_TORCH_THREADS; `services.common.threads`). device: where the model runs, "cpu" or
     "cuda:N" (`parse_device`'s canonical spelling; the verifier at TP > 1 puts rank r on
@@ -264,6 +274,7 @@ class BackendSettings:
     prefill_chunk: int = 64
     step_profile: bool = False
     step_gather_ms: int = 0
+    step_alignment: str = "gather"
     torch_threads: int = DEFAULT_TORCH_THREADS
     device: str = "cpu"
 
@@ -283,6 +294,7 @@ class BackendSettings:
             raise ValueError(f"step_profile={self.step_profile!r}: must be a bool")
         check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
         check_choice("verify_numerics", self.verify_numerics, VERIFY_NUMERICS)
+        check_choice("step_alignment", self.step_alignment, STEP_ALIGNMENTS)
 
 
 @dataclass(frozen=True)

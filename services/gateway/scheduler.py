@@ -108,6 +108,8 @@ class Scheduler:
             None: every gate starts cold).
         clock: the monotonic clock (s) the regime's windows are timed with (the simulator
             passes its virtual one).
+        step_budget: how gated generations use the verifier's step budget ("off" | "trim" |
+            "full", `services.gateway.round_policy`).
     """
 
     def __init__(self, limits: ModelLimits, tokenizer: Tokenizer, gate_config: GateConfig,
@@ -115,7 +117,8 @@ class Scheduler:
                  provider: TracerProvider | None = None, recorder: list[Round] | None = None, metrics=None,
                  costs: CostTracker | None = None, load: VerifierLoad | None = None,
                  regime: RegimePolicy | None = None, warm: WarmStart | None = None,
-                 clock: Callable[[], float] = time.perf_counter, jump_forward: bool = True):
+                 clock: Callable[[], float] = time.perf_counter, jump_forward: bool = True,
+                 step_budget: str = "off"):
         if verify_mode not in VERIFY_MODES:
             raise ValueError(f"verify mode={verify_mode!r}: must be one of {VERIFY_MODES}")
         self.limits, self.tokenizer, self.gate_config = limits, tokenizer, gate_config
@@ -129,6 +132,7 @@ class Scheduler:
         self.regime = regime
         self.clock = clock
         self.jump_forward = jump_forward  # submit the tokens a grammar forces as certain drafts
+        self.step_budget = step_budget
         self.in_flight = 0  # generations inside `generate` (the regime policy's concurrency)
         self.occupancy = VerifierOccupancy()  # generations inside a verifier call (the cover of load pricing)
         self.pricing_stats = PricingStats()  # the rounds priced at load (the Stats RPC)
@@ -300,10 +304,11 @@ class _Generation:
         bands, band = sched.stats.warm if p.spec == "gated" else None, sampling_band(p.sampling)
         self.gate = Gate(gate_cfg, None if bands is None else bands.calibration(band), band)
         self.gate.cost = self.cost
-        priced = sched.load is not None and sched.cost_mode == "measured" and p.spec == "gated"
+        priced = sched.load is not None and p.spec == "gated" and (
+            sched.cost_mode == "measured" or sched.step_budget != "off")
         self.policy = RoundPolicy(p.spec, self.gate, sched.regime, sched.load.table if priced else None,
                                   sched.limits.block_size, sched.limits.max_seq_len, p.max_tokens, p.max_drafts,
-                                  sched.pricing_stats)
+                                  sched.pricing_stats, sched.step_budget)
         self.link = DrafterLink(drafters if can_draft else None, verifier, sched.drafter_faults, metrics,
                                 self.counters, awake=self._regime_drafts())
         self.jump: JumpForward | None = None  # the forced runs of a constrained generation
@@ -408,11 +413,15 @@ class _Generation:
             if k > 0:
                 q = None if plan.probs is None else plan.probs[:k]
                 with s.occupancy.call():
-                    res = await self.verifier.verify(anchor, drafts[:k], pos, s.verify_mode, tc, q)
+                    res = await self.verifier.verify(anchor, drafts[:k], pos, s.verify_mode, tc, q,
+                                                     self.policy.survival(plan.conf, k))
                 verify_ms = (time.perf_counter() - t0) * 1e3
+                if res.admitted is not None and res.admitted < k:  # the step's budget judged a prefix
+                    span.set_attribute("spec_decode.admitted", res.admitted)
+                    k = res.admitted
                 own_rows = k + 1 if s.verify_mode == "batched" else 1  # sequential: one position per step
                 alone = self._alone(res, own_rows)
-                if alone:
+                if alone and k > 0:
                     s.costs.add_verify(k, verify_ms)
             else:
                 with s.occupancy.call():

@@ -102,8 +102,8 @@ class StepRecord:
 @dataclass(frozen=True)
 class StepStats:
     """Steps without a prompt chunk so far (the cost of decoding and verifying alone): count,
-    sessions of the last step and their mean, wall time of the last step and the mean (ms).
-    Zeros before the first such step. Steps that carried a prompt chunk are counted in
+    sessions of the last step and their mean, wall time of the last step and the mean (ms),
+    rows of the last step (tokens). Zeros before the first such step. Steps that carried a prompt chunk are counted in
     `prefill_steps` only (their `StepRecord`s have the rest)."""
 
     steps: int = 0
@@ -112,6 +112,7 @@ class StepStats:
     ms_last: float = 0.0
     ms_mean: float = 0.0
     prefill_steps: int = 0
+    rows_last: int = 0
 
 
 class StepLoop(StepQueue):
@@ -196,6 +197,11 @@ class StepLoop(StepQueue):
         """As `prefill`, for `VerifierEngine.admit_verify`."""
         return self.submit(self.engine.admit_verify(sid, anchor, drafts, position, mode, draft_probs)
                            ).result(timeout_s)
+
+    def rows_per_session(self) -> float:
+        """Rows per session of the last batch step (tokens; 1.0 before any)."""
+        st = self.stats()
+        return st.rows_last / st.batch_last if st.batch_last else 1.0
 
     def __enter__(self) -> "StepLoop":
         return self
@@ -285,7 +291,7 @@ class StepLoop(StepQueue):
         if step.kind == "batch":
             n = st.steps + 1
             st = StepStats(n, step.sessions, st.batch_mean + (step.sessions - st.batch_mean) / n,
-                           step.ms, st.ms_mean + (step.ms - st.ms_mean) / n, st.prefill_steps)
+                           step.ms, st.ms_mean + (step.ms - st.ms_mean) / n, st.prefill_steps, step.rows)
         else:
             st = dataclasses.replace(st, prefill_steps=st.prefill_steps + 1)
         self._publish(st, step)
