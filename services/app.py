@@ -52,7 +52,7 @@ from services.gateway.tokenizer import load_tokenizer
 from services.gateway.warm import WarmStart
 from services.verifier.batcher import DEFAULT_PREFILL_CHUNK, StepLoop, StepRecord
 from services.verifier.engine import VerifierEngine, per_session_bytes
-from services.common.alignment import Free, Gather, Lockstep, RateGather
+from services.common.alignment import Free, Gather, Lockstep, PingPong, RateGather
 from services.common.budget import StepBudget
 from services.verifier.step_profile import StepProfileSettings, profile_steps
 from services.verifier.step_table import LoadTracker
@@ -188,6 +188,7 @@ def verifier_alignment(name: str, gather_s: float, load: LoadTracker, steps: Ste
     the step table with the rows per session of the loop's last batch step; `lockstep` and `rate`
     wait at most LOCKSTEP_CAP_S. Raises ValueError on another name."""
     rules = {"gather": lambda: Gather(gather_s), "free": Free, "lockstep": lambda: Lockstep(LOCKSTEP_CAP_S),
+             "pingpong": lambda: PingPong(LOCKSTEP_CAP_S),
              "rate": lambda: RateGather(lambda: (load.prices()[0], steps.rows_per_session()), LOCKSTEP_CAP_S)}
     if name not in rules:
         raise ValueError(f"step alignment={name!r}: must be one of {sorted(rules)}")

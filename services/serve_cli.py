@@ -295,6 +295,14 @@ async def _serve_async(args, port: int, settings: ProcessSettings) -> None:
             provider.shutdown()
 
 
+def resolved_alignment(backend) -> str:
+    """The verifier's step alignment from its `BackendSettings`: "auto" becomes the device's
+    default (`services.common.alignment.default_alignment`)."""
+    from services.common.alignment import default_alignment
+    name = backend.step_alignment
+    return default_alignment(backend.device) if name == "auto" else name
+
+
 def _serve_metrics(endpoint, s: ProcessSettings, host: str, endpoints: list):
     """Serve `endpoint` on the settings' metrics port and remember it for the shutdown."""
     endpoints.append(endpoint)
@@ -329,7 +337,7 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
                                         tp=tp, max_connection_age_s=age, metrics=metrics,
                                         prefill_chunk=s.backend.prefill_chunk, step_profile=profile,
                                         gather_s=s.backend.step_gather_ms / 1e3, torch_threads=threads,
-                                        alignment=s.backend.step_alignment)
+                                        alignment=resolved_alignment(s.backend))
     if s.service == "drafter":
         device, dtype = s.backend.device, default_dtype(s.backend.device)
         model = (app.load_trunk(s.checkpoint, model=s.model, device=device, dtype=dtype) if args.oracle

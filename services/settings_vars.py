@@ -163,8 +163,9 @@ VARS: tuple[Var, ...] = (
         "drafter step waits for the sessions the previous step answered, never longer than that step took; "
         "0: no wait.", "verifier", low=0, high=MAX_STEP_GATHER_MS, field="backend.step_gather_ms"),
     Var("DSPARK_STEP_ALIGNMENT", "choice", BackendSettings.step_alignment, ("verifier",), "How the verifier's "
-        "steps gather sessions: `gather` (wait for the sessions the last step answered that turn straight "
-        "around), `free` (never wait), `lockstep` (wait for every session, drafting ones included) or `rate` "
+        "steps gather sessions: `auto` (`rate` on a GPU, `gather` on a CPU), `gather` (wait for the sessions the last step answered that turn straight "
+        "around), `free` (never wait), `lockstep` (wait for every session, drafting ones included), `pingpong` "
+        "(two cohorts take turns) or `rate` "
         "(wait for the arrivals that maximise sessions per step ms on the step table); docs/simulate.md §6.",
         "verifier", choices=STEP_ALIGNMENTS, field="backend.step_alignment"),
     _secs("DSPARK_TP_INIT_TIMEOUT_S", 600.0, ("verifier",), "Deadline of tensor-parallel start-up: every rank "

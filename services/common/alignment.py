@@ -16,6 +16,10 @@ The strategies, each pure (no clock read, no thread, no I/O):
   step would cost about that much again. Sessions sent away are never awaited.
 * `Lockstep`: wait for every answered session, away ones included, expected back within
   `cap_s`: every session drafts, then every session verifies in one step.
+* `PingPong`: two cohorts (by session id parity) take turns: a step serves one cohort, waiting
+  for its members expected back within `cap_s`, while the other cohort is away drafting; the
+  next step serves the other. Where a draft is quicker than a verify step, the drafter and the
+  verifier both stay busy and every step still holds half the sessions.
 * `RateGather`: wait for the answered sessions (away ones included) up to the arrival that
   maximises the step's committed sessions per ms, n / (wait + step_ms(n x rows per session)),
   on the step table: where a step is mostly per-step cost it waits for the cohort, where it
@@ -24,6 +28,11 @@ The strategies, each pure (no clock read, no thread, no I/O):
 
 Every wait is bounded (by the window or cap), and what a step computes never depends on the
 alignment: only which requests share it.
+
+The default per deployment (`default_alignment`): `gather` on a CPU, where a step's cost grows
+with its rows soon enough that waiting for the drafting sessions does not pay
+(docs/simulate.md §6); `rate` on a GPU, where a step is weight-bound and the simulator's `gpu`
+shape gains with it at every load up to 64 streams (unmeasured on a real GPU).
 """
 
 from __future__ import annotations
@@ -56,14 +65,31 @@ class Returning:
 
 
 class Alignment(Protocol):
-    """A gather rule (module docstring): from the time `now` (s), the last step's duration
-    (s), the requests queued for the next step and the sessions answered and not yet back,
-    the sessions to await and the deadline (s; <= now: start at once)."""
+    """A gather rule (module docstring). `plan`: from the time `now` (s), the last step's
+    duration (s), the sessions of the requests queued for the next step and the sessions
+    answered and not yet back, the sessions to await and the deadline (s; <= now: start at
+    once). `select`: of the sessions queued when the step starts, those it takes (the rest
+    wait for a later step)."""
 
     name: str
 
-    def plan(self, now: float, last_step_s: float, queued: int,
+    def plan(self, now: float, last_step_s: float, queued: Sequence[int],
              returning: Sequence[Returning]) -> tuple[set[int], float]: ...
+
+    def select(self, queued: Sequence[int]) -> set[int]: ...
+
+
+class _TakeAll:
+    """A step takes every queued request."""
+
+    def select(self, queued: Sequence[int]) -> set[int]:
+        return set(queued)
+
+
+def default_alignment(device: str) -> str:
+    """The alignment a verifier on `device` ("cpu", "cuda", "cuda:N") runs by default: "rate"
+    on a GPU, "gather" elsewhere (module docstring)."""
+    return "rate" if device.startswith("cuda") else "gather"
 
 
 def _check_seconds(name: str, value: float) -> float:
@@ -72,7 +98,7 @@ def _check_seconds(name: str, value: float) -> float:
     return float(value)
 
 
-class Free:
+class Free(_TakeAll):
     """Never waits."""
 
     name = "free"
@@ -81,7 +107,7 @@ class Free:
         return set(), now
 
 
-class Gather:
+class Gather(_TakeAll):
     """The sessions the last step answered with a kind that turns straight around, expected
     back within min(gather_s, last step) (module docstring). Raises ValueError on a gather_s
     that is negative or not finite."""
@@ -98,7 +124,7 @@ class Gather:
         return {r.sid for r in returning if r.last_step and not r.away and r.gap_s < window}, now + window
 
 
-class Lockstep:
+class Lockstep(_TakeAll):
     """Every answered session expected back within cap_s, away ones included. Raises
     ValueError on a cap_s that is negative or not finite."""
 
@@ -112,7 +138,7 @@ class Lockstep:
         return awaited, (now + self.cap_s if awaited else now)
 
 
-class RateGather:
+class RateGather(_TakeAll):
     """Wait for the arrivals that maximise sessions per step ms (module docstring).
 
     shape: returns (the loop's step table, ms against rows, or None before one exists; the
@@ -131,6 +157,7 @@ class RateGather:
         if table is None:
             return self._fallback.plan(now, last_step_s, queued, returning)
         due = sorted((max(r.due_s, now), r.sid) for r in returning if r.due_s <= now + self.cap_s)
+        queued = len(queued)
         best_i, best = 0, queued / max(table.ms_at(max(queued, 1) * rows), 1e-9) if queued else 0.0
         for i, (t, _) in enumerate(due, start=1):
             value = (queued + i) / max((t - now) * 1e3 + table.ms_at((queued + i) * rows), 1e-9)
@@ -139,3 +166,27 @@ class RateGather:
         if best_i == 0:
             return set(), now
         return {sid for _, sid in due[:best_i]}, now + self.cap_s
+
+
+class PingPong:
+    """Two cohorts take turns (module docstring): session s is in cohort s % 2. Raises
+    ValueError on a cap_s that is negative or not finite."""
+
+    name = "pingpong"
+
+    def __init__(self, cap_s: float):
+        self.cap_s = _check_seconds("cap_s", cap_s)
+        self.turn = 0
+
+    def plan(self, now, last_step_s, queued, returning):
+        for _ in range(2):
+            awaited = {r.sid for r in returning if r.sid % 2 == self.turn and r.due_s <= now + self.cap_s}
+            if awaited or any(sid % 2 == self.turn for sid in queued):
+                return awaited, (now + self.cap_s if awaited else now)
+            self.turn ^= 1  # nobody of this cohort is queued or on the way: the other's turn
+        return set(), now
+
+    def select(self, queued):
+        mine = {sid for sid in queued if sid % 2 == self.turn}
+        self.turn ^= 1
+        return mine or set(queued)

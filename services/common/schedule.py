@@ -193,8 +193,8 @@ class Schedule(Generic[R]):
         if self._awaited is None:
             outstanding = [Returning(sid, t, self._gaps.expected(sid), kind in self.away_kinds, sid in self._returning)
                            for sid, kind, t in self._gaps.outstanding() if sid not in self._inflight]
-            self._awaited, self._deadline = self.alignment.plan(now, last_step_s, len(self.queue) + len(self.carried),
-                                                                outstanding)
+            queued = [r.sid for r in self.carried + self.queue]
+            self._awaited, self._deadline = self.alignment.plan(now, last_step_s, queued, outstanding)
         self._awaited -= self._gone_since  # `forget` drops closed sessions
         if not self._awaited - self._inflight:  # every awaited session has sent again
             return 0.0
@@ -205,15 +205,19 @@ class Schedule(Generic[R]):
         list, and stay in flight until `release` or `carry`. Ends the gather."""
         self._awaited, self._returning, self._gone_since = None, set(), set()
         carried = {id(r) for r in self.carried}
+        chosen = self.alignment.select([r.sid for r in self.queue if r.op != "prefill"])
+        later = [r for r in self.queue if r.op != "prefill" and r.sid not in chosen]  # another cohort's turn
         if self.prefill_chunk is None:
-            requests, self.queue, self.carried = self.carried + self.queue, [], []
+            requests = self.carried + [r for r in self.queue if r.op == "prefill" or r.sid in chosen]
+            self.queue, self.carried = later, []
             return Step(requests, carried=carried)
         part_way = [r for r in self.carried if r.op == "prefill"]
         waiting = [r for r in self.queue if r.op == "prefill"]
         prompts, chunks = fill_chunks(part_way + waiting, self.prefill_chunk)
-        others = [r for r in self.carried if r.op != "prefill"] + [r for r in self.queue if r.op != "prefill"]
+        others = [r for r in self.carried if r.op != "prefill"] + \
+            [r for r in self.queue if r.op != "prefill" and r.sid in chosen]
         taken = {id(r) for r in prompts}
-        self.queue = [r for r in waiting if id(r) not in taken]
+        self.queue = later + [r for r in waiting if id(r) not in taken]
         self.carried = []
         return Step(others + prompts, chunks, carried)
 

@@ -25,7 +25,7 @@ SAMPLING_RULES = ("coupled", "rejection")
 # verify paths of the verifier: one forward per draft token, or one forward of the block + rollback
 VERIFY_MODES = ("sequential", "batched")
 STEP_BUDGETS = ("off", "trim", "full")  # services.gateway.round_policy
-STEP_ALIGNMENTS = ("gather", "free", "lockstep", "rate")  # services.common.alignment
+STEP_ALIGNMENTS = ("auto", "gather", "free", "lockstep", "pingpong", "rate")  # services.common.alignment
 # where the gate's costs come from: the configured *_MS values, or measured (start-up profile + live rounds)
 COST_MODES = ("configured", "measured")
 # the gate's cost fields a DSPARK_GATE_*_MS variable sets; measured costs never replace them
@@ -259,7 +259,8 @@ class BackendSettings:
     again, never longer than that step took (`services.common.step_queue`); 0 here (steps start as soon as work is queued),
     `services.settings` defaults it to DEFAULT_STEP_GATHER_MS.
     step_alignment: how the verifier's step loop gathers sessions before a step
-    (STEP_ALIGNMENTS, `services.common.alignment`; the drafter's loop always gathers).
+    (STEP_ALIGNMENTS, `services.common.alignment`; "auto": `default_alignment(device)`; the
+    drafter's loop always gathers).
     torch_threads: torch intra-op threads of every thread of the process that runs the model
     (1..MAX_TORCH_THREADS; `services.common.threads`). device: where the model runs, "cpu" or
     "cuda:N" (`parse_device`'s canonical spelling; the verifier at TP > 1 puts rank r on
@@ -274,7 +275,7 @@ class BackendSettings:
     prefill_chunk: int = 64
     step_profile: bool = False
     step_gather_ms: int = 0
-    step_alignment: str = "gather"
+    step_alignment: str = "auto"
     torch_threads: int = DEFAULT_TORCH_THREADS
     device: str = "cpu"
 

@@ -12,7 +12,7 @@ import json
 import sys
 import time
 
-ALIGNMENTS = ("free", "gather", "lockstep", "rate")  # services.common.alignment, by name
+ALIGNMENTS = ("free", "gather", "lockstep", "pingpong", "rate")  # services.common.alignment, by name
 
 DEFAULT_STREAMS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # The plain numeric options: flag, type, default, help.

@@ -24,7 +24,7 @@ from services.common.schedule import Schedule
 from services.common.sessions import SessionLimitError, SessionTable
 from services.gateway.decision import CostModel
 from services.gateway.gate import PRE_DRAFT_SKIPS, Gate, GateConfig
-from services.common.alignment import Free, Gather, Lockstep, RateGather
+from services.common.alignment import Free, Gather, Lockstep, PingPong, RateGather
 from services.common.budget import StepBudget, StepTimes
 from services.gateway.record import Reason
 from services.gateway.regime import RegimePolicy
@@ -72,7 +72,7 @@ class RunConfig:
     drafters: int = 1
     gate_costs: CostModel | None = None  # the gates' cost model; None: the model's single-stream costs
     prime_rows: int = 64  # tap rows a prefill primes the drafter with (the verifier's prefill_keep_rows)
-    alignment: str = "gather"  # the verifier's gather rule: free | gather | lockstep | rate (services.common.alignment)
+    alignment: str = "gather"  # the verifier's gather rule: free | gather | lockstep | pingpong | rate (alignment.py)
     align_cap_s: float = 1.0  # the longest a lockstep or rate gather waits (s)
 
 
@@ -164,6 +164,7 @@ class Gateway:
         """The verifier schedule's gather rule named by the config."""
         c = self.config
         rules = {"free": Free, "gather": lambda: Gather(c.gather_s), "lockstep": lambda: Lockstep(c.align_cap_s),
+                 "pingpong": lambda: PingPong(c.align_cap_s),
                  "rate": lambda: RateGather(lambda: (self.budget_table, self.rows_per_session), c.align_cap_s)}
         if c.alignment not in rules:
             raise ValueError(f"alignment={c.alignment!r}: must be one of {sorted(rules)}")
