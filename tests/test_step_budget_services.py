@@ -96,3 +96,26 @@ def test_32_concurrent_generations_cut_by_the_step_budget_equal_their_solo_runs(
     judged = [sum(g.stats.submitted for g in run) for run in (solo, together)]
     assert sum(g.stats.accepted for g in solo) > 0  # drafts were accepted, not only plain steps
     assert steep_prices and judged[1] < judged[0], f"drafts judged alone, together: {judged}"
+
+
+def test_a_failing_budget_verifies_blocks_whole_and_a_cold_one_admits_all():
+    """The budget only decides how many drafts a step judges: prices that raise leave the step
+    verifying the whole block (logged), and without a table every draft is judged."""
+    from services.common.budget import StepBudget
+    from services.verifier.batcher import StepLoop
+
+    def broken():
+        raise ValueError("step table ms=(3.0, 1.0): must be non-decreasing")
+
+    engine = app.verifier_engine(app.load_trunk(None), BackendSettings(max_sessions=2))
+    for budget in (StepBudget(broken), StepBudget(lambda: (None, 5.0))):
+        with StepLoop(engine, prefill_chunk=64, budget=budget) as steps:
+            sid = engine.open_session()
+            try:
+                anchor = steps.prefill(sid, [5, 6, 7], timeout_s=TIMEOUT_S).next_token
+                record = engine.admit_verify(sid, anchor, [1, 2, 3], engine.next_position(sid), "batched",
+                                             survival=[0.5, 0.4, 0.1])
+                res = steps.submit(record).result(TIMEOUT_S)
+                assert res.admitted == 3
+            finally:
+                engine.close_session(sid)

@@ -225,7 +225,7 @@ class StepLoop(StepQueue):
             if not live:
                 return
             if self.budget is not None:
-                self.budget.apply(live, sum(step.chunk(r) if r.op == "prefill" else r.step_rows() for r in live))
+                self._apply_budget(step, live)
             items = [r.item(step.chunk(r)) for r in live]
             outs, forward_ms = self._run(live, items)
             if outs is None:
@@ -238,6 +238,15 @@ class StepLoop(StepQueue):
         chunk = sum(len(it.tokens) for it in items if it.prefill)
         self._record(StepRecord("prefill" if chunk else "batch", len(live), rows, ms, chunk,
                                 sum(p for p, _ in done), sum(t for _, t in done)))
+
+    def _apply_budget(self, step: Step, live: list[SessionRecord]) -> None:
+        """Cut the step's budgeted blocks to what the budget admits. The budget only says how
+        many drafts a step judges, so a fault in it (a malformed table) is logged and the
+        blocks are verified whole rather than failing the step."""
+        try:
+            self.budget.apply(live, sum(step.chunk(r) if r.op == "prefill" else r.step_rows() for r in live))
+        except Exception:
+            log.exception("step budget failed; this step verifies every block whole")
 
     def _run(self, live: list[SessionRecord], items: list) -> tuple[list | None, float]:
         """One `forward_batch` over `items`; returns (outputs, wall ms), or (None, 0) when it
