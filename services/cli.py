@@ -27,6 +27,7 @@ from services.gateway.replay import (
     calibration_of,
     comparisons,
     headline_of,
+    redecided,
     replay_log,
     report_to_dict,
 )
@@ -295,6 +296,10 @@ def _run_replay(args: argparse.Namespace) -> int:
     if reports[0].skipped:
         skipped = "; ".join(f"{p}: {why}" for p, why in reports[0].skipped.items())
         print(f"dspark replay: note: skipped {skipped}", file=sys.stderr)
+    same, decided = redecided(log.rounds, configs[0][1])
+    if decided:  # rounds that recorded their decision's inputs (docs/gate.md §9)
+        print(f"dspark replay: note: re-decided from the recorded inputs, {same} of {decided} rounds choose "
+              f"the k they submitted", file=sys.stderr)
     if args.json:
         docs = [report_to_dict(r) for r in reports]
         print(json.dumps(docs[0] if len(docs) == 1 else {"reports": docs}, indent=2, allow_nan=False))

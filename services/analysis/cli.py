@@ -28,6 +28,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                      help="span files (JSON lines or OTLP-JSON) or recorded-rounds files (told apart by content)")
     rep.add_argument("--png", metavar="DIR", default=None, help="also write the four plots as PNG files into DIR")
     rep.add_argument("--json", action="store_true", help="print the report as JSON")
+    rep.add_argument("--rounds", action="store_true",
+                     help="print one line per round instead: what it submitted and why, with the decision's inputs "
+                          "(survival per position, lambda, value(k) per k, the step budget's cut)")
     rep.set_defaults(func=_run_report)
 
     cal = sub.add_parser("calibrate", help="print fitted DSPARK_GATE_*_MS lines from span files or recorded rounds",
@@ -79,6 +82,8 @@ def _load(args):
 def _run_report(args: argparse.Namespace) -> int:
     from services.analysis.report import report_to_dict
     from services.analysis.report_view import render_report
+    if args.rounds:
+        return _run_round_lines(args)
     try:
         report = _load(args)
         paths = []
@@ -101,6 +106,19 @@ def _run_report(args: argparse.Namespace) -> int:
         render_report(report, console)
         for p in paths:
             console.print(f"wrote {p}", markup=False)
+    return 0
+
+
+def _run_round_lines(args: argparse.Namespace) -> int:
+    """`trace-report --rounds`: one line per round span of the span files."""
+    from services.analysis.report import why_lines
+    from services.analysis.traces import load_spans, looks_like_rounds
+    try:
+        spans = load_spans([p for p in args.traces if not looks_like_rounds(p)])
+    except (ValueError, OSError) as exc:
+        return _error("trace-report", str(exc))
+    lines = why_lines(spans)
+    print("\n".join(lines) if lines else "no spec_decode.round span in the span files")
     return 0
 
 

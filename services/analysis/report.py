@@ -380,3 +380,20 @@ def report_to_dict(report: Report) -> dict:
 
 
 # ---------------------------------------------------------------------------- text
+
+
+def why_lines(spans: Sequence[Span]) -> list[str]:
+    """One line per round span, in time order: its trace, its round number and why it
+    submitted what it did with the decision's inputs (`services.gateway.record.explain`, from
+    the attributes docs/gate.md §7 lists). A span without them (an older gateway, a round that
+    made no length decision) explains what it has."""
+    from services.gateway.record import explain
+    lines = []
+    for sp in sorted((sp for sp in spans if sp.name == ROUND), key=lambda sp: (sp.start_ns, sp.span_id)):
+        a = sp.attr
+        line = explain(str(a("spec_decode.gate_reason", "?")), int(a("spec_decode.submitted", 0)),
+                       int(a("spec_decode.drafted", 0)), int(a("spec_decode.accepted", 0)), a("spec_decode.asked"),
+                       tuple(a("spec_decode.survival", ()) or ()), a("spec_decode.lambda"),
+                       tuple(a("spec_decode.values", ()) or ()))
+        lines.append(f"{sp.trace_id[:12]} round {a('spec_decode.round', '?')}: {line}")
+    return lines

@@ -160,6 +160,30 @@ def _values(survival: Sequence[float], max_n: int, cost: CostModel, rate: float)
     return [totals[k] - rate * cost.drafted_round_ms(k) for k in range(max_n + 1)]
 
 
+def pick_length(values: Sequence[float], full_tokens: float, win_factor: float, floor: int) -> int:
+    """The length rule on value(k) for k = 0..max_n (tokens, max_n = len(values) - 1): the
+    full block unless a truncation n in [floor, max_n) beats it by more than (win_factor - 1) *
+    full_tokens (E[tokens(max_n)]); ties between truncations go to the longer one. Inputs are
+    trusted (`decide_by_survival` checks them; a round record's recorded values replay through
+    here, `services.gateway.replay.redecide`)."""
+    max_n = len(values) - 1
+    if max_n <= 0:
+        return 0
+    best_n, best_value = max_n, -math.inf
+    for n in range(floor, max_n):
+        if values[n] >= best_value:
+            best_n, best_value = n, values[n]
+    if best_n < max_n and best_value - values[max_n] > (win_factor - 1.0) * full_tokens:
+        return best_n
+    return max_n
+
+
+def round_values(survival: Sequence[float], max_n: int, cost: CostModel, rate: float) -> tuple[float, ...]:
+    """value(k) for k = 0..max_n (tokens): what a round record keeps of a length decision
+    (`decide_by_survival` with the same inputs chooses by `pick_length` over these)."""
+    return tuple(_values(survival, max_n, cost, rate))
+
+
 def decide_length(
     match_probs: Sequence[float],
     max_n: int,
@@ -211,15 +235,7 @@ def decide_by_survival(
     check_survival(survival[:max_n], max_n)
     if max_n == 0:
         return 0
-    values = _values(survival, max_n, cost, lam)
-    best_n, best_value = max_n, -math.inf
-    for n in range(floor, max_n):
-        if values[n] >= best_value:
-            best_n, best_value = n, values[n]
-    need = (factor - 1.0) * _expected_totals(survival, max_n)[max_n]
-    if best_n < max_n and best_value - values[max_n] > need:
-        return best_n
-    return max_n
+    return pick_length(_values(survival, max_n, cost, lam), _expected_totals(survival, max_n)[max_n], factor, floor)
 
 
 def draft_advantage(survival: Sequence[float], cost: CostModel, rate: float) -> float:

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from services.gateway.decision import (DEFAULT_WIN_FACTOR, CostModel, _check_count,  # noqa: F401 (re-exported)
-                                      decide_by_survival, decide_length, draft_advantage, expected_tokens)  # noqa: F401
+                                      decide_by_survival, decide_length, draft_advantage, expected_tokens,  # noqa: F401
+                                      round_values)
 from services.gateway.estimator import MarginGain, margin_bin
 from services.gateway.survival import DEFAULT_POSITION_CLASSES, GREEDY_BAND, SurvivalEstimator, survival_from_hazards
 from services.gateway.values import check_setting, finite_float, is_integer, short_repr
@@ -203,10 +204,18 @@ class Calibration:
 @dataclass(frozen=True)
 class LengthChoice:
     """The gate's post-draft verdict: submit `k` of the drafts (tokens), in [0, max_n], where
-    `max_n` is the caller's cap. `cut`: the cost rule chose fewer than the cap."""
+    `max_n` is the caller's cap. `cut`: the cost rule chose fewer than the cap. What the
+    decision read and weighed, for the round's record and span (empty when no rule ran: a
+    disabled gate, or the step budget choosing the length): `survival`, S_j per position up to
+    the cap; `rate`, lambda (tokens per ms); `values`, value(k) = E[tokens(k)] - lambda *
+    cost(k) for k = 0..max_n (tokens); `probe`, a probe round (at least one draft)."""
 
     k: int
     max_n: int
+    survival: tuple[float, ...] = ()
+    rate: float | None = None
+    values: tuple[float, ...] = ()
+    probe: bool = False
 
     @property
     def cut(self) -> bool:
@@ -356,15 +365,17 @@ class Gate:
         """
         logits = _logits(confidence_logits)
         max_n = _check_count("max_n", max_n, len(logits))
-        n, probe = max_n, False
+        n, probe, inputs = max_n, False, {}
         if self.config.enabled:
             survival = self._survival(logits[:max_n])
             probe = self._probe or self._probe_due()
             # A probe verifies at least one draft, the cheapest test of whether the drafter came
             # back: where verify is dear per draft, a whole block would cost most of the probe.
             floor = min(1, max_n) if probe else self.config.min_draft
-            n = decide_by_survival(survival, max_n, self.pricing or self.cost, self.config.win_factor, floor,
-                                   self.rate())
+            cost, rate = self.pricing or self.cost, self.rate()
+            n = decide_by_survival(survival, max_n, cost, self.config.win_factor, floor, rate)
+            inputs = {"survival": tuple(survival), "rate": rate, "values": round_values(survival, max_n, cost, rate),
+                      "probe": probe}
         if probe or self._probe:
             self._gap = min(PROBE_PERIOD, 2 * self._gap)  # still losing: the next probe comes later
         elif n > 0:
@@ -375,7 +386,7 @@ class Gate:
         self._since = 0 if n > 0 else self._since + 1
         if n == 0:  # the draft was paid and a plain step follows: draft + plain for one token
             self._settle(1, self.cost.skipped_after_draft_ms())
-        return LengthChoice(n, max_n)
+        return LengthChoice(n, max_n, **inputs)
 
     def choose_length(self, confidence_logits: Sequence[float], max_n: int) -> int:
         """`choose(...).k`: the number of drafts to submit (tokens). Raises as `choose`."""

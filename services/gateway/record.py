@@ -63,7 +63,10 @@ class RoundRecord:
     None without a confidence head or without a draft call. anchor_margin: the anchor's top1 -
     top2 logit, None when unknown. draft_ms, verify_ms, plain_ms: measured wall times (ms) of
     the draft call, the verify call (k > 0) and the decode call (k = 0); None when not measured
-    or not made.
+    or not made. choice: the gate's length decision with what it read and weighed
+    (`LengthChoice`: survival, lambda, value per k), None when the round made none; asked: the
+    drafts sent to verify before the verifier's step budget cut the block (None: not cut, so
+    `submitted`).
 
     Counts are stored as int (numpy integers accepted). Raises ValueError naming the field
     when a count is not an integer >= 0, accepted > submitted, submitted > drafted, submitted >
@@ -81,6 +84,8 @@ class RoundRecord:
     draft_ms: float | None = None
     verify_ms: float | None = None
     plain_ms: float | None = None
+    choice: LengthChoice | None = None
+    asked: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.reason, Reason):
@@ -139,9 +144,20 @@ class RoundRecord:
         """
         if self.confidence_logits is None and self.drafted:
             raise ValueError("a drafted round without confidence logits cannot be recorded")
+        c = self.choice
         return Round(workload=workload, confidence_logits=self.confidence_logits or (), submitted=self.submitted,
                      accepted=self.accepted, anchor_margin=self.anchor_margin, draft_ms=self.draft_ms,
-                     verify_ms=self.verify_ms, plain_ms=self.plain_ms)
+                     verify_ms=self.verify_ms, plain_ms=self.plain_ms,
+                     survival=c.survival if c is not None and c.survival else None,
+                     values=c.values if c is not None and c.values else None,
+                     rate=c.rate if c is not None else None)
+
+    def why(self) -> str:
+        """One line: what the round submitted and why, with the decision's inputs (the line
+        `dspark trace-report --rounds` prints from a round span's attributes)."""
+        return explain(self.reason.value, self.submitted, self.drafted, self.accepted, self.asked,
+                       self.choice.survival if self.choice else (), self.choice.rate if self.choice else None,
+                       self.choice.values if self.choice else ())
 
 
 def _merge(mine: object, theirs: object) -> object:
@@ -334,3 +350,21 @@ class RoundStats:
                 "skipped_after_draft": self.skipped_after_draft, "margin_skipped_rounds": self.margin_skipped_rounds,
                 "zero_accept_rounds": g.zero_accept_rounds, "zero_accept_cost_ms": g.zero_accept_cost_ms,
                 "tok_s": self.tok_s}
+
+
+def explain(reason: str, submitted: int, drafted: int, accepted: int, asked: int | None,
+            survival, rate: float | None, values) -> str:
+    """Why a round submitted what it did, in one line (`RoundRecord.why`, `dspark trace-report
+    --rounds`): the drafts submitted of those drafted and the reason, the step budget's cut,
+    lambda, each position's survival and value(k) per k, and what was accepted."""
+    parts = [f"submitted {submitted} of {drafted} ({reason})"]
+    if asked is not None and asked != submitted:
+        parts.append(f"the step budget cut {asked} to {submitted}")
+    if rate is not None:
+        parts.append(f"lambda {rate:.4g} tok/ms")
+    if survival:
+        parts.append("S " + " ".join(f"{v:.2f}" for v in survival))
+    if values:
+        parts.append("value(k) " + " ".join(f"{k}:{v:+.3f}" for k, v in enumerate(values)))
+    parts.append(f"accepted {accepted}")
+    return "; ".join(parts)

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
+from services.gateway.decision import pick_length
 from services.gateway.estimator import expected_calibration_error
 from services.gateway.gate import Calibration, CostModel, Gate, GateConfig
 from services.gateway.record import RoundStats
@@ -386,3 +387,23 @@ def report_to_dict(report: ReplayReport) -> dict:
         "workloads": [_workload_dict(w) for w in report.workloads],
         "overall": _workload_dict(report.overall),
     }
+
+
+def redecide(rec: Round, config: GateConfig) -> int | None:
+    """The length a recorded round's own decision inputs choose under `config`'s win factor and
+    floor (`decision.pick_length` over its recorded value(k), E[tokens(max_n)] from its
+    recorded survival): the k it submitted, when the gate made the decision it recorded. None
+    when the round recorded no decision (an older file, a round the step budget chose)."""
+    if not rec.values or rec.survival is None or len(rec.survival) + 1 < len(rec.values):
+        return None
+    max_n = len(rec.values) - 1
+    full = 1.0 + sum(rec.survival[:max_n])
+    return pick_length(rec.values, full, config.win_factor, min(config.min_draft, max_n))
+
+
+def redecided(rounds: Sequence[Round], config: GateConfig) -> tuple[int, int]:
+    """(rounds whose recorded decision inputs choose the k they submitted, rounds that recorded
+    inputs) under `config` (`redecide`)."""
+    pairs = [(redecide(r, config), r.submitted) for r in rounds]
+    pairs = [(k, sub) for k, sub in pairs if k is not None]
+    return sum(k == sub for k, sub in pairs), len(pairs)

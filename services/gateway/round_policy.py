@@ -27,6 +27,7 @@ the cap (the gate keeps only the pre-draft decision) and the step alone chooses 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from services.gateway.gate import Gate, LengthChoice
@@ -70,6 +71,7 @@ class RoundPolicy:
         self.pricing_stats = pricing_stats
         self.seen = LoadSeen()
         self.recent: list[tuple[float, ...]] = []  # survivals of the last RECENT_BLOCKS budgeted blocks
+        self.choice: LengthChoice | None = None  # the last length decision, with its inputs
 
     def regime_drafts(self, in_flight: int) -> bool:
         """Whether the gateway's regime lets this generation draft with `in_flight` (>= 0)
@@ -122,8 +124,8 @@ class RoundPolicy:
         the cap is submitted; with them the gate chooses under the cap."""
         max_n = self.max_drafts(drafted, pos, emitted)
         full = confidences is None or self.budget == "full"
-        choice = LengthChoice(max_n, max_n) if full else self.gate.choose(confidences, max_n)
-        return drafted_reason(drafted, choice), choice.k
+        self.choice = LengthChoice(max_n, max_n) if full else self.gate.choose(confidences, max_n)
+        return drafted_reason(drafted, self.choice), self.choice.k
 
     def survival(self, confidences: Sequence[float] | None, k: int) -> tuple[float, ...] | None:
         """The estimates a verify of the first k drafts carries for the step's budget: per
@@ -134,6 +136,8 @@ class RoundPolicy:
             return None
         estimates = tuple(self.gate.survival(confidences[:k]))
         self.recent = [*self.recent[-(RECENT_BLOCKS - 1):], estimates]
+        if self.choice is not None and not self.choice.survival:  # the step chooses the length
+            self.choice = dataclasses.replace(self.choice, survival=estimates)
         return estimates
 
     def observe(self, confidences: Sequence[float] | None, k: int, accepted: int,

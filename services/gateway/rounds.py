@@ -43,6 +43,8 @@ MAX_METADATA_DEPTH = 100  # nesting levels of metadata objects and lists
 RESERVED_WORKLOAD = "overall"  # the replay's totals row
 _REQUIRED = ("workload", "confidence_logits", "submitted", "accepted")
 _OPTIONAL = ("anchor_margin", "draft_ms", "verify_ms", "plain_ms")
+# The length decision's inputs and outputs (docs/gate.md §9): lists of numbers, and lambda.
+_DECISION = ("survival", "values", "rate")
 
 
 def _is_number(value: object) -> bool:
@@ -101,9 +103,13 @@ class Round:
     draft_ms: float | None = None
     verify_ms: float | None = None
     plain_ms: float | None = None
+    survival: tuple[float, ...] | None = None
+    values: tuple[float, ...] | None = None
+    rate: float | None = None
 
     def __post_init__(self) -> None:
         check_workload(self.workload)
+        self._check_decision()
         if not isinstance(self.confidence_logits, tuple):
             raise ValueError(f"field 'confidence_logits' must be a tuple, got {type(self.confidence_logits).__name__}")
         for pos, c in enumerate(self.confidence_logits):
@@ -123,11 +129,29 @@ class Round:
             if value is not None and not (_is_number(value) and value >= 0):
                 raise ValueError(f"field '{name}'={short_repr(value)} must be null or a finite number >= 0")
 
+    def _check_decision(self) -> None:
+        """survival: numbers in [0, 1], at most one per confidence; values: finite numbers;
+        rate: a finite number >= 0 (each may be None). Raises ValueError naming the field."""
+        for name in ("survival", "values"):
+            seq = getattr(self, name)
+            if seq is None:
+                continue
+            if not isinstance(seq, tuple) or not all(_is_number(v) for v in seq):
+                raise ValueError(f"field '{name}'={short_repr(seq)} must be null or a list of finite numbers")
+        if self.survival is not None and (len(self.survival) > len(self.confidence_logits)
+                                          or not all(0.0 <= v <= 1.0 for v in self.survival)):
+            raise ValueError(f"field 'survival'={short_repr(self.survival)} must hold probabilities, "
+                             f"at most one per confidence")
+        if self.rate is not None and not (_is_number(self.rate) and self.rate >= 0):
+            raise ValueError(f"field 'rate'={short_repr(self.rate)} must be null or a finite number >= 0")
+
     def to_json_dict(self) -> dict:
         """The round as written to a file: required keys, then the non-null optional ones."""
         out = {"workload": self.workload, "confidence_logits": list(self.confidence_logits)}
         out["submitted"], out["accepted"] = self.submitted, self.accepted
         out.update({k: getattr(self, k) for k in _OPTIONAL if getattr(self, k) is not None})
+        out.update({k: (list(v) if isinstance(v, tuple) else v) for k in _DECISION
+                    if (v := getattr(self, k)) is not None})
         return out
 
 
@@ -156,7 +180,7 @@ class RoundLog:
 def _parse_round(obj: object) -> Round:
     if not isinstance(obj, Mapping):
         raise ValueError(f"must be an object, got {type(obj).__name__}")
-    unknown = sorted(set(obj) - set(_REQUIRED) - set(_OPTIONAL))
+    unknown = sorted(set(obj) - set(_REQUIRED) - set(_OPTIONAL) - set(_DECISION))
     if unknown:
         raise ValueError(f"unknown field(s) {unknown}")
     missing = [k for k in _REQUIRED if k not in obj]
@@ -165,8 +189,11 @@ def _parse_round(obj: object) -> Round:
     confidences = obj["confidence_logits"]
     if not isinstance(confidences, list):
         raise ValueError(f"field 'confidence_logits' must be a list, got {type(confidences).__name__}")
-    values = {k: obj.get(k) for k in _REQUIRED + _OPTIONAL}
+    values = {k: obj.get(k) for k in _REQUIRED + _OPTIONAL + _DECISION}
     values["confidence_logits"] = tuple(confidences)
+    for name in ("survival", "values"):
+        if isinstance(values[name], list):
+            values[name] = tuple(values[name])
     return Round(**values)
 
 

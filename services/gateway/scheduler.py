@@ -409,7 +409,7 @@ class _Generation:
                 if forced:
                     return await self._forced_round(anchor, pos, margin, plan, forced, span, tc)
             drafts, k = plan.drafts, plan.k
-            t0 = time.perf_counter()
+            asked, t0 = k, time.perf_counter()
             if k > 0:
                 q = None if plan.probs is None else plan.probs[:k]
                 with s.occupancy.call():
@@ -445,7 +445,8 @@ class _Generation:
             self._record(span, RoundRecord(
                 plan.reason, len(drafts), k, a, self.cost,
                 confidence_logits=None if plan.conf is None else tuple(plan.conf), anchor_margin=margin,
-                draft_ms=plan.draft_ms, verify_ms=verify_ms if k > 0 else None, plain_ms=verify_ms if k == 0 else None))
+                draft_ms=plan.draft_ms, verify_ms=verify_ms if k > 0 else None, plain_ms=verify_ms if k == 0 else None,
+                choice=self.policy.choice if plan.conf is not None else None, asked=asked if asked != k else None))
             return a, [*drafts[:a], res.next_token], res.margin, res.logprobs
 
     async def _forced_round(self, anchor: int, pos: int, margin: float, plan: _Plan, forced: list[int], span, tc
@@ -542,11 +543,27 @@ class _Generation:
             span.set_attribute("spec_decode.draft_ms", r.draft_ms)
         if r.confidence_logits is not None:  # for the reliability diagram of `dspark trace-report`
             span.set_attribute("spec_decode.confidence_logits", [float(c) for c in r.confidence_logits])
+        _decision_attributes(span, r)
         self.metrics.record_round(r)
         # Replay needs a drafted round's confidences; a round that drafted nothing is kept for
         # its plain-decode time (what `dspark calibrate` fits plain_ms from).
         if self.s.recorder is not None and (r.confidence_logits is not None or not r.drafted):
             self.s.recorder.append(r.to_round(self.p.label))
+
+
+def _decision_attributes(span, r: RoundRecord) -> None:
+    """The length decision's inputs and outputs on the round span (docs/gate.md §7), what
+    `dspark trace-report --rounds` explains a round from: survival per position, lambda,
+    value(k) per k, and the drafts asked before the step budget's cut."""
+    c = r.choice
+    if c is not None and c.survival:
+        span.set_attribute("spec_decode.survival", [float(v) for v in c.survival])
+    if c is not None and c.rate is not None:
+        span.set_attribute("spec_decode.lambda", float(c.rate))
+    if c is not None and c.values:
+        span.set_attribute("spec_decode.values", [float(v) for v in c.values])
+    if r.asked is not None:
+        span.set_attribute("spec_decode.asked", r.asked)
 
 
 @dataclass(frozen=True)
