@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from services.common.alignment import (Free, Gather, Lockstep, PingPong, RateGather, Returning,
                                        default_alignment)
@@ -87,3 +88,71 @@ def test_the_default_per_device_and_bad_caps():
             Lockstep(bad)
         with pytest.raises(ValueError, match="cap_s="):
             PingPong(bad)
+
+
+def test_a_session_late_by_more_than_the_cap_is_not_awaited():
+    """Answered at t = 0, due at 10 ms; at t = 2 s it is late by more than the 1 s cap: every
+    rule that awaits away sessions leaves it (it is idle, or gone without closing), while one
+    due within the cap is still awaited."""
+    table = StepTimes((1.0, 100.0), (10.0, 10.0))
+    for make in (lambda: Lockstep(1.0), lambda: PingPong(1.0), lambda: RateGather(lambda: (table, 1.0), 1.0)):
+        assert make().plan(2.0, 0.01, [2], [back(4, 0.010)]) == (set(), 2.0), make().name
+        assert make().plan(0.5, 0.01, [2], [back(4, 0.010)]) == ({4}, 1.5), make().name
+
+
+ALIGNMENTS = {
+    "free": lambda cap: Free(), "gather": lambda cap: Gather(cap), "lockstep": Lockstep, "pingpong": PingPong,
+    "rate": lambda cap: RateGather(lambda: (StepTimes((1.0, 64.0), (10.0, 12.0)), 1.0), cap),
+    "rate-one-point": lambda cap: RateGather(lambda: (StepTimes((4.0,), (10.0,)), 1.0), cap)}
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(name=st.sampled_from(sorted(ALIGNMENTS)), cap=st.sampled_from([0.0, 0.02, 0.05]),
+       fates=st.lists(st.sampled_from(["back", "slow", "silent", "close"]), min_size=1, max_size=8),
+       gaps=st.lists(st.integers(0, 80), min_size=8, max_size=8))
+def test_no_step_waits_past_the_cap_and_no_request_starves(name, cap, fates, gaps):
+    """Sessions each coming back after their own gap (ms), one gap past the cap, staying
+    silent while open, or closing while awaited: every wait is within the cap, silent
+    sessions cost a bounded number of waits (not one per step), and every queued request is
+    taken within two steps (ping-pong defers the other cohort by one). Simulated clock: the
+    test advances `now`; nothing is timed."""
+    s = Schedule(cap, frozenset({"verify"}), alignment=ALIGNMENTS[name](cap))
+    now, step_s, age, timeouts = 0.0, 0.01, {}, 0
+    s.admit(*[Req(i, "decode") for i in range(len(fates))], now=now)
+    due: dict[int, float] = {}
+    for step in range(40):
+        for sid, t in sorted(due.items()):
+            if t <= now:
+                del due[sid]
+                s.admit(Req(sid, "decode"), now=now)
+        if not s.pending():
+            now = min(due.values()) if due else now + step_s
+            continue
+        wait = s.wait_s(now, step_s)
+        assert 0.0 <= wait <= cap + 1e-12
+        while wait > 0:  # an arrival inside the wait ends it early when awaited
+            nxt = min([t for t in due.values() if t <= now + wait], default=None)
+            if nxt is None:  # waited out the deadline: an awaited session did not come
+                now, timeouts = now + wait, timeouts + 1
+                break
+            now = nxt
+            for sid in [k for k, t in due.items() if t <= now]:
+                del due[sid]
+                s.admit(Req(sid, "decode"), now=now)
+            wait = s.wait_s(now, step_s)
+        taken = s.take()
+        for r in s.queue:
+            age[r.sid] = age.get(r.sid, 0) + 1
+            assert age[r.sid] <= 1, f"session {r.sid} queued through two steps"
+        now += step_s
+        for r in taken.requests:
+            age.pop(r.sid, None)
+            s.release(r, now, answered=True)
+            fate = fates[r.sid]
+            if fate == "close":
+                s.forget(r.sid)
+            elif fate in ("back", "slow") and step < 30:
+                due[r.sid] = now + gaps[r.sid] / 1e3 + (2 * cap if fate == "slow" else 0.0)
+    # a session's gap is learned after its first return and then exact, so a wait runs out
+    # only on a session's first gaps or its silence: a bounded count, never one every step
+    assert timeouts <= 2 * len(fates) + 2, timeouts

@@ -16,6 +16,10 @@ The strategies, each pure (no clock read, no thread, no I/O):
   step would cost about that much again. Sessions sent away are never awaited.
 * `Lockstep`: wait for every answered session, away ones included, expected back within
   `cap_s`: every session drafts, then every session verifies in one step.
+
+`Lockstep`, `PingPong` and `RateGather` never await a session already late by more than their
+cap (`_expected`): one that stays silent (idle, or gone without closing) costs at most one
+wait, not the cap on every step after.
 * `PingPong`: two cohorts (by session id parity) take turns: a step serves one cohort, waiting
   for its members expected back within `cap_s`, while the other cohort is away drafting; the
   next step serves the other. Where a draft is quicker than a verify step, the drafter and the
@@ -98,6 +102,14 @@ def _check_seconds(name: str, value: float) -> float:
     return float(value)
 
 
+def _expected(returning: Sequence[Returning], now: float, cap_s: float) -> list[Returning]:
+    """The sessions of `returning` worth a wait of up to cap_s (s) from `now`: expected back
+    by now + cap_s, and not already late by more than cap_s. A session silent for longer than
+    a whole wait past when it was due (idle between requests, or a client gone without
+    closing) is not awaited again until it sends: awaiting it would cost every step the cap."""
+    return [r for r in returning if now - cap_s <= r.due_s <= now + cap_s]
+
+
 class Free(_TakeAll):
     """Never waits."""
 
@@ -134,7 +146,7 @@ class Lockstep(_TakeAll):
         self.cap_s = _check_seconds("cap_s", cap_s)
 
     def plan(self, now, last_step_s, queued, returning):
-        awaited = {r.sid for r in returning if r.due_s <= now + self.cap_s}
+        awaited = {r.sid for r in _expected(returning, now, self.cap_s)}
         return awaited, (now + self.cap_s if awaited else now)
 
 
@@ -156,7 +168,7 @@ class RateGather(_TakeAll):
         table, rows = self.shape()
         if table is None:
             return self._fallback.plan(now, last_step_s, queued, returning)
-        due = sorted((max(r.due_s, now), r.sid) for r in returning if r.due_s <= now + self.cap_s)
+        due = sorted((max(r.due_s, now), r.sid) for r in _expected(returning, now, self.cap_s))
         queued = len(queued)
         best_i, best = 0, queued / max(table.ms_at(max(queued, 1) * rows), 1e-9) if queued else 0.0
         for i, (t, _) in enumerate(due, start=1):
@@ -179,8 +191,9 @@ class PingPong:
         self.turn = 0
 
     def plan(self, now, last_step_s, queued, returning):
+        expected = _expected(returning, now, self.cap_s)
         for _ in range(2):
-            awaited = {r.sid for r in returning if r.sid % 2 == self.turn and r.due_s <= now + self.cap_s}
+            awaited = {r.sid for r in expected if r.sid % 2 == self.turn}
             if awaited or any(sid % 2 == self.turn for sid in queued):
                 return awaited, (now + self.cap_s if awaited else now)
             self.turn ^= 1  # nobody of this cohort is queued or on the way: the other's turn
