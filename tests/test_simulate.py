@@ -148,6 +148,9 @@ def _run_cli(capsys, *args: str) -> tuple[int, str, str]:
     ('{"verifier": {"rows": [1, 2], "ms": [10, 9]}, "drafter": {"draft": {"sessions": [1], "ms": [3]}}}', "ms[1]=9"),
     ('{"verifier": {"rows": [1], "ms": [10]}, "drafter": {"draft": {"sessions": [1, 2], "ms": [3, 2.5]}}}',
      "ms[1]=2.5"),
+    # a free step (0 ms at one row, no rpc) is a valid table but leaves the gate no cost to weigh
+    ('{"verifier": {"rows": [1, 64], "ms": [0, 0]}, "drafter": {"draft": {"sessions": [1], "ms": [0]}}}',
+     "plain_ms=0.0"),
 ])
 def test_a_bad_cost_file_is_one_error_line_naming_the_value(tmp_path, capsys, content, named):
     path = tmp_path / "shape.json"

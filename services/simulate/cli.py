@@ -97,6 +97,10 @@ def _inputs(args):
     model = load_model(args.costs)
     if args.rpc_ms is not None:
         model = dataclasses.replace(model, rpc_ms=args.rpc_ms)
+    try:  # every arm's gateway prices with these (a step of 0 ms at one row and no rpc gives none)
+        model.single_stream(args.block_size)
+    except ValueError as exc:
+        raise ValueError(f"--costs {args.costs!r}: no one-stream costs for the gate: {exc}") from None
     logs = [load_rounds(p) for p in args.rounds] if args.rounds else [synthetic.generate()]
     for path, log in zip(args.rounds or [], logs):
         if not log.rounds:
