@@ -82,3 +82,61 @@ def test_a_cut_block_equals_its_prefix_sent_whole_under_every_rule():
         assert accepted >= 4  # greedy accepts both admitted drafts of the chain at seeds 0 and 2
     finally:
         steps.close()
+
+
+BAD_SURVIVAL = [
+    ([0.9], "survival has 1 entries for 2 drafts"), ([float("nan"), 0.1], "survival[0]=nan"),
+    ([float("inf"), 0.1], "survival[0]=inf"), ([0.5, -0.25], "survival[1]=-0.25"), ([1.5, 0.5], "survival[0]=1.5"),
+    ([0.25, 0.5], "survival[1]=0.5 > survival[0]=0.25"), ([0.5] * 10**6, "survival has 1000000 entries")]
+
+
+def test_bad_survival_over_grpc_is_invalid_argument_naming_the_value_and_leaks_no_session():
+    """Each bad survival, in either verify mode, on a real in-process verifier: INVALID_ARGUMENT
+    naming the value; afterwards no session is left open, and a good one is answered."""
+    import asyncio
+
+    import grpc
+
+    from dspark_proto.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+    from services import app
+    from services.common.settings import BackendSettings
+
+    def verify(anchor: int, survival: list[float], mode: int):
+        return verifier_pb2.VerifierRequest(verify=verifier_pb2.VerifyRequest(
+            anchor=anchor, drafts=[1, 2], position=3, mode=mode, survival=survival))
+
+    async def one(stub, survival, mode):
+        call = stub.Session(timeout=TIMEOUT_S)
+        await call.write(verifier_pb2.VerifierRequest(prefill=verifier_pb2.PrefillRequest(token_ids=[5, 6, 7])))
+        anchor = (await call.read()).next_token
+        await call.write(verify(anchor, survival, mode))
+        try:
+            reply = await call.read()
+            await call.done_writing()
+            await call.read()  # the stream's end: the server closes the session
+            return None, reply.admitted
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details()
+
+    async def run():
+        engine = app.verifier_engine(app.load_trunk(None, verify_numerics="exact"),
+                                     BackendSettings(verify_numerics="exact", max_sessions=4))
+        server = await app.start_verifier(engine)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}",
+                                                 options=[("grpc.max_send_message_length", 16 << 20)]) as ch:
+                stub = verifier_pb2_grpc.VerifierStub(ch)
+                out = [await one(stub, s, mode) for s, _ in BAD_SURVIVAL for mode in (1, 2)]
+                good = await one(stub, [0.75, 0.5], 2)
+                for _ in range(100):  # the server closes each failed stream's session as it ends
+                    if (await stub.Info(common_pb2.InfoRequest(), timeout=TIMEOUT_S)).open_sessions == 0:
+                        break
+                    await asyncio.sleep(0.05)
+                return out, good, engine.num_sessions
+        finally:
+            await server.stop(0)
+
+    out, good, left = asyncio.run(run())
+    for (code, details), (survival, named) in zip(out, [b for b in BAD_SURVIVAL for _ in (1, 2)]):
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and named in details, (survival[:3], code, details)
+    assert good == (None, 2) and left == 0
