@@ -119,3 +119,75 @@ def test_a_failing_budget_verifies_blocks_whole_and_a_cold_one_admits_all():
                 assert res.admitted == 3
             finally:
                 engine.close_session(sid)
+
+
+def _mixed_requests() -> list:
+    """16 gated generations, each with what a cut must not change: seeded sampling with
+    logprobs (both sampling rules), stop strings, a JSON Schema constraint (sampled and greedy),
+    logit bias and penalties."""
+    import json
+
+    from structured_schemas import SCHEMAS
+
+    out = []
+    for i in range(16):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        req = gen_request(prompt, max_tokens=10 + i, spec="gated", temperature=0.8 if i % 4 else 0.0)
+        req.seed, req.logprobs = 500 + i, 3
+        req.sampling_rule = 1 + i % 2 if i % 4 else 0  # coupled, rejection (sampled only)
+        if i % 4 == 2:
+            req.constraint.json_schema = json.dumps(SCHEMAS[i % 3])
+            req.max_tokens, req.ignore_eos = 120, False
+        if i % 4 == 3:
+            req.logit_bias[7] = 5.0
+            req.presence_penalty, req.repetition_penalty = 0.5, 1.2
+        out.append(req)
+    return out
+
+
+@pytest.mark.slow
+def test_sampled_logprobs_stops_and_constraints_cut_by_the_full_budget_equal_their_solo_runs(steep_prices):
+    """As above with DSPARK_STEP_BUDGET=full over `_mixed_requests`: together equals solo in
+    tokens, text, finish reason, stop match and every streamed logprob; except under the
+    rejection rule, lossless in distribution only (docs/sampling.md), whose cut block samples
+    the bonus token from the target where the whole block would have judged a draft: there
+    only the outputs' validity is asserted."""
+    import json
+
+    reqs = _mixed_requests()
+
+    async def run():
+        servers, backends = await _stack("full")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{servers[0].port}") as ch:
+                stub = gateway_pb2_grpc.GatewayStub(ch)
+
+                async def one(r):
+                    msgs = [m async for m in stub.Generate(r, timeout=TIMEOUT_S)]
+                    return msgs
+                for r in reqs[1::4]:  # a stop string the generation meets part way: 2 characters of its text
+                    text = (await one(r))[-1].text
+                    r.stop.append(text[len(text) // 2:len(text) // 2 + 2])
+                solo = [await one(r) for r in reqs]
+                together = await asyncio.gather(*(one(r) for r in reqs))
+                return solo, together
+        finally:
+            for server in servers:
+                await server.stop(0)
+            await backends.close()
+
+    def view(msgs):
+        final = msgs[-1]
+        return ([t for m in msgs for t in m.token_ids], final.text, final.finish_reason, final.matched_stop_str,
+                [(lp.token_id, lp.logprob, tuple(lp.top_ids)) for m in msgs for lp in m.logprobs])
+
+    solo, together = asyncio.run(run())
+    for r, a, b in zip(reqs, solo, together):
+        if r.constraint.json_schema:
+            json.loads(a[-1].text), json.loads(b[-1].text)
+        if r.sampling_rule == 2:
+            continue
+        assert view(b) == view(a), (r.prompt, r.max_tokens, r.temperature)
+    assert all(a[-1].finish_reason == "stop" and a[-1].matched_stop_str for a in solo[1::4])  # the stops matched
+    judged = [sum(run[-1].spec_stats.submitted for run in runs) for runs in (solo, together)]
+    assert judged[1] < judged[0], f"drafts judged alone, together: {judged}"
