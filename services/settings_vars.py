@@ -193,7 +193,8 @@ VARS: tuple[Var, ...] = (
     Var("DSPARK_STEP_BUDGET", "choice", GatewaySettings.step_budget, ("gateway",), "How gated generations use "
         "the verifier's step budget: `off` (the gate chooses each length), `trim` (each verify carries its "
         "drafts' survival estimates and the verifier's step may cut it) or `full` (the step chooses every "
-        "length); docs/gate.md §15.", "gateway", choices=STEP_BUDGETS, field="gateway.step_budget"),
+        "length); `trim` and `full` need DSPARK_VERIFY_MODE=batched; docs/gate.md §15.", "gateway",
+        choices=STEP_BUDGETS, field="gateway.step_budget"),
     Var("DSPARK_DRAFTER_FAILOVERS", "integer", GatewaySettings.drafter_failovers, ("gateway",), "New drafter "
         "sessions a generation may re-prime after its drafter failed; 0: plain decode at once.", "gateway",
         low=0, high=INT32_MAX, field="gateway.drafter_failovers"),

@@ -28,6 +28,8 @@ def test_each_service_reads_only_its_own_sections():
     assert drafter.backend.max_sessions == 3 and drafter.tp is None and drafter.topk is None
     with pytest.raises(ValueError, match="DSPARK_ROUND_TIMEOUT_S='-1'"):
         read_settings({"DSPARK_ROUND_TIMEOUT_S": "-1"}, "gateway")
+    with pytest.raises(ValueError, match="DSPARK_STEP_BUDGET.*DSPARK_VERIFY_MODE"):
+        read_settings({"DSPARK_STEP_BUDGET": "trim", "DSPARK_VERIFY_MODE": "sequential"}, "gateway")
     with pytest.raises(ValueError, match="service='router'"):
         read_settings({}, "router")
 
@@ -45,6 +47,9 @@ def test_flags_win_over_variables():
     (lambda: GatewaySettings(round_timeout_s=0.0), "round_timeout_s=0.0: must be a number of seconds >= 0.001"),
     (lambda: GatewaySettings(verify_mode="fast"), "verify_mode='fast': must be one of ('sequential', 'batched')"),
     (lambda: GatewaySettings(drafter_failovers=-1), "drafter_failovers=-1: must be an integer >= 0"),
+    # the verifier's step cuts batched blocks only: a budget over sequential verifies would do nothing
+    (lambda: GatewaySettings(step_budget="full", verify_mode="sequential"),
+     "step_budget='full' (DSPARK_STEP_BUDGET) needs verify_mode='batched' (DSPARK_VERIFY_MODE), not 'sequential'"),
     (lambda: GatewaySettings(token="two words"), "token: must be printable ASCII without spaces (value not shown)"),
     (lambda: BackendSettings(max_sessions=0), "max_sessions=0: must be an integer >= 1"),
     (lambda: BackendSettings(verify_numerics="bitwise"), "verify_numerics='bitwise': must be one of"),

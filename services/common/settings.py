@@ -160,7 +160,8 @@ class GatewaySettings:
     step_budget: how gated generations use the verifier's step budget (STEP_BUDGETS, docs/gate.md
     §15): "off" (the gate alone chooses each length), "trim" (each verify carries its drafts'
     survival estimates and the step may cut the gate's length), "full" (the gate keeps the
-    pre-draft decision, the step chooses every length).
+    pre-draft decision, the step chooses every length). "trim" and "full" need verify_mode
+    "batched" (the verifier's step cuts batched blocks only).
     round_timeout_s: deadline of one backend reply. generation_timeout_s: deadline of one
     generation's backend streams. startup_timeout_s: deadline of the backends' Info at start.
     drafter_failovers: drafter re-primes a generation may make after a drafter failure.
@@ -192,6 +193,10 @@ class GatewaySettings:
     def __post_init__(self) -> None:
         check_choice("verify_mode", self.verify_mode, VERIFY_MODES)
         check_choice("step_budget", self.step_budget, STEP_BUDGETS)
+        if self.step_budget != "off" and self.verify_mode != "batched":  # the verifier cuts batched blocks only
+            raise ValueError(f"step_budget={self.step_budget!r} (DSPARK_STEP_BUDGET) needs verify_mode='batched' "
+                             f"(DSPARK_VERIFY_MODE), not {self.verify_mode!r}: a sequential verify is never cut "
+                             f"by the step's budget")
         check_choice("sampling_rule", self.sampling_rule, SAMPLING_RULES)
         check_choice("cost_mode", self.cost_mode, COST_MODES)
         for name in ("load_aware", "regime", "warm_start", "jump_forward"):
