@@ -66,7 +66,7 @@ def test_a_cut_block_equals_its_prefix_sent_whole_under_every_rule():
         accepted = 0
         vocab = engine.cfg.vocab_size
         for rule, temperature in (("coupled", 0.0), ("coupled", 0.9), ("rejection", 0.9)):
-            for seed in range(4):
+            for seed in range(2):
                 params = GREEDY if temperature == 0 else SamplingParams(temperature=temperature, seed=seed,
                                                                         rule=rule, logprobs=2)
                 g = torch.Generator().manual_seed(seed)
@@ -79,7 +79,7 @@ def test_a_cut_block_equals_its_prefix_sent_whole_under_every_rule():
                     assert cut[3] == admitted, (rule, seed, survival, cut[3])
                     assert cut == whole and cut_next == whole_next, (rule, seed, survival)
                     accepted += cut[0]
-        assert accepted >= 4  # greedy accepts both admitted drafts of the chain at seeds 0 and 2
+        assert accepted >= 2  # greedy accepts both admitted drafts of the chain (seed 0)
     finally:
         steps.close()
 
