@@ -16,10 +16,6 @@ The strategies, each pure (no clock read, no thread, no I/O):
   step would cost about that much again. Sessions sent away are never awaited.
 * `Lockstep`: wait for every answered session, away ones included, expected back within
   `cap_s`: every session drafts, then every session verifies in one step.
-
-`Lockstep`, `PingPong` and `RateGather` never await a session already late by more than their
-cap (`_expected`): one that stays silent (idle, or gone without closing) costs at most one
-wait, not the cap on every step after.
 * `PingPong`: two cohorts (by session id parity) take turns: a step serves one cohort, waiting
   for its members expected back within `cap_s`, while the other cohort is away drafting; the
   next step serves the other. Where a draft is quicker than a verify step, the drafter and the
@@ -29,6 +25,10 @@ wait, not the cap on every step after.
   on the step table: where a step is mostly per-step cost it waits for the cohort, where it
   is mostly per-row cost it starts at once (the same scoring of tokens against ms as the
   step's verification budget, `services.common.budget`).
+
+`Lockstep`, `PingPong` and `RateGather` never await a session already late by more than their
+cap (`_expected`): one that stays silent (idle, or gone without closing) costs at most one
+wait, not the cap on every step after.
 
 Every wait is bounded (by the window or cap), and what a step computes never depends on the
 alignment: only which requests share it.
