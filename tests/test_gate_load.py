@@ -121,7 +121,8 @@ def test_profile_sessions_are_forgotten_so_no_step_waits_for_them():
     loop = StepLoop(engine)
     loop.schedule.alignment = Lockstep(1.0)
     try:
-        assert profile_steps(loop, LoadTracker(), StepProfileSettings(sessions=2, repeats=1)) > 0
+        # the prefills and the warm-up step answer both dummy sessions whatever the budget
+        profile_steps(loop, LoadTracker(), StepProfileSettings(sessions=2, repeats=1, budget_s=0.01))
     finally:
         loop.close()  # the loop thread is gone: the schedule is ours to probe
     loop.schedule.admit(SimpleNamespace(sid=10_000, op="decode"), now=1e6)
