@@ -66,12 +66,13 @@ def table(res: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", default="tests/data/bundled_rounds.json")
-    ap.add_argument("--loads", type=int, nargs="+", default=[1, 4, 16, 64, 256])
-    ap.add_argument("--shapes", nargs="+", default=["cpu", "seed", "gpu"])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()),
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--rounds", default="tests/data/bundled_rounds.json", help="recorded-rounds file (replay format)")
+    ap.add_argument("--loads", type=int, nargs="+", default=[1, 4, 16, 64, 256], help="closed-loop streams")
+    ap.add_argument("--shapes", nargs="+", default=["cpu", "seed", "gpu"], help="`dspark simulate --costs` sources")
     ap.add_argument("--output", type=int, default=256, help="completion tokens per generation")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write every cell to FILE")
     args = ap.parse_args()
     t0 = time.perf_counter()
     res = run(args)

@@ -174,6 +174,7 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
     steps.on_step = _step_hook(load, metrics)
     steps.budget = StepBudget(load.prices)  # blocks that carry estimates are cut to what they admit
     steps.schedule.alignment = verifier_alignment(alignment, gather_s, load, steps)
+    log.info("verifier: step alignment %s (DSPARK_STEP_ALIGNMENT; docs/simulate.md §6)", alignment)
     servicer = VerifierServicer(engine, default_mode, provider, tp, metrics, steps, load)
     running = await _serve_with_loop("dspark.v1.Verifier",
                                      lambda s: verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, s),
@@ -298,6 +299,8 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
     scheduler = Scheduler(limits, tokenizer, gate_config, settings.verify_mode, settings.cost_mode,
                           provider, recorder, metrics, costs, load, regime, warm,
                           jump_forward=settings.jump_forward, step_budget=settings.step_budget)
+    log.info("gateway: step budget %s for gated generations (DSPARK_STEP_BUDGET; docs/gate.md §15)",
+             settings.step_budget)
     servicer = GatewayServicer(scheduler, backends)
     auth = [BearerTokenInterceptor(settings.token)] if settings.token else []
     running = await start_server("dspark.v1.Gateway",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -24,6 +25,7 @@ from services.app import drafter_engine, start_drafter, start_verifier, verifier
 from services.common.settings import BackendSettings
 from services.gateway.decision import CostModel, decide_by_survival, decide_length, draft_advantage, survival_of
 from services.gateway.gate import BUCKET_EDGES, Gate, GateConfig
+from services.common.alignment import Lockstep
 from services.common.budget import StepTimes
 from services.gateway.load import COVER_ALPHA, LoadSeen, VerifierOccupancy, priced_at_load
 from services.settings import backend_settings, gateway_settings
@@ -110,6 +112,21 @@ def test_profile_times_every_target_over_dummy_sessions_and_closes_them():
     ms = list(identity.step_table_ms)
     assert ms == sorted(ms) and ms[0] > 0
     assert identity.committed_tokens == 0  # profile steps are not served tokens
+
+
+def test_profile_sessions_are_forgotten_so_no_step_waits_for_them():
+    # rate / lockstep / pingpong await every answered session not yet back: a dummy session
+    # the profile closed but the schedule still held stalled every served step by the 1 s cap
+    engine = verifier_engine(tiny_trunk(), BackendSettings(max_sessions=4))
+    loop = StepLoop(engine)
+    loop.schedule.alignment = Lockstep(1.0)
+    try:
+        # the prefills and the warm-up step answer both dummy sessions whatever the budget
+        profile_steps(loop, LoadTracker(), StepProfileSettings(sessions=2, repeats=1, budget_s=0.01))
+    finally:
+        loop.close()  # the loop thread is gone: the schedule is ours to probe
+    loop.schedule.admit(SimpleNamespace(sid=10_000, op="decode"), now=1e6)
+    assert loop.schedule.wait_s(1e6, 0.05) == 0.0  # nobody to wait for: the step starts now
 
 
 # ---------------------------------------------------------------------------- gateway: pricing

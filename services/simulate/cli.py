@@ -44,7 +44,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    "synthetic rounds (services.gateway.synthetic)")
     p.add_argument("--workload", default=None, help="replay only this workload (default: each stream draws one)")
     p.add_argument("--arms", nargs="+", default=None, metavar="ARM",
-                   help="arms to run (default: all): plain, k1..k<block>, gated, gate-only, gated+margin")
+                   help="arms to run (default: all): plain, k1..k<block>, gated, gate-only, gated+margin, "
+                   "budget-trim, budget (the step budget, docs/gate.md §15)")
     p.add_argument("--streams", nargs="+", type=int, default=list(DEFAULT_STREAMS), metavar="N",
                    help="closed-loop concurrencies")
     p.add_argument("--rate", nargs="+", type=float, default=None, metavar="R",
@@ -58,7 +59,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     for flag, kind, default, text in NUMBERS:
         p.add_argument(flag, type=kind, default=default, help=text)
     p.add_argument("--alignment", choices=ALIGNMENTS, default="gather",
-                   help="how the verifier's steps gather sessions (services.common.alignment; default gather)")
+                   help="how the verifier's steps gather sessions (services.common.alignment, DSPARK_STEP_ALIGNMENT; "
+                   "served, `auto` is rate on a GPU, gather on a CPU; the simulator runs gather whatever --costs)")
     p.add_argument("--json", action="store_true", help="print the results as JSON (byte-identical for one --seed)")
     p.add_argument("--png", default=None, metavar="FILE", help="also plot aggregate tok/s against load per arm")
     p.set_defaults(func=run_simulate)

@@ -109,6 +109,7 @@ def profile_steps(steps: StepLoop, load: LoadTracker, settings: StepProfileSetti
         steps.on_step = hook
         for sid in sids:
             engine.close_session(sid)
+            steps.forget(sid)  # else the schedule awaits these never-returning sessions (rate, lockstep, pingpong)
         log.info("step profile: %d dummy sessions in %.1f s", len(sids), time.perf_counter() - t0)
 
 
