@@ -257,9 +257,10 @@ class GrpcVerifierSession:
         try:
             logprobs = tuple(logprob_from_proto(m) for m in r.logprobs)
             prompt = tuple(logprob_from_proto(m) for m in r.prompt_logprobs)
+            rows = from_proto(r.rows).float()
         except ValueError as exc:
             raise BackendError("verifier", f"invalid reply: {exc}", grpc.StatusCode.DATA_LOSS) from None
-        return VerifierReply(r.next_token, r.margin, r.accepted, from_proto(r.rows).float(), r.first_position,
+        return VerifierReply(r.next_token, r.margin, r.accepted, rows, r.first_position,
                              r.timing.forward_ms, r.timing.rollback_bytes, logprobs, r.step_rows,
                              r.committed_tokens_per_ms, prompt, r.admitted if r.HasField("admitted") else None)
 
@@ -281,7 +282,13 @@ class GrpcVerifierSession:
                                          survival=survival or ())
         if draft_probs is not None:
             req.draft_probs.CopyFrom(to_proto(draft_probs, "float32"))
-        return await self._ask(trace, verify=req)
+        reply = await self._ask(trace, verify=req)
+        k = len(req.drafts)
+        judged = k if reply.admitted is None else reply.admitted
+        if not 0 <= reply.accepted <= judged <= k:  # the round would commit drafts nobody verified
+            raise BackendError("verifier", f"invalid reply: accepted={reply.accepted}, admitted={reply.admitted} "
+                               f"for a block of {k} drafts", grpc.StatusCode.DATA_LOSS)
+        return reply
 
     async def rows(self, count, trace):
         return await self._ask(trace, rows=verifier_pb2.RowsRequest(count=count))
