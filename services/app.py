@@ -52,7 +52,7 @@ from services.gateway.tokenizer import load_tokenizer
 from services.gateway.warm import WarmStart
 from services.verifier.batcher import DEFAULT_PREFILL_CHUNK, StepLoop, StepRecord
 from services.verifier.engine import VerifierEngine, per_session_bytes
-from services.common.alignment import Free, Gather, Lockstep, PingPong, RateGather
+from services.common.alignment import make_alignment
 from services.common.budget import StepBudget
 from services.verifier.step_profile import StepProfileSettings, profile_steps
 from services.verifier.step_table import LoadTracker
@@ -61,8 +61,6 @@ from services.verifier.topk_diag import TopKDiagSettings, maybe_wrap
 
 if TYPE_CHECKING:  # imports torch.distributed: loaded only when tp > 1
     from services.verifier.tp import TPSettings
-
-LOCKSTEP_CAP_S = 1.0  # the longest a lockstep or rate gather of the verifier waits (s)
 
 TINY_SEED = 0
 log = logging.getLogger("dspark.app")
@@ -173,7 +171,8 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
         raise
     steps.on_step = _step_hook(load, metrics)
     steps.budget = StepBudget(load.prices)  # blocks that carry estimates are cut to what they admit
-    steps.schedule.alignment = verifier_alignment(alignment, gather_s, load, steps)
+    # `rate` prices arrivals on the step table with the rows per session of the last batch step
+    steps.schedule.alignment = make_alignment(alignment, gather_s, lambda: (load.prices()[0], steps.rows_per_session()))
     log.info("verifier: step alignment %s (DSPARK_STEP_ALIGNMENT; docs/simulate.md §6)", alignment)
     servicer = VerifierServicer(engine, default_mode, provider, tp, metrics, steps, load)
     running = await _serve_with_loop("dspark.v1.Verifier",
@@ -182,18 +181,6 @@ async def start_verifier(engine: VerifierEngine, port: int = 0, default_mode: st
     if hasattr(engine.model, "on_broken"):  # a TP driver: a failed worker leaves it refusing every call
         engine.model.on_broken = _health_when_broken(running, asyncio.get_running_loop())
     return running
-
-
-def verifier_alignment(name: str, gather_s: float, load: LoadTracker, steps: StepLoop):
-    """The verifier loop's gather rule named `name` (STEP_ALIGNMENTS): `rate` prices arrivals on
-    the step table with the rows per session of the loop's last batch step; `lockstep` and `rate`
-    wait at most LOCKSTEP_CAP_S. Raises ValueError on another name."""
-    rules = {"gather": lambda: Gather(gather_s), "free": Free, "lockstep": lambda: Lockstep(LOCKSTEP_CAP_S),
-             "pingpong": lambda: PingPong(LOCKSTEP_CAP_S),
-             "rate": lambda: RateGather(lambda: (load.prices()[0], steps.rows_per_session()), LOCKSTEP_CAP_S)}
-    if name not in rules:
-        raise ValueError(f"step alignment={name!r}: must be one of {sorted(rules)}")
-    return rules[name]()
 
 
 def _health_when_broken(running: RunningServer, loop: asyncio.AbstractEventLoop) -> Callable[[str], None]:

@@ -66,9 +66,9 @@ def test_the_simulator_decides_every_round_as_the_live_gateway(corrupting_stack,
     assert any(a < s for s, a in live) and any(s == 5 for s, _ in live)  # misses happen, full blocks too
     assert _simulated(recorded, costs) == live
 
-    real = gate_module.decide_by_survival
-    monkeypatch.setattr(gate_module, "decide_by_survival",
-                        lambda survival, max_n, *a, **kw: max_n // 2 if max_n else real(survival, max_n, *a, **kw))
+    real = gate_module.length_decision
+    monkeypatch.setattr(gate_module, "length_decision",
+                        lambda survival, max_n, *a, **kw: (max_n // 2, ()) if max_n else real(survival, max_n, *a, **kw))
     changed, recorded_changed = _live(corrupting_stack)
     assert changed != live and max(s for s, _ in changed) <= 2  # the change shows in the live gateway
     assert _simulated(recorded_changed, costs) == changed  # and identically in the simulator

@@ -31,31 +31,35 @@ class _Faulty(verifier_pb2_grpc.VerifierServicer):
             yield reply
 
 
-@pytest.mark.parametrize("accepted, admitted, ok", [
-    (2, None, True), (1, 2, True), (0, 0, True),
-    (4, None, False), (3, 2, False), (1, 5, False), (0, -1, False)])
-def test_verify_reply_counts_are_checked_against_the_block(accepted, admitted, ok):
+def _against(servicer, call):
+    """Run `call(session)` on a GrpcVerifierSession to `servicer` served on port 0; returns
+    what it returns, or the BackendError it raises."""
     async def run():
         server = grpc.aio.server()
-        verifier_pb2_grpc.add_VerifierServicer_to_server(_Faulty(accepted, admitted), server)
+        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 session = GrpcVerifierSession(verifier_pb2_grpc.VerifierStub(ch), 10.0, 30.0)
                 try:
-                    await session.verify(7, [1, 2, 3], 5, "batched", None)
-                    return "ok"
+                    return await call(session)
                 except BackendError as exc:
                     return exc
                 finally:
                     await session.close()
         finally:
             await server.stop(0)
+    return asyncio.run(run())
 
-    out = asyncio.run(run())
+
+@pytest.mark.parametrize("accepted, admitted, ok", [
+    (2, None, True), (1, 2, True), (0, 0, True),
+    (4, None, False), (3, 2, False), (1, 5, False), (0, -1, False)])
+def test_verify_reply_counts_are_checked_against_the_block(accepted, admitted, ok):
+    out = _against(_Faulty(accepted, admitted), lambda s: s.verify(7, [1, 2, 3], 5, "batched", None))
     if ok:
-        assert out == "ok"
+        assert not isinstance(out, BackendError) and out.accepted == accepted
     else:
         assert isinstance(out, BackendError) and out.code == grpc.StatusCode.DATA_LOSS
         assert f"accepted={accepted}, admitted={admitted} for a block of 3 drafts" in str(out)
@@ -69,21 +73,6 @@ def test_a_reply_whose_rows_do_not_decode_is_an_invalid_reply():
             async for _ in requests:
                 yield verifier_pb2.VerifierResponse(next_token=1, accepted=0)
 
-    async def run():
-        server = grpc.aio.server()
-        verifier_pb2_grpc.add_VerifierServicer_to_server(NoRows(0, None), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                session = GrpcVerifierSession(verifier_pb2_grpc.VerifierStub(ch), 10.0, 30.0)
-                try:
-                    with pytest.raises(BackendError, match="invalid reply: tensor dtype") as err:
-                        await session.decode(5, 3, None)
-                    return err.value.code
-                finally:
-                    await session.close()
-        finally:
-            await server.stop(0)
-
-    assert asyncio.run(run()) == grpc.StatusCode.DATA_LOSS
+    out = _against(NoRows(0, None), lambda s: s.decode(5, 3, None))
+    assert isinstance(out, BackendError) and out.code == grpc.StatusCode.DATA_LOSS
+    assert "invalid reply: tensor dtype" in str(out)

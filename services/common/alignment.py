@@ -90,6 +90,22 @@ class _TakeAll:
         return set(queued)
 
 
+CAP_S = 1.0  # the longest a lockstep, ping-pong or rate gather waits (s)
+
+
+def make_alignment(name: str, gather_s: float, shape: Callable[[], tuple[StepTimes | None, float]],
+                   cap_s: float = CAP_S) -> "Alignment":
+    """The rule named `name` ("free" | "gather" | "lockstep" | "pingpong" | "rate"), what the
+    served verifier and the simulator's both build: `gather` waits at most gather_s (s), the
+    others at most cap_s; `rate` prices arrivals with `shape` (see `RateGather`). Raises
+    ValueError naming an unknown rule."""
+    rules = {"free": Free, "gather": lambda: Gather(gather_s), "lockstep": lambda: Lockstep(cap_s),
+             "pingpong": lambda: PingPong(cap_s), "rate": lambda: RateGather(shape, cap_s)}
+    if name not in rules:
+        raise ValueError(f"step alignment={name!r}: must be one of {sorted(rules)}")
+    return rules[name]()
+
+
 def default_alignment(device: str) -> str:
     """The alignment a verifier on `device` ("cpu", "cuda", "cuda:N") runs by default: "rate"
     on a GPU, "gather" elsewhere (module docstring)."""

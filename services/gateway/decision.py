@@ -178,10 +178,6 @@ def pick_length(values: Sequence[float], full_tokens: float, win_factor: float, 
     return max_n
 
 
-def round_values(survival: Sequence[float], max_n: int, cost: CostModel, rate: float) -> tuple[float, ...]:
-    """value(k) for k = 0..max_n (tokens): what a round record keeps of a length decision
-    (`decide_by_survival` with the same inputs chooses by `pick_length` over these)."""
-    return tuple(_values(survival, max_n, cost, rate))
 
 
 def decide_length(
@@ -210,7 +206,21 @@ def decide_by_survival(
     min_draft: int = 0,
     rate: float | None = None,
 ) -> int:
-    """Draft tokens to submit after drafting: n* = argmax_n E[tokens(n)] - rate * cost(n).
+    """`length_decision`'s length alone (tokens). Raises as `length_decision`."""
+    return length_decision(survival, max_n, cost, win_factor, min_draft, rate)[0]
+
+
+def length_decision(
+    survival: Sequence[float],
+    max_n: int,
+    cost: CostModel,
+    win_factor: float = DEFAULT_WIN_FACTOR,
+    min_draft: int = 0,
+    rate: float | None = None,
+) -> tuple[int, tuple[float, ...]]:
+    """Draft tokens to submit after drafting, and value(k) for k = 0..max_n (tokens, what a
+    round record keeps of the decision; `pick_length` chooses over them):
+    n* = argmax_n E[tokens(n)] - rate * cost(n).
 
     `survival[j]` is P(draft position j accepted AND every position before it), non-increasing
     in j, so E[tokens(n)] = 1 + sum_{j<n} survival[j] (`services.gateway.survival`).
@@ -233,9 +243,8 @@ def decide_by_survival(
     if lam is None or lam <= 0:
         raise ValueError(f"rate={short_repr(rate)} must be a finite number > 0 (tokens per ms)")
     check_survival(survival[:max_n], max_n)
-    if max_n == 0:
-        return 0
-    return pick_length(_values(survival, max_n, cost, lam), _expected_totals(survival, max_n)[max_n], factor, floor)
+    values = _values(survival, max_n, cost, lam)
+    return pick_length(values, _expected_totals(survival, max_n)[max_n], factor, floor), tuple(values)
 
 
 def draft_advantage(survival: Sequence[float], cost: CostModel, rate: float) -> float:

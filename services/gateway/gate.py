@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 
 from services.gateway.decision import (DEFAULT_WIN_FACTOR, CostModel, _check_count,  # noqa: F401 (re-exported)
                                       decide_by_survival, decide_length, draft_advantage, expected_tokens,  # noqa: F401
-                                      round_values)
+                                      length_decision)
 from services.gateway.estimator import MarginGain, margin_bin
 from services.gateway.survival import DEFAULT_POSITION_CLASSES, GREEDY_BAND, SurvivalEstimator, survival_from_hazards
 from services.gateway.values import check_setting, finite_float, is_integer, short_repr
@@ -354,7 +354,7 @@ class Gate:
         return sum(draft_advantage(self._survival(conf), cost, lam) for conf in self._recent) / len(self._recent)
 
     def choose(self, confidence_logits: Sequence[float], max_n: int) -> LengthChoice:
-        """The post-draft verdict: k drafts to submit, in [0, max_n] (see decide_by_survival).
+        """The post-draft verdict: k drafts to submit, in [0, max_n] (see length_decision).
 
         `confidence_logits`: one per drafted position. `max_n` (tokens) is the caller's cap:
         min(drafted, remaining max_tokens budget, room before max_seq_len). Disabled gate: k =
@@ -373,9 +373,8 @@ class Gate:
             # back: where verify is dear per draft, a whole block would cost most of the probe.
             floor = min(1, max_n) if probe else self.config.min_draft
             cost, rate = self.pricing or self.cost, self.rate()
-            n = decide_by_survival(survival, max_n, cost, self.config.win_factor, floor, rate)
-            inputs = {"survival": tuple(survival), "rate": rate, "values": round_values(survival, max_n, cost, rate),
-                      "probe": probe}
+            n, values = length_decision(survival, max_n, cost, self.config.win_factor, floor, rate)
+            inputs = {"survival": tuple(survival), "rate": rate, "values": values, "probe": probe}
         if probe or self._probe:
             self._gap = min(PROBE_PERIOD, 2 * self._gap)  # still losing: the next probe comes later
         elif n > 0:

@@ -131,7 +131,8 @@ class RoundPolicy:
         """The estimates a verify of the first k drafts carries for the step's budget: per
         draft j, P(drafts 1..j all accepted), the gate's survival estimate (`Gate.survival`,
         the same curve its length choice priced; None without the budget, confidences or
-        drafts)."""
+        drafts). Call once per verify: the block is kept for the pre-draft step-price check
+        and the round's record."""
         if self.budget == "off" or confidences is None or k == 0:
             return None
         estimates = tuple(self.gate.survival(confidences[:k]))

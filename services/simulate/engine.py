@@ -24,7 +24,7 @@ from services.common.schedule import Schedule
 from services.common.sessions import SessionLimitError, SessionTable
 from services.gateway.decision import CostModel
 from services.gateway.gate import PRE_DRAFT_SKIPS, Gate, GateConfig
-from services.common.alignment import Free, Gather, Lockstep, PingPong, RateGather
+from services.common.alignment import make_alignment
 from services.common.budget import StepBudget, StepTimes
 from services.gateway.record import Reason
 from services.gateway.regime import RegimePolicy
@@ -73,7 +73,6 @@ class RunConfig:
     gate_costs: CostModel | None = None  # the gates' cost model; None: the model's single-stream costs
     prime_rows: int = 64  # tap rows a prefill primes the drafter with (the verifier's prefill_keep_rows)
     alignment: str = "gather"  # the verifier's gather rule: free | gather | lockstep | pingpong | rate (alignment.py)
-    align_cap_s: float = 1.0  # the longest a lockstep or rate gather waits (s)
 
 
 class RecordedText:
@@ -133,7 +132,8 @@ class Gateway:
         own = lambda: shared if config.shared_compute else Pool(self.clock)  # noqa: E731 - a pool per loop, or one
         self.rows_per_session = float(config.block_size + 1)  # of the verifier's last batch step
         self.verifier = SimLoop(self.clock, own(), Schedule(config.gather_s, VERIFIER_AWAY, config.prefill_chunk,
-                                                            self._alignment()),
+                                                            make_alignment(config.alignment, config.gather_s,
+                                                                           self._shape)),
                                 self._verifier_ms, self._verifier_step,
                                 StepBudget(self._prices) if arm.budget != "off" else None)
         self.drafters = [SimLoop(self.clock, own(), Schedule(config.gather_s, DRAFTER_AWAY), self._drafter_ms)
@@ -160,15 +160,10 @@ class Gateway:
         self.drafted_rounds = self.rounds = self.submitted = 0
         self.decisions: dict[int, list[tuple[str, int, int]]] = {}  # per stream: (reason, k, accepted) per round
 
-    def _alignment(self):
-        """The verifier schedule's gather rule named by the config."""
-        c = self.config
-        rules = {"free": Free, "gather": lambda: Gather(c.gather_s), "lockstep": lambda: Lockstep(c.align_cap_s),
-                 "pingpong": lambda: PingPong(c.align_cap_s),
-                 "rate": lambda: RateGather(lambda: (self.budget_table, self.rows_per_session), c.align_cap_s)}
-        if c.alignment not in rules:
-            raise ValueError(f"alignment={c.alignment!r}: must be one of {sorted(rules)}")
-        return rules[c.alignment]()
+    def _shape(self) -> tuple[StepTimes, float]:
+        """What a `rate` gather prices arrivals with: the step table and the rows per session
+        of the verifier's last batch step."""
+        return self.budget_table, self.rows_per_session
 
     def _prices(self) -> tuple[StepTimes, float]:
         """What the verifier's step budget prices with: its step table (the model's steps

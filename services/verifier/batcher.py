@@ -224,7 +224,7 @@ class StepLoop(StepQueue):
                     self._finish(r, error=exc)
             if not live:
                 return
-            if self.budget is not None:
+            if self.budget is not None and any(r.survival is not None for r in live):
                 self._apply_budget(step, live)
             items = [r.item(step.chunk(r)) for r in live]
             outs, forward_ms = self._run(live, items)
