@@ -43,7 +43,7 @@ from services.gateway.auth import BearerTokenInterceptor
 from services.gateway.costs import CostTracker
 from services.gateway.gate import ENV_VARS as GATE_ENV_VARS, GateConfig
 from services.gateway.load import VerifierLoad
-from services.gateway.regime import RegimePolicy
+from services.gateway.load_regime import ModelRegime
 from services.gateway.profile import PROFILE_PROMPT
 from services.gateway.scheduler import Scheduler
 from services.gateway.backends import Backends
@@ -281,7 +281,10 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
     if settings.load_aware and settings.cost_mode == "measured":
         load = VerifierLoad(backends.verifier, settings.round_timeout_s)
         load.update(identity)
-    regime = RegimePolicy() if settings.regime else None
+    regime = None
+    if settings.regime:
+        regime = ModelRegime(limits.block_size, lambda: None if load is None else load.table,
+                             lambda: costs.model(settings.cost_mode))
     warm = WarmStart(settings.warm_max_weight) if settings.warm_start else None
     scheduler = Scheduler(limits, tokenizer, gate_config, settings.verify_mode, settings.cost_mode,
                           provider, recorder, metrics, costs, load, regime, warm,

@@ -146,10 +146,12 @@ class GatewaySettings:
     pinned_costs: the PINNABLE_COSTS fields a variable set; measured costs never replace them.
     load_aware: under cost_mode "measured", price gated drafts at the verifier's load (its
     step-time table and committed tokens per ms, docs/gate.md §13); no effect otherwise.
-    regime: let the gateway's regime policy run gated rounds plain at a concurrency where the
-    gateway's measured throughput is higher without drafting (docs/gate.md §14). Off here, as
-    cost_mode is "configured" here: the policy learns from wall times, so an embedding or a
-    test keeps gated decisions repeatable; a served gateway (`services.settings`) turns it on.
+    regime: let the gateway's regime (`ModelRegime`) decide for gated rounds with others in
+    flight: the full block, or plain where its throughput model over the verifier's step table
+    says plain commits more per ms (docs/gate.md §14; it needs the table, so load pricing's
+    measured costs). Off here, as cost_mode is "configured" here: it learns drafter legs from
+    wall times, so an embedding or a test keeps gated decisions repeatable; a served gateway
+    (`services.settings`) turns it on.
     warm_start: a gated generation's gate starts from the calibration of the finished
     generations of its sampling band (docs/gate.md §6); False here (every gate cold, so an
     embedding or a test gets the same draft lengths whatever ran before), while a served

@@ -3,22 +3,25 @@
 The live scheduler (`services.gateway.scheduler`) and the serving simulator
 (`services.simulate`) hold one `RoundPolicy` per generation and ask it the same questions in
 the same order each round; only the forwards, the network and the clock differ between them.
-It owns nothing new: it sequences the gateway's regime (`RegimePolicy.may_draft`), the load
-pricing (`priced_at_load` on a `LoadSeen`), the gate's pre-draft decision, the cap of a round
-by the token budget and max_seq_len, the gate's length choice and its censored observation.
+It owns nothing new: it sequences the gateway's regime (`ModelRegime` or the windowed
+`RegimePolicy`: `may_draft`), the load pricing (`priced_at_load` on a `LoadSeen`), the gate's
+pre-draft decision, the cap of a round by the token budget and max_seq_len, the gate's length
+choice and its censored observation. Where the model regime decides lengths (more than one
+generation in flight, docs/gate.md §14) a drafting round submits its cap without asking the
+gate, and the regime learns each drafted block's survival estimates and drafter legs.
 It never talks to a backend, never reads a clock and never records a round (the caller folds
 its `RoundRecord`).
 
 A round, as both callers run it:
 
-    policy.regime_drafts(in_flight)            # False: a plain round (Reason.REGIME)
+    policy.regime_drafts(in_flight, pos, emitted)  # False: a plain round (Reason.REGIME)
     policy.max_drafts(block, pos, emitted)     # 0: no room (Reason.NO_ROOM)
     policy.pre_draft(margin, others_inside)    # False: margin-skipped (Reason.ANCHOR_MARGIN)
     ... draft ...
     reason, k = policy.choose(confidences, drafted, pos, emitted)
     survival = policy.survival(confidences, k)  # None unless the verifier's step budget runs
     ... verify k drafts (with survival) or decode; the verifier judged `admitted` <= k ...
-    policy.observe(confidences, admitted, accepted, step_rows, own_rows, tokens_per_ms)
+    policy.observe(confidences, admitted, accepted, step_rows, own_rows, tokens_per_ms, leg_ms)
 
 With the step budget (`budget`, services.common.budget): "trim" sends the gate's chosen k with
 the survival of each draft, so the verifier's step may cut the block further; "full" submits
@@ -33,6 +36,7 @@ from collections.abc import Sequence
 from services.gateway.gate import Gate, LengthChoice
 from services.common.budget import StepTimes, admit_drafts
 from services.gateway.load import LoadSeen, PricingStats, priced_at_load
+from services.gateway.load_regime import ModelRegime
 from services.gateway.record import Reason, drafted_reason
 from services.gateway.regime import RegimePolicy
 
@@ -46,8 +50,8 @@ class RoundPolicy:
     Args:
         spec: "off" | "always" | "gated" (the generation's spec mode).
         gate: the generation's `Gate` (cost model and enabled flag already set for `spec`).
-        regime: the gateway's `RegimePolicy` (shared by its generations; consulted for gated
-            generations only), or None.
+        regime: the gateway's regime, `ModelRegime` or `RegimePolicy` (shared by its
+            generations; consulted for gated generations only), or None.
         step_table: the verifier's step table the gate prices drafts against (None: no load
             pricing); `pricing_stats` counts each round priced (None: not counted).
         block_size: drafted tokens a round may hold at most (the drafter's block).
@@ -58,7 +62,7 @@ class RoundPolicy:
     Raises ValueError on another budget.
     """
 
-    def __init__(self, spec: str, gate: Gate, regime: RegimePolicy | None, step_table: StepTimes | None,
+    def __init__(self, spec: str, gate: Gate, regime: ModelRegime | RegimePolicy | None, step_table: StepTimes | None,
                  block_size: int, max_seq_len: int, max_tokens: int, max_drafts: int = 0,
                  pricing_stats: PricingStats | None = None, budget: str = "off"):
         if budget not in BUDGETS:
@@ -72,12 +76,27 @@ class RoundPolicy:
         self.seen = LoadSeen()
         self.recent: list[tuple[float, ...]] = []  # survivals of the last RECENT_BLOCKS budgeted blocks
         self.choice: LengthChoice | None = None  # the last length decision, with its inputs
+        self.in_flight = 1  # generations in flight at the last regime decision
+        self.drafted_pos = 0  # anchor position of the last drafted round (rows the drafter holds)
+        self.drafted_last = False  # the last round drafted
 
-    def regime_drafts(self, in_flight: int) -> bool:
+    def regime_drafts(self, in_flight: int, pos: int = 0, emitted: int = 0) -> bool:
         """Whether the gateway's regime lets this generation draft with `in_flight` (>= 0)
-        generations in flight: always, unless it is gated and the regime at that concurrency
-        is plain (docs/gate.md §14)."""
-        return self.regime is None or self.regime.may_draft(max(in_flight, 1))
+        generations in flight, at anchor position `pos` after `emitted` completion tokens:
+        always, unless it is gated and the regime at that concurrency is plain (docs/gate.md
+        §14; the model regime also prices re-priming the rows held since the last draft)."""
+        self.in_flight = max(in_flight, 1)
+        if self.regime is None:
+            return True
+        if isinstance(self.regime, ModelRegime):
+            held = max(pos - self.drafted_pos, 0)
+            return self.regime.may_draft(self.in_flight, held, self.max_tokens - emitted)
+        return self.regime.may_draft(self.in_flight)
+
+    def _regime_lengths(self) -> bool:
+        """The model regime submits the cap for this round, not the gate (module docstring)."""
+        return (self.budget == "off" and isinstance(self.regime, ModelRegime)
+                and self.regime.decides_length(self.in_flight))
 
     def max_drafts(self, drafted: int, pos: int, emitted: int) -> int:
         """Drafts a round at anchor position `pos` may submit after `emitted` completion tokens:
@@ -94,6 +113,8 @@ class RoundPolicy:
         verifier call now), then `Gate.pre_draft`: None drafts; a reason (one of
         `PRE_DRAFT_SKIPS`) decodes plain, nothing drafted. Raises ValueError on a NaN margin or
         a negative count."""
+        if self._regime_lengths():
+            return None
         if self.budget != "off":
             return self.gate.pre_draft(anchor_margin) or self._step_price()
         if self.step_table is not None:
@@ -123,7 +144,8 @@ class RoundPolicy:
         """After a draft of `drafted` tokens: (why, k drafts to submit). Without confidences
         the cap is submitted; with them the gate chooses under the cap."""
         max_n = self.max_drafts(drafted, pos, emitted)
-        full = confidences is None or self.budget == "full"
+        self.drafted_pos = pos
+        full = confidences is None or self.budget == "full" or self._regime_lengths()
         self.choice = LengthChoice(max_n, max_n) if full else self.gate.choose(confidences, max_n)
         return drafted_reason(drafted, self.choice), self.choice.k
 
@@ -142,11 +164,19 @@ class RoundPolicy:
         return estimates
 
     def observe(self, confidences: Sequence[float] | None, k: int, accepted: int,
-                step_rows: int, own_rows: int, tokens_per_ms: float) -> None:
-        """A verify (k > 0) or decode reply: the gate learns the censored outcome of the
-        submitted drafts; the load seen learns the step's rows (`step_rows` tokens forwarded,
-        `own_rows` of them this generation's; 0 = no step) and the verifier's committed
-        tokens per ms."""
+                step_rows: int, own_rows: int, tokens_per_ms: float, leg_ms: float | None = None) -> None:
+        """A verify (k > 0) or decode reply: the model regime learns a drafted round's outcome
+        (which of its k verified drafts survived) and its drafter legs (`leg_ms`: the draft
+        call and the commit before it, ms; None when unmeasured);
+        the gate learns the censored outcome of the submitted drafts; the load seen learns the
+        step's rows (`step_rows` tokens forwarded, `own_rows` of them this generation's; 0 =
+        no step) and the verifier's committed tokens per ms."""
+        if isinstance(self.regime, ModelRegime) and confidences:
+            # a round after one that did not draft also re-primed the rows held back: a wake,
+            # not what drafting every round costs
+            steady = leg_ms if self.drafted_last else None
+            self.regime.observe(self.in_flight, tuple(float(j < accepted) for j in range(k)), steady)
+        self.drafted_last = bool(confidences)
         if k > 0 and confidences is not None:
             self.gate.observe(confidences, k, accepted)
         self.seen.observe(step_rows, own_rows, tokens_per_ms)

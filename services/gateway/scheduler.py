@@ -10,11 +10,13 @@ and max_seq_len), never counts rounds outside the record fold (each round is one
 Round protocol (docs/architecture.md §3). After prefill of x[0..n-1] the verifier returns the first
 anchor x[n] (streamed as the first completion token) and the prompt's last min(n, W) rows,
 which prime the drafter. Each round, with the anchor x[p] at position p:
-  1. gated only: the gateway's regime policy (`RegimePolicy.may_draft`, docs/gate.md §14) may
-     run the round plain when the gateway measures more tokens per ms without drafting at its
-     concurrency; then the pre-draft gate (`Gate.pre_draft`): skip drafting when the anchor's
-     logit margin is below DSPARK_GATE_MARGIN_THRESHOLD, when drafting has lost at
-     its margin bin (threshold auto) or, gate enabled, in the recent drafted rounds;
+  1. gated only: the gateway's regime (`ModelRegime.may_draft`, docs/gate.md §14) runs the
+     round plain when its throughput model over the step table says the gateway commits more
+     tokens per ms without drafting at its concurrency; alone, the pre-draft gate
+     (`Gate.pre_draft`): skip drafting when the anchor's logit margin is below
+     DSPARK_GATE_MARGIN_THRESHOLD, when drafting has lost at its margin bin (threshold auto)
+     or, gate enabled, in the recent drafted rounds (with others in flight, the regime
+     drafts the full block instead);
   2. draft d1..dB and confidence logits from anchor x[p], seed position p-1;
   3. length choice k <= B: `always` submits max_n, `gated` asks the gate; max_n caps k by the
      request's max_draft_tokens, the remaining max_tokens (a round adds k+1 tokens at most)
@@ -68,6 +70,7 @@ from services.gateway.gate import PRE_DRAFT_SKIPS, Gate, GateConfig
 from services.gateway.jump_forward import JumpForward
 from services.gateway.load import PricingStats, VerifierLoad, VerifierOccupancy
 from services.gateway.metrics import GenerationMetrics, NoGenerationMetrics
+from services.gateway.load_regime import ModelRegime
 from services.gateway.regime import RegimePolicy
 from services.gateway.record import Reason, RoundRecord, RoundStats
 from services.gateway.round_policy import RoundPolicy
@@ -101,8 +104,9 @@ class Scheduler:
             under cost_mode "measured", a gated generation prices its drafts at the load its
             replies report (docs/gate.md §13), and the verify / plain costs are sampled only
             from rounds alone in their verifier step (None: no load pricing).
-        regime: the gateway's regime policy (`services.gateway.regime.RegimePolicy`): it sees
-            every finished round and may run gated rounds plain (None: the gates alone decide).
+        regime: the gateway's regime (`services.gateway.load_regime.ModelRegime`, or the
+            windowed `services.gateway.regime.RegimePolicy`): it learns from every drafted
+            round and may run gated rounds plain (None: the gates alone decide).
         warm: warm-start settings: each gated generation's gate starts from the calibration
             of the finished generations of its sampling band (`services.gateway.warm`;
             None: every gate starts cold).
@@ -116,7 +120,7 @@ class Scheduler:
                  verify_mode: str = "batched", cost_mode: str = "configured",
                  provider: TracerProvider | None = None, recorder: list[Round] | None = None, metrics=None,
                  costs: CostTracker | None = None, load: VerifierLoad | None = None,
-                 regime: RegimePolicy | None = None, warm: WarmStart | None = None,
+                 regime: ModelRegime | RegimePolicy | None = None, warm: WarmStart | None = None,
                  clock: Callable[[], float] = time.perf_counter, jump_forward: bool = True,
                  step_budget: str = "off"):
         if verify_mode not in VERIFY_MODES:
@@ -310,7 +314,8 @@ class _Generation:
                                   sched.limits.block_size, sched.limits.max_seq_len, p.max_tokens, p.max_drafts,
                                   sched.pricing_stats, sched.step_budget)
         self.link = DrafterLink(drafters if can_draft else None, verifier, sched.drafter_faults, metrics,
-                                self.counters, awake=self._regime_drafts())
+                                self.counters, awake=self._regime_drafts(len(p.prompt_ids), 0))
+        self.commit_ms = 0.0  # the last round's drafter commit (ms; 0 when held back): a drafter leg
         self.jump: JumpForward | None = None  # the forced runs of a constrained generation
         if p.constraint is not None:
             self.link.constraint = (p.constraint, len(p.prompt_ids))
@@ -341,7 +346,7 @@ class _Generation:
             self.finish = "length"
             yield self._final(first.prompt_logprobs)
             return
-        if not self._regime_drafts():
+        if not self._regime_drafts(len(p.prompt_ids), 0):
             await self.link.sleep()  # no prime now: a drafter is primed when this generation drafts
         await self.link.commit(first.rows, first.first_position, p.prompt_ids, 0)
         pos, anchor, margin = len(p.prompt_ids), first.next_token, first.margin
@@ -433,11 +438,13 @@ class _Generation:
                     s.costs.add_plain(verify_ms)
             if alone and plan.draft_ms is not None:
                 s.costs.add_draft(plan.draft_ms)
-            self.policy.observe(plan.conf, k, res.accepted, res.step_rows, own_rows, res.committed_tokens_per_ms)
+            self.policy.observe(plan.conf, k, res.accepted, res.step_rows, own_rows, res.committed_tokens_per_ms,
+                                plan.leg_ms)
             a, drafter, t0 = res.accepted, self.link.session, time.perf_counter()
             # the gate or the regime kept this round from drafting: its rows wait for the next draft
             defer = plan.reason in (*PRE_DRAFT_SKIPS, Reason.REGIME)
             await self.link.commit(res.rows, pos, [anchor, *drafts[:a]], pos, defer)
+            self.commit_ms = 0.0 if defer else (time.perf_counter() - t0) * 1e3
             if alone and not defer and drafter is not None and self.link.session is drafter:  # a re-prime is no commit cost
                 s.costs.add_commit((time.perf_counter() - t0) * 1e3)
             if s.regime is not None:
@@ -482,14 +489,14 @@ class _Generation:
         may_draft: bool | None = None
         if self.link.session is None and not self.link.asleep:
             if self.link.backing_off:
-                may_draft = self._regime_drafts()
+                may_draft = self._regime_drafts(pos, len(self.out))
                 if not may_draft:
                     return _Plan(Reason.REGIME)  # a full drafter is retried only in a round that may draft
             if not await self.link.retry_full():
                 return _Plan(Reason.NO_DRAFTER)
         if self._max_drafts(self.s.limits.block_size, pos) == 0:
             return _Plan(Reason.NO_ROOM)  # one token left (or no room): a draft could not be submitted
-        if not (self._regime_drafts() if may_draft is None else may_draft):
+        if not (self._regime_drafts(pos, len(self.out)) if may_draft is None else may_draft):
             await self.link.sleep()  # the drafter does nothing for this generation until it drafts again
             return _Plan(Reason.REGIME)
         if not await self.link.wake():
@@ -499,20 +506,23 @@ class _Generation:
         skip = self.policy.pre_draft(margin, self.s.occupancy.inside)
         if skip is not None:
             return _Plan(skip)
+        t0 = time.perf_counter()
         await self.link.flush()  # the rows of rounds that did not draft, before the drafter drafts
         reply, draft_ms = await self.link.draft(anchor, pos, tc, self.p.sampling, self.s.draft_check,
                                                 self._needs_probs)
         if reply is None or not reply.tokens:
             return _Plan(Reason.DRAFTER_FAILED, draft_ms=draft_ms)
+        leg_ms = self.commit_ms + (time.perf_counter() - t0) * 1e3  # the commit, any flush, the draft
         drafts, conf = reply.tokens, reply.confidence_logits
         reason, k = self.policy.choose(conf, len(drafts), pos, len(self.out))
         probs = reply.probs if self._needs_probs else None
-        return _Plan(reason, drafts, conf, draft_ms, k, probs)
+        return _Plan(reason, drafts, conf, draft_ms, k, probs, leg_ms)
 
-    def _regime_drafts(self) -> bool:
-        """Whether the gateway's regime lets this generation draft now (always, unless it is
-        gated and the regime at the gateway's concurrency is plain: docs/gate.md §14)."""
-        return self.policy.regime_drafts(self.s.in_flight)
+    def _regime_drafts(self, pos: int, emitted: int) -> bool:
+        """Whether the gateway's regime lets this generation draft now, at anchor position
+        `pos` after `emitted` tokens (always, unless it is gated and the regime at the
+        gateway's concurrency is plain: docs/gate.md §14)."""
+        return self.policy.regime_drafts(self.s.in_flight, pos, emitted)
 
     @property
     def _needs_probs(self) -> bool:
@@ -569,8 +579,8 @@ def _decision_attributes(span, r: RoundRecord) -> None:
 @dataclass(frozen=True)
 class _Plan:
     """A round's plan before verify: why (`reason`), the drafts, their confidences (None
-    without), the draft call's wall time (ms), k, the drafts to submit, and their q [n, V]
-    fp32 under the rejection rule (else None)."""
+    without), the draft call's wall time (ms), k, the drafts to submit, their q [n, V]
+    fp32 under the rejection rule (else None), and the round's drafter legs (ms)."""
 
     reason: Reason
     drafts: list[int] = field(default_factory=list)
@@ -578,6 +588,7 @@ class _Plan:
     draft_ms: float | None = None
     k: int = 0
     probs: torch.Tensor | None = None
+    leg_ms: float | None = None  # the drafter legs of a drafted round: the last commit, a flush, the draft
 
 
 def _matched_stop_string(detok: Detokenizer) -> str:

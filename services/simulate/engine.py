@@ -27,6 +27,7 @@ from services.gateway.gate import PRE_DRAFT_SKIPS, Gate, GateConfig
 from services.common.alignment import make_alignment
 from services.common.budget import StepBudget, StepTimes
 from services.gateway.record import Reason
+from services.gateway.load_regime import ModelRegime
 from services.gateway.regime import RegimePolicy
 from services.gateway.round_policy import RoundPolicy
 from services.gateway.rounds import Round
@@ -41,13 +42,13 @@ DEFERRED = (*PRE_DRAFT_SKIPS, Reason.REGIME)  # rounds whose commit waits for th
 @dataclass(frozen=True)
 class Arm:
     """A policy under test: spec mode ("off" | "always" | "gated"), max drafts per round
-    (0 = the block), whether the gateway's regime and load pricing run, and gate settings
+    (0 = the block), which regime of the gateway runs and whether load pricing does, and gate settings
     laid over the defaults (e.g. {"margin_auto": True})."""
 
     name: str
     spec: str
     max_drafts: int = 0
-    regime: bool = False
+    regime: str = ""  # the gateway's regime: "model" (ModelRegime), "windows" (RegimePolicy) or none
     load_pricing: bool = False
     gate: tuple[tuple[str, object], ...] = ()
     budget: str = "off"  # the verifier's step budget: "off" | "trim" | "full" (RoundPolicy)
@@ -146,7 +147,8 @@ class Gateway:
         self.admission: list = []  # generations waiting for a verifier session, first come first served
         self.rate = CommitRate()
         self.cost = config.gate_costs or model.single_stream(config.block_size)
-        self.regime = RegimePolicy() if arm.regime else None
+        self.regime = (ModelRegime(config.block_size, lambda: self.budget_table, lambda: self.cost)
+                       if arm.regime == "model" else RegimePolicy() if arm.regime == "windows" else None)
         self.budget_table = StepTimes(tuple(float(r) for r in ROW_BUCKETS),
                                       tuple(model.verifier_ms(r, 1) for r in ROW_BUCKETS))
         self.step_table = self.budget_table if arm.load_pricing or arm.budget != "off" else None
@@ -273,6 +275,8 @@ class _Generation:
         self.deferred = False  # committed rows held back for the next draft
         self.uncommitted = 0  # committed tokens whose tap rows the drafter has not written yet
         self.margin: float | None = None
+        self.leg_start: float | None = None  # when the commit before the next draft was sent (virtual ms)
+        self.leg_ms: float | None = None  # the last draft's drafter legs (ms)
         self.decisions = gw.decisions.setdefault(spec.stream, [])
         self.drafter = gw.drafters[gw.placed % len(gw.drafters)]
         gw.placed += 1
@@ -294,7 +298,7 @@ class _Generation:
             return self._finish()
         if self.policy.spec == "off" or self.spec.output <= 2:
             return self._round()
-        if not self.policy.regime_drafts(self.gw.in_flight):
+        if not self.policy.regime_drafts(self.gw.in_flight, self.pos, self.emitted):
             self.deferred = True  # asleep: primed when it drafts
             return self._round()
         self._commit(self._round)
@@ -305,6 +309,7 @@ class _Generation:
     def _commit(self, then: Callable[[], None]) -> None:
         """Write the rows committed since the last commit into the drafter, then `then`."""
         rows, self.uncommitted = max(self.uncommitted, 1), 0
+        self.leg_start = self.gw.clock.now  # a drafted round's drafter legs: this commit and its draft
         self._drafter(Request(self.sid, "commit", rows=rows, reply=lambda _: then()))
 
     # ------------------------------------------------------------------ rounds
@@ -328,13 +333,16 @@ class _Generation:
             return Reason.NO_DRAFTER
         if p.max_drafts(self.gw.config.block_size, self.pos, self.emitted) == 0:
             return Reason.NO_ROOM
-        if not p.regime_drafts(self.gw.in_flight):
+        if not p.regime_drafts(self.gw.in_flight, self.pos, self.emitted):
             self.deferred = True
             return Reason.REGIME
         return p.pre_draft(self.margin, self.gw.inside)
 
     def _draft(self, rec: Round) -> None:
+        start = self.gw.clock.now if self.leg_start is None else self.leg_start
+
         def drafted(rows: int) -> None:
+            self.leg_ms, self.leg_start = self.gw.clock.now - start, None
             conf = rec.confidence_logits[:self.gw.config.block_size]
             reason, k = self.policy.choose(conf, len(conf), self.pos, self.emitted)
             self._submit(rec, reason, conf, k)
@@ -360,7 +368,9 @@ class _Generation:
     def _verified(self, rec: Round, reason: Reason, conf, k: int, accepted: int, rows: int) -> None:
         gw = self.gw
         gw.inside -= 1
-        self.policy.observe(conf, k, accepted, rows, k + 1 if k else 1, gw.rate.tokens_per_ms())
+        leg, self.leg_ms = self.leg_ms, None
+        self.policy.observe(conf, k, accepted, rows, k + 1 if k else 1, gw.rate.tokens_per_ms(),
+                            leg if conf is not None else None)
         self.pos += accepted + 1
         self.text_pos += accepted + 1
         self.uncommitted += accepted + 1

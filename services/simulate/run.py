@@ -30,9 +30,10 @@ def arm_registry(block_size: int) -> dict[str, Arm]:
     choosing every length)."""
     arms = {"plain": Arm("plain", "off")}
     arms.update({f"k{k}": Arm(f"k{k}", "always", max_drafts=k) for k in range(1, block_size + 1)})
-    arms["gated"] = Arm("gated", "gated", regime=True, load_pricing=True)
+    arms["gated"] = Arm("gated", "gated", regime="model")
+    arms["gated-windows"] = Arm("gated-windows", "gated", regime="windows", load_pricing=True)
     arms["gate-only"] = Arm("gate-only", "gated")
-    arms["gated+margin"] = Arm("gated+margin", "gated", regime=True, load_pricing=True,
+    arms["gated+margin"] = Arm("gated+margin", "gated", regime="windows", load_pricing=True,
                                gate=(("margin_auto", True),))
     arms["budget-trim"] = Arm("budget-trim", "gated", budget="trim")
     arms["budget"] = Arm("budget", "gated", budget="full")
