@@ -1,7 +1,7 @@
 """Markdown tables of `dspark simulate --json` grids, as bench/README.md shows them.
 
 Per file: one row per load, plain's aggregate tok/s, every other arm's aggregate tok/s ÷ plain,
-the best fixed k and gated ÷ that k.
+the best fixed k, gated ÷ that k and gated ÷ the best of plain and every fixed k.
 
     python -m bench.sim_tables FILE.json[=TITLE] [FILE.json[=TITLE] ...]
 
@@ -17,14 +17,15 @@ import json
 def table(result: dict, title: str) -> str:
     """One grid's ratio table (markdown)."""
     arms = [a for a in result["inputs"]["arms"] if a != "plain"]
-    lines = [f"**{title}**", "", "| streams | plain tok/s | " + " | ".join(arms) + " | best fixed | gated ÷ best |",
-             "|---|---|" + "---|" * len(arms) + "---|---|"]
+    lines = [f"**{title}**", "", "| streams | plain tok/s | " + " | ".join(arms)
+             + " | best fixed | gated ÷ best fixed | gated ÷ best of plain, k |",
+             "|---|---|" + "---|" * len(arms) + "---|---|---|"]
     for label, ratios in result["ratios"].items():
         best = result["best_fixed"][label]
         plain = result["cells"][label]["plain"]["aggregate_tok_s"]
         gated = ratios["gated"] / ratios[best]
         lines.append(f"| {label} | {plain:.1f} | " + " | ".join(f"{ratios[a]:.2f}" for a in arms)
-                     + f" | {best} | {gated:.2f} |")
+                     + f" | {best} | {gated:.2f} | {ratios['gated'] / max(1.0, ratios[best]):.2f} |")
     return "\n".join(lines)
 
 
