@@ -22,8 +22,6 @@ What is here (import what you need; pytest picks up the fixtures a test module i
 * `stack.wait_idle()`: polls both backends' Info `open_sessions` and the engines'
   `num_sessions` until all are zero (bounded wait), returning what it saw last.
 * `gen_request(...)`: a `GenerateRequest` with the suite's defaults (ignore_eos, greedy).
-* `ForcedRegime(script)`: a `ModelRegime` whose choice per in_flight is scripted, to force a
-  gateway's sleep / wake / back-off paths (set it as `gateway.scheduler.regime`).
 * Fixtures (module scope): `oracle_stack`, `dspark_stack`.
 
 Every RPC here carries a deadline (`RPC_TIMEOUT_S` unless given).
@@ -32,14 +30,12 @@ Every RPC here carries a deadline (`RPC_TIMEOUT_S` unless given).
 from __future__ import annotations
 
 import asyncio
-import bisect
-import collections
 import functools
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Mapping, Sequence
+from typing import Any, Awaitable, Sequence
 
 import grpc
 import pytest
@@ -50,12 +46,10 @@ from dspark_proto.v1 import (common_pb2, drafter_pb2_grpc, gateway_pb2, gateway_
 from services.app import (drafter_engine, load_drafter, load_trunk, start_drafter, start_gateway,
                           start_verifier, verifier_engine)
 from verifier_fixtures import loop_of
-from services.common.budget import StepTimes
 from services.common.server import RunningServer, channel_options
 from services.common.settings import BackendSettings, GatewaySettings
 from services.gateway.backends import Backends, LocalDrafterSession, LocalVerifierSession
 from services.gateway.gate import GateConfig
-from services.gateway.load_regime import ModelRegime
 from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler
 from services.gateway.servicer import spec_stats
 from services.gateway.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -205,49 +199,6 @@ async def collect(stub: gateway_pb2_grpc.GatewayStub, req: gateway_pb2.GenerateR
     async for msg in stub.Generate(req, timeout=timeout_s):
         gen.add(msg)
     return gen
-
-
-class ForcedRegime(ModelRegime):
-    """A `ModelRegime` whose choice is scripted, for tests that force the gateway's sleep,
-    wake, back-off and cancel paths at chosen loads.
-
-    `script` maps the lowest in_flight of a range (up to the next key) to "draft" or "plain",
-    or to a tuple of them cycled one per ask in that range (a regime that keeps switching):
-    {2: "plain", 5: ("draft", "draft", "plain")} runs 2-4 in flight plain and from 5 up drafts
-    with every third ask plain. `may_draft(in_flight, held_rows, tokens_left)` answers the
-    script whatever the rows held or the tokens left; below the lowest key it is the model's
-    (alone: always, the gate decides). `decides_length`, `observe` and the Stats view are the
-    model's, over a flat step table (10 ms at any rows) and the gate's default costs.
-    `answers` counts each answer given ("draft" / "plain"); assign `script` to turn the regime
-    mid-run. Raises ValueError on an answer other than "draft" or "plain"."""
-
-    def __init__(self, script: Mapping[int, str | tuple[str, ...]], block: int | None = None):
-        super().__init__(block_size() if block is None else block,
-                         lambda: StepTimes((1.0,), (10.0,)), GateConfig().cost_model)
-        self.answers: collections.Counter[str] = collections.Counter()
-        self.script = script
-
-    @property
-    def script(self) -> dict[int, tuple[str, ...]]:
-        return self._script
-
-    @script.setter
-    def script(self, script: Mapping[int, str | tuple[str, ...]]) -> None:
-        cycles = {int(n): (a,) if isinstance(a, str) else tuple(a) for n, a in sorted(script.items())}
-        if any(a not in ("draft", "plain") for answers in cycles.values() for a in answers):
-            raise ValueError(f"script={dict(script)!r}: answers must be 'draft' or 'plain'")
-        self._script, self._asked = cycles, collections.Counter()
-
-    def may_draft(self, in_flight: int, held_rows: int = 0, tokens_left: int = 0) -> bool:
-        keys = list(self._script)
-        i = bisect.bisect_right(keys, in_flight) - 1
-        if i < 0:
-            return super().may_draft(in_flight, held_rows, tokens_left)
-        cycle = self._script[keys[i]]
-        answer = cycle[self._asked[keys[i]] % len(cycle)]
-        self._asked[keys[i]] += 1
-        self.answers[answer] += 1
-        return answer == "draft"
 
 
 def spec_counts(stats: gateway_pb2.SpecStats) -> dict:

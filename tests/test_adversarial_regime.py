@@ -27,7 +27,8 @@ from services.gateway.gate import GateConfig
 from services.common.budget import StepTimes
 from services.gateway.load_regime import ModelRegime
 from services.gateway.round_policy import RoundPolicy
-from services_fixtures import ForcedRegime, Generation, collect, gen_request, service_loop, start_stack
+from regime_fixtures import ForcedRegime
+from services_fixtures import Generation, collect, gen_request, service_loop, start_stack
 
 PROMPTS = ("the regime policy", "a short neighbour", "speculative decoding", "xyz", "a burst drains")
 # A choice with every third ask the other one: the regime keeps switching, so rounds go from
@@ -310,6 +311,21 @@ def test_a_drafter_that_dies_while_generations_sleep_leaves_them_on_plain_decode
         loop.run(stack.verifier.stop(0))
 
 
+def test_a_forced_regime_answers_its_script_per_range_and_the_model_below_it():
+    """The helper the service tests force regimes with: ranges from each key up, a tuple cycled
+    one answer per ask, the model below the lowest key (alone it drafts), rows held and
+    tokens left ignored, the model's length rule kept, a bad answer refused."""
+    regime = ForcedRegime({2: "plain", 5: ("draft", "draft", "plain"), 17: "plain"}, 5)
+    assert [regime.may_draft(n) for n in (1, 2, 4, 16, 16, 16, 16, 17, 300)] == [
+        True, False, False, True, True, False, True, False, False]
+    assert regime.may_draft(8, held_rows=10**6, tokens_left=1) is True  # the 5th ask of 5-16: "draft"
+    assert regime.answers == {"plain": 5, "draft": 4} and regime.decides_length(2) and not regime.decides_length(1)
+    regime.script = {2: "draft"}
+    assert regime.may_draft(300) is True
+    with pytest.raises(ValueError, match="'gate'"):
+        ForcedRegime({2: "gate"}, 5)
+
+
 def test_the_model_regime_survives_odd_sequences():
     """Load jumping between 0 and 300 in flight, blocks of every length (empty, cut short,
     longer than the block), legs of 0 ms and none, rows held and tokens left out of range,
@@ -411,7 +427,8 @@ def test_a_generation_backed_off_from_a_full_drafter_opens_no_session_in_a_plain
             for i, g in enumerate(gens):
                 assert g.token_ids == refs[PROMPTS[i % len(PROMPTS)]], i
             assert loop.run(_stats(gw))["drafter_failures"]["failures"]["full"] >= 1
-            assert reopened and all(d is True for d in reopened), reopened
+            assert regime.answers["plain"] > 0  # rounds asked after the turn, and ran plain
+            assert all(d is True for d in reopened), reopened
             _assert_nothing_open(loop, stack, gw)
         finally:
             loop.run(gw.close())
