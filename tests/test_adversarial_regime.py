@@ -96,16 +96,6 @@ def _references(loop, gw, prompts, max_tokens) -> dict[str, list[int]]:
     return loop.run(run())
 
 
-async def _stats_when_idle(gw) -> dict:
-    """Stats once no generation is in flight (a client sees its last message before the
-    gateway's generator has returned)."""
-    for _ in range(200):
-        if gw.scheduler.in_flight == 0:
-            break
-        await asyncio.sleep(0.01)
-    return await _stats(gw)
-
-
 def test_a_plain_regime_lets_the_drafter_go_and_a_lone_generation_wakes_it():
     """Under sequential verify, with a regime that runs 2 in flight plain: a gated generation
     running beside a short plain one runs its rounds plain (reason `regime`) with no drafter
@@ -130,9 +120,9 @@ def test_a_plain_regime_lets_the_drafter_go_and_a_lone_generation_wakes_it():
             assert gated.stats.plain_rounds >= 3 and gated.stats.drafted > 0  # slept, then woke and drafted
             assert not gated.stats.drafter_failed and gated.stats.drafter_failovers == 0
             assert regime.answers["plain"] >= 3 and regime.answers["draft"] == 0  # alone, the model let it draft
-            assert not any(loop.run(stack.await_idle()).values())
-            view = loop.run(_stats_when_idle(gw))["regime"]
             assert gw.scheduler.in_flight == 0
+            assert not any(loop.run(stack.await_idle()).values())
+            view = loop.run(_stats(gw))["regime"]
             assert view == {"enabled": True, **json.loads(json.dumps(regime.to_dict()))}
             assert view["kind"] == "model" and set(view["in_flight"]) == {"1", "2", "4", "8", "16", "32", "64",
                                                                           "128", "256"}
