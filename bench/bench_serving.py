@@ -163,11 +163,12 @@ async def run_warmup(args, stacks: dict[str, dict], console: Console) -> dict:
     """`--warmup` unmeasured passes of the gated arm over every concurrency, before the grid:
     {numerics: {streams: [cell dict per pass]}} ({} without a gated arm or with --warmup 0).
 
-    A gateway's regime (docs/gate.md §14) explores each concurrency bucket once in its life
-    (two windows of each regime, about 4 s) and then probes now and then. A served gateway
-    has long passed that; a benchmark cell of 5-30 s has not, so without a warm-up the gated
-    figures would charge a one-time exploration to every repetition's first pass. The
-    warm-up's own figures are printed and kept (`--json` key "warmup"): they are the cold cost.
+    A gateway's regime (docs/gate.md §14) starts from a prior (every draft accepted, the
+    single-stream drafter legs) and learns the pooled survival and the legs per concurrency
+    bucket from its drafted rounds; its gates learn too (§6). A served gateway has long passed
+    that; a benchmark cell of 5-30 s has not, so without a warm-up the gated figures would
+    charge a one-time cold start to every repetition's first pass. The warm-up's own figures
+    are printed and kept (`--json` key "warmup"): they are the cold cost.
     """
     if "gated" not in args.arms or args.warmup == 0:
         return {}
@@ -358,18 +359,35 @@ async def start_stacks(args, env: dict[str, str], console: Console, stacks: dict
             await generate(st["gateway"], WORKLOADS["code"], arm, 8, label="warmup")
 
 
+def regime_lines(numerics: str, view: dict) -> list[str]:
+    """The lines `gateway_regimes` prints for one gateway's Stats `regime` (`view`, the model
+    regime's `to_dict` plus `enabled`, docs/gate.md §14): per in_flight the modelled plain and
+    draft rates (tok/ms) and the choice, then the pooled survival per draft position (with the
+    drafted blocks it was learned from) and the measured drafter legs per bucket (ms). A
+    gateway with the regime off gives one line; one without a step table gives no rates."""
+    if not view.get("enabled"):
+        return [f"regime {numerics}: off"]
+    lines = [f"regime {numerics} in flight {n:>4}: {'draft' if r['drafts'] else 'plain':<5}  "
+             f"plain {r['plain_tok_per_ms']:.3f} tok/ms  draft {r['draft_tok_per_ms']:.3f} tok/ms"
+             for n, r in view.get("in_flight", {}).items()]
+    if not lines:
+        lines.append(f"regime {numerics}: no step table, every gated round left to its gate")
+    survival = " ".join(f"{s:.2f}" for s in view.get("survival", []))
+    lines.append(f"regime {numerics} survival per draft {survival}  ({view.get('blocks', 0)} blocks)")
+    legs = "  ".join(f"{b} {ms:.1f}" for b, ms in view.get("leg_ms", {}).items()) or "none measured"
+    lines.append(f"regime {numerics} drafter legs ms per bucket: {legs}")
+    return lines
+
+
 async def gateway_regimes(stacks: dict[str, dict], console: Console) -> dict:
-    """{numerics: the gateway's regime policy (Stats `regime`, docs/gate.md §14)}, printed one
-    line per measured bucket: what the gated arm ran in at each concurrency."""
+    """{numerics: the gateway's regime (Stats `regime`, docs/gate.md §14)}, printed by
+    `regime_lines`: what the gated arm's gateway modelled at each concurrency after the grid."""
     out = {}
     for numerics, st in stacks.items():
         stats = await st["gateway"].Stats(gateway_pb2.StatsRequest(), timeout=INFO_TIMEOUT_S)
         out[numerics] = json.loads(stats.json).get("regime", {"enabled": False})
-        for b in out[numerics].get("buckets", []):
-            rates = "  ".join(f"{r} {b[r]['windows']} windows {b[r]['tok_per_ms'] or 0:.3f} tok/ms"
-                              for r in ("gate", "plain"))
-            console.print(f"regime {numerics} in flight {b['in_flight']:>5}: {b['choice']:<5}  {rates}  "
-                          f"probes {b['probes']}", highlight=False)
+        for line in regime_lines(numerics, out[numerics]):
+            console.print(line, highlight=False)
     return out
 
 
@@ -383,7 +401,7 @@ async def stop_stacks(stacks: dict[str, dict]) -> None:
 def report(raw: dict, args, grid_s: float, console: Console, regimes: dict | None = None,
            warmup: dict | None = None) -> None:
     """Print the tables and the aims of `raw` ({numerics: {streams: {arm: [cell per repetition]}}});
-    with `args.json`, write them there too, with the gateways' regime policies (`regimes`) and
+    with `args.json`, write them there too, with the gateways' regimes (`regimes`) and
     the warm-up's gated cells (`warmup`, see `run_warmup`)."""
     med = medians(raw)
     for numerics in raw:
@@ -453,8 +471,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--per-stream", type=int, default=4,
                     help="generations each stream runs in turn (at least ceil(4 / streams); default 4)")
     ap.add_argument("--warmup", type=int, default=1,
-                    help="unmeasured passes of the gated arm over every concurrency first (the regime's "
-                         "one-time exploration; printed, and kept in --json; default %(default)s)")
+                    help="unmeasured passes of the gated arm over every concurrency first (the regime's and "
+                         "the gates' cold start; printed, and kept in --json; default %(default)s)")
     ap.add_argument("--port-base", type=int, default=50250,
                     help="first stack's gateway port (verifier +1, drafter +2; the next stack +10)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per service process")

@@ -266,7 +266,7 @@ BY_NAME: dict[str, Var] = {v.name: v for v in VARS}
 # Variables no longer read, each with where its job went; setting one logs one warning.
 REMOVED: dict[str, str] = {
     "DSPARK_GATE_LOAD": "load pricing is always on under measured costs (GatewaySettings.load_aware)",
-    "DSPARK_GATE_REGIME": "the regime policy always runs (GatewaySettings.regime)",
+    "DSPARK_GATE_REGIME": "the model regime (docs/gate.md §14) always runs (GatewaySettings.regime)",
     "DSPARK_GATE_WARM_START": "gated generations always warm-start (GatewaySettings.warm_start)",
     "DSPARK_GATE_WARM_WEIGHT": "the warm start lends at most services.gateway.warm.DEFAULT_MAX_WEIGHT",
     "DSPARK_STEP_PROFILE": "the verifier always profiles its steps at start-up (BackendSettings.step_profile)",

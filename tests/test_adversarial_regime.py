@@ -1,11 +1,14 @@
-"""Adversarial checks of the regime policy (docs/gate.md §14) and the gate warm start (§6).
+"""The gateway's paths around its regime (docs/gate.md §14) under forced choices, and the gate
+warm start (§6).
 
 Through real in-process services (port 0, real channels, sequential verify, where drafting
-never changes a token): many concurrent gated generations under a policy that switches
-regime every window, clients cancelling mid-stream, a full or dead drafter while generations
-sleep; afterwards no backend session is left open, nothing is in flight, and every finished
-generation streamed plain decode's tokens. Unit level: the policy fed odd sequences (load
-jumps, time going backwards, idle while settling) and the warm bands fed many generations.
+never changes a token), with a `ForcedRegime` (the model regime with its choice scripted per
+in_flight): a gated generation kept plain beside a neighbour lets its drafter go and, left
+alone, wakes it; many concurrent gated generations under a regime that keeps switching,
+clients cancelling mid-stream; a full or dead drafter while generations sleep; afterwards no
+backend session is left open, nothing is in flight, and every finished generation streamed
+plain decode's tokens. Unit level: the model regime fed odd sequences (load jumps, blocks of
+any length, the step table coming and going) and the warm bands fed many generations.
 """
 
 from __future__ import annotations
@@ -21,24 +24,17 @@ from dspark_proto.v1 import gateway_pb2
 from services.gateway.drafter_link import DrafterLink
 from verifier_fixtures import loop_of
 from services.gateway.gate import GateConfig
-from services.gateway.regime import REGIMES, RegimeConfig, RegimePolicy
+from services.common.budget import StepTimes
+from services.gateway.load_regime import ModelRegime
+from services.gateway.round_policy import RoundPolicy
+from regime_fixtures import ForcedRegime
 from services_fixtures import Generation, collect, gen_request, service_loop, start_stack
 
-PROMPTS = ("the regime policy", "a short neighbour", "speculative decoding", "xyz", "windows close")
-
-
-def _forced(bucket_choice: dict[int, str], **config) -> RegimePolicy:
-    """A policy whose evidence in each listed bucket says `bucket_choice[bucket]` by a mile
-    (decay 1: new windows cannot move it); probes every 2nd window keep regimes switching."""
-    cfg = dict(window_ms=5.0, decay=1.0, hysteresis=0.05, explore=1, probe_min=2, probe_max=2)
-    cfg.update(config)
-    policy = RegimePolicy(RegimeConfig(**cfg))
-    for bucket, choice in bucket_choice.items():
-        fast, slow = (choice, REGIMES[1 - REGIMES.index(choice)])
-        policy.buckets[bucket].rates[fast].add(10**9, 1.0, 1.0)
-        policy.buckets[bucket].rates[slow].add(1, 10.0**9, 1.0)
-        policy.buckets[bucket].chosen = choice
-    return policy
+PROMPTS = ("the regime policy", "a short neighbour", "speculative decoding", "xyz", "a burst drains")
+# A choice with every third ask the other one: the regime keeps switching, so rounds go from
+# sleeping to waking all the time.
+PLAIN_SWITCHING = ("plain", "plain", "draft")
+DRAFT_SWITCHING = ("draft", "draft", "plain")
 
 
 async def _partial(stub, req, cancel_after: int) -> list[int]:
@@ -100,16 +96,60 @@ def _references(loop, gw, prompts, max_tokens) -> dict[str, list[int]]:
     return loop.run(run())
 
 
+def test_a_plain_regime_lets_the_drafter_go_and_a_lone_generation_wakes_it():
+    """Under sequential verify, with a regime that runs 2 in flight plain: a gated generation
+    running beside a short plain one runs its rounds plain (reason `regime`) with no drafter
+    session; once alone it primes a new drafter session from the verifier's kept rows and
+    drafts. Its tokens equal plain decode's, Stats reports the model regime the scheduler
+    holds, and no session is left open. A gateway with the regime off reports it off."""
+    loop = service_loop()
+    stack = start_stack("dspark", gate_config=GateConfig(enabled=True))
+    try:
+        gw = loop.run(stack.start_gateway("sequential", regime=True))
+        try:
+            regime = gw.scheduler.regime = ForcedRegime({2: "plain"})
+            reference = loop.run(collect(gw.stub, gen_request("the regime policy", max_tokens=32, spec="off")))
+
+            async def beside():
+                return await asyncio.gather(collect(gw.stub, gen_request("the regime policy", max_tokens=32,
+                                                                         spec="gated")),
+                                            collect(gw.stub, gen_request("a short neighbour", max_tokens=6,
+                                                                         spec="off")))
+            gated, _ = loop.run(beside())
+            assert gated.token_ids == reference.token_ids
+            assert gated.stats.plain_rounds >= 3 and gated.stats.drafted > 0  # slept, then woke and drafted
+            assert not gated.stats.drafter_failed and gated.stats.drafter_failovers == 0
+            assert regime.answers["plain"] >= 3 and regime.answers["draft"] == 0  # alone, the model let it draft
+            assert gw.scheduler.in_flight == 0
+            assert not any(loop.run(stack.await_idle()).values())
+            view = loop.run(_stats(gw))["regime"]
+            assert view == {"enabled": True, **json.loads(json.dumps(regime.to_dict()))}
+            assert view["kind"] == "model" and set(view["in_flight"]) == {"1", "2", "4", "8", "16", "32", "64",
+                                                                          "128", "256"}
+        finally:
+            loop.run(gw.close())
+        off = loop.run(stack.start_gateway("sequential", regime=False))
+        try:
+            assert off.scheduler.regime is None
+            assert loop.run(_stats(off))["regime"] == {"enabled": False}
+        finally:
+            loop.run(off.close())
+    finally:
+        stack.close()
+
+
 def test_many_concurrent_gated_generations_with_cancels_leave_nothing_open(dspark):
-    """28 gated generations (and 4 plain ones) at once under a policy that is plain at 17-32
-    and 3-4 in flight, gate at 9-16 and 5-8, probing every second window of 5 ms: rounds
-    switch between sleeping and waking all the time. Every third client cancels after a few
-    messages. The others stream plain decode's tokens; then no session is open anywhere, no
-    generation is in flight, and Stats still answers."""
+    """28 gated generations (and 4 plain ones) at once under a regime that is plain at 2-4
+    and from 17 in flight, drafting at 5-16, each with every third ask the other choice:
+    rounds switch between sleeping and waking all the time. Every third client cancels after
+    a few messages. The others stream plain decode's tokens; then no session is open
+    anywhere, no generation is in flight, and Stats still answers with what the regime
+    learned."""
     loop = service_loop()
     gw = loop.run(dspark.start_gateway("sequential", regime=True))
     try:
-        gw.scheduler.regime = _forced({5: "plain", 4: "gate", 3: "gate", 2: "plain", 1: "plain"})
+        regime = gw.scheduler.regime = ForcedRegime({2: PLAIN_SWITCHING, 5: DRAFT_SWITCHING,
+                                                     17: PLAIN_SWITCHING})
         refs = _references(loop, gw, PROMPTS, 40)
 
         async def run():
@@ -132,16 +172,18 @@ def test_many_concurrent_gated_generations_with_cancels_leave_nothing_open(dspar
                 assert r == want[:len(r)], i
         assert not any(loop.run(dspark.await_idle()).values())
         assert gw.scheduler.in_flight == 0 and gw.scheduler.occupancy.inside == 0
+        assert regime.answers["plain"] > 0 and regime.answers["draft"] > 0
         view = loop.run(_stats(gw))
-        assert view["regime"]["enabled"] is True and view["regime"]["window"] is None
+        assert view["regime"]["enabled"] is True and view["regime"]["kind"] == "model"
+        assert view["regime"]["blocks"] == regime.blocks > 0  # full blocks drafted while the regime let them
         assert view["drafter_failures"]["plain_generations"] == 0
     finally:
         loop.run(gw.close())
 
 
-def test_a_generation_arriving_into_a_plain_window_opens_no_drafter_session(dspark):
-    """A gated generation that joins one already in flight, at a concurrency (2) whose
-    regime is plain, runs all its rounds plain beside it and must never open a drafter
+def test_a_generation_arriving_where_the_regime_is_plain_opens_no_drafter_session(dspark):
+    """A gated generation that joins one already in flight, at a concurrency (2) the
+    regime runs plain, runs all its rounds plain beside it and must never open a drafter
     session: the regime is asked at the concurrency the generation itself makes, not the
     one before it arrived (else every arrival takes a drafter slot during its prefill)."""
     from services.gateway.backends import LocalDrafterSession, LocalVerifierSession
@@ -152,7 +194,7 @@ def test_a_generation_arriving_into_a_plain_window_opens_no_drafter_session(dspa
     cfg = dspark.verifier_engine.cfg
     limits = ModelLimits(cfg.vocab_size, cfg.max_seq_len, cfg.eos_token_id, cfg.dspark_block_size, True)
     sched = Scheduler(limits, tiny_tokenizer(), GateConfig(enabled=True), "sequential", "configured",
-                      regime=_forced({1: "plain"}, window_ms=60_000.0, probe_min=64, probe_max=64))
+                      regime=ForcedRegime({2: "plain"}, limits.block_size))
     opened = []
 
     def factory():
@@ -184,8 +226,9 @@ def test_a_generation_arriving_into_a_plain_window_opens_no_drafter_session(dspa
 
 
 def test_a_full_drafter_while_generations_sleep_and_wake_keeps_plain_tokens_and_leaks_nothing():
-    """A drafter with 2 slots and 10 gated generations whose regime switches every window:
-    wakes are refused (RESOURCE_EXHAUSTED, reason "full"), the refused generations decode
+    """A drafter with 2 slots and 10 gated generations whose regime (plain at 2 and from 9 in
+    flight, drafting at 3-8) switches every few asks: wakes are refused (RESOURCE_EXHAUSTED,
+    reason "full"), the refused generations decode
     plainly and ask again later, never give up (no drafter_failed), stream plain decode's
     tokens, and every session closes."""
     loop = service_loop()
@@ -193,7 +236,8 @@ def test_a_full_drafter_while_generations_sleep_and_wake_keeps_plain_tokens_and_
     try:
         gw = loop.run(stack.start_gateway("sequential", regime=True))
         try:
-            gw.scheduler.regime = _forced({3: "plain", 4: "gate", 2: "gate", 1: "plain"})
+            regime = gw.scheduler.regime = ForcedRegime({2: PLAIN_SWITCHING, 3: DRAFT_SWITCHING,
+                                                         9: PLAIN_SWITCHING})
             refs = _references(loop, gw, PROMPTS, 40)
 
             async def run():
@@ -204,6 +248,7 @@ def test_a_full_drafter_while_generations_sleep_and_wake_keeps_plain_tokens_and_
             for i, g in enumerate(gens):
                 assert g.token_ids == refs[PROMPTS[i % len(PROMPTS)]], i
                 assert not g.stats.drafter_failed and g.stats.drafter_failovers == 0, i
+            assert regime.answers["plain"] > 0 and regime.answers["draft"] > 0
             view = loop.run(_stats(gw))["drafter_failures"]
             assert view["failures"]["full"] > 0
             assert view["plain_generations"] == 0 and view["failovers"] == 0
@@ -216,7 +261,8 @@ def test_a_full_drafter_while_generations_sleep_and_wake_keeps_plain_tokens_and_
 
 
 def test_a_drafter_that_dies_while_generations_sleep_leaves_them_on_plain_decode():
-    """The drafter stops while gated generations sleep in a plain window; when they wake, the
+    """The drafter stops while gated generations sleep (the regime runs 2-4 in flight plain);
+    when it turns to drafting at 3-4 they wake, the
     priming fails (dead), the failover budget is spent on sessions that fail too, and each
     goes on with plain decode: plain decode's tokens, drafter_failed, Stats counting one
     plain generation each, and no verifier session left open."""
@@ -225,16 +271,14 @@ def test_a_drafter_that_dies_while_generations_sleep_leaves_them_on_plain_decode
     try:
         gw = loop.run(stack.start_gateway("sequential", regime=True, drafter_failovers=1, round_timeout_s=5.0))
         try:
-            policy = _forced({1: "plain", 2: "plain"}, window_ms=60_000.0, probe_min=64, probe_max=64)
-            gw.scheduler.regime = policy
+            regime = gw.scheduler.regime = ForcedRegime({2: "plain"})
             refs = _references(loop, gw, PROMPTS[:3], 48)
 
             async def run():
                 calls = [gw.stub.Generate(gen_request(p, max_tokens=48, spec="gated"), timeout=60) for p in PROMPTS[:3]]
                 gens = await _first_messages(calls, 3)  # all three in flight, rounds plain
                 await stack.drafter.stop(0)
-                policy.buckets[2] = _forced({2: "gate"}).buckets[2]  # now gate wins by far: they wake
-                policy.window = None
+                regime.script = {2: "plain", 3: "draft"}  # now drafting pays at 3 in flight: they wake
                 return await _finish(calls, gens)
             gens = loop.run(run(), 300)
             for p, g in zip(PROMPTS[:3], gens):
@@ -257,25 +301,43 @@ def test_a_drafter_that_dies_while_generations_sleep_leaves_them_on_plain_decode
         loop.run(stack.verifier.stop(0))
 
 
-def test_the_policy_survives_odd_sequences():
-    """Load jumping between buckets, time going backwards, idle while a window settles, a
-    record before any may_draft: no error, windows stay coherent and every rate finite."""
-    policy = RegimePolicy(RegimeConfig(window_ms=1.0, decay=0.5, probe_min=1, probe_max=2))
-    t = 100.0
+def test_a_forced_regime_answers_its_script_per_range_and_the_model_below_it():
+    """The helper the service tests force regimes with: ranges from each key up, a tuple cycled
+    one answer per ask, the model below the lowest key (alone it drafts), rows held and
+    tokens left ignored, the model's length rule kept, a bad answer refused."""
+    regime = ForcedRegime({2: "plain", 5: ("draft", "draft", "plain"), 17: "plain"}, 5)
+    assert [regime.may_draft(n) for n in (1, 2, 4, 16, 16, 16, 16, 17, 300)] == [
+        True, False, False, True, True, False, True, False, False]
+    assert regime.may_draft(8, held_rows=10**6, tokens_left=1) is True  # the 5th ask of 5-16: "draft"
+    assert regime.answers == {"plain": 5, "draft": 4} and regime.decides_length(2) and not regime.decides_length(1)
+    regime.script = {2: "draft"}
+    assert regime.may_draft(300) is True
+    with pytest.raises(ValueError, match="'gate'"):
+        ForcedRegime({2: "gate"}, 5)
+
+
+def test_the_model_regime_survives_odd_sequences():
+    """Load jumping between 0 and 300 in flight, blocks of every length (empty, cut short,
+    longer than the block), legs of 0 ms and none, rows held and tokens left out of range,
+    and the step table coming and going: no error, every survival a probability, every rate
+    and leg finite, the view plain JSON; after the table goes, every gated round drafts."""
+    tables = [StepTimes((1.0, 8.0, 64.0), (5.0, 9.0, 400.0)), None]
+    regime = ModelRegime(5, lambda: tables[0], GateConfig().cost_model)
     for i in range(3000):
-        in_flight = (1, 40, 2, 17, 3, 9, 5)[i % 7] if i % 50 < 25 else 1 + i % 64
-        t += (-0.002 if i % 11 == 0 else 0.001)  # now and then the clock steps back
+        in_flight = (0, 1, 300, 2, 17, 3, 9, 5)[i % 8] if i % 50 < 25 else i % 64
         if i % 97 == 0:
-            policy.idle()
-        if i % 3 == 0:
-            policy.may_draft(in_flight)
-        policy.record(in_flight, 1 + i % 5, max(t, 0.0), gated=i % 4 != 0)
-    view = json.loads(json.dumps(policy.to_dict()))
-    for b in view["buckets"]:
-        for r in REGIMES:
-            rate = b[r]["tok_per_ms"]
-            assert rate is None or (math.isfinite(rate) and rate >= 0)
-    assert policy.window is None or policy.window.regime in REGIMES
+            tables.reverse()  # the verifier's Info lost its table, then reported one again
+        regime.observe(in_flight, tuple(float(j < i % 4) for j in range(i % 7)), None if i % 5 == 0 else (i % 3) * 7.0)
+        assert regime.may_draft(in_flight, held_rows=(i % 11) * 100 - 300, tokens_left=i % 13 - 4) in (True, False)
+        assert regime.decides_length(in_flight) == (in_flight > 1 and tables[0] is not None)
+    assert all(0.0 <= s <= 1.0 for s in regime.survival) and regime.blocks > 0
+    tables[0] = StepTimes((1.0, 8.0, 64.0), (5.0, 9.0, 400.0))
+    view = json.loads(json.dumps(regime.to_dict()))
+    assert all(math.isfinite(ms) and ms >= 0 for ms in view["leg_ms"].values())
+    for rates in view["in_flight"].values():
+        assert all(math.isfinite(rates[k]) and rates[k] > 0 for k in ("plain_tok_per_ms", "draft_tok_per_ms"))
+    tables[0] = None
+    assert regime.to_dict()["in_flight"] == {} and all(regime.may_draft(n, 10**6, 1) for n in (2, 64, 300))
 
 
 def test_warm_bands_stay_bounded_over_many_generations_and_threads():
@@ -304,14 +366,14 @@ def test_warm_bands_stay_bounded_over_many_generations_and_threads():
     assert max(view["lent_observed"]) == pytest.approx(7.0)
 
 
-def test_a_generation_backed_off_from_a_full_drafter_opens_no_session_in_a_plain_window(monkeypatch):
-    """A drafter with 2 slots and 6 gated generations started in a gate window: 4 are refused
-    (full) and back off. The regime then turns plain: a backed-off generation may reopen a
+def test_a_generation_backed_off_from_a_full_drafter_opens_no_session_in_a_plain_round(monkeypatch):
+    """A drafter with 2 slots and 6 gated generations started while the regime drafts: 4 are
+    refused (full) and back off. The regime then turns plain: a backed-off generation may reopen a
     session only in a round whose regime decision let it draft, never in a plain round (open a
     session, prime it, let it go); all 6 stream plain decode's tokens and nothing stays open.
 
     Each reopening is attributed to its own round's decision, not to the moment the test
-    turns the regime: a round decided in the gate window may still be waiting on its reopen
+    turns the regime: a round decided while it drafted may still be waiting on its reopen
     when the switch lands, and that reopening is legitimate."""
     loop = service_loop()
     stack = start_stack("dspark", gate_config=GateConfig(enabled=True), drafter_max_sessions=2)
@@ -326,35 +388,36 @@ def test_a_generation_backed_off_from_a_full_drafter_opens_no_session_in_a_plain
             reopened.append(decided.get(asyncio.current_task()))
         return ok
     monkeypatch.setattr(DrafterLink, "retry_full", attributed_retry)
+    observe = RoundPolicy.observe
+
+    def finishing(policy, *args, **kwargs):
+        decided.pop(asyncio.current_task(), None)  # the round's reply is in: the round is over
+        return observe(policy, *args, **kwargs)
+    monkeypatch.setattr(RoundPolicy, "observe", finishing)
     try:
         gw = loop.run(stack.start_gateway("sequential", regime=True))
         try:
             refs = _references(loop, gw, PROMPTS, 60)
-            policy = _forced({b: "gate" for b in range(1, 7)}, window_ms=60_000.0, probe_min=64, probe_max=64)
-            may_draft, record = policy.may_draft, policy.record
+            regime = ForcedRegime({2: "draft"})
+            may_draft = regime.may_draft
 
-            def deciding(in_flight):
-                decided[asyncio.current_task()] = answer = may_draft(in_flight)
+            def deciding(*args):
+                decided[asyncio.current_task()] = answer = may_draft(*args)
                 return answer
-
-            def finishing(*args):
-                decided.pop(asyncio.current_task(), None)  # the round is over
-                return record(*args)
-            policy.may_draft, policy.record = deciding, finishing
-            gw.scheduler.regime = policy
+            regime.may_draft = deciding
+            gw.scheduler.regime = regime
 
             async def run():
                 reqs = [gen_request(PROMPTS[i % len(PROMPTS)], max_tokens=60, spec="gated") for i in range(6)]
                 calls = [gw.stub.Generate(r, timeout=120) for r in reqs]
-                gens = await _first_messages(calls, 2)  # every generation past its first round, in a gate window
-                for b in range(1, 7):
-                    policy.buckets[b] = _forced({b: "plain"}).buckets[b]
-                policy.window = None
+                gens = await _first_messages(calls, 2)  # every generation past its first round, drafting
+                regime.script = {2: "plain"}
                 return await _finish(calls, gens)
             gens = loop.run(run(), 300)
             for i, g in enumerate(gens):
                 assert g.token_ids == refs[PROMPTS[i % len(PROMPTS)]], i
             assert loop.run(_stats(gw))["drafter_failures"]["failures"]["full"] >= 1
+            assert regime.answers["plain"] > 0  # rounds asked after the turn, and ran plain
             assert all(d is True for d in reopened), reopened
             _assert_nothing_open(loop, stack, gw)
         finally:

@@ -111,3 +111,27 @@ def test_rss_report_starts_after_the_warm_up():
     assert r == {"warm_mib": 100.0, "end_mib": 102.0, "max_mib": 104.0, "growth_pct": pytest.approx(2.0)}
     with pytest.raises(ValueError, match="no RSS sample after the warm-up of 40 s"):
         rss_report(samples, 40.0)
+
+
+def test_regime_lines_print_the_model_per_in_flight_its_survival_and_legs():
+    """What bench_serving prints after its grid, from a real ModelRegime's Stats view: per
+    in_flight the modelled rates and the choice; the pooled survival; the legs per bucket."""
+    from bench.bench_serving import regime_lines
+    from services.common.budget import StepTimes
+    from services.gateway.decision import CostModel
+    from services.gateway.load_regime import ModelRegime
+    cost = CostModel(draft_ms=3.0, verify_base_ms=10.0, verify_slope_ms=1.0, plain_ms=11.0, commit_ms=1.0)
+    regime = ModelRegime(5, lambda: StepTimes((1.0, 8.0, 16.0, 48.0), (10.0, 12.0, 20.0, 60.0)), lambda: cost)
+    regime.observe(3, (1.0, 1.0, 0.0, 0.0, 0.0), 40.0)
+    lines = regime_lines("fast", {"enabled": True, **regime.to_dict()})
+    g2, g256 = regime.goodput(2), regime.goodput(256)
+    assert lines[1] == (f"regime fast in flight    2: {'draft' if g2.drafts else 'plain':<5}  "
+                        f"plain {g2.plain:.3f} tok/ms  draft {g2.draft:.3f} tok/ms")
+    assert lines[8].startswith(f"regime fast in flight  256: {'draft' if g256.drafts else 'plain'}")
+    assert len(lines) == 9 + 2
+    assert lines[-2] == "regime fast survival per draft " + " ".join(f"{s:.2f}" for s in regime.survival) + "  (1 blocks)"
+    assert lines[-1] == "regime fast drafter legs ms per bucket: 3-4 40.0"
+    assert regime_lines("exact", {"enabled": False}) == ["regime exact: off"]
+    cold = ModelRegime(5, lambda: None, lambda: cost).to_dict()
+    assert regime_lines("fast", {"enabled": True, **cold})[0] == (
+        "regime fast: no step table, every gated round left to its gate")

@@ -108,7 +108,7 @@ def test_a_removed_variable_changes_nothing_and_warns_once(caplog, monkeypatch):
         read_settings({"DSPARK_GATE_REGIME": "0"}, "gateway")
     assert gateway.regime is True
     assert [r.getMessage() for r in caplog.records] == [
-        "DSPARK_GATE_REGIME is no longer read and has no effect: the regime policy always runs "
+        "DSPARK_GATE_REGIME is no longer read and has no effect: the model regime (docs/gate.md §14) always runs "
         "(GatewaySettings.regime)"]
 
 

@@ -154,12 +154,6 @@ class ModelRegime:
             old = self.legs.get(b)
             self.legs[b] = leg_ms if old is None else LEG_DECAY * old + (1.0 - LEG_DECAY) * leg_ms
 
-    def record(self, in_flight: int, committed: int, now_s: float, gated: bool = True) -> None:
-        """The windowed regime's per-round report; the model learns from `observe` instead."""
-
-    def idle(self) -> None:
-        """No generation in flight: nothing to drop (the model keeps no window)."""
-
     def _leg(self, n: int, cost: CostModel) -> float:
         for b in range(_bucket(n), -1, -1):
             if b in self.legs:

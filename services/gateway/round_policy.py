@@ -3,12 +3,12 @@
 The live scheduler (`services.gateway.scheduler`) and the serving simulator
 (`services.simulate`) hold one `RoundPolicy` per generation and ask it the same questions in
 the same order each round; only the forwards, the network and the clock differ between them.
-It owns nothing new: it sequences the gateway's regime (`ModelRegime` or the windowed
-`RegimePolicy`: `may_draft`), the load pricing (`priced_at_load` on a `LoadSeen`), the gate's
-pre-draft decision, the cap of a round by the token budget and max_seq_len, the gate's length
-choice and its censored observation. Where the model regime decides lengths (more than one
-generation in flight, docs/gate.md §14) a drafting round submits its cap without asking the
-gate, and the regime learns each drafted block's survival estimates and drafter legs.
+It owns nothing new: it sequences the gateway's regime (`ModelRegime.may_draft`), the load
+pricing (`priced_at_load` on a `LoadSeen`), the gate's pre-draft decision, the cap of a round
+by the token budget and max_seq_len, the gate's length choice and its censored observation.
+Where the regime decides lengths (more than one generation in flight, docs/gate.md §14) a
+drafting round submits its cap without asking the gate, and the regime learns each drafted
+block's outcome (which drafts survived) and drafter legs.
 It never talks to a backend, never reads a clock and never records a round (the caller folds
 its `RoundRecord`).
 
@@ -38,7 +38,6 @@ from services.common.budget import StepTimes, admit_drafts
 from services.gateway.load import LoadSeen, PricingStats, priced_at_load
 from services.gateway.load_regime import ModelRegime
 from services.gateway.record import Reason, drafted_reason
-from services.gateway.regime import RegimePolicy
 
 BUDGETS = ("off", "trim", "full")
 RECENT_BLOCKS = 8  # the budgeted blocks the pre-draft price check averages
@@ -50,8 +49,8 @@ class RoundPolicy:
     Args:
         spec: "off" | "always" | "gated" (the generation's spec mode).
         gate: the generation's `Gate` (cost model and enabled flag already set for `spec`).
-        regime: the gateway's regime, `ModelRegime` or `RegimePolicy` (shared by its
-            generations; consulted for gated generations only), or None.
+        regime: the gateway's `ModelRegime` (shared by its generations; consulted for gated
+            generations only), or None.
         step_table: the verifier's step table the gate prices drafts against (None: no load
             pricing); `pricing_stats` counts each round priced (None: not counted).
         block_size: drafted tokens a round may hold at most (the drafter's block).
@@ -62,7 +61,7 @@ class RoundPolicy:
     Raises ValueError on another budget.
     """
 
-    def __init__(self, spec: str, gate: Gate, regime: ModelRegime | RegimePolicy | None, step_table: StepTimes | None,
+    def __init__(self, spec: str, gate: Gate, regime: ModelRegime | None, step_table: StepTimes | None,
                  block_size: int, max_seq_len: int, max_tokens: int, max_drafts: int = 0,
                  pricing_stats: PricingStats | None = None, budget: str = "off"):
         if budget not in BUDGETS:
@@ -88,15 +87,12 @@ class RoundPolicy:
         self.in_flight = max(in_flight, 1)
         if self.regime is None:
             return True
-        if isinstance(self.regime, ModelRegime):
-            held = max(pos - self.drafted_pos, 0)
-            return self.regime.may_draft(self.in_flight, held, self.max_tokens - emitted)
-        return self.regime.may_draft(self.in_flight)
+        held = max(pos - self.drafted_pos, 0)
+        return self.regime.may_draft(self.in_flight, held, self.max_tokens - emitted)
 
     def _regime_lengths(self) -> bool:
         """The model regime submits the cap for this round, not the gate (module docstring)."""
-        return (self.budget == "off" and isinstance(self.regime, ModelRegime)
-                and self.regime.decides_length(self.in_flight))
+        return self.budget == "off" and self.regime is not None and self.regime.decides_length(self.in_flight)
 
     def max_drafts(self, drafted: int, pos: int, emitted: int) -> int:
         """Drafts a round at anchor position `pos` may submit after `emitted` completion tokens:
@@ -171,7 +167,7 @@ class RoundPolicy:
         the gate learns the censored outcome of the submitted drafts; the load seen learns the
         step's rows (`step_rows` tokens forwarded, `own_rows` of them this generation's; 0 =
         no step) and the verifier's committed tokens per ms."""
-        if isinstance(self.regime, ModelRegime) and confidences:
+        if self.regime is not None and confidences:
             # a round after one that did not draft also re-primed the rows held back: a wake,
             # not what drafting every round costs
             steady = leg_ms if self.drafted_last else None

@@ -50,7 +50,7 @@ import dataclasses
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Sequence
+from typing import AsyncIterator, Sequence
 
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
@@ -71,7 +71,6 @@ from services.gateway.jump_forward import JumpForward
 from services.gateway.load import PricingStats, VerifierLoad, VerifierOccupancy
 from services.gateway.metrics import GenerationMetrics, NoGenerationMetrics
 from services.gateway.load_regime import ModelRegime
-from services.gateway.regime import RegimePolicy
 from services.gateway.record import Reason, RoundRecord, RoundStats
 from services.gateway.round_policy import RoundPolicy
 from services.gateway.rounds import Round, check_workload
@@ -104,14 +103,12 @@ class Scheduler:
             under cost_mode "measured", a gated generation prices its drafts at the load its
             replies report (docs/gate.md §13), and the verify / plain costs are sampled only
             from rounds alone in their verifier step (None: no load pricing).
-        regime: the gateway's regime (`services.gateway.load_regime.ModelRegime`, or the
-            windowed `services.gateway.regime.RegimePolicy`): it learns from every drafted
-            round and may run gated rounds plain (None: the gates alone decide).
+        regime: the gateway's regime (`services.gateway.load_regime.ModelRegime`): it learns
+            from every drafted round and may run gated rounds plain (None: the gates alone
+            decide).
         warm: warm-start settings: each gated generation's gate starts from the calibration
             of the finished generations of its sampling band (`services.gateway.warm`;
             None: every gate starts cold).
-        clock: the monotonic clock (s) the regime's windows are timed with (the simulator
-            passes its virtual one).
         step_budget: how gated generations use the verifier's step budget ("off" | "trim" |
             "full", `services.gateway.round_policy`).
     """
@@ -120,8 +117,7 @@ class Scheduler:
                  verify_mode: str = "batched", cost_mode: str = "configured",
                  provider: TracerProvider | None = None, recorder: list[Round] | None = None, metrics=None,
                  costs: CostTracker | None = None, load: VerifierLoad | None = None,
-                 regime: ModelRegime | RegimePolicy | None = None, warm: WarmStart | None = None,
-                 clock: Callable[[], float] = time.perf_counter, jump_forward: bool = True,
+                 regime: ModelRegime | None = None, warm: WarmStart | None = None, jump_forward: bool = True,
                  step_budget: str = "off"):
         if verify_mode not in VERIFY_MODES:
             raise ValueError(f"verify mode={verify_mode!r}: must be one of {VERIFY_MODES}")
@@ -134,10 +130,9 @@ class Scheduler:
         self.metrics = metrics
         self.load = load
         self.regime = regime
-        self.clock = clock
         self.jump_forward = jump_forward  # submit the tokens a grammar forces as certain drafts
         self.step_budget = step_budget
-        self.in_flight = 0  # generations inside `generate` (the regime policy's concurrency)
+        self.in_flight = 0  # generations inside `generate` (the regime's concurrency)
         self.occupancy = VerifierOccupancy()  # generations inside a verifier call (the cover of load pricing)
         self.pricing_stats = PricingStats()  # the rounds priced at load (the Stats RPC)
         self.stats = ProcessStats(warm=None if warm is None else WarmBands(warm))
@@ -273,8 +268,6 @@ class Scheduler:
         finally:
             track.close("abort")  # no-op after the final message or an error
             self.in_flight -= 1
-            if self.in_flight == 0 and self.regime is not None:
-                self.regime.idle()
             span.end()
 
     def _finished(self, span, event: FinalEvent, t0: float, track) -> None:
@@ -447,8 +440,6 @@ class _Generation:
             self.commit_ms = 0.0 if defer else (time.perf_counter() - t0) * 1e3
             if alone and not defer and drafter is not None and self.link.session is drafter:  # a re-prime is no commit cost
                 s.costs.add_commit((time.perf_counter() - t0) * 1e3)
-            if s.regime is not None:
-                s.regime.record(max(s.in_flight, 1), a + 1, s.clock(), self.p.spec == "gated")
             self._record(span, RoundRecord(
                 plan.reason, len(drafts), k, a, self.cost,
                 confidence_logits=None if plan.conf is None else tuple(plan.conf), anchor_margin=margin,
@@ -484,8 +475,8 @@ class _Generation:
         """What this round submits and why: the pre-draft checks (for gated, the gateway's
         regime, then the pre-draft gate), the draft, then the length
         (`always` submits the cap, `gated` asks the gate; without confidences, the cap)."""
-        # One regime decision per round: a round that reopened a drafter session under one
-        # window must not let it go under the next.
+        # One regime decision per round: a round that reopened a drafter session because the
+        # regime let it draft must not let it go on a second ask (the load may have moved).
         may_draft: bool | None = None
         if self.link.session is None and not self.link.asleep:
             if self.link.backing_off:

@@ -44,7 +44,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    "synthetic rounds (services.gateway.synthetic)")
     p.add_argument("--workload", default=None, help="replay only this workload (default: each stream draws one)")
     p.add_argument("--arms", nargs="+", default=None, metavar="ARM",
-                   help="arms to run (default: all): plain, k1..k<block>, gated, gate-only, gated+margin, "
+                   help="arms to run (default: all): plain, k1..k<block>, gated, gate-only, "
                    "budget-trim, budget (the step budget, docs/gate.md §15)")
     p.add_argument("--streams", nargs="+", type=int, default=list(DEFAULT_STREAMS), metavar="N",
                    help="closed-loop concurrencies")

@@ -3,7 +3,7 @@
 Each generation runs the round protocol of `services.gateway.scheduler` (docs/architecture.md
 §3) with the gateway's own decision objects: its `RoundPolicy` (regime, load pricing, the
 gate's pre-draft decision and length choice, the caps) over a `Gate`, the shared
-`RegimePolicy`, and the verifier's `CommitRate` for lambda_sys. The verifier and the drafter
+`ModelRegime`, and the verifier's `CommitRate` for lambda_sys. The verifier and the drafter
 are `SimLoop`s over the services' `Schedule`; sessions open through `SessionTable`. What is
 modelled: the forwards (the step-time model), the network (`rpc_ms`, half each way) and what
 the drafts are worth (each round replays one recorded round of the stream's workload: its
@@ -28,7 +28,6 @@ from services.common.alignment import make_alignment
 from services.common.budget import StepBudget, StepTimes
 from services.gateway.record import Reason
 from services.gateway.load_regime import ModelRegime
-from services.gateway.regime import RegimePolicy
 from services.gateway.round_policy import RoundPolicy
 from services.gateway.rounds import Round
 from services.simulate.loops import Clock, Pool, Request, SimLoop
@@ -42,13 +41,13 @@ DEFERRED = (*PRE_DRAFT_SKIPS, Reason.REGIME)  # rounds whose commit waits for th
 @dataclass(frozen=True)
 class Arm:
     """A policy under test: spec mode ("off" | "always" | "gated"), max drafts per round
-    (0 = the block), which regime of the gateway runs and whether load pricing does, and gate settings
-    laid over the defaults (e.g. {"margin_auto": True})."""
+    (0 = the block), whether the gateway's model regime runs and whether load pricing does
+    (docs/gate.md §13-§14), and gate settings laid over the defaults (e.g. {"margin_auto": True})."""
 
     name: str
     spec: str
     max_drafts: int = 0
-    regime: str = ""  # the gateway's regime: "model" (ModelRegime), "windows" (RegimePolicy) or none
+    regime: bool = False  # the gateway runs the model regime (ModelRegime, docs/gate.md §14)
     load_pricing: bool = False
     gate: tuple[tuple[str, object], ...] = ()
     budget: str = "off"  # the verifier's step budget: "off" | "trim" | "full" (RoundPolicy)
@@ -148,7 +147,7 @@ class Gateway:
         self.rate = CommitRate()
         self.cost = config.gate_costs or model.single_stream(config.block_size)
         self.regime = (ModelRegime(config.block_size, lambda: self.budget_table, lambda: self.cost)
-                       if arm.regime == "model" else RegimePolicy() if arm.regime == "windows" else None)
+                       if arm.regime else None)
         self.budget_table = StepTimes(tuple(float(r) for r in ROW_BUCKETS),
                                       tuple(model.verifier_ms(r, 1) for r in ROW_BUCKETS))
         self.step_table = self.budget_table if arm.load_pricing or arm.budget != "off" else None
@@ -218,8 +217,6 @@ class Gateway:
         self.verifier.schedule.forget(gen.sid)
         gen.drafter.schedule.forget(gen.sid)
         self.in_flight -= 1
-        if self.in_flight == 0 and self.regime is not None:
-            self.regime.idle()
         if self.admission:
             nxt = self.admission.pop(0)
             nxt.sid = self.sessions.open(nxt)
@@ -374,8 +371,6 @@ class _Generation:
         self.pos += accepted + 1
         self.text_pos += accepted + 1
         self.uncommitted += accepted + 1
-        if gw.regime is not None:
-            gw.regime.record(max(gw.in_flight, 1), accepted + 1, gw.clock.now / 1e3, self.policy.spec == "gated")
         self._emit(accepted + 1)
         if self.emitted >= self.spec.output:
             return self._finish()

@@ -23,18 +23,14 @@ from services.simulate.models import ServiceModel
 
 
 def arm_registry(block_size: int) -> dict[str, Arm]:
-    """The arms by name: plain, k1..k<block>, gated (as served: the gate, load pricing and
-    the regime), gate-only (the gate alone), gated+margin (served, with the learned
-    pre-draft margin threshold), budget-trim (the gate's length, cut further by the
-    verifier's step budget) and budget (the gate's pre-draft decision, the step budget
-    choosing every length)."""
+    """The arms by name: plain, k1..k<block>, gated (as served: the gate alone, the model
+    regime with others in flight, docs/gate.md §14), gate-only (the gate alone), budget-trim
+    (the gate's length, cut further by the verifier's step budget) and budget (the gate's
+    pre-draft decision, the step budget choosing every length)."""
     arms = {"plain": Arm("plain", "off")}
     arms.update({f"k{k}": Arm(f"k{k}", "always", max_drafts=k) for k in range(1, block_size + 1)})
-    arms["gated"] = Arm("gated", "gated", regime="model")
-    arms["gated-windows"] = Arm("gated-windows", "gated", regime="windows", load_pricing=True)
+    arms["gated"] = Arm("gated", "gated", regime=True)
     arms["gate-only"] = Arm("gate-only", "gated")
-    arms["gated+margin"] = Arm("gated+margin", "gated", regime="windows", load_pricing=True,
-                               gate=(("margin_auto", True),))
     arms["budget-trim"] = Arm("budget-trim", "gated", budget="trim")
     arms["budget"] = Arm("budget", "gated", budget="full")
     return arms
