@@ -150,3 +150,23 @@ def test_served_gateway_runs_plain_where_the_model_says_so_and_stays_exact():
             loop.run(gw.close())
     finally:
         stack.close()
+
+
+def test_a_regime_decided_round_explains_itself():
+    """A gated round the regime decided carries (in flight, plain, draft) in its record, and its
+    one-line explanation (`dspark trace-report --rounds`) names them; alone, the gate decides
+    and the round carries none."""
+    from services.gateway.gate import Gate, Reason
+    from services.gateway.record import RoundRecord
+    from services.gateway.round_policy import RoundPolicy
+
+    r = regime()
+    for _ in range(30):
+        r.observe(16, (0.0,) * 5, 4.0)
+    policy = RoundPolicy("gated", Gate(GateConfig(enabled=True)), r, None, 5, 4096, 100)
+    assert not policy.regime_drafts(16, pos=10, emitted=3)
+    n, plain, draft = policy.regime_inputs()
+    assert n == 16 and plain == pytest.approx(16 / 21) and draft < plain
+    line = RoundRecord(Reason.REGIME, 0, 0, 0, COST, regime=policy.regime_inputs()).why()
+    assert f"regime at 16 in flight: draft {draft:.4g} vs plain {plain:.4g} tok/ms" in line
+    assert policy.regime_drafts(1, pos=11, emitted=4) and policy.regime_inputs() is None

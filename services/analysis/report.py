@@ -394,6 +394,6 @@ def why_lines(spans: Sequence[Span]) -> list[str]:
         line = explain(str(a("spec_decode.gate_reason", "?")), int(a("spec_decode.submitted", 0)),
                        int(a("spec_decode.drafted", 0)), int(a("spec_decode.accepted", 0)), a("spec_decode.asked"),
                        tuple(a("spec_decode.survival", ()) or ()), a("spec_decode.lambda"),
-                       tuple(a("spec_decode.values", ()) or ()))
+                       tuple(a("spec_decode.values", ()) or ()), tuple(a("spec_decode.regime", ()) or ()))
         lines.append(f"{sp.trace_id[:12]} round {a('spec_decode.round', '?')}: {line}")
     return lines

@@ -66,7 +66,9 @@ class RoundRecord:
     or not made. choice: the gate's length decision with what it read and weighed
     (`LengthChoice`: survival, lambda, value per k), None when the round made none; asked: the
     drafts sent to verify before the verifier's step budget cut the block (None: not cut, so
-    `submitted`).
+    `submitted`); regime: when the gateway's model regime decided the round (more than one
+    generation in flight: docs/gate.md §14), what it weighed, (generations in flight, plain
+    tok/ms, draft tok/ms); None otherwise.
 
     Counts are stored as int (numpy integers accepted). Raises ValueError naming the field
     when a count is not an integer >= 0, accepted > submitted, submitted > drafted, submitted >
@@ -86,6 +88,7 @@ class RoundRecord:
     plain_ms: float | None = None
     choice: LengthChoice | None = None
     asked: int | None = None
+    regime: tuple[int, float, float] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.reason, Reason):
@@ -157,7 +160,7 @@ class RoundRecord:
         `dspark trace-report --rounds` prints from a round span's attributes)."""
         return explain(self.reason.value, self.submitted, self.drafted, self.accepted, self.asked,
                        self.choice.survival if self.choice else (), self.choice.rate if self.choice else None,
-                       self.choice.values if self.choice else ())
+                       self.choice.values if self.choice else (), self.regime)
 
 
 def _merge(mine: object, theirs: object) -> object:
@@ -353,11 +356,15 @@ class RoundStats:
 
 
 def explain(reason: str, submitted: int, drafted: int, accepted: int, asked: int | None,
-            survival, rate: float | None, values) -> str:
+            survival, rate: float | None, values, regime=None) -> str:
     """Why a round submitted what it did, in one line (`RoundRecord.why`, `dspark trace-report
-    --rounds`): the drafts submitted of those drafted and the reason, the step budget's cut,
-    lambda, each position's survival and value(k) per k, and what was accepted."""
+    --rounds`): the drafts submitted of those drafted and the reason, the model regime's
+    rates when it decided (`regime`: in flight, plain and draft tok/ms), the step budget's
+    cut, lambda, each position's survival and value(k) per k, and what was accepted."""
     parts = [f"submitted {submitted} of {drafted} ({reason})"]
+    if regime:
+        n, plain, draft = regime
+        parts.append(f"regime at {int(n)} in flight: draft {draft:.4g} vs plain {plain:.4g} tok/ms")
     if asked is not None and asked != submitted:
         parts.append(f"the step budget cut {asked} to {submitted}")
     if rate is not None:

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from services.gateway.gate import Gate, LengthChoice
 from services.common.budget import StepTimes, admit_drafts
 from services.gateway.load import LoadSeen, PricingStats, priced_at_load
-from services.gateway.load_regime import ModelRegime
+from services.gateway.load_regime import Goodput, ModelRegime
 from services.gateway.record import Reason, drafted_reason
 
 BUDGETS = ("off", "trim", "full")
@@ -78,6 +78,7 @@ class RoundPolicy:
         self.in_flight = 1  # generations in flight at the last regime decision
         self.drafted_pos = 0  # anchor position of the last drafted round (rows the drafter holds)
         self.drafted_last = False  # the last round drafted
+        self.goodput: Goodput | None = None  # what the model regime weighed for this round
 
     def regime_drafts(self, in_flight: int, pos: int = 0, emitted: int = 0) -> bool:
         """Whether the gateway's regime lets this generation draft with `in_flight` (>= 0)
@@ -85,10 +86,18 @@ class RoundPolicy:
         always, unless it is gated and the regime at that concurrency is plain (docs/gate.md
         §14; the model regime also prices re-priming the rows held since the last draft)."""
         self.in_flight = max(in_flight, 1)
+        self.goodput = self.regime.goodput(self.in_flight) if self.regime is not None and in_flight > 1 else None
         if self.regime is None:
             return True
         held = max(pos - self.drafted_pos, 0)
         return self.regime.may_draft(self.in_flight, held, self.max_tokens - emitted)
+
+    def regime_inputs(self) -> tuple[int, float, float] | None:
+        """What the model regime weighed for the round just decided, (generations in flight,
+        plain tok/ms, draft tok/ms), when it decided it (more than one in flight, with a step
+        table); None when the gate did (the round record's and span's `regime`)."""
+        g = self.goodput
+        return None if g is None else (g.in_flight, g.plain, g.draft)
 
     def _regime_lengths(self) -> bool:
         """The model regime submits the cap for this round, not the gate (module docstring)."""

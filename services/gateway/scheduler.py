@@ -444,7 +444,8 @@ class _Generation:
                 plan.reason, len(drafts), k, a, self.cost,
                 confidence_logits=None if plan.conf is None else tuple(plan.conf), anchor_margin=margin,
                 draft_ms=plan.draft_ms, verify_ms=verify_ms if k > 0 else None, plain_ms=verify_ms if k == 0 else None,
-                choice=self.policy.choice if plan.conf is not None else None, asked=asked if asked != k else None))
+                choice=self.policy.choice if plan.conf is not None else None, asked=asked if asked != k else None,
+                regime=self.policy.regime_inputs() if plan.reason not in _UNDECIDED else None))
             return a, [*drafts[:a], res.next_token], res.margin, res.logprobs
 
     async def _forced_round(self, anchor: int, pos: int, margin: float, plan: _Plan, forced: list[int], span, tc
@@ -552,10 +553,15 @@ class _Generation:
             self.s.recorder.append(r.to_round(self.p.label))
 
 
+# Rounds that ended before the regime was asked (its inputs would be another round's).
+_UNDECIDED = (Reason.NO_DRAFTER, Reason.NO_ROOM)
+
+
 def _decision_attributes(span, r: RoundRecord) -> None:
     """The length decision's inputs and outputs on the round span (docs/gate.md §7), what
     `dspark trace-report --rounds` explains a round from: survival per position, lambda,
-    value(k) per k, and the drafts asked before the step budget's cut."""
+    value(k) per k, the drafts asked before the step budget's cut, and the model regime's
+    (in flight, plain tok/ms, draft tok/ms) when it decided."""
     c = r.choice
     if c is not None and c.survival:
         span.set_attribute("spec_decode.survival", [float(v) for v in c.survival])
@@ -565,6 +571,8 @@ def _decision_attributes(span, r: RoundRecord) -> None:
         span.set_attribute("spec_decode.values", [float(v) for v in c.values])
     if r.asked is not None:
         span.set_attribute("spec_decode.asked", r.asked)
+    if r.regime is not None:
+        span.set_attribute("spec_decode.regime", [float(v) for v in r.regime])
 
 
 @dataclass(frozen=True)
