@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -58,6 +59,9 @@ PRIOR_BLOCKS = 4.0
 SURVIVAL_DECAY = 0.98
 # Weight of a bucket's earlier drafter legs against a new one.
 LEG_DECAY = 0.9
+# The largest count (generations, rows, tokens) the model takes: exact as a float, and far
+# beyond any real gateway's; a larger one is a caller's bug, refused rather than overflowing.
+MAX_COUNT = 2**53
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,17 @@ class Goodput:
     plain: float
     draft: float
     leg_ms: float
+
+    def __post_init__(self) -> None:
+        """Raises ValueError naming the field on an in_flight that is not an int in
+        [1, MAX_COUNT], a rate that is not finite and > 0 (plain) or >= 0 (draft), or a leg
+        that is not finite and >= 0."""
+        _count("in_flight", self.in_flight, 1)
+        for name, value, low_ok in (("plain", self.plain, False), ("draft", self.draft, True),
+                                    ("leg_ms", self.leg_ms, True)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
+                    or value < 0 or (value == 0 and not low_ok):
+                raise ValueError(f"{name}={value!r}: must be a finite number {'>=' if low_ok else '>'} 0")
 
     @property
     def drafts(self) -> bool:
@@ -88,7 +103,7 @@ class ModelRegime:
     """
 
     def __init__(self, block: int, table: Callable[[], StepTimes | None], cost: Callable[[], CostModel]):
-        if not isinstance(block, int) or block < 1:
+        if isinstance(block, bool) or not isinstance(block, int) or block < 1:
             raise ValueError(f"block={block!r}: must be an int >= 1")
         self.block, self.table, self.cost = block, table, cost
         self.survival = [1.0] * block  # pooled s_j, the prior to begin with
@@ -98,11 +113,12 @@ class ModelRegime:
 
     # ------------------------------------------------------------------ decide
     def goodput(self, in_flight: int) -> Goodput | None:
-        """The model at `in_flight` generations (an int >= 1); None without a step table."""
+        """The model at `in_flight` generations (an int >= 0; 0 is priced as 1); None without a
+        step table. Raises ValueError naming a bad in_flight (class docstring)."""
+        n = max(_count("in_flight", in_flight, 0), 1)
         table = self.table()
         if table is None:
             return None
-        n = max(int(in_flight), 1)
         cost = self.cost()
         overhead = max(cost.plain_ms - table.ms_at(1), 0.0)
         leg = self._leg(n, cost)
@@ -114,7 +130,11 @@ class ModelRegime:
         """Whether a gated round starting with `in_flight` generations in flight may draft:
         always alone (its gate decides); else when the model's draft rate beats plain's and,
         for a generation holding `held_rows` rows back from the drafter, waking saves more than
-        re-priming them costs over its `tokens_left` tokens (module docstring)."""
+        re-priming them costs over its `tokens_left` tokens (module docstring). Raises
+        ValueError naming a bad count (class docstring)."""
+        _count("in_flight", in_flight, 0)
+        _count("held_rows", held_rows, -MAX_COUNT)
+        _count("tokens_left", tokens_left, -MAX_COUNT)
         if in_flight <= 1:
             return True
         g = self.goodput(in_flight)
@@ -129,8 +149,9 @@ class ModelRegime:
 
     def decides_length(self, in_flight: int) -> bool:
         """Whether a drafting round submits the full block without asking its gate: at more
-        than one generation in flight (with a table), where the regime prices the system."""
-        return in_flight > 1 and self.table() is not None
+        than one generation in flight (with a table), where the regime prices the system.
+        Raises ValueError naming a bad in_flight (class docstring)."""
+        return _count("in_flight", in_flight, 0) > 1 and self.table() is not None
 
     # ------------------------------------------------------------------ learn
     def observe(self, in_flight: int, survival: Sequence[float], leg_ms: float | None) -> None:
@@ -138,8 +159,13 @@ class ModelRegime:
         drafts 1..j were all accepted, else 0.0; a block shorter than `block` is not pooled)
         and its drafter legs (ms: the draft call and the commit before it; None when not
         measured).
-        Raises ValueError on a survival outside [0, 1] or a negative or non-finite leg."""
-        values = [float(s) for s in survival]
+        Raises ValueError on a bad in_flight (class docstring), a survival outside [0, 1] or
+        not a number, or a negative or non-finite leg."""
+        _count("in_flight", in_flight, 0)
+        try:
+            values = [float(s) for s in survival]
+        except (TypeError, ValueError):
+            raise ValueError(f"survival={survival!r}: must be a sequence of probabilities") from None
         if any(not 0.0 <= s <= 1.0 for s in values):
             raise ValueError(f"survival={values}: each must be a probability in [0, 1]")
         if leg_ms is not None and not (math.isfinite(leg_ms) and leg_ms >= 0):
@@ -172,6 +198,13 @@ class ModelRegime:
         return {"kind": "model", "survival": [round(s, 4) for s in self.survival], "blocks": self.blocks,
                 "leg_ms": {_bucket_name(b): round(ms, 3) for b, ms in sorted(self.legs.items())},
                 "in_flight": rates}
+
+
+def _count(name: str, value: object, low: int) -> int:
+    """`value` as a count: an int (not a bool) in [low, MAX_COUNT]; else ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value <= MAX_COUNT:
+        raise ValueError(f"{name}={value!r}: must be an int in [{low}, {MAX_COUNT}]")
+    return int(value)
 
 
 def _bucket(in_flight: int) -> int:

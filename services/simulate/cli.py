@@ -2,7 +2,7 @@
 
 Owns the command's flags, output and exit codes; every figure comes from `services.simulate.run`.
 Bad input (a cost file with a negative or non-monotone time, an empty or unreadable rounds
-file, 0 streams, a rate <= 0, an unknown arm) exits 2 with one line on stderr naming the value.
+file, 0 streams, a rate below 0.001 per second, a negative seed, an unknown arm) exits 2 with one line on stderr naming the value.
 """
 
 from __future__ import annotations
@@ -85,6 +85,8 @@ def _inputs(args):
     for name in ("per_stream", "requests", "max_sessions", "prefill_chunk", "block_size", "drafters", "cores"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    if args.seed < 0:
+        raise ValueError(f"--seed={args.seed}: must be >= 0")
     bad = [n for n in args.streams if n < 1]
     if bad:
         raise ValueError(f"--streams {bad[0]}: a concurrency must be >= 1")

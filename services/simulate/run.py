@@ -21,6 +21,11 @@ from services.gateway.rounds import Round, RoundLog
 from services.simulate.engine import Arm, Gateway, RecordedText, RunConfig, StreamSpec
 from services.simulate.models import ServiceModel
 
+# The slowest open-loop arrival rate (generations per second): one every ~17 minutes. Slower
+# arrivals put a cell's virtual clock where its figures (tokens per s, rounded to 1e-6) read 0
+# and, below ~1e-305 per s, where the arrival gaps overflow to inf.
+MIN_RATE = 1e-3
+
 
 def arm_registry(block_size: int) -> dict[str, Arm]:
     """The arms by name: plain, k1..k<block>, gated (as served: the gate alone, the model
@@ -66,7 +71,8 @@ def parse_lengths(text: str, flag: str) -> Lengths:
 class Load:
     """Closed loop (`streams` streams, `per_stream` generations each, back to back) when rate
     is None, else open loop: `requests` generations arriving as a Poisson process at `rate`
-    per second. Raises ValueError naming the value on streams < 1, rate <= 0 or requests < 1."""
+    per second. Raises ValueError naming the value on streams < 1, a rate that is not finite
+    or below MIN_RATE, or requests < 1."""
 
     streams: int = 1
     per_stream: int = 1
@@ -76,8 +82,9 @@ class Load:
     def __post_init__(self) -> None:
         if self.rate is None and (self.streams < 1 or self.per_stream < 1):
             raise ValueError(f"streams={self.streams}, per_stream={self.per_stream}: must be >= 1")
-        if self.rate is not None and not (math.isfinite(self.rate) and self.rate > 0):
-            raise ValueError(f"--rate {self.rate!r}: must be a finite number of requests per second > 0")
+        if self.rate is not None and not (math.isfinite(self.rate) and self.rate >= MIN_RATE):
+            raise ValueError(f"--rate {self.rate!r}: must be a finite number of requests per second "
+                             f">= {MIN_RATE:g}")
         if self.rate is not None and self.requests < 1:
             raise ValueError(f"requests={self.requests}: must be >= 1")
 

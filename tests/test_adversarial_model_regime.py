@@ -1,0 +1,208 @@
+"""Trying to break the gateway's model regime (services/gateway/load_regime.py, docs/gate.md §14)
+and `dspark simulate` that runs it.
+
+Through real in-process services (port 0, real channels, sequential verify, where drafting never
+changes a token) with a real `ModelRegime` over a step table on which drafting pays at 2
+generations in flight and never from 3 on: bursts of gated generations with mixed max_tokens,
+stop strings, seeds and temperatures, ramping up and draining so the regime flips, clients
+cancelling mid-stream; afterwards every finished generation streamed plain decode's tokens (for
+its seed) and no backend session is left open. Unit level: bad inputs to `ModelRegime` and
+`Goodput`; CLI level: bad `dspark simulate` flags, each a clear error naming the value.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+
+from dspark_proto.v1 import gateway_pb2
+from services.common.budget import StepTimes
+from services.gateway.decision import CostModel
+from services.gateway.gate import GateConfig
+from services.gateway.load_regime import Goodput, ModelRegime
+from services_fixtures import Generation, block_size, collect, gen_request, service_loop, start_stack
+
+PROMPTS = ("the model regime", "a short neighbour", "speculative decoding", "xyz", "a burst drains")
+# Flat 10 ms up to 16 rows, then 10 s a step: at 2 in flight a drafted round forwards
+# 2 * (block + 1) = 12 rows (flat), from 3 in flight 18 or more (dear).
+BOUNDARY = StepTimes((1.0, 16.0, 17.0), (10.0, 10.0, 1e4))
+# A round's overhead beyond its step of 1 s (plain_ms - step(1)): drafting at 2 in flight pays
+# whatever the measured drafter legs on this box, unless nearly nothing is accepted.
+COST = CostModel(draft_ms=3.0, verify_base_ms=10.0, verify_slope_ms=1.0, plain_ms=1010.0, commit_ms=1.0)
+
+
+def boundary_regime() -> ModelRegime:
+    return ModelRegime(block_size(), lambda: BOUNDARY, lambda: COST)
+
+
+@pytest.fixture(scope="module")
+def dspark():
+    stack = start_stack("dspark", gate_config=GateConfig(enabled=True), drafter_max_sessions=64,
+                        verifier_max_sessions=64)
+    yield stack
+    stack.close()
+
+
+def _request(i: int, spec: str) -> gateway_pb2.GenerateRequest:
+    """The i-th request of a burst: max_tokens cycling 1, 2, 3, 50, 17; every fourth with a
+    stop string, every third sampled at its own seed."""
+    req = gen_request(PROMPTS[i % len(PROMPTS)], max_tokens=(1, 2, 3, 50, 17)[i % 5], spec=spec,
+                      stop=("e ",) if i % 4 == 1 else (), temperature=0.9 if i % 3 == 2 else 0.0)
+    if i % 3 == 2:
+        req.seed = 1000 + i
+    return req
+
+
+async def _partial(stub, req, cancel_after: int) -> list[int]:
+    """Stream `req`, cancel the call after `cancel_after` messages; the tokens seen."""
+    call = stub.Generate(req, timeout=60)
+    tokens: list[int] = []
+    async for msg in call:
+        tokens.extend(msg.token_ids)
+        if len(tokens) >= cancel_after:
+            call.cancel()
+            break
+    return tokens
+
+
+def test_a_real_regime_flipping_at_its_boundary_keeps_every_stream_exact_and_leaks_nothing(dspark):
+    """24 gated generations in three waves (8 arrive, 8 more 50 ms later, 8 more once the
+    first wave ended), so in flight climbs past the boundary (3) and drains back through it:
+    the regime runs them plain and lets them draft again. Every fifth client cancels after
+    a few tokens. Each finished generation streams its plain decode (spec off, same seed);
+    afterwards no session is open anywhere, nothing is in flight, the regime answered both
+    ways and pooled real blocks, and Stats reports it as plain JSON."""
+    loop = service_loop()
+    gw = loop.run(dspark.start_gateway("sequential", regime=True))
+    try:
+        regime = boundary_regime()
+        asked = {"draft": 0, "plain": 0}
+        may_draft = regime.may_draft
+
+        def counting(in_flight, held_rows=0, tokens_left=0):
+            answer = may_draft(in_flight, held_rows, tokens_left)
+            asked["draft" if answer else "plain"] += 1
+            return answer
+        regime.may_draft = counting
+        gw.scheduler.regime = regime
+
+        async def references():
+            return await asyncio.gather(*(collect(gw.stub, _request(i, "off")) for i in range(24)))
+        refs = loop.run(references(), 300)
+
+        async def one(i):
+            req = _request(i, "gated")
+            if i % 5 == 4:
+                return await _partial(gw.stub, req, 2)
+            return await collect(gw.stub, req)
+
+        async def waves():
+            first = [asyncio.create_task(one(i)) for i in range(8)]
+            await asyncio.sleep(0.05)
+            second = [asyncio.create_task(one(i)) for i in range(8, 16)]
+            done = await asyncio.gather(*first, return_exceptions=True)
+            third = [asyncio.create_task(one(i)) for i in range(16, 24)]
+            return list(done) + list(await asyncio.gather(*second, *third, return_exceptions=True))
+        results = loop.run(waves(), 300)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert not errors, errors[:3]
+        for i, (got, ref) in enumerate(zip(results, refs)):
+            if isinstance(got, Generation):
+                assert got.token_ids == ref.token_ids, i
+                assert got.final.text == ref.final.text and got.finish_reason == ref.finish_reason, i
+                assert not got.stats.drafter_failed, i
+            else:
+                assert got == ref.token_ids[:len(got)], i
+        assert not any(loop.run(dspark.await_idle()).values())
+        assert gw.scheduler.in_flight == 0 and gw.scheduler.occupancy.inside == 0
+        assert asked["plain"] > 0 and asked["draft"] > 0, asked
+        assert regime.blocks > 0 and all(0.0 <= s <= 1.0 for s in regime.survival)
+
+        async def stats():
+            return json.loads((await gw.stub.Stats(gateway_pb2.StatsRequest(), timeout=10)).json)
+        view = loop.run(stats())["regime"]
+        assert view["kind"] == "model" and view["blocks"] == regime.blocks
+        assert view["in_flight"]["2"]["drafts"] is True and view["in_flight"]["4"]["drafts"] is False
+    finally:
+        loop.run(gw.close())
+
+
+@pytest.mark.parametrize("call, named", [
+    (lambda r: r.may_draft(math.nan), "in_flight=nan"),
+    (lambda r: r.may_draft(math.inf), "in_flight=inf"),
+    (lambda r: r.may_draft(-5), "in_flight=-5"),
+    (lambda r: r.may_draft(2.5), "in_flight=2.5"),
+    (lambda r: r.may_draft(True), "in_flight=True"),
+    (lambda r: r.goodput(math.nan), "in_flight=nan"),
+    (lambda r: r.goodput(10**400), "in_flight=1000"),
+    (lambda r: r.decides_length(math.nan), "in_flight=nan"),
+    (lambda r: r.may_draft(2, math.nan, 10), "held_rows=nan"),
+    (lambda r: r.may_draft(2, 10, math.nan), "tokens_left=nan"),
+    (lambda r: r.may_draft(2, 10**400, 10), "held_rows=1000"),
+    (lambda r: r.may_draft(2, 10, 10**400), "tokens_left=1000"),
+    (lambda r: r.observe(math.nan, (1.0,) * block_size(), 1.0), "in_flight=nan"),
+    (lambda r: r.observe(-3, (1.0,) * block_size(), 1.0), "in_flight=-3"),
+    (lambda r: r.observe(2, "abc", 1.0), "survival='abc'"),
+])
+def test_bad_counts_are_refused_naming_the_value(call, named):
+    """Before: NaN / inf in_flight raised int()'s own error (naming nothing), a negative one
+    drafted, a NaN held_rows or tokens_left silently answered plain, and a count beyond a
+    float overflowed. Now each is a ValueError naming it, and the regime is unchanged."""
+    r = boundary_regime()
+    with pytest.raises(ValueError, match=named):
+        call(r)
+    assert r.blocks == 0 and r.legs == {} and r.survival == [1.0] * block_size()
+
+
+def test_in_range_counts_still_answer_as_before():
+    """Counts the callers pass are untouched: 0 in flight is one generation, negative rows
+    held and tokens left count as 0, 2**53 rows held keep it plain, numpy ints are ints."""
+    import numpy as np
+    r = boundary_regime()
+    assert r.may_draft(0) and r.may_draft(1) and r.may_draft(2) and not r.may_draft(3)
+    assert r.goodput(0) == r.goodput(1) and r.may_draft(2, -300, -4)
+    assert not r.may_draft(2, 2**53, 10) and r.may_draft(np.int64(2), np.int32(0), np.int64(5))
+
+
+@pytest.mark.parametrize("fields, named", [
+    ((0, 1.0, 1.0, 0.0), "in_flight=0"),
+    ((2.0, 1.0, 1.0, 0.0), "in_flight=2.0"),
+    ((2, math.nan, 1.0, 0.0), "plain=nan"),
+    ((2, 0.0, 1.0, 0.0), "plain=0.0"),
+    ((2, 1.0, math.inf, 0.0), "draft=inf"),
+    ((2, 1.0, -1.0, 0.0), "draft=-1.0"),
+    ((2, 1.0, 1.0, -1.0), "leg_ms=-1.0"),
+    ((2, 1.0, 1.0, math.nan), "leg_ms=nan"),
+])
+def test_a_goodput_out_of_its_domain_is_refused(fields, named):
+    """Before: Goodput took any values, and a NaN rate made `drafts` silently False."""
+    with pytest.raises(ValueError, match=named):
+        Goodput(*fields)
+    assert Goodput(2, 1.0, 0.0, 0.0).drafts is False and Goodput(2, 1.0, 1.5, 3.0).drafts is True
+
+
+def test_a_bool_block_is_refused():
+    with pytest.raises(ValueError, match="block=True"):
+        ModelRegime(True, lambda: BOUNDARY, lambda: COST)
+
+
+@pytest.mark.parametrize("args, named", [
+    (("--seed", "-1"), "--seed=-1"),  # before: numpy's traceback, exit 1
+    (("--rate", "1e-9", "--requests", "4"), "--rate 1e-09"),  # before: ZeroDivisionError (tok/s read 0)
+    (("--rate", "1e-320", "--requests", "2"), "--rate 1e-320"),  # before: the regime's leg_ms=nan, exit 1
+    (("--rate", "0.0009", "--requests", "2"), "--rate 0.0009"),
+])
+def test_bad_simulate_flags_exit_2_naming_the_value(capsys, args, named):
+    """`dspark simulate` refuses each with exit 2 and one line naming the value, no traceback;
+    the slowest rate allowed still runs."""
+    from services.cli import main
+    base = ("simulate", "--arms", "plain", "gated", "--prompt", "8", "--output", "8", "--json")
+    assert main([*base, *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dspark simulate: error: ") and named in err and "Traceback" not in err
+    assert main([*base, "--rate", "0.001", "--requests", "2"]) == 0
+    cell = json.loads(capsys.readouterr().out)["cells"]["0.001/s"]
+    assert cell["plain"]["aggregate_tok_s"] > 0 and cell["gated"]["aggregate_tok_s"] > 0
