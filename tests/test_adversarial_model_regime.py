@@ -206,3 +206,88 @@ def test_bad_simulate_flags_exit_2_naming_the_value(capsys, args, named):
     assert main([*base, "--rate", "0.001", "--requests", "2"]) == 0
     cell = json.loads(capsys.readouterr().out)["cells"]["0.001/s"]
     assert cell["plain"]["aggregate_tok_s"] > 0 and cell["gated"]["aggregate_tok_s"] > 0
+
+
+def test_closing_the_gateway_with_generations_asleep_frees_every_session(dspark):
+    """8 long gated generations at 8 in flight, where the boundary regime runs them plain
+    (their drafter sessions let go); the gateway stops with all of them mid-stream. Every
+    client call (on a channel of its own, which stays open) ends with an error, no hang; the
+    gateway counts nothing in flight and neither backend keeps a session."""
+    import grpc
+    from dspark_proto.v1 import gateway_pb2_grpc
+    loop = service_loop()
+    gw = loop.run(dspark.start_gateway("sequential", regime=True))
+    regime = gw.scheduler.regime = boundary_regime()
+    closed = False
+    try:
+        async def run():
+            async with grpc.aio.insecure_channel(gw.target) as channel:
+                stub = gateway_pb2_grpc.GatewayStub(channel)
+                calls = [stub.Generate(gen_request(PROMPTS[i % len(PROMPTS)], max_tokens=200, spec="gated"),
+                                       timeout=60) for i in range(8)]
+                for call in calls:  # every generation past its prefill and first rounds
+                    for _ in range(3):
+                        await call.read()
+                in_flight = gw.scheduler.in_flight
+                await gw.close()
+
+                async def end(call):
+                    try:
+                        while (await call.read()) is not grpc.aio.EOF:
+                            pass
+                        return await call.code()
+                    except grpc.aio.AioRpcError as exc:
+                        return exc.code()
+                return in_flight, await asyncio.gather(*(end(c) for c in calls))
+        in_flight, codes = loop.run(run(), 120)
+        closed = True
+        assert in_flight == 8 and not regime.may_draft(8)
+        assert all(code != grpc.StatusCode.OK for code in codes), codes
+        assert gw.scheduler.in_flight == 0
+        assert not any(loop.run(dspark.await_idle()).values())
+    finally:
+        if not closed:
+            loop.run(gw.close())
+
+
+def test_weird_tables_that_change_every_ask_and_a_full_drafter_keep_streams_exact():
+    """The verifier's table as the gateway sees it changes on every read: none, one point,
+    flat at 0 ms, near the 1e8 ms bound, the boundary table; the single-stream costs have
+    commit_ms 0 (waking is free) and a drafter with 2 slots refuses most wakes (full). 12
+    gated generations (greedy and seeded, mixed lengths, stop strings) stream their plain
+    decode; no generation gives its drafter up, the full refusals are counted, nothing is
+    left open."""
+    tables = [None, StepTimes((1.0,), (5.0,)), StepTimes((1.0, 64.0), (0.0, 0.0)),
+              StepTimes((1.0, 2.0), (1.0, 9.9e7)), BOUNDARY]
+    reads = [0]
+
+    def table():
+        reads[0] += 1
+        return tables[reads[0] % len(tables)]
+    free_commit = CostModel(draft_ms=3.0, verify_base_ms=10.0, verify_slope_ms=1.0, plain_ms=11.0, commit_ms=0.0)
+    loop = service_loop()
+    stack = start_stack("dspark", gate_config=GateConfig(enabled=True), drafter_max_sessions=2)
+    try:
+        gw = loop.run(stack.start_gateway("sequential", regime=True))
+        try:
+            regime = gw.scheduler.regime = ModelRegime(block_size(), table, lambda: free_commit)
+
+            async def burst(spec):
+                return await asyncio.gather(*(collect(gw.stub, _request(i, spec)) for i in range(12)))
+            refs = loop.run(burst("off"), 300)
+            gens = loop.run(burst("gated"), 300)
+            for i, (g, ref) in enumerate(zip(gens, refs)):
+                assert g.token_ids == ref.token_ids and g.final.text == ref.final.text, i
+                assert not g.stats.drafter_failed, i
+            async def stats():
+                return json.loads((await gw.stub.Stats(gateway_pb2.StatsRequest(), timeout=10)).json)
+            faults = loop.run(stats())
+            assert faults["drafter_failures"]["failures"].get("full", 0) > 0
+            assert faults["drafter_failures"]["plain_generations"] == 0
+            assert reads[0] > 12 and all(0.0 <= s <= 1.0 for s in regime.survival)
+            assert json.loads(json.dumps(regime.to_dict()))["kind"] == "model"
+            assert not any(loop.run(stack.await_idle()).values()) and gw.scheduler.in_flight == 0
+        finally:
+            loop.run(gw.close())
+    finally:
+        stack.close()
