@@ -291,3 +291,53 @@ def test_weird_tables_that_change_every_ask_and_a_full_drafter_keep_streams_exac
             loop.run(gw.close())
     finally:
         stack.close()
+
+
+def test_generations_asleep_when_the_drafter_dies_wake_into_plain_decode():
+    """Three gated generations at 3 in flight run plain under the boundary regime (asleep);
+    the drafter stops; the shortest ends, the two left are at 2 in flight where drafting
+    pays, so they wake: the priming fails (dead), the one failover fails too, and each goes
+    on with plain decode's tokens, drafter_failed, every verifier session closed."""
+    import grpc
+    loop = service_loop()
+    stack = start_stack("dspark", gate_config=GateConfig(enabled=True))
+    try:
+        gw = loop.run(stack.start_gateway("sequential", regime=True, drafter_failovers=1, round_timeout_s=5.0))
+        try:
+            regime = gw.scheduler.regime = boundary_regime()
+            lengths = (48, 48, 8)
+            refs = [loop.run(collect(gw.stub, gen_request(p, max_tokens=n, spec="off")))
+                    for p, n in zip(PROMPTS, lengths)]
+
+            async def run():
+                calls = [gw.stub.Generate(gen_request(p, max_tokens=n, spec="gated"), timeout=60)
+                         for p, n in zip(PROMPTS, lengths)]
+                gens = [Generation() for _ in calls]
+                for call, g in zip(calls, gens):  # all three in flight, past their first rounds
+                    for _ in range(2):
+                        g.add(await call.read())
+                await stack.drafter.stop(0)
+
+                async def rest(call, g):
+                    while (msg := await call.read()) is not grpc.aio.EOF:
+                        g.add(msg)
+                    return g
+                return await asyncio.gather(*(rest(c, g) for c, g in zip(calls, gens)))
+            gens = loop.run(run(), 120)
+            for g, ref in zip(gens, refs):
+                assert g.token_ids == ref.token_ids
+            assert gens[0].stats.drafter_failed and gens[1].stats.drafter_failed
+            assert regime.may_draft(2) and not regime.may_draft(3)
+            assert gw.scheduler.in_flight == 0
+
+            async def verifier_idle():  # the stopped drafter answers no Info: ask the engine
+                for _ in range(300):
+                    if stack.verifier_engine.num_sessions == 0:
+                        return True
+                    await asyncio.sleep(0.05)
+                return False
+            assert loop.run(verifier_idle())
+        finally:
+            loop.run(gw.close())
+    finally:
+        loop.run(stack.verifier.stop(0))
