@@ -364,3 +364,61 @@ def test_on_a_flat_one_point_table_the_regime_keeps_up_with_plain(tmp_path, caps
     ratios = json.loads(capsys.readouterr().out)["ratios"]
     for load in ("4", "8"):
         assert ratios[load]["gated"] >= 0.98 * max(1.0, ratios[load]["k5"]), (load, ratios[load])
+
+
+def test_a_primed_generation_is_not_charged_a_wake_when_a_neighbour_arrives(dspark):
+    """A gated generation alone whose gate skips every round before drafting (margin
+    threshold) keeps its drafter session primed: its rows are deferred and flushed, never
+    let go. When a plain neighbour arrives, at 2 in flight, the regime's model says drafting
+    pays. It must draft: there is nothing to re-prime, so the wake price (commit_ms per row
+    held back) does not apply. Before the fix every row since its prompt counted as held
+    (76 rows x 10 ms against 100 tokens x 7 ms saved), so it ran plain and let its primed
+    session go. Stepped by hand on the scheduler (no timing): A runs 60 tokens alone, then
+    A and B alternate one event each."""
+    import dataclasses as dc
+    from services.gateway.backends import LocalDrafterSession, LocalVerifierSession
+    from services.gateway.drafters import DrafterSupply
+    from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler
+    from services_fixtures import tiny_tokenizer
+    from verifier_fixtures import loop_of
+    loop = service_loop()
+    cfg = dspark.verifier_engine.cfg
+    limits = ModelLimits(cfg.vocab_size, cfg.max_seq_len, cfg.eos_token_id, cfg.dspark_block_size, True)
+    flat = StepTimes((1.0, 64.0), (10.0, 10.0))
+    dear_commit = CostModel(draft_ms=3.0, verify_base_ms=10.0, verify_slope_ms=1.0, plain_ms=11.0, commit_ms=10.0)
+    regime = ModelRegime(limits.block_size, lambda: flat, lambda: dear_commit)
+    g2 = regime.goodput(2)
+    saved_ms = 100 * 2 * (1 / g2.plain - 1 / g2.draft)  # over the 100 tokens A has left
+    assert g2.drafts and saved_ms == pytest.approx(700.0) and 31 * 10.0 < saved_ms < 76 * 10.0
+    sched = Scheduler(limits, tiny_tokenizer(), dc.replace(GateConfig(enabled=True), margin_threshold=1e9),
+                      "sequential", "configured", regime=regime)
+    opened: list[LocalDrafterSession] = []
+
+    def factory():
+        opened.append(LocalDrafterSession(dspark.drafter_engine))
+        return opened[-1]
+
+    async def run():
+        tok = tiny_tokenizer()
+        supply = DrafterSupply(factory, 1)
+        va, vb = (LocalVerifierSession(loop_of(dspark.verifier_engine)) for _ in range(2))
+        a = sched.generate(sched.params("a lone generation", tok.encode("a lone generation"), 160, "gated",
+                                        ignore_eos=True), va, supply)
+        b = sched.generate(sched.params("its neighbour", tok.encode("its neighbour"), 200, "off", ignore_eos=True),
+                           vb)
+        try:
+            for _ in range(60):
+                await a.__anext__()
+            await b.__anext__()  # in flight beside A, paused
+            while not isinstance(event := await a.__anext__(), FinalEvent):
+                await b.__anext__()
+            return event
+        finally:
+            await a.aclose()
+            await b.aclose()
+            for v in (va, vb):
+                await v.close()
+            await supply.close()
+    final = loop.run(run(), 120)
+    assert final.counters.drafted > 0 and final.counters.margin_skipped_rounds >= 50
+    assert len(opened) == 1, f"{len(opened)} drafter sessions: the primed one was let go and re-opened"

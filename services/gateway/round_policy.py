@@ -80,16 +80,18 @@ class RoundPolicy:
         self.drafted_last = False  # the last round drafted
         self.goodput: Goodput | None = None  # what the model regime weighed for this round
 
-    def regime_drafts(self, in_flight: int, pos: int = 0, emitted: int = 0) -> bool:
+    def regime_drafts(self, in_flight: int, pos: int = 0, emitted: int = 0, primed: bool = False) -> bool:
         """Whether the gateway's regime lets this generation draft with `in_flight` (>= 0)
         generations in flight, at anchor position `pos` after `emitted` completion tokens:
         always, unless it is gated and the regime at that concurrency is plain (docs/gate.md
-        §14; the model regime also prices re-priming the rows held since the last draft)."""
+        §14; the model regime also prices re-priming the rows held since the last draft).
+        `primed`: the generation's drafter session is live and holds its rows (the gate's
+        skips only defer commits): nothing is re-primed, so no rows are priced as held."""
         self.in_flight = max(in_flight, 1)
         self.goodput = self.regime.goodput(self.in_flight) if self.regime is not None and in_flight > 1 else None
         if self.regime is None:
             return True
-        held = max(pos - self.drafted_pos, 0)
+        held = 0 if primed else max(pos - self.drafted_pos, 0)
         return self.regime.may_draft(self.in_flight, held, self.max_tokens - emitted)
 
     def regime_inputs(self) -> tuple[int, float, float] | None:

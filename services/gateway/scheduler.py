@@ -307,7 +307,7 @@ class _Generation:
                                   sched.limits.block_size, sched.limits.max_seq_len, p.max_tokens, p.max_drafts,
                                   sched.pricing_stats, sched.step_budget)
         self.link = DrafterLink(drafters if can_draft else None, verifier, sched.drafter_faults, metrics,
-                                self.counters, awake=self._regime_drafts(len(p.prompt_ids), 0))
+                                self.counters, awake=self.policy.regime_drafts(sched.in_flight, len(p.prompt_ids), 0))
         self.commit_ms = 0.0  # the last round's drafter commit (ms; 0 when held back): a drafter leg
         self.jump: JumpForward | None = None  # the forced runs of a constrained generation
         if p.constraint is not None:
@@ -339,7 +339,7 @@ class _Generation:
             self.finish = "length"
             yield self._final(first.prompt_logprobs)
             return
-        if not self._regime_drafts(len(p.prompt_ids), 0):
+        if not self.policy.regime_drafts(self.s.in_flight, len(p.prompt_ids), 0):  # priming the prompt is priced
             await self.link.sleep()  # no prime now: a drafter is primed when this generation drafts
         await self.link.commit(first.rows, first.first_position, p.prompt_ids, 0)
         pos, anchor, margin = len(p.prompt_ids), first.next_token, first.margin
@@ -513,8 +513,10 @@ class _Generation:
     def _regime_drafts(self, pos: int, emitted: int) -> bool:
         """Whether the gateway's regime lets this generation draft now, at anchor position
         `pos` after `emitted` tokens (always, unless it is gated and the regime at the
-        gateway's concurrency is plain: docs/gate.md §14)."""
-        return self.policy.regime_drafts(self.s.in_flight, pos, emitted)
+        gateway's concurrency is plain: docs/gate.md §14). A live drafter session (primed
+        at prefill or by a failover) has nothing to re-prime: its deferred rows are flushed
+        as any commit, so the wake price does not apply to it."""
+        return self.policy.regime_drafts(self.s.in_flight, pos, emitted, primed=self.link.session is not None)
 
     @property
     def _needs_probs(self) -> bool:
