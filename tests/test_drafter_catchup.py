@@ -76,8 +76,8 @@ class QuietStart(RoundPolicy):
     def _quiet(self) -> bool:
         return self.rounds < self.quiet
 
-    def regime_drafts(self, in_flight: int, pos: int = 0, emitted: int = 0) -> bool:
-        return not (self.path == "regime" and self._quiet) and super().regime_drafts(in_flight, pos, emitted)
+    def regime_drafts(self, in_flight: int, pos: int = 0, emitted: int = 0, primed: bool = False) -> bool:
+        return not (self.path == "regime" and self._quiet) and super().regime_drafts(in_flight, pos, emitted, primed)
 
     def pre_draft(self, anchor_margin, others_inside: int):
         if self.path == "margin" and self._quiet:
