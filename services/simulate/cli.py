@@ -2,7 +2,8 @@
 
 Owns the command's flags, output and exit codes; every figure comes from `services.simulate.run`.
 Bad input (a cost file with a negative or non-monotone time, an empty or unreadable rounds
-file, 0 streams, a rate below 0.001 per second, a negative seed, an unknown arm) exits 2 with one line on stderr naming the value.
+file, 0 streams, a rate below 0.001 per second, a negative seed, an unknown arm) exits 2 with
+one line on stderr naming the value.
 """
 
 from __future__ import annotations
