@@ -79,12 +79,12 @@ def test_a_real_regime_flipping_at_its_boundary_keeps_every_stream_exact_and_lea
     gw = loop.run(dspark.start_gateway("sequential", regime=True))
     try:
         regime = boundary_regime()
-        asked = {"draft": 0, "plain": 0}
+        asked: dict[tuple[int, bool], int] = {}  # (in flight, answer) -> asks
         may_draft = regime.may_draft
 
         def counting(in_flight, held_rows=0, tokens_left=0):
             answer = may_draft(in_flight, held_rows, tokens_left)
-            asked["draft" if answer else "plain"] += 1
+            asked[in_flight, answer] = asked.get((in_flight, answer), 0) + 1
             return answer
         regime.may_draft = counting
         gw.scheduler.regime = regime
@@ -118,7 +118,9 @@ def test_a_real_regime_flipping_at_its_boundary_keeps_every_stream_exact_and_lea
                 assert got == ref.token_ids[:len(got)], i
         assert not any(loop.run(dspark.await_idle()).values())
         assert gw.scheduler.in_flight == 0 and gw.scheduler.occupancy.inside == 0
-        assert asked["plain"] > 0 and asked["draft"] > 0, asked
+        # drafting at 2 in flight (the ramp and the drains), plain from 3 on: the regime flipped
+        assert asked.get((2, True), 0) > 0 and sum(n for (f, a), n in asked.items() if f >= 3 and not a) > 0, asked
+        assert not any(a for (f, a) in asked if f >= 3), asked
         assert regime.blocks > 0 and all(0.0 <= s <= 1.0 for s in regime.survival)
 
         async def stats():
