@@ -6,8 +6,12 @@ changes a token) with a real `ModelRegime` over a step table on which drafting p
 generations in flight and never from 3 on: bursts of gated generations with mixed max_tokens,
 stop strings, seeds and temperatures, ramping up and draining so the regime flips, clients
 cancelling mid-stream; afterwards every finished generation streamed plain decode's tokens (for
-its seed) and no backend session is left open. Unit level: bad inputs to `ModelRegime` and
-`Goodput`; CLI level: bad `dspark simulate` flags, each a clear error naming the value.
+its seed) and no backend session is left open; the gateway closed with generations asleep;
+step tables that change on every read (none, one point, 0 ms, near 1e8 ms) with commit_ms 0
+and a full drafter; the drafter dying while generations sleep; a primed generation joined by
+a neighbour (the wake price must not apply to it). Unit level: bad inputs to `ModelRegime`
+and `Goodput`; CLI level: bad `dspark simulate` flags, each a clear error naming the value;
+the model's miss on a flat one-point table, kept as a strict xfail.
 """
 
 from __future__ import annotations
