@@ -225,7 +225,7 @@ def gate_config(environ: Environ) -> GateConfig:
     given = {field: lookup(environ, v) for field, v in GATE_VARS.items()}
     values = {field: (name, raw) for field, (name, raw) in given.items() if raw is not None}
     auto = values.get("margin_threshold", ("", ""))[1].strip(" \t\r\n").lower() == "auto"
-    if auto:  # the learned pre-draft threshold (docs/gate.md §6); the fixed one stays off
+    if auto:  # the learned pre-draft threshold (docs/gate.md §5b); the fixed one stays off
         del values["margin_threshold"]
     return GateConfig(**{field: parse_setting(field, raw, name) for field, (name, raw) in values.items()},
                       margin_auto=auto)

@@ -221,7 +221,7 @@ VARS: tuple[Var, ...] = (
     _gate("enabled", "1: the `default` spec mode is `gated` (the gate chooses each round's draft length); "
           "0: `always`.", key=True),
     _gate("margin_threshold", "Skip drafting when the anchor's top1 - top2 logit margin is below this; 0: "
-          "off; `auto`: learned per margin bin (docs/gate.md §6)."),
+          "off; `auto`: learned per margin bin (docs/gate.md §5b)."),
     _gate("win_factor", "A truncated draft is taken only if its expected tokens per ms beat the full block by "
           "this factor."),
     _gate("min_draft", "Never submit fewer drafts than this after drafting (0: no floor)."),

@@ -385,7 +385,7 @@ def report_to_dict(report: Report) -> dict:
 def why_lines(spans: Sequence[Span]) -> list[str]:
     """One line per round span, in time order: its trace, its round number and why it
     submitted what it did with the decision's inputs (`services.gateway.record.explain`, from
-    the attributes docs/gate.md §7 lists). A span without them (an older gateway, a round that
+    the attributes docs/gate.md §9 lists). A span without them (an older gateway, a round that
     made no length decision) explains what it has."""
     from services.gateway.record import explain
     lines = []

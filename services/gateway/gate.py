@@ -308,7 +308,7 @@ class Gate:
         return [est[bucket_index(c)] for c in _logits(confidence_logits)]
 
     def pre_draft(self, anchor_margin: float | None) -> Reason | None:
-        """The pre-draft decision (docs/gate.md §6): None drafts; otherwise the `Reason` of a
+        """The pre-draft decision (docs/gate.md §5b): None drafts; otherwise the `Reason` of a
         plain decode instead (one of `PRE_DRAFT_SKIPS`).
 
         Skips when (1) the margin threshold is > 0 and the anchor's top1 - top2 logit margin is

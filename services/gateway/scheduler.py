@@ -560,7 +560,7 @@ _UNDECIDED = (Reason.NO_DRAFTER, Reason.NO_ROOM)
 
 
 def _decision_attributes(span, r: RoundRecord) -> None:
-    """The length decision's inputs and outputs on the round span (docs/gate.md §7), what
+    """The length decision's inputs and outputs on the round span (docs/gate.md §9), what
     `dspark trace-report --rounds` explains a round from: survival per position, lambda,
     value(k) per k, the drafts asked before the step budget's cut, and the model regime's
     (in flight, plain tok/ms, draft tok/ms) when it decided."""
