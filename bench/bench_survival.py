@@ -36,9 +36,9 @@ from pathlib import Path
 
 from bench.gate_shapes import FILES, SHAPES, load
 from services.gateway.gate import BUCKET_EDGES, NUM_BUCKETS, GateConfig
-from services.gateway.references import (HindsightGate, gate_config_for_replay, hindsight_hazards, hindsight_rates,
+from services.analysis.references import (HindsightGate, gate_config_for_replay, hindsight_hazards, hindsight_rates,
                                          observed_positions, replay_through_gate)
-from services.gateway.replay import lowo_thresholds, replay_fixed, replay_log
+from services.analysis.replay import lowo_thresholds, replay_fixed, replay_log
 from services.gateway.rounds import Round
 from services.gateway.survival import survival_from_hazards
 

@@ -4,13 +4,13 @@ always-k, gated's share of the calibrated-in-hindsight gain (the headline) where
 exceeds 3 %, and the ECE of the estimates the gate decided with.
 
 Warm: each workload's gate warm-starts from the other workloads' calibration
-(leave-one-workload-out, `services.gateway.replay_warm`), never from its own rounds.
+(leave-one-workload-out, `services.analysis.replay_warm`), never from its own rounds.
 Owns only this report; it never changes the gate. Run:
 `python -m bench.gate_shapes [--json] [--max-weight W] [--files F ...] [--synthetic-seeds S ...]
 [--summary]`.
 
 `--files` replaces the two committed files with other recorded rounds (the replay format);
-`--synthetic-seeds` adds synthetic rounds drawn with those seeds (`services.gateway.synthetic`),
+`--synthetic-seeds` adds synthetic rounds drawn with those seeds (`services.analysis.synthetic`),
 so a change to the gate can be judged on more than the 200 rounds per workload it was tuned
 on. `--summary` prints only the rows that miss an aim (gated >= plain, gated >= always-k,
 headline >= 80 % where shown), their count and the summed shortfall.
@@ -26,9 +26,9 @@ from pathlib import Path
 
 from services.common.terminal import printable
 from services.gateway.gate import GateConfig
-from services.gateway.replay import ReplayReport, calibration_of, headline_of, replay_log
+from services.analysis.replay import ReplayReport, calibration_of, headline_of, replay_log
 from services.gateway.rounds import RoundLog, load_rounds
-from services.gateway.synthetic import generate
+from services.analysis.synthetic import generate
 from services.gateway.warm import DEFAULT_MAX_WEIGHT, WarmStart, parse_warm_start
 
 ROOT = Path(__file__).resolve().parents[1]

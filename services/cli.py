@@ -3,7 +3,7 @@ trace-report, calibrate and parity in `services.analysis.cli`.
 
 Owns the top-level parser and the `replay` command's output; it is an entry point, so it may
 read the environment, but only through `services.settings`, once per command, and it holds no
-replay logic (`services.gateway.replay`)."""
+replay logic (`services.analysis.replay`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from rich.text import Text
 
 from services.common.terminal import printable
 from services.gateway.gate import CostModel, GateConfig
-from services.gateway.replay import (
+from services.analysis.replay import (
     POLICIES,
     ReplayReport,
     WorkloadReport,
@@ -32,7 +32,7 @@ from services.gateway.replay import (
     report_to_dict,
 )
 from services.gateway.rounds import decode_rounds_json, load_rounds
-from services.gateway.synthetic import DEFAULT_ROUNDS, DEFAULT_SEED, generate
+from services.analysis.synthetic import DEFAULT_ROUNDS, DEFAULT_SEED, generate
 from services.gateway.values import parse_setting
 from services.gateway.warm import DEFAULT_MAX_WEIGHT, parse_warm_start
 from services.settings import gate_config

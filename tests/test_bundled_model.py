@@ -109,7 +109,7 @@ def test_greedy_continuation_through_the_checkpoint_loader_is_pinned(models):
 
 def test_replay_of_the_committed_bundled_rounds_is_pinned():
     from services.gateway.gate import GateConfig
-    from services.gateway.replay import replay_log
+    from services.analysis.replay import replay_log
     from services.gateway.rounds import load_rounds
     report = replay_log(load_rounds(ROUNDS), GateConfig())
     got = {w.name: {p: round(r.tok_s, 2) for p, r in w.results.items()} for w in report.workloads + [report.overall]}

@@ -328,7 +328,7 @@ def test_tables_fit_80_columns_without_cutting_a_figure():
 
     from services.cli import render_report
     from services.gateway.gate import GateConfig
-    from services.gateway.replay import replay_log
+    from services.analysis.replay import replay_log
     from services.gateway.rounds import load_rounds
 
     console = Console(width=80, emoji=False)

@@ -11,7 +11,7 @@ import pytest
 from services.gateway.estimator import expected_calibration_error
 from services.cli import COST_SHAPES
 from services.gateway.gate import NUM_BUCKETS, CostModel, GateConfig
-from services.gateway.references import (
+from services.analysis.references import (
     HindsightGate,
     best_fixed_k,
     hindsight_rates,
@@ -21,7 +21,7 @@ from services.gateway.references import (
     replay_oracle,
     replayed_round,
 )
-from services.gateway.replay import replay_log, report_to_dict
+from services.analysis.replay import replay_log, report_to_dict
 from services.gateway.rounds import Round, RoundLog, load_rounds
 
 DATA = Path(__file__).parent / "data"

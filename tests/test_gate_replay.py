@@ -11,7 +11,7 @@ import pytest
 
 from services.gateway.gate import CostModel, GateConfig
 from services.gateway.record import RoundStats
-from services.gateway.replay import (
+from services.analysis.replay import (
     _threshold_totals,
     applicable_policies,
     choose_threshold,
@@ -22,7 +22,7 @@ from services.gateway.replay import (
     score_round,
 )
 from services.gateway.rounds import Round, RoundLog, dump_rounds, load_rounds
-from services.gateway.synthetic import TARGET_ACCEPT_RATES, generate, realised_accept_rates
+from services.analysis.synthetic import TARGET_ACCEPT_RATES, generate, realised_accept_rates
 
 SYNTHETIC = Path(__file__).parent / "data" / "synthetic_rounds.json"
 COST = CostModel()

@@ -16,7 +16,7 @@ import pytest
 
 from services.gateway.decision import CostModel, decide_by_survival, decide_length, expected_tokens, survival_of
 from services.gateway.gate import BUCKET_EDGES, NUM_BUCKETS, Calibration, Gate, GateConfig
-from services.gateway.references import HindsightGate, hindsight_hazards
+from services.analysis.references import HindsightGate, hindsight_hazards
 from services.gateway.rounds import Round
 from services.gateway.survival import GREEDY_BAND, SurvivalEstimator, survival_from_hazards
 

@@ -5,7 +5,7 @@ import pytest
 
 from services.gateway.gate import bucket_index
 from services.gateway.rounds import dump_rounds
-from services.gateway.synthetic import (
+from services.analysis.synthetic import (
     BUCKET_BOUNDS,
     BUCKET_MATCH_RATES,
     MAX_ROUNDS,

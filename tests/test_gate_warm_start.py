@@ -16,8 +16,8 @@ from services.gateway.backends import LocalDrafterSession, LocalVerifierSession
 from verifier_fixtures import loop_of
 from services.gateway.gate import PROBE_FIRST, RECENT_ROUNDS, Calibration, Gate, GateConfig
 from services.gateway.record import GateStats, Reason, RoundRecord
-from services.gateway.replay import replay_log
-from services.gateway.replay_warm import lowo_calibrations
+from services.analysis.replay import replay_log
+from services.analysis.replay_warm import lowo_calibrations
 from services.gateway.rounds import Round, RoundLog
 from services.gateway.scheduler import FinalEvent, ModelLimits, Scheduler
 from services.gateway.warm import (DEFAULT_MAX_WEIGHT, GREEDY_BAND, WarmBands, WarmStart, parse_warm_start,

@@ -10,7 +10,7 @@ from services.analysis.report import why_lines
 from services.analysis.traces import Span
 from services.gateway.gate import Gate, GateConfig, Reason
 from services.gateway.record import RoundRecord
-from services.gateway.replay import redecide, redecided
+from services.analysis.replay import redecide, redecided
 from services.gateway.rounds import Round, RoundLog, dump_rounds, parse_rounds, decode_rounds_json
 
 CONF_HIGH, CONF_LOW = (4.0, 3.5, 3.0, 2.0, 1.0), (4.0, -1.0, -1.0, -1.0, -1.0)

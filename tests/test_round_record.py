@@ -8,7 +8,7 @@ import pytest
 from services.gateway.gate import CostModel, LengthChoice
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.record import DECISIONS, SPECULATION_KEYS, Reason, RoundRecord, RoundStats, drafted_reason
-from services.gateway.replay import replayed_round
+from services.analysis.replay import replayed_round
 from services.gateway.rounds import Round, RoundLog, dump_rounds, parse_rounds
 
 COST = CostModel()  # draft 196, verify 300 + 109 n, plain 303 (ms)

@@ -8,7 +8,7 @@ import sys
 
 from services_fixtures import gen_request, collect, oracle_stack  # noqa: F401
 from services.gateway.gate import GateConfig
-from services.gateway.replay import replay_log
+from services.analysis.replay import replay_log
 from services.gateway.rounds import RoundLog, load_rounds, save_rounds
 
 

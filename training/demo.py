@@ -415,7 +415,7 @@ def print_tables(args, cfg, trunk, tok, results, always, recorded) -> None:
     for label, n, rate in calibration_table(verified, args.min_bucket):
         print(f"  {label:>24} {n:6d} {rate:7.1%}")
     if verified:
-        from services.gateway.replay import replay_log
+        from services.analysis.replay import replay_log
         from services.gateway.rounds import RoundLog
         rep = replay_log(RoundLog(tuple(always), {}), args.gate)
         print("\nlive (median x plain) vs replay of the first repetition's always-k rounds (`dspark replay`, "

@@ -165,7 +165,7 @@ def pick_length(values: Sequence[float], full_tokens: float, win_factor: float, 
     full block unless a truncation n in [floor, max_n) beats it by more than (win_factor - 1) *
     full_tokens (E[tokens(max_n)]); ties between truncations go to the longer one. Inputs are
     trusted (`decide_by_survival` checks them; a round record's recorded values replay through
-    here, `services.gateway.replay.redecide`)."""
+    here, `services.analysis.replay.redecide`)."""
     max_n = len(values) - 1
     if max_n <= 0:
         return 0

@@ -42,7 +42,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    "or info:HOST:PORT (a verifier's profiled step table)")
     p.add_argument("--rounds", nargs="+", default=None, metavar="FILE",
                    help="recorded-rounds files (replay format, e.g. --record-rounds output); default: the "
-                   "synthetic rounds (services.gateway.synthetic)")
+                   "synthetic rounds (services.analysis.synthetic)")
     p.add_argument("--workload", default=None, help="replay only this workload (default: each stream draws one)")
     p.add_argument("--arms", nargs="+", default=None, metavar="ARM",
                    help="arms to run (default: all): plain, k1..k<block>, gated, gate-only, "
@@ -77,7 +77,7 @@ def _inputs(args):
     """The validated inputs of a run; raises ValueError naming the first bad value."""
     import dataclasses
 
-    from services.gateway import synthetic
+    from services.analysis import synthetic
     from services.gateway.rounds import load_rounds
     from services.simulate.engine import RunConfig
     from services.simulate.models import load_model

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from services.gateway.gate import Calibration, Gate, GateConfig
-from services.gateway.references import gate_config_for_replay, replay_through_gate
+from services.analysis.references import gate_config_for_replay, replay_through_gate
 from services.gateway.rounds import Round
 from services.gateway.warm import GREEDY_BAND, WarmBands, WarmStart
 

@@ -21,7 +21,7 @@ Procedure (one round = one drafted block of BLOCK_SIZE = 5 positions, submitted 
 3. Per position: match when a uniform draw < r_b. accepted = index of the first miss (5 if none).
 Only numpy's PCG64 `Generator.random()` is used (one stream, seed DEFAULT_SEED, workloads in the
 order above, per round: 5 bucket draws, 5 logit draws, 5 match draws), so the output is
-byte-stable. Run `python -m services.gateway.synthetic --out tests/data/synthetic_rounds.json`.
+byte-stable. Run `python -m services.analysis.synthetic --out tests/data/synthetic_rounds.json`.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def generate(seed: int = DEFAULT_SEED, rounds_per_workload: int = DEFAULT_ROUNDS
         weights = tilted_weights(target)
         rounds += [draw_round(rng, workload, weights) for _ in range(rounds_per_workload)]
     metadata = {
-        "generator": "services.gateway.synthetic",
+        "generator": "services.analysis.synthetic",
         "seed": seed,
         "rounds_per_workload": rounds_per_workload,
         "block_size": BLOCK_SIZE,

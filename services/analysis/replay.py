@@ -36,7 +36,7 @@ from services.gateway.decision import pick_length
 from services.gateway.estimator import expected_calibration_error
 from services.gateway.gate import Calibration, CostModel, Gate, GateConfig
 from services.gateway.record import RoundStats
-from services.gateway.references import (  # noqa: F401 - replayed_round is re-exported
+from services.analysis.references import (  # noqa: F401 - replayed_round is re-exported
     EstimateTally,
     References,
     headline,
@@ -44,7 +44,7 @@ from services.gateway.references import (  # noqa: F401 - replayed_round is re-e
     replay_through_gate,
     replayed_round,
 )
-from services.gateway.replay_warm import lowo_calibrations
+from services.analysis.replay_warm import lowo_calibrations
 from services.gateway.rounds import Round, RoundLog
 from services.gateway.warm import WarmStart
 
