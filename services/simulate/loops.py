@@ -7,6 +7,13 @@ carries each request when the step ends. Only the forward is modelled (a step of
 sessions takes `step_ms(requests, chunks)` ms of work). A step runs on its loop's `Pool`: alone
 on separate hardware, or sharing `--cores` cores with the other loop and the gateway's turns
 (`--shared-compute`), where it slows down while more jobs than cores run.
+
+A loop looks at its queue once per virtual instant: an arrival at an idle (or gathering) loop
+schedules the look after every event already due at that instant, so requests that arrive
+together (the replies of one batched drafter step, generations sent at once) share the step.
+A served loop's thread takes its step a fraction of a millisecond after the arrival that
+woke it (docs/simulate.md §3.2); an event queue that started the step inside the first
+arrival's event would give that one request a step of its own.
 """
 
 from __future__ import annotations
@@ -154,10 +161,18 @@ class SimLoop:
         self._state = "idle"  # idle | gathering | stepping
         self._timer = 0  # generation of the gather timer: a stale one does nothing
         self._last_step_s = 0.0
+        self._waking = False  # a look at the queue is scheduled for this instant
 
     def submit(self, request: Request) -> None:
-        """`request` arrives now."""
+        """`request` arrives now; an idle or gathering loop considers its queue once every
+        event due at this instant has run (module docstring)."""
         self.schedule.admit(request, now=self.clock.now / 1e3)
+        if self._state in ("idle", "gathering") and not self._waking:
+            self._waking = True  # one look per instant, after this instant's other arrivals
+            self.clock.at(self.clock.now, self._wake)
+
+    def _wake(self) -> None:
+        self._waking = False
         if self._state in ("idle", "gathering"):
             self._consider()
 
