@@ -16,7 +16,7 @@ from services.common.budget import StepTimes
 from services.gateway.rounds import Round
 from services.simulate.engine import Gateway, RecordedText, RunConfig, StreamSpec
 from services.simulate.models import ServiceModel, from_single_stream, load_model, parse_calibrate
-from services.simulate.run import Lengths, Load, arm_registry, simulate_cell, stream_specs
+from services.simulate.run import Lengths, Load, arm_registry, parse_lengths, simulate_cell, stream_specs
 
 ROUND = Round("w", (5.0, 5.0), 2, 1)  # two drafts, the first accepted: a verified round yields 2 tokens
 
@@ -111,6 +111,29 @@ def test_every_arm_of_a_cell_sees_the_same_streams():
         [(s.prompt, s.offset, s.text.drafted[0].workload) for s in two]
 
 
+def test_cycle_order_replays_bench_servings_streams():
+    """`--order cycle`: stream s's generation j replays workload (s * per_stream + j) mod W in
+    the rounds' order (b before a here, as the file holds them), each from its first drafted
+    round, with that workload's prompt length; the open loop cycles by arrival."""
+    drafted_b, drafted_a = Round("b", (5.0,), 1, 1), Round("a", (5.0, 5.0), 2, 0)
+    groups = {"b": [Round("b", (), 0, 0), drafted_b, drafted_b], "a": [drafted_a]}
+    prompt = parse_lengths("a=7,b=9", "--prompt")
+    specs = stream_specs(Load(2, per_stream=3), groups, prompt, Lengths(32, 32), 0, order="cycle")
+    chains = []
+    for first in specs:
+        chain, spec = [], first
+        while spec is not None:
+            chain.append((spec.text.drafted[0].workload, spec.prompt, spec.text.start(spec.offset)))
+            spec = spec.then
+        chains.append(chain)
+    # b's first round did not draft: its first drafted round starts at text position 1
+    assert chains == [[("b", 9, 1), ("a", 7, 0), ("b", 9, 1)], [("a", 7, 0), ("b", 9, 1), ("a", 7, 0)]]
+    arrivals = stream_specs(Load(rate=5.0, requests=3), groups, prompt, Lengths(8, 8), 0, order="cycle")
+    assert [s.text.drafted[0].workload for s in arrivals] == ["b", "a", "b"]
+    with pytest.raises(ValueError, match="order='sorted'"):
+        stream_specs(Load(1), groups, prompt, Lengths(8, 8), 0, order="sorted")
+
+
 def test_open_loop_arrivals_start_at_zero_and_rise():
     specs = stream_specs(Load(rate=10.0, requests=5), {"w": [ROUND]}, Lengths(4, 4), Lengths(8, 8), 0)
     times = [s.arrival_ms for s in specs]
@@ -188,6 +211,8 @@ def test_a_bad_cost_file_is_one_error_line_naming_the_value(tmp_path, capsys, co
     (["--rate", "-2.5"], "--rate -2.5"),
     (["--arms", "k9"], "'k9'"),
     (["--output", "uniform:9:3"], "uniform:9:3"),
+    (["--prompt", "nosuch=5"], "no length for workload"),  # the synthetic workloads need one each
+    (["--prompt", "a=1,a=2"], "a=1,a=2"),
 ])
 def test_bad_load_arguments_are_one_error_line(capsys, args, named):
     code, out, err = _run_cli(capsys, *args)
