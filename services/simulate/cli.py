@@ -140,10 +140,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     result = simulate_grid(model, config, arms, loads, groups, prompt, output, args.seed, args.order)
     wall_s = time.perf_counter() - t0
-    result["inputs"] = {"costs": model.name, "model": model.to_dict(), "workloads": sorted(groups),
+    result["inputs"] = {"costs": model.name, "model": model.to_dict(),
+                        "workloads": list(groups) if args.order == "cycle" else sorted(groups),
                         "rounds": list(args.rounds) if args.rounds else "synthetic (generated)",
                         "arms": [a.name for a in arms], "loads": [ld.label for ld in loads], "prompt": str(prompt),
-                        "output": str(output), "order": args.order, "shared_compute": config.shared_compute, "cores": config.cores,
+                        "output": str(output), "order": args.order, "shared_compute": config.shared_compute,
+                        "cores": config.cores,
                         "max_sessions": config.max_sessions, "drafters": config.drafters,
                         "gather_ms": config.gather_s * 1e3, "alignment": config.alignment,
                         "prefill_chunk": config.prefill_chunk, "seed": args.seed}
