@@ -69,6 +69,22 @@ def test_requests_arriving_together_share_a_step():
     assert f["rounds"] == 4 and f["drafts_per_round"] == pytest.approx(1.5)
 
 
+def test_every_reply_takes_a_gateway_turn():
+    """One stream of k = 2, gateway_ms 1 (docs/simulate.md §2): the gateway's one event loop
+    handles each reply, the drafter's too, before the next call goes out. By hand: prefill
+    [0,10], turn [10,11]; commit [11,12], turn [12,13]; draft [13,17], turn [17,18]; verify of 3
+    rows [18,32], turn [32,33] (3 tokens out); commit [33,34], turn [34,35]; draft [35,39], turn
+    [39,40]; verify of 2 rows (k capped to 1) [40,52], turn [52,53]: 5 tokens in 53 ms (49 ms
+    when only the verifier's replies took a turn)."""
+    model = dataclasses.replace(_hand_model(), gateway_ms=1.0)
+    f = simulate_cell(model, RunConfig(block_size=2, gather_s=0.0, max_seq_len=64), arm_registry(2)["k2"],
+                      [stream_spec(0)])
+    assert f["tokens"] == 5 and f["wall_s"] == pytest.approx(0.053)
+    assert f["ttft_p50_ms"] == pytest.approx(11.0)
+    assert f["verifier_util"] == pytest.approx((10 + 14 + 12) / 53, abs=1e-6)
+    assert f["drafter_util"] == pytest.approx(10 / 53, abs=1e-6)
+
+
 def stream_spec(stream: int, arrival_ms: float = 0.0):
     return StreamSpec(stream, arrival_ms, 1, 5, RecordedText([ROUND]), 0)
 
