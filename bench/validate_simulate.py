@@ -26,8 +26,9 @@ read from it and written into the shape the simulator runs (`shape-calibrated.js
 `session_ms`, what each session adds to a served verifier step beyond the bare forward (the
 served step's ms from the verifier's Info minus the shape's step at the same rows, per
 session: serialising replies in the same process takes the forward's core and GIL), and
-`gateway_ms`, the gateway's and client's work per verifier reply, done one at a time (the
-inter-token gap beyond the served step and the network, per session in the step).
+`gateway_ms`, the gateway's and client's work per reply, done one at a time (the inter-token
+gap beyond the served step and the network, per session in the step; the simulator charges it
+on the drafter's replies too, docs/simulate.md §5).
 
 Then `dspark simulate --costs SHAPE --shared-compute --rounds FILE --order cycle` runs the same
 cells: the same closed loop (each stream runs `--per-stream` generations back to back), each
