@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,8 +54,8 @@ class Lengths:
         """A length (tokens) for a generation of `workload` (the same rule for every one)."""
         return self.low if self.low == self.high else int(rng.integers(self.low, self.high + 1))
 
-    def missing(self, names) -> list[str]:
-        """The workloads of `names` without a length: none."""
+    def missing(self, names: Iterable[str]) -> list[str]:
+        """The workloads of `names` without a length: none (one rule for all)."""
         return []
 
     def __str__(self) -> str:
@@ -73,8 +74,8 @@ class WorkloadLengths:
         without one (`missing` names them before a run)."""
         return dict(self.lengths)[workload].draw(rng)
 
-    def missing(self, names) -> list[str]:
-        """The workloads of `names` this gives no length."""
+    def missing(self, names: Iterable[str]) -> list[str]:
+        """The workloads of `names` this gives no length, in their order."""
         have = dict(self.lengths)
         return [n for n in names if n not in have]
 
