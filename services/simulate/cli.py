@@ -2,8 +2,9 @@
 
 Owns the command's flags, output and exit codes; every figure comes from `services.simulate.run`.
 Bad input (a cost file with a negative or non-monotone time, an empty or unreadable rounds
-file, 0 streams, a rate below 0.001 per second, a negative seed, an unknown arm) exits 2 with
-one line on stderr naming the value.
+file, 0 streams, a rate below 0.001 per second, a negative seed, an unknown arm, a
+per-workload length without a replayed workload) exits 2 with one line on stderr naming the
+value.
 """
 
 from __future__ import annotations
