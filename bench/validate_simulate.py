@@ -7,8 +7,9 @@ nothing, as every benchmark here.
 
 Three stages, each a child process of its own (the services' own command lines):
 
-1. **Shape** (`--shape FILE`, measured unless the file exists): `bench.sim_cpu_shape` on the
-   checkpoint, one torch thread, as the services run here.
+1. **Shape**: `bench.sim_cpu_shape` on the checkpoint, one torch thread, as the services run
+   here, measured in this run so that the simulator prices the box the bench runs on (a
+   shared box's speed moves 12-25 % over hours; `--shape FILE` runs a given shape instead).
 2. **Rounds**: `bench_serving --arms k5 --streams 1 --per-stream 4 --repeats 1 --warmup 0
    --record-rounds FILE`: what bench_serving's own four prompts draft and accept, each round
    labelled with its prompt's workload (the start-up warm-up generations, labelled `warmup`,
@@ -25,13 +26,17 @@ read from it and written into the shape the simulator runs (`shape-calibrated.js
 `session_ms`, what each session adds to a served verifier step beyond the bare forward (the
 served step's ms from the verifier's Info minus the shape's step at the same rows, per
 session: serialising replies in the same process takes the forward's core and GIL), and
-`gateway_ms`, the gateway's and client's work per verifier reply, done one at a time (the
-inter-token gap beyond the served step and the network, per session in the step).
+`gateway_ms`, the gateway's and client's work per reply, done one at a time (the inter-token
+gap beyond the served step and the network, per session in the step; the simulator charges it
+on the drafter's replies too, docs/simulate.md §5).
 
-Then `dspark simulate --costs SHAPE --shared-compute --rounds FILE` runs the same cells: the
-same closed loop (each stream runs `--per-stream` generations back to back), a prompt length
-drawn over the four prompts' token lengths, `--max-tokens` tokens out, the bench's session
-limit and rpc cost from the shape. The table gives, per arm and concurrency, aggregate tok/s
+Then `dspark simulate --costs SHAPE --shared-compute --rounds FILE --order cycle` runs the same
+cells: the same closed loop (each stream runs `--per-stream` generations back to back), each
+stream's generations replaying bench_serving's prompts in bench_serving's order from their
+first recorded round (every stream runs code, prose, math, repeat in turn: greedy, so the
+streams' generations are the same text and accept the same drafts in the same rounds), each
+prompt's own token length, `--max-tokens` tokens out, the bench's session limit and rpc cost
+from the shape. The table gives, per arm and concurrency, aggregate tok/s
 and verifier sessions per step, real (median [min-max]) and simulated, and their ratio.
 
     python -m bench.validate_simulate [--port-base 50400] [--repeats 3] [--streams 1 4 16]
@@ -39,8 +44,10 @@ and verifier sessions per step, real (median [min-max]) and simulated, and their
 
 `--nice N` runs the bench children at that niceness (negative needs root): on a machine
 shared with other work it keeps the measured services from being starved.
-`--workdir` keeps every stage's output; a stage whose output is already there is not run
-again (delete the file to re-measure).
+`--workdir` holds every stage's output (default: a new folder under the system's temporary
+folder, so every stage is measured in this run); a stage whose output is already there is
+not run again, so `--workdir` of an earlier run re-simulates its real figures (after a change
+to the simulator) without measuring anything.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from bench.bench_serving import WORKLOADS
@@ -67,16 +75,17 @@ def _run(cmd: list[str], nice: int, out: Path | None = None) -> None:
     with open(out, "w") if out else open(os.devnull, "w") as sink:
         rc = subprocess.run(full, cwd=REPO_ROOT, stdout=sink if out else None, timeout=STAGE_TIMEOUT_S).returncode
     if rc != 0:
+        if out:  # a half-written output would be taken as done by the next run in this workdir
+            out.unlink(missing_ok=True)
         raise RuntimeError(f"stage failed with status {rc}: {' '.join(full)}")
 
 
-def prompt_lengths(checkpoint: str) -> tuple[int, int]:
-    """(shortest, longest) token length of bench_serving's four prompts under the checkpoint's
-    tokenizer (the simulator draws a prompt length uniformly between them)."""
+def prompt_tokens(checkpoint: str) -> dict[str, int]:
+    """Each of bench_serving's prompts' token length under the checkpoint's tokenizer, by
+    workload (the simulator's per-workload `--prompt`)."""
     from services.gateway.tokenizer import HFTokenizer
     tok = HFTokenizer(Path(checkpoint) / "tokenizer.json")
-    lengths = [len(tok.encode(text)) for text in WORKLOADS.values()]
-    return min(lengths), max(lengths)
+    return {name: len(tok.encode(text)) for name, text in WORKLOADS.items()}
 
 
 def stage_rounds(args, work: Path) -> Path:
@@ -138,11 +147,11 @@ def stage_calibrate(args, work: Path, shape: Path) -> Path:
 
 def stage_simulate(args, shape: Path, rounds: Path) -> dict:
     """The simulator's cells {streams: {arm: figures}} at `shape`, shared compute."""
-    low, high = prompt_lengths(args.checkpoint)
+    prompts = ",".join(f"{name}={n}" for name, n in prompt_tokens(args.checkpoint).items())
     cmd = [sys.executable, "-m", "services.cli", "simulate", "--costs", str(shape), "--shared-compute",
-           "--cores", str(args.cores),
+           "--cores", str(args.cores), "--order", "cycle",
            "--rounds", str(rounds), "--arms", *args.arms, "--streams", *map(str, args.streams),
-           "--per-stream", str(args.per_stream), "--prompt", f"uniform:{low}:{high}", "--output", str(args.max_tokens),
+           "--per-stream", str(args.per_stream), "--prompt", prompts, "--output", str(args.max_tokens),
            "--max-sessions", str(max(args.streams) + 8), "--seed", str(args.seed), "--json"]
     print("$", " ".join(cmd), flush=True)
     done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=STAGE_TIMEOUT_S, check=True)
@@ -202,12 +211,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="one gateway <-> service call in the simulator (ms; default: bench_services' 2.07 ms "
                          "of gRPC per round over its three calls)")
     ap.add_argument("--nice", type=int, default=0, help="niceness of the measuring children (negative: root)")
-    ap.add_argument("--shape", default=None, help="the cpu shape file (default WORKDIR/shape.json, measured if absent)")
-    ap.add_argument("--workdir", default="/tmp/dspark-validate", help="every stage's output, kept between runs")
+    ap.add_argument("--shape", default=None,
+                    help="a cpu shape file to run instead of measuring one (default: WORKDIR/shape.json, measured "
+                    "in this run unless WORKDIR already holds it)")
+    ap.add_argument("--workdir", default=None,
+                    help="every stage's output; a stage whose output is there is not run again (default: a new "
+                    "folder, so everything is measured in this run)")
     ap.add_argument("--json", default=None, help="write the comparison rows to this file")
     args = ap.parse_args(argv)
-    work = Path(args.workdir)
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="dspark-validate-"))
     work.mkdir(parents=True, exist_ok=True)
+    args.workdir = str(work)
+    print(f"stages in {work}", flush=True)
     shape = Path(args.shape) if args.shape else work / "shape.json"
     if not shape.exists():
         _run(["bench.sim_cpu_shape", "--checkpoint", args.checkpoint, "--repeats", "5"], args.nice, out=shape)

@@ -16,7 +16,7 @@ from services.common.budget import StepTimes
 from services.gateway.rounds import Round
 from services.simulate.engine import Gateway, RecordedText, RunConfig, StreamSpec
 from services.simulate.models import ServiceModel, from_single_stream, load_model, parse_calibrate
-from services.simulate.run import Lengths, Load, arm_registry, simulate_cell, stream_specs
+from services.simulate.run import Lengths, Load, arm_registry, parse_lengths, simulate_cell, stream_specs
 
 ROUND = Round("w", (5.0, 5.0), 2, 1)  # two drafts, the first accepted: a verified round yields 2 tokens
 
@@ -29,17 +29,17 @@ def _hand_model() -> ServiceModel:
 
 def test_two_streams_follow_the_hand_computed_schedule():
     """Two streams of fixed k = 2, a 1-token prompt and 5 output tokens, no gather, no
-    network: each step is worked out by hand (docs/simulate.md §3.1 walks through it).
-    t=0 s0 prefill [0,10]; s1 prefill [10,20]; s0 commit [10,11], draft [11,15], verify of
-    3 rows [20,34] (2 tokens); s1 commit [20,21], draft [21,25], verify [34,48]; s0 commit
-    [34,35], draft [35,39], budget caps k to 1, verify of 2 rows [48,60] (done: 5 tokens);
-    s1 commit [48,49], draft [49,53], verify [60,72]."""
-    specs = [stream_spec(0), stream_spec(1)]
+    network, stream 1 sent 1 ms after stream 0: each step is worked out by hand
+    (docs/simulate.md §3.1 walks through it). s0 prefill [0,10]; s1 prefill [10,20]; s0
+    commit [10,11], draft [11,15], verify of 3 rows [20,34] (2 tokens); s1 commit [20,21],
+    draft [21,25], verify [34,48]; s0 commit [34,35], draft [35,39], budget caps k to 1,
+    verify of 2 rows [48,60] (done: 5 tokens); s1 commit [48,49], draft [49,53], verify [60,72]."""
+    specs = [stream_spec(0), stream_spec(1, arrival_ms=1.0)]
     config = RunConfig(block_size=2, gather_s=0.0, max_seq_len=64)
     f = simulate_cell(_hand_model(), config, arm_registry(2)["k2"], specs)
     assert f["tokens"] == 10 and f["wall_s"] == pytest.approx(0.072)
     assert f["aggregate_tok_s"] == pytest.approx(10 / 0.072, abs=1e-5)
-    assert f["ttft_p50_ms"] == pytest.approx(15.0) and f["ttft_p99_ms"] == pytest.approx(19.9)
+    assert f["ttft_p50_ms"] == pytest.approx(14.5) and f["ttft_p99_ms"] == pytest.approx(18.91)  # 10 and 19 ms
     # per-token gaps: s0 24/2, 26/2 ms; s1 28/2, 24/2 ms
     assert f["itl_p50_ms"] == pytest.approx(12.5) and f["itl_p99_ms"] == pytest.approx(14.0)
     assert f["verifier_steps"] == 6 and f["verifier_util"] == pytest.approx(1.0)
@@ -48,16 +48,54 @@ def test_two_streams_follow_the_hand_computed_schedule():
     assert f["rounds"] == 4 and f["drafts_per_round"] == pytest.approx(1.5)
 
 
-def stream_spec(stream: int):
-    return StreamSpec(stream, 0.0, 1, 5, RecordedText([ROUND]), 0)
+def test_requests_arriving_together_share_a_step():
+    """The same two streams sent at the same instant (docs/simulate.md §3.2): a loop takes its
+    step after every arrival of that instant, so the two prompts, then each pair of commits,
+    drafts and verifies (the replies of one shared step arrive together) share every step,
+    by hand: prefill of 2 rows [0,12]; commits [12,13]; drafts [13,17]; verify of 6 rows
+    [17,37] (2 tokens each); commits [37,38]; drafts [38,42] (k capped to 1); verify of 4
+    rows [42,58] (done). Before this rule the first arrival of an instant took a step alone
+    and the pair alternated, as in the schedule above."""
+    specs = [stream_spec(0), stream_spec(1)]
+    config = RunConfig(block_size=2, gather_s=0.0, max_seq_len=64)
+    f = simulate_cell(_hand_model(), config, arm_registry(2)["k2"], specs)
+    assert f["tokens"] == 10 and f["wall_s"] == pytest.approx(0.058)
+    assert f["ttft_p50_ms"] == pytest.approx(12.0) and f["ttft_p99_ms"] == pytest.approx(12.0)
+    # per-token gaps of both streams: 25/2 ms twice, then 21/2 ms twice
+    assert f["itl_p50_ms"] == pytest.approx(11.5) and f["itl_p99_ms"] == pytest.approx(12.5)
+    assert f["verifier_steps"] == 3 and f["verifier_util"] == pytest.approx((12 + 20 + 16) / 58, abs=1e-6)
+    assert f["sessions_per_step"] == pytest.approx(2.0)
+    assert f["drafter_steps"] == 4 and f["drafter_util"] == pytest.approx(10 / 58, abs=1e-6)
+    assert f["rounds"] == 4 and f["drafts_per_round"] == pytest.approx(1.5)
+
+
+def test_every_reply_takes_a_gateway_turn():
+    """One stream of k = 2, gateway_ms 1 (docs/simulate.md §2): the gateway's one event loop
+    handles each reply, the drafter's too, before the next call goes out. By hand: prefill
+    [0,10], turn [10,11]; commit [11,12], turn [12,13]; draft [13,17], turn [17,18]; verify of 3
+    rows [18,32], turn [32,33] (3 tokens out); commit [33,34], turn [34,35]; draft [35,39], turn
+    [39,40]; verify of 2 rows (k capped to 1) [40,52], turn [52,53]: 5 tokens in 53 ms (49 ms
+    when only the verifier's replies took a turn)."""
+    model = dataclasses.replace(_hand_model(), gateway_ms=1.0)
+    f = simulate_cell(model, RunConfig(block_size=2, gather_s=0.0, max_seq_len=64), arm_registry(2)["k2"],
+                      [stream_spec(0)])
+    assert f["tokens"] == 5 and f["wall_s"] == pytest.approx(0.053)
+    assert f["ttft_p50_ms"] == pytest.approx(11.0)
+    assert f["verifier_util"] == pytest.approx((10 + 14 + 12) / 53, abs=1e-6)
+    assert f["drafter_util"] == pytest.approx(10 / 53, abs=1e-6)
+
+
+def stream_spec(stream: int, arrival_ms: float = 0.0):
+    return StreamSpec(stream, arrival_ms, 1, 5, RecordedText([ROUND]), 0)
 
 
 def test_gathering_lets_two_decodes_share_a_step():
-    """Plain decode, gather 50 ms. Stream 0's prefill runs alone [0, 10]. Stream 1's prefill
-    is queued, but the step waits (up to min(50, 10) ms) for stream 0, answered and expected
-    back at once: its decode shares the step [10, 22] (3 rows: 8 + 6 ms). From then on both
-    decode in steps of 2 rows (12 ms): three shared, then stream 1's last alone (10 ms)."""
-    specs = [stream_spec(0), stream_spec(1)]
+    """Plain decode, gather 50 ms, stream 1 sent 1 ms after stream 0. Stream 0's prefill runs
+    alone [0, 10]. Stream 1's prefill is queued, but the step waits (up to min(50, 10) ms) for
+    stream 0, answered and expected back at once: its decode shares the step [10, 22] (3 rows:
+    8 + 6 ms). From then on both decode in steps of 2 rows (12 ms): three shared, then stream
+    1's last alone (10 ms)."""
+    specs = [stream_spec(0), stream_spec(1, arrival_ms=1.0)]
     config = RunConfig(block_size=2, gather_s=0.05, max_seq_len=64)
     f = simulate_cell(_hand_model(), config, arm_registry(2)["plain"], specs)
     assert f["tokens"] == 10 and f["verifier_steps"] == 6
@@ -87,6 +125,29 @@ def test_every_arm_of_a_cell_sees_the_same_streams():
     two = stream_specs(Load(4), groups, Lengths(8, 16), Lengths(32, 32), 3)
     assert [(s.prompt, s.offset, s.text.drafted[0].workload) for s in one] == \
         [(s.prompt, s.offset, s.text.drafted[0].workload) for s in two]
+
+
+def test_cycle_order_replays_bench_servings_streams():
+    """`--order cycle`: stream s's generation j replays workload (s * per_stream + j) mod W in
+    the rounds' order (b before a here, as the file holds them), each from its first drafted
+    round, with that workload's prompt length; the open loop cycles by arrival."""
+    drafted_b, drafted_a = Round("b", (5.0,), 1, 1), Round("a", (5.0, 5.0), 2, 0)
+    groups = {"b": [Round("b", (), 0, 0), drafted_b, drafted_b], "a": [drafted_a]}
+    prompt = parse_lengths("a=7,b=9", "--prompt")
+    specs = stream_specs(Load(2, per_stream=3), groups, prompt, Lengths(32, 32), 0, order="cycle")
+    chains = []
+    for first in specs:
+        chain, spec = [], first
+        while spec is not None:
+            chain.append((spec.text.drafted[0].workload, spec.prompt, spec.text.start(spec.offset)))
+            spec = spec.then
+        chains.append(chain)
+    # b's first round did not draft: its first drafted round starts at text position 1
+    assert chains == [[("b", 9, 1), ("a", 7, 0), ("b", 9, 1)], [("a", 7, 0), ("b", 9, 1), ("a", 7, 0)]]
+    arrivals = stream_specs(Load(rate=5.0, requests=3), groups, prompt, Lengths(8, 8), 0, order="cycle")
+    assert [s.text.drafted[0].workload for s in arrivals] == ["b", "a", "b"]
+    with pytest.raises(ValueError, match="order='sorted'"):
+        stream_specs(Load(1), groups, prompt, Lengths(8, 8), 0, order="sorted")
 
 
 def test_open_loop_arrivals_start_at_zero_and_rise():
@@ -166,6 +227,8 @@ def test_a_bad_cost_file_is_one_error_line_naming_the_value(tmp_path, capsys, co
     (["--rate", "-2.5"], "--rate -2.5"),
     (["--arms", "k9"], "'k9'"),
     (["--output", "uniform:9:3"], "uniform:9:3"),
+    (["--prompt", "nosuch=5"], "no length for workload"),  # the synthetic workloads need one each
+    (["--prompt", "a=1,a=2"], "a=1,a=2"),
 ])
 def test_bad_load_arguments_are_one_error_line(capsys, args, named):
     code, out, err = _run_cli(capsys, *args)

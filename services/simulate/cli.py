@@ -2,8 +2,9 @@
 
 Owns the command's flags, output and exit codes; every figure comes from `services.simulate.run`.
 Bad input (a cost file with a negative or non-monotone time, an empty or unreadable rounds
-file, 0 streams, a rate below 0.001 per second, a negative seed, an unknown arm) exits 2 with
-one line on stderr naming the value.
+file, 0 streams, a rate below 0.001 per second, a negative seed, an unknown arm, a
+per-workload length without a replayed workload) exits 2 with one line on stderr naming the
+value.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    help="recorded-rounds files (replay format, e.g. --record-rounds output); default: the "
                    "synthetic rounds (services.analysis.synthetic)")
     p.add_argument("--workload", default=None, help="replay only this workload (default: each stream draws one)")
+    p.add_argument("--order", choices=("random", "cycle"), default="random",
+                   help="random: each generation draws its workload and start round; cycle: stream s's "
+                   "generation j replays workload s*per-stream+j (rounds-file order) from its first round, "
+                   "as bench_serving's streams run its prompts")
     p.add_argument("--arms", nargs="+", default=None, metavar="ARM",
                    help="arms to run (default: all): plain, k1..k<block>, gated, gate-only, "
                    "budget-trim, budget (the step budget, docs/gate.md §15)")
@@ -51,8 +56,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                    help="closed-loop concurrencies")
     p.add_argument("--rate", nargs="+", type=float, default=None, metavar="R",
                    help="open loop instead: Poisson arrivals at R generations per second (one cell per R)")
-    p.add_argument("--prompt", default="64", help="prompt tokens: N or uniform:A:B")
-    p.add_argument("--output", default="256", help="completion tokens per generation: N or uniform:A:B")
+    p.add_argument("--prompt", default="64", help="prompt tokens: N, uniform:A:B, or per workload NAME=N,NAME=N...")
+    p.add_argument("--output", default="256", help="completion tokens per generation: N, uniform:A:B, or per "
+                   "workload NAME=N,...")
     p.add_argument("--shared-compute", action="store_true",
                    help="drafter and verifier take turns on one pool of compute (default: separate hardware)")
     p.add_argument("--rpc-ms", type=float, default=None,
@@ -111,6 +117,10 @@ def _inputs(args):
         if not log.rounds:
             raise ValueError(f"{path}: the rounds file holds no round")
     groups = workloads(logs, args.workload)
+    for flag, spec in zip(("--prompt", "--output"), lengths):
+        missing = spec.missing(groups)
+        if missing:
+            raise ValueError(f"{flag}={str(spec)!r}: no length for workload {missing[0]!r}")
     registry = arm_registry(args.block_size)
     unknown = [a for a in args.arms or [] if a not in registry]
     if unknown:
@@ -129,12 +139,14 @@ def run_simulate(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         return _error(str(exc))
     t0 = time.perf_counter()
-    result = simulate_grid(model, config, arms, loads, groups, prompt, output, args.seed)
+    result = simulate_grid(model, config, arms, loads, groups, prompt, output, args.seed, args.order)
     wall_s = time.perf_counter() - t0
-    result["inputs"] = {"costs": model.name, "model": model.to_dict(), "workloads": sorted(groups),
+    result["inputs"] = {"costs": model.name, "model": model.to_dict(),
+                        "workloads": list(groups) if args.order == "cycle" else sorted(groups),
                         "rounds": list(args.rounds) if args.rounds else "synthetic (generated)",
                         "arms": [a.name for a in arms], "loads": [ld.label for ld in loads], "prompt": str(prompt),
-                        "output": str(output), "shared_compute": config.shared_compute, "cores": config.cores,
+                        "output": str(output), "order": args.order, "shared_compute": config.shared_compute,
+                        "cores": config.cores,
                         "max_sessions": config.max_sessions, "drafters": config.drafters,
                         "gather_ms": config.gather_s * 1e3, "alignment": config.alignment,
                         "prefill_chunk": config.prefill_chunk, "seed": args.seed}

@@ -224,19 +224,21 @@ class Gateway:
 
     def call(self, loop: SimLoop, request: Request) -> None:
         """Send `request` to `loop`; it arrives rpc_ms / 2 later, its reply as much after its
-        step. A verifier reply then waits its turn at the gateway (`_gateway_turn`)."""
+        step. The reply then waits its turn at the gateway (`_gateway_turn`), a verifier's and
+        a drafter's alike: the gateway's one event loop handles each."""
         half = self.model.rpc_ms / 2
         reply = request.reply
-        if loop is self.verifier and self.model.gateway_ms > 0:
+        if self.model.gateway_ms > 0:
             request.reply = lambda end_ms, rows: self.clock.at(end_ms + half, self._gateway_turn, reply, rows)
         else:
             request.reply = lambda end_ms, rows: self.clock.at(end_ms + half, reply, rows)
         self.clock.at(self.clock.now + half, loop.submit, request)
 
     def _gateway_turn(self, reply: Callable, rows: int) -> None:
-        """The gateway's one event loop takes verifier replies one at a time, gateway_ms of
-        work each (on the shared pool under --shared-compute): a step that answers 16 sessions
-        releases their next rounds 16 x gateway_ms apart."""
+        """The gateway's one event loop takes replies one at a time, gateway_ms of work each
+        (on the shared pool under --shared-compute): a step that answers 16 sessions releases
+        their next calls 16 x gateway_ms apart, and a drafted round pays three turns (its
+        verify, commit and draft replies) where a plain one pays one."""
         self.turns.append((reply, rows))
         if not self.turning:
             self._next_turn()

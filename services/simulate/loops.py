@@ -7,6 +7,15 @@ carries each request when the step ends. Only the forward is modelled (a step of
 sessions takes `step_ms(requests, chunks)` ms of work). A step runs on its loop's `Pool`: alone
 on separate hardware, or sharing `--cores` cores with the other loop and the gateway's turns
 (`--shared-compute`), where it slows down while more jobs than cores run.
+
+A waiting loop looks at its queue once per virtual instant: an arrival at an idle (or
+gathering) loop, or the end of its gather wait, schedules the look after every event already
+due at that instant, so requests that arrive together (the replies of one batched drafter
+step, generations sent at once) share the step. A served loop's thread takes its step a
+fraction of a millisecond after the arrival that woke it (docs/simulate.md §3.2); an event
+queue that started the step inside the first arrival's event would give that one request a
+step of its own. A loop whose step just ended looks at once, as the served thread, still
+running, does.
 """
 
 from __future__ import annotations
@@ -154,10 +163,23 @@ class SimLoop:
         self._state = "idle"  # idle | gathering | stepping
         self._timer = 0  # generation of the gather timer: a stale one does nothing
         self._last_step_s = 0.0
+        self._waking = False  # a look at the queue is scheduled for this instant
 
     def submit(self, request: Request) -> None:
-        """`request` arrives now."""
+        """`request` arrives now; an idle or gathering loop considers its queue once every
+        event due at this instant has run (module docstring)."""
         self.schedule.admit(request, now=self.clock.now / 1e3)
+        if self._state in ("idle", "gathering"):
+            self._look()
+
+    def _look(self) -> None:
+        """Consider the queue once every event due now has run (one look per instant)."""
+        if not self._waking:
+            self._waking = True
+            self.clock.at(self.clock.now, self._wake)
+
+    def _wake(self) -> None:
+        self._waking = False
         if self._state in ("idle", "gathering"):
             self._consider()
 
@@ -176,7 +198,7 @@ class SimLoop:
     def _timeout(self, timer: int) -> None:
         if timer == self._timer and self._state == "gathering":
             self._state = "idle"  # a wait still left schedules the next timer
-            self._consider()
+            self._look()  # the thread wakes from its timed wait as from an arrival
 
     def _start(self) -> None:
         self._timer += 1

@@ -44,9 +44,9 @@ class ServiceModel:
     """Step times of one deployment (module docstring). name: where it came from.
 
     session_ms: a verifier step's cost per session in it (ms); rpc_ms: one call's network time,
-    half each way (ms); gateway_ms: the gateway's own work on one verifier reply (ms: streaming
-    its tokens to the client, the next round's decisions), done one reply at a time, as the
-    gateway's one event loop does.
+    half each way (ms); gateway_ms: the gateway's own work on one reply of the verifier or a
+    drafter (ms: streaming its tokens to the client, the next call's decisions), done one
+    reply at a time, as the gateway's one event loop does.
     Raises ValueError naming the field when session_ms, rpc_ms or gateway_ms is negative or not
     finite.
     """

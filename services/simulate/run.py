@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,22 +50,58 @@ class Lengths:
     low: int
     high: int
 
-    def draw(self, rng: np.random.Generator) -> int:
+    def draw(self, rng: np.random.Generator, workload: str | None = None) -> int:
+        """A length (tokens) for a generation of `workload` (the same rule for every one)."""
         return self.low if self.low == self.high else int(rng.integers(self.low, self.high + 1))
+
+    def missing(self, names: Iterable[str]) -> list[str]:
+        """The workloads of `names` without a length: none (one rule for all)."""
+        return []
 
     def __str__(self) -> str:
         return str(self.low) if self.low == self.high else f"uniform:{self.low}:{self.high}"
 
 
-def parse_lengths(text: str, flag: str) -> Lengths:
-    """"N" or "uniform:A:B" (integers >= 1, A <= B). Raises ValueError naming the flag and value."""
+@dataclass(frozen=True)
+class WorkloadLengths:
+    """A length per workload, e.g. each bench prompt's own token count. Parsed from
+    "NAME=SPEC,NAME=SPEC..." (each SPEC "N" or "uniform:A:B") by `parse_lengths`."""
+
+    lengths: tuple[tuple[str, Lengths], ...]
+
+    def draw(self, rng: np.random.Generator, workload: str | None = None) -> int:
+        """A length (tokens) for a generation of `workload`. Raises KeyError for a workload
+        without one (`missing` names them before a run)."""
+        return dict(self.lengths)[workload].draw(rng)
+
+    def missing(self, names: Iterable[str]) -> list[str]:
+        """The workloads of `names` this gives no length, in their order."""
+        have = dict(self.lengths)
+        return [n for n in names if n not in have]
+
+    def __str__(self) -> str:
+        return ",".join(f"{name}={spec}" for name, spec in self.lengths)
+
+
+def parse_lengths(text: str, flag: str) -> Lengths | WorkloadLengths:
+    """"N" or "uniform:A:B" (integers >= 1, A <= B), or one of those per workload:
+    "NAME=SPEC,NAME=SPEC...". Raises ValueError naming the flag and value."""
+    if "=" in text:
+        pairs = [part.partition("=") for part in text.split(",")]
+        if any(not name.strip() for name, _, _ in pairs) or len({n.strip() for n, _, _ in pairs}) < len(pairs):
+            raise ValueError(f"{flag}={text!r}: must be NAME=SPEC,NAME=SPEC... with distinct workload names")
+        return WorkloadLengths(tuple((name.strip(), parse_lengths(spec, f"{flag} {name.strip()}"))
+                                     for name, _, spec in pairs))
     m = re.fullmatch(r"(\d+)|uniform:(\d+):(\d+)", text.strip())
     if m is None:
-        raise ValueError(f"{flag}={text!r}: must be N or uniform:A:B (integers >= 1)")
+        raise ValueError(f"{flag}={text!r}: must be N, uniform:A:B (integers >= 1) or NAME=SPEC,...")
     low, high = (int(m.group(1)),) * 2 if m.group(1) else (int(m.group(2)), int(m.group(3)))
     if low < 1 or high < low:
         raise ValueError(f"{flag}={text!r}: needs 1 <= A <= B")
     return Lengths(low, high)
+
+
+ORDERS = ("random", "cycle")  # which workload each generation replays (`stream_specs`)
 
 
 @dataclass(frozen=True)
@@ -110,26 +147,39 @@ def workloads(logs: list[RoundLog], only: str | None = None) -> dict[str, list[R
     return out
 
 
-def stream_specs(load: Load, groups: dict[str, list[Round]], prompt: Lengths, output: Lengths,
-                 seed: int) -> list[StreamSpec]:
+def stream_specs(load: Load, groups: dict[str, list[Round]], prompt: Lengths | WorkloadLengths,
+                 output: Lengths | WorkloadLengths, seed: int, order: str = "random") -> list[StreamSpec]:
     """The generations of one cell (module docstring): the first of each stream (closed loop,
-    later ones chained with `then`) or every arrival (open loop). Each generation draws its
-    workload, a start in its rounds and its lengths."""
+    later ones chained with `then`) or every arrival (open loop), each with its lengths.
+
+    order "random": each generation draws its workload and the drafted round it starts at.
+    order "cycle": bench_serving's streams: closed loop, stream s's generation j replays
+    workload (s * per_stream + j) mod W, open loop arrival i workload i mod W, the W workloads
+    in the order the rounds files hold them, each from its first drafted round (the
+    recording of that prompt's generation from its start, docs/simulate.md §5).
+
+    Raises ValueError naming an unknown order.
+    """
+    if order not in ORDERS:
+        raise ValueError(f"order={order!r}: must be one of {', '.join(ORDERS)}")
     rng = np.random.default_rng([seed, load.streams, load.per_stream, 0 if load.rate is None else 1])
-    names = sorted(groups)
+    names, in_file = sorted(groups), list(groups)
     texts = {name: RecordedText(groups[name]) for name in names}
 
-    def spec(stream: int, arrival: float) -> StreamSpec:
-        text = texts[names[int(rng.integers(len(names)))]]
-        return StreamSpec(stream, arrival, prompt.draw(rng), output.draw(rng), text,
-                          int(rng.integers(len(text.drafted))))
+    def spec(stream: int, arrival: float, index: int) -> StreamSpec:
+        if order == "cycle":
+            name = in_file[index % len(in_file)]
+            return StreamSpec(stream, arrival, prompt.draw(rng, name), output.draw(rng, name), texts[name], 0)
+        name = names[int(rng.integers(len(names)))]
+        return StreamSpec(stream, arrival, prompt.draw(rng, name), output.draw(rng, name), texts[name],
+                          int(rng.integers(len(texts[name].drafted))))
 
     if load.rate is not None:
         gaps = rng.exponential(1e3 / load.rate, load.requests)
-        return [spec(i, float(t)) for i, t in enumerate(np.cumsum(gaps) - gaps[0])]
+        return [spec(i, float(t), i) for i, t in enumerate(np.cumsum(gaps) - gaps[0])]
     firsts = []
     for s in range(load.streams):
-        chain = [spec(s, 0.0) for _ in range(load.per_stream)]
+        chain = [spec(s, 0.0, s * load.per_stream + j) for j in range(load.per_stream)]
         for a, b in zip(chain, chain[1:]):
             a.then = b
         firsts.append(chain[0])
@@ -157,12 +207,14 @@ def simulate_cell(model: ServiceModel, config: RunConfig, arm: Arm, specs: list[
 
 
 def simulate_grid(model: ServiceModel, config: RunConfig, arms: list[Arm], loads: list[Load],
-                  groups: dict[str, list[Round]], prompt: Lengths, output: Lengths, seed: int) -> dict:
+                  groups: dict[str, list[Round]], prompt: Lengths | WorkloadLengths,
+                  output: Lengths | WorkloadLengths, seed: int, order: str = "random") -> dict:
     """Every arm at every load: {"cells": {load label: {arm: figures}}, "ratios": {load label:
-    {arm: aggregate tok/s / plain's}} (when plain ran), "best_fixed": {load label: arm}}."""
+    {arm: aggregate tok/s / plain's}} (when plain ran), "best_fixed": {load label: arm}}; `order`
+    as `stream_specs`."""
     cells: dict[str, dict[str, dict]] = {}
     for load in loads:
-        specs_of = lambda: stream_specs(load, groups, prompt, output, seed)  # noqa: E731 - fresh per arm
+        specs_of = lambda: stream_specs(load, groups, prompt, output, seed, order)  # noqa: E731 - fresh per arm
         cells[load.label] = {arm.name: simulate_cell(model, config, arm, specs_of()) for arm in arms}
     out: dict = {"cells": cells}
     if any(a.name == "plain" for a in arms):

@@ -12,7 +12,8 @@ def render(result: dict, wall_s: float) -> None:
 
     console = Console(width=None if sys.stdout.isatty() else 160, emoji=False, highlight=False)
     inputs = result["inputs"]
-    console.print(f"costs {inputs['costs']}, workloads {', '.join(inputs['workloads'])}, prompt {inputs['prompt']}, "
+    console.print(f"costs {inputs['costs']}, workloads {', '.join(inputs['workloads'])} ({inputs['order']} order), "
+                  f"prompt {inputs['prompt']}, "
                   f"output {inputs['output']}, {'shared' if inputs['shared_compute'] else 'separate'} compute, "
                   f"seed {inputs['seed']}; simulated in {wall_s:.1f} s", markup=False)
     for label, row in result["cells"].items():
