@@ -88,11 +88,11 @@ async def run_cell(stack: dict, streams: int, arm: str, max_tokens: int, generat
     async def one_stream(ps: list[str]) -> int:
         return sum([(await generate(stub, p, arm, max_tokens)).tokens for p in ps])
 
-    steps0, sessions0 = await verifier_steps(stack["verifier"])
+    steps0, sessions0, _ = await verifier_steps(stack["verifier"])
     cpu0, t0 = cpu_snapshot(pids), time.perf_counter()
     tokens = sum(await asyncio.gather(*(one_stream(ps) for ps in per_stream)))
     wall, cpu1 = time.perf_counter() - t0, cpu_snapshot(pids)
-    steps1, sessions1 = await verifier_steps(stack["verifier"])
+    steps1, sessions1, _ = await verifier_steps(stack["verifier"])
     out = {"wall_s": wall, "tokens": tokens, "aggregate_tok_s": tokens / wall,
            "sessions_per_step": (sessions1 - sessions0) / max(steps1 - steps0, 1)}
     for name in PROCESSES:

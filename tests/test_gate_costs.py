@@ -90,6 +90,27 @@ def test_tracker_uses_the_profile_as_a_non_decreasing_table_with_sources():
     assert set(costs.in_force("configured")[1].values()) == {DEFAULT, "not used"}
 
 
+def test_tracker_builds_a_model_once_per_sample():
+    """The regime asks for the model every round: with no new sample it is the same object,
+    and every kind of sample (seed, draft, plain, commit, verify) rebuilds it with that sample."""
+    costs = CostTracker(CostModel())
+    cold = costs.model("measured")
+    assert costs.model("measured") is cold and costs.model("configured") is not cold
+    costs.seed(_profile())
+    seeded = costs.model("measured")
+    assert seeded is not cold and seeded.draft_ms == 8.0 and costs.model("measured") is seeded
+    for add, field, ms in ((costs.add_draft, "draft_ms", 10.0), (costs.add_plain, "plain_ms", 25.0),
+                           (costs.add_commit, "commit_ms", 4.0)):
+        before = getattr(costs.model("measured"), field)
+        add(ms)
+        assert getattr(costs.model("measured"), field) == pytest.approx(0.9 * before + 0.1 * ms)
+    last = costs.model("measured")
+    costs.add_verify(4, 50.0)
+    assert costs.model("measured").verify_table[3] > last.verify_table[3]
+    with pytest.raises(ValueError, match="'bogus'"):
+        costs.model("bogus")
+
+
 def test_tracker_fills_unmeasured_ks_from_live_rounds_only_after_enough_samples():
     costs = CostTracker(CostModel())
     costs.add_draft(5.0)

@@ -117,12 +117,18 @@ class CostTracker:
         self._draft, self._plain, self._commit = _Ewma(), _Ewma(), _Ewma()
         self.profile: CostProfile | None = None
         self.profile_error: str | None = None
+        # the samples' version and each mode's model at the version it was built from: the
+        # regime asks for the model every round, and building it (a weighted fit, a monotone
+        # pass, a validated CostModel) cost as much gateway CPU as the rest of a plain round
+        self._version = 0
+        self._models: dict[str, tuple[int, CostModel]] = {}
 
     # ------------------------------------------------------------------ samples
     def seed(self, profile: CostProfile) -> None:
         """Start every moving average at the start-up profile's medians (ms)."""
         with self._lock:
             self.profile = profile
+            self._version += 1
             for k, ms in enumerate(profile.verify_ms, start=1):
                 self._verify.setdefault(k, _Ewma()).seed(ms)
             self._draft.seed(profile.draft_ms)
@@ -139,21 +145,25 @@ class CostTracker:
         with self._lock:
             self._verify.setdefault(k, _Ewma()).add(ms)
             self._verify_rounds += 1
+            self._version += 1
 
     def add_draft(self, ms: float) -> None:
         """One drafter call that took `ms` wall time."""
         with self._lock:
             self._draft.add(ms)
+            self._version += 1
 
     def add_plain(self, ms: float) -> None:
         """One plain decode that took `ms` wall time."""
         with self._lock:
             self._plain.add(ms)
+            self._version += 1
 
     def add_commit(self, ms: float) -> None:
         """One drafter commit after a round that took `ms` wall time."""
         with self._lock:
             self._commit.add(ms)
+            self._version += 1
 
     # ------------------------------------------------------------------ the costs
     def measured(self) -> Measured | None:
@@ -223,10 +233,17 @@ class CostTracker:
         Measured costs are clamped to what CostModel accepts (draft and plain >= 1e-3 ms, the
         rest >= 0). Raises ValueError naming the mode unless it is one of COST_MODES.
         """
+        with self._lock:
+            version, cached = self._version, self._models.get(mode)
+        if cached is not None and cached[0] == version:
+            return cached[1]
         values, sources = self.in_force(mode)
         source = f"{mode}: " + ", ".join(f"{f} {sources[f]}" for f in REPORTED)
-        return CostModel(values["draft_ms"], values["verify_base_ms"], values["verify_slope_ms"], values["plain_ms"],
+        model = CostModel(values["draft_ms"], values["verify_base_ms"], values["verify_slope_ms"], values["plain_ms"],
                          commit_ms=values["commit_ms"], verify_table=values["verify_table"], source=source)
+        with self._lock:  # built from samples no newer than `version`; a later one rebuilds it
+            self._models[mode] = (version, model)
+        return model
 
     def to_dict(self, mode: str) -> dict:
         """The Stats RPC's `costs`: configured (the four configured ms), measured (`fit`),
