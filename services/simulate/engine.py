@@ -272,6 +272,7 @@ class _Generation:
         self.text = spec.text
         self.text_pos = spec.text.start(spec.offset)  # where this generation is in the recording
         self.deferred = False  # committed rows held back for the next draft
+        self.asleep = False  # the regime let the drafter session go (`DrafterLink.sleep`)
         self.uncommitted = 0  # committed tokens whose tap rows the drafter has not written yet
         self.margin: float | None = None
         self.leg_start: float | None = None  # when the commit before the next draft was sent (virtual ms)
@@ -298,7 +299,7 @@ class _Generation:
         if self.policy.spec == "off" or self.spec.output <= 2:
             return self._round()
         if not self.policy.regime_drafts(self.gw.in_flight, self.pos, self.emitted):
-            self.deferred = True  # asleep: primed when it drafts
+            self.deferred = self.asleep = True  # primed when it drafts
             return self._round()
         self._commit(self._round)
 
@@ -320,6 +321,7 @@ class _Generation:
         reason = self._plan()
         if reason is not None:
             return self._submit(rec, reason, None, 0)
+        self.asleep = False
         if self.deferred:  # the link's flush: the held rows go before the draft
             self.deferred = False
             return self._commit(lambda: self._draft(rec))
@@ -332,8 +334,10 @@ class _Generation:
             return Reason.NO_DRAFTER
         if p.max_drafts(self.gw.config.block_size, self.pos, self.emitted) == 0:
             return Reason.NO_ROOM
-        if not p.regime_drafts(self.gw.in_flight, self.pos, self.emitted):
-            self.deferred = True
+        # as the scheduler asks: a live session (asleep only after the regime's plain) has
+        # nothing to re-prime, so no wake price
+        if not p.regime_drafts(self.gw.in_flight, self.pos, self.emitted, primed=not self.asleep):
+            self.deferred = self.asleep = True
             return Reason.REGIME
         return p.pre_draft(self.margin, self.gw.inside)
 
