@@ -190,6 +190,22 @@ def test_dspark_calibrate_output_is_a_cost_source(tmp_path, capsys):
     model = json.loads(out)["inputs"]["model"]
     assert model["verifier"]["ms"][0] == 60.0 and model["drafter"]["draft"]["ms"][0] == costs["draft_ms"]
 
+def test_a_flat_calibrate_fit_with_a_dear_first_row_simulates(capsys, tmp_path):
+    """A fit whose verify line is flat above a cheap plain step (slope 0, what calibrate prints
+    from a noisy recording) gives a table whose point at two rows is exact: interpolating to it
+    rounded 117.266 up to 117.26600000000002, above the flat rows after it, and the step table
+    (and a -3.6e-15 verify slope) was refused."""
+    path = tmp_path / "c.env"
+    path.write_text("DSPARK_GATE_DRAFT_MS=12.792\nDSPARK_GATE_VERIFY_BASE_MS=117.266\n"
+                    "DSPARK_GATE_VERIFY_SLOPE_MS=0.000\nDSPARK_GATE_PLAIN_MS=46.519\n")
+    code, out, err = _run_cli(capsys, "--costs", str(path), "--arms", "plain", "k1", "--streams", "1", "2",
+                              "--output", "8", "--json")
+    assert code == 0 and err == "", err
+    assert json.loads(out)["cells"]["1"]["plain"]["aggregate_tok_s"] > 0
+    table = StepTimes((1.0, 2.0, 8192.0), (46.519, 117.266, 117.266))
+    assert [table.ms_at(r) for r in (1, 2, 3)] == [46.519, 117.266, 117.266]
+
+
 def test_gpu_roofline_is_fitted_at_one_row():
     from services.simulate.models import roofline_check
     rows = {name: (model, peer) for name, model, peer in roofline_check()}

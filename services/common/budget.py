@@ -74,6 +74,8 @@ class StepTimes:
         if rows <= xs[0]:
             return ys[0]
         i = bisect.bisect_left(xs, rows)
+        if i < len(xs) and xs[i] == rows:  # a point's own ms: interpolating to it can round above the next
+            return ys[i]
         if i == len(xs):
             if len(xs) == 1:
                 return ys[0]
