@@ -69,7 +69,8 @@ def test_bands_merge_finished_generations_and_scale_to_max_weight():
     view = bands.to_dict()
     assert view["max_weight"] == 4.0 and view["recent_rounds"] == 0
     assert view["bands"]["greedy"] == {"generations": 2, "verified_rounds": 3, "observed": 9, "recent_rounds": 3,
-                                       "lent_observed": [0.0, 1.0, 0.0, 0.0, 0.0, 4.0]}
+                                       "lent_observed": [0.0, 1.0, 0.0, 0.0, 0.0, 4.0], "losing_generations": 0,
+                                       "streak": None}
 
 
 def test_recent_rounds_are_lent_newest_last_and_capped():

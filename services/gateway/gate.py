@@ -42,6 +42,12 @@ DEFAULT_PRIOR_WEIGHT = 1.0
 # drafter that keeps losing costs one probe per PROBE_PERIOD rounds.
 PROBE_FIRST = 16
 PROBE_PERIOD = 32
+# The share of a losing streak's tokens its probes may cost at most. A probe's expected loss
+# against the plain step it replaces is priced with the one scoring rule, value(plain) -
+# value(probe) = lambda * (cost(1) - plain_ms) - S_0 tokens, and the gap between probes grows
+# past PROBE_PERIOD until loss / gap <= PROBE_LOSS_SHARE: a drafter whose draft costs several
+# plain steps (or never pays) is probed rarely, a cheap one every PROBE_PERIOD rounds as before.
+PROBE_LOSS_SHARE = 0.02
 # Per-round forgetting of the long-run rate estimate lambda (tokens / ms): about 20 rounds.
 RATE_DECAY = 0.95
 # Drafted rounds whose confidences the pre-draft decision re-prices with the current estimates.
@@ -176,16 +182,25 @@ class Calibration:
     in observations, 0 <= matched <= observed). recent: confidence logits of up to
     RECENT_ROUNDS recently drafted rounds (one tuple of floats per round, oldest first), which
     the new gate's first pre-draft decisions re-price as if it had drafted them itself; empty:
-    the gate drafts its first round. Raises ValueError naming the bucket or round when a count
-    is not finite, matched > observed, a bucket is missing, or a recent logit is NaN or not a
-    number.
+    the gate drafts its first round. streak: a losing streak the new gate continues (docs/gate.md
+    §6): (rounds since the last verified draft, the gap to the next probe), integers; None:
+    none. Raises ValueError naming the bucket, round or streak when a count is not finite,
+    matched > observed, a bucket is missing, a recent logit is NaN or not a number, or the
+    streak is not two integers (>= 0, >= 1).
     """
 
     matched: tuple[float, ...]
     observed: tuple[float, ...]
     recent: tuple[tuple[float, ...], ...] = ()
+    streak: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
+        if self.streak is not None:
+            parts = tuple(self.streak) if isinstance(self.streak, (tuple, list)) else ()
+            if not (len(parts) == 2 and all(is_integer(v) for v in parts) and parts[0] >= 0 and parts[1] >= 1):
+                raise ValueError(f"calibration streak={short_repr(self.streak)} must be (rounds since the last "
+                                 "verified draft >= 0, probe gap >= 1), integers")
+            object.__setattr__(self, "streak", (int(parts[0]), int(parts[1])))
         if len(self.matched) != NUM_BUCKETS or len(self.observed) != NUM_BUCKETS:
             raise ValueError(f"calibration needs {NUM_BUCKETS} buckets, got {len(self.matched)}/{len(self.observed)}")
         for i, (m, o) in enumerate(zip(self.matched, self.observed)):
@@ -254,6 +269,8 @@ class Gate:
         self._recent: list[list[float]] = [list(c) for c in calibration.recent] if calibration else []
         self._since = 0  # rounds asked since the last verified draft
         self._gap = PROBE_FIRST  # rounds from one probe of a losing streak to the next
+        if calibration is not None and calibration.streak is not None:  # the band's losing streak goes on
+            self._since, self._gap = calibration.streak
         self._probe = False  # this round must verify at least one draft
         self._margin_bin: int | None = None  # the drafted round's anchor-margin bin (auto threshold)
         # The costs decisions price rounds with; None: `cost`. The caller may re-price them for
@@ -316,7 +333,7 @@ class Gate:
         on average (LEARNED_MARGIN), or (3) with the length gate enabled, the recent drafted
         rounds, re-priced with the current estimates, say drafting is worth less than its cost
         (`draft_advantage` < 0: RECENT_LOSS). (2) and (3) draft anyway on the losing streak's
-        probe rounds (PROBE_FIRST rounds in, then gaps doubling up to PROBE_PERIOD), and a
+        probe rounds (PROBE_FIRST rounds in, then gaps doubling up to `probe_cap`), and a
         probe verifies at least one draft. (1) and (2) apply whether or not the gate is
         enabled. None (margin unknown) passes (1) and (2). Raises ValueError on NaN or a
         non-number.
@@ -335,6 +352,29 @@ class Gate:
             return Reason.LEARNED_MARGIN if bin_losing else Reason.RECENT_LOSS
         self._probe = losing
         return None
+
+    def losing(self) -> bool:
+        """Whether the length gate is on and its recent drafted rounds, re-priced with the
+        current estimates and lambda, lose to a plain step (the RECENT_LOSS test of
+        `pre_draft`, without its probe schedule): the generation is in a losing streak, so
+        its drafter need not be fed until the next probe (docs/gate.md §5b)."""
+        return self.config.enabled and self._recent_advantage() < 0.0
+
+    def streak(self) -> tuple[int, int]:
+        """(rounds since the last verified draft, rounds from one probe to the next): what a
+        later generation of the band continues when this one ends losing (`Calibration.streak`)."""
+        return self._since, self._gap
+
+    def probe_cap(self) -> int:
+        """The longest gap between probes (rounds): PROBE_PERIOD, or more where one probe's
+        expected loss, lambda * (cost(1) - plain_ms) - S_0 tokens (S_0: the recent rounds' mean
+        estimate that the first draft is accepted), exceeds PROBE_LOSS_SHARE of the gap's
+        tokens (one per plain round)."""
+        cost, lam = self.pricing or self.cost, self.rate()
+        first = (sum(self._survival(conf[:1])[0] for conf in self._recent if conf) / len(self._recent)
+                 if self._recent else 1.0)
+        loss = lam * (cost.drafted_round_ms(1) - cost.plain_ms) - first
+        return max(PROBE_PERIOD, math.ceil(loss / PROBE_LOSS_SHARE)) if loss > 0 else PROBE_PERIOD
 
     def _probe_due(self) -> bool:
         """This round is the losing streak's next probe."""
@@ -376,7 +416,7 @@ class Gate:
             n, values = length_decision(survival, max_n, cost, self.config.win_factor, floor, rate)
             inputs = {"survival": tuple(survival), "rate": rate, "values": values, "probe": probe}
         if probe or self._probe:
-            self._gap = min(PROBE_PERIOD, 2 * self._gap)  # still losing: the next probe comes later
+            self._gap = min(self.probe_cap(), 2 * self._gap)  # still losing: the next probe comes later
         elif n > 0:
             self._gap = PROBE_FIRST  # a round drafted on its merits: the losing streak is over
         self._probe = False

@@ -35,6 +35,11 @@ TEMPERATURE_EDGES = (0.5, 1.0)
 # whose own calibration curves differ from the others' (bench/README.md, gate_shapes).
 DEFAULT_MAX_WEIGHT = 10.0
 MAX_WEIGHT_LIMIT = 1e6
+# Consecutive finished generations of a band that must end in a losing streak before a new one
+# continues it (starts skipping, its drafter asleep, on the band's probe schedule). One would
+# suspend a good workload behind a single losing neighbour (the reason `recent_rounds` is off);
+# two in a row say the drafter itself is losing, as one that is never accepted does.
+LOSING_GENERATIONS = 2
 
 
 def sampling_band(sampling: SamplingParams) -> str:
@@ -98,18 +103,29 @@ class Band:
     generations: int = 0
     gate: GateStats = field(default_factory=GateStats)
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_ROUNDS))
+    losing: int = 0  # the last finished generations that ended in a losing streak, in a row
+    streak: tuple[int, int] | None = None  # the last one's (rounds since verified, probe gap)
 
-    def add(self, gate: GateStats, recent: Sequence[Sequence[float]]) -> None:
-        """Merge one finished generation: its gate counters and its recent drafted confidences."""
-        self.generations += 1
-        self.gate.merge(gate)
-        self.recent.extend(tuple(float(c) for c in conf) for conf in recent)
+    def add(self, gate: GateStats, recent: Sequence[Sequence[float]], streak: tuple[int, int] | None = None) -> None:
+        """Merge one finished generation: its gate counters, its recent drafted confidences
+        and, when it ended losing, its streak (`Gate.streak`; None: it did not). A generation
+        that verified no draft adds no counters or confidences, but its streak counts."""
+        if gate.verified_rounds:
+            self.generations += 1
+            self.gate.merge(gate)
+            self.recent.extend(tuple(float(c) for c in conf) for conf in recent)
+        self.losing = self.losing + 1 if streak is not None else 0
+        self.streak = streak
 
     def calibration(self, settings: WarmStart) -> Calibration:
         """The band as a frozen `Calibration`: bucket counts scaled to at most
         `settings.max_weight` observations each (`GateStats.calibration`), and the band's last
-        `settings.recent_rounds` drafted confidences."""
+        `settings.recent_rounds` drafted confidences; after LOSING_GENERATIONS generations in a
+        row ended losing, the band's last RECENT_ROUNDS drafted confidences and its streak, so
+        the new gate goes on skipping and probing where the last one stopped."""
         counts = self.gate.calibration(settings.max_weight)
+        if self.losing >= LOSING_GENERATIONS:
+            return Calibration(counts.matched, counts.observed, tuple(self.recent), self.streak)
         recent = tuple(self.recent)[len(self.recent) - settings.recent_rounds:] if settings.recent_rounds else ()
         return Calibration(counts.matched, counts.observed, recent)
 
@@ -127,13 +143,16 @@ class WarmBands:
         self._bands: dict[str, Band] = {}
         self._lock = threading.Lock()
 
-    def add(self, band: str, gate: GateStats, recent: Sequence[Sequence[float]]) -> None:
-        """Merge a finished generation of sampling band `band` (see `sampling_band`). A
-        generation that verified no draft teaches nothing and is left out."""
-        if gate.verified_rounds == 0:
-            return
+    def add(self, band: str, gate: GateStats, recent: Sequence[Sequence[float]],
+            streak: tuple[int, int] | None = None) -> None:
+        """Merge a finished generation of sampling band `band` (see `sampling_band`); `streak`:
+        its `Gate.streak()` when it ended losing (`Gate.losing`), else None. A generation that
+        verified no draft teaches the estimates nothing: it starts no band, and adds only its
+        streak to one that exists."""
         with self._lock:
-            self._bands.setdefault(band, Band()).add(gate, recent)
+            if gate.verified_rounds == 0 and band not in self._bands:
+                return
+            self._bands.setdefault(band, Band()).add(gate, recent, streak)
 
     def calibration(self, band: str) -> Calibration | None:
         """What a new generation of `band` warm-starts from; None (cold) before any generation
@@ -151,6 +170,7 @@ class WarmBands:
                 lent = state.gate.calibration(self.settings.max_weight).observed
                 out[name] = {"generations": state.generations, "verified_rounds": state.gate.verified_rounds,
                              "observed": sum(state.gate.bucket_observed), "recent_rounds": len(state.recent),
-                             "lent_observed": list(lent)}
+                             "lent_observed": list(lent), "losing_generations": state.losing,
+                             "streak": None if state.streak is None else list(state.streak)}
             return {"max_weight": self.settings.max_weight, "recent_rounds": self.settings.recent_rounds,
                     "bands": out}
