@@ -14,6 +14,7 @@ from services.common.constraint import Constraint
 from services.common.controls import LogitsControls
 from dsv4.sampling import GREEDY, SamplingParams, TokenLogprob
 from services.gateway.record import RoundStats
+from services.gateway.gate import Streak
 from services.gateway.warm import WarmBands, sampling_band
 
 
@@ -89,7 +90,7 @@ class FinalEvent:
     recent_confidences: tuple[tuple[float, ...], ...] = ()
     # Its gate's losing streak at the end (`Gate.streak`), which the band's next generations
     # continue; None: it did not end losing.
-    streak: tuple[int, int] | None = None
+    streak: Streak | None = None
     # A prompt scored without generating (max_tokens 0): its prompt logprobs, as TokenEvent's.
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
 

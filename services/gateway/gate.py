@@ -175,6 +175,32 @@ class GateConfig:
 
 
 @dataclass(frozen=True)
+class Streak:
+    """A losing streak, as a later generation of the band continues it (docs/gate.md §5b, §6).
+
+    since: rounds since the last verified draft (an integer >= 0). gap: rounds from one probe
+    to the next (an integer >= 1). wake_ms: what re-priming the drafter cost the last probe
+    that woke it, ms (finite, >= 0; 0 when not measured), priced into every later probe
+    (`Gate.probe_cap`). Raises ValueError naming the field and value.
+    """
+
+    since: int = 0
+    gap: int = PROBE_FIRST
+    wake_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, least in (("since", 0), ("gap", 1)):
+            value = getattr(self, name)
+            if not is_integer(value) or value < least:
+                raise ValueError(f"streak {name}={short_repr(value)} must be an integer >= {least}")
+            object.__setattr__(self, name, int(value))
+        wake = finite_float(self.wake_ms)
+        if isinstance(self.wake_ms, bool) or wake is None or wake < 0:
+            raise ValueError(f"streak wake_ms={short_repr(self.wake_ms)} must be a finite number >= 0")
+        object.__setattr__(self, "wake_ms", wake)
+
+
+@dataclass(frozen=True)
 class Calibration:
     """Frozen state used to warm-start a Gate (docs/gate.md §6).
 
@@ -182,25 +208,20 @@ class Calibration:
     in observations, 0 <= matched <= observed). recent: confidence logits of up to
     RECENT_ROUNDS recently drafted rounds (one tuple of floats per round, oldest first), which
     the new gate's first pre-draft decisions re-price as if it had drafted them itself; empty:
-    the gate drafts its first round. streak: a losing streak the new gate continues (docs/gate.md
-    §6): (rounds since the last verified draft, the gap to the next probe), integers; None:
-    none. Raises ValueError naming the bucket, round or streak when a count is not finite,
-    matched > observed, a bucket is missing, a recent logit is NaN or not a number, or the
-    streak is not two integers (>= 0, >= 1).
+    the gate drafts its first round. streak: the losing streak the new gate continues
+    (docs/gate.md §6), or None. Raises ValueError naming the bucket, round or streak when a
+    count is not finite, matched > observed, a bucket is missing, a recent logit is NaN or not
+    a number, or the streak is not a `Streak`.
     """
 
     matched: tuple[float, ...]
     observed: tuple[float, ...]
     recent: tuple[tuple[float, ...], ...] = ()
-    streak: tuple[int, int] | None = None
+    streak: Streak | None = None
 
     def __post_init__(self) -> None:
-        if self.streak is not None:
-            parts = tuple(self.streak) if isinstance(self.streak, (tuple, list)) else ()
-            if not (len(parts) == 2 and all(is_integer(v) for v in parts) and parts[0] >= 0 and parts[1] >= 1):
-                raise ValueError(f"calibration streak={short_repr(self.streak)} must be (rounds since the last "
-                                 "verified draft >= 0, probe gap >= 1), integers")
-            object.__setattr__(self, "streak", (int(parts[0]), int(parts[1])))
+        if self.streak is not None and not isinstance(self.streak, Streak):
+            raise ValueError(f"calibration streak={short_repr(self.streak)} must be a Streak or None")
         if len(self.matched) != NUM_BUCKETS or len(self.observed) != NUM_BUCKETS:
             raise ValueError(f"calibration needs {NUM_BUCKETS} buckets, got {len(self.matched)}/{len(self.observed)}")
         for i, (m, o) in enumerate(zip(self.matched, self.observed)):
@@ -269,8 +290,12 @@ class Gate:
         self._recent: list[list[float]] = [list(c) for c in calibration.recent] if calibration else []
         self._since = 0  # rounds asked since the last verified draft
         self._gap = PROBE_FIRST  # rounds from one probe of a losing streak to the next
+        # What re-priming a drafter let go during a losing streak costs (ms; 0 unmeasured): the
+        # caller measures each wake, and the probe price includes it.
+        self.wake_ms = 0.0
         if calibration is not None and calibration.streak is not None:  # the band's losing streak goes on
-            self._since, self._gap = calibration.streak
+            streak = calibration.streak
+            self._since, self._gap, self.wake_ms = streak.since, streak.gap, streak.wake_ms
         self._probe = False  # this round must verify at least one draft
         self._margin_bin: int | None = None  # the drafted round's anchor-margin bin (auto threshold)
         # The costs decisions price rounds with; None: `cost`. The caller may re-price them for
@@ -360,20 +385,20 @@ class Gate:
         its drafter need not be fed until the next probe (docs/gate.md §5b)."""
         return self.config.enabled and self._recent_advantage() < 0.0
 
-    def streak(self) -> tuple[int, int]:
-        """(rounds since the last verified draft, rounds from one probe to the next): what a
-        later generation of the band continues when this one ends losing (`Calibration.streak`)."""
-        return self._since, self._gap
+    def streak(self) -> Streak:
+        """This gate's losing streak: what a later generation of the band continues when this one
+        ends losing (`Calibration.streak`)."""
+        return Streak(self._since, self._gap, self.wake_ms)
 
     def probe_cap(self) -> int:
         """The longest gap between probes (rounds): PROBE_PERIOD, or more where one probe's
-        expected loss, lambda * (cost(1) - plain_ms) - S_0 tokens (S_0: the recent rounds' mean
-        estimate that the first draft is accepted), exceeds PROBE_LOSS_SHARE of the gap's
-        tokens (one per plain round)."""
+        expected loss, lambda * (cost(1) + wake_ms - plain_ms) - S_0 tokens (S_0: the recent
+        rounds' mean estimate that the first draft is accepted), exceeds PROBE_LOSS_SHARE of the
+        gap's tokens (one per plain round)."""
         cost, lam = self.pricing or self.cost, self.rate()
         first = (sum(self._survival(conf[:1])[0] for conf in self._recent if conf) / len(self._recent)
                  if self._recent else 1.0)
-        loss = lam * (cost.drafted_round_ms(1) - cost.plain_ms) - first
+        loss = lam * (cost.drafted_round_ms(1) + self.wake_ms - cost.plain_ms) - first
         return max(PROBE_PERIOD, math.ceil(loss / PROBE_LOSS_SHARE)) if loss > 0 else PROBE_PERIOD
 
     def _probe_due(self) -> bool:

@@ -504,8 +504,11 @@ class _Generation:
         skip = self.policy.pre_draft(margin, self.s.occupancy.inside)
         if skip is not None:
             return _Plan(skip)
+        asleep, t0 = self.link.asleep, time.perf_counter()
         if not await self.link.wake():
             return _Plan(Reason.NO_DRAFTER)
+        if asleep:  # a re-prime: what the gate prices into later probes (`Gate.probe_cap`)
+            self.gate.wake_ms = (time.perf_counter() - t0) * 1e3
         t0 = time.perf_counter()
         await self.link.flush()  # the rows of rounds that did not draft, before the drafter drafts
         reply, draft_ms = await self.link.draft(anchor, pos, tc, self.p.sampling, self.s.draft_check,

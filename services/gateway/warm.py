@@ -14,13 +14,14 @@ generation never starts from T = 0 acceptance.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from dsv4.sampling import SamplingParams
-from services.gateway.gate import RECENT_ROUNDS, Calibration
+from services.gateway.gate import RECENT_ROUNDS, Calibration, Streak
 from services.gateway.record import GateStats
 from services.gateway.survival import GREEDY_BAND  # T = 0's band: one name for the warm start and the estimate
 from services.gateway.values import finite_float, is_integer, parse_setting, short_repr
@@ -104,9 +105,9 @@ class Band:
     gate: GateStats = field(default_factory=GateStats)
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_ROUNDS))
     losing: int = 0  # the last finished generations that ended in a losing streak, in a row
-    streak: tuple[int, int] | None = None  # the last one's (rounds since verified, probe gap)
+    streak: Streak | None = None  # the last one's streak, when it ended losing
 
-    def add(self, gate: GateStats, recent: Sequence[Sequence[float]], streak: tuple[int, int] | None = None) -> None:
+    def add(self, gate: GateStats, recent: Sequence[Sequence[float]], streak: Streak | None = None) -> None:
         """Merge one finished generation: its gate counters, its recent drafted confidences
         and, when it ended losing, its streak (`Gate.streak`; None: it did not). A generation
         that verified no draft adds no counters or confidences, but its streak counts."""
@@ -144,14 +145,14 @@ class WarmBands:
         self._lock = threading.Lock()
 
     def add(self, band: str, gate: GateStats, recent: Sequence[Sequence[float]],
-            streak: tuple[int, int] | None = None) -> None:
+            streak: Streak | None = None) -> None:
         """Merge a finished generation of sampling band `band` (see `sampling_band`); `streak`:
         its `Gate.streak()` when it ended losing (`Gate.losing`), else None. A generation that
         verified no draft teaches the estimates nothing: it starts no band, and adds only its
-        streak to one that exists."""
+        streak to one that exists; one whose gate was never asked (spec off) adds nothing."""
         with self._lock:
-            if gate.verified_rounds == 0 and band not in self._bands:
-                return
+            if gate.rounds == 0 or (gate.verified_rounds == 0 and band not in self._bands):
+                return  # a generation whose gate was never asked (spec off) says nothing of the band
             self._bands.setdefault(band, Band()).add(gate, recent, streak)
 
     def calibration(self, band: str) -> Calibration | None:
@@ -171,6 +172,6 @@ class WarmBands:
                 out[name] = {"generations": state.generations, "verified_rounds": state.gate.verified_rounds,
                              "observed": sum(state.gate.bucket_observed), "recent_rounds": len(state.recent),
                              "lent_observed": list(lent), "losing_generations": state.losing,
-                             "streak": None if state.streak is None else list(state.streak)}
+                             "streak": None if state.streak is None else dataclasses.asdict(state.streak)}
             return {"max_weight": self.settings.max_weight, "recent_rounds": self.settings.recent_rounds,
                     "bands": out}
