@@ -306,8 +306,10 @@ class _Generation:
         self.policy = RoundPolicy(p.spec, self.gate, sched.regime, sched.load.table if priced else None,
                                   sched.limits.block_size, sched.limits.max_seq_len, p.max_tokens, p.max_drafts,
                                   sched.pricing_stats, sched.step_budget)
+        # a gate that starts in its band's losing streak (docs/gate.md §6) opens no session until it probes
+        awake = self.policy.regime_drafts(sched.in_flight, len(p.prompt_ids), 0) and not self.gate.losing()
         self.link = DrafterLink(drafters if can_draft else None, verifier, sched.drafter_faults, metrics,
-                                self.counters, awake=self.policy.regime_drafts(sched.in_flight, len(p.prompt_ids), 0))
+                                self.counters, awake=awake)
         self.commit_ms = 0.0  # the last round's drafter commit (ms; 0 when held back): a drafter leg
         self.jump: JumpForward | None = None  # the forced runs of a constrained generation
         if p.constraint is not None:

@@ -106,6 +106,7 @@ class Band:
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_ROUNDS))
     losing: int = 0  # the last finished generations that ended in a losing streak, in a row
     streak: Streak | None = None  # the last one's streak, when it ended losing
+    wake_ms: float = 0.0  # the last re-prime a losing generation measured (ms; 0: none yet)
 
     def add(self, gate: GateStats, recent: Sequence[Sequence[float]], streak: Streak | None = None) -> None:
         """Merge one finished generation: its gate counters, its recent drafted confidences
@@ -117,16 +118,20 @@ class Band:
             self.recent.extend(tuple(float(c) for c in conf) for conf in recent)
         self.losing = self.losing + 1 if streak is not None else 0
         self.streak = streak
+        if streak is not None and streak.wake_ms > 0:  # kept across generations that woke nothing
+            self.wake_ms = streak.wake_ms
 
     def calibration(self, settings: WarmStart) -> Calibration:
         """The band as a frozen `Calibration`: bucket counts scaled to at most
         `settings.max_weight` observations each (`GateStats.calibration`), and the band's last
         `settings.recent_rounds` drafted confidences; after LOSING_GENERATIONS generations in a
-        row ended losing, the band's last RECENT_ROUNDS drafted confidences and its streak, so
-        the new gate goes on skipping and probing where the last one stopped."""
+        row ended losing, the band's last RECENT_ROUNDS drafted confidences and its streak (with
+        the last measured re-prime, `wake_ms`), so the new gate goes on skipping and probing
+        where the last one stopped."""
         counts = self.gate.calibration(settings.max_weight)
         if self.losing >= LOSING_GENERATIONS:
-            return Calibration(counts.matched, counts.observed, tuple(self.recent), self.streak)
+            streak = dataclasses.replace(self.streak, wake_ms=self.wake_ms)
+            return Calibration(counts.matched, counts.observed, tuple(self.recent), streak)
         recent = tuple(self.recent)[len(self.recent) - settings.recent_rounds:] if settings.recent_rounds else ()
         return Calibration(counts.matched, counts.observed, recent)
 
@@ -164,7 +169,8 @@ class WarmBands:
 
     def to_dict(self) -> dict:
         """JSON-ready per band: generations merged, verified rounds, raw observed positions,
-        the recent drafted rounds held, and the observations per bucket a new gate borrows."""
+        the recent drafted rounds held, the observations per bucket a new gate borrows, the
+        losing generations in a row, the last one's streak and the last re-prime (ms)."""
         with self._lock:
             out = {}
             for name, state in sorted(self._bands.items()):
@@ -172,6 +178,7 @@ class WarmBands:
                 out[name] = {"generations": state.generations, "verified_rounds": state.gate.verified_rounds,
                              "observed": sum(state.gate.bucket_observed), "recent_rounds": len(state.recent),
                              "lent_observed": list(lent), "losing_generations": state.losing,
-                             "streak": None if state.streak is None else dataclasses.asdict(state.streak)}
+                             "streak": None if state.streak is None else dataclasses.asdict(state.streak),
+                             "wake_ms": state.wake_ms}
             return {"max_weight": self.settings.max_weight, "recent_rounds": self.settings.recent_rounds,
                     "bands": out}

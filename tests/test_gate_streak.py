@@ -1,0 +1,139 @@
+"""A losing streak across generations (docs/gate.md §5b, §6): probes priced by the scoring rule,
+a band's streak continued by its next generation, and through real engines a drafter that is
+never accepted: a generation continuing the band's streak opens no drafter session, one that
+skips past MAX_DEFERRED_ROWS lets its session go, and every gated generation streams plain
+decode's tokens.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.gateway.gate import PROBE_FIRST, PROBE_LOSS_SHARE, PROBE_PERIOD, Calibration, Gate, GateConfig, Streak
+from services.gateway.record import GateStats, Reason, RoundRecord
+from services.gateway.warm import GREEDY_BAND, LOSING_GENERATIONS, WarmBands, WarmStart
+from services_fixtures import collect, gen_request, service_loop, start_stack
+
+# A drafter whose draft costs ten plain steps (the live oracle on the 2-core box is about five).
+DEAR = GateConfig(enabled=True, draft_ms=240.0, verify_base_ms=20.0, verify_slope_ms=10.0, plain_ms=24.0)
+LOSING = Calibration((0.0,) * 6, (0.0, 10.0, 0.0, 0.0, 0.0, 0.0), [(0.0,) * 5] * 4)  # bucket 1 never matched
+
+
+def _probe_rounds(gate: Gate, rounds: int) -> list[int]:
+    """Run `rounds` rounds of a drafter that is never accepted; the rounds (0-based) that drafted."""
+    drafted = []
+    for i in range(rounds):
+        if gate.pre_draft(None) is None:
+            drafted.append(i)
+            k = gate.choose([0.0] * 5, 5).k
+            gate.observe([0.0] * 5, k, 0)
+    return drafted
+
+
+# ---------------------------------------------------------------------------- priced probes
+def test_a_dear_probe_is_priced_by_the_scoring_rule():
+    gate = Gate(DEAR, LOSING)
+    lam, s0 = 1 / 24.0, gate.survival([0.0])[0]  # only skips so far: lambda is the plain rate
+    loss = lam * (240.0 + 30.0 - 24.0) - s0  # value(plain) - value(probe of one draft), tokens
+    assert gate.probe_cap() == math.ceil(loss / PROBE_LOSS_SHARE) > PROBE_PERIOD
+    gate.wake_ms = 120.0  # a re-primed drafter makes the probe dearer still
+    assert gate.probe_cap() == math.ceil((loss + lam * 120.0) / PROBE_LOSS_SHARE)
+    cheap = Gate(GateConfig(enabled=True, draft_ms=1.0, verify_base_ms=20.0, verify_slope_ms=5.0, plain_ms=24.0),
+                 LOSING)
+    assert cheap.probe_cap() == PROBE_PERIOD  # a probe dearer by ~0.1 token keeps the old period
+
+
+def test_a_losing_streak_spends_at_most_the_loss_share_on_probes():
+    gate = Gate(DEAR, LOSING)
+    drafted = _probe_rounds(gate, 2000)
+    gaps = [b - a for a, b in zip(drafted, drafted[1:])]
+    cap = gate.probe_cap()
+    # doubling from PROBE_FIRST, then held at the priced cap (the old rule held it at PROBE_PERIOD)
+    # (the cap moves by a round as the estimate of the first draft decays further)
+    assert drafted[0] == PROBE_FIRST - 1 and gaps[:4] == [32, 64, 128, 256]
+    assert {cap - 1, cap} >= set(gaps[4:]) and cap > 10 * PROBE_PERIOD
+    loss_per_probe = (240.0 + 30.0 - 24.0) / 24.0 - gate.survival([0.0])[0]  # tokens
+    assert loss_per_probe / min(gaps[4:]) <= PROBE_LOSS_SHARE * 1.01
+
+
+# ---------------------------------------------------------------------------- the band's streak
+def test_a_gate_continues_the_streak_it_is_lent():
+    gate = Gate(GateConfig(enabled=True), Calibration(LOSING.matched, LOSING.observed, LOSING.recent,
+                                                      Streak(since=30, gap=64)))
+    assert gate.losing()
+    decisions = [gate.pre_draft(None) for _ in range(34)]
+    assert decisions == [Reason.RECENT_LOSS] * 33 + [None]  # the probe is due 64 rounds after the last one
+    assert gate.choose([0.0] * 5, 5).k == 1 and gate.streak().gap == min(128, gate.probe_cap())
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("since", -1, "streak since=-1 must be an integer >= 0"),
+    ("gap", 0, "streak gap=0 must be an integer >= 1"),
+    ("gap", 2.0, "streak gap=2.0 must be an integer"),
+    ("wake_ms", float("nan"), "streak wake_ms=nan must be a finite number >= 0"),
+    ("wake_ms", True, "streak wake_ms=True"),
+])
+def test_streak_refuses_bad_values_naming_them(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        Streak(**{field: value})
+    with pytest.raises(ValueError, match="calibration streak=\\(3, 16\\) must be a Streak"):
+        Calibration((0.0,) * 6, (0.0,) * 6, (), (3, 16))
+
+
+def _stats(verified: bool) -> GateStats:
+    out, cost = GateStats(), GateConfig().cost_model()
+    out.add(RoundRecord(Reason.COST, 5, 1 if verified else 0, 0, cost, confidence_logits=(0.0,) * 5))
+    return out
+
+
+def test_a_band_lends_its_streak_after_losing_generations_in_a_row():
+    bands, streak = WarmBands(WarmStart()), Streak(40, 32, 12.5)
+    bands.add(GREEDY_BAND, _stats(True), [(0.0,) * 5], streak)
+    assert LOSING_GENERATIONS == 2 and bands.calibration(GREEDY_BAND).streak is None  # one could be the workload
+    bands.add(GREEDY_BAND, _stats(False), [], Streak(70, 32))  # verified nothing, woke nothing: still counts
+    lent = bands.calibration(GREEDY_BAND)
+    assert lent.streak == Streak(70, 32, 12.5) and lent.recent == ((0.0,) * 5,)  # the last re-prime measured
+    bands.add(GREEDY_BAND, GateStats(), [], None)  # spec off: its gate was never asked, the band is unchanged
+    assert bands.calibration(GREEDY_BAND).streak == Streak(70, 32, 12.5)
+    assert bands.to_dict()["bands"]["greedy"]["streak"] == {"since": 70, "gap": 32, "wake_ms": 0.0}
+    bands.add(GREEDY_BAND, _stats(True), [(0.0,) * 5], None)  # a generation that did not end losing
+    assert bands.calibration(GREEDY_BAND).streak is None and bands.calibration(GREEDY_BAND).recent == ()
+
+
+# ---------------------------------------------------------------------------- real services
+@pytest.fixture(scope="module")
+def never():
+    """Verifier + live oracle drafter corrupting every slot (no draft is ever accepted), priced
+    with DEAR costs: real servers on port 0."""
+    stack = start_stack("oracle", corrupt_every=1, gate_config=DEAR)
+    yield stack
+    stack.close()
+
+
+def test_a_never_accepted_drafter_is_let_go_and_later_generations_start_without_it(never, monkeypatch):
+    opened = []  # the drafter sessions each generation opened, counted at the real engine
+    engine = never.drafter_engine
+    real_open = engine.open_session
+    monkeypatch.setattr(engine, "open_session", lambda: opened.append(1) or real_open())
+    loop = service_loop()
+    gw = loop.run(never.start_gateway("sequential", warm_start=True))
+    try:
+        plan, runs = (("one", 120), ("two", 60), ("three", 8)), []
+        for prompt, n in plan:
+            before = len(opened)
+            gated = loop.run(collect(gw.stub, gen_request(prompt, max_tokens=n, spec="gated")))
+            runs.append(len(opened) - before)
+            plain = loop.run(collect(gw.stub, gen_request(prompt, max_tokens=n, spec="off")))
+            assert gated.token_ids == plain.token_ids and len(gated.token_ids) == n  # plain decode's tokens
+        band = gw.scheduler.stats.warm.to_dict()["bands"]["greedy"]
+    finally:
+        loop.run(gw.close())
+    # The first drafts its first round and probes at rounds 17, 49 and 113; past round 81 it holds
+    # MAX_DEFERRED_ROWS rows for a probe 32 rounds away, so it lets its session go and re-primes a
+    # new one at that probe. The second, after one losing generation, starts as the first (a
+    # session, probes at 17 and 49). The third continues their streak (two losing generations in
+    # a row) and drafts nothing in 8 tokens: it never opens a session.
+    assert runs == [2, 1, 0]
+    assert band["losing_generations"] == 3 and band["wake_ms"] > 0  # the first one's re-prime, priced since
