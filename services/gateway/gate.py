@@ -44,9 +44,9 @@ PROBE_FIRST = 16
 PROBE_PERIOD = 32
 # The share of a losing streak's tokens its probes may cost at most. A probe's expected loss
 # against the plain step it replaces is priced with the one scoring rule, value(plain) -
-# value(probe) = lambda * (cost(1) - plain_ms) - S_0 tokens, and the gap between probes grows
-# past PROBE_PERIOD until loss / gap <= PROBE_LOSS_SHARE: a drafter whose draft costs several
-# plain steps (or never pays) is probed rarely, a cheap one every PROBE_PERIOD rounds as before.
+# value(probe) = lambda * (cost(1) + wake_ms - plain_ms) - S_0 tokens, and after the streak's
+# first probe no gap is shorter than loss / PROBE_LOSS_SHARE rounds: a drafter whose probe costs
+# several plain steps is probed rarely, a cheap one at gaps doubling to PROBE_PERIOD as before.
 PROBE_LOSS_SHARE = 0.02
 # Per-round forgetting of the long-run rate estimate lambda (tokens / ms): about 20 rounds.
 RATE_DECAY = 0.95
@@ -181,7 +181,7 @@ class Streak:
     since: rounds since the last verified draft (an integer >= 0). gap: rounds from one probe
     to the next (an integer >= 1). wake_ms: what re-priming the drafter cost the last probe
     that woke it, ms (finite, >= 0; 0 when not measured), priced into every later probe
-    (`Gate.probe_cap`). Raises ValueError naming the field and value.
+    (`Gate.probe_gap`). Raises ValueError naming the field and value.
     """
 
     since: int = 0
@@ -358,7 +358,7 @@ class Gate:
         on average (LEARNED_MARGIN), or (3) with the length gate enabled, the recent drafted
         rounds, re-priced with the current estimates, say drafting is worth less than its cost
         (`draft_advantage` < 0: RECENT_LOSS). (2) and (3) draft anyway on the losing streak's
-        probe rounds (PROBE_FIRST rounds in, then gaps doubling up to `probe_cap`), and a
+        probe rounds (PROBE_FIRST rounds in, then at `probe_gap`), and a
         probe verifies at least one draft. (1) and (2) apply whether or not the gate is
         enabled. None (margin unknown) passes (1) and (2). Raises ValueError on NaN or a
         non-number.
@@ -390,16 +390,17 @@ class Gate:
         ends losing (`Calibration.streak`)."""
         return Streak(self._since, self._gap, self.wake_ms)
 
-    def probe_cap(self) -> int:
-        """The longest gap between probes (rounds): PROBE_PERIOD, or more where one probe's
-        expected loss, lambda * (cost(1) + wake_ms - plain_ms) - S_0 tokens (S_0: the recent
-        rounds' mean estimate that the first draft is accepted), exceeds PROBE_LOSS_SHARE of the
-        gap's tokens (one per plain round)."""
+    def probe_gap(self) -> int:
+        """The gap after a probe that failed (rounds): twice the last one up to PROBE_PERIOD, but
+        never shorter than the priced gap, where one probe's expected loss, lambda * (cost(1) +
+        wake_ms - plain_ms) - S_0 tokens (S_0: the recent rounds' mean estimate that the first
+        draft is accepted), is PROBE_LOSS_SHARE of the gap's tokens (one per plain round)."""
         cost, lam = self.pricing or self.cost, self.rate()
         first = (sum(self._survival(conf[:1])[0] for conf in self._recent if conf) / len(self._recent)
                  if self._recent else 1.0)
         loss = lam * (cost.drafted_round_ms(1) + self.wake_ms - cost.plain_ms) - first
-        return max(PROBE_PERIOD, math.ceil(loss / PROBE_LOSS_SHARE)) if loss > 0 else PROBE_PERIOD
+        priced = math.ceil(loss / PROBE_LOSS_SHARE) if loss > 0 else 0
+        return max(min(PROBE_PERIOD, 2 * self._gap), priced)
 
     def _probe_due(self) -> bool:
         """This round is the losing streak's next probe."""
@@ -441,7 +442,7 @@ class Gate:
             n, values = length_decision(survival, max_n, cost, self.config.win_factor, floor, rate)
             inputs = {"survival": tuple(survival), "rate": rate, "values": values, "probe": probe}
         if probe or self._probe:
-            self._gap = min(self.probe_cap(), 2 * self._gap)  # still losing: the next probe comes later
+            self._gap = self.probe_gap()  # still losing: the next probe comes later
         elif n > 0:
             self._gap = PROBE_FIRST  # a round drafted on its merits: the losing streak is over
         self._probe = False

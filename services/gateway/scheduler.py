@@ -509,7 +509,7 @@ class _Generation:
         asleep, t0 = self.link.asleep, time.perf_counter()
         if not await self.link.wake():
             return _Plan(Reason.NO_DRAFTER)
-        if asleep:  # a re-prime: what the gate prices into later probes (`Gate.probe_cap`)
+        if asleep:  # a re-prime: what the gate prices into later probes (`Gate.probe_gap`)
             self.gate.wake_ms = (time.perf_counter() - t0) * 1e3
         t0 = time.perf_counter()
         await self.link.flush()  # the rows of rounds that did not draft, before the drafter drafts
