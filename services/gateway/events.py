@@ -89,7 +89,7 @@ class FinalEvent:
     sampling: SamplingParams = GREEDY
     recent_confidences: tuple[tuple[float, ...], ...] = ()
     # Its gate's losing streak at the end (`Gate.streak`), which the band's next generations
-    # continue; None: it did not end losing.
+    # continue; None: it did not end losing, or its probes are cheap.
     streak: Streak | None = None
     # A prompt scored without generating (max_tokens 0): its prompt logprobs, as TokenEvent's.
     prompt_logprobs: tuple[TokenLogprob, ...] = ()

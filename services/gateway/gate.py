@@ -42,12 +42,17 @@ DEFAULT_PRIOR_WEIGHT = 1.0
 # drafter that keeps losing costs one probe per PROBE_PERIOD rounds.
 PROBE_FIRST = 16
 PROBE_PERIOD = 32
-# The share of a losing streak's tokens its probes may cost at most. A probe's expected loss
-# against the plain step it replaces is priced with the one scoring rule, value(plain) -
-# value(probe) = lambda * (cost(1) + wake_ms - plain_ms) - S_0 tokens, and after the streak's
-# first probe no gap is shorter than loss / PROBE_LOSS_SHARE rounds: a drafter whose probe costs
-# several plain steps is probed rarely, a cheap one at gaps doubling to PROBE_PERIOD as before.
-PROBE_LOSS_SHARE = 0.02
+# Dear probes. A probe's expected loss against the plain step it replaces is priced with the one
+# scoring rule, value(plain) - value(probe) = lambda * (cost(1) + wake_ms - plain_ms) - S_0 tokens
+# (`Gate.probe_loss`). One that costs more than DEAR_PROBE_TOKENS (a drafter whose draft costs
+# several plain steps, or whose re-prime does) is dear: after the streak's first probe no gap is
+# shorter than loss / PROBE_LOSS_SHARE rounds, and the streak is lent to the band's next
+# generations (docs/gate.md §6), whose cold first draft and early probes would each cost as much.
+# A cheap probe keeps the doubling schedule and a generation starts afresh: a good workload is
+# then never held back behind a losing neighbour, and replayed, a gap priced below 2 tokens lost
+# more on workloads that come and go (prose, 40 % accepted) than it saved.
+DEAR_PROBE_TOKENS = 2.0
+PROBE_LOSS_SHARE = 0.01
 # Per-round forgetting of the long-run rate estimate lambda (tokens / ms): about 20 rounds.
 RATE_DECAY = 0.95
 # Drafted rounds whose confidences the pre-draft decision re-prices with the current estimates.
@@ -181,7 +186,7 @@ class Streak:
     since: rounds since the last verified draft (an integer >= 0). gap: rounds from one probe
     to the next (an integer >= 1). wake_ms: what re-priming the drafter cost the last probe
     that woke it, ms (finite, >= 0; 0 when not measured), priced into every later probe
-    (`Gate.probe_gap`). Raises ValueError naming the field and value.
+    (`Gate.probe_loss`). Raises ValueError naming the field and value.
     """
 
     since: int = 0
@@ -385,22 +390,30 @@ class Gate:
         its drafter need not be fed until the next probe (docs/gate.md §5b)."""
         return self.config.enabled and self._recent_advantage() < 0.0
 
-    def streak(self) -> Streak:
-        """This gate's losing streak: what a later generation of the band continues when this one
-        ends losing (`Calibration.streak`)."""
+    def streak(self) -> Streak | None:
+        """The losing streak a later generation of the band should continue
+        (`Calibration.streak`): this gate's when it is `losing()` and its probes are dear
+        (`probe_loss` over DEAR_PROBE_TOKENS); None otherwise."""
+        if not self.losing() or self.probe_loss() <= DEAR_PROBE_TOKENS:
+            return None
         return Streak(self._since, self._gap, self.wake_ms)
 
     def probe_gap(self) -> int:
-        """The gap after a probe that failed (rounds): twice the last one up to PROBE_PERIOD, but
-        never shorter than the priced gap, where one probe's expected loss, lambda * (cost(1) +
-        wake_ms - plain_ms) - S_0 tokens (S_0: the recent rounds' mean estimate that the first
-        draft is accepted), is PROBE_LOSS_SHARE of the gap's tokens (one per plain round)."""
+        """The gap after a probe that failed (rounds): twice the last one up to PROBE_PERIOD; for
+        a dear probe (`probe_loss` over DEAR_PROBE_TOKENS) never shorter than the gap over which
+        its loss is PROBE_LOSS_SHARE of the gap's tokens (one per plain round)."""
+        doubled, loss = min(PROBE_PERIOD, 2 * self._gap), self.probe_loss()
+        return max(doubled, math.ceil(loss / PROBE_LOSS_SHARE)) if loss > DEAR_PROBE_TOKENS else doubled
+
+    def probe_loss(self) -> float:
+        """One probe's expected loss against the plain step it replaces, by the scoring rule
+        (tokens): value(plain) - value(probe of one draft) = lambda * (cost(1) + wake_ms -
+        plain_ms) - S_0, S_0 the recent rounds' mean estimate that the first draft is accepted
+        (1.0 before any round drafted)."""
         cost, lam = self.pricing or self.cost, self.rate()
         first = (sum(self._survival(conf[:1])[0] for conf in self._recent if conf) / len(self._recent)
                  if self._recent else 1.0)
-        loss = lam * (cost.drafted_round_ms(1) + self.wake_ms - cost.plain_ms) - first
-        priced = math.ceil(loss / PROBE_LOSS_SHARE) if loss > 0 else 0
-        return max(min(PROBE_PERIOD, 2 * self._gap), priced)
+        return lam * (cost.drafted_round_ms(1) + self.wake_ms - cost.plain_ms) - first
 
     def _probe_due(self) -> bool:
         """This round is the losing streak's next probe."""

@@ -369,7 +369,7 @@ class _Generation:
         return FinalEvent(self.finish, len(p.prompt_ids), len(self.out), self.detok.text,
                           self.detok.finish(), self.counters, self._gate_report(), self.ttft_ms, self.matched_stop,
                           p.sampling, self.gate.recent_confidences(),
-                          streak=self.gate.streak() if self.gate.losing() else None,
+                          streak=self.gate.streak(),
                           prompt_logprobs=tuple(prompt_logprobs))
 
     def _gate_report(self) -> dict:
@@ -509,7 +509,7 @@ class _Generation:
         asleep, t0 = self.link.asleep, time.perf_counter()
         if not await self.link.wake():
             return _Plan(Reason.NO_DRAFTER)
-        if asleep:  # a re-prime: what the gate prices into later probes (`Gate.probe_gap`)
+        if asleep:  # a re-prime: what the gate prices into later probes (`Gate.probe_loss`)
             self.gate.wake_ms = (time.perf_counter() - t0) * 1e3
         t0 = time.perf_counter()
         await self.link.flush()  # the rows of rounds that did not draft, before the drafter drafts

@@ -152,9 +152,9 @@ class WarmBands:
     def add(self, band: str, gate: GateStats, recent: Sequence[Sequence[float]],
             streak: Streak | None = None) -> None:
         """Merge a finished generation of sampling band `band` (see `sampling_band`); `streak`:
-        its `Gate.streak()` when it ended losing (`Gate.losing`), else None. A generation that
-        verified no draft teaches the estimates nothing: it starts no band, and adds only its
-        streak to one that exists; one whose gate was never asked (spec off) adds nothing."""
+        its `Gate.streak()` (None: it did not end losing, or its probes are cheap). A generation
+        that verified no draft teaches the estimates nothing: it starts no band, and adds only
+        its streak to one that exists; one whose gate was never asked (spec off) adds nothing."""
         with self._lock:
             if gate.rounds == 0 or (gate.verified_rounds == 0 and band not in self._bands):
                 return  # a generation whose gate was never asked (spec off) says nothing of the band
