@@ -39,7 +39,7 @@ DEFAULT_PRIOR_WEIGHT = 1.0
 # comes PROBE_FIRST rounds into a losing streak and each further one after twice the previous
 # gap, at most PROBE_PERIOD rounds apart. A probe drafts and verifies at least one token, so the
 # estimates can learn that the workload changed; a short bad burst is left quickly, and a
-# drafter that keeps losing costs one probe per PROBE_PERIOD rounds.
+# drafter that keeps losing costs one probe per PROBE_PERIOD rounds (a dear probe: rarer, below).
 PROBE_FIRST = 16
 PROBE_PERIOD = 32
 # Dear probes. A probe's expected loss against the plain step it replaces is priced with the one
@@ -49,8 +49,8 @@ PROBE_PERIOD = 32
 # shorter than loss / PROBE_LOSS_SHARE rounds, and the streak is lent to the band's next
 # generations (docs/gate.md §6), whose cold first draft and early probes would each cost as much.
 # A cheap probe keeps the doubling schedule and a generation starts afresh: a good workload is
-# then never held back behind a losing neighbour, and replayed, a gap priced below 2 tokens lost
-# more on workloads that come and go (prose, 40 % accepted) than it saved.
+# then never held back behind a losing neighbour, and replayed, cheap probes priced at 1 % lost
+# more on workloads that come and go (prose, 40 % accepted) than they saved.
 DEAR_PROBE_TOKENS = 2.0
 PROBE_LOSS_SHARE = 0.01
 # Per-round forgetting of the long-run rate estimate lambda (tokens / ms): about 20 rounds.
