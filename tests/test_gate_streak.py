@@ -20,9 +20,9 @@ from services_fixtures import collect, gen_request, service_loop, start_stack
 
 # A drafter whose draft costs ten plain steps (the live oracle on the 2-core box is about five).
 DEAR = GateConfig(enabled=True, draft_ms=240.0, verify_base_ms=20.0, verify_slope_ms=10.0, plain_ms=24.0)
-# The reference costs but a draft of 850 ms: a probe of one draft costs (850 + 409 - 303) / 303 =
-# 3.16 tokens less S_0, more than DEAR_PROBE_TOKENS: a dear probe, so a losing streak is lent.
-PRICEY = GateConfig(draft_ms=850.0)
+# The reference costs but a draft of 1400 ms: a probe of one draft costs (1400 + 409 - 303) / 303
+# = 4.97 tokens less S_0, more than DEAR_PROBE_TOKENS: a dear probe, so a losing streak is lent.
+PRICEY = GateConfig(draft_ms=1400.0)
 LOSING = Calibration((0.0,) * 6, (0.0, 10.0, 0.0, 0.0, 0.0, 0.0), [(0.0,) * 5] * 4)  # bucket 1 never matched
 
 
@@ -40,7 +40,7 @@ def _probe_rounds(gate: Gate, rounds: int) -> list[int]:
 # ---------------------------------------------------------------------------- priced probes
 def test_a_dear_probe_is_priced_by_the_scoring_rule():
     gate = Gate(DEAR, LOSING)
-    lam, s0 = 1 / 24.0, gate.survival([0.0])[0]  # only skips so far: lambda is the plain rate
+    lam, s0 = 1 / 24.0, gate.survival([0.0])[0]  # a probe is priced at the plain rate
     loss = lam * (240.0 + 30.0 - 24.0) - s0  # value(plain) - value(probe of one draft), tokens
     assert gate.probe_loss() == pytest.approx(loss, rel=1e-12)
     assert gate.probe_gap() == math.ceil(gate.probe_loss() / PROBE_LOSS_SHARE) > 10 * PROBE_PERIOD
@@ -77,9 +77,9 @@ def test_a_gate_continues_the_streak_it_is_lent():
     assert gate.losing()
     decisions = [gate.pre_draft(None) for _ in range(34)]
     assert decisions == [Reason.RECENT_LOSS] * 33 + [None]  # the probe is due 64 rounds after the last one
-    priced = gate.probe_gap()
-    # (850 + 409 - 303) / 303 - 0.0909 = 3.064 tokens a probe, at most 1 % of a gap of 307
-    assert gate.choose([0.0] * 5, 5).k == 1 and gate.streak().gap == priced == 307
+    loss = (1400.0 + 409.0 - 303.0) / 303.0 - gate.survival([0.0])[0]  # 4.88 tokens a probe
+    assert gate.probe_gap() == math.ceil(loss / PROBE_LOSS_SHARE) == 488  # at most 1 % of the gap
+    assert gate.choose([0.0] * 5, 5).k == 1 and gate.streak().gap == 488
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -146,11 +146,11 @@ def test_a_never_accepted_drafter_is_let_go_and_later_generations_start_without_
         band = gw.scheduler.stats.warm.to_dict()["bands"]["greedy"]
     finally:
         loop.run(gw.close())
-    # The first drafts its first round (cold) and probes at round 17; the next probe is ~300 rounds
+    # The first drafts its first round (cold) and probes at round 17; the next probe is ~480 rounds
     # away (the priced gap), so at round 49, MAX_DEFERRED_ROWS rows held, it lets its session go:
     # the drafter is fed the prompt and 17 rounds' tokens, not 180. The second, after one losing
     # generation, starts as the first. The third continues their streak (two losing generations
     # in a row) and drafts nothing in 8 tokens: it never opens a session, the drafter sees nothing.
     assert [o for o, _ in runs] == [1, 1, 0]
     assert runs[0][1] < 40 and runs[2][1] == 0
-    assert band["losing_generations"] == 3 and band["streak"]["gap"] > 8 * PROBE_PERIOD  # the priced gap, ~300
+    assert band["losing_generations"] == 3 and band["streak"]["gap"] > 10 * PROBE_PERIOD  # the priced gap, ~480

@@ -43,15 +43,15 @@ DEFAULT_PRIOR_WEIGHT = 1.0
 PROBE_FIRST = 16
 PROBE_PERIOD = 32
 # Dear probes. A probe's expected loss against the plain step it replaces is priced with the one
-# scoring rule, value(plain) - value(probe) = lambda * (cost(1) + wake_ms - plain_ms) - S_0 tokens
-# (`Gate.probe_loss`). One that costs more than DEAR_PROBE_TOKENS (a drafter whose draft costs
+# scoring rule at the plain rate, value(plain) - value(probe) = (cost(1) + wake_ms - plain_ms) /
+# plain_ms - S_0 tokens (`Gate.probe_loss`). One that costs more than DEAR_PROBE_TOKENS (a drafter whose draft costs
 # several plain steps, or whose re-prime does) is dear: after the streak's first probe no gap is
 # shorter than loss / PROBE_LOSS_SHARE rounds, and the streak is lent to the band's next
 # generations (docs/gate.md §6), whose cold first draft and early probes would each cost as much.
 # A cheap probe keeps the doubling schedule and a generation starts afresh: a good workload is
 # then never held back behind a losing neighbour, and replayed, cheap probes priced at 1 % lost
 # more on workloads that come and go (prose, 40 % accepted) than they saved.
-DEAR_PROBE_TOKENS = 2.0
+DEAR_PROBE_TOKENS = 4.0
 PROBE_LOSS_SHARE = 0.01
 # Per-round forgetting of the long-run rate estimate lambda (tokens / ms): about 20 rounds.
 RATE_DECAY = 0.95
@@ -409,11 +409,13 @@ class Gate:
         """One probe's expected loss against the plain step it replaces, by the scoring rule
         (tokens): value(plain) - value(probe of one draft) = lambda * (cost(1) + wake_ms -
         plain_ms) - S_0, S_0 the recent rounds' mean estimate that the first draft is accepted
-        (1.0 before any round drafted)."""
-        cost, lam = self.pricing or self.cost, self.rate()
+        (1.0 before any round drafted), at lambda = 1 / plain_ms: a losing streak earns the plain
+        rate (the generation's own lambda still holds the good rounds before the streak, and
+        would price a good drafter's probe as dear)."""
+        cost = self.pricing or self.cost
         first = (sum(self._survival(conf[:1])[0] for conf in self._recent if conf) / len(self._recent)
                  if self._recent else 1.0)
-        return lam * (cost.drafted_round_ms(1) + self.wake_ms - cost.plain_ms) - first
+        return (cost.drafted_round_ms(1) + self.wake_ms - cost.plain_ms) / cost.plain_ms - first
 
     def _probe_due(self) -> bool:
         """This round is the losing streak's next probe."""
