@@ -104,11 +104,12 @@ def _stats(verified: bool) -> GateStats:
 
 def test_a_band_lends_its_streak_after_losing_generations_in_a_row():
     bands, streak = WarmBands(WarmStart()), Streak(40, 32, 12.5)
-    bands.add(GREEDY_BAND, _stats(True), [(0.0,) * 5], streak)
-    assert LOSING_GENERATIONS == 2 and bands.calibration(GREEDY_BAND).streak is None  # one could be the workload
+    for _ in range(LOSING_GENERATIONS - 1):
+        bands.add(GREEDY_BAND, _stats(True), [(0.0,) * 5], streak)
+    assert LOSING_GENERATIONS == 4 and bands.calibration(GREEDY_BAND).streak is None  # could be the workloads
     bands.add(GREEDY_BAND, _stats(False), [], Streak(70, 32))  # verified nothing, woke nothing: still counts
     lent = bands.calibration(GREEDY_BAND)
-    assert lent.streak == Streak(70, 32, 12.5) and lent.recent == ((0.0,) * 5,)  # the last re-prime measured
+    assert lent.streak == Streak(70, 32, 12.5) and lent.recent == ((0.0,) * 5,) * 3  # the last re-prime measured
     bands.add(GREEDY_BAND, GateStats(), [], None)  # spec off: its gate was never asked, the band is unchanged
     assert bands.calibration(GREEDY_BAND).streak == Streak(70, 32, 12.5)
     assert bands.to_dict()["bands"]["greedy"]["streak"] == {"since": 70, "gap": 32, "wake_ms": 0.0}
@@ -136,7 +137,7 @@ def test_a_never_accepted_drafter_is_let_go_and_later_generations_start_without_
     loop = service_loop()
     gw = loop.run(never.start_gateway("sequential", warm_start=True))
     try:
-        plan, runs = (("one", 180), ("two", 40), ("three", 8)), []
+        plan, runs = (("one", 180), ("two", 40), ("three", 40), ("four", 40), ("five", 8)), []
         for prompt, n in plan:
             before = len(opened), sum(fed)
             gated = loop.run(collect(gw.stub, gen_request(prompt, max_tokens=n, spec="gated")))
@@ -148,9 +149,9 @@ def test_a_never_accepted_drafter_is_let_go_and_later_generations_start_without_
         loop.run(gw.close())
     # The first drafts its first round (cold) and probes at round 17; the next probe is ~480 rounds
     # away (the priced gap), so at round 49, MAX_DEFERRED_ROWS rows held, it lets its session go:
-    # the drafter is fed the prompt and 17 rounds' tokens, not 180. The second, after one losing
-    # generation, starts as the first. The third continues their streak (two losing generations
-    # in a row) and drafts nothing in 8 tokens: it never opens a session, the drafter sees nothing.
-    assert [o for o, _ in runs] == [1, 1, 0]
-    assert runs[0][1] < 40 and runs[2][1] == 0
-    assert band["losing_generations"] == 3 and band["streak"]["gap"] > 10 * PROBE_PERIOD  # the priced gap, ~480
+    # the drafter is fed the prompt and 17 rounds' tokens, not 180. The next three start as the
+    # first. The fifth continues their streak (LOSING_GENERATIONS losing generations in a row)
+    # and drafts nothing in 8 tokens: it never opens a session, the drafter sees nothing.
+    assert [o for o, _ in runs] == [1, 1, 1, 1, 0]
+    assert runs[0][1] < 40 and runs[4][1] == 0
+    assert band["losing_generations"] == 5 and band["streak"]["gap"] > 10 * PROBE_PERIOD  # the priced gap, ~480

@@ -36,11 +36,13 @@ TEMPERATURE_EDGES = (0.5, 1.0)
 # whose own calibration curves differ from the others' (bench/README.md, gate_shapes).
 DEFAULT_MAX_WEIGHT = 10.0
 MAX_WEIGHT_LIMIT = 1e6
-# Consecutive finished generations of a band that must end in a losing streak before a new one
-# continues it (starts skipping, its drafter asleep, on the band's probe schedule). One would
-# suspend a good workload behind a single losing neighbour (the reason `recent_rounds` is off);
-# two in a row say the drafter itself is losing, as one that is never accepted does.
-LOSING_GENERATIONS = 2
+# Consecutive finished generations of a band that must end in a losing streak with dear probes
+# before a new one continues it (starts skipping, its drafter asleep, on the band's probe
+# schedule). Fewer would suspend a good workload behind losing neighbours: with 2, the bundled
+# drafter's gated cells on the 2-core box (code, prose, math, repeat in turn) fell to 49-84 %
+# plain rounds; a drafter that is never accepted loses every generation, so 4 costs it 4 cold
+# starts once per process.
+LOSING_GENERATIONS = 4
 
 
 def sampling_band(sampling: SamplingParams) -> str:
