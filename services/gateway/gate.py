@@ -44,10 +44,11 @@ PROBE_FIRST = 16
 PROBE_PERIOD = 32
 # Dear probes. A probe's expected loss against the plain step it replaces is priced with the one
 # scoring rule at the plain rate, value(plain) - value(probe) = (cost(1) + wake_ms - plain_ms) /
-# plain_ms - S_0 tokens (`Gate.probe_loss`). One that costs more than DEAR_PROBE_TOKENS (a drafter whose draft costs
-# several plain steps, or whose re-prime does) is dear: after the streak's first probe no gap is
-# shorter than loss / PROBE_LOSS_SHARE rounds, and the streak is lent to the band's next
-# generations (docs/gate.md §6), whose cold first draft and early probes would each cost as much.
+# plain_ms - S_0 tokens (`Gate.probe_loss`). One that costs more than DEAR_PROBE_TOKENS (a
+# drafter whose draft costs several plain steps, or whose re-prime does) is dear: after the
+# streak's first probe no gap is shorter than loss / PROBE_LOSS_SHARE rounds, and the streak is
+# lent to the band's next generations (docs/gate.md §6), whose cold first draft and early probes
+# would each cost as much.
 # A cheap probe keeps the doubling schedule and a generation starts afresh: a good workload is
 # then never held back behind a losing neighbour, and replayed, cheap probes priced at 1 % lost
 # more on workloads that come and go (prose, 40 % accepted) than they saved.
