@@ -452,7 +452,8 @@ async def run(args, env: dict[str, str]) -> int:
         raw, grid_s = load_run(args.from_json, args)
         report(raw, args, grid_s, console)
         return 0
-    console.print(f"checkpoint {args.checkpoint or 'random tiny'}; drafter {args.drafter}; streams {args.streams}; arms {args.arms}; "
+    console.print(f"checkpoint {args.checkpoint or 'random tiny'}; drafter {args.drafter}; "
+                  f"streams {args.streams}; arms {args.arms}; "
                   f"numerics {args.numerics}; {args.max_tokens} tokens; {args.repeats} repetition(s); "
                   f"{args.threads} torch thread(s) per service")
     stacks: dict[str, dict] = {}
