@@ -9,6 +9,10 @@ drafter on the next two ports) on `--checkpoint` (default the bundled assets/dsp
 with its DSpark drafter), each process with `--threads` torch threads. All traffic goes
 through the gateway's streaming Generate, the public API a client uses.
 
+The drafter (`--drafter`): the checkpoint's DSpark drafter, or the live oracle (`DRAFTERS`):
+every draft accepted, or none (every slot corrupted), with doubtful or confident logits on the
+corrupted slots, the gate's hardest case (a drafter that costs drafts and never pays).
+
 Arms (`--arms`): plain (spec off), k1..k5 (spec always with `max_draft_tokens` = k: every
 round submits k drafts, fewer only at the token budget's end) and gated (spec gated: the
 confidence gate picks k per round, up to the block size). Prompts: four workloads (code,
