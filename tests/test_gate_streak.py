@@ -44,14 +44,14 @@ def test_a_dear_probe_is_priced_by_the_scoring_rule():
     loss = lam * (240.0 + 30.0 - 24.0) - s0  # value(plain) - value(probe of one draft), tokens
     assert gate.probe_loss() == pytest.approx(loss, rel=1e-12)
     assert gate.probe_gap() == math.ceil(gate.probe_loss() / PROBE_LOSS_SHARE) > 10 * PROBE_PERIOD
-    gate.wake_ms = 120.0  # a re-primed drafter makes the probe dearer still
-    assert gate.probe_loss() == pytest.approx(loss + lam * 120.0, rel=1e-12)
+    gate.wake_ms = 120.0  # a measured re-prime is reported with the streak, not priced
+    assert gate.probe_loss() == pytest.approx(loss, rel=1e-12) and gate.probes_dear()
     cheap = Gate(GateConfig(enabled=True, draft_ms=4.0, verify_base_ms=20.0, verify_slope_ms=5.0, plain_ms=24.0),
                  LOSING)
     assert cheap.probe_gap() == 2 * PROBE_FIRST == PROBE_PERIOD  # ~0.2 token a probe: doubling as before
     # losing, but a cheap drafter's streak is not lent to the band's next generations: its cold start
     # costs less than a good workload suspended behind a losing one; a dear drafter's is
-    assert cheap.losing() and cheap.streak() is None
+    assert cheap.losing() and not cheap.probes_dear() and cheap.streak() is None
     assert gate.losing() and gate.streak() == Streak(0, PROBE_FIRST, 120.0)
     seed = Gate(GateConfig(enabled=True), LOSING)  # the reference costs: (605 - 303) / 303 - 0.09 tokens
     assert seed.losing() and seed.probe_loss() < DEAR_PROBE_TOKENS and seed.streak() is None
@@ -155,3 +155,4 @@ def test_a_never_accepted_drafter_is_let_go_and_later_generations_start_without_
     assert [o for o, _ in runs] == [1, 1, 1, 1, 0]
     assert runs[0][1] < 40 and runs[4][1] == 0
     assert band["losing_generations"] == 5 and band["streak"]["gap"] > 10 * PROBE_PERIOD  # the priced gap, ~480
+    assert band["wake_ms"] == 0.0  # no generation woke a drafter it let go: no probe came after the sleep

@@ -43,9 +43,9 @@ DEFAULT_PRIOR_WEIGHT = 1.0
 PROBE_FIRST = 16
 PROBE_PERIOD = 32
 # Dear probes. A probe's expected loss against the plain step it replaces is priced with the one
-# scoring rule at the plain rate, value(plain) - value(probe) = (cost(1) + wake_ms - plain_ms) /
-# plain_ms - S_0 tokens (`Gate.probe_loss`). One that costs more than DEAR_PROBE_TOKENS (a
-# drafter whose draft costs several plain steps, or whose re-prime does) is dear: after the
+# scoring rule at the plain rate, value(plain) - value(probe) = (cost(1) - plain_ms) / plain_ms -
+# S_0 tokens (`Gate.probe_loss`). One that costs more than DEAR_PROBE_TOKENS (a drafter whose
+# draft costs several plain steps) is dear: after the
 # streak's first probe no gap is shorter than loss / PROBE_LOSS_SHARE rounds, and the streak is
 # lent to the band's next generations (docs/gate.md §6), whose cold first draft and early probes
 # would each cost as much.
@@ -186,8 +186,8 @@ class Streak:
 
     since: rounds since the last verified draft (an integer >= 0). gap: rounds from one probe
     to the next (an integer >= 1). wake_ms: what re-priming the drafter cost the last probe
-    that woke it, ms (finite, >= 0; 0 when not measured), priced into every later probe
-    (`Gate.probe_loss`). Raises ValueError naming the field and value.
+    that woke it, ms (finite, >= 0; 0 when not measured; reported, not priced). Raises
+    ValueError naming the field and value.
     """
 
     since: int = 0
@@ -296,8 +296,8 @@ class Gate:
         self._recent: list[list[float]] = [list(c) for c in calibration.recent] if calibration else []
         self._since = 0  # rounds asked since the last verified draft
         self._gap = PROBE_FIRST  # rounds from one probe of a losing streak to the next
-        # What re-priming a drafter let go during a losing streak costs (ms; 0 unmeasured): the
-        # caller measures each wake, and the probe price includes it.
+        # What re-priming a drafter let go during a losing streak cost (ms; 0 unmeasured): the
+        # caller measures each wake; reported with the streak (Stats), not priced (`probe_loss`).
         self.wake_ms = 0.0
         if calibration is not None and calibration.streak is not None:  # the band's losing streak goes on
             streak = calibration.streak
@@ -395,28 +395,36 @@ class Gate:
         """The losing streak a later generation of the band should continue
         (`Calibration.streak`): this gate's when it is `losing()` and its probes are dear
         (`probe_loss` over DEAR_PROBE_TOKENS); None otherwise."""
-        if not self.losing() or self.probe_loss() <= DEAR_PROBE_TOKENS:
+        if not self.losing() or not self.probes_dear():
             return None
         return Streak(self._since, self._gap, self.wake_ms)
+
+    def probes_dear(self) -> bool:
+        """Whether a probe costs more than DEAR_PROBE_TOKENS (`probe_loss`): its gaps are then
+        priced (`probe_gap`), its streak lent (`streak`), and a losing streak lets the drafter
+        session go rather than feed it (the scheduler)."""
+        return self.probe_loss() > DEAR_PROBE_TOKENS
 
     def probe_gap(self) -> int:
         """The gap after a probe that failed (rounds): twice the last one up to PROBE_PERIOD; for
         a dear probe (`probe_loss` over DEAR_PROBE_TOKENS) never shorter than the gap over which
         its loss is PROBE_LOSS_SHARE of the gap's tokens (one per plain round)."""
         doubled, loss = min(PROBE_PERIOD, 2 * self._gap), self.probe_loss()
-        return max(doubled, math.ceil(loss / PROBE_LOSS_SHARE)) if loss > DEAR_PROBE_TOKENS else doubled
+        return max(doubled, math.ceil(loss / PROBE_LOSS_SHARE)) if self.probes_dear() else doubled
 
     def probe_loss(self) -> float:
         """One probe's expected loss against the plain step it replaces, by the scoring rule
-        (tokens): value(plain) - value(probe of one draft) = lambda * (cost(1) + wake_ms -
-        plain_ms) - S_0, S_0 the recent rounds' mean estimate that the first draft is accepted
-        (1.0 before any round drafted), at lambda = 1 / plain_ms: a losing streak earns the plain
-        rate (the generation's own lambda still holds the good rounds before the streak, and
-        would price a good drafter's probe as dear)."""
+        (tokens): value(plain) - value(probe of one draft) = lambda * (cost(1) - plain_ms) - S_0,
+        S_0 the recent rounds' mean estimate that the first draft is accepted (1.0 before any
+        round drafted), at lambda = 1 / plain_ms: a losing streak earns the plain rate (the
+        generation's own lambda still holds the good rounds before the streak, and would price
+        a good drafter's probe as dear). A re-prime (`wake_ms`) is not priced: a drafter that
+        re-primes dearly but drafts cheaply (the bundled one: W rows) would lose its recovery
+        probes to it."""
         cost = self.pricing or self.cost
         first = (sum(self._survival(conf[:1])[0] for conf in self._recent if conf) / len(self._recent)
                  if self._recent else 1.0)
-        return (cost.drafted_round_ms(1) + self.wake_ms - cost.plain_ms) / cost.plain_ms - first
+        return (cost.drafted_round_ms(1) - cost.plain_ms) / cost.plain_ms - first
 
     def _probe_due(self) -> bool:
         """This round is the losing streak's next probe."""

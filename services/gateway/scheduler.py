@@ -442,9 +442,9 @@ class _Generation:
             a, drafter, t0 = res.accepted, self.link.session, time.perf_counter()
             # the gate or the regime kept this round from drafting: its rows wait for the next draft
             defer = plan.reason in (*PRE_DRAFT_SKIPS, Reason.REGIME)
-            # a losing streak's skip holds rows until the next probe, which may be far: past
-            # MAX_DEFERRED_ROWS the link lets the session go rather than feed a drafter not drafting
-            losing = plan.reason in (Reason.RECENT_LOSS, Reason.LEARNED_MARGIN)
+            # a losing streak's skip holds rows until the next probe; a dear drafter's is far, so
+            # past MAX_DEFERRED_ROWS the link lets the session go rather than feed it (gate.md §5b)
+            losing = plan.reason in (Reason.RECENT_LOSS, Reason.LEARNED_MARGIN) and self.gate.probes_dear()
             await self.link.commit(res.rows, pos, [anchor, *drafts[:a]], pos, defer, sleep_when_full=losing)
             self.commit_ms = 0.0 if defer else (time.perf_counter() - t0) * 1e3
             if alone and not defer and drafter is not None and self.link.session is drafter:  # a re-prime is no commit cost
@@ -509,7 +509,7 @@ class _Generation:
         asleep, t0 = self.link.asleep, time.perf_counter()
         if not await self.link.wake():
             return _Plan(Reason.NO_DRAFTER)
-        if asleep:  # a re-prime: what the gate prices into later probes (`Gate.probe_loss`)
+        if asleep:  # a re-prime: reported with the band's streak (Stats)
             self.gate.wake_ms = (time.perf_counter() - t0) * 1e3
         t0 = time.perf_counter()
         await self.link.flush()  # the rows of rounds that did not draft, before the drafter drafts
