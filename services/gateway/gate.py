@@ -52,7 +52,7 @@ PROBE_PERIOD = 32
 # A cheap probe keeps the doubling schedule and a generation starts afresh: a good workload is
 # then never held back behind a losing neighbour, and replayed, cheap probes priced at 1 % lost
 # more on workloads that come and go (prose, 40 % accepted) than they saved.
-DEAR_PROBE_TOKENS = 1.0  # the live oracle here: 2-10 tokens; the reference costs: 1.0 - S_0
+DEAR_PROBE_TOKENS = 1.0  # the live oracle here: 3-7 tokens; the reference costs: 1.0 - S_0
 PROBE_LOSS_SHARE = 0.01
 # Per-round forgetting of the long-run rate estimate lambda (tokens / ms): about 20 rounds.
 RATE_DECAY = 0.95
