@@ -9,6 +9,10 @@ drafter on the next two ports) on `--checkpoint` (default the bundled assets/dsp
 with its DSpark drafter), each process with `--threads` torch threads. All traffic goes
 through the gateway's streaming Generate, the public API a client uses.
 
+The drafter (`--drafter`): the checkpoint's DSpark drafter, or the live oracle (`DRAFTERS`):
+every draft accepted, or none (every slot corrupted), with doubtful or confident logits on the
+corrupted slots, the gate's hardest case (a drafter that costs drafts and never pays).
+
 Arms (`--arms`): plain (spec off), k1..k5 (spec always with `max_draft_tokens` = k: every
 round submits k drafts, fewer only at the token budget's end) and gated (spec gated: the
 confidence gate picks k per round, up to the block size). Prompts: four workloads (code,
@@ -54,6 +58,7 @@ from bench.service_procs import ServiceProcesses, StackSpec, run_bench
 from services.analysis.serving_stats import GenerationTrace, Spread, cell_figures
 from dspark_proto.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2_grpc
 from services.common.server import channel_options
+from services.drafter.live_oracle import DEFAULT_CONFIDENT
 
 WORKLOADS = {
     "code": "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
@@ -67,6 +72,15 @@ ARMS = {"plain": (gateway_pb2.SPEC_MODE_OFF, 0), **{f"k{k}": (gateway_pb2.SPEC_M
 STREAMS = (1, 2, 4, 8, 16, 32)
 QUICK = {"streams": [1, 4], "arms": ["plain", "k5", "gated"], "max_tokens": 16, "repeats": 1, "per_stream": 1,
          "warmup": 0}
+# --drafter choice -> the `dspark serve drafter` flags that serve it. "dspark": the checkpoint's
+# DSpark drafter. The live oracle drafts the verifier's own continuation: "oracle" keeps every
+# slot (every draft accepted); "oracle-never" corrupts every slot (no draft is ever accepted),
+# with the doubtful confidence logit a gate can learn apart, and "oracle-never-confident" gives
+# the corrupted slots the kept slots' confidence: a drafter that is confidently wrong.
+DRAFTERS = {"dspark": (), "oracle": ("--oracle",),
+            "oracle-never": ("--oracle", "--oracle-corrupt-every", "1"),
+            "oracle-never-confident": ("--oracle", "--oracle-corrupt-every", "1",
+                                       "--oracle-doubtful", str(DEFAULT_CONFIDENT))}
 CALL_TIMEOUT_S = 900.0   # deadline of one Generate (s): a hang guard for the slowest cell
 INFO_TIMEOUT_S = 10.0
 
@@ -342,7 +356,8 @@ async def start_stacks(args, env: dict[str, str], console: Console, stacks: dict
             path = Path(args.record_rounds)
             record = path if len(args.numerics) == 1 else path.with_name(f"{path.stem}-{numerics}{path.suffix}")
         spec = StackSpec(args.checkpoint, args.port_base + 10 * i, log_dir, numerics,
-                         max_sessions=max(args.streams) + 8, threads=args.threads, record_rounds=record)
+                         max_sessions=max(args.streams) + 8, threads=args.threads, record_rounds=record,
+                         drafter_args=DRAFTERS[args.drafter])
         stacks[numerics] = {"procs": ServiceProcesses(spec, env)}
     console.print(f"services starting (logs in {log_dir})")
     started = time.perf_counter()  # the stacks start side by side: report each one's time from here
@@ -441,7 +456,8 @@ async def run(args, env: dict[str, str]) -> int:
         raw, grid_s = load_run(args.from_json, args)
         report(raw, args, grid_s, console)
         return 0
-    console.print(f"checkpoint {args.checkpoint or 'random tiny'}; streams {args.streams}; arms {args.arms}; "
+    console.print(f"checkpoint {args.checkpoint or 'random tiny'}; drafter {args.drafter}; "
+                  f"streams {args.streams}; arms {args.arms}; "
                   f"numerics {args.numerics}; {args.max_tokens} tokens; {args.repeats} repetition(s); "
                   f"{args.threads} torch thread(s) per service")
     stacks: dict[str, dict] = {}
@@ -473,6 +489,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1,
                     help="unmeasured passes of the gated arm over every concurrency first (the regime's and "
                          "the gates' cold start; printed, and kept in --json; default %(default)s)")
+    ap.add_argument("--drafter", default="dspark", choices=list(DRAFTERS),
+                    help="the drafter served: the checkpoint's DSpark drafter (default), or the live oracle: "
+                         "'oracle' (every draft accepted), 'oracle-never' (no draft ever accepted; corrupted "
+                         "slots carry a doubtful confidence), 'oracle-never-confident' (the same, confidently "
+                         "wrong: the kept slots' confidence)")
     ap.add_argument("--port-base", type=int, default=50250,
                     help="first stack's gateway port (verifier +1, drafter +2; the next stack +10)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per service process")

@@ -50,6 +50,8 @@ class StackSpec:
     tp: the verifier's `--tp` (>= 1; TP > 1 starts its worker ranks as well).
     record_rounds: the gateway's `--record-rounds` file (every round, written at its shutdown;
         None: not recorded).
+    drafter_args: extra `dspark serve drafter` flags (e.g. `--oracle --oracle-corrupt-every 1`:
+        the drafter a benchmark measures the gate against).
     Raises:
         ValueError: a field outside its range, named with its value.
     """
@@ -64,6 +66,7 @@ class StackSpec:
     env: tuple[tuple[str, str], ...] = ()
     tp: int = 1
     record_rounds: Path | None = None
+    drafter_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -125,6 +128,7 @@ class ServiceProcesses:
         ckpt = ["--checkpoint", spec.checkpoint] if spec.checkpoint else []
         cmd = [sys.executable, "-m", "services.cli", "serve", name, "--port", str(spec.ports[name]), *ckpt]
         cmd += ["--tp", str(spec.tp)] if name == "verifier" and spec.tp > 1 else []
+        cmd += list(spec.drafter_args) if name == "drafter" else []
         if name == "gateway" and spec.record_rounds is not None:
             cmd += ["--record-rounds", str(spec.record_rounds)]
         with open(self.log_path(name), "ab") as log:

@@ -36,7 +36,7 @@ from services.common.server import RunningServer, start_server
 from services.common.settings import DEFAULT_MAX_CONNECTION_AGE_S, BackendSettings, GatewaySettings
 from services.common.tls import TlsFiles
 from services.drafter.engine import DrafterEngine
-from services.drafter.live_oracle import LiveOracleDrafter
+from services.drafter.live_oracle import DEFAULT_DOUBTFUL, LiveOracleDrafter
 from services.drafter.servicer import DrafterServicer
 from services.drafter.steps import DraftStepLoop, batchable as drafter_batchable
 from services.gateway.auth import BearerTokenInterceptor
@@ -324,17 +324,20 @@ def grammar_vocab(checkpoint: str | Path | None, cfg):
 
 
 def drafter_engine(module_or_trunk, oracle: bool = False, settings: BackendSettings | None = None,
-                   corrupt_every: int = 0, available_bytes: int | None = None):
+                   corrupt_every: int = 0, available_bytes: int | None = None,
+                   doubtful: float = DEFAULT_DOUBTFUL):
     """The drafter's engine: a `DrafterEngine` over a DSpark module, or with `oracle` a
     `LiveOracleDrafter` over a trunk that corrupts one draft slot in `corrupt_every` positions
-    (0 = never). Its session limit is chosen as `verifier_engine`'s, over the bytes of one
+    (0 = never) and gives a corrupted slot the confidence logit `doubtful` (a finite number;
+    the kept slots' is `DEFAULT_CONFIDENT`, so doubtful = DEFAULT_CONFIDENT is a drafter that is
+    confidently wrong). Its session limit is chosen as `verifier_engine`'s, over the bytes of one
     session's rings (the oracle: one trunk state).
 
     Raises:
         ValueError: not one session fits in the memory rule (`session_limit`).
     """
     settings = BackendSettings() if settings is None else settings
-    make = ((lambda n: LiveOracleDrafter(module_or_trunk, n, corrupt_every)) if oracle
+    make = ((lambda n: LiveOracleDrafter(module_or_trunk, n, corrupt_every, doubtful=doubtful)) if oracle
             else (lambda n: DrafterEngine(module_or_trunk, max_sessions=n)))
     if oracle:
         size = module_or_trunk.state_bytes(module_or_trunk.new_state())

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from typing import NoReturn
 import grpc
 
 from services.client_cli import _SPEC, _generate, _stats
+from services.drafter.live_oracle import DEFAULT_DOUBTFUL
 from services.settings import ProcessSettings, read_settings
 
 DEFAULT_PORTS = {"verifier": 50051, "drafter": 50052, "gateway": 50050}
@@ -49,6 +51,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--oracle", action="store_true", help="drafter: serve the oracle drafter")
     serve.add_argument("--oracle-corrupt-every", type=int, default=0,
                        help="oracle drafter: corrupt one draft slot in N positions (0 = never)")
+    serve.add_argument("--oracle-doubtful", type=_finite_logit, default=DEFAULT_DOUBTFUL, metavar="LOGIT",
+                       help="oracle drafter: the confidence logit of a corrupted slot (a finite number; default "
+                            "%(default)s; the kept slots' is 6.5: give 6.5 for a drafter that is confidently wrong)")
     serve.add_argument("--record-rounds", default=None, help="gateway: write every round to FILE (replay format)")
     serve.add_argument("--metrics-port", type=int, default=None,
                        help="serve Prometheus metrics on this port (0 = any free port; default: "
@@ -94,6 +99,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     _client_args(stats, timeout=10.0)
     stats.add_argument("--json", action="store_true", help="print the raw Stats JSON")
     stats.set_defaults(func=_stats)
+
+
+def _finite_logit(text: str) -> float:
+    """A confidence logit flag's value: a finite number. Raises argparse.ArgumentTypeError
+    naming the text (NaN and +-inf included), which argparse reports as a usage error."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number")
+    return value
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -343,7 +360,7 @@ async def _start(args, port: int, s: ProcessSettings, provider, recorder: list |
         model = (app.load_trunk(s.checkpoint, model=s.model, device=device, dtype=dtype) if args.oracle
                  else app.load_drafter(s.checkpoint, model=s.model, device=device, dtype=dtype))
         engine = app.drafter_engine(model, args.oracle, s.backend, args.oracle_corrupt_every,
-                                    available_memory_bytes())
+                                    available_memory_bytes(), doubtful=args.oracle_doubtful)
         metrics = _serve_metrics(m.DrafterMetrics(engine), s, args.host, endpoints) if want else None
         return await app.start_drafter(engine, port, provider, args.host, credentials=tls, max_connection_age_s=age,
                                        metrics=metrics, gather_s=s.backend.step_gather_ms / 1e3,

@@ -180,3 +180,19 @@ def test_generate_refuses_a_float_flag_the_wire_would_turn_into_unset_or_inf(fla
     from services.cli import main
     assert main(["generate", "abc", "--target", f"127.0.0.1:{_free_port()}", "--timeout", "5", f"{flag}={value}"]) == 2
     assert words in capsys.readouterr().err  # refused before connecting: nothing listens on the port
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "x"])
+def test_serve_drafter_refuses_a_doubtful_logit_that_is_not_a_finite_number(value, capsys):
+    from services.cli import main
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "drafter", "--oracle", f"--oracle-doubtful={value}"])
+    assert exit_.value.code == 2  # argparse's usage error, before any setting is read or model loaded
+    assert f"argument --oracle-doubtful: {value!r} must be a finite number" in capsys.readouterr().err
+
+
+def test_serve_drafter_parses_a_confidently_wrong_oracle():
+    from services.cli import build_parser
+    args = build_parser().parse_args(["serve", "drafter", "--oracle", "--oracle-corrupt-every", "1",
+                                      "--oracle-doubtful", "6.5"])
+    assert (args.oracle, args.oracle_corrupt_every, args.oracle_doubtful) == (True, 1, 6.5)

@@ -36,6 +36,12 @@ from services.drafter.engine import drafter_identity
 from services.drafter.interface import Drafter, SampledDraft
 
 
+# The confidence logits of kept and corrupted draft slots (the reference calibration's top
+# bucket, >= 6.0, and its bottom one, < -0.5), so a gated run can learn them apart.
+DEFAULT_CONFIDENT = 6.5
+DEFAULT_DOUBTFUL = -2.0
+
+
 @dataclass
 class _LiveSession:
     state: TrunkState
@@ -57,7 +63,7 @@ class LiveOracleDrafter(SessionHost[_LiveSession], Drafter):
     """
 
     def __init__(self, trunk: Trunk, max_sessions: int = 16, corrupt_every: int = 0,
-                 confident: float = 6.5, doubtful: float = -2.0):
+                 confident: float = DEFAULT_CONFIDENT, doubtful: float = DEFAULT_DOUBTFUL):
         if isinstance(corrupt_every, bool) or not isinstance(corrupt_every, numbers.Integral) or corrupt_every < 0:
             raise ValueError(f"corrupt_every={corrupt_every!r}: must be an integer >= 0 (0: never corrupt)")
         for name, value in (("confident", confident), ("doubtful", doubtful)):

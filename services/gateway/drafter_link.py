@@ -95,12 +95,14 @@ class DrafterLink:
         return reply, (time.perf_counter() - t0) * 1e3
 
     async def commit(self, rows: torch.Tensor, first_position: int, token_ids: Sequence[int], token_first: int,
-                     defer: bool = False) -> None:
+                     defer: bool = False, sleep_when_full: bool = False) -> None:
         """Send committed rows [R, row_width] of positions first_position.. and the tokens from
         token_first on to the drafter. `defer`: hold them until the next draft (`flush`), up to
         MAX_DEFERRED_ROWS rows: a round the gate kept from drafting then costs a plain step alone,
         not a plain step and a drafter round trip, and the drafter still sees every row before it
-        drafts again.
+        drafts again. `sleep_when_full`: at MAX_DEFERRED_ROWS held rows, let the session go
+        (`sleep`) instead of flushing them: a losing streak's next draft is a probe many rounds
+        away, which re-primes (`wake`) once instead of the drafter taking every row meanwhile.
 
         Raises:
             BackendError: the verifier failed while a new drafter was being primed.
@@ -109,7 +111,10 @@ class DrafterLink:
         if self.session is None:
             return
         self._pending.append((rows, first_position, list(token_ids), token_first))
-        if not defer or sum(r.shape[0] for r, *_ in self._pending) >= MAX_DEFERRED_ROWS:
+        full = sum(r.shape[0] for r, *_ in self._pending) >= MAX_DEFERRED_ROWS
+        if defer and full and sleep_when_full and self.supply is not None and self.supply.can_reopen:
+            await self.sleep()
+        elif not defer or full:
             await self.flush()
 
     async def flush(self) -> None:

@@ -14,6 +14,7 @@ from services.common.constraint import Constraint
 from services.common.controls import LogitsControls
 from dsv4.sampling import GREEDY, SamplingParams, TokenLogprob
 from services.gateway.record import RoundStats
+from services.gateway.gate import Streak
 from services.gateway.warm import WarmBands, sampling_band
 
 
@@ -87,6 +88,9 @@ class FinalEvent:
     # (they pick the band) and the confidence logits of its last drafted rounds, oldest first.
     sampling: SamplingParams = GREEDY
     recent_confidences: tuple[tuple[float, ...], ...] = ()
+    # Its gate's losing streak at the end (`Gate.streak`), which the band's next generations
+    # continue; None: it did not end losing, or its probes are cheap.
+    streak: Streak | None = None
     # A prompt scored without generating (max_tokens 0): its prompt logprobs, as TokenEvent's.
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
@@ -114,7 +118,8 @@ class ProcessStats:
             self.completion_tokens += final.completion_tokens
             self.totals.merge(final.counters)
         if self.warm is not None:
-            self.warm.add(sampling_band(final.sampling), final.counters.gate, final.recent_confidences)
+            self.warm.add(sampling_band(final.sampling), final.counters.gate, final.recent_confidences,
+                          final.streak)
 
     def to_dict(self) -> dict:
         """JSON-ready: generations, completion_tokens, `speculation` (the summed counters),

@@ -39,9 +39,21 @@ DEFAULT_PRIOR_WEIGHT = 1.0
 # comes PROBE_FIRST rounds into a losing streak and each further one after twice the previous
 # gap, at most PROBE_PERIOD rounds apart. A probe drafts and verifies at least one token, so the
 # estimates can learn that the workload changed; a short bad burst is left quickly, and a
-# drafter that keeps losing costs one probe per PROBE_PERIOD rounds.
+# drafter that keeps losing costs one probe per PROBE_PERIOD rounds (a dear probe: rarer, below).
 PROBE_FIRST = 16
 PROBE_PERIOD = 32
+# Dear probes. A probe's expected loss against the plain step it replaces is priced with the one
+# scoring rule at the plain rate, value(plain) - value(probe) = (cost(1) - plain_ms) / plain_ms -
+# S_0 tokens (`Gate.probe_loss`). One that costs more than DEAR_PROBE_TOKENS (a drafter whose
+# draft costs several plain steps) is dear: after the
+# streak's first probe no gap is shorter than loss / PROBE_LOSS_SHARE rounds, and the streak is
+# lent to the band's next generations (docs/gate.md §6), whose cold first draft and early probes
+# would each cost as much.
+# A cheap probe keeps the doubling schedule and a generation starts afresh: a good workload is
+# then never held back behind a losing neighbour, and replayed, cheap probes priced at 1 % lost
+# more on workloads that come and go (prose, 40 % accepted) than they saved.
+DEAR_PROBE_TOKENS = 1.0  # the live oracle here: 3-7 tokens; the reference costs: 1.0 - S_0
+PROBE_LOSS_SHARE = 0.01
 # Per-round forgetting of the long-run rate estimate lambda (tokens / ms): about 20 rounds.
 RATE_DECAY = 0.95
 # Drafted rounds whose confidences the pre-draft decision re-prices with the current estimates.
@@ -169,6 +181,32 @@ class GateConfig:
 
 
 @dataclass(frozen=True)
+class Streak:
+    """A losing streak, as a later generation of the band continues it (docs/gate.md §5b, §6).
+
+    since: rounds since the last verified draft (an integer >= 0). gap: rounds from one probe
+    to the next (an integer >= 1). wake_ms: what re-priming the drafter cost the last probe
+    that woke it, ms (finite, >= 0; 0 when not measured; reported, not priced). Raises
+    ValueError naming the field and value.
+    """
+
+    since: int = 0
+    gap: int = PROBE_FIRST
+    wake_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name, least in (("since", 0), ("gap", 1)):
+            value = getattr(self, name)
+            if not is_integer(value) or value < least:
+                raise ValueError(f"streak {name}={short_repr(value)} must be an integer >= {least}")
+            object.__setattr__(self, name, int(value))
+        wake = finite_float(self.wake_ms)
+        if isinstance(self.wake_ms, bool) or wake is None or wake < 0:
+            raise ValueError(f"streak wake_ms={short_repr(self.wake_ms)} must be a finite number >= 0")
+        object.__setattr__(self, "wake_ms", wake)
+
+
+@dataclass(frozen=True)
 class Calibration:
     """Frozen state used to warm-start a Gate (docs/gate.md §6).
 
@@ -176,16 +214,20 @@ class Calibration:
     in observations, 0 <= matched <= observed). recent: confidence logits of up to
     RECENT_ROUNDS recently drafted rounds (one tuple of floats per round, oldest first), which
     the new gate's first pre-draft decisions re-price as if it had drafted them itself; empty:
-    the gate drafts its first round. Raises ValueError naming the bucket or round when a count
-    is not finite, matched > observed, a bucket is missing, or a recent logit is NaN or not a
-    number.
+    the gate drafts its first round. streak: the losing streak the new gate continues
+    (docs/gate.md §6), or None. Raises ValueError naming the bucket, round or streak when a
+    count is not finite, matched > observed, a bucket is missing, a recent logit is NaN or not
+    a number, or the streak is not a `Streak`.
     """
 
     matched: tuple[float, ...]
     observed: tuple[float, ...]
     recent: tuple[tuple[float, ...], ...] = ()
+    streak: Streak | None = None
 
     def __post_init__(self) -> None:
+        if self.streak is not None and not isinstance(self.streak, Streak):
+            raise ValueError(f"calibration streak={short_repr(self.streak)} must be a Streak or None")
         if len(self.matched) != NUM_BUCKETS or len(self.observed) != NUM_BUCKETS:
             raise ValueError(f"calibration needs {NUM_BUCKETS} buckets, got {len(self.matched)}/{len(self.observed)}")
         for i, (m, o) in enumerate(zip(self.matched, self.observed)):
@@ -254,6 +296,12 @@ class Gate:
         self._recent: list[list[float]] = [list(c) for c in calibration.recent] if calibration else []
         self._since = 0  # rounds asked since the last verified draft
         self._gap = PROBE_FIRST  # rounds from one probe of a losing streak to the next
+        # What re-priming a drafter let go during a losing streak cost (ms; 0 unmeasured): the
+        # caller measures each wake; reported with the streak (Stats), not priced (`probe_loss`).
+        self.wake_ms = 0.0
+        if calibration is not None and calibration.streak is not None:  # the band's losing streak goes on
+            streak = calibration.streak
+            self._since, self._gap, self.wake_ms = streak.since, streak.gap, streak.wake_ms
         self._probe = False  # this round must verify at least one draft
         self._margin_bin: int | None = None  # the drafted round's anchor-margin bin (auto threshold)
         # The costs decisions price rounds with; None: `cost`. The caller may re-price them for
@@ -316,7 +364,7 @@ class Gate:
         on average (LEARNED_MARGIN), or (3) with the length gate enabled, the recent drafted
         rounds, re-priced with the current estimates, say drafting is worth less than its cost
         (`draft_advantage` < 0: RECENT_LOSS). (2) and (3) draft anyway on the losing streak's
-        probe rounds (PROBE_FIRST rounds in, then gaps doubling up to PROBE_PERIOD), and a
+        probe rounds (PROBE_FIRST rounds in, then at `probe_gap`), and a
         probe verifies at least one draft. (1) and (2) apply whether or not the gate is
         enabled. None (margin unknown) passes (1) and (2). Raises ValueError on NaN or a
         non-number.
@@ -335,6 +383,48 @@ class Gate:
             return Reason.LEARNED_MARGIN if bin_losing else Reason.RECENT_LOSS
         self._probe = losing
         return None
+
+    def losing(self) -> bool:
+        """Whether the length gate is on and its recent drafted rounds, re-priced with the
+        current estimates and lambda, lose to a plain step (the RECENT_LOSS test of
+        `pre_draft`, without its probe schedule): the generation is in a losing streak, so
+        its drafter need not be fed until the next probe (docs/gate.md §5b)."""
+        return self.config.enabled and self._recent_advantage() < 0.0
+
+    def streak(self) -> Streak | None:
+        """The losing streak a later generation of the band should continue
+        (`Calibration.streak`): this gate's when it is `losing()` and its probes are dear
+        (`probe_loss` over DEAR_PROBE_TOKENS); None otherwise."""
+        if not self.losing() or not self.probes_dear():
+            return None
+        return Streak(self._since, self._gap, self.wake_ms)
+
+    def probes_dear(self) -> bool:
+        """Whether a probe costs more than DEAR_PROBE_TOKENS (`probe_loss`): its gaps are then
+        priced (`probe_gap`), its streak lent (`streak`), and a losing streak lets the drafter
+        session go rather than feed it (the scheduler)."""
+        return self.probe_loss() > DEAR_PROBE_TOKENS
+
+    def probe_gap(self) -> int:
+        """The gap after a probe that failed (rounds): twice the last one up to PROBE_PERIOD; for
+        a dear probe (`probe_loss` over DEAR_PROBE_TOKENS) never shorter than the gap over which
+        its loss is PROBE_LOSS_SHARE of the gap's tokens (one per plain round)."""
+        doubled, loss = min(PROBE_PERIOD, 2 * self._gap), self.probe_loss()
+        return max(doubled, math.ceil(loss / PROBE_LOSS_SHARE)) if self.probes_dear() else doubled
+
+    def probe_loss(self) -> float:
+        """One probe's expected loss against the plain step it replaces, by the scoring rule
+        (tokens): value(plain) - value(probe of one draft) = lambda * (cost(1) - plain_ms) - S_0,
+        S_0 the recent rounds' mean estimate that the first draft is accepted (1.0 before any
+        round drafted), at lambda = 1 / plain_ms: a losing streak earns the plain rate (the
+        generation's own lambda still holds the good rounds before the streak, and would price
+        a good drafter's probe as dear). A re-prime (`wake_ms`) is not priced: a drafter that
+        re-primes dearly but drafts cheaply (the bundled one: W rows) would lose its recovery
+        probes to it."""
+        cost = self.pricing or self.cost
+        first = (sum(self._survival(conf[:1])[0] for conf in self._recent if conf) / len(self._recent)
+                 if self._recent else 1.0)
+        return (cost.drafted_round_ms(1) - cost.plain_ms) / cost.plain_ms - first
 
     def _probe_due(self) -> bool:
         """This round is the losing streak's next probe."""
@@ -376,7 +466,7 @@ class Gate:
             n, values = length_decision(survival, max_n, cost, self.config.win_factor, floor, rate)
             inputs = {"survival": tuple(survival), "rate": rate, "values": values, "probe": probe}
         if probe or self._probe:
-            self._gap = min(PROBE_PERIOD, 2 * self._gap)  # still losing: the next probe comes later
+            self._gap = self.probe_gap()  # still losing: the next probe comes later
         elif n > 0:
             self._gap = PROBE_FIRST  # a round drafted on its merits: the losing streak is over
         self._probe = False

@@ -306,8 +306,10 @@ class _Generation:
         self.policy = RoundPolicy(p.spec, self.gate, sched.regime, sched.load.table if priced else None,
                                   sched.limits.block_size, sched.limits.max_seq_len, p.max_tokens, p.max_drafts,
                                   sched.pricing_stats, sched.step_budget)
+        # a gate that starts in its band's losing streak (docs/gate.md §6) opens no session until it probes
+        awake = self.policy.regime_drafts(sched.in_flight, len(p.prompt_ids), 0) and not self.gate.losing()
         self.link = DrafterLink(drafters if can_draft else None, verifier, sched.drafter_faults, metrics,
-                                self.counters, awake=self.policy.regime_drafts(sched.in_flight, len(p.prompt_ids), 0))
+                                self.counters, awake=awake)
         self.commit_ms = 0.0  # the last round's drafter commit (ms; 0 when held back): a drafter leg
         self.jump: JumpForward | None = None  # the forced runs of a constrained generation
         if p.constraint is not None:
@@ -339,7 +341,9 @@ class _Generation:
             self.finish = "length"
             yield self._final(first.prompt_logprobs)
             return
-        if not self.policy.regime_drafts(self.s.in_flight, len(p.prompt_ids), 0):  # priming the prompt is priced
+        # Priming the prompt is priced by the regime; a gate that starts in its band's losing
+        # streak (docs/gate.md §6) primes nothing until its first probe.
+        if not self.policy.regime_drafts(self.s.in_flight, len(p.prompt_ids), 0) or self.gate.losing():
             await self.link.sleep()  # no prime now: a drafter is primed when this generation drafts
         await self.link.commit(first.rows, first.first_position, p.prompt_ids, 0)
         pos, anchor, margin = len(p.prompt_ids), first.next_token, first.margin
@@ -364,7 +368,9 @@ class _Generation:
         p = self.p
         return FinalEvent(self.finish, len(p.prompt_ids), len(self.out), self.detok.text,
                           self.detok.finish(), self.counters, self._gate_report(), self.ttft_ms, self.matched_stop,
-                          p.sampling, self.gate.recent_confidences(), tuple(prompt_logprobs))
+                          p.sampling, self.gate.recent_confidences(),
+                          streak=self.gate.streak(),
+                          prompt_logprobs=tuple(prompt_logprobs))
 
     def _gate_report(self) -> dict:
         """The gate's counters of this generation with the gate's current estimate and weight per bucket."""
@@ -436,7 +442,10 @@ class _Generation:
             a, drafter, t0 = res.accepted, self.link.session, time.perf_counter()
             # the gate or the regime kept this round from drafting: its rows wait for the next draft
             defer = plan.reason in (*PRE_DRAFT_SKIPS, Reason.REGIME)
-            await self.link.commit(res.rows, pos, [anchor, *drafts[:a]], pos, defer)
+            # a losing streak's skip holds rows until the next probe; a dear drafter's is far, so
+            # past MAX_DEFERRED_ROWS the link lets the session go rather than feed it (gate.md §5b)
+            losing = plan.reason in (Reason.RECENT_LOSS, Reason.LEARNED_MARGIN) and self.gate.probes_dear()
+            await self.link.commit(res.rows, pos, [anchor, *drafts[:a]], pos, defer, sleep_when_full=losing)
             self.commit_ms = 0.0 if defer else (time.perf_counter() - t0) * 1e3
             if alone and not defer and drafter is not None and self.link.session is drafter:  # a re-prime is no commit cost
                 s.costs.add_commit((time.perf_counter() - t0) * 1e3)
@@ -491,13 +500,17 @@ class _Generation:
         if not (self._regime_drafts(pos, len(self.out)) if may_draft is None else may_draft):
             await self.link.sleep()  # the drafter does nothing for this generation until it drafts again
             return _Plan(Reason.REGIME)
-        if not await self.link.wake():
-            return _Plan(Reason.NO_DRAFTER)
         # priced before the pre-draft decision, from what came before it; this generation is
-        # outside the verifier now, so every generation inside is another's
+        # outside the verifier now, so every generation inside is another's. Asked before a
+        # sleeping link wakes: a skipped round re-primes nothing.
         skip = self.policy.pre_draft(margin, self.s.occupancy.inside)
         if skip is not None:
             return _Plan(skip)
+        asleep, t0 = self.link.asleep, time.perf_counter()
+        if not await self.link.wake():
+            return _Plan(Reason.NO_DRAFTER)
+        if asleep:  # a re-prime: reported with the band's streak (Stats)
+            self.gate.wake_ms = (time.perf_counter() - t0) * 1e3
         t0 = time.perf_counter()
         await self.link.flush()  # the rows of rounds that did not draft, before the drafter drafts
         reply, draft_ms = await self.link.draft(anchor, pos, tc, self.p.sampling, self.s.draft_check,

@@ -14,13 +14,14 @@ generation never starts from T = 0 acceptance.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
 from dsv4.sampling import SamplingParams
-from services.gateway.gate import RECENT_ROUNDS, Calibration
+from services.gateway.gate import RECENT_ROUNDS, Calibration, Streak
 from services.gateway.record import GateStats
 from services.gateway.survival import GREEDY_BAND  # T = 0's band: one name for the warm start and the estimate
 from services.gateway.values import finite_float, is_integer, parse_setting, short_repr
@@ -35,6 +36,13 @@ TEMPERATURE_EDGES = (0.5, 1.0)
 # whose own calibration curves differ from the others' (bench/README.md, gate_shapes).
 DEFAULT_MAX_WEIGHT = 10.0
 MAX_WEIGHT_LIMIT = 1e6
+# Consecutive finished generations of a band that must end in a losing streak with dear probes
+# before a new one continues it (starts skipping, its drafter asleep, on the band's probe
+# schedule). Fewer would suspend a good workload behind losing neighbours: with 2, the bundled
+# drafter's gated cells on the 2-core box (code, prose, math, repeat in turn) fell to 49-84 %
+# plain rounds; a drafter that is never accepted loses every generation, so 4 costs it 4 cold
+# starts once per process.
+LOSING_GENERATIONS = 4
 
 
 def sampling_band(sampling: SamplingParams) -> str:
@@ -98,18 +106,34 @@ class Band:
     generations: int = 0
     gate: GateStats = field(default_factory=GateStats)
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_ROUNDS))
+    losing: int = 0  # the last finished generations that ended in a losing streak, in a row
+    streak: Streak | None = None  # the last one's streak, when it ended losing
+    wake_ms: float = 0.0  # the last re-prime a losing generation measured (ms; 0: none yet)
 
-    def add(self, gate: GateStats, recent: Sequence[Sequence[float]]) -> None:
-        """Merge one finished generation: its gate counters and its recent drafted confidences."""
-        self.generations += 1
-        self.gate.merge(gate)
-        self.recent.extend(tuple(float(c) for c in conf) for conf in recent)
+    def add(self, gate: GateStats, recent: Sequence[Sequence[float]], streak: Streak | None = None) -> None:
+        """Merge one finished generation: its gate counters, its recent drafted confidences
+        and, when it ended losing, its streak (`Gate.streak`; None: it did not). A generation
+        that verified no draft adds no counters or confidences, but its streak counts."""
+        if gate.verified_rounds:
+            self.generations += 1
+            self.gate.merge(gate)
+            self.recent.extend(tuple(float(c) for c in conf) for conf in recent)
+        self.losing = self.losing + 1 if streak is not None else 0
+        self.streak = streak
+        if streak is not None and streak.wake_ms > 0:  # kept across generations that woke nothing
+            self.wake_ms = streak.wake_ms
 
     def calibration(self, settings: WarmStart) -> Calibration:
         """The band as a frozen `Calibration`: bucket counts scaled to at most
         `settings.max_weight` observations each (`GateStats.calibration`), and the band's last
-        `settings.recent_rounds` drafted confidences."""
+        `settings.recent_rounds` drafted confidences; after LOSING_GENERATIONS generations in a
+        row ended losing, the band's last RECENT_ROUNDS drafted confidences and its streak (with
+        the last measured re-prime, `wake_ms`), so the new gate goes on skipping and probing
+        where the last one stopped."""
         counts = self.gate.calibration(settings.max_weight)
+        if self.losing >= LOSING_GENERATIONS:
+            streak = dataclasses.replace(self.streak, wake_ms=self.wake_ms)
+            return Calibration(counts.matched, counts.observed, tuple(self.recent), streak)
         recent = tuple(self.recent)[len(self.recent) - settings.recent_rounds:] if settings.recent_rounds else ()
         return Calibration(counts.matched, counts.observed, recent)
 
@@ -127,13 +151,16 @@ class WarmBands:
         self._bands: dict[str, Band] = {}
         self._lock = threading.Lock()
 
-    def add(self, band: str, gate: GateStats, recent: Sequence[Sequence[float]]) -> None:
-        """Merge a finished generation of sampling band `band` (see `sampling_band`). A
-        generation that verified no draft teaches nothing and is left out."""
-        if gate.verified_rounds == 0:
-            return
+    def add(self, band: str, gate: GateStats, recent: Sequence[Sequence[float]],
+            streak: Streak | None = None) -> None:
+        """Merge a finished generation of sampling band `band` (see `sampling_band`); `streak`:
+        its `Gate.streak()` (None: it did not end losing, or its probes are cheap). A generation
+        that verified no draft teaches the estimates nothing: it starts no band, and adds only
+        its streak to one that exists; one whose gate was never asked (spec off) adds nothing."""
         with self._lock:
-            self._bands.setdefault(band, Band()).add(gate, recent)
+            if gate.rounds == 0 or (gate.verified_rounds == 0 and band not in self._bands):
+                return  # a generation whose gate was never asked (spec off) says nothing of the band
+            self._bands.setdefault(band, Band()).add(gate, recent, streak)
 
     def calibration(self, band: str) -> Calibration | None:
         """What a new generation of `band` warm-starts from; None (cold) before any generation
@@ -144,13 +171,16 @@ class WarmBands:
 
     def to_dict(self) -> dict:
         """JSON-ready per band: generations merged, verified rounds, raw observed positions,
-        the recent drafted rounds held, and the observations per bucket a new gate borrows."""
+        the recent drafted rounds held, the observations per bucket a new gate borrows, the
+        losing generations in a row, the last one's streak and the last re-prime (ms)."""
         with self._lock:
             out = {}
             for name, state in sorted(self._bands.items()):
                 lent = state.gate.calibration(self.settings.max_weight).observed
                 out[name] = {"generations": state.generations, "verified_rounds": state.gate.verified_rounds,
                              "observed": sum(state.gate.bucket_observed), "recent_rounds": len(state.recent),
-                             "lent_observed": list(lent)}
+                             "lent_observed": list(lent), "losing_generations": state.losing,
+                             "streak": None if state.streak is None else dataclasses.asdict(state.streak),
+                             "wake_ms": state.wake_ms}
             return {"max_weight": self.settings.max_weight, "recent_rounds": self.settings.recent_rounds,
                     "bands": out}
