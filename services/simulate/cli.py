@@ -105,7 +105,7 @@ def _inputs(args):
 
     _check_numbers(args)
     if args.rate is not None and args.streams is not None:
-        raise ValueError(f"--rate {' '.join(f'{r:g}' for r in args.rate)} with --streams "
+        raise ValueError(f"--rate {' '.join(map(repr, args.rate))} with --streams "
                          f"{' '.join(map(str, args.streams))}: a run is open loop (--rate) or closed loop "
                          f"(--streams), not both")
     if args.rate is not None:
