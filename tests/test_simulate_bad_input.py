@@ -112,3 +112,8 @@ def test_validate_simulate_refuses_bad_arguments_before_any_stage(capsys, args, 
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and named in err.splitlines()[-1], err
     assert "stages in" not in capsys.readouterr().out
+
+
+def test_a_per_workload_length_for_no_recorded_workload_is_refused(capsys):
+    _refused(capsys, [*SMALL, "--streams", "1", "--rounds", "tests/data/bundled_rounds.json", "--prompt",
+                      "code=5,math=5,prose=5,repeat=5,cdoe=4"], "workload 'cdoe' is in no rounds file")

@@ -97,11 +97,9 @@ def _inputs(args):
     """The validated inputs of a run; raises ValueError naming the first bad value."""
     import dataclasses
 
-    from services.analysis import synthetic
-    from services.gateway.rounds import load_rounds
     from services.simulate.engine import RunConfig
     from services.simulate.models import load_model
-    from services.simulate.run import Load, arm_registry, parse_lengths, workloads
+    from services.simulate.run import Load, arm_registry, parse_lengths
 
     _check_numbers(args)
     if args.rate is not None and args.streams is not None:
@@ -125,15 +123,7 @@ def _inputs(args):
         model.single_stream(args.block_size)
     except ValueError as exc:
         raise ValueError(f"--costs {args.costs!r}: no one-stream costs for the gate: {exc}") from None
-    logs = [load_rounds(p) for p in args.rounds] if args.rounds else [synthetic.generate()]
-    for path, log in zip(args.rounds or [], logs):
-        if not log.rounds:
-            raise ValueError(f"{path}: the rounds file holds no round")
-    groups = workloads(logs, args.workload)
-    for flag, spec in zip(("--prompt", "--output"), lengths):
-        missing = spec.missing(groups)
-        if missing:
-            raise ValueError(f"{flag}={str(spec)!r}: no length for workload {missing[0]!r}")
+    groups = _replayed(args, lengths)
     registry = arm_registry(args.block_size)
     unknown = [a for a in args.arms or [] if a not in registry]
     if unknown:
@@ -146,6 +136,32 @@ def _inputs(args):
                        prefill_chunk=args.prefill_chunk, shared_compute=args.shared_compute, cores=args.cores,
                        drafters=args.drafters, alignment=args.alignment)
     return model, config, arms, loads, groups, lengths
+
+
+def _replayed(args, lengths) -> dict:
+    """The workloads to replay ({name: rounds}) from --rounds / --workload, each with a
+    length in every per-workload --prompt / --output and no length for a workload no rounds
+    file holds. Raises ValueError naming the file, workload or flag value."""
+    from services.analysis import synthetic
+    from services.gateway.rounds import load_rounds
+    from services.simulate.run import workloads
+
+    logs = [load_rounds(p) for p in args.rounds] if args.rounds else [synthetic.generate()]
+    for path, log in zip(args.rounds or [], logs):
+        if not log.rounds:
+            raise ValueError(f"{path}: the rounds file holds no round")
+    groups = workloads(logs, args.workload)
+    for flag, spec in zip(("--prompt", "--output"), lengths):
+        missing = spec.missing(groups)
+        if missing:
+            raise ValueError(f"{flag}={str(spec)!r}: no length for workload {missing[0]!r}")
+    recorded = {r.workload for log in logs for r in log.rounds}
+    for flag, spec in zip(("--prompt", "--output"), lengths):
+        stray = [name for name, _ in getattr(spec, "lengths", ()) if name not in recorded]
+        if stray:  # a typo would otherwise pass silently next to the right names
+            raise ValueError(f"{flag}={str(spec)!r}: workload {stray[0]!r} is in no rounds file "
+                             f"(they hold {', '.join(sorted(recorded))})")
+    return groups
 
 
 def _check_numbers(args) -> None:
