@@ -216,6 +216,8 @@ def _bad_argument(args) -> str | None:
         return f"--seed={args.seed}: must be >= 0"
     if not 1024 <= args.port_base <= 65000:
         return f"--port-base={args.port_base}: must be in 1024..65000 (the services take ports above it)"
+    if not (Path(args.checkpoint) / "tokenizer.json").is_file():  # the last stage reads it, after the bench
+        return f"--checkpoint {args.checkpoint!r}: holds no tokenizer.json"
     if args.shape is not None and not Path(args.shape).is_file():
         return f"--shape {args.shape!r}: no such file (leave it out to measure a shape)"
     if args.json is not None:

@@ -103,6 +103,7 @@ def test_a_run_that_cannot_finish_ends_with_an_error():
     (["--calibrate-streams", "4"], "--calibrate-streams=4"),
     (["--rpc-ms", "nan"], "--rpc-ms=nan"),
     (["--port-base", "80"], "--port-base=80"),
+    (["--checkpoint", "/nonexistent"], "'/nonexistent'"),
     (["--shape", "/nonexistent/shape.json"], "/nonexistent/shape.json"),
     (["--json", "/nonexistent/out.json"], "/nonexistent/out.json"),
 ])
