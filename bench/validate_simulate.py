@@ -193,6 +193,40 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _bad_argument(args) -> str | None:
+    """The first argument no stage could run with, as a message naming the value; None when
+    all are good. Checked before the first stage, which takes minutes."""
+    from bench.bench_serving import ARMS
+    from services.simulate.cli import MAX_RPC_MS, MAX_STREAMS
+
+    for name in ("repeats", "per_stream", "max_tokens", "calibrate_streams", "cores"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1"
+    out = [n for n in args.streams if not 1 <= n <= MAX_STREAMS]
+    if out:
+        return f"--streams {out[0]}: a concurrency must be in 1..{MAX_STREAMS}"
+    if args.calibrate_streams in args.streams:
+        return f"--calibrate-streams={args.calibrate_streams}: is one of --streams; keep the calibration cell out"
+    unknown = [a for a in args.arms if a not in ARMS]
+    if unknown:
+        return f"--arms {unknown[0]!r}: bench_serving runs only {', '.join(ARMS)}"
+    if not 0 <= args.rpc_ms <= MAX_RPC_MS:
+        return f"--rpc-ms={args.rpc_ms}: must be a finite number of ms in [0, {MAX_RPC_MS:g}]"
+    if args.seed < 0:
+        return f"--seed={args.seed}: must be >= 0"
+    if not 1024 <= args.port_base <= 65000:
+        return f"--port-base={args.port_base}: must be in 1024..65000 (the services take ports above it)"
+    if not (Path(args.checkpoint) / "tokenizer.json").is_file():  # the last stage reads it, after the bench
+        return f"--checkpoint {args.checkpoint!r}: holds no tokenizer.json"
+    if args.shape is not None and not Path(args.shape).is_file():
+        return f"--shape {args.shape!r}: no such file (leave it out to measure a shape)"
+    if args.json is not None:
+        parent = Path(args.json).resolve().parent
+        if Path(args.json).is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
+            return f"--json {args.json!r}: cannot be written (a directory, or its folder is missing or read-only)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--checkpoint", default="assets/dspark-small")
@@ -219,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                     "folder, so everything is measured in this run)")
     ap.add_argument("--json", default=None, help="write the comparison rows to this file")
     args = ap.parse_args(argv)
+    bad = _bad_argument(args)
+    if bad:
+        ap.error(bad)  # exit 2 before any stage runs: a stage takes minutes
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="dspark-validate-"))
     work.mkdir(parents=True, exist_ok=True)
     args.workdir = str(work)

@@ -3,8 +3,10 @@
 Owns the command's flags, output and exit codes; every figure comes from `services.simulate.run`.
 Bad input (a cost file with a negative or non-monotone time, an empty or unreadable rounds
 file, 0 streams, a rate below 0.001 per second, a negative seed, an unknown arm, a
-per-workload length without a replayed workload) exits 2 with one line on stderr naming the
-value.
+per-workload length without a replayed workload, a value past one of the limits below, a
+`--png` path that cannot be written) exits 2 with one line on stderr naming the value, before
+anything is simulated. A simulation that exceeds its event budget (a stall: a simulator bug)
+exits 1 with one line.
 """
 
 from __future__ import annotations
@@ -17,6 +19,16 @@ import time
 ALIGNMENTS = ("free", "gather", "lockstep", "pingpong", "rate")  # services.common.alignment, by name
 
 DEFAULT_STREAMS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Limits (docs/simulate.md §1): a run past them would take hours or all the memory, never a
+# figure anyone needs. MAX_STREAMS also bounds --drafters and --cores (more than one per stream
+# changes nothing) and is the widest step the single-stream cost sources are extended to.
+MAX_STREAMS = 4096
+MAX_BLOCK = 64  # draft slots per round (the arms run k1..k<block>)
+MAX_RPC_MS = 1e6
+# Simulated work of one run: arms x generations x (output tokens + prompt chunks), at the
+# largest lengths. The default grid (10 arms, 1..256 streams, 256 tokens) is ~1.3 M; this one
+# is ~6x that, about 10-15 minutes and under 2 GB on a CPU core (docs/simulate.md §1).
+MAX_WORK = 1 << 23
 # The plain numeric options: flag, type, default, help.
 NUMBERS = (
     ("--per-stream", int, 1, "generations each closed-loop stream runs back to back"),
@@ -52,10 +64,12 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--arms", nargs="+", default=None, metavar="ARM",
                    help="arms to run (default: all): plain, k1..k<block>, gated, gate-only, "
                    "budget-trim, budget (the step budget, docs/gate.md §15)")
-    p.add_argument("--streams", nargs="+", type=int, default=list(DEFAULT_STREAMS), metavar="N",
-                   help="closed-loop concurrencies")
+    p.add_argument("--streams", nargs="+", type=int, default=None, metavar="N",
+                   help=f"closed-loop concurrencies, 1..{MAX_STREAMS} (default: "
+                   f"{' '.join(map(str, DEFAULT_STREAMS))})")
     p.add_argument("--rate", nargs="+", type=float, default=None, metavar="R",
-                   help="open loop instead: Poisson arrivals at R generations per second (one cell per R)")
+                   help="open loop instead of --streams: Poisson arrivals at R generations per second (one "
+                   "cell per R)")
     p.add_argument("--prompt", default="64", help="prompt tokens: N, uniform:A:B, or per workload NAME=N,NAME=N...")
     p.add_argument("--output", default="256", help="completion tokens per generation: N, uniform:A:B, or per "
                    "workload NAME=N,...")
@@ -83,27 +97,24 @@ def _inputs(args):
     """The validated inputs of a run; raises ValueError naming the first bad value."""
     import dataclasses
 
-    from services.analysis import synthetic
-    from services.gateway.rounds import load_rounds
     from services.simulate.engine import RunConfig
     from services.simulate.models import load_model
-    from services.simulate.run import Load, arm_registry, parse_lengths, workloads
+    from services.simulate.run import Load, arm_registry, parse_lengths
 
-    for name in ("per_stream", "requests", "max_sessions", "prefill_chunk", "block_size", "drafters", "cores"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
-    if args.seed < 0:
-        raise ValueError(f"--seed={args.seed}: must be >= 0")
-    bad = [n for n in args.streams if n < 1]
-    if bad:
-        raise ValueError(f"--streams {bad[0]}: a concurrency must be >= 1")
-    for flag, value in (("--gather-ms", args.gather_ms), ("--rpc-ms", args.rpc_ms)):
-        if value is not None and not (value >= 0 and value < 1e7):
-            raise ValueError(f"{flag}={value}: must be a finite number of ms >= 0")
+    _check_numbers(args)
+    if args.rate is not None and args.streams is not None:
+        raise ValueError(f"--rate {' '.join(map(repr, args.rate))} with --streams "
+                         f"{' '.join(map(str, args.streams))}: a run is open loop (--rate) or closed loop "
+                         f"(--streams), not both")
     if args.rate is not None:
-        loads = [Load(rate=r, requests=args.requests) for r in args.rate]
+        loads = [Load(rate=r, requests=args.requests) for r in dict.fromkeys(args.rate)]
+        labels = [ld.label for ld in loads]
+        for i, label in enumerate(labels):
+            if label in labels[:i]:
+                raise ValueError(f"--rate {loads[labels.index(label)].rate!r} and {loads[i].rate!r}: two rates "
+                                 f"that print as one cell ({label}); give distinct rates")
     else:
-        loads = [Load(streams=n, per_stream=args.per_stream) for n in dict.fromkeys(args.streams)]
+        loads = [Load(streams=n, per_stream=args.per_stream) for n in dict.fromkeys(args.streams or DEFAULT_STREAMS)]
     lengths = parse_lengths(args.prompt, "--prompt"), parse_lengths(args.output, "--output")
     model = load_model(args.costs)
     if args.rpc_ms is not None:
@@ -112,6 +123,29 @@ def _inputs(args):
         model.single_stream(args.block_size)
     except ValueError as exc:
         raise ValueError(f"--costs {args.costs!r}: no one-stream costs for the gate: {exc}") from None
+    groups = _replayed(args, lengths)
+    registry = arm_registry(args.block_size)
+    unknown = [a for a in args.arms or [] if a not in registry]
+    if unknown:
+        raise ValueError(f"--arms {unknown[0]!r}: unknown; known: {', '.join(registry)}")
+    arms = [registry[a] for a in dict.fromkeys(args.arms or registry)]
+    _check_work(arms, loads, lengths, args.prefill_chunk)
+    if args.png is not None:
+        _check_writable(args.png)
+    config = RunConfig(block_size=args.block_size, max_sessions=args.max_sessions, gather_s=args.gather_ms / 1e3,
+                       prefill_chunk=args.prefill_chunk, shared_compute=args.shared_compute, cores=args.cores,
+                       drafters=args.drafters, alignment=args.alignment)
+    return model, config, arms, loads, groups, lengths
+
+
+def _replayed(args, lengths) -> dict:
+    """The workloads to replay ({name: rounds}) from --rounds / --workload, each with a
+    length in every per-workload --prompt / --output and no length for a workload no rounds
+    file holds. Raises ValueError naming the file, workload or flag value."""
+    from services.analysis import synthetic
+    from services.gateway.rounds import load_rounds
+    from services.simulate.run import workloads
+
     logs = [load_rounds(p) for p in args.rounds] if args.rounds else [synthetic.generate()]
     for path, log in zip(args.rounds or [], logs):
         if not log.rounds:
@@ -121,15 +155,60 @@ def _inputs(args):
         missing = spec.missing(groups)
         if missing:
             raise ValueError(f"{flag}={str(spec)!r}: no length for workload {missing[0]!r}")
-    registry = arm_registry(args.block_size)
-    unknown = [a for a in args.arms or [] if a not in registry]
-    if unknown:
-        raise ValueError(f"--arms {unknown[0]!r}: unknown; known: {', '.join(registry)}")
-    arms = [registry[a] for a in dict.fromkeys(args.arms or registry)]
-    config = RunConfig(block_size=args.block_size, max_sessions=args.max_sessions, gather_s=args.gather_ms / 1e3,
-                       prefill_chunk=args.prefill_chunk, shared_compute=args.shared_compute, cores=args.cores,
-                       drafters=args.drafters, alignment=args.alignment)
-    return model, config, arms, loads, groups, lengths
+    recorded = {r.workload for log in logs for r in log.rounds}
+    for flag, spec in zip(("--prompt", "--output"), lengths):
+        stray = [name for name, _ in getattr(spec, "lengths", ()) if name not in recorded]
+        if stray:  # a typo would otherwise pass silently next to the right names
+            raise ValueError(f"{flag}={str(spec)!r}: workload {stray[0]!r} is in no rounds file "
+                             f"(they hold {', '.join(sorted(recorded))})")
+    return groups
+
+
+def _check_numbers(args) -> None:
+    """Each numeric flag within its range; raises ValueError naming the flag and value."""
+    for name in ("per_stream", "requests", "max_sessions", "prefill_chunk", "block_size", "drafters", "cores"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    for name, top in (("block_size", MAX_BLOCK), ("drafters", MAX_STREAMS), ("cores", MAX_STREAMS)):
+        if getattr(args, name) > top:
+            raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be <= {top}")
+    if args.seed < 0:
+        raise ValueError(f"--seed={args.seed}: must be >= 0")
+    bad = [n for n in args.streams or () if not 1 <= n <= MAX_STREAMS]
+    if bad:
+        raise ValueError(f"--streams {bad[0]}: a concurrency must be in 1..{MAX_STREAMS}")
+    for flag, value, top in (("--gather-ms", args.gather_ms, 1e7), ("--rpc-ms", args.rpc_ms, MAX_RPC_MS)):
+        if value is not None and not (value >= 0 and value <= top):  # NaN fails both
+            raise ValueError(f"{flag}={value}: must be a finite number of ms in [0, {top:g}]")
+
+
+def _check_work(arms, loads, lengths, prefill_chunk: int) -> None:
+    """Refuse a run whose simulated work (MAX_WORK) or lengths (the simulator's max_seq_len)
+    would not finish in reasonable time or memory; raises ValueError naming the values."""
+    from services.simulate.engine import RunConfig
+    prompt, output = (max(sp.high for _, sp in spec.lengths) if hasattr(spec, "lengths") else spec.high
+                      for spec in lengths)
+    seq = RunConfig().max_seq_len
+    if prompt + output > seq:
+        raise ValueError(f"--prompt {prompt} + --output {output} tokens: must be <= {seq} (max_seq_len)")
+    generations = sum(ld.requests if ld.rate is not None else ld.streams * ld.per_stream for ld in loads)
+    work = len(arms) * generations * (output + -(-prompt // prefill_chunk))
+    if work > MAX_WORK:
+        raise ValueError(f"{len(arms)} arms x {generations} generations x ({output} output tokens + "
+                         f"{-(-prompt // prefill_chunk)} prompt chunks) = {work} steps of work: must be <= "
+                         f"{MAX_WORK} (fewer arms, loads, --per-stream/--requests or tokens)")
+
+
+def _check_writable(path: str) -> None:
+    """Refuse a --png path that cannot be written, before the simulation runs."""
+    import os
+    if not path:
+        raise ValueError("--png '': an empty path")
+    if os.path.isdir(path):
+        raise ValueError(f"--png {path!r}: is a directory")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ValueError(f"--png {path!r}: its folder {parent!r} does not exist or is not writable")
 
 
 def run_simulate(args: argparse.Namespace) -> int:
@@ -139,7 +218,12 @@ def run_simulate(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         return _error(str(exc))
     t0 = time.perf_counter()
-    result = simulate_grid(model, config, arms, loads, groups, prompt, output, args.seed, args.order)
+    try:
+        result = simulate_grid(model, config, arms, loads, groups, prompt, output, args.seed, args.order)
+    except RuntimeError as exc:  # a stalled simulation (its event budget spent): a bug, not bad input
+        from services.common.terminal import printable
+        print(f"dspark simulate: failed: {printable(str(exc))}", file=sys.stderr)
+        return 1
     wall_s = time.perf_counter() - t0
     result["inputs"] = {"costs": model.name, "model": model.to_dict(),
                         "workloads": list(groups) if args.order == "cycle" else sorted(groups),

@@ -36,6 +36,10 @@ from services.verifier.step_table import ROW_BUCKETS, CommitRate
 
 VERIFIER_AWAY, DRAFTER_AWAY = frozenset({"verify"}), frozenset({"draft"})
 DEFERRED = (*PRE_DRAFT_SKIPS, Reason.REGIME)  # rounds whose commit waits for the next draft
+# The event budget per token or prompt chunk (`Gateway.start`): a plain round takes ~10 events
+# (call, arrival, look, step, pool, reply, gateway turn), a drafted one ~3 calls of those for
+# 1 + accepted tokens; a gather may add a timer per step. 64 leaves room for every shape.
+EVENTS_PER_STEP = 64
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,7 @@ class Gateway:
     def __init__(self, model: ServiceModel, config: RunConfig, arm: Arm):
         self.model, self.config, self.arm = model, config, arm
         self.clock = Clock()
+        self.max_events: int | None = None  # set by `start`
         shared = Pool(self.clock, config.cores)
         own = lambda: shared if config.shared_compute else Pool(self.clock)  # noqa: E731 - a pool per loop, or one
         self.rows_per_session = float(config.block_size + 1)  # of the verifier's last batch step
@@ -186,14 +191,22 @@ class Gateway:
         self.rate.add(tokens, ms, end_ms / 1e3)
 
     def start(self, specs: list[StreamSpec]) -> None:
-        """Schedule every generation's arrival."""
+        """Schedule every generation's arrival and size the run's event budget: EVENTS_PER_STEP
+        events per token and prompt chunk of every generation (a round is a few calls, each a
+        handful of events), so a run that could not finish stops instead of spinning."""
+        steps = 0
         for spec in specs:
             self.clock.at(spec.arrival_ms, self._arrive, spec)
+            while spec is not None:
+                steps += spec.output + -(-spec.prompt // self.config.prefill_chunk) + 1
+                spec = spec.then
+        self.max_events = EVENTS_PER_STEP * steps + 10_000
 
     def run(self) -> None:
-        """Run every event. Raises RuntimeError when generations are left unfinished (the
-        simulated loops stalled: a simulator bug, never a result)."""
-        self.clock.run()
+        """Run every event. Raises RuntimeError when generations are left unfinished or the
+        event budget (`start`) is spent (the simulated loops stalled or spin: a simulator bug
+        or a cost model with no progress, never a result)."""
+        self.clock.run(self.max_events)
         if self.in_flight:
             raise RuntimeError(f"simulation stalled at {self.clock.now:.1f} ms with {self.in_flight} generations "
                                f"unfinished")

@@ -42,10 +42,15 @@ class Clock:
         self._seq += 1
         heapq.heappush(self._events, (t, self._seq, fn, args))
 
-    def run(self) -> None:
-        """Run events in time order until none is left."""
-        events = self._events
+    def run(self, max_events: int | None = None) -> None:
+        """Run events in time order until none is left. Raises RuntimeError when more than
+        `max_events` run (None: no bound): a run that cannot finish ends, it does not spin."""
+        events, ran = self._events, 0
         while events:
+            ran += 1
+            if max_events is not None and ran > max_events:
+                raise RuntimeError(f"simulation still running after {max_events} events at {self.now:.1f} ms "
+                                   f"of virtual time (the event budget of its generations: a stall)")
             t, _, fn, args = heapq.heappop(events)
             self.now = t
             fn(*args)

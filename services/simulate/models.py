@@ -37,6 +37,8 @@ SEED = {"draft_ms": 196.0, "verify_base_ms": 300.0, "verify_slope_ms": 109.0, "p
 CALIBRATE_KEYS = {"DRAFT_MS": "draft_ms", "VERIFY_BASE_MS": "verify_base_ms", "VERIFY_SLOPE_MS": "verify_slope_ms",
                   "PLAIN_MS": "plain_ms", "COMMIT_MS": "commit_ms"}
 MAX_SESSIONS = 4096  # the widest drafter step a single-stream source is extended to
+MAX_MS = 1e7  # the bound on a per-session, per-call or gateway cost (ms), as the gate's CostModel's
+MAX_FILE_BYTES = 1 << 20  # a cost file is a few tables; anything larger (or not a file) is refused
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,8 @@ class ServiceModel:
     half each way (ms); gateway_ms: the gateway's own work on one reply of the verifier or a
     drafter (ms: streaming its tokens to the client, the next call's decisions), done one
     reply at a time, as the gateway's one event loop does.
-    Raises ValueError naming the field when session_ms, rpc_ms or gateway_ms is negative or not
-    finite.
+    Raises ValueError naming the field when session_ms, rpc_ms or gateway_ms is negative, not
+    finite or above MAX_MS.
     """
 
     name: str
@@ -62,8 +64,9 @@ class ServiceModel:
     def __post_init__(self) -> None:
         for field in ("session_ms", "rpc_ms", "gateway_ms"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{field}={value!r}: must be a finite number of ms >= 0")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_MS:
+                raise ValueError(f"{self.name}: {field}={value!r}: must be a finite number of ms in "
+                                 f"[0, {MAX_MS:g}]")
 
     def verifier_ms(self, rows: int, sessions: int) -> float:
         """One verifier step of `rows` tokens over `sessions` sessions (ms)."""
@@ -128,6 +131,8 @@ def model_from_dict(obj: object, name: str) -> ServiceModel:
     ver, dra = obj.get("verifier"), obj.get("drafter")
     if not isinstance(ver, dict) or not isinstance(dra, dict):
         raise ValueError(f"{name}: needs 'verifier' and 'drafter' objects")
+    if not isinstance(obj.get("name", name), str):
+        raise ValueError(f"{name}: name={obj['name']!r}: must be a string")
     session_ms = ver.get("session_ms", 0.0)
     verifier = _table({k: v for k, v in ver.items() if k != "session_ms"}, "rows", f"{name}: verifier")
     if set(dra) - {"draft", "commit"}:
@@ -158,11 +163,15 @@ def from_single_stream(costs: dict[str, float], name: str, max_rows: int = 8192)
     if plain <= 0:
         raise ValueError(f"{name}: plain_ms={plain!r} must be > 0")
     two = max(plain, costs.get("verify_base_ms", plain) + slope)  # verify(1): two rows
-    verifier = StepTimes((1.0, 2.0, float(max_rows)), (plain, two, two + slope * (max_rows - 2)))
     grow = 1.0 + (MAX_SESSIONS - 1) * slope / plain
     draft, commit = costs["draft_ms"], costs.get("commit_ms", 0.0)
-    return ServiceModel(name, verifier, StepTimes((1.0, float(MAX_SESSIONS)), (draft, draft * grow)),
-                        StepTimes((1.0, float(MAX_SESSIONS)), (commit, commit * grow)))
+    try:
+        verifier = StepTimes((1.0, 2.0, float(max_rows)), (plain, two, two + slope * (max_rows - 2)))
+        return ServiceModel(name, verifier, StepTimes((1.0, float(MAX_SESSIONS)), (draft, draft * grow)),
+                            StepTimes((1.0, float(MAX_SESSIONS)), (commit, commit * grow)))
+    except ValueError as exc:  # a table extended past StepTimes' bound: name the source
+        raise ValueError(f"{name}: {exc} (extended to {max_rows} rows and {MAX_SESSIONS} sessions from "
+                         f"{', '.join(f'{k}={v!r}' for k, v in costs.items())})") from None
 
 
 def parse_calibrate(text: str, name: str) -> dict[str, float]:
@@ -196,10 +205,7 @@ def load_model(source: str) -> ServiceModel:
     if source.startswith("info:"):
         return model_from_info(source[len("info:"):])
     path = Path(source)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--costs {source!r}: cannot read it ({exc.__class__.__name__})") from None
+    text = _read_cost_file(path, source)
     if path.suffix == ".json":
         try:
             return model_from_dict(json.loads(text), path.name)
@@ -211,6 +217,27 @@ def load_model(source: str) -> ServiceModel:
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"{path.name}: not TOML ({exc})") from None
     return from_single_stream(parse_calibrate(text, path.name), path.name)
+
+
+def _read_cost_file(path: Path, source: str) -> str:
+    """The text of a cost file. Raises ValueError naming `source` when it is missing, not a
+    regular file (a directory, /dev/zero: read whole it would never end), over
+    MAX_FILE_BYTES or not UTF-8."""
+    try:
+        if not path.is_file():
+            raise ValueError(f"--costs {source!r}: not a regular file (a directory, a device or missing); "
+                             f"give a shape name ({', '.join(SHAPES)}), a .json/.toml shape file or "
+                             f"`dspark calibrate` output")
+        with path.open("rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"--costs {source!r}: cannot read it ({exc.__class__.__name__})") from None
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(f"--costs {source!r}: larger than {MAX_FILE_BYTES} bytes; a cost file is a few tables")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--costs {source!r}: not UTF-8 text (byte {exc.start})") from None
 
 
 def model_from_info(target: str, timeout_s: float = 10.0) -> ServiceModel:

@@ -210,7 +210,7 @@ def simulate_grid(model: ServiceModel, config: RunConfig, arms: list[Arm], loads
                   groups: dict[str, list[Round]], prompt: Lengths | WorkloadLengths,
                   output: Lengths | WorkloadLengths, seed: int, order: str = "random") -> dict:
     """Every arm at every load: {"cells": {load label: {arm: figures}}, "ratios": {load label:
-    {arm: aggregate tok/s / plain's}} (when plain ran), "best_fixed": {load label: arm}}; `order`
+    {arm: aggregate tok/s / plain's, None when plain's is 0}} (when plain ran), "best_fixed": {load label: arm}}; `order`
     as `stream_specs`."""
     cells: dict[str, dict[str, dict]] = {}
     for load in loads:
@@ -218,7 +218,9 @@ def simulate_grid(model: ServiceModel, config: RunConfig, arms: list[Arm], loads
         cells[load.label] = {arm.name: simulate_cell(model, config, arm, specs_of()) for arm in arms}
     out: dict = {"cells": cells}
     if any(a.name == "plain" for a in arms):
+        # None where plain's throughput rounds to 0 (a cell of ~1e-6 tok/s): no ratio to give
         out["ratios"] = {lab: {a: round(f["aggregate_tok_s"] / row["plain"]["aggregate_tok_s"], 4)
+                               if row["plain"]["aggregate_tok_s"] else None
                                for a, f in row.items()} for lab, row in cells.items()}
     fixed = [a.name for a in arms if a.spec == "always"]
     if fixed:

@@ -36,7 +36,7 @@ def render(result: dict, wall_s: float) -> None:
             t.add_column(arm, justify="right")
         t.add_column("best fixed")
         for label, ratios in result["ratios"].items():
-            t.add_row(label, *(f"{ratios[a]:.2f}" for a in arms), result.get("best_fixed", {}).get(label, "-"))
+            t.add_row(label, *("-" if ratios[a] is None else f"{ratios[a]:.2f}" for a in arms), result.get("best_fixed", {}).get(label, "-"))
         console.print(t)
 
 
@@ -64,5 +64,6 @@ def write_png(result: dict, path: str, title: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
-    fig.savefig(path, metadata={"Software": None})
+    # format given: matplotlib would otherwise append ".png" to a name without a suffix
+    fig.savefig(path, format="png", metadata={"Software": None})
     plt.close(fig)

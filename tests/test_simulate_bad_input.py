@@ -1,0 +1,120 @@
+"""Hostile and careless input to `dspark simulate` and `bench.validate_simulate` (issue #33).
+
+Every case is refused before anything is simulated or measured: exit 2, nothing on stdout, one
+line on stderr naming the value. Each of these ran for hours, ate memory, wrote elsewhere than
+asked, silently dropped a cell or died with a traceback before the limits in docs/simulate.md §1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from bench import validate_simulate
+from services.cli import main
+from services.simulate.loops import Clock
+
+SHAPE = {"verifier": {"rows": [1], "ms": [10]}, "drafter": {"draft": {"sessions": [1], "ms": [3]}}}
+SMALL = ["--arms", "plain", "--output", "1"]  # were any case to run, it would run briefly
+
+
+def _run(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["simulate", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _refused(capsys, args, named: str) -> None:
+    code, out, err = _run(capsys, *args)
+    assert code == 2 and out == "", (code, err)
+    assert err.startswith("dspark simulate: error:") and err.count("\n") == 1 and named in err, err
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--streams", "5000"], "--streams 5000"),
+    (["--streams", "1", "--drafters", "5000"], "--drafters=5000"),
+    (["--streams", "1", "--cores", "5000", "--shared-compute"], "--cores=5000"),
+    (["--streams", "1", "--block-size", "65"], "--block-size=65"),
+    (["--streams", "1", "--rpc-ms", "2e6"], "--rpc-ms=2000000.0"),
+    (["--streams", "1", "--prompt", "1048576", "--prefill-chunk", "2000000"], "--prompt 1048576"),
+    (["--streams", "9", "--prompt", "1048000", "--prefill-chunk", "1"], "steps of work"),
+    (["--rate", "5", "--streams", "2"], "--rate 5.0 with --streams 2"),
+    (["--rate", "1.0000001", "1.0000002"], "--rate 1.0000001 and 1.0000002"),
+])
+def test_unbounded_or_contradictory_flags_are_refused(capsys, args, named):
+    _refused(capsys, [*SMALL, *args], named)
+
+
+def _shape_file(tmp_path, **over) -> str:
+    path = tmp_path / "shape.json"
+    path.write_text(json.dumps({**SHAPE, **over}))
+    return str(path)
+
+
+@pytest.mark.parametrize("over, named", [
+    ({"gateway_ms": 1e300}, "gateway_ms=1e+300"),  # was a ZeroDivisionError traceback
+    ({"rpc_ms": 2e7}, "shape.json: rpc_ms=20000000.0"),
+    ({"name": ["x"]}, "name=['x']"),
+])
+def test_out_of_range_shape_fields_are_refused(tmp_path, capsys, over, named):
+    _refused(capsys, [*SMALL, "--streams", "1", "--costs", _shape_file(tmp_path, **over)], named)
+
+
+def test_a_calibrate_fit_past_the_table_bound_names_its_file(tmp_path, capsys):
+    path = tmp_path / "fit.txt"
+    path.write_text("DSPARK_GATE_DRAFT_MS=5\nDSPARK_GATE_VERIFY_SLOPE_MS=1\nDSPARK_GATE_PLAIN_MS=1e308\n")
+    _refused(capsys, [*SMALL, "--streams", "1", "--costs", str(path)], "fit.txt:")
+
+
+def test_a_cost_source_that_is_not_a_file_is_refused_unread(tmp_path, capsys):
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # read whole, it would block forever (as /dev/zero would read forever)
+    _refused(capsys, [*SMALL, "--streams", "1", "--costs", str(fifo)], "not a regular file")
+
+
+def test_a_png_path_that_is_a_folder_is_refused_before_simulating(tmp_path, capsys):
+    _refused(capsys, [*SMALL, "--streams", "1", "--png", str(tmp_path)], "is a directory")
+    assert not os.path.exists(f"{tmp_path}.png")  # matplotlib appended .png and wrote there
+
+
+def test_a_png_path_without_a_suffix_is_written_as_given(tmp_path, capsys):
+    path = tmp_path / "plot"
+    code, out, err = _run(capsys, *SMALL, "--streams", "1", "--png", str(path), "--json")
+    assert code == 0 and err == ""
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not (tmp_path / "plot.png").exists()
+
+
+def test_a_run_that_cannot_finish_ends_with_an_error():
+    clock = Clock()
+
+    def spin() -> None:  # an event that reschedules itself at the same instant: no progress
+        clock.at(clock.now, spin)
+    clock.at(0.0, spin)
+    with pytest.raises(RuntimeError, match="after 1000 events"):
+        clock.run(max_events=1000)
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--streams", "0"], "--streams 0"),
+    (["--repeats", "0"], "--repeats=0"),
+    (["--arms", "budget"], "'budget'"),
+    (["--calibrate-streams", "4"], "--calibrate-streams=4"),
+    (["--rpc-ms", "nan"], "--rpc-ms=nan"),
+    (["--port-base", "80"], "--port-base=80"),
+    (["--checkpoint", "/nonexistent"], "'/nonexistent'"),
+    (["--shape", "/nonexistent/shape.json"], "/nonexistent/shape.json"),
+    (["--json", "/nonexistent/out.json"], "/nonexistent/out.json"),
+])
+def test_validate_simulate_refuses_bad_arguments_before_any_stage(capsys, args, named):
+    with pytest.raises(SystemExit) as exit_:
+        validate_simulate.main(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and named in err.splitlines()[-1], err
+    assert "stages in" not in capsys.readouterr().out
+
+
+def test_a_per_workload_length_for_no_recorded_workload_is_refused(capsys):
+    _refused(capsys, [*SMALL, "--streams", "1", "--rounds", "tests/data/bundled_rounds.json", "--prompt",
+                      "code=5,math=5,prose=5,repeat=5,cdoe=4"], "workload 'cdoe' is in no rounds file")
