@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -118,3 +119,19 @@ def test_validate_simulate_refuses_bad_arguments_before_any_stage(capsys, args, 
 def test_a_per_workload_length_for_no_recorded_workload_is_refused(capsys):
     _refused(capsys, [*SMALL, "--streams", "1", "--rounds", "tests/data/bundled_rounds.json", "--prompt",
                       "code=5,math=5,prose=5,repeat=5,cdoe=4"], "workload 'cdoe' is in no rounds file")
+
+
+def test_a_rounds_file_or_a_service_that_is_no_verifier_as_costs_says_what_was_meant(capsys):
+    """Two mistakes a new user made: a round-record file passed as `--costs` (it belongs to
+    `--rounds`), and `info:` pointed at a server without the verifier's Info (a real gRPC
+    server on port 0 that serves nothing: UNIMPLEMENTED, as a gateway or drafter answers)."""
+    import grpc
+
+    _refused(capsys, [*SMALL, "--streams", "1", "--costs", "tests/data/bundled_rounds.json"], "goes to --rounds")
+    server = grpc.server(ThreadPoolExecutor(1))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        _refused(capsys, [*SMALL, "--streams", "1", "--costs", f"info:127.0.0.1:{port}"], "the verifier's address")
+    finally:
+        server.stop(0)

@@ -127,7 +127,8 @@ def model_from_dict(obj: object, name: str) -> ServiceModel:
         raise ValueError(f"{name}: a shape file holds one object")
     unknown = set(obj) - {"name", "source", "verifier", "drafter", "rpc_ms", "gateway_ms", "notes"}
     if unknown:
-        raise ValueError(f"{name}: unknown key(s) {sorted(unknown)}")
+        hint = "; a round-record file goes to --rounds" if obj.get("format") == "dspark-rounds" else ""
+        raise ValueError(f"{name}: unknown key(s) {sorted(unknown)}{hint}")
     ver, dra = obj.get("verifier"), obj.get("drafter")
     if not isinstance(ver, dict) or not isinstance(dra, dict):
         raise ValueError(f"{name}: needs 'verifier' and 'drafter' objects")
@@ -253,7 +254,9 @@ def model_from_info(target: str, timeout_s: float = 10.0) -> ServiceModel:
         with grpc.insecure_channel(target) as channel:
             info = verifier_pb2_grpc.VerifierStub(channel).Info(common_pb2.InfoRequest(), timeout=timeout_s)
     except grpc.RpcError as exc:
-        raise ValueError(f"info:{target}: Info failed ({exc.code().name})") from None
+        hint = " (is it the verifier's address? a gateway or drafter has no verifier Info)" \
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED else ""
+        raise ValueError(f"info:{target}: Info failed ({exc.code().name}){hint}") from None
     table = StepTimes.from_identity(info)
     if table is None:
         raise ValueError(f"info:{target}: the verifier reports no step table (DSPARK_STEP_PROFILE=0?)")
