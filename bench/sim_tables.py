@@ -5,7 +5,7 @@ the best fixed k, gated ÷ that k and gated ÷ the best of plain and every fixed
 
     python -m bench.sim_tables FILE.json[=TITLE] [FILE.json[=TITLE] ...]
 
-TITLE defaults to the cost shape and the workloads the run replayed.
+TITLE defaults to the cost shape, the alignment, the rounds source and the workloads replayed.
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def main() -> None:
         with open(path, encoding="utf-8") as f:
             result = json.load(f)
         inputs = result["inputs"]
-        title = title or f"{inputs['costs']}, {', '.join(inputs['workloads'])}"
+        rounds = inputs.get("rounds", "?")
+        rounds = ", ".join(rounds) if isinstance(rounds, list) else rounds
+        title = title or f"{inputs['costs']} ({inputs.get('alignment', '?')}), {rounds}: {', '.join(inputs['workloads'])}"
         print(table(result, title))
         print()
 
