@@ -162,10 +162,11 @@ def _median_ms(module, n: int, rows: int, repeats: int, g: torch.Generator) -> t
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", default="assets/dspark-small")
-    ap.add_argument("--sessions", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--checkpoint", default="assets/dspark-small", help="the model measured")
+    ap.add_argument("--sessions", type=int, default=16, help="dummy sessions of the verifier's step profile")
+    ap.add_argument("--repeats", type=int, default=3, help="timings per point (median)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     shape = {"name": "cpu", "source": f"bench.sim_cpu_shape on {args.checkpoint}",

@@ -228,14 +228,15 @@ def _bad_argument(args) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", default="assets/dspark-small")
-    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--arms", nargs="+", default=["plain", "k5", "gated"])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--per-stream", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--port-base", type=int, default=50400)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--checkpoint", default="assets/dspark-small", help="the model the real services serve")
+    ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16], help="concurrencies compared")
+    ap.add_argument("--arms", nargs="+", default=["plain", "k5", "gated"], help="arms compared")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved real repetitions (median)")
+    ap.add_argument("--per-stream", type=int, default=4, help="generations per stream and cell")
+    ap.add_argument("--max-tokens", type=int, default=32, help="completion tokens per generation")
+    ap.add_argument("--port-base", type=int, default=50400, help="first port of the real services")
     ap.add_argument("--calibrate-streams", type=int, default=8,
                     help="the plain calibration cell's concurrency (keep it out of --streams)")
     ap.add_argument("--seed", type=int, default=0, help="the simulator's seed")
