@@ -9,7 +9,9 @@ Three stages, each a child process of its own (the services' own command lines):
 
 1. **Shape**: `bench.sim_cpu_shape` on the checkpoint, one torch thread, as the services run
    here, measured in this run so that the simulator prices the box the bench runs on (a
-   shared box's speed moves 12-25 % over hours; `--shape FILE` runs a given shape instead).
+   shared box's speed moves 12-25 % over hours; `--shape FILE` runs a given shape instead):
+   once before the real cells and once after them, the pointwise faster of the two
+   (`fastest_shape`: another job only ever slows a timing).
 2. **Rounds**: `bench_serving --arms k5 --streams 1 --per-stream 4 --repeats 1 --warmup 0
    --record-rounds FILE`: what bench_serving's own four prompts draft and accept, each round
    labelled with its prompt's workload (the start-up warm-up generations, labelled `warmup`,
@@ -20,7 +22,7 @@ Three stages, each a child process of its own (the services' own command lines):
    in every cell, as the simulator runs it (a long-lived gateway carries its regime and warm
    start from cell to cell, which the simulator's cells do not model).
 
-Between 2 and 3, a **calibration** cell: plain at `--calibrate-streams` (8, a load the
+After 3, a **calibration** cell: plain at `--calibrate-streams` (8, a load the
 comparison does not use) through bench_serving. Two costs the in-process shape cannot see are
 read from it and written into the shape the simulator runs (`shape-calibrated.json`):
 `session_ms`, what each session adds to a served verifier step beyond the bare forward (the
@@ -113,6 +115,29 @@ def stage_bench(args, work: Path) -> dict:
               str(args.max_tokens), "--port-base", str(args.port_base), "--checkpoint", args.checkpoint,
               "--json", str(out)], args.nice)
     return json.loads(out.read_text())["medians"]["fast"]
+
+
+def fastest_shape(before: dict, after: dict) -> dict:
+    """The pointwise minimum of two measurements of one shape (`bench.sim_cpu_shape` objects,
+    the same points): another job on a shared box only ever slows a timing, so the faster of
+    two, taken before and after the real cells, is the box's own speed (a single measurement
+    at the start once read a step 2x slower than the same script a quarter hour later).
+    Raises ValueError naming a table whose points differ."""
+    out = json.loads(json.dumps(before))
+    tables = [("verifier", "rows")] + [(f"drafter.{t}", "sessions" if t == "draft" else "rows")
+                                       for t in before.get("drafter", {})]
+    for name, key in tables:
+        a, b, o = (_at(x, name) for x in (before, after, out))
+        if a[key] != b[key]:
+            raise ValueError(f"shape table {name}: points {a[key]} and {b[key]} differ")
+        o["ms"] = [min(x, y) for x, y in zip(a["ms"], b["ms"])]
+    return out
+
+
+def _at(obj: dict, dotted: str) -> dict:
+    for part in dotted.split("."):
+        obj = obj[part]
+    return obj
 
 
 def stage_calibrate(args, work: Path, shape: Path) -> Path:
@@ -262,11 +287,21 @@ def main(argv: list[str] | None = None) -> int:
     args.workdir = str(work)
     print(f"stages in {work}", flush=True)
     shape = Path(args.shape) if args.shape else work / "shape.json"
+    measure = ["bench.sim_cpu_shape", "--checkpoint", args.checkpoint, "--repeats", "5"]
     if not shape.exists():
-        _run(["bench.sim_cpu_shape", "--checkpoint", args.checkpoint, "--repeats", "5"], args.nice, out=shape)
-    rounds = stage_rounds(args, work)
+        before, after = work / "shape-before.json", work / "shape-after.json"
+        if not before.exists():
+            _run(measure, args.nice, out=before)
+        rounds = stage_rounds(args, work)
+        real = stage_bench(args, work)
+        if not after.exists():
+            _run(measure, args.nice, out=after)
+        shape.write_text(json.dumps(fastest_shape(json.loads(before.read_text()), json.loads(after.read_text())),
+                                    indent=1) + "\n")
+    else:
+        rounds = stage_rounds(args, work)
+        real = stage_bench(args, work)
     calibrated = stage_calibrate(args, work, shape)
-    real = stage_bench(args, work)
     sim = stage_simulate(args, calibrated, rounds)
     rows = compare(real, sim, args.streams, args.arms)
     print(markdown(rows))

@@ -135,3 +135,19 @@ def test_a_rounds_file_or_a_service_that_is_no_verifier_as_costs_says_what_was_m
         _refused(capsys, [*SMALL, "--streams", "1", "--costs", f"info:127.0.0.1:{port}"], "the verifier's address")
     finally:
         server.stop(0)
+
+
+def test_the_validation_prices_the_faster_of_two_shape_measurements():
+    """validate_simulate measures the cpu shape before and after the real cells and keeps the
+    pointwise faster one (another job only slows a timing); two measurements of different
+    points are refused, naming the table."""
+    before = {"name": "cpu", "verifier": {"rows": [1, 8], "ms": [32.1, 53.5]},
+              "drafter": {"draft": {"sessions": [1], "ms": [12.0]}, "commit": {"rows": [1, 4], "ms": [1.0, 1.7]}}}
+    after = {"name": "cpu", "verifier": {"rows": [1, 8], "ms": [15.7, 60.0]},
+             "drafter": {"draft": {"sessions": [1], "ms": [11.4]}, "commit": {"rows": [1, 4], "ms": [1.2, 1.5]}}}
+    fast = validate_simulate.fastest_shape(before, after)
+    assert fast["verifier"]["ms"] == [15.7, 53.5] and fast["drafter"]["draft"]["ms"] == [11.4]
+    assert fast["drafter"]["commit"]["ms"] == [1.0, 1.5] and before["verifier"]["ms"] == [32.1, 53.5]
+    after["drafter"]["commit"]["rows"] = [1, 2]
+    with pytest.raises(ValueError, match="drafter.commit"):
+        validate_simulate.fastest_shape(before, after)
