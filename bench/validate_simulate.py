@@ -55,6 +55,7 @@ to the simulator) without measuring anything.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -123,7 +124,7 @@ def fastest_shape(before: dict, after: dict) -> dict:
     two, taken before and after the real cells, is the box's own speed (a single measurement
     at the start once read a step 2x slower than the same script a quarter hour later).
     Raises ValueError naming a table whose points differ."""
-    out = json.loads(json.dumps(before))
+    out = copy.deepcopy(before)
     tables = [("verifier", "rows")] + [(f"drafter.{t}", "sessions" if t == "draft" else "rows")
                                        for t in before.get("drafter", {})]
     for name, key in tables:
