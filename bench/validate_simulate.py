@@ -5,41 +5,45 @@ Owns the comparison docs/simulate.md §5 reports: the simulator at a measured CP
 prompts and lengths. It prints one side-by-side table (and writes `--json`); it asserts
 nothing, as every benchmark here.
 
-Three stages, each a child process of its own (the services' own command lines):
+The run is **paired by repetition**. This box is shared: its speed moves 30 % between two
+repetitions a minute apart (plain at one stream: 37.9-49.6 tok/s over one run's five), and
+a shape measured once prices every repetition at one moment's speed. So every repetition
+is measured, and simulated, on its own (each a child process, the services' own command
+lines):
 
-1. **Shape**: `bench.sim_cpu_shape` on the checkpoint, one torch thread, as the services run
-   here, measured in this run so that the simulator prices the box the bench runs on (a
-   shared box's speed moves 12-25 % over hours; `--shape FILE` runs a given shape instead):
-   once before the real cells and once after them, the pointwise faster of the two
-   (`fastest_shape`: another job only ever slows a timing).
-2. **Rounds**: `bench_serving --arms k5 --streams 1 --per-stream 4 --repeats 1 --warmup 0
-   --record-rounds FILE`: what bench_serving's own four prompts draft and accept, each round
-   labelled with its prompt's workload (the start-up warm-up generations, labelled `warmup`,
-   are dropped).
-3. **Bench**: `bench_serving --numerics fast --arms ... --streams ... --repeats R
-   --fresh-gateway --warmup 0 --json`, the real figures (medians over R interleaved
-   repetitions). The gateway restarts before every gated cell, so the gated arm starts cold
-   in every cell, as the simulator runs it (a long-lived gateway carries its regime and warm
-   start from cell to cell, which the simulator's cells do not model).
+1. **Rounds** (once): `bench_serving --arms k5 --streams 1 --per-stream 4 --repeats 1
+   --warmup 0 --record-rounds FILE`: what bench_serving's own four prompts draft and accept,
+   each round labelled with its prompt's workload (the start-up warm-up generations, labelled
+   `warmup`, are dropped).
+2. **Shapes** at the boundaries of the repetitions: `bench.sim_cpu_shape` on the checkpoint,
+   one torch thread, as the services run here. Repetition r is priced at the pointwise mean
+   of the shapes measured just before and just after it (`mean_shape`: its cells ran at the
+   box's speed in between). `--shape FILE` prices every repetition at a given shape instead.
+3. **Repetition r** (`--repeats` of them): `bench_serving --numerics fast --arms ...
+   --streams ... --repeats 1 --fresh-gateway --warmup 0 --json`, the arms in bench_serving's
+   order rotated by r, then a **calibration cell**: plain at `--calibrate-streams` (8, a load
+   the comparison does not use). The gateway restarts before every gated cell, so the gated
+   arm starts cold in every cell, as the simulator runs it.
 
-After 3, a **calibration** cell: plain at `--calibrate-streams` (8, a load the
-comparison does not use) through bench_serving. Two costs the in-process shape cannot see are
-read from it and written into the shape the simulator runs (`shape-calibrated.json`):
-`session_ms`, what each session adds to a served verifier step beyond the bare forward (the
-served step's ms from the verifier's Info minus the shape's step at the same rows, per
-session: serialising replies in the same process takes the forward's core and GIL), and
-`gateway_ms`, the gateway's and client's work per reply, done one at a time (the inter-token
-gap beyond the served step and the network, per session in the step; the simulator charges it
-on the drafter's replies too, docs/simulate.md §5).
+Two costs the in-process shape cannot see are read from the calibration cell and written into
+the repetition's shape (`shape-calibrated.json`): `session_ms`, what each session adds to a
+served verifier step beyond the bare forward (the served step's ms from the verifier's Info
+minus the shape's step at the same rows, per session: serialising replies in the same
+process takes the forward's core and GIL), and `gateway_ms`, the gateway's and client's work
+per reply, done one at a time (the inter-token gap beyond the served step and the network,
+per session in the step; the simulator charges it on the drafter's replies too,
+docs/simulate.md §5).
 
-Then `dspark simulate --costs SHAPE --shared-compute --rounds FILE --order cycle` runs the same
-cells: the same closed loop (each stream runs `--per-stream` generations back to back), each
-stream's generations replaying bench_serving's prompts in bench_serving's order from their
-first recorded round (every stream runs code, prose, math, repeat in turn: greedy, so the
-streams' generations are the same text and accept the same drafts in the same rounds), each
-prompt's own token length, `--max-tokens` tokens out, the bench's session limit and rpc cost
-from the shape. The table gives, per arm and concurrency, aggregate tok/s
-and verifier sessions per step, real (median [min-max]) and simulated, and their ratio.
+Then, per repetition, `dspark simulate --costs SHAPE --shared-compute --rounds FILE --order
+cycle` runs the same cells: the same closed loop (each stream runs `--per-stream`
+generations back to back), each stream's generations replaying bench_serving's prompts in
+bench_serving's order from their first recorded round (every stream runs code, prose, math,
+repeat in turn: greedy, so the streams' generations are the same text and accept the same
+drafts in the same rounds), each prompt's own token length, `--max-tokens` tokens out, the
+bench's session limit and rpc cost from the shape. The table gives, per arm and
+concurrency, aggregate tok/s and verifier sessions per step, real and simulated (median
+[min-max] over the repetitions), and the **paired ratio**: sim ÷ real within each
+repetition, then the median [min-max] over repetitions; the tolerances apply to its median.
 
     python -m bench.validate_simulate [--port-base 50400] [--repeats 3] [--streams 1 4 16]
         [--arms plain k5 gated] [--workdir DIR] [--json FILE] [--nice N]
@@ -49,7 +53,9 @@ shared with other work it keeps the measured services from being starved.
 `--workdir` holds every stage's output (default: a new folder under the system's temporary
 folder, so every stage is measured in this run); a stage whose output is already there is
 not run again, so `--workdir` of an earlier run re-simulates its real figures (after a change
-to the simulator) without measuring anything.
+to the simulator) without measuring anything. Layout: `rounds.json`, `shape-0.json` ..
+`shape-R.json` (the boundaries), `rep-r/` (`bench.json`, `calibration.json`, `shape.json`,
+`shape-calibrated.json`, `sim.json`).
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ import json
 import os
 import subprocess
 import sys
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -106,32 +113,34 @@ def stage_rounds(args, work: Path) -> Path:
     return kept
 
 
-def stage_bench(args, work: Path) -> dict:
-    """Stage 3: bench_serving's figures {streams: {arm: {figure: {median, low, high}}}}."""
-    out = work / "bench.json"
+def stage_bench(args, rep_dir: Path, rep: int) -> dict:
+    """Repetition `rep` (0-based) of the real cells, arms rotated by `rep`:
+    {streams: {arm: {figure: {median, low, high}}}} (one cell each)."""
+    from bench.bench_serving import rotated
+    out = rep_dir / "bench.json"
     if not out.exists():
-        _run(["bench.bench_serving", "--numerics", "fast", "--arms", *args.arms, "--streams", *map(str, args.streams),
-              "--repeats", str(args.repeats), "--fresh-gateway", "--warmup", "0",
+        _run(["bench.bench_serving", "--numerics", "fast", "--arms", *rotated(args.arms, rep),
+              "--streams", *map(str, args.streams), "--repeats", "1", "--fresh-gateway", "--warmup", "0",
               "--per-stream", str(args.per_stream), "--max-tokens",
               str(args.max_tokens), "--port-base", str(args.port_base), "--checkpoint", args.checkpoint,
               "--json", str(out)], args.nice)
     return json.loads(out.read_text())["medians"]["fast"]
 
 
-def fastest_shape(before: dict, after: dict) -> dict:
-    """The pointwise minimum of two measurements of one shape (`bench.sim_cpu_shape` objects,
-    the same points): another job on a shared box only ever slows a timing, so the faster of
-    two, taken before and after the real cells, is the box's own speed (a single measurement
-    at the start once read a step 2x slower than the same script a quarter hour later).
-    Raises ValueError naming a table whose points differ."""
+def mean_shape(before: dict, after: dict) -> dict:
+    """The pointwise mean of two measurements of one shape (`bench.sim_cpu_shape` objects, the
+    same points), taken just before and just after a repetition: the box's speed while its
+    cells ran, when the speed moves between measurements (this shared box's one-row step read
+    32.1 ms and 15.7 ms thirteen minutes apart). Raises ValueError naming a table whose points
+    differ."""
     out = copy.deepcopy(before)
     tables = [("verifier", "rows")] + [(f"drafter.{t}", "sessions" if t == "draft" else "rows")
                                        for t in before.get("drafter", {})]
     for name, key in tables:
-        a, b, o = (_at(x, name) for x in (before, after, out))
-        if a[key] != b[key]:
-            raise ValueError(f"shape table {name}: points {a[key]} and {b[key]} differ")
-        o["ms"] = [min(x, y) for x, y in zip(a["ms"], b["ms"])]
+        x, y, o = (_at(v, name) for v in (before, after, out))
+        if x[key] != y[key]:
+            raise ValueError(f"shape table {name}: points {x[key]} and {y[key]} differ")
+        o["ms"] = [round((u + v) / 2, 3) for u, v in zip(x["ms"], y["ms"])]
     return out
 
 
@@ -141,33 +150,53 @@ def _at(obj: dict, dotted: str) -> dict:
     return obj
 
 
-def stage_calibrate(args, work: Path, shape: Path) -> Path:
-    """The calibration cell (module docstring): `shape` with session_ms and gateway_ms from a
-    served plain cell at args.calibrate_streams streams. Raises ValueError on a shape without
-    a verifier table."""
-    out = work / "calibration.json"
+def stage_shape(args, work: Path, boundary: int) -> dict:
+    """The shape measured at repetition boundary `boundary` (0: before the first repetition,
+    r: after repetition r), or `--shape` when given."""
+    if args.shape:
+        return json.loads(Path(args.shape).read_text())
+    out = work / f"shape-{boundary}.json"
+    if not out.exists():
+        _run(["bench.sim_cpu_shape", "--checkpoint", args.checkpoint, "--repeats", str(args.shape_repeats)],
+             args.nice, out=out)
+    return json.loads(out.read_text())
+
+
+def stage_calibrate_cell(args, rep_dir: Path) -> Path:
+    """The repetition's served plain cell at args.calibrate_streams streams (bench_serving's
+    JSON, rep_dir/calibration.json)."""
+    out = rep_dir / "calibration.json"
     if not out.exists():
         _run(["bench.bench_serving", "--numerics", "fast", "--arms", "plain", "--streams", str(args.calibrate_streams),
               "--repeats", "1", "--warmup", "0", "--per-stream", str(args.per_stream), "--max-tokens",
               str(args.max_tokens), "--port-base", str(args.port_base), "--checkpoint", args.checkpoint,
               "--json", str(out)], args.nice)
+    return out
+
+
+def stage_calibrate(args, rep_dir: Path, shape: Path) -> Path:
+    """The repetition's calibration cell (module docstring): `shape` with session_ms and
+    gateway_ms from a served plain cell at args.calibrate_streams streams, written to
+    rep_dir/shape-calibrated.json. Raises ValueError on a shape file `load_model` refuses."""
+    out = stage_calibrate_cell(args, rep_dir)
     cell = json.loads(out.read_text())["medians"]["fast"][str(args.calibrate_streams)]["plain"]
     sessions, step_ms = cell["sessions_per_step"]["median"], cell["verifier_step_ms"]["median"]
     from services.simulate.models import load_model
-    model = load_model(str(shape))
-    session_ms = max(step_ms - model.verifier.ms_at(sessions), 0.0) / sessions
+    verifier = load_model(str(shape)).verifier
+    session_ms = max(step_ms - verifier.ms_at(sessions), 0.0) / sessions
     gateway_ms = max(cell["itl_p50_ms"]["median"] - step_ms - args.rpc_ms, 0.0) / sessions
-    calibrated = work / "shape-calibrated.json"
-    obj = json.loads(Path(shape).read_text())
+    obj = json.loads(shape.read_text())
     obj["verifier"]["session_ms"] = round(session_ms, 3)
     obj["gateway_ms"] = round(gateway_ms, 3)
     obj["rpc_ms"] = args.rpc_ms
     obj["notes"] = (f"{obj.get('notes', '')} calibrated by bench.validate_simulate from served plain at "
                     f"{args.calibrate_streams} streams: step {step_ms:.1f} ms over {sessions:.2f} sessions, "
                     f"ITL p50 {cell['itl_p50_ms']['median']:.1f} ms").strip()
-    calibrated.write_text(json.dumps(obj, indent=1))
-    print(f"calibration: session_ms {session_ms:.3f}, gateway_ms {gateway_ms:.3f} (plain, "
-          f"{args.calibrate_streams} streams: step {step_ms:.1f} ms, {sessions:.2f} sessions)")
+    calibrated = rep_dir / "shape-calibrated.json"
+    calibrated.write_text(json.dumps(obj, indent=1) + "\n")
+    print(f"{rep_dir.name} calibration: one-row step {verifier.ms_at(1):.1f} ms, session_ms {session_ms:.3f}, "
+          f"gateway_ms {gateway_ms:.3f} (plain, {args.calibrate_streams} streams: step {step_ms:.1f} ms, "
+          f"{sessions:.2f} sessions)", flush=True)
     return calibrated
 
 
@@ -187,36 +216,48 @@ def stage_simulate(args, shape: Path, rounds: Path) -> dict:
 FIGURES = (("aggregate_tok_s", "tok/s", 0.15), ("sessions_per_step", "sessions/step", 0.20))
 
 
-def compare(real: dict, sim: dict, streams: list[int], arms: list[str]) -> list[dict]:
-    """One row per (streams, arm): each figure's real median [min, max], simulated value,
-    sim / real, and whether it is within the issue's tolerance (15 % tok/s, 20 % sessions)."""
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def compare(reps: list[tuple[dict, dict]], streams: list[int], arms: list[str]) -> list[dict]:
+    """One row per (streams, arm) from the repetitions' (real, sim) cells: per figure, the real
+    and simulated values' median [min, max] over repetitions, the paired ratio (sim ÷ real in
+    each repetition; its median [min, max]) and whether the median ratio is within the issue's
+    tolerance (15 % tok/s, 20 % sessions per step). A real figure of 0 pairs as NaN."""
     rows = []
     for s in streams:
         for arm in arms:
             row = {"streams": s, "arm": arm}
             for key, _, tol in FIGURES:
-                r = real[str(s)][arm][key]
-                v = sim[s][arm][key]
-                ratio = v / r["median"] if r["median"] else float("nan")
-                row[key] = {"real": r, "sim": v, "ratio": ratio, "within": abs(ratio - 1) <= tol}
+                real = [r[str(s)][arm][key]["median"] for r, _ in reps]
+                sim = [m[s][arm][key] for _, m in reps]
+                ratios = [v / r if r else float("nan") for v, r in zip(sim, real)]
+                paired = _spread(ratios)
+                row[key] = {"real": _spread(real), "sim": _spread(sim), "ratio": paired,
+                            "within": abs(paired["median"] - 1) <= tol}
             rows.append(row)
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    """The side-by-side table as Markdown (bench/README.md's form)."""
-    head = "| streams | arm | real tok/s (median [min-max]) | sim tok/s | sim ÷ real | real sessions/step | " \
-           "sim sessions/step | sim ÷ real |\n|---|---|---|---|---|---|---|---|"
+    """The side-by-side table as Markdown (bench/README.md's form): median [min-max] over the
+    repetitions; a ✗ marks a paired ratio outside its tolerance."""
+    head = ("| streams | arm | real tok/s | sim tok/s | sim ÷ real (paired) | real sessions/step | "
+            "sim sessions/step | sim ÷ real (paired) |\n|---|---|---|---|---|---|---|---|")
     lines = [head]
     for row in rows:
         cells = []
         for key, _, _ in FIGURES:
             f = row[key]
-            r = f["real"]
             mark = "" if f["within"] else " ✗"
-            cells += [f"{r['median']:.2f} [{r['min']:.2f}-{r['max']:.2f}]", f"{f['sim']:.2f}", f"{f['ratio']:.2f}{mark}"]
+            cells += [_fmt(f["real"]), _fmt(f["sim"]), _fmt(f["ratio"]) + mark]
         lines.append(f"| {row['streams']} | {row['arm']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _fmt(s: dict) -> str:
+    return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
 
 
 def _bad_argument(args) -> str | None:
@@ -225,7 +266,7 @@ def _bad_argument(args) -> str | None:
     from bench.bench_serving import ARMS
     from services.simulate.cli import MAX_RPC_MS, MAX_STREAMS
 
-    for name in ("repeats", "per_stream", "max_tokens", "calibrate_streams", "cores"):
+    for name in ("repeats", "shape_repeats", "per_stream", "max_tokens", "calibrate_streams", "cores"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1"
     out = [n for n in args.streams if not 1 <= n <= MAX_STREAMS]
@@ -259,7 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint", default="assets/dspark-small", help="the model the real services serve")
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16], help="concurrencies compared")
     ap.add_argument("--arms", nargs="+", default=["plain", "k5", "gated"], help="arms compared")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved real repetitions (median)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="repetitions, each measured and simulated on its own (paired ratios, median)")
+    ap.add_argument("--shape-repeats", type=int, default=3,
+                    help="timings per point of each shape measurement (bench.sim_cpu_shape --repeats)")
     ap.add_argument("--per-stream", type=int, default=4, help="generations per stream and cell")
     ap.add_argument("--max-tokens", type=int, default=32, help="completion tokens per generation")
     ap.add_argument("--port-base", type=int, default=50400, help="first port of the real services")
@@ -273,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                          "of gRPC per round over its three calls)")
     ap.add_argument("--nice", type=int, default=0, help="niceness of the measuring children (negative: root)")
     ap.add_argument("--shape", default=None,
-                    help="a cpu shape file to run instead of measuring one (default: WORKDIR/shape.json, measured "
-                    "in this run unless WORKDIR already holds it)")
+                    help="a cpu shape file to price every repetition at (default: measured before the first "
+                    "repetition and after each, WORKDIR/shape-R.json, unless WORKDIR already holds them)")
     ap.add_argument("--workdir", default=None,
                     help="every stage's output; a stage whose output is there is not run again (default: a new "
                     "folder, so everything is measured in this run)")
@@ -287,30 +331,32 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     args.workdir = str(work)
     print(f"stages in {work}", flush=True)
-    shape = Path(args.shape) if args.shape else work / "shape.json"
-    measure = ["bench.sim_cpu_shape", "--checkpoint", args.checkpoint, "--repeats", "5"]
-    if not shape.exists():
-        before, after = work / "shape-before.json", work / "shape-after.json"
-        if not before.exists():
-            _run(measure, args.nice, out=before)
-        rounds = stage_rounds(args, work)
-        real = stage_bench(args, work)
-        if not after.exists():
-            _run(measure, args.nice, out=after)
-        shape.write_text(json.dumps(fastest_shape(json.loads(before.read_text()), json.loads(after.read_text())),
-                                    indent=1) + "\n")
-    else:
-        rounds = stage_rounds(args, work)
-        real = stage_bench(args, work)
-    calibrated = stage_calibrate(args, work, shape)
-    sim = stage_simulate(args, calibrated, rounds)
-    rows = compare(real, sim, args.streams, args.arms)
+    rounds = stage_rounds(args, work)
+    reps = [run_repetition(args, work, rounds, rep) for rep in range(args.repeats)]
+    rows = compare(reps, args.streams, args.arms)
     print(markdown(rows))
     within = sum(row[k]["within"] for row in rows for k, _, _ in FIGURES)
-    print(f"{within} of {len(rows) * len(FIGURES)} figures within tolerance (tok/s 15 %, sessions/step 20 %)")
+    print(f"{within} of {len(rows) * len(FIGURES)} figures within tolerance (paired medians: tok/s 15 %, "
+          f"sessions/step 20 %)")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     return 0
+
+
+def run_repetition(args, work: Path, rounds: Path, rep: int) -> tuple[dict, dict]:
+    """Repetition `rep` (0-based): its real cells, priced at the mean of the shapes at its two
+    boundaries, then simulated: (real {streams: {arm: figures}}, sim {streams: {arm: figures}})."""
+    rep_dir = work / f"rep-{rep + 1}"
+    rep_dir.mkdir(exist_ok=True)
+    before = stage_shape(args, work, rep)
+    real = stage_bench(args, rep_dir, rep)
+    stage_calibrate_cell(args, rep_dir)  # measured inside the repetition, priced at its shape
+    shape = rep_dir / "shape.json"
+    shape.write_text(json.dumps(mean_shape(before, stage_shape(args, work, rep + 1)), indent=1) + "\n")
+    calibrated = stage_calibrate(args, rep_dir, shape)
+    sim = stage_simulate(args, calibrated, rounds)
+    (rep_dir / "sim.json").write_text(json.dumps({str(k): v for k, v in sim.items()}, indent=1) + "\n")
+    return real, sim
 
 
 if __name__ == "__main__":

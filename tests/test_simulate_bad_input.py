@@ -137,17 +137,34 @@ def test_a_rounds_file_or_a_service_that_is_no_verifier_as_costs_says_what_was_m
         server.stop(0)
 
 
-def test_the_validation_prices_the_faster_of_two_shape_measurements():
-    """validate_simulate measures the cpu shape before and after the real cells and keeps the
-    pointwise faster one (another job only slows a timing); two measurements of different
-    points are refused, naming the table."""
+def test_the_validation_prices_a_repetition_at_the_mean_of_its_boundary_shapes():
+    """validate_simulate measures the cpu shape before and after each repetition and prices the
+    repetition at their pointwise mean (the box's speed while its cells ran), leaving both
+    inputs alone; two measurements of different points are refused, naming the table."""
     before = {"name": "cpu", "verifier": {"rows": [1, 8], "ms": [32.1, 53.5]},
               "drafter": {"draft": {"sessions": [1], "ms": [12.0]}, "commit": {"rows": [1, 4], "ms": [1.0, 1.7]}}}
     after = {"name": "cpu", "verifier": {"rows": [1, 8], "ms": [15.7, 60.0]},
              "drafter": {"draft": {"sessions": [1], "ms": [11.4]}, "commit": {"rows": [1, 4], "ms": [1.2, 1.5]}}}
-    fast = validate_simulate.fastest_shape(before, after)
-    assert fast["verifier"]["ms"] == [15.7, 53.5] and fast["drafter"]["draft"]["ms"] == [11.4]
-    assert fast["drafter"]["commit"]["ms"] == [1.0, 1.5] and before["verifier"]["ms"] == [32.1, 53.5]
+    mean = validate_simulate.mean_shape(before, after)
+    assert mean["verifier"]["ms"] == [23.9, 56.75] and mean["drafter"]["draft"]["ms"] == [11.7]
+    assert mean["drafter"]["commit"]["ms"] == [1.1, 1.6] and before["verifier"]["ms"] == [32.1, 53.5]
+    assert after["verifier"]["ms"] == [15.7, 60.0]
     after["drafter"]["commit"]["rows"] = [1, 2]
     with pytest.raises(ValueError, match="drafter.commit"):
-        validate_simulate.fastest_shape(before, after)
+        validate_simulate.mean_shape(before, after)
+
+
+def test_the_validation_pairs_sim_and_real_within_each_repetition():
+    """The paired ratio is sim ÷ real per repetition, then the median: a box twice as fast in
+    the second repetition, simulated at that repetition's speed, pairs at 1.0 both times,
+    where the ratio of the medians would read 0.75."""
+    cell = lambda tok, sessions: {"aggregate_tok_s": {"median": tok}, "sessions_per_step": {"median": sessions}}
+    reps = [({"1": {"plain": cell(40.0, 1.0)}}, {1: {"plain": {"aggregate_tok_s": 40.0, "sessions_per_step": 1.0}}}),
+            ({"1": {"plain": cell(80.0, 1.0)}}, {1: {"plain": {"aggregate_tok_s": 80.0, "sessions_per_step": 1.0}}}),
+            ({"1": {"plain": cell(80.0, 1.0)}}, {1: {"plain": {"aggregate_tok_s": 40.0, "sessions_per_step": 1.0}}})]
+    (row,) = validate_simulate.compare(reps, [1], ["plain"])
+    tok = row["aggregate_tok_s"]
+    assert tok["ratio"] == {"median": 1.0, "min": 0.5, "max": 1.0} and tok["within"]
+    assert tok["real"] == {"median": 80.0, "min": 40.0, "max": 80.0} and tok["sim"]["median"] == 40.0
+    (row,) = validate_simulate.compare(reps[2:], [1], ["plain"])
+    assert not row["aggregate_tok_s"]["within"] and row["sessions_per_step"]["within"]
