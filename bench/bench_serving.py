@@ -203,7 +203,7 @@ async def run_grid(args, stacks: dict[str, dict], console: Console) -> dict:
     for rep in range(args.repeats):
         for streams in args.streams:
             for numerics, stack in stacks.items():
-                for arm in rotated(args.arms, rep):
+                for arm in rotated(args.arms, rep + args.rotate):
                     if args.fresh_gateway and arm == "gated":
                         stack["procs"].restart_gateway()
                         await stack["procs"].wait_serving()
@@ -500,6 +500,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: " + ", ".join(f"--{k.replace('_', '-')} {_flag(v)}" for k, v in QUICK.items())
                     + " (flags given explicitly still win)")
+    ap.add_argument("--rotate", type=int, default=0,
+                    help="rotate the first repetition's arm order by this many places (a caller running one "
+                    "repetition per process, as bench.validate_simulate does, keeps the arms interleaved)")
     ap.add_argument("--json", default=None, help="write raw cells, medians and ratios to this file")
     ap.add_argument("--log-dir", default=None, help="the services' logs (default: a new temporary folder)")
     ap.add_argument("--record-rounds", default=None, metavar="FILE",

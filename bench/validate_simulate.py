@@ -20,9 +20,9 @@ lines):
    of the shapes measured just before and just after it (`mean_shape`: its cells ran at the
    box's speed in between). `--shape FILE` prices every repetition at a given shape instead.
 3. **Repetition r** (`--repeats` of them): `bench_serving --numerics fast --arms ...
-   --streams ... --repeats 1 --fresh-gateway --warmup 0 --json`, the arms in bench_serving's
-   order rotated by r, then a **calibration cell**: plain at `--calibrate-streams` (8, a load
-   the comparison does not use). The gateway restarts before every gated cell, so the gated
+   --streams ... --repeats 1 --fresh-gateway --warmup 0 --rotate r --json`, the arms in
+   bench_serving's order rotated by r, then a **calibration cell**: plain at
+   `--calibrate-streams` (8, a load the comparison does not use). The gateway restarts before every gated cell, so the gated
    arm starts cold in every cell, as the simulator runs it.
 
 Two costs the in-process shape cannot see are read from the calibration cell and written into
@@ -116,10 +116,9 @@ def stage_rounds(args, work: Path) -> Path:
 def stage_bench(args, rep_dir: Path, rep: int) -> dict:
     """Repetition `rep` (0-based) of the real cells, arms rotated by `rep`:
     {streams: {arm: {figure: {median, low, high}}}} (one cell each)."""
-    from bench.bench_serving import rotated
     out = rep_dir / "bench.json"
     if not out.exists():
-        _run(["bench.bench_serving", "--numerics", "fast", "--arms", *rotated(args.arms, rep),
+        _run(["bench.bench_serving", "--numerics", "fast", "--arms", *args.arms, "--rotate", str(rep),
               "--streams", *map(str, args.streams), "--repeats", "1", "--fresh-gateway", "--warmup", "0",
               "--per-stream", str(args.per_stream), "--max-tokens",
               str(args.max_tokens), "--port-base", str(args.port_base), "--checkpoint", args.checkpoint,
