@@ -113,9 +113,8 @@ def _gate(field: str, effect: str, **extra) -> Var:
     """A gate variable: GateConfig `field`, its name (gate.ENV_VARS), default and rule
     (`services.gateway.values`); its deprecated name is the old DEEPSEEK_ prefixed one."""
     kind = {"enabled": "switch", "min_draft": "integer"}.get(field, "number")
-    shown = rule_text(field) + (", or auto" if field == "margin_threshold" else "")
     return Var(GATE_ENV_VARS[field], kind, getattr(GateConfig, field), ("gateway",), effect, "gate",
-               aliases=("DEEPSEEK_" + GATE_ENV_VARS[field],), shown_range=shown, field=f"gate.{field}", **extra)
+               aliases=("DEEPSEEK_" + GATE_ENV_VARS[field],), shown_range=rule_text(field), field=f"gate.{field}", **extra)
 
 
 def _secs(name: str, default: float, readers: tuple[str, ...], effect: str, group: str,
@@ -221,7 +220,7 @@ VARS: tuple[Var, ...] = (
     _gate("enabled", "1: the `default` spec mode is `gated` (the gate chooses each round's draft length); "
           "0: `always`.", key=True),
     _gate("margin_threshold", "Skip drafting when the anchor's top1 - top2 logit margin is below this; 0: "
-          "off; `auto`: learned per margin bin (docs/gate.md §5b)."),
+          "off (docs/gate.md §5)."),
     _gate("win_factor", "A truncated draft is taken only if its expected tokens per ms beat the full block by "
           "this factor."),
     _gate("min_draft", "Never submit fewer drafts than this after drafting (0: no floor)."),

@@ -162,7 +162,7 @@ def test_cold_gate_drafts_the_full_block():
     gate = Gate(enabled())
     assert gate.estimates() == (1.0,) * NUM_BUCKETS
     for logit in LOGIT_IN_BUCKET:
-        assert gate.choose_length([logit] * 5, 5) == 5
+        assert gate.choose([logit] * 5, 5).k == 5
 
 
 def test_unobserved_bucket_keeps_the_prior_after_other_buckets_learn():
@@ -176,9 +176,9 @@ def test_unobserved_bucket_keeps_the_prior_after_other_buckets_learn():
     # keep the optimistic prior.
     assert est[0] <= est[1] and est[2] == est[1]
     assert est[3] == est[4] == est[5] == 1.0
-    assert gate.choose_length([0.0] * 5, 5) == 0
-    assert gate.choose_length([-3.0] * 5, 5) == 0  # below a bucket that misses: truncated too
-    assert gate.choose_length([8.0] * 5, 5) == 5  # never observed, no observed neighbour: not truncated
+    assert gate.choose([0.0] * 5, 5).k == 0
+    assert gate.choose([-3.0] * 5, 5).k == 0  # below a bucket that misses: truncated too
+    assert gate.choose([8.0] * 5, 5).k == 5  # never observed, no observed neighbour: not truncated
 
 
 def test_censoring_records_prefix_and_first_miss_only():
@@ -244,7 +244,7 @@ def test_decay_follows_a_workload_shift():
 def test_decay_is_applied_per_observed_round_only():
     gate = Gate(enabled(decay=0.5))
     gate.observe([1.0], 1, 1)
-    gate.choose_length([1.0] * 5, 5)
+    gate.choose([1.0] * 5, 5).k
     gate.observe([1.0] * 5, 0, 0)  # nothing submitted: no observation, no decay
     assert gate.calibration().observed[2] == 1.0
     gate.observe([1.0], 1, 0)
@@ -266,16 +266,16 @@ def test_disabled_gate_submits_max_n_but_keeps_learning():
 
 def test_gate_choose_length_rejects_cap_beyond_drafts():
     with pytest.raises(ValueError, match="max_n=3"):
-        Gate(enabled()).choose_length([1.0, 1.0], 3)
-    assert Gate(enabled()).choose_length([], 0) == 0
+        Gate(enabled()).choose([1.0, 1.0], 3).k
+    assert Gate(enabled()).choose([], 0).k == 0
 
 
 def test_gate_min_draft_never_returns_zero_after_draft():
     gate = Gate(enabled(min_draft=1))
     for _ in range(20):
         gate.observe([-2.0] * 5, 5, 0)
-    assert gate.choose_length([-2.0] * 5, 5) == 1
-    assert Gate(enabled(min_draft=0)).choose_length([-2.0] * 5, 0) == 0
+    assert gate.choose([-2.0] * 5, 5).k == 1
+    assert Gate(enabled(min_draft=0)).choose([-2.0] * 5, 0).k == 0
 
 
 @pytest.mark.parametrize(("gate_on", "threshold", "margin", "drafts"), [
@@ -353,8 +353,8 @@ def test_gates_are_independent_per_generation():
     for _ in range(20):
         one.observe([0.0] * 5, 5, 0)
     assert other.estimates() == (1.0,) * NUM_BUCKETS
-    assert other.choose_length([0.0] * 5, 5) == 5
-    assert one.choose_length([0.0] * 5, 5) == 0
+    assert other.choose([0.0] * 5, 5).k == 5
+    assert one.choose([0.0] * 5, 5).k == 0
 
 
 def test_warm_start_from_a_frozen_calibration_snapshot():
@@ -367,7 +367,7 @@ def test_warm_start_from_a_frozen_calibration_snapshot():
     assert snapshot.observed[1] == 10.0 and snapshot.matched[1] == 0.0  # 40 misses scaled to 10
     warm = Gate(enabled(), calibration=snapshot)
     assert warm.estimates()[1] == pytest.approx(1 / 11)
-    assert warm.choose_length([0.0] * 5, 5) == 0
+    assert warm.choose([0.0] * 5, 5).k == 0
     warm.observe([0.0] * 5, 5, 5)
     assert snapshot.observed[1] == 10.0  # the snapshot is never written back
     assert Gate(enabled(), calibration=snapshot).estimates()[1] == pytest.approx(1 / 11)
@@ -441,7 +441,7 @@ def test_choose_length_validates_before_counting_whether_enabled_or_not(gate_on,
     gate = taught_gate(gate_on)
     before = snapshot(gate)
     with pytest.raises(ValueError, match=message):
-        gate.choose_length(confidences, max_n)
+        gate.choose(confidences, max_n).k
     assert snapshot(gate) == before
 
 
@@ -449,7 +449,7 @@ def test_choose_length_validates_before_counting_whether_enabled_or_not(gate_on,
 def test_nan_confidence_raises_through_choose_length_and_observe(gate_on):
     gate = Gate(GateConfig(enabled=gate_on))
     with pytest.raises(ValueError, match="confidence logit \\[0\\] is NaN"):
-        gate.choose_length([NAN, 1.0], 2)
+        gate.choose([NAN, 1.0], 2).k
     with pytest.raises(ValueError, match="confidence logit \\[0\\] is NaN"):
         gate.observe([NAN, 1.0], 2, 1)
     assert gate.calibration() == Gate(GateConfig(enabled=gate_on)).calibration()

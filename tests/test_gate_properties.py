@@ -112,7 +112,7 @@ def test_gate_stays_in_bounds_and_estimates_stay_probabilities(rounds, min_draft
     gate = Gate(GateConfig(enabled=True, min_draft=min_draft, decay=decay))
     for confidences, cap, accepted in rounds:
         max_n = min(cap, len(confidences))
-        n = gate.choose_length(confidences, max_n)
+        n = gate.choose(confidences, max_n).k
         assert (min(min_draft, max_n) if min_draft else 0) <= n <= max_n
         gate.observe(confidences, n, min(accepted, n))
         assert all(0.0 < e <= 1.0 and math.isfinite(e) for e in gate.estimates())

@@ -44,7 +44,7 @@ def test_a_dear_probe_is_priced_by_the_scoring_rule():
     loss = lam * (240.0 + 30.0 - 24.0) - s0  # value(plain) - value(probe of one draft), tokens
     assert gate.probe_loss() == pytest.approx(loss, rel=1e-12)
     assert gate.probe_gap() == math.ceil(gate.probe_loss() / PROBE_LOSS_SHARE) > 10 * PROBE_PERIOD
-    gate.wake_ms = 120.0  # a measured re-prime is reported with the streak, not priced
+    gate.probing.wake_ms = 120.0  # a measured re-prime is reported with the streak, not priced
     assert gate.probe_loss() == pytest.approx(loss, rel=1e-12) and gate.probes_dear()
     cheap = Gate(GateConfig(enabled=True, draft_ms=4.0, verify_base_ms=20.0, verify_slope_ms=5.0, plain_ms=24.0),
                  LOSING)
