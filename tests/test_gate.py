@@ -16,9 +16,8 @@ from services.gateway.gate import (
     bucket_index,
     bucket_label,
     PROBE_FIRST,
-    decide_length,
-    expected_tokens,
 )
+from services.analysis.references import decide_length, expected_tokens
 from services.gateway.record import GateStats, Reason, RoundRecord, RoundStats, drafted_reason
 
 SEED_COST = CostModel()  # draft 196, verify 300 + 109 n, plain 303 (ms)
@@ -95,25 +94,25 @@ def test_win_factor_applies_to_zero():
     assert decide_length([0.3], 1, SEED_COST, win_factor=1.0) == 0
 
 
-def test_min_draft_is_a_floor_on_submitted_drafts():
-    # p = 0.5 (rates above): min_draft=1 -> best of n=1..4 is n=1 (2.479/s), 2.479/1.891 = 1.31 > 1.15.
-    assert decide_length([0.5] * 5, 5, SEED_COST, min_draft=1) == 1
-    # min_draft=2 -> n=2 (2.451/s), 2.451/1.891 = 1.30 > 1.15.
-    assert decide_length([0.5] * 5, 5, SEED_COST, min_draft=2) == 2
+def test_floor_bounds_submitted_drafts():
+    # The floor a probe sets (1 draft) generalised. p = 0.5 (rates above): floor=1 -> best of n=1..4 is n=1 (2.479/s), 2.479/1.891 = 1.31 > 1.15.
+    assert decide_length([0.5] * 5, 5, SEED_COST, floor=1) == 1
+    # floor=2 -> n=2 (2.451/s), 2.451/1.891 = 1.30 > 1.15.
+    assert decide_length([0.5] * 5, 5, SEED_COST, floor=2) == 2
     # p = 0.2: E(3) = 1.248, E(4) = 1.2496, E(5) = 1.24992 -> 1.516, 1.341, 1.201/s; n=0 excluded.
-    assert decide_length([0.2] * 5, 5, SEED_COST, min_draft=3) == 3
-    assert decide_length([0.2] * 5, 5, SEED_COST, min_draft=0) == 0
+    assert decide_length([0.2] * 5, 5, SEED_COST, floor=3) == 3
+    assert decide_length([0.2] * 5, 5, SEED_COST, floor=0) == 0
 
 
-def test_min_draft_above_cap_is_capped():
-    # floor = min(min_draft, max_n): with max_n = 2 the gate submits 2 although p = 0.2.
-    assert decide_length([0.2] * 5, 2, SEED_COST, min_draft=4) == 2
+def test_floor_above_cap_is_capped():
+    # floor = min(floor, max_n): with max_n = 2 the gate submits 2 although p = 0.2.
+    assert decide_length([0.2] * 5, 2, SEED_COST, floor=4) == 2
 
 
 def test_cap_is_respected_and_zero_cap_returns_zero():
     assert decide_length([1.0] * 5, 3, SEED_COST) == 3
     assert decide_length([1.0] * 5, 0, SEED_COST) == 0
-    assert decide_length([], 0, SEED_COST, min_draft=2) == 0
+    assert decide_length([], 0, SEED_COST, floor=2) == 0
     with pytest.raises(ValueError, match="max_n=6"):
         decide_length([1.0] * 5, 6, SEED_COST)
 
@@ -270,12 +269,16 @@ def test_gate_choose_length_rejects_cap_beyond_drafts():
     assert Gate(enabled()).choose([], 0).k == 0
 
 
-def test_gate_min_draft_never_returns_zero_after_draft():
-    gate = Gate(enabled(min_draft=1))
+def test_gate_probe_never_returns_zero_after_draft():
+    gate = Gate(enabled())
     for _ in range(20):
         gate.observe([-2.0] * 5, 5, 0)
-    assert gate.choose([-2.0] * 5, 5).k == 1
-    assert Gate(enabled(min_draft=0)).choose([-2.0] * 5, 0).k == 0
+    assert gate.choose([-2.0] * 5, 5).k == 0  # on its merits: cut to 0
+    gate.probing.pending = True  # the pre-draft decision let this losing round draft as a probe
+    loss = gate.probe_loss()
+    choice = gate.choose([-2.0] * 5, 5)
+    assert choice.k == 1 and choice.probe and choice.probe_loss == loss
+    assert Gate(enabled()).choose([-2.0] * 5, 0).k == 0
 
 
 @pytest.mark.parametrize(("gate_on", "threshold", "margin", "drafts"), [
@@ -475,10 +478,10 @@ def test_pre_draft_rejects_bad_margin_without_counting(margin):
     ({"win_factor": NAN}, "win_factor=nan"),
     ({"win_factor": float("inf")}, "win_factor=inf"),
     ({"win_factor": 0.99}, "win_factor=0.99"),
-    ({"min_draft": 1.5}, "min_draft=1.5"),
-    ({"min_draft": NAN}, "min_draft=nan"),
-    ({"min_draft": True}, "min_draft=True"),
-    ({"min_draft": -1}, "min_draft=-1"),
+    ({"floor": 1.5}, "floor=1.5"),
+    ({"floor": NAN}, "floor=nan"),
+    ({"floor": True}, "floor=True"),
+    ({"floor": -1}, "floor=-1"),
 ])
 def test_decide_length_rejects_bad_margin_and_floor(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -16,7 +16,8 @@ import pytest
 from services.analysis.calibration import causal_ece
 from services.gateway.estimator import BucketEstimator, pool_adjacent_violators
 from services.gateway.gate import (BUCKET_EDGES, NUM_BUCKETS, PROBE_FIRST, CostModel, Gate, GateConfig,
-                                   LengthChoice, decide_length)
+                                   LengthChoice)
+from services.analysis.references import decide_length
 from services.gateway.record import Reason, RoundRecord, RoundStats
 from services.gateway.rounds import Round, load_rounds
 from services.gateway.scheduler import MAX_DEFERRED_ROWS

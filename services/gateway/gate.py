@@ -21,8 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from services.gateway.decision import (DEFAULT_WIN_FACTOR, CostModel, _check_count,  # noqa: F401 (re-exported)
-                                      decide_by_survival, decide_length, draft_advantage, expected_tokens,  # noqa: F401
-                                      length_decision)
+                                      draft_advantage, length_decision)
 from services.gateway.probe import (DEAR_PROBE_TOKENS, PROBE_FIRST, PROBE_LOSS_SHARE, PROBE_PERIOD,  # noqa: F401
                                    ProbeSchedule, Streak, probe_loss)
 from services.gateway.survival import DEFAULT_POSITION_CLASSES, GREEDY_BAND, SurvivalEstimator, survival_from_hazards
@@ -47,7 +46,6 @@ ENV_VARS = {
     "enabled": ENV_PREFIX,
     "margin_threshold": f"{ENV_PREFIX}_MARGIN_THRESHOLD",
     "win_factor": f"{ENV_PREFIX}_MARGIN",  # the variable keeps its published name
-    "min_draft": f"{ENV_PREFIX}_MIN_DRAFT",
     "decay": f"{ENV_PREFIX}_DECAY",
     "draft_ms": f"{ENV_PREFIX}_DRAFT_MS",
     "verify_base_ms": f"{ENV_PREFIX}_VERIFY_BASE_MS",
@@ -124,7 +122,7 @@ class GateConfig:
 
     enabled: length choice on (DSPARK_GATE); off = always submit max_n.
     margin_threshold: pre-draft gate on the anchor's top1 - top2 logit margin; 0 = disabled.
-    win_factor: factor a truncation must win by (>= 1). min_draft: floor on submitted drafts (tokens).
+    win_factor: factor a truncation must win by (>= 1).
     decay: forgetting per observation in a bucket (and per drafted round of a margin bin).
     *_ms: cost model (ms). prior_weight: pseudo-observations of each bucket's pooled prior
     (not an env var). position_classes: position classes of the survival estimate (an integer
@@ -136,7 +134,6 @@ class GateConfig:
     enabled: bool = False
     margin_threshold: float = 0.0
     win_factor: float = DEFAULT_WIN_FACTOR
-    min_draft: int = 0
     decay: float = 0.9
     draft_ms: float = 196.0
     verify_base_ms: float = 300.0
@@ -369,7 +366,7 @@ class Gate:
             loss = self.probe_loss() if probe or self.probing.pending else 0.0
             # A probe verifies at least one draft, the cheapest test of whether the drafter came
             # back: where verify is dear per draft, a whole block would cost most of the probe.
-            floor = min(1, max_n) if probe else self.config.min_draft
+            floor = min(1, max_n) if probe else 0
             cost, rate = self.pricing or self.cost, self.rate()
             n, values = length_decision(survival, max_n, cost, self.config.win_factor, floor, rate)
             inputs = {"survival": tuple(survival), "rate": rate, "values": values, "probe": probe,
