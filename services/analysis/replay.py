@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from services.gateway.decision import pick_length
-from services.gateway.estimator import expected_calibration_error
+from services.analysis.calibration import expected_calibration_error
 from services.gateway.gate import Calibration, CostModel, Gate, GateConfig
 from services.gateway.record import RoundStats
 from services.analysis.references import (  # noqa: F401 - replayed_round is re-exported

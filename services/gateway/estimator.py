@@ -1,5 +1,4 @@
-"""The gate's per-bucket estimator, P(match | confidence bucket), and how well per-bucket estimates were calibrated (`expected_calibration_error`, read by replay
-and by `dspark calibrate`).
+"""The gate's per-bucket estimator, P(match | confidence bucket).
 
 This module owns the arithmetic of what the gate believes; it never decides (the gate does),
 never counts rounds (the record fold does) and never reads the environment. docs/gate.md §3–§4
@@ -29,7 +28,6 @@ bucket holds o_b ~ 10, so the pull is under a tenth of the gap.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 
 # Prior mean of a bucket whose neighbours have no evidence either: optimistic, so a cold gate
@@ -113,36 +111,3 @@ class BucketEstimator:
                 out.append(min(1.0, max(0.0, fit.get(b, q))))
             self._cache = tuple(itertools.accumulate(out, max))  # unseen neighbours stay in order too
         return self._cache
-
-
-def expected_calibration_error(estimates: Sequence[float | None], matched: Sequence[int],
-                               observed: Sequence[int]) -> float:
-    """Expected calibration error of per-bucket estimates against realised matches (unitless, in [0, 1]).
-
-    ECE = sum_b (observed_b / N) * |estimates_b - matched_b / observed_b|, N = sum_b observed_b:
-    the observation-weighted mean gap between what was estimated and what happened. All three
-    sequences have one entry per bucket [B]; `estimates_b` is the (mean) P(match) held for the
-    bucket's observations, None allowed where observed_b = 0. Counts are censored observations
-    (positions 0..accepted, docs/gate.md §2).
-    Raises ValueError naming the value when the lengths differ, a count is negative or
-    matched_b > observed_b, an estimate of an observed bucket is not in [0, 1], or nothing was
-    observed.
-    """
-    if not len(estimates) == len(matched) == len(observed):
-        raise ValueError(f"ECE needs one entry per bucket: {len(estimates)} estimates, {len(matched)} matched, "
-                         f"{len(observed)} observed")
-    total = 0
-    for b, (m, o) in enumerate(zip(matched, observed)):
-        if not 0 <= m <= o:
-            raise ValueError(f"bucket {b}: need 0 <= matched={m!r} <= observed={o!r}")
-        total += o
-    if total == 0:
-        raise ValueError("ECE of zero observations is undefined")
-    error = 0.0
-    for b, (e, m, o) in enumerate(zip(estimates, matched, observed)):
-        if o == 0:
-            continue
-        if e is None or not (isinstance(e, (int, float)) and math.isfinite(e) and 0.0 <= e <= 1.0):
-            raise ValueError(f"bucket {b}: estimate={e!r} must be a number in [0, 1]")
-        error += o / total * abs(e - m / o)
-    return error

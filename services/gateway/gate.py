@@ -34,7 +34,7 @@ BUCKET_EDGES = (-0.5, 0.5, 1.5, 3.0, 6.0)
 NUM_BUCKETS = len(BUCKET_EDGES) + 1
 # Weight (pseudo-observations) of each bucket's pooled prior (services.gateway.estimator): weak,
 # so a bucket's own evidence decides as soon as it has a few observations.
-DEFAULT_PRIOR_WEIGHT = 1.0
+PRIOR_WEIGHT = 1.0
 # Per-round forgetting of the long-run rate estimate lambda (tokens / ms): about 20 rounds.
 RATE_DECAY = 0.95
 # Drafted rounds whose confidences the pre-draft decision re-prices with the current estimates.
@@ -124,8 +124,7 @@ class GateConfig:
     margin_threshold: pre-draft gate on the anchor's top1 - top2 logit margin; 0 = disabled.
     win_factor: factor a truncation must win by (>= 1).
     decay: forgetting per observation in a bucket (and per drafted round of a margin bin).
-    *_ms: cost model (ms). prior_weight: pseudo-observations of each bucket's pooled prior
-    (not an env var). position_classes: position classes of the survival estimate (an integer
+    *_ms: cost model (ms). position_classes: position classes of the survival estimate (an integer
     in [1, 16]; 1 = the pooled per-bucket rate at every position, docs/gate.md §4; not an env var).
     Values are normalised (numpy numbers to int/float, -0.0 to 0.0). Raises ValueError naming
     the field and value on an invalid setting.
@@ -139,7 +138,6 @@ class GateConfig:
     verify_base_ms: float = 300.0
     verify_slope_ms: float = 109.0
     plain_ms: float = 303.0
-    prior_weight: float = DEFAULT_PRIOR_WEIGHT
     position_classes: int = DEFAULT_POSITION_CLASSES
 
     def __post_init__(self) -> None:
@@ -235,7 +233,7 @@ class Gate:
         self.cost = config.cost_model()
         warm = {band: (calibration.matched, calibration.observed)} if calibration else None
         self.survival_estimator = SurvivalEstimator(BUCKET_EDGES, config.position_classes, config.decay,
-                                                    config.prior_weight, warm)
+                                                    PRIOR_WEIGHT, warm)
         # The band's pooled per-bucket counts (the warm start lends and borrows these).
         self.estimator = self.survival_estimator.band(band).pooled
         self._tokens = self._ms = 0.0  # decayed sums behind rate()
