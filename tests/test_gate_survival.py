@@ -159,8 +159,6 @@ def test_bad_inputs_raise_naming_the_value():
         length_decision([float("nan")], 1, SEED_COST)[0]
     with pytest.raises(ValueError, match="NaN"):
         Gate(GateConfig()).survival([1.0, float("nan")])
-    with pytest.raises(ValueError, match="cell_weight=0"):
-        SurvivalEstimator(BUCKET_EDGES, 3, 0.9, 1.0, cell_weight=0)
     with pytest.raises(ValueError, match="position classes=0"):
         SurvivalEstimator(BUCKET_EDGES, 0, 0.9, 1.0)
 
