@@ -1,10 +1,12 @@
-"""Confidence gate: one generation's choice of how many drafted tokens to verify.
+"""Confidence gate: one generation's choice of whether to draft and how many drafts to verify.
 
-This module owns the gate's estimator (decayed per-bucket match counts with an optimistic
-prior), the cost model and the length decision, and the typed `GateConfig`. It must not count
-rounds (the `services.gateway.record` fold does), read the environment (`services.settings`
-does, at the entry point), time anything or talk to a backend: it is pure arithmetic on the
-confidences and counts it is handed.
+This module owns the per-generation `Gate` (the pre-draft decision, the length choice and what
+it learns from a verified round), the typed `GateConfig`, the confidence buckets, a round's
+`Reason` and the warm-start snapshot `Calibration`. It composes the estimate
+(`services.gateway.survival`), the scoring rule (`services.gateway.decision`) and the probe
+schedule (`services.gateway.probe`). It must not count rounds (the `services.gateway.record`
+fold does), read the environment (`services.settings` does, at the entry point), time anything
+or talk to a backend: it is pure arithmetic on the confidences and counts it is handed.
 
 docs/architecture.md §5 summarises the gate; docs/gate.md states every formula, the bucket
 edges, the prior and the decisions taken where the reference measurements are silent.
