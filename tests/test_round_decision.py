@@ -17,6 +17,7 @@ from services.analysis.traces import Span
 from services.gateway.gate import PROBE_FIRST, Calibration, Gate, GateConfig, Reason, Streak
 from services.gateway.record import RoundRecord
 from services.gateway.scheduler import _decision_attributes
+from services.cli import main
 from services.analysis.replay import redecide, redecided
 from services.gateway.rounds import Round, RoundLog, dump_rounds, parse_rounds, decode_rounds_json
 
@@ -90,7 +91,7 @@ def _losing_gate(streak: Streak | None = None) -> Gate:
     return Gate(DEAR, Calibration((0.0,) * 6, (0.0, 10.0, 0.0, 0.0, 0.0, 0.0), [NEVER] * 4, streak))
 
 
-def _round_span(record: RoundRecord) -> Span:
+def _sdk_span(record: RoundRecord):
     """`record` through the scheduler's real span code: an OpenTelemetry SDK span, exported."""
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
@@ -101,8 +102,12 @@ def _round_span(record: RoundRecord) -> Span:
                            ("accepted", record.accepted), ("gate_reason", record.reason.value)):
             span.set_attribute(f"spec_decode.{key}", value)
         _decision_attributes(span, record)
-    done = exporter.get_finished_spans()[0]
-    return Span("spec_decode.round", "ab" * 16, "cd" * 8, None, 10, 20, dict(done.attributes))
+    return exporter.get_finished_spans()[0]
+
+
+def _round_span(record: RoundRecord) -> Span:
+    """The exported span of `record` as `dspark trace-report` reads it (ids fixed for the line)."""
+    return Span("spec_decode.round", "ab" * 16, "cd" * 8, None, 10, 20, dict(_sdk_span(record).attributes))
 
 
 def test_a_probe_round_records_its_priced_loss_through_file_span_and_replay():
@@ -130,7 +135,7 @@ def test_a_probe_round_records_its_priced_loss_through_file_span_and_replay():
     assert gate.pre_draft(None) is Reason.RECENT_LOSS
 
 
-def test_a_round_skipped_under_a_lent_streak_says_so():
+def test_a_round_skipped_under_a_lent_streak_says_so(tmp_path, capsys):
     gate = _losing_gate(Streak(since=3, gap=40))
     assert gate.probing.lent and gate.streak() == Streak(3, 40)
     assert gate.pre_draft(None) is Reason.RECENT_LOSS  # the band's streak goes on: no cold first draft
@@ -143,6 +148,13 @@ def test_a_round_skipped_under_a_lent_streak_says_so():
     (back,) = parse_rounds(decode_rounds_json(text)).rounds
     assert back.lent_streak is True and not back.probe and back.confidence_logits == ()
     assert why_lines([_round_span(rec)]) == [f"{'ab' * 6} round 7: {line}"]
+    # and through `dspark trace-report --rounds` on the span file the SDK's exporter format writes
+    done = _sdk_span(rec)
+    path = tmp_path / "spans.jsonl"
+    path.write_text(done.to_json(indent=None) + "\n")
+    assert main(["trace-report", "--rounds", str(path)]) == 0
+    trace = f"{done.context.trace_id:032x}"[:12]
+    assert capsys.readouterr().out == f"{trace} round 7: {line}\n"
     # a fresh generation's skip is its own streak, not lent; the file omits the key
     own = RoundRecord(Reason.RECENT_LOSS, 0, 0, 0, gate.cost, lent_streak=_losing_gate().probing.lent)
     assert '"lent_streak"' not in dump_rounds(RoundLog((own.to_round("w"),))) and "lent" not in own.why()
