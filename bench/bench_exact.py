@@ -111,7 +111,7 @@ def speculate(engine: VerifierEngine, prompt: list[int], chain: list[int], n_tok
             drafts.append((tok + 1) % cfg.vocab_size if bad else tok)
             conf.append(-2.0 if bad else 6.5)  # the live oracle drafter's confidence logits
         rounds += 1
-        k = gate.choose_length(conf, len(drafts)) if gate else len(drafts)
+        k = gate.choose(conf, len(drafts)).k if gate else len(drafts)
         if k == 0:
             out.append(engine.decode(sid, out[-1], pos).next_token)
             pos += 1

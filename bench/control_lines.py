@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONTROL = (
     "services/gateway/round_policy.py",
     "services/gateway/gate.py",
+    "services/gateway/probe.py",
     "services/gateway/decision.py",
     "services/gateway/estimator.py",
     "services/gateway/survival.py",

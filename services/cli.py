@@ -44,7 +44,6 @@ _OVERRIDES = (
     "verify_slope_ms",
     "plain_ms",
     "win_factor",
-    "min_draft",
     "decay",
     "margin_threshold",
     "position_classes",
@@ -148,7 +147,7 @@ def _heading(report: ReplayReport) -> Text:
     cfg = report.config
     return Text(f"Replay of {printable(report.source)}\ncosts {printable(report.costs)}: draft {cfg.draft_ms:g} ms"
                 f" + verify {cfg.verify_base_ms:g} + {cfg.verify_slope_ms:g}·n ms, plain {cfg.plain_ms:g} ms; "
-                f"win factor {cfg.win_factor:g}, decay {cfg.decay:g}, min_draft {cfg.min_draft}, position classes "
+                f"win factor {cfg.win_factor:g}, decay {cfg.decay:g}, position classes "
                 f"{cfg.position_classes}\ngate "
                 + ("cold at the start of each workload" if report.warm is None else
                    f"warm-started from the other workloads (at most {report.warm.max_weight:g} observations per bucket)"))

@@ -217,18 +217,13 @@ def client_token(flag: str | None, environ: Environ) -> tuple[str, str]:
 def gate_config(environ: Environ) -> GateConfig:
     """The gate from the DSPARK_GATE* variables; unset variables keep GateConfig's defaults.
 
-    DSPARK_GATE_MARGIN_THRESHOLD may also be `auto` (any case): the pre-draft threshold is
-    learned (GateConfig.margin_auto). Raises ValueError naming the variable and its value when
+    Raises ValueError naming the variable and its value when
     a value does not parse (`parse_setting`: ASCII decimal forms only) or is out of range. An
     empty value is invalid.
     """
     given = {field: lookup(environ, v) for field, v in GATE_VARS.items()}
     values = {field: (name, raw) for field, (name, raw) in given.items() if raw is not None}
-    auto = values.get("margin_threshold", ("", ""))[1].strip(" \t\r\n").lower() == "auto"
-    if auto:  # the learned pre-draft threshold (docs/gate.md §5b); the fixed one stays off
-        del values["margin_threshold"]
-    return GateConfig(**{field: parse_setting(field, raw, name) for field, (name, raw) in values.items()},
-                      margin_auto=auto)
+    return GateConfig(**{field: parse_setting(field, raw, name) for field, (name, raw) in values.items()})
 
 
 def backend_settings(environ: Environ, device_flag: str | None = None) -> BackendSettings:

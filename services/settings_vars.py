@@ -112,10 +112,9 @@ class Var:
 def _gate(field: str, effect: str, **extra) -> Var:
     """A gate variable: GateConfig `field`, its name (gate.ENV_VARS), default and rule
     (`services.gateway.values`); its deprecated name is the old DEEPSEEK_ prefixed one."""
-    kind = {"enabled": "switch", "min_draft": "integer"}.get(field, "number")
-    shown = rule_text(field) + (", or auto" if field == "margin_threshold" else "")
+    kind = "switch" if field == "enabled" else "number"
     return Var(GATE_ENV_VARS[field], kind, getattr(GateConfig, field), ("gateway",), effect, "gate",
-               aliases=("DEEPSEEK_" + GATE_ENV_VARS[field],), shown_range=shown, field=f"gate.{field}", **extra)
+               aliases=("DEEPSEEK_" + GATE_ENV_VARS[field],), shown_range=rule_text(field), field=f"gate.{field}", **extra)
 
 
 def _secs(name: str, default: float, readers: tuple[str, ...], effect: str, group: str,
@@ -221,10 +220,9 @@ VARS: tuple[Var, ...] = (
     _gate("enabled", "1: the `default` spec mode is `gated` (the gate chooses each round's draft length); "
           "0: `always`.", key=True),
     _gate("margin_threshold", "Skip drafting when the anchor's top1 - top2 logit margin is below this; 0: "
-          "off; `auto`: learned per margin bin (docs/gate.md §5b)."),
+          "off (docs/gate.md §5)."),
     _gate("win_factor", "A truncated draft is taken only if its expected tokens per ms beat the full block by "
           "this factor."),
-    _gate("min_draft", "Never submit fewer drafts than this after drafting (0: no floor)."),
     _gate("decay", "Forgetting per observed round of the acceptance estimates."),
     _gate("draft_ms", "Cost of one draft round (ms); setting it pins the cost (measured costs never replace "
           "it)."),
@@ -270,6 +268,7 @@ REMOVED: dict[str, str] = {
     "DSPARK_GATE_WARM_START": "gated generations always warm-start (GatewaySettings.warm_start)",
     "DSPARK_GATE_WARM_WEIGHT": "the warm start lends at most services.gateway.warm.DEFAULT_MAX_WEIGHT",
     "DSPARK_STEP_PROFILE": "the verifier always profiles its steps at start-up (BackendSettings.step_profile)",
+    "DSPARK_GATE_MIN_DRAFT": "no floor on submitted drafts: no measurement supported one (a probe verifies one draft)",
 }
 # The one variable kept outside the table: Triton's own switch (module docstring).
 EXTERNAL = {"TRITON_INTERPRET": "Triton's own: 1 runs Triton kernels on the CPU interpreter (the test suite sets it)"}

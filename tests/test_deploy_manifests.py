@@ -41,7 +41,7 @@ TOOL_TIMEOUT_S = 120
 EXTERNAL_SECRETS = {"dspark-verifier-tls", "dspark-drafter-tls", "dspark-gateway-tls",
                     "dspark-gateway-public-tls", "dspark-gateway-token"}
 GATE_KEYS = {"DSPARK_GATE"} | {f"DSPARK_GATE_{k}" for k in (
-    "MARGIN_THRESHOLD", "MARGIN", "MIN_DRAFT", "DECAY")}
+    "MARGIN_THRESHOLD", "MARGIN", "DECAY")}
 # The manifests leave the gate's costs to measurement (docs/gate.md §12): a pinned cost would win.
 COST_PINS = {f"DSPARK_GATE_{k}" for k in ("DRAFT_MS", "VERIFY_BASE_MS", "VERIFY_SLOPE_MS", "PLAIN_MS")}
 DSPARK_DEPLOYMENTS = ("dspark-verifier", "dspark-drafter", "dspark-gateway")

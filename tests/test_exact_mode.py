@@ -167,7 +167,7 @@ def speculate(engine, prompt_ids, chain, n_tokens, gated):
         k = 0
         if not gated or gate.pre_draft(margin) is None:
             drafts, conf = oracle_draft(chain, len(out), pos + 1, cfg.vocab_size, cfg.dspark_block_size)
-            k = gate.choose_length(conf, len(drafts)) if gated else len(drafts)
+            k = gate.choose(conf, len(drafts)).k if gated else len(drafts)
         if k == 0:
             step = engine.decode(sid, out[-1], pos)
             out, pos, margin, plain = out + [step.next_token], pos + 1, step.margin, plain + 1

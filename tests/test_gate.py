@@ -16,9 +16,8 @@ from services.gateway.gate import (
     bucket_index,
     bucket_label,
     PROBE_FIRST,
-    decide_length,
-    expected_tokens,
 )
+from services.analysis.references import decide_length, expected_tokens
 from services.gateway.record import GateStats, Reason, RoundRecord, RoundStats, drafted_reason
 
 SEED_COST = CostModel()  # draft 196, verify 300 + 109 n, plain 303 (ms)
@@ -95,25 +94,25 @@ def test_win_factor_applies_to_zero():
     assert decide_length([0.3], 1, SEED_COST, win_factor=1.0) == 0
 
 
-def test_min_draft_is_a_floor_on_submitted_drafts():
-    # p = 0.5 (rates above): min_draft=1 -> best of n=1..4 is n=1 (2.479/s), 2.479/1.891 = 1.31 > 1.15.
-    assert decide_length([0.5] * 5, 5, SEED_COST, min_draft=1) == 1
-    # min_draft=2 -> n=2 (2.451/s), 2.451/1.891 = 1.30 > 1.15.
-    assert decide_length([0.5] * 5, 5, SEED_COST, min_draft=2) == 2
+def test_floor_bounds_submitted_drafts():
+    # The floor a probe sets (1 draft) generalised. p = 0.5 (rates above): floor=1 -> best of n=1..4 is n=1 (2.479/s), 2.479/1.891 = 1.31 > 1.15.
+    assert decide_length([0.5] * 5, 5, SEED_COST, floor=1) == 1
+    # floor=2 -> n=2 (2.451/s), 2.451/1.891 = 1.30 > 1.15.
+    assert decide_length([0.5] * 5, 5, SEED_COST, floor=2) == 2
     # p = 0.2: E(3) = 1.248, E(4) = 1.2496, E(5) = 1.24992 -> 1.516, 1.341, 1.201/s; n=0 excluded.
-    assert decide_length([0.2] * 5, 5, SEED_COST, min_draft=3) == 3
-    assert decide_length([0.2] * 5, 5, SEED_COST, min_draft=0) == 0
+    assert decide_length([0.2] * 5, 5, SEED_COST, floor=3) == 3
+    assert decide_length([0.2] * 5, 5, SEED_COST, floor=0) == 0
 
 
-def test_min_draft_above_cap_is_capped():
-    # floor = min(min_draft, max_n): with max_n = 2 the gate submits 2 although p = 0.2.
-    assert decide_length([0.2] * 5, 2, SEED_COST, min_draft=4) == 2
+def test_floor_above_cap_is_capped():
+    # floor = min(floor, max_n): with max_n = 2 the gate submits 2 although p = 0.2.
+    assert decide_length([0.2] * 5, 2, SEED_COST, floor=4) == 2
 
 
 def test_cap_is_respected_and_zero_cap_returns_zero():
     assert decide_length([1.0] * 5, 3, SEED_COST) == 3
     assert decide_length([1.0] * 5, 0, SEED_COST) == 0
-    assert decide_length([], 0, SEED_COST, min_draft=2) == 0
+    assert decide_length([], 0, SEED_COST, floor=2) == 0
     with pytest.raises(ValueError, match="max_n=6"):
         decide_length([1.0] * 5, 6, SEED_COST)
 
@@ -162,7 +161,7 @@ def test_cold_gate_drafts_the_full_block():
     gate = Gate(enabled())
     assert gate.estimates() == (1.0,) * NUM_BUCKETS
     for logit in LOGIT_IN_BUCKET:
-        assert gate.choose_length([logit] * 5, 5) == 5
+        assert gate.choose([logit] * 5, 5).k == 5
 
 
 def test_unobserved_bucket_keeps_the_prior_after_other_buckets_learn():
@@ -176,9 +175,9 @@ def test_unobserved_bucket_keeps_the_prior_after_other_buckets_learn():
     # keep the optimistic prior.
     assert est[0] <= est[1] and est[2] == est[1]
     assert est[3] == est[4] == est[5] == 1.0
-    assert gate.choose_length([0.0] * 5, 5) == 0
-    assert gate.choose_length([-3.0] * 5, 5) == 0  # below a bucket that misses: truncated too
-    assert gate.choose_length([8.0] * 5, 5) == 5  # never observed, no observed neighbour: not truncated
+    assert gate.choose([0.0] * 5, 5).k == 0
+    assert gate.choose([-3.0] * 5, 5).k == 0  # below a bucket that misses: truncated too
+    assert gate.choose([8.0] * 5, 5).k == 5  # never observed, no observed neighbour: not truncated
 
 
 def test_censoring_records_prefix_and_first_miss_only():
@@ -244,7 +243,7 @@ def test_decay_follows_a_workload_shift():
 def test_decay_is_applied_per_observed_round_only():
     gate = Gate(enabled(decay=0.5))
     gate.observe([1.0], 1, 1)
-    gate.choose_length([1.0] * 5, 5)
+    gate.choose([1.0] * 5, 5).k
     gate.observe([1.0] * 5, 0, 0)  # nothing submitted: no observation, no decay
     assert gate.calibration().observed[2] == 1.0
     gate.observe([1.0], 1, 0)
@@ -266,16 +265,20 @@ def test_disabled_gate_submits_max_n_but_keeps_learning():
 
 def test_gate_choose_length_rejects_cap_beyond_drafts():
     with pytest.raises(ValueError, match="max_n=3"):
-        Gate(enabled()).choose_length([1.0, 1.0], 3)
-    assert Gate(enabled()).choose_length([], 0) == 0
+        Gate(enabled()).choose([1.0, 1.0], 3).k
+    assert Gate(enabled()).choose([], 0).k == 0
 
 
-def test_gate_min_draft_never_returns_zero_after_draft():
-    gate = Gate(enabled(min_draft=1))
+def test_gate_probe_never_returns_zero_after_draft():
+    gate = Gate(enabled())
     for _ in range(20):
         gate.observe([-2.0] * 5, 5, 0)
-    assert gate.choose_length([-2.0] * 5, 5) == 1
-    assert Gate(enabled(min_draft=0)).choose_length([-2.0] * 5, 0) == 0
+    assert gate.choose([-2.0] * 5, 5).k == 0  # on its merits: cut to 0
+    gate.probing.pending = True  # the pre-draft decision let this losing round draft as a probe
+    loss = gate.probe_loss()
+    choice = gate.choose([-2.0] * 5, 5)
+    assert choice.k == 1 and choice.probe and choice.probe_loss == loss
+    assert Gate(enabled()).choose([-2.0] * 5, 0).k == 0
 
 
 @pytest.mark.parametrize(("gate_on", "threshold", "margin", "drafts"), [
@@ -353,8 +356,8 @@ def test_gates_are_independent_per_generation():
     for _ in range(20):
         one.observe([0.0] * 5, 5, 0)
     assert other.estimates() == (1.0,) * NUM_BUCKETS
-    assert other.choose_length([0.0] * 5, 5) == 5
-    assert one.choose_length([0.0] * 5, 5) == 0
+    assert other.choose([0.0] * 5, 5).k == 5
+    assert one.choose([0.0] * 5, 5).k == 0
 
 
 def test_warm_start_from_a_frozen_calibration_snapshot():
@@ -367,7 +370,7 @@ def test_warm_start_from_a_frozen_calibration_snapshot():
     assert snapshot.observed[1] == 10.0 and snapshot.matched[1] == 0.0  # 40 misses scaled to 10
     warm = Gate(enabled(), calibration=snapshot)
     assert warm.estimates()[1] == pytest.approx(1 / 11)
-    assert warm.choose_length([0.0] * 5, 5) == 0
+    assert warm.choose([0.0] * 5, 5).k == 0
     warm.observe([0.0] * 5, 5, 5)
     assert snapshot.observed[1] == 10.0  # the snapshot is never written back
     assert Gate(enabled(), calibration=snapshot).estimates()[1] == pytest.approx(1 / 11)
@@ -441,7 +444,7 @@ def test_choose_length_validates_before_counting_whether_enabled_or_not(gate_on,
     gate = taught_gate(gate_on)
     before = snapshot(gate)
     with pytest.raises(ValueError, match=message):
-        gate.choose_length(confidences, max_n)
+        gate.choose(confidences, max_n).k
     assert snapshot(gate) == before
 
 
@@ -449,7 +452,7 @@ def test_choose_length_validates_before_counting_whether_enabled_or_not(gate_on,
 def test_nan_confidence_raises_through_choose_length_and_observe(gate_on):
     gate = Gate(GateConfig(enabled=gate_on))
     with pytest.raises(ValueError, match="confidence logit \\[0\\] is NaN"):
-        gate.choose_length([NAN, 1.0], 2)
+        gate.choose([NAN, 1.0], 2).k
     with pytest.raises(ValueError, match="confidence logit \\[0\\] is NaN"):
         gate.observe([NAN, 1.0], 2, 1)
     assert gate.calibration() == Gate(GateConfig(enabled=gate_on)).calibration()
@@ -475,10 +478,10 @@ def test_pre_draft_rejects_bad_margin_without_counting(margin):
     ({"win_factor": NAN}, "win_factor=nan"),
     ({"win_factor": float("inf")}, "win_factor=inf"),
     ({"win_factor": 0.99}, "win_factor=0.99"),
-    ({"min_draft": 1.5}, "min_draft=1.5"),
-    ({"min_draft": NAN}, "min_draft=nan"),
-    ({"min_draft": True}, "min_draft=True"),
-    ({"min_draft": -1}, "min_draft=-1"),
+    ({"floor": 1.5}, "floor=1.5"),
+    ({"floor": NAN}, "floor=nan"),
+    ({"floor": True}, "floor=True"),
+    ({"floor": -1}, "floor=-1"),
 ])
 def test_decide_length_rejects_bad_margin_and_floor(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -198,8 +198,8 @@ def test_huge_integer_in_a_round_exits_2_naming_file_and_field(dspark, tmp_path)
 
 @pytest.mark.parametrize(("flag", "value", "fragment"), [
     ("--decay", "0", "--decay='0' must be in (0, 1]"),
-    ("--min-draft", "1" * 400, "--min-draft='1111"),
-    ("--min-draft", "٣", "--min-draft='٣' is not an integer"),
+    ("--position-classes", "1" * 400, "--position-classes='1111"),
+    ("--position-classes", "٣", "--position-classes='٣' is not an integer"),
     ("--plain-ms", "5e-324", "--plain-ms='5e-324' must be in [0.001, 1e+07]"),
     ("--draft-ms", "1e306", "--draft-ms='1e306' must be in [0, 1e+07]"),
     ("--win-factor", "0.5", "--win-factor='0.5' must be >= 1"),
@@ -210,8 +210,8 @@ def test_bad_flag_value_exits_2_naming_the_flag(dspark, flag, value, fragment):
 
 
 def test_huge_env_integer_exits_2_naming_the_variable(dspark):
-    result = dspark("replay", "--synthetic", env={"DSPARK_GATE_MIN_DRAFT": "1" * 400})
-    assert_one_line_error(result, "DSPARK_GATE_MIN_DRAFT='1111")
+    result = dspark("replay", "--synthetic", env={"DSPARK_GATE_DECAY": "1" * 400})
+    assert_one_line_error(result, "DSPARK_GATE_DECAY='1111")
 
 
 def test_markup_and_control_characters_in_labels_and_file_name_are_shown_literally(dspark, tmp_path):

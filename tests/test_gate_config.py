@@ -9,6 +9,7 @@ import pytest
 
 from services.gateway.gate import ENV_VARS, GateConfig
 from services.settings import gate_config
+from services.settings_vars import REMOVED
 
 FOUR_HUNDRED_ONES = "1" * 400
 
@@ -16,7 +17,6 @@ SEED_DEFAULTS = {
     "enabled": False,
     "margin_threshold": 0.0,
     "win_factor": 1.15,
-    "min_draft": 0,
     "decay": 0.9,
     "draft_ms": 196.0,
     "verify_base_ms": 300.0,
@@ -30,7 +30,6 @@ def test_env_names_are_the_seeds():
         "DSPARK_GATE",
         "DSPARK_GATE_MARGIN_THRESHOLD",
         "DSPARK_GATE_MARGIN",
-        "DSPARK_GATE_MIN_DRAFT",
         "DSPARK_GATE_DECAY",
         "DSPARK_GATE_DRAFT_MS",
         "DSPARK_GATE_VERIFY_BASE_MS",
@@ -54,7 +53,6 @@ def test_overrides_parse_every_variable():
         "DSPARK_GATE": "1",
         "DSPARK_GATE_MARGIN_THRESHOLD": "4.0",
         "DSPARK_GATE_MARGIN": "1.3",
-        "DSPARK_GATE_MIN_DRAFT": "2",
         "DSPARK_GATE_DECAY": "1",
         "DSPARK_GATE_DRAFT_MS": "20.5",
         "DSPARK_GATE_VERIFY_BASE_MS": "30",
@@ -62,8 +60,7 @@ def test_overrides_parse_every_variable():
         "DSPARK_GATE_PLAIN_MS": "25",
     }
     config = gate_config(env)
-    assert config == GateConfig(True, 4.0, 1.3, 2, 1.0, 20.5, 30.0, 2.0, 25.0)
-    assert isinstance(config.min_draft, int)
+    assert config == GateConfig(True, 4.0, 1.3, 1.0, 20.5, 30.0, 2.0, 25.0)
     cost = config.cost_model()
     assert (cost.draft_ms, cost.verify_base_ms, cost.verify_slope_ms, cost.plain_ms) == (20.5, 30.0, 2.0, 25.0)
 
@@ -83,8 +80,6 @@ def test_gate_switch_words(raw, expected):
     ("DSPARK_GATE_MARGIN_THRESHOLD", "four"),
     ("DSPARK_GATE_MARGIN", "0.99"),
     ("DSPARK_GATE_MARGIN", "abc"),
-    ("DSPARK_GATE_MIN_DRAFT", "-1"),
-    ("DSPARK_GATE_MIN_DRAFT", "1.5"),
     ("DSPARK_GATE_DECAY", "0"),
     ("DSPARK_GATE_DECAY", "1.01"),
     ("DSPARK_GATE_DECAY", "nan"),
@@ -96,9 +91,9 @@ def test_gate_switch_words(raw, expected):
     ("DSPARK_GATE_PLAIN_MS", "-303"),
     ("DSPARK_GATE_PLAIN_MS", "0"),
     # only ASCII decimal forms: int() and float() would take these
-    ("DSPARK_GATE_MIN_DRAFT", "٣"),
-    ("DSPARK_GATE_MIN_DRAFT", "3_0"),
-    ("DSPARK_GATE_MIN_DRAFT", "+3"),
+    ("DSPARK_GATE_DECAY", "٣"),
+    ("DSPARK_GATE_MARGIN", "3_0"),
+    ("DSPARK_GATE_MARGIN", "+3"),
     ("DSPARK_GATE_DRAFT_MS", "١٢"),
     ("DSPARK_GATE_DRAFT_MS", "1_0"),
     ("DSPARK_GATE_DRAFT_MS", "+5"),
@@ -118,8 +113,8 @@ def test_invalid_value_names_variable_and_value(var, raw):
 
 
 @pytest.mark.parametrize(("var", "digits"), [
-    ("DSPARK_GATE_MIN_DRAFT", 400),
-    ("DSPARK_GATE_MIN_DRAFT", 5000),  # past int()'s 4300-digit limit
+    ("DSPARK_GATE_MARGIN_THRESHOLD", 400),
+    ("DSPARK_GATE_DECAY", 5000),  # past int()'s 4300-digit limit
     ("DSPARK_GATE_DRAFT_MS", 400),
     ("DSPARK_GATE_MARGIN", 5000),
 ])
@@ -129,10 +124,12 @@ def test_huge_integer_text_is_a_value_error_naming_the_variable(var, digits):
     assert len(str(info.value)) < 200  # the value is elided, the message stays one short line
 
 
-@pytest.mark.parametrize(("raw", "expected"), [("-0", 0), (" 3 ", 3), ("007", 7)])
-def test_min_draft_accepts_ascii_integers_and_normalises_minus_zero(raw, expected):
-    config = gate_config({"DSPARK_GATE_MIN_DRAFT": raw})
-    assert config.min_draft == expected and type(config.min_draft) is int
+def test_min_draft_is_no_longer_a_setting():
+    # DSPARK_GATE_MIN_DRAFT was deleted (issue #38: no measurement supported a floor); an old
+    # deployment's variable sets no floor, and the entry point warns that it is no longer read
+    assert "DSPARK_GATE_MIN_DRAFT" not in ENV_VARS.values()
+    assert gate_config({"DSPARK_GATE_MIN_DRAFT": "2"}) == GateConfig()
+    assert "DSPARK_GATE_MIN_DRAFT" in REMOVED
 
 
 @pytest.mark.parametrize("raw", ["-0", "-0.0", "-0e5"])
@@ -148,9 +145,10 @@ def test_cost_accepts_ascii_decimal_and_exponent_forms(raw, expected):
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("win_factor", 0.5), ("decay", 0.0), ("min_draft", -2), ("min_draft", 1.0), ("draft_ms", -1.0), ("prior_weight", 0.0),
-    ("enabled", 1), ("min_draft", True), ("min_draft", 1.5), ("win_factor", float("nan")), ("decay", float("inf")),
-    ("plain_ms", 5e-324), ("draft_ms", 1e306), ("prior_weight", float("nan")), ("margin_threshold", "4"),
+    ("win_factor", 0.5), ("decay", 0.0), ("position_classes", 0), ("position_classes", 1.0), ("draft_ms", -1.0),
+    ("enabled", 1), ("position_classes", True), ("position_classes", 1.5),
+    ("win_factor", float("nan")), ("decay", float("inf")),
+    ("plain_ms", 5e-324), ("draft_ms", 1e306), ("margin_threshold", "4"),
 ])
 def test_direct_construction_validates_and_names_field(field, value):
     with pytest.raises(ValueError) as info:
@@ -158,18 +156,18 @@ def test_direct_construction_validates_and_names_field(field, value):
     assert str(info.value).startswith(f"{field}={value!r} must be ")
 
 
-@pytest.mark.parametrize("field", ["min_draft", "draft_ms", "win_factor", "decay", "prior_weight", "plain_ms"])
+@pytest.mark.parametrize("field", ["position_classes", "draft_ms", "win_factor", "decay", "plain_ms"])
 def test_huge_integer_field_is_a_value_error_not_overflow(field):
     with pytest.raises(ValueError, match=f"^{field}=1111.* \\(400 digits\\) must be"):
         dataclasses.replace(GateConfig(), **{field: int(FOUR_HUNDRED_ONES)})
 
 
 def test_numpy_numbers_are_accepted_and_normalised():
-    config = GateConfig(min_draft=np.int64(2), draft_ms=np.float32(20.0), win_factor=np.float64(1.3))
-    assert (config.min_draft, config.draft_ms, config.win_factor) == (2, 20.0, 1.3)
-    assert (type(config.min_draft), type(config.draft_ms), type(config.win_factor)) == (int, float, float)
-    with pytest.raises(ValueError, match="min_draft=np.True_"):
-        GateConfig(min_draft=np.bool_(True))
+    config = GateConfig(position_classes=np.int64(2), draft_ms=np.float32(20.0), win_factor=np.float64(1.3))
+    assert (config.position_classes, config.draft_ms, config.win_factor) == (2, 20.0, 1.3)
+    assert (type(config.position_classes), type(config.draft_ms), type(config.win_factor)) == (int, float, float)
+    with pytest.raises(ValueError, match="position_classes=np.True_"):
+        GateConfig(position_classes=np.bool_(True))
 
 
 def test_a_round_must_cost_time():

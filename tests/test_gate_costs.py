@@ -16,7 +16,8 @@ import pytest
 from dspark_proto.v1 import gateway_pb2
 from services.gateway.backends import LocalDrafterSession, LocalVerifierSession
 from verifier_fixtures import loop_of
-from services.gateway.costs import DEFAULT, ONLINE, PROFILED, CostTracker, non_decreasing, verify_line
+from services.common.monotone import non_decreasing
+from services.gateway.costs import DEFAULT, ONLINE, PROFILED, CostTracker, verify_line
 from services.gateway.gate import CostModel
 from services.gateway.profile import CostProfile, ProfileError, ProfileSettings, positions_needed, profile_sessions
 from services.settings import gate_config, gateway_settings

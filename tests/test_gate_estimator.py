@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from services.analysis.calibration import causal_ece
-from services.gateway.estimator import BucketEstimator, MarginGain, margin_bin, pool_adjacent_violators
+from services.gateway.estimator import BucketEstimator, pool_adjacent_violators
 from services.gateway.gate import (BUCKET_EDGES, NUM_BUCKETS, PROBE_FIRST, CostModel, Gate, GateConfig,
-                                   LengthChoice, decide_length)
+                                   LengthChoice)
+from services.analysis.references import decide_length
 from services.gateway.record import Reason, RoundRecord, RoundStats
 from services.gateway.rounds import Round, load_rounds
 from services.gateway.scheduler import MAX_DEFERRED_ROWS
@@ -135,33 +136,10 @@ def test_decide_length_rate_is_the_long_run_exchange_rate():
         decide_length([0.5] * 5, 5, SEED_COST, rate=0.0)
 
 
-def test_margin_threshold_auto_is_parsed_and_learns_per_margin_bin():
-    assert gate_config({"DSPARK_GATE_MARGIN_THRESHOLD": "auto"}).margin_auto is True
-    assert gate_config({"DSPARK_GATE_MARGIN_THRESHOLD": " AUTO "}).margin_threshold == 0.0
-    assert gate_config({}).margin_auto is False
-    with pytest.raises(ValueError, match="DSPARK_GATE_MARGIN_THRESHOLD"):
-        gate_config({"DSPARK_GATE_MARGIN_THRESHOLD": "automatic"})
-    assert (margin_bin(0.2), margin_bin(0.5), margin_bin(9.0)) == (0, 1, 5)
-    gains = MarginGain(0.9)
-    gains.add(0, -1.0)
-    assert not gains.losing(0)  # one round is not evidence
-    gains.add(0, -0.5)
-    gains.add(0, 0.2)  # decayed weight 2.71 >= MIN_WEIGHT, mean gain still negative
-    assert gains.losing(0) and not gains.losing(3)
-    # Through the gate (length gate off): low-margin rounds that never accept stop drafting,
-    # high-margin rounds that always accept keep drafting; the low bin is probed now and then.
-    gate = Gate(GateConfig(margin_auto=True, draft_ms=24, verify_base_ms=71, verify_slope_ms=16, plain_ms=73))
-    drafted_low, skips = 0, set()
-    for _ in range(40):
-        skip = gate.pre_draft(0.1)
-        if skip is None:
-            drafted_low += 1
-            gate.observe([8.0] * 5, gate.choose([8.0] * 5, 5).k, 0)
-        skips.add(skip)
-        assert gate.pre_draft(9.0) is None
-        gate.observe([8.0] * 5, gate.choose([8.0] * 5, 5).k, 5)
-    assert 2 <= drafted_low <= 2 + math.ceil(38 / PROBE_FIRST)
-    assert skips == {None, Reason.LEARNED_MARGIN}  # the learned threshold's own reason
+def test_margin_threshold_auto_is_refused_naming_it():
+    # the learned per-margin-bin threshold was deleted: no measurement supported it (issue #38)
+    with pytest.raises(ValueError, match="DSPARK_GATE_MARGIN_THRESHOLD='auto'"):
+        gate_config({"DSPARK_GATE_MARGIN_THRESHOLD": "auto"})
 
 
 def test_suspended_gate_drafts_only_on_probe_rounds():

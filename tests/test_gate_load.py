@@ -23,7 +23,8 @@ import pytest
 from dspark_proto.v1 import common_pb2, gateway_pb2, verifier_pb2
 from services.app import drafter_engine, start_drafter, start_verifier, verifier_engine
 from services.common.settings import BackendSettings
-from services.gateway.decision import CostModel, decide_by_survival, decide_length, draft_advantage, survival_of
+from services.analysis.references import decide_length, survival_of
+from services.gateway.decision import CostModel, draft_advantage, length_decision
 from services.gateway.gate import BUCKET_EDGES, Gate, GateConfig
 from services.common.alignment import Lockstep
 from services.common.budget import StepTimes
@@ -244,7 +245,7 @@ def test_load_seen_follows_replies_and_ignores_replies_without_a_step():
 
 def test_the_decision_is_a_function_of_confidences_estimates_and_load_only():
     """Non-anticipation: with the pricing set before the round, the gate's choice is what
-    decide_by_survival gives on the survival of the confidences and the priced costs;
+    length_decision gives on the survival of the confidences and the priced costs;
     no draft token and no later outcome enters it."""
     rng = random.Random(5)
     cfg = GateConfig(enabled=True, win_factor=1.0)
@@ -259,7 +260,7 @@ def test_the_decision_is_a_function_of_confidences_estimates_and_load_only():
         seen.observe(rng.randrange(1, 40), 1, rng.uniform(0.01, 0.5))
         gate.pricing = priced_at_load(COST, TABLE, seen, gate.rate(), 5)
         conf = [rng.uniform(-2, 8) for _ in range(5)]
-        expect = decide_by_survival(gate.survival(conf), 5, gate.pricing, 1.0, 0, gate.rate())
+        expect = length_decision(gate.survival(conf), 5, gate.pricing, 1.0, 0, gate.rate())[0]
         assert gate.choose(conf, 5).k == expect
     assert len(BUCKET_EDGES) == 5
 
@@ -276,7 +277,7 @@ def test_with_cover_the_decision_is_still_a_function_of_confidences_estimates_an
             seen.observe_cover(rng.randrange(3))
         gate.pricing = priced_at_load(OWN_COST, TABLE, seen, gate.rate(), 5)
         conf = [rng.uniform(-2, 8) for _ in range(5)]
-        expect = decide_by_survival(gate.survival(conf), 5, gate.pricing, 1.0, 0, gate.rate())
+        expect = length_decision(gate.survival(conf), 5, gate.pricing, 1.0, 0, gate.rate())[0]
         assert gate.choose(conf, 5).k == expect
 
 

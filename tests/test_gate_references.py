@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from services.gateway.estimator import expected_calibration_error
+from services.analysis.calibration import expected_calibration_error
 from services.cli import COST_SHAPES
 from services.gateway.gate import NUM_BUCKETS, CostModel, GateConfig
 from services.analysis.references import (

@@ -44,7 +44,7 @@ def test_a_dear_probe_is_priced_by_the_scoring_rule():
     loss = lam * (240.0 + 30.0 - 24.0) - s0  # value(plain) - value(probe of one draft), tokens
     assert gate.probe_loss() == pytest.approx(loss, rel=1e-12)
     assert gate.probe_gap() == math.ceil(gate.probe_loss() / PROBE_LOSS_SHARE) > 10 * PROBE_PERIOD
-    gate.wake_ms = 120.0  # a measured re-prime is reported with the streak, not priced
+    gate.probing.wake_ms = 120.0  # a measured re-prime is reported with the streak, not priced
     assert gate.probe_loss() == pytest.approx(loss, rel=1e-12) and gate.probes_dear()
     cheap = Gate(GateConfig(enabled=True, draft_ms=4.0, verify_base_ms=20.0, verify_slope_ms=5.0, plain_ms=24.0),
                  LOSING)
@@ -134,14 +134,15 @@ def test_a_never_accepted_drafter_is_let_go_and_later_generations_start_without_
     monkeypatch.setattr(engine, "open_session", lambda: opened.append(1) or real_open())
     monkeypatch.setattr(engine, "observe_tokens", lambda sid, first, ids: fed.append(len(ids)) or real_observe(
         sid, first, ids))
-    loop = service_loop()
-    gw = loop.run(never.start_gateway("sequential", warm_start=True))
+    loop, recorded, rounds = service_loop(), [], []  # every round's line; the gated generations' lines
+    gw = loop.run(never.start_gateway("sequential", recorder=recorded, warm_start=True))
     try:
         plan, runs = (("one", 180), ("two", 40), ("three", 40), ("four", 40), ("five", 8)), []
         for prompt, n in plan:
-            before = len(opened), sum(fed)
+            before = len(opened), sum(fed), len(recorded)
             gated = loop.run(collect(gw.stub, gen_request(prompt, max_tokens=n, spec="gated")))
             runs.append((len(opened) - before[0], sum(fed) - before[1]))
+            rounds.append(recorded[before[2]:])
             plain = loop.run(collect(gw.stub, gen_request(prompt, max_tokens=n, spec="off")))
             assert gated.token_ids == plain.token_ids and len(gated.token_ids) == n  # plain decode's tokens
         band = gw.scheduler.stats.warm.to_dict()["bands"]["greedy"]
@@ -156,3 +157,11 @@ def test_a_never_accepted_drafter_is_let_go_and_later_generations_start_without_
     assert runs[0][1] < 40 and runs[4][1] == 0
     assert band["losing_generations"] == 5 and band["streak"]["gap"] > 10 * PROBE_PERIOD  # the priced gap, ~480
     assert band["wake_ms"] == 0.0  # no generation woke a drafter it let go: no probe came after the sleep
+    # The recorded rounds say why: the first generation's one probe (round 17) with its priced
+    # loss, over DEAR_PROBE_TOKENS; the fifth's skips, each in the streak its band lent it.
+    probes = [r for r in rounds[0] if r.probe]
+    assert len(probes) == 1 and probes[0].submitted >= 1 and probes[0].probe_loss > DEAR_PROBE_TOKENS
+    assert not any(r.lent_streak for gen in rounds[:4] for r in gen)
+    # (its last round has one token left, no room to draft: the gate was not asked, nothing lent)
+    assert [r.lent_streak for r in rounds[4]] == [True] * 6 + [None]
+    assert not any(r.confidence_logits or r.probe for r in rounds[4])

@@ -14,7 +14,8 @@ import random
 import numpy as np
 import pytest
 
-from services.gateway.decision import CostModel, decide_by_survival, decide_length, expected_tokens, survival_of
+from services.analysis.references import decide_length, expected_tokens, survival_of
+from services.gateway.decision import CostModel, length_decision
 from services.gateway.gate import BUCKET_EDGES, NUM_BUCKETS, Calibration, Gate, GateConfig
 from services.analysis.references import HindsightGate, hindsight_hazards
 from services.gateway.rounds import Round
@@ -127,10 +128,10 @@ def test_the_gate_prices_its_block_by_the_survival():
     for conf, accepted in _dependent_rounds(400):
         gate.observe(conf, 3, accepted)
     s = gate.survival([HIGH] * 3)
-    assert gate.choose([HIGH] * 3, 3).k == decide_by_survival(s, 3, gate.cost, 1.0, 0, gate.rate())
+    assert gate.choose([HIGH] * 3, 3).k == length_decision(s, 3, gate.cost, 1.0, 0, gate.rate())[0]
     # Hand case under the seed costs at the plain rate: S = (0.5, 0.45, 0.405) drafts the whole block
     # (each position adds S_j - 109 / 303 > 0); the marginals 0.5 each stop after one draft.
-    assert decide_by_survival((0.5, 0.45, 0.405), 3, SEED_COST, 1.0) == 3
+    assert length_decision((0.5, 0.45, 0.405), 3, SEED_COST, 1.0)[0] == 3
     assert decide_length([0.5, 0.5, 0.5], 3, SEED_COST, 1.0) == 1
 
 
@@ -153,13 +154,11 @@ def test_position_classes_outside_1_to_16_are_refused(value):
 
 def test_bad_inputs_raise_naming_the_value():
     with pytest.raises(ValueError, match=r"survival\[1\]=0.6"):
-        decide_by_survival([0.5, 0.6], 2, SEED_COST)  # rises: not a survival curve
+        length_decision([0.5, 0.6], 2, SEED_COST)[0]  # rises: not a survival curve
     with pytest.raises(ValueError, match=r"survival\[0\]=nan"):
-        decide_by_survival([float("nan")], 1, SEED_COST)
+        length_decision([float("nan")], 1, SEED_COST)[0]
     with pytest.raises(ValueError, match="NaN"):
         Gate(GateConfig()).survival([1.0, float("nan")])
-    with pytest.raises(ValueError, match="cell_weight=0"):
-        SurvivalEstimator(BUCKET_EDGES, 3, 0.9, 1.0, cell_weight=0)
     with pytest.raises(ValueError, match="position classes=0"):
         SurvivalEstimator(BUCKET_EDGES, 0, 0.9, 1.0)
 

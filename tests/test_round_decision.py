@@ -1,15 +1,23 @@
 """A round's record carries its length decision's inputs and outputs (survival per position,
-lambda, value(k) per k, the step budget's cut): the recorded-rounds file keeps them, `dspark
-replay` re-decides from them, and `dspark trace-report --rounds` explains a round in one line."""
+lambda, value(k) per k, the step budget's cut, a probe's priced loss, a lent losing streak): the
+recorded-rounds file keeps them, `dspark replay` re-decides from them, and `dspark trace-report
+--rounds` explains a round in one line."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.analysis.report import why_lines
 from services.analysis.traces import Span
-from services.gateway.gate import Gate, GateConfig, Reason
+from services.gateway.gate import PROBE_FIRST, Calibration, Gate, GateConfig, Reason, Streak
 from services.gateway.record import RoundRecord
+from services.gateway.scheduler import _decision_attributes
+from services.cli import main
 from services.analysis.replay import redecide, redecided
 from services.gateway.rounds import Round, RoundLog, dump_rounds, parse_rounds, decode_rounds_json
 
@@ -69,4 +77,107 @@ def test_one_line_says_why_from_the_record_and_from_the_span():
     ("values", (float("nan"),), "'values'"), ("rate", -1.0, "'rate'")])
 def test_bad_decision_fields_are_refused_naming_them(field, value, named):
     with pytest.raises(ValueError, match=named):
+        Round("w", CONF_HIGH, 5, 5, **{field: value})
+
+
+# ---------------------------------------------------------------------------- probes and lent streaks
+# A drafter whose draft costs ten plain steps: a probe of one draft is dear (docs/gate.md §5b).
+DEAR = GateConfig(enabled=True, draft_ms=240.0, verify_base_ms=20.0, verify_slope_ms=10.0, plain_ms=24.0)
+NEVER = (0.0,) * 5  # bucket 1, never accepted below
+
+
+def _losing_gate(streak: Streak | None = None) -> Gate:
+    """A dear gate whose band lent it (when `streak`) recent rounds that lose."""
+    return Gate(DEAR, Calibration((0.0,) * 6, (0.0, 10.0, 0.0, 0.0, 0.0, 0.0), [NEVER] * 4, streak))
+
+
+def _sdk_span(record: RoundRecord):
+    """`record` through the scheduler's real span code: an OpenTelemetry SDK span, exported."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    with provider.get_tracer("test").start_as_current_span("spec_decode.round") as span:
+        span.set_attribute("spec_decode.round", 7)
+        for key, value in (("drafted", record.drafted), ("submitted", record.submitted),
+                           ("accepted", record.accepted), ("gate_reason", record.reason.value)):
+            span.set_attribute(f"spec_decode.{key}", value)
+        _decision_attributes(span, record)
+    return exporter.get_finished_spans()[0]
+
+
+def _round_span(record: RoundRecord) -> Span:
+    """The exported span of `record` as `dspark trace-report` reads it (ids fixed for the line)."""
+    return Span("spec_decode.round", "ab" * 16, "cd" * 8, None, 10, 20, dict(_sdk_span(record).attributes))
+
+
+def test_a_probe_round_records_its_priced_loss_through_file_span_and_replay():
+    gate = _losing_gate()
+    skips = [gate.pre_draft(None) for _ in range(PROBE_FIRST)]
+    assert skips == [Reason.RECENT_LOSS] * (PROBE_FIRST - 1) + [None]  # the probe is due
+    loss = gate.probe_loss()
+    assert loss == pytest.approx((240.0 + 30.0 - 24.0) / 24.0 - gate.survival([0.0])[0], rel=1e-12)
+    choice = gate.choose(NEVER, 5)
+    # without the probe's floor the rule would cut to 0: a probe verifies one draft
+    assert (choice.k, choice.probe, choice.probe_loss) == (1, True, pytest.approx(loss, rel=1e-12))
+    assert max(range(6), key=lambda k: choice.values[k]) == 0
+    rec = RoundRecord(Reason.COST, 5, 1, 0, gate.cost, confidence_logits=NEVER, choice=choice)
+    line = rec.why()
+    assert line.startswith(f"submitted 1 of 5 (cost); probe priced {loss:.3g} tokens; lambda ")
+    (back,) = parse_rounds(decode_rounds_json(dump_rounds(RoundLog((rec.to_round("w"),))))).rounds
+    assert back.probe and back.probe_loss == choice.probe_loss and back.lent_streak is None
+    assert redecide(back, gate.config) == 1  # the probe's floor re-decides it
+    assert redecide(dataclasses.replace(back, probe_loss=None), gate.config) == 0  # an ordinary round: cut to 0
+    span = _round_span(rec)
+    assert span.attr("spec_decode.probe_loss") == choice.probe_loss and span.attr("spec_decode.lent_streak") is None
+    assert why_lines([span]) == [f"{'ab' * 6} round 7: {line}"]
+    # the next round is no probe: nothing recorded of one
+    gate.observe(NEVER, 1, 0)
+    assert gate.pre_draft(None) is Reason.RECENT_LOSS
+
+
+def test_a_round_skipped_under_a_lent_streak_says_so(tmp_path, capsys):
+    gate = _losing_gate(Streak(since=3, gap=40))
+    assert gate.probing.lent and gate.streak() == Streak(3, 40)
+    assert gate.pre_draft(None) is Reason.RECENT_LOSS  # the band's streak goes on: no cold first draft
+    rec = RoundRecord(Reason.RECENT_LOSS, 0, 0, 0, gate.cost, anchor_margin=2.0, plain_ms=24.0,
+                      lent_streak=gate.probing.lent)
+    line = rec.why()
+    assert line == "submitted 0 of 0 (recent_loss); in a losing streak lent by its band; accepted 0"
+    text = dump_rounds(RoundLog((rec.to_round("w"),)))
+    assert '"lent_streak": true' in text
+    (back,) = parse_rounds(decode_rounds_json(text)).rounds
+    assert back.lent_streak is True and not back.probe and back.confidence_logits == ()
+    assert why_lines([_round_span(rec)]) == [f"{'ab' * 6} round 7: {line}"]
+    # and through `dspark trace-report --rounds` on the span file the SDK's exporter format writes
+    done = _sdk_span(rec)
+    path = tmp_path / "spans.jsonl"
+    path.write_text(done.to_json(indent=None) + "\n")
+    assert main(["trace-report", "--rounds", str(path)]) == 0
+    trace = f"{done.context.trace_id:032x}"[:12]
+    assert capsys.readouterr().out == f"{trace} round 7: {line}\n"
+    # a fresh generation's skip is its own streak, not lent; the file omits the key
+    own = RoundRecord(Reason.RECENT_LOSS, 0, 0, 0, gate.cost, lent_streak=_losing_gate().probing.lent)
+    assert '"lent_streak"' not in dump_rounds(RoundLog((own.to_round("w"),))) and "lent" not in own.why()
+
+
+def test_a_lent_streak_ends_when_a_round_drafts_on_its_merits():
+    gate = Gate(GateConfig(enabled=True), Calibration((0.0,) * 6, (0.0,) * 6, [(8.0,) * 5], Streak(0, 16)))
+    assert gate.probing.lent and gate.pre_draft(None) is None  # cold estimates: drafting pays
+    choice = gate.choose((8.0,) * 5, 5)
+    assert (choice.k, choice.probe, choice.probe_loss) == (5, False, None)
+    assert not gate.probing.lent and gate.probing.gap == PROBE_FIRST
+
+
+def test_an_older_file_without_the_new_keys_still_loads():
+    text = '{"format": "dspark-rounds", "version": 1, "metadata": {}, "rounds": [' \
+           '{"workload": "w", "confidence_logits": [1.0], "submitted": 1, "accepted": 1, "values": [0.1, 0.2],' \
+           ' "survival": [0.9], "rate": 0.003}]}'
+    (r,) = parse_rounds(decode_rounds_json(text)).rounds
+    assert (r.probe_loss, r.lent_streak, r.probe) == (None, None, False)
+
+
+@pytest.mark.parametrize("field, value", [("probe_loss", float("inf")), ("probe_loss", True), ("probe_loss", "1"),
+                                          ("lent_streak", 1), ("lent_streak", "true")])
+def test_bad_probe_and_streak_fields_are_refused_naming_them(field, value):
+    with pytest.raises(ValueError, match=f"'{field}'"):
         Round("w", CONF_HIGH, 5, 5, **{field: value})

@@ -32,7 +32,6 @@ def plain(reason, **kw):
     (drafted(0, 0, 0), Reason.BUDGET, "capped"),     # a recorded round that submitted nothing, replayed as is
     (plain(Reason.NO_ROOM), Reason.NO_ROOM, "capped"),
     (plain(Reason.ANCHOR_MARGIN), Reason.ANCHOR_MARGIN, "margin_skipped"),
-    (plain(Reason.LEARNED_MARGIN), Reason.LEARNED_MARGIN, "margin_skipped"),
     (plain(Reason.RECENT_LOSS), Reason.RECENT_LOSS, "margin_skipped"),
     (plain(Reason.NO_DRAFTER), Reason.NO_DRAFTER, "plain"),
     (plain(Reason.DRAFTER_FAILED), Reason.DRAFTER_FAILED, "plain"),

@@ -13,13 +13,14 @@ verify rounds' (k = drafts submitted, `spec_decode.verify_ms`); draft ms = mean
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
 
 from services.analysis.breakdown import RoundBreakdown
-from services.gateway.estimator import expected_calibration_error
 from services.gateway.gate import ENV_VARS, NUM_BUCKETS, bucket_index, bucket_label
 from services.gateway.values import MAX_COST_MS
 
@@ -172,3 +173,36 @@ def causal_ece(rounds: Iterable, gate) -> tuple[float | None, list[dict]]:
     means = [s / n if n else None for s, n in zip(est_sum, count)]
     ece = expected_calibration_error(means, hits, count) if sum(count) else None
     return ece, rows
+
+
+def expected_calibration_error(estimates: Sequence[float | None], matched: Sequence[int],
+                               observed: Sequence[int]) -> float:
+    """Expected calibration error of per-bucket estimates against realised matches (unitless, in [0, 1]).
+
+    ECE = sum_b (observed_b / N) * |estimates_b - matched_b / observed_b|, N = sum_b observed_b:
+    the observation-weighted mean gap between what was estimated and what happened. All three
+    sequences have one entry per bucket [B]; `estimates_b` is the (mean) P(match) held for the
+    bucket's observations, None allowed where observed_b = 0. Counts are censored observations
+    (positions 0..accepted, docs/gate.md §2).
+    Raises ValueError naming the value when the lengths differ, a count is negative or
+    matched_b > observed_b, an estimate of an observed bucket is not in [0, 1], or nothing was
+    observed.
+    """
+    if not len(estimates) == len(matched) == len(observed):
+        raise ValueError(f"ECE needs one entry per bucket: {len(estimates)} estimates, {len(matched)} matched, "
+                         f"{len(observed)} observed")
+    total = 0
+    for b, (m, o) in enumerate(zip(matched, observed)):
+        if not 0 <= m <= o:
+            raise ValueError(f"bucket {b}: need 0 <= matched={m!r} <= observed={o!r}")
+        total += o
+    if total == 0:
+        raise ValueError("ECE of zero observations is undefined")
+    error = 0.0
+    for b, (e, m, o) in enumerate(zip(estimates, matched, observed)):
+        if o == 0:
+            continue
+        if e is None or not (isinstance(e, (int, float)) and math.isfinite(e) and 0.0 <= e <= 1.0):
+            raise ValueError(f"bucket {b}: estimate={e!r} must be a number in [0, 1]")
+        error += o / total * abs(e - m / o)
+    return error

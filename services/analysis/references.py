@@ -20,17 +20,23 @@ accepted count of a longer block is unknown (censored), so the oracle counts a, 
 The recorded rounds in tests/data are always-k rounds (s = the full block), so the limit
 never binds there.
 
+It also keeps the decision rule for independent positions (`survival_of`, `expected_tokens`,
+`decide_length`, `round_rate`): the product of per-position marginals the gate priced with before
+its conditional estimate (docs/gate.md §4), a reference the tests and analyses compare against.
+
 It must not read files, print, or make live decisions: it replays what was recorded.
 """
 
 from __future__ import annotations
 
 import bisect
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from services.gateway.decision import DEFAULT_WIN_FACTOR, _check_count, _expected_totals, length_decision
 from services.gateway.gate import BUCKET_EDGES, NUM_BUCKETS, CostModel, Gate, GateConfig, LengthChoice
 from services.gateway.record import Reason, RoundRecord, RoundStats, drafted_reason
 from services.gateway.rounds import Round
@@ -38,6 +44,47 @@ from services.gateway.values import short_repr
 
 REFERENCES = ("best-fixed-k", "calibrated-hindsight", "oracle")
 _MAX_ORACLE_ITERATIONS = 1000  # Dinkelbach converges in a handful; this only bounds a float tie cycle
+
+
+def _check_probs(match_probs: Sequence[float], n: int) -> None:
+    for pos, p in enumerate(match_probs[:n]):
+        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p <= 1.0:
+            raise ValueError(f"match probability [{pos}]={short_repr(p)} outside [0, 1]")
+
+
+def survival_of(match_probs: Sequence[float]) -> tuple[float, ...]:
+    """The survival curve of independent positions: S_j = prod_{i<=j} p_i (floats in [0, 1]).
+    Only right where a position's acceptance does not depend on the earlier ones. Trusted inputs."""
+    out, s = [], 1.0
+    for p in match_probs:
+        s *= p
+        out.append(s)
+    return tuple(out)
+
+
+def expected_tokens(match_probs: Sequence[float], n: int) -> float:
+    """E[tokens(n)] = 1 + sum_{i<n} prod_{j<=i} p_j for independent positions (tokens; the 1 is
+    the bonus or plain token). Raises ValueError unless n is an integer in [0, len(match_probs)]
+    and match_probs[:n] are numbers in [0, 1]."""
+    n = _check_count("n", n, len(match_probs))
+    _check_probs(match_probs, n)
+    return _expected_totals(survival_of(match_probs[:n]), n)[n]
+
+
+def round_rate(cost: CostModel, match_probs: Sequence[float], n: int) -> float:
+    """E[tokens(n)] / cost.round_ms(n) for independent positions, tokens per ms. Raises as
+    `expected_tokens`."""
+    return expected_tokens(match_probs, n) / cost.round_ms(n)
+
+
+def decide_length(match_probs: Sequence[float], max_n: int, cost: CostModel,
+                  win_factor: float = DEFAULT_WIN_FACTOR, floor: int = 0, rate: float | None = None) -> int:
+    """The gate's length rule (`decision.length_decision`) on independent positions: the survival
+    is `survival_of(match_probs)`. Raises ValueError as `length_decision`, and on a probability
+    outside [0, 1] (NaN included) among match_probs[:max_n]."""
+    max_n = _check_count("max_n", max_n, len(match_probs))
+    _check_probs(match_probs, max_n)
+    return length_decision(survival_of(match_probs[:max_n]), max_n, cost, win_factor, floor, rate)[0]
 
 
 def replayed_round(rec: Round, n: int | None, cost: CostModel, skipped: Reason = Reason.NO_DRAFTER) -> RoundRecord:

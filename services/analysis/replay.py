@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from services.gateway.decision import pick_length
-from services.gateway.estimator import expected_calibration_error
+from services.analysis.calibration import expected_calibration_error
 from services.gateway.gate import Calibration, CostModel, Gate, GateConfig
 from services.gateway.record import RoundStats
 from services.analysis.references import (  # noqa: F401 - replayed_round is re-exported
@@ -392,13 +392,14 @@ def report_to_dict(report: ReplayReport) -> dict:
 def redecide(rec: Round, config: GateConfig) -> int | None:
     """The length a recorded round's own decision inputs choose under `config`'s win factor and
     floor (`decision.pick_length` over its recorded value(k), E[tokens(max_n)] from its
-    recorded survival): the k it submitted, when the gate made the decision it recorded. None
-    when the round recorded no decision (an older file, a round the step budget chose)."""
+    recorded survival; a probe round's floor is one draft, as the gate's, else 0): the k it submitted,
+    when the gate made the decision it recorded. None when the round recorded no decision (an
+    older file, a round the step budget chose)."""
     if not rec.values or rec.survival is None or len(rec.survival) + 1 < len(rec.values):
         return None
     max_n = len(rec.values) - 1
     full = 1.0 + sum(rec.survival[:max_n])
-    return pick_length(rec.values, full, config.win_factor, min(config.min_draft, max_n))
+    return pick_length(rec.values, full, config.win_factor, min(1 if rec.probe else 0, max_n))
 
 
 def redecided(rounds: Sequence[Round], config: GateConfig) -> tuple[int, int]:

@@ -394,6 +394,7 @@ def why_lines(spans: Sequence[Span]) -> list[str]:
         line = explain(str(a("spec_decode.gate_reason", "?")), int(a("spec_decode.submitted", 0)),
                        int(a("spec_decode.drafted", 0)), int(a("spec_decode.accepted", 0)), a("spec_decode.asked"),
                        tuple(a("spec_decode.survival", ()) or ()), a("spec_decode.lambda"),
-                       tuple(a("spec_decode.values", ()) or ()), tuple(a("spec_decode.regime", ()) or ()))
+                       tuple(a("spec_decode.values", ()) or ()), tuple(a("spec_decode.regime", ()) or ()),
+                       a("spec_decode.probe_loss"), bool(a("spec_decode.lent_streak", False)))
         lines.append(f"{sp.trace_id[:12]} round {a('spec_decode.round', '?')}: {line}")
     return lines

@@ -28,7 +28,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from services.common.monotone import non_decreasing  # noqa: F401 (re-exported)
+from services.common.monotone import non_decreasing
 from services.common.settings import COST_MODES, PINNABLE_COSTS
 from services.gateway.gate import CostModel
 from services.gateway.profile import CostProfile
@@ -36,7 +36,6 @@ from services.gateway.values import MIN_COST_MS
 
 MIN_SAMPLES = 5
 EWMA_ALPHA = 0.1
-MAX_VERIFY_SAMPLES = 4096  # most recent verify rounds kept (their count is reported)
 PINNABLE = PINNABLE_COSTS  # the cost fields a DSPARK_GATE_*_MS variable sets (and so pins)
 # Every reported field of the costs in force.
 REPORTED = ("draft_ms", "verify_base_ms", "verify_slope_ms", "verify_table", "plain_ms", "commit_ms")

@@ -2,8 +2,9 @@
 
 Owns `CostModel` (what a round costs, ms) and the arithmetic of the length choice: expected
 tokens from a block's survival curve (S_j = P(positions 0..j all accepted)), the long-run-rate
-objective (`decide_by_survival`; `decide_length` for independent positions) and the pre-draft
-value of drafting (`draft_advantage`), docs/gate.md §2. It keeps no state and never estimates
+objective (`length_decision`, `pick_length`) and the pre-draft value of drafting
+(`draft_advantage`), docs/gate.md §2 (a product of independent marginals is a reference,
+`services.analysis.references.decide_length`). It keeps no state and never estimates
 probabilities (`services.gateway.survival` does) or decides when to probe (`services.gateway.gate`
 does).
 Units: costs in ms, expected tokens in tokens, rates in tokens per ms.
@@ -12,7 +13,6 @@ Units: costs in ms, expected tokens in tokens, rates in tokens per ms.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,12 +26,6 @@ def _check_count(name: str, value: object, upper: int) -> int:
     if not is_integer(value) or not 0 <= value <= upper:
         raise ValueError(f"{name}={short_repr(value)} must be an integer in [0, {upper}]")
     return int(value)
-
-
-def _check_probs(match_probs: Sequence[float], n: int) -> None:
-    for pos, p in enumerate(match_probs[:n]):
-        if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0.0 <= p <= 1.0:
-            raise ValueError(f"match probability [{pos}]={short_repr(p)} outside [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -115,43 +109,12 @@ class CostModel:
         """
         return self.draft_ms + self.plain_ms + self.commit_ms
 
-    def rate(self, match_probs: Sequence[float], n: int) -> float:
-        """E[tokens(n)] / cost(n), in tokens per ms."""
-        return expected_tokens(match_probs, n) / self.round_ms(n)
-
-
-def survival_of(match_probs: Sequence[float]) -> tuple[float, ...]:
-    """The survival curve of independent positions: S_j = prod_{i<=j} p_i (floats in [0, 1]).
-
-    Only right where each position's acceptance does not depend on the earlier ones; the gate
-    prices blocks with its conditional estimate instead (`services.gateway.survival`).
-    Inputs are trusted."""
-    out, s = [], 1.0
-    for p in match_probs:
-        s *= p
-        out.append(s)
-    return tuple(out)
-
-
 def _expected_totals(survival: Sequence[float], n: int) -> list[float]:
     """E[tokens(k)] = 1 + sum_{j<k} S_j for k = 0..n (inputs already validated)."""
     totals = [1.0]
     for s in survival[:n]:
         totals.append(totals[-1] + s)
     return totals
-
-
-def expected_tokens(match_probs: Sequence[float], n: int) -> float:
-    """E[tokens(n)] = 1 + sum_{i<n} prod_{j<=i} p_j for independent positions (docs/gate.md §2),
-    in tokens: the survival of `survival_of(match_probs)`.
-
-    `match_probs[j]` is P(draft position j matches); the leading 1 is the bonus (or plain) token.
-    Raises ValueError unless n is an integer in [0, len(match_probs)] and match_probs[:n] are
-    numbers in [0, 1].
-    """
-    n = _check_count("n", n, len(match_probs))
-    _check_probs(match_probs, n)
-    return _expected_totals(survival_of(match_probs[:n]), n)[n]
 
 
 def _values(survival: Sequence[float], max_n: int, cost: CostModel, rate: float) -> list[float]:
@@ -164,7 +127,7 @@ def pick_length(values: Sequence[float], full_tokens: float, win_factor: float, 
     """The length rule on value(k) for k = 0..max_n (tokens, max_n = len(values) - 1): the
     full block unless a truncation n in [floor, max_n) beats it by more than (win_factor - 1) *
     full_tokens (E[tokens(max_n)]); ties between truncations go to the longer one. Inputs are
-    trusted (`decide_by_survival` checks them; a round record's recorded values replay through
+    trusted (`length_decision` checks them; a round record's recorded values replay through
     here, `services.analysis.replay.redecide`)."""
     max_n = len(values) - 1
     if max_n <= 0:
@@ -178,44 +141,12 @@ def pick_length(values: Sequence[float], full_tokens: float, win_factor: float, 
     return max_n
 
 
-
-
-def decide_length(
-    match_probs: Sequence[float],
-    max_n: int,
-    cost: CostModel,
-    win_factor: float = DEFAULT_WIN_FACTOR,
-    min_draft: int = 0,
-    rate: float | None = None,
-) -> int:
-    """`decide_by_survival` for independent positions: the survival is `survival_of(match_probs)`.
-
-    Raises ValueError as `decide_by_survival`, and on a probability outside [0, 1] (NaN
-    included) among match_probs[:max_n].
-    """
-    max_n = _check_count("max_n", max_n, len(match_probs))
-    _check_probs(match_probs, max_n)
-    return decide_by_survival(survival_of(match_probs[:max_n]), max_n, cost, win_factor, min_draft, rate)
-
-
-def decide_by_survival(
-    survival: Sequence[float],
-    max_n: int,
-    cost: CostModel,
-    win_factor: float = DEFAULT_WIN_FACTOR,
-    min_draft: int = 0,
-    rate: float | None = None,
-) -> int:
-    """`length_decision`'s length alone (tokens). Raises as `length_decision`."""
-    return length_decision(survival, max_n, cost, win_factor, min_draft, rate)[0]
-
-
 def length_decision(
     survival: Sequence[float],
     max_n: int,
     cost: CostModel,
     win_factor: float = DEFAULT_WIN_FACTOR,
-    min_draft: int = 0,
+    floor: int = 0,
     rate: float | None = None,
 ) -> tuple[int, tuple[float, ...]]:
     """Draft tokens to submit after drafting, and value(k) for k = 0..max_n (tokens, what a
@@ -228,17 +159,19 @@ def length_decision(
     paid either way, so only verify(n) against a plain step tells the choices apart). `rate`
     (tokens per ms) is the long-run rate the generation earns; maximising this difference per
     round maximises tokens per ms over the generation (docs/gate.md §2); None uses the plain
-    rate 1 / plain_ms, the least any policy can earn. n ranges over [min(min_draft, max_n),
-    max_n]. A truncation (n < max_n, 0 included) is taken only when its value beats the full
+    rate 1 / plain_ms, the least any policy can earn. n ranges over [min(floor, max_n), max_n]
+    (a probe's floor is 1 draft, docs/gate.md §5b). A truncation (n < max_n, 0 included) is taken only when its value beats the full
     block's by more than (win_factor - 1) * E[tokens(max_n)]; ties between truncations go to the
     longer one. Raises ValueError naming the value on a max_n that is not an integer in [0,
-    len(survival)], a win_factor or min_draft GateConfig would reject, a survival[:max_n] entry
+    len(survival)], a win_factor GateConfig would reject, a floor that is not an integer >= 0, a survival[:max_n] entry
     outside [0, 1] (NaN included) or above the one before it, or a rate that is not a finite
     number > 0.
     """
     max_n = _check_count("max_n", max_n, len(survival))
     factor = check_setting("win_factor", win_factor, "win_factor")
-    floor = min(check_setting("min_draft", min_draft, "min_draft"), max_n)
+    if not is_integer(floor) or floor < 0:
+        raise ValueError(f"floor={short_repr(floor)} must be an integer >= 0")
+    floor = min(int(floor), max_n)
     lam = 1.0 / cost.plain_ms if rate is None else finite_float(rate)
     if lam is None or lam <= 0:
         raise ValueError(f"rate={short_repr(rate)} must be a finite number > 0 (tokens per ms)")

@@ -1,6 +1,4 @@
-"""The gate's estimators: P(match | confidence bucket) and the anchor-margin gain table, and
-how well per-bucket estimates were calibrated (`expected_calibration_error`, read by replay
-and by `dspark calibrate`).
+"""The gate's per-bucket estimator, P(match | confidence bucket).
 
 This module owns the arithmetic of what the gate believes; it never decides (the gate does),
 never counts rounds (the record fold does) and never reads the environment. docs/gate.md §3–§4
@@ -30,14 +28,11 @@ bucket holds o_b ~ 10, so the pull is under a tenth of the gap.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 
 # Prior mean of a bucket whose neighbours have no evidence either: optimistic, so a cold gate
 # drafts the full block and an unexplored confidence range is tried rather than assumed bad.
 COLD_MEAN = 1.0
-# Anchor-margin bins for the automatic pre-draft threshold (top1 - top2 logit): lower edges.
-MARGIN_EDGES = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 def pool_adjacent_violators(values: Sequence[float], weights: Sequence[float]) -> list[float]:
@@ -116,75 +111,3 @@ class BucketEstimator:
                 out.append(min(1.0, max(0.0, fit.get(b, q))))
             self._cache = tuple(itertools.accumulate(out, max))  # unseen neighbours stay in order too
         return self._cache
-
-
-def margin_bin(anchor_margin: float) -> int:
-    """Bin (0..len(MARGIN_EDGES)) of an anchor margin; lower edge inclusive."""
-    return sum(anchor_margin >= edge for edge in MARGIN_EDGES)
-
-
-class MarginGain:
-    """The learned pre-draft threshold (`DSPARK_GATE_MARGIN_THRESHOLD=auto`).
-
-    Per anchor-margin bin, a decayed mean of the realised gain of drafting, in tokens: for a
-    drafted round, (tokens it yielded - lambda * its cost) - (1 - lambda * plain_ms), i.e. the
-    round's value against the plain step it replaced under the long-run objective. This is
-    E[accepted | margin] priced, so it learns P(accept | anchor margin) and what it is worth.
-    A bin whose mean gain is negative, with at least `MIN_WEIGHT` rounds of evidence, skips.
-    """
-
-    MIN_WEIGHT = 2.0
-
-    def __init__(self, decay: float) -> None:
-        self.decay = decay
-        self.gain = [0.0] * (len(MARGIN_EDGES) + 1)
-        self.weight = [0.0] * (len(MARGIN_EDGES) + 1)
-
-    def add(self, bin_index: int, gain_tokens: float) -> None:
-        """One drafted round of margin bin `bin_index` and its realised gain (tokens)."""
-        self.gain[bin_index] = self.gain[bin_index] * self.decay + gain_tokens
-        self.weight[bin_index] = self.weight[bin_index] * self.decay + 1.0
-
-    def losing(self, bin_index: int) -> bool:
-        """True when bin `bin_index` has evidence and drafting there loses on average."""
-        w = self.weight[bin_index]
-        return w >= self.MIN_WEIGHT and self.gain[bin_index] / w < 0.0
-
-    def to_dict(self) -> list[dict]:
-        """Per bin: its lower edge, mean gain (tokens; None without evidence) and weight."""
-        lows = (-math.inf, *MARGIN_EDGES)
-        return [{"from": low if math.isfinite(low) else None, "mean_gain": g / w if w else None, "weight": w}
-                for low, g, w in zip(lows, self.gain, self.weight)]
-
-
-def expected_calibration_error(estimates: Sequence[float | None], matched: Sequence[int],
-                               observed: Sequence[int]) -> float:
-    """Expected calibration error of per-bucket estimates against realised matches (unitless, in [0, 1]).
-
-    ECE = sum_b (observed_b / N) * |estimates_b - matched_b / observed_b|, N = sum_b observed_b:
-    the observation-weighted mean gap between what was estimated and what happened. All three
-    sequences have one entry per bucket [B]; `estimates_b` is the (mean) P(match) held for the
-    bucket's observations, None allowed where observed_b = 0. Counts are censored observations
-    (positions 0..accepted, docs/gate.md §2).
-    Raises ValueError naming the value when the lengths differ, a count is negative or
-    matched_b > observed_b, an estimate of an observed bucket is not in [0, 1], or nothing was
-    observed.
-    """
-    if not len(estimates) == len(matched) == len(observed):
-        raise ValueError(f"ECE needs one entry per bucket: {len(estimates)} estimates, {len(matched)} matched, "
-                         f"{len(observed)} observed")
-    total = 0
-    for b, (m, o) in enumerate(zip(matched, observed)):
-        if not 0 <= m <= o:
-            raise ValueError(f"bucket {b}: need 0 <= matched={m!r} <= observed={o!r}")
-        total += o
-    if total == 0:
-        raise ValueError("ECE of zero observations is undefined")
-    error = 0.0
-    for b, (e, m, o) in enumerate(zip(estimates, matched, observed)):
-        if o == 0:
-            continue
-        if e is None or not (isinstance(e, (int, float)) and math.isfinite(e) and 0.0 <= e <= 1.0):
-            raise ValueError(f"bucket {b}: estimate={e!r} must be a number in [0, 1]")
-        error += o / total * abs(e - m / o)
-    return error

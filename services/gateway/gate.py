@@ -1,10 +1,12 @@
-"""Confidence gate: one generation's choice of how many drafted tokens to verify.
+"""Confidence gate: one generation's choice of whether to draft and how many drafts to verify.
 
-This module owns the gate's estimator (decayed per-bucket match counts with an optimistic
-prior), the cost model and the length decision, and the typed `GateConfig`. It must not count
-rounds (the `services.gateway.record` fold does), read the environment (`services.settings`
-does, at the entry point), time anything or talk to a backend: it is pure arithmetic on the
-confidences and counts it is handed.
+This module owns the per-generation `Gate` (the pre-draft decision, the length choice and what
+it learns from a verified round), the typed `GateConfig`, the confidence buckets, a round's
+`Reason` and the warm-start snapshot `Calibration`. It composes the estimate
+(`services.gateway.survival`), the scoring rule (`services.gateway.decision`) and the probe
+schedule (`services.gateway.probe`). It must not count rounds (the `services.gateway.record`
+fold does), read the environment (`services.settings` does, at the entry point), time anything
+or talk to a backend: it is pure arithmetic on the confidences and counts it is handed.
 
 docs/architecture.md §5 summarises the gate; docs/gate.md states every formula, the bucket
 edges, the prior and the decisions taken where the reference measurements are silent.
@@ -21,9 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from services.gateway.decision import (DEFAULT_WIN_FACTOR, CostModel, _check_count,  # noqa: F401 (re-exported)
-                                      decide_by_survival, decide_length, draft_advantage, expected_tokens,  # noqa: F401
-                                      length_decision)
-from services.gateway.estimator import MarginGain, margin_bin
+                                      draft_advantage, length_decision)
+from services.gateway.probe import (DEAR_PROBE_TOKENS, PROBE_FIRST, PROBE_LOSS_SHARE, PROBE_PERIOD,  # noqa: F401
+                                   ProbeSchedule, Streak, probe_loss)
 from services.gateway.survival import DEFAULT_POSITION_CLASSES, GREEDY_BAND, SurvivalEstimator, survival_from_hazards
 from services.gateway.values import check_setting, finite_float, is_integer, short_repr
 
@@ -34,26 +36,7 @@ BUCKET_EDGES = (-0.5, 0.5, 1.5, 3.0, 6.0)
 NUM_BUCKETS = len(BUCKET_EDGES) + 1
 # Weight (pseudo-observations) of each bucket's pooled prior (services.gateway.estimator): weak,
 # so a bucket's own evidence decides as soon as it has a few observations.
-DEFAULT_PRIOR_WEIGHT = 1.0
-# Probing while speculation loses (drafting suspended, or every draft cut to 0): the first probe
-# comes PROBE_FIRST rounds into a losing streak and each further one after twice the previous
-# gap, at most PROBE_PERIOD rounds apart. A probe drafts and verifies at least one token, so the
-# estimates can learn that the workload changed; a short bad burst is left quickly, and a
-# drafter that keeps losing costs one probe per PROBE_PERIOD rounds (a dear probe: rarer, below).
-PROBE_FIRST = 16
-PROBE_PERIOD = 32
-# Dear probes. A probe's expected loss against the plain step it replaces is priced with the one
-# scoring rule at the plain rate, value(plain) - value(probe) = (cost(1) - plain_ms) / plain_ms -
-# S_0 tokens (`Gate.probe_loss`). One that costs more than DEAR_PROBE_TOKENS (a drafter whose
-# draft costs several plain steps) is dear: after the
-# streak's first probe no gap is shorter than loss / PROBE_LOSS_SHARE rounds, and the streak is
-# lent to the band's next generations (docs/gate.md §6), whose cold first draft and early probes
-# would each cost as much.
-# A cheap probe keeps the doubling schedule and a generation starts afresh: a good workload is
-# then never held back behind a losing neighbour, and replayed, cheap probes priced at 1 % lost
-# more on workloads that come and go (prose, 40 % accepted) than they saved.
-DEAR_PROBE_TOKENS = 1.0  # the live oracle here: 3-7 tokens; the reference costs: 1.0 - S_0
-PROBE_LOSS_SHARE = 0.01
+PRIOR_WEIGHT = 1.0
 # Per-round forgetting of the long-run rate estimate lambda (tokens / ms): about 20 rounds.
 RATE_DECAY = 0.95
 # Drafted rounds whose confidences the pre-draft decision re-prices with the current estimates.
@@ -65,7 +48,6 @@ ENV_VARS = {
     "enabled": ENV_PREFIX,
     "margin_threshold": f"{ENV_PREFIX}_MARGIN_THRESHOLD",
     "win_factor": f"{ENV_PREFIX}_MARGIN",  # the variable keeps its published name
-    "min_draft": f"{ENV_PREFIX}_MIN_DRAFT",
     "decay": f"{ENV_PREFIX}_DECAY",
     "draft_ms": f"{ENV_PREFIX}_DRAFT_MS",
     "verify_base_ms": f"{ENV_PREFIX}_VERIFY_BASE_MS",
@@ -82,7 +64,6 @@ class Reason(enum.Enum):
     DRAFTER_FAILED = "drafter_failed"  # the draft call failed (or gave nothing): plain step
     NO_ROOM = "no_room"                # max_tokens / max_seq_len leave no draft to submit: not drafted
     ANCHOR_MARGIN = "anchor_margin"    # pre-draft: the anchor's logit margin is below MARGIN_THRESHOLD
-    LEARNED_MARGIN = "learned_margin"  # pre-draft: drafting at this anchor-margin bin has lost (threshold auto)
     RECENT_LOSS = "recent_loss"        # pre-draft: the recent drafted rounds, re-priced, lost to plain decode
     STEP_PRICE = "step_price"          # pre-draft: at the verifier step's price no draft would be admitted
     REGIME = "regime"                  # the gateway ran gated rounds plain at this concurrency (not drafted)
@@ -91,7 +72,7 @@ class Reason(enum.Enum):
 
 
 # The reasons `Gate.pre_draft` gives for not drafting.
-PRE_DRAFT_SKIPS = (Reason.ANCHOR_MARGIN, Reason.LEARNED_MARGIN, Reason.RECENT_LOSS, Reason.STEP_PRICE)
+PRE_DRAFT_SKIPS = (Reason.ANCHOR_MARGIN, Reason.RECENT_LOSS, Reason.STEP_PRICE)
 
 
 def _logit(value: object, where: str) -> float:
@@ -143,11 +124,9 @@ class GateConfig:
 
     enabled: length choice on (DSPARK_GATE); off = always submit max_n.
     margin_threshold: pre-draft gate on the anchor's top1 - top2 logit margin; 0 = disabled.
-    margin_auto: learn the pre-draft margin gate instead (MARGIN_THRESHOLD=auto; bool).
-    win_factor: factor a truncation must win by (>= 1). min_draft: floor on submitted drafts (tokens).
+    win_factor: factor a truncation must win by (>= 1).
     decay: forgetting per observation in a bucket (and per drafted round of a margin bin).
-    *_ms: cost model (ms). prior_weight: pseudo-observations of each bucket's pooled prior
-    (not an env var). position_classes: position classes of the survival estimate (an integer
+    *_ms: cost model (ms). position_classes: position classes of the survival estimate (an integer
     in [1, 16]; 1 = the pooled per-bucket rate at every position, docs/gate.md §4; not an env var).
     Values are normalised (numpy numbers to int/float, -0.0 to 0.0). Raises ValueError naming
     the field and value on an invalid setting.
@@ -156,22 +135,15 @@ class GateConfig:
     enabled: bool = False
     margin_threshold: float = 0.0
     win_factor: float = DEFAULT_WIN_FACTOR
-    min_draft: int = 0
     decay: float = 0.9
     draft_ms: float = 196.0
     verify_base_ms: float = 300.0
     verify_slope_ms: float = 109.0
     plain_ms: float = 303.0
-    prior_weight: float = DEFAULT_PRIOR_WEIGHT
-    margin_auto: bool = False
     position_classes: int = DEFAULT_POSITION_CLASSES
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name == "margin_auto":
-                if not isinstance(self.margin_auto, bool):
-                    raise ValueError(f"margin_auto={short_repr(self.margin_auto)} must be a bool")
-                continue
             object.__setattr__(self, f.name, check_setting(f.name, getattr(self, f.name), f.name))
         self.cost_model()  # the rule across the costs
 
@@ -181,41 +153,15 @@ class GateConfig:
 
 
 @dataclass(frozen=True)
-class Streak:
-    """A losing streak, as a later generation of the band continues it (docs/gate.md §5b, §6).
-
-    since: rounds since the last verified draft (an integer >= 0). gap: rounds from one probe
-    to the next (an integer >= 1). wake_ms: what re-priming the drafter cost the last probe
-    that woke it, ms (finite, >= 0; 0 when not measured; reported, not priced). Raises
-    ValueError naming the field and value.
-    """
-
-    since: int = 0
-    gap: int = PROBE_FIRST
-    wake_ms: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name, least in (("since", 0), ("gap", 1)):
-            value = getattr(self, name)
-            if not is_integer(value) or value < least:
-                raise ValueError(f"streak {name}={short_repr(value)} must be an integer >= {least}")
-            object.__setattr__(self, name, int(value))
-        wake = finite_float(self.wake_ms)
-        if isinstance(self.wake_ms, bool) or wake is None or wake < 0:
-            raise ValueError(f"streak wake_ms={short_repr(self.wake_ms)} must be a finite number >= 0")
-        object.__setattr__(self, "wake_ms", wake)
-
-
-@dataclass(frozen=True)
 class Calibration:
     """Frozen state used to warm-start a Gate (docs/gate.md §6).
 
     matched, observed: per-bucket counts (NUM_BUCKETS floats each, decayed or scaled weights
     in observations, 0 <= matched <= observed). recent: confidence logits of up to
     RECENT_ROUNDS recently drafted rounds (one tuple of floats per round, oldest first), which
-    the new gate's first pre-draft decisions re-price as if it had drafted them itself; empty:
-    the gate drafts its first round. streak: the losing streak the new gate continues
-    (docs/gate.md §6), or None. Raises ValueError naming the bucket, round or streak when a
+    the new gate's first pre-draft decisions re-price as if it had drafted them itself (lent
+    with a losing band's streak; empty: the gate drafts its first round). streak: the losing
+    streak the new gate continues (docs/gate.md §6), or None. Raises ValueError naming the bucket, round or streak when a
     count is not finite, matched > observed, a bucket is missing, a recent logit is NaN or not
     a number, or the streak is not a `Streak`.
     """
@@ -250,7 +196,9 @@ class LengthChoice:
     decision read and weighed, for the round's record and span (empty when no rule ran: a
     disabled gate, or the step budget choosing the length): `survival`, S_j per position up to
     the cap; `rate`, lambda (tokens per ms); `values`, value(k) = E[tokens(k)] - lambda *
-    cost(k) for k = 0..max_n (tokens); `probe`, a probe round (at least one draft)."""
+    cost(k) for k = 0..max_n (tokens); `probe`, a probe round (at least one draft); `probe_loss`,
+    a probe's priced loss against a plain step (tokens, `services.gateway.probe.probe_loss`;
+    None unless `probe`)."""
 
     k: int
     max_n: int
@@ -258,6 +206,7 @@ class LengthChoice:
     rate: float | None = None
     values: tuple[float, ...] = ()
     probe: bool = False
+    probe_loss: float | None = None
 
     @property
     def cut(self) -> bool:
@@ -270,14 +219,14 @@ class Gate:
 
     One Gate per generation, never shared, so a generation's draft lengths (and so its output)
     never depend on concurrent generations. `calibration` optionally warm-starts the bucket
-    counts from a frozen snapshot; the snapshot is copied, never written back.
-    A round: pre_draft(margin) -> [draft] -> choose(confidences, max_n) -> [verify]
-    -> observe(confidences, submitted, accepted). Every decision prices a block by its
+    counts (and, from a losing band, its streak) from a frozen snapshot; copied, never written
+    back. A round: pre_draft(margin) -> [draft] -> choose(confidences, max_n) -> [verify] ->
+    observe(confidences, submitted, accepted). Every decision prices a block by its
     `survival(confidences)` (services.gateway.survival); `band` names the sampling band the
     generation's estimates belong to (docs/gate.md §6a). Besides the estimator (`learn`), the
     gate keeps the long-run rate estimate `rate()` (decayed tokens over decayed modelled ms of
-    the rounds it decided), its recent drafted confidences for the pre-draft decision, and the
-    round count of its current losing streak (for probing). It counts no rounds for reporting:
+    the rounds it decided), its recent drafted confidences for the pre-draft decision and its
+    losing streak's probe schedule (`probing`, services.gateway.probe). It counts no rounds:
     the caller records each round (`services.gateway.record`).
     """
 
@@ -286,24 +235,14 @@ class Gate:
         self.cost = config.cost_model()
         warm = {band: (calibration.matched, calibration.observed)} if calibration else None
         self.survival_estimator = SurvivalEstimator(BUCKET_EDGES, config.position_classes, config.decay,
-                                                    config.prior_weight, warm)
+                                                    PRIOR_WEIGHT, warm)
         # The band's pooled per-bucket counts (the warm start lends and borrows these).
         self.estimator = self.survival_estimator.band(band).pooled
-        self.margin_gain = MarginGain(config.decay)
         self._tokens = self._ms = 0.0  # decayed sums behind rate()
-        # Confidences of the last RECENT_ROUNDS drafted rounds; a warm start lends it the band's
-        # recent rounds, so the first pre-draft decision already prices what the band drafts.
+        # Confidences of the last RECENT_ROUNDS drafted rounds; a losing band lends its own, so
+        # the first pre-draft decision already prices what the band drafts.
         self._recent: list[list[float]] = [list(c) for c in calibration.recent] if calibration else []
-        self._since = 0  # rounds asked since the last verified draft
-        self._gap = PROBE_FIRST  # rounds from one probe of a losing streak to the next
-        # What re-priming a drafter let go during a losing streak cost (ms; 0 unmeasured): the
-        # caller measures each wake; reported with the streak (Stats), not priced (`probe_loss`).
-        self.wake_ms = 0.0
-        if calibration is not None and calibration.streak is not None:  # the band's losing streak goes on
-            streak = calibration.streak
-            self._since, self._gap, self.wake_ms = streak.since, streak.gap, streak.wake_ms
-        self._probe = False  # this round must verify at least one draft
-        self._margin_bin: int | None = None  # the drafted round's anchor-margin bin (auto threshold)
+        self.probing = ProbeSchedule(calibration.streak if calibration else None)
         # The costs decisions price rounds with; None: `cost`. The caller may re-price them for
         # the verifier's load before a round (`services.gateway.load.priced_at_load`); the
         # rate and the records keep `cost`, what a round costs its own generation.
@@ -347,101 +286,66 @@ class Gate:
         of floats per round: what the pre-draft decision re-prices."""
         return tuple(tuple(c) for c in self._recent)
 
-    def match_probs(self, confidence_logits: Sequence[float]) -> list[float]:
-        """The pooled P(match | bucket) per draft position from its confidence bucket alone
-        (what calibration reports read; decisions price `survival`). Raises ValueError naming
-        the position on a NaN or non-number confidence.
-        """
-        est = self.estimates()
-        return [est[bucket_index(c)] for c in _logits(confidence_logits)]
-
     def pre_draft(self, anchor_margin: float | None) -> Reason | None:
         """The pre-draft decision (docs/gate.md §5b): None drafts; otherwise the `Reason` of a
         plain decode instead (one of `PRE_DRAFT_SKIPS`).
 
         Skips when (1) the margin threshold is > 0 and the anchor's top1 - top2 logit margin is
-        below it (ANCHOR_MARGIN), (2) with margin_auto, drafting at this margin's bin has lost
-        on average (LEARNED_MARGIN), or (3) with the length gate enabled, the recent drafted
-        rounds, re-priced with the current estimates, say drafting is worth less than its cost
-        (`draft_advantage` < 0: RECENT_LOSS). (2) and (3) draft anyway on the losing streak's
-        probe rounds (PROBE_FIRST rounds in, then at `probe_gap`), and a
-        probe verifies at least one draft. (1) and (2) apply whether or not the gate is
-        enabled. None (margin unknown) passes (1) and (2). Raises ValueError on NaN or a
-        non-number.
+        below it (ANCHOR_MARGIN; whether or not the gate is enabled; None passes), or (2) the
+        length gate is enabled and `losing()` (RECENT_LOSS), except on the losing streak's
+        probe rounds (`probing`), which draft and verify at least one draft. Raises
+        ValueError on a NaN or non-number margin.
         """
         margin = None if anchor_margin is None else _logit(anchor_margin, "anchor margin")
         threshold = self.config.margin_threshold
         if threshold > 0 and margin is not None and margin < threshold:
             self._skip()
             return Reason.ANCHOR_MARGIN
-        self._margin_bin = None if margin is None or not self.config.margin_auto else margin_bin(margin)
-        bin_losing = self._margin_bin is not None and self.margin_gain.losing(self._margin_bin)
-        recent_losing = not bin_losing and self.config.enabled and self._recent_advantage() < 0.0
-        losing = bin_losing or recent_losing
-        if losing and not self._probe_due():
+        losing = self.losing()
+        if losing and not self.probing.due():
             self._skip()
-            return Reason.LEARNED_MARGIN if bin_losing else Reason.RECENT_LOSS
-        self._probe = losing
+            return Reason.RECENT_LOSS
+        self.probing.pending = losing
         return None
 
     def losing(self) -> bool:
         """Whether the length gate is on and its recent drafted rounds, re-priced with the
-        current estimates and lambda, lose to a plain step (the RECENT_LOSS test of
-        `pre_draft`, without its probe schedule): the generation is in a losing streak, so
-        its drafter need not be fed until the next probe (docs/gate.md §5b)."""
-        return self.config.enabled and self._recent_advantage() < 0.0
+        current estimates and lambda, lose to a plain step (mean `draft_advantage` < 0; +inf,
+        not losing, before any round drafted): the generation is in a losing streak, so its
+        drafter need not be fed until the next probe (docs/gate.md §5b)."""
+        if not self.config.enabled or not self._recent:
+            return False
+        lam, cost = self.rate(), self.pricing or self.cost
+        total = sum(draft_advantage(self._survival(conf), cost, lam) for conf in self._recent)
+        return total / len(self._recent) < 0.0
 
     def streak(self) -> Streak | None:
         """The losing streak a later generation of the band should continue
-        (`Calibration.streak`): this gate's when it is `losing()` and its probes are dear
-        (`probe_loss` over DEAR_PROBE_TOKENS); None otherwise."""
-        if not self.losing() or not self.probes_dear():
-            return None
-        return Streak(self._since, self._gap, self.wake_ms)
+        (`Calibration.streak`): this gate's when it is `losing()` and its probes are dear;
+        None otherwise."""
+        return self.probing.streak() if self.losing() and self.probes_dear() else None
 
     def probes_dear(self) -> bool:
         """Whether a probe costs more than DEAR_PROBE_TOKENS (`probe_loss`): its gaps are then
-        priced (`probe_gap`), its streak lent (`streak`), and a losing streak lets the drafter
-        session go rather than feed it (the scheduler)."""
+        priced, its streak lent (`streak`), and a losing streak lets the drafter session go
+        rather than feed it (the scheduler)."""
         return self.probe_loss() > DEAR_PROBE_TOKENS
 
     def probe_gap(self) -> int:
-        """The gap after a probe that failed (rounds): twice the last one up to PROBE_PERIOD; for
-        a dear probe (`probe_loss` over DEAR_PROBE_TOKENS) never shorter than the gap over which
-        its loss is PROBE_LOSS_SHARE of the gap's tokens (one per plain round)."""
-        doubled, loss = min(PROBE_PERIOD, 2 * self._gap), self.probe_loss()
-        return max(doubled, math.ceil(loss / PROBE_LOSS_SHARE)) if self.probes_dear() else doubled
+        """The gap after a probe that failed now (rounds; `ProbeSchedule.next_gap`)."""
+        return self.probing.next_gap(self.probe_loss())
 
     def probe_loss(self) -> float:
-        """One probe's expected loss against the plain step it replaces, by the scoring rule
-        (tokens): value(plain) - value(probe of one draft) = lambda * (cost(1) - plain_ms) - S_0,
-        S_0 the recent rounds' mean estimate that the first draft is accepted (1.0 before any
-        round drafted), at lambda = 1 / plain_ms: a losing streak earns the plain rate (the
-        generation's own lambda still holds the good rounds before the streak, and would price
-        a good drafter's probe as dear). A re-prime (`wake_ms`) is not priced: a drafter that
-        re-primes dearly but drafts cheaply (the bundled one: W rows) would lose its recovery
-        probes to it."""
-        cost = self.pricing or self.cost
+        """One probe's priced loss against a plain step (tokens, `services.gateway.probe.probe_loss`),
+        its first draft's acceptance the recent rounds' mean S_0 (1.0 before any round drafted)."""
         first = (sum(self._survival(conf[:1])[0] for conf in self._recent if conf) / len(self._recent)
                  if self._recent else 1.0)
-        return (cost.drafted_round_ms(1) - cost.plain_ms) / cost.plain_ms - first
-
-    def _probe_due(self) -> bool:
-        """This round is the losing streak's next probe."""
-        return self._since + 1 >= self._gap
+        return probe_loss(self.pricing or self.cost, first)
 
     def _skip(self) -> None:
         """A round the gate kept from drafting: one plain step (1 token, plain_ms)."""
-        self._since += 1
+        self.probing.skipped()
         self._account(1, self.cost.plain_ms)
-
-    def _recent_advantage(self) -> float:
-        """Mean draft_advantage of the recent drafted rounds under the current estimates (tokens);
-        +inf before any round drafted (a cold gate drafts)."""
-        if not self._recent:
-            return math.inf
-        lam, cost = self.rate(), self.pricing or self.cost
-        return sum(draft_advantage(self._survival(conf), cost, lam) for conf in self._recent) / len(self._recent)
 
     def choose(self, confidence_logits: Sequence[float], max_n: int) -> LengthChoice:
         """The post-draft verdict: k drafts to submit, in [0, max_n] (see length_decision).
@@ -455,35 +359,28 @@ class Gate:
         """
         logits = _logits(confidence_logits)
         max_n = _check_count("max_n", max_n, len(logits))
-        n, probe, inputs = max_n, False, {}
+        n, probe, loss, inputs = max_n, False, 0.0, {}
         if self.config.enabled:
             survival = self._survival(logits[:max_n])
-            probe = self._probe or self._probe_due()
+            probe = self.probing.pending or self.probing.due()
+            loss = self.probe_loss() if probe or self.probing.pending else 0.0
             # A probe verifies at least one draft, the cheapest test of whether the drafter came
             # back: where verify is dear per draft, a whole block would cost most of the probe.
-            floor = min(1, max_n) if probe else self.config.min_draft
+            floor = min(1, max_n) if probe else 0
             cost, rate = self.pricing or self.cost, self.rate()
             n, values = length_decision(survival, max_n, cost, self.config.win_factor, floor, rate)
-            inputs = {"survival": tuple(survival), "rate": rate, "values": values, "probe": probe}
-        if probe or self._probe:
-            self._gap = self.probe_gap()  # still losing: the next probe comes later
-        elif n > 0:
-            self._gap = PROBE_FIRST  # a round drafted on its merits: the losing streak is over
-        self._probe = False
+            inputs = {"survival": tuple(survival), "rate": rate, "values": values, "probe": probe,
+                      "probe_loss": loss if probe else None}
+        self.probing.chose(n, probe, loss)
         if max_n > 0:
             self._recent = [*self._recent[-(RECENT_ROUNDS - 1):], logits[:max_n]]
-        self._since = 0 if n > 0 else self._since + 1
         if n == 0:  # the draft was paid and a plain step follows: draft + plain for one token
-            self._settle(1, self.cost.skipped_after_draft_ms())
+            self._account(1, self.cost.skipped_after_draft_ms())
         return LengthChoice(n, max_n, **inputs)
-
-    def choose_length(self, confidence_logits: Sequence[float], max_n: int) -> int:
-        """`choose(...).k`: the number of drafts to submit (tokens). Raises as `choose`."""
-        return self.choose(confidence_logits, max_n).k
 
     def observe(self, confidence_logits: Sequence[float], submitted: int, accepted: int) -> None:
         """Feed one verified round: `learn` from it and count its tokens and modelled cost
-        (draft + verify(submitted)) into `rate()` and the margin bins.
+        (draft + verify(submitted)) into `rate()`.
 
         submitted == 0 changes nothing. Raises ValueError, leaving the gate untouched, when a
         confidence is NaN or not a number, or unless submitted and accepted are integers with
@@ -499,7 +396,7 @@ class Gate:
         if submitted == 0:
             return
         self.learn(logits, submitted, accepted)
-        self._settle(accepted + 1, self.cost.drafted_round_ms(submitted))
+        self._account(accepted + 1, self.cost.drafted_round_ms(submitted))
 
     def learn(self, confidence_logits: Sequence[float], submitted: int, accepted: int) -> None:
         """Record a verified round's censored observations in the estimator (inputs validated
@@ -508,26 +405,14 @@ class Gate:
         observed = confidence_logits[: min(accepted + 1, submitted)]
         self.survival_estimator.observe(observed, accepted, self.band)
 
-    def _settle(self, tokens: int, ms: float) -> None:
-        """A drafted round's outcome: into rate() and, with margin_auto, its margin bin's gain
-        against the plain step it replaced (tokens - lambda * ms - (1 - lambda * plain_ms))."""
-        if self._margin_bin is not None:
-            lam = self.rate()
-            self.margin_gain.add(self._margin_bin, tokens - lam * ms - (1.0 - lam * self.cost.plain_ms))
-            self._margin_bin = None
-        self._account(tokens, ms)
-
     def _account(self, tokens: int, ms: float) -> None:
+        """One round's tokens and modelled ms into rate()'s decayed sums."""
         self._tokens = self._tokens * RATE_DECAY + tokens
         self._ms = self._ms * RATE_DECAY + ms
 
     def to_dict(self) -> dict:
         """The gate's state as plain JSON: per bucket its range, current estimate and decayed
-        weight; `rate_tok_per_ms` (lambda); `rounds_since_verified`; with margin_auto, the
-        margin bins' mean gain (tokens)."""
-        out = {"buckets": [{"range": bucket_label(i), "estimate": est, "weight": weight}
-                           for i, (est, weight) in enumerate(zip(self.estimates(), self.estimator.observed))],
-               "rate_tok_per_ms": self.rate(), "rounds_since_verified": self._since}
-        if self.config.margin_auto:
-            out["margin_bins"] = self.margin_gain.to_dict()
-        return out
+        weight; `rate_tok_per_ms` (lambda); `rounds_since_verified`."""
+        return {"buckets": [{"range": bucket_label(i), "estimate": est, "weight": weight}
+                            for i, (est, weight) in enumerate(zip(self.estimates(), self.estimator.observed))],
+                "rate_tok_per_ms": self.rate(), "rounds_since_verified": self.probing.since}

@@ -68,7 +68,9 @@ class RoundRecord:
     drafts sent to verify before the verifier's step budget cut the block (None: not cut, so
     `submitted`); regime: when the gateway's model regime decided the round (more than one
     generation in flight: docs/gate.md §14), what it weighed, (generations in flight, plain
-    tok/ms, draft tok/ms); None otherwise.
+    tok/ms, draft tok/ms); None otherwise. lent_streak: the gate decided the round inside a
+    losing streak its band lent it (docs/gate.md §6: a skip it did not learn itself; a probe
+    on the band's schedule); a probe and its priced loss are in `choice`.
 
     Counts are stored as int (numpy integers accepted). Raises ValueError naming the field
     when a count is not an integer >= 0, accepted > submitted, submitted > drafted, submitted >
@@ -89,6 +91,7 @@ class RoundRecord:
     choice: LengthChoice | None = None
     asked: int | None = None
     regime: tuple[int, float, float] | None = None
+    lent_streak: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.reason, Reason):
@@ -153,14 +156,16 @@ class RoundRecord:
                      verify_ms=self.verify_ms, plain_ms=self.plain_ms,
                      survival=c.survival if c is not None and c.survival else None,
                      values=c.values if c is not None and c.values else None,
-                     rate=c.rate if c is not None else None)
+                     rate=c.rate if c is not None else None, probe_loss=c.probe_loss if c is not None else None,
+                     lent_streak=True if self.lent_streak else None)
 
     def why(self) -> str:
         """One line: what the round submitted and why, with the decision's inputs (the line
         `dspark trace-report --rounds` prints from a round span's attributes)."""
+        c = self.choice
         return explain(self.reason.value, self.submitted, self.drafted, self.accepted, self.asked,
-                       self.choice.survival if self.choice else (), self.choice.rate if self.choice else None,
-                       self.choice.values if self.choice else (), self.regime)
+                       c.survival if c else (), c.rate if c else None, c.values if c else (), self.regime,
+                       c.probe_loss if c else None, self.lent_streak)
 
 
 def _merge(mine: object, theirs: object) -> object:
@@ -356,12 +361,19 @@ class RoundStats:
 
 
 def explain(reason: str, submitted: int, drafted: int, accepted: int, asked: int | None,
-            survival, rate: float | None, values, regime=None) -> str:
+            survival, rate: float | None, values, regime=None, probe_loss: float | None = None,
+            lent_streak: bool = False) -> str:
     """Why a round submitted what it did, in one line (`RoundRecord.why`, `dspark trace-report
-    --rounds`): the drafts submitted of those drafted and the reason, the model regime's
-    rates when it decided (`regime`: in flight, plain and draft tok/ms), the step budget's
-    cut, lambda, each position's survival and value(k) per k, and what was accepted."""
+    --rounds`): the drafts submitted of those drafted and the reason, whether it was decided in
+    a losing streak its band lent (`lent_streak`), a probe and its priced loss (`probe_loss`,
+    tokens; None: not a probe), the model regime's rates when it decided (`regime`: in flight,
+    plain and draft tok/ms), the step budget's cut, lambda, each position's survival and
+    value(k) per k, and what was accepted."""
     parts = [f"submitted {submitted} of {drafted} ({reason})"]
+    if lent_streak:
+        parts.append("in a losing streak lent by its band")
+    if probe_loss is not None:
+        parts.append(f"probe priced {probe_loss:.3g} tokens")
     if regime:
         n, plain, draft = regime
         parts.append(f"regime at {int(n)} in flight: draft {draft:.4g} vs plain {plain:.4g} tok/ms")

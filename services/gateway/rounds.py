@@ -16,6 +16,9 @@ A file is one JSON object:
          "accepted": 3,                        # accepted draft tokens, bonus not counted
          "anchor_margin": 7.25,                # optional: anchor's top1 - top2 logit, >= 0
          "draft_ms": 190.0, "verify_ms": 840.0, "plain_ms": null},   # optional timings, ms
+         # optional, the decision's inputs and outputs: "survival", "values", "rate", and
+         # "probe_loss" (a probe round's priced loss, tokens), "lent_streak" (true: decided
+         # inside a losing streak lent by the band), docs/gate.md §9
         ...
       ]
     }
@@ -44,7 +47,7 @@ RESERVED_WORKLOAD = "overall"  # the replay's totals row
 _REQUIRED = ("workload", "confidence_logits", "submitted", "accepted")
 _OPTIONAL = ("anchor_margin", "draft_ms", "verify_ms", "plain_ms")
 # The length decision's inputs and outputs (docs/gate.md §9): lists of numbers, and lambda.
-_DECISION = ("survival", "values", "rate")
+_DECISION = ("survival", "values", "rate", "probe_loss", "lent_streak")
 
 
 def _is_number(value: object) -> bool:
@@ -106,6 +109,8 @@ class Round:
     survival: tuple[float, ...] | None = None
     values: tuple[float, ...] | None = None
     rate: float | None = None
+    probe_loss: float | None = None
+    lent_streak: bool | None = None
 
     def __post_init__(self) -> None:
         check_workload(self.workload)
@@ -131,7 +136,8 @@ class Round:
 
     def _check_decision(self) -> None:
         """survival: numbers in [0, 1], at most one per confidence; values: finite numbers;
-        rate: a finite number >= 0 (each may be None). Raises ValueError naming the field."""
+        rate: a finite number >= 0; probe_loss: a finite number (tokens; present: a probe
+        round); lent_streak: a bool (each may be None). Raises ValueError naming the field."""
         for name in ("survival", "values"):
             seq = getattr(self, name)
             if seq is None:
@@ -144,6 +150,15 @@ class Round:
                              f"at most one per confidence")
         if self.rate is not None and not (_is_number(self.rate) and self.rate >= 0):
             raise ValueError(f"field 'rate'={short_repr(self.rate)} must be null or a finite number >= 0")
+        if self.probe_loss is not None and not _is_number(self.probe_loss):
+            raise ValueError(f"field 'probe_loss'={short_repr(self.probe_loss)} must be null or a finite number")
+        if self.lent_streak is not None and not isinstance(self.lent_streak, bool):
+            raise ValueError(f"field 'lent_streak'={short_repr(self.lent_streak)} must be null or a boolean")
+
+    @property
+    def probe(self) -> bool:
+        """The gate decided this round as a probe (it verifies at least one draft)."""
+        return self.probe_loss is not None
 
     def to_json_dict(self) -> dict:
         """The round as written to a file: required keys, then the non-null optional ones."""

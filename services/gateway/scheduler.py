@@ -444,7 +444,7 @@ class _Generation:
             defer = plan.reason in (*PRE_DRAFT_SKIPS, Reason.REGIME)
             # a losing streak's skip holds rows until the next probe; a dear drafter's is far, so
             # past MAX_DEFERRED_ROWS the link lets the session go rather than feed it (gate.md §5b)
-            losing = plan.reason in (Reason.RECENT_LOSS, Reason.LEARNED_MARGIN) and self.gate.probes_dear()
+            losing = plan.reason is Reason.RECENT_LOSS and self.gate.probes_dear()
             await self.link.commit(res.rows, pos, [anchor, *drafts[:a]], pos, defer, sleep_when_full=losing)
             self.commit_ms = 0.0 if defer else (time.perf_counter() - t0) * 1e3
             if alone and not defer and drafter is not None and self.link.session is drafter:  # a re-prime is no commit cost
@@ -454,7 +454,8 @@ class _Generation:
                 confidence_logits=None if plan.conf is None else tuple(plan.conf), anchor_margin=margin,
                 draft_ms=plan.draft_ms, verify_ms=verify_ms if k > 0 else None, plain_ms=verify_ms if k == 0 else None,
                 choice=self.policy.choice if plan.conf is not None else None, asked=asked if asked != k else None,
-                regime=self.policy.regime_inputs() if plan.reason not in _UNDECIDED else None))
+                regime=self.policy.regime_inputs() if plan.reason not in _UNDECIDED else None,
+                lent_streak=self.gate.probing.lent and plan.reason not in (*_UNDECIDED, Reason.REGIME)))
             return a, [*drafts[:a], res.next_token], res.margin, res.logprobs
 
     async def _forced_round(self, anchor: int, pos: int, margin: float, plan: _Plan, forced: list[int], span, tc
@@ -510,7 +511,7 @@ class _Generation:
         if not await self.link.wake():
             return _Plan(Reason.NO_DRAFTER)
         if asleep:  # a re-prime: reported with the band's streak (Stats)
-            self.gate.wake_ms = (time.perf_counter() - t0) * 1e3
+            self.gate.probing.wake_ms = (time.perf_counter() - t0) * 1e3
         t0 = time.perf_counter()
         await self.link.flush()  # the rows of rounds that did not draft, before the drafter drafts
         reply, draft_ms = await self.link.draft(anchor, pos, tc, self.p.sampling, self.s.draft_check,
@@ -575,8 +576,9 @@ _UNDECIDED = (Reason.NO_DRAFTER, Reason.NO_ROOM)
 def _decision_attributes(span, r: RoundRecord) -> None:
     """The length decision's inputs and outputs on the round span (docs/gate.md §9), what
     `dspark trace-report --rounds` explains a round from: survival per position, lambda,
-    value(k) per k, the drafts asked before the step budget's cut, and the model regime's
-    (in flight, plain tok/ms, draft tok/ms) when it decided."""
+    value(k) per k, the drafts asked before the step budget's cut, the model regime's (in
+    flight, plain tok/ms, draft tok/ms) when it decided, a probe's priced loss (tokens) and
+    whether the round was decided in a losing streak lent by the band."""
     c = r.choice
     if c is not None and c.survival:
         span.set_attribute("spec_decode.survival", [float(v) for v in c.survival])
@@ -588,6 +590,10 @@ def _decision_attributes(span, r: RoundRecord) -> None:
         span.set_attribute("spec_decode.asked", r.asked)
     if r.regime is not None:
         span.set_attribute("spec_decode.regime", [float(v) for v in r.regime])
+    if c is not None and c.probe_loss is not None:
+        span.set_attribute("spec_decode.probe_loss", float(c.probe_loss))
+    if r.lent_streak:
+        span.set_attribute("spec_decode.lent_streak", True)
 
 
 @dataclass(frozen=True)

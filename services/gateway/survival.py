@@ -98,20 +98,17 @@ class SurvivalEstimator:
         prior_weight: w0 > 0, pseudo-observations of a bucket's pooled prior (`BucketEstimator`).
         warm: optional {band: (matched, observed)} pooled per-bucket counts (B floats each) a
             band starts from (the warm start lends pooled counts; its cells start empty).
-        cell_weight: w1 > 0, pseudo-observations pulling a cell towards its band's pooled rate.
-    Raises ValueError naming the value when classes is not an integer in [1, 16], cell_weight
-    is not > 0, or warm counts do not have B entries.
+    A cell is pulled towards its band's pooled rate by CELL_PRIOR_WEIGHT pseudo-observations.
+    Raises ValueError naming the value when classes is not an integer in [1, 16], or warm
+    counts do not have B entries.
     """
 
     def __init__(self, edges: Sequence[float], classes: int, decay: float, prior_weight: float,
-                 warm: dict[str, tuple[Sequence[float], Sequence[float]]] | None = None,
-                 cell_weight: float = CELL_PRIOR_WEIGHT) -> None:
+                 warm: dict[str, tuple[Sequence[float], Sequence[float]]] | None = None) -> None:
         if isinstance(classes, bool) or not isinstance(classes, int) or not 1 <= classes <= MAX_POSITION_CLASSES:
             raise ValueError(f"position classes={short_repr(classes)} must be an integer in [1, {MAX_POSITION_CLASSES}]")
-        if not cell_weight > 0:
-            raise ValueError(f"cell_weight={short_repr(cell_weight)} must be > 0")
         self.edges = tuple(edges)
-        self.classes, self.decay, self.prior_weight, self.cell_weight = classes, decay, prior_weight, cell_weight
+        self.classes, self.decay, self.prior_weight = classes, decay, prior_weight
         self._bands = {band: BandCounts(len(self.edges) + 1, classes, decay, prior_weight, m, o)
                        for band, (m, o) in (warm or {}).items()}
 
@@ -137,7 +134,7 @@ class SurvivalEstimator:
     def hazards(self, band: str = GREEDY_BAND) -> tuple[tuple[float, ...], ...]:
         """h[c][b] = P(a position of class c, bucket b is accepted | every earlier one was),
         C tuples of B floats in [0, 1], each non-decreasing in b (1.0 everywhere when cold)."""
-        return self.band(band).hazards(self.cell_weight)
+        return self.band(band).hazards(CELL_PRIOR_WEIGHT)
 
     def survival(self, confidences: Sequence[float], band: str = GREEDY_BAND) -> tuple[float, ...]:
         """S_j = P(position j accepted AND every position before it), one float in [0, 1] per

@@ -16,7 +16,6 @@ import reprlib
 # (draft + verify base + verify slope) are >= MIN_COST_MS, so tok/s and time sums stay finite.
 MIN_COST_MS = 1e-3
 MAX_COST_MS = 1e7
-MAX_MIN_DRAFT = 1_000_000
 # Position classes of the gate's survival estimate (services.gateway.survival): at most 16.
 MAX_POSITION_CLASSES = 16
 
@@ -62,7 +61,6 @@ _COST_RULE = (lambda v: 0.0 <= v <= MAX_COST_MS, f"in [0, {MAX_COST_MS:g}] (ms)"
 _RULES = {
     "margin_threshold": (lambda v: v >= 0, ">= 0"),
     "win_factor": (lambda v: v >= 1.0, ">= 1"),
-    "min_draft": (lambda v: 0 <= v <= MAX_MIN_DRAFT, f"an integer in [0, {MAX_MIN_DRAFT}]"),
     "decay": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
     "draft_ms": _COST_RULE,
     "verify_base_ms": _COST_RULE,
@@ -72,7 +70,7 @@ _RULES = {
     "position_classes": (lambda v: 1 <= v <= MAX_POSITION_CLASSES, f"an integer in [1, {MAX_POSITION_CLASSES}]"),
 }
 # Fields whose values are integers (ASCII decimal digits when parsed from text).
-_INTEGER_FIELDS = ("min_draft", "position_classes")
+_INTEGER_FIELDS = ("position_classes",)
 
 
 def rule_text(field_name: str) -> str:
@@ -108,7 +106,7 @@ def parse_setting(field_name: str, raw: str, name: str) -> bool | int | float:
     """Parse the text `raw` of field `field_name` (env var or CLI flag `name`) and validate it.
 
     Accepts only ASCII decimal forms (surrounding spaces ignored): an integer `-?[0-9]+` for
-    min_draft, a decimal or exponent number for the rest, 0/1/true/false for enabled.
+    position_classes, a decimal or exponent number for the rest, 0/1/true/false for enabled.
     Raises ValueError naming `name` and `raw`.
     """
     text = raw.strip(" \t\r\n")

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from dsv4.sampling import SamplingParams
-from services.gateway.gate import RECENT_ROUNDS, Calibration, Streak
+from services.gateway.gate import RECENT_ROUNDS, Calibration
+from services.gateway.probe import Streak
 from services.gateway.record import GateStats
 from services.gateway.survival import GREEDY_BAND  # T = 0's band: one name for the warm start and the estimate
-from services.gateway.values import finite_float, is_integer, parse_setting, short_repr
+from services.gateway.values import finite_float, parse_setting, short_repr
 
 # Upper edges of the sampled temperature bands: (0, 0.5], (0.5, 1.0], and above 1.0.
 TEMPERATURE_EDGES = (0.5, 1.0)
@@ -67,24 +68,19 @@ class WarmStart:
     """Warm-start settings.
 
     max_weight: the most observations per confidence bucket a band lends a new gate (> 0, at
-    most MAX_WEIGHT_LIMIT). recent_rounds: how many of the band's last drafted rounds the new
-    gate's first pre-draft decisions re-price (0..RECENT_ROUNDS). 0 by default: those rounds
-    are another generation's, and replayed they cost more where they wrongly suspend a good
-    workload (up to PROBE_FIRST rounds of plain steps) than they save where they rightly skip
-    one first draft (docs/gate.md §6). Raises ValueError naming the value.
+    most MAX_WEIGHT_LIMIT). A band lends its recent drafted rounds only with a losing streak
+    (`Band.calibration`): lent to every generation, they cost more where they wrongly suspend
+    a good workload than they save where they rightly skip one first draft (replayed,
+    docs/gate.md §6). Raises ValueError naming the value.
     """
 
     max_weight: float = DEFAULT_MAX_WEIGHT
-    recent_rounds: int = 0
 
     def __post_init__(self) -> None:
         weight = finite_float(self.max_weight)
         if isinstance(self.max_weight, bool) or weight is None or not 0.0 < weight <= MAX_WEIGHT_LIMIT:
             raise ValueError(f"max_weight={short_repr(self.max_weight)} must be a number in (0, {MAX_WEIGHT_LIMIT:g}]")
         object.__setattr__(self, "max_weight", weight)
-        if not is_integer(self.recent_rounds) or not 0 <= self.recent_rounds <= RECENT_ROUNDS:
-            raise ValueError(f"recent_rounds={short_repr(self.recent_rounds)} must be an integer in [0, {RECENT_ROUNDS}]")
-        object.__setattr__(self, "recent_rounds", int(self.recent_rounds))
 
 
 def parse_warm_start(raw: str, name: str) -> WarmStart:
@@ -125,17 +121,15 @@ class Band:
 
     def calibration(self, settings: WarmStart) -> Calibration:
         """The band as a frozen `Calibration`: bucket counts scaled to at most
-        `settings.max_weight` observations each (`GateStats.calibration`), and the band's last
-        `settings.recent_rounds` drafted confidences; after LOSING_GENERATIONS generations in a
-        row ended losing, the band's last RECENT_ROUNDS drafted confidences and its streak (with
-        the last measured re-prime, `wake_ms`), so the new gate goes on skipping and probing
-        where the last one stopped."""
+        `settings.max_weight` observations each (`GateStats.calibration`); after
+        LOSING_GENERATIONS generations in a row ended losing, also the band's last RECENT_ROUNDS
+        drafted confidences and its streak (with the last measured re-prime, `wake_ms`), so the
+        new gate goes on skipping and probing where the last one stopped."""
         counts = self.gate.calibration(settings.max_weight)
         if self.losing >= LOSING_GENERATIONS:
             streak = dataclasses.replace(self.streak, wake_ms=self.wake_ms)
             return Calibration(counts.matched, counts.observed, tuple(self.recent), streak)
-        recent = tuple(self.recent)[len(self.recent) - settings.recent_rounds:] if settings.recent_rounds else ()
-        return Calibration(counts.matched, counts.observed, recent)
+        return counts
 
 
 class WarmBands:
@@ -182,5 +176,4 @@ class WarmBands:
                              "lent_observed": list(lent), "losing_generations": state.losing,
                              "streak": None if state.streak is None else dataclasses.asdict(state.streak),
                              "wake_ms": state.wake_ms}
-            return {"max_weight": self.settings.max_weight, "recent_rounds": self.settings.recent_rounds,
-                    "bands": out}
+            return {"max_weight": self.settings.max_weight, "bands": out}

@@ -46,7 +46,7 @@ EVENTS_PER_STEP = 64
 class Arm:
     """A policy under test: spec mode ("off" | "always" | "gated"), max drafts per round
     (0 = the block), whether the gateway's model regime runs and whether load pricing does
-    (docs/gate.md §13-§14), and gate settings laid over the defaults (e.g. {"margin_auto": True})."""
+    (docs/gate.md §13-§14), and gate settings laid over the defaults (e.g. {"win_factor": 1.0})."""
 
     name: str
     spec: str
