@@ -30,12 +30,11 @@ keys and non-finite numbers (NaN, Infinity, 1e400) are errors anywhere in the fi
 from __future__ import annotations
 
 import json
-import os
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common import files
 from services.gateway.values import finite_float, short_repr
 
 FORMAT_NAME = "dspark-rounds"
@@ -281,20 +280,11 @@ def decode_rounds_json(text: str) -> object:
 def _read_text(path: str | Path) -> str:
     if str(path) == "":
         raise ValueError("rounds file path is empty ('')")
-    info = os.stat(path)  # OSError (names the file) when missing or unreadable
-    if not stat.S_ISREG(info.st_mode):
-        kind = "a directory" if stat.S_ISDIR(info.st_mode) else "not a regular file"
-        raise ValueError(f"{path}: is {kind}; a rounds file must be a regular file")
-    if info.st_size > MAX_FILE_BYTES:
-        raise ValueError(f"{path}: {info.st_size} bytes exceeds the {MAX_FILE_BYTES} byte limit")
-    with open(path, "rb") as f:
-        data = f.read(MAX_FILE_BYTES + 1)  # the file may have grown since stat
-    if len(data) > MAX_FILE_BYTES:
-        raise ValueError(f"{path}: more than the {MAX_FILE_BYTES} byte limit")
     try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        return files.read_text(path, MAX_FILE_BYTES)  # OSError (names the file) when missing or unreadable
+    except ValueError as exc:
+        hint = "; a rounds file must be a regular file" if str(exc).startswith("is ") else ""
+        raise ValueError(f"{path}: {exc}{hint}") from None
 
 
 def load_rounds(path: str | Path) -> RoundLog:

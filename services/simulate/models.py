@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.gateway.decision import CostModel
+from services.common import files
 from services.common.budget import StepTimes
 from services.simulate.roofline import PEER_DRAFT_MS, PEER_PLAIN_MS, PEER_VERIFY, gpu_tables
 
@@ -225,20 +226,12 @@ def _read_cost_file(path: Path, source: str) -> str:
     regular file (a directory, /dev/zero: read whole it would never end), over
     MAX_FILE_BYTES or not UTF-8."""
     try:
-        if not path.is_file():
-            raise ValueError(f"--costs {source!r}: not a regular file (a directory, a device or missing); "
-                             f"give a shape name ({', '.join(SHAPES)}), a .json/.toml shape file or "
-                             f"`dspark calibrate` output")
-        with path.open("rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
+        return files.read_text(path, MAX_FILE_BYTES)
     except OSError as exc:
-        raise ValueError(f"--costs {source!r}: cannot read it ({exc.__class__.__name__})") from None
-    if len(data) > MAX_FILE_BYTES:
-        raise ValueError(f"--costs {source!r}: larger than {MAX_FILE_BYTES} bytes; a cost file is a few tables")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"--costs {source!r}: not UTF-8 text (byte {exc.start})") from None
+        raise ValueError(f"--costs {source!r}: cannot read it ({exc.__class__.__name__}); give a shape name "
+                         f"({', '.join(SHAPES)}), a .json/.toml shape file or `dspark calibrate` output") from None
+    except ValueError as exc:
+        raise ValueError(f"--costs {source!r}: {exc}; a cost file is a regular file of a few tables") from None
 
 
 def model_from_info(target: str, timeout_s: float = 10.0) -> ServiceModel:
