@@ -8,7 +8,8 @@ it covers is written down here rather than in a note.
 The set is every module a served round's decision runs through: whether to draft (the pre-draft
 decision, the regime), how many drafts to submit (estimates, costs, the scoring rule, the step
 budget) and which step the round's verify meets (alignment). Left out: I/O and records
-(`scheduler.py`, `record.py`, `rounds.py`, `profile.py`, which times rounds at start-up),
+(`scheduler.py`, `record.py`, `rounds.py`, `profile.py`, which times rounds at start-up,
+`load.py`, which fetches the verifier's step table),
 value checks (`values.py`), and the offline tools (`services/analysis/`: replay, reference
 policies, synthetic rounds).
 """
@@ -31,7 +32,6 @@ CONTROL = (
     "services/gateway/estimator.py",
     "services/gateway/survival.py",
     "services/gateway/costs.py",
-    "services/gateway/load.py",
     "services/gateway/load_regime.py",
     "services/gateway/warm.py",
     "services/common/budget.py",

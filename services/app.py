@@ -278,7 +278,7 @@ async def start_gateway(settings: GatewaySettings, gate_config: GateConfig | Non
             await backends.close()
             raise
     load = None
-    if settings.load_aware and settings.cost_mode == "measured":
+    if settings.cost_mode == "measured":  # the regime's and the step budget's table; configured costs keep none
         load = VerifierLoad(backends.verifier, settings.round_timeout_s)
         load.update(identity)
     regime = None

@@ -188,7 +188,7 @@ def _target(environ: Environ, name: str, optional: bool) -> str:
 
 
 def gateway_settings(environ: Environ) -> GatewaySettings:
-    """The gateway's settings as served: measured costs, load pricing, regime and warm starts on.
+    """The gateway's settings as served: measured costs, the regime and warm starts on.
     Raises ValueError naming the variable and value when one is invalid (the token's value is never shown)."""
     token = _text(environ, var(TOKEN_VAR)) or ""
     if token and not valid_token(token):
@@ -204,7 +204,7 @@ def gateway_settings(environ: Environ) -> GatewaySettings:
         drafter_failovers=_int(environ, var("DSPARK_DRAFTER_FAILOVERS")), token=token,
         pinned_costs=tuple(f for f in PINNABLE_COSTS if lookup(environ, GATE_VARS[f])[1] is not None),
         sampling_rule=_choice(environ, var("DSPARK_SAMPLING_RULE")),
-        load_aware=True, regime=True, warm_start=True, step_budget=_choice(environ, var("DSPARK_STEP_BUDGET")))
+        regime=True, warm_start=True, step_budget=_choice(environ, var("DSPARK_STEP_BUDGET")))
 
 
 def client_token(flag: str | None, environ: Environ) -> tuple[str, str]:

@@ -263,7 +263,8 @@ VARS: tuple[Var, ...] = (
 BY_NAME: dict[str, Var] = {v.name: v for v in VARS}
 # Variables no longer read, each with where its job went; setting one logs one warning.
 REMOVED: dict[str, str] = {
-    "DSPARK_GATE_LOAD": "load pricing is always on under measured costs (GatewaySettings.load_aware)",
+    "DSPARK_GATE_LOAD": "load pricing was removed: it won no simulator cell reproducibly "
+                        "(bench/history/2026-12-07-load-pricing.md)",
     "DSPARK_GATE_REGIME": "the model regime (docs/gate.md §14) always runs (GatewaySettings.regime)",
     "DSPARK_GATE_WARM_START": "gated generations always warm-start (GatewaySettings.warm_start)",
     "DSPARK_GATE_WARM_WEIGHT": "the warm start lends at most services.gateway.warm.DEFAULT_MAX_WEIGHT",

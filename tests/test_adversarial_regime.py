@@ -171,7 +171,7 @@ def test_many_concurrent_gated_generations_with_cancels_leave_nothing_open(dspar
             else:
                 assert r == want[:len(r)], i
         assert not any(loop.run(dspark.await_idle()).values())
-        assert gw.scheduler.in_flight == 0 and gw.scheduler.occupancy.inside == 0
+        assert gw.scheduler.in_flight == 0
         assert regime.answers["plain"] > 0 and regime.answers["draft"] > 0
         view = loop.run(_stats(gw))
         assert view["regime"]["enabled"] is True and view["regime"]["kind"] == "model"

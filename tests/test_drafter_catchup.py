@@ -79,10 +79,10 @@ class QuietStart(RoundPolicy):
     def regime_drafts(self, in_flight: int, pos: int = 0, emitted: int = 0, primed: bool = False) -> bool:
         return not (self.path == "regime" and self._quiet) and super().regime_drafts(in_flight, pos, emitted, primed)
 
-    def pre_draft(self, anchor_margin, others_inside: int):
+    def pre_draft(self, anchor_margin):
         if self.path == "margin" and self._quiet:
             return Reason.ANCHOR_MARGIN
-        return super().pre_draft(anchor_margin, others_inside)
+        return super().pre_draft(anchor_margin)
 
     def choose(self, confidences, drafted: int, pos: int, emitted: int):
         if self.path == "cut" and self._quiet:

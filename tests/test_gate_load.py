@@ -1,34 +1,28 @@
-"""Load-aware verification budget (docs/gate.md §13).
+"""The verifier's step table and load figures (docs/gate.md §13), what the regime and the step
+budget price load with.
 
 Verifier side: the step-time table (per-bucket moving averages, a samples-weighted monotone
 fit, profiled then refined online), the committed-token rate with its idle cap, and the
 start-up profile over dummy sessions on the real tiny trunk. Gateway side: the table's
-interpolation, the re-priced cost model (unchanged alone in a step; on hand-built tables a
-loaded step gives a shorter block than an idle one for the same estimates, exact values),
-and the decision as a function of confidences, estimates and load only. Service level (in
-process, port 0, real channels): Info carries the table and rate (ModelIdentity 29-34), each
-decode / verify response its step rows and rate (VerifierResponse 40-41), and a gated
-generation priced at load streams the tokens of plain decode.
+interpolation and what one generation has seen of the load (`LoadSeen`, from its replies
+only). Service level (in process, port 0, real channels): Info carries the table and rate
+(ModelIdentity 29-34), each decode / verify response its step rows and rate (VerifierResponse
+40-41), and a gated generation under measured costs streams the tokens of plain decode.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import random
 from types import SimpleNamespace
 
 import pytest
 
-from dspark_proto.v1 import common_pb2, gateway_pb2, verifier_pb2
+from dspark_proto.v1 import common_pb2, verifier_pb2
 from services.app import drafter_engine, start_drafter, start_verifier, verifier_engine
 from services.common.settings import BackendSettings
-from services.analysis.references import decide_length, survival_of
-from services.gateway.decision import CostModel, draft_advantage, length_decision
-from services.gateway.gate import BUCKET_EDGES, Gate, GateConfig
+from services.gateway.gate import GateConfig
 from services.common.alignment import Lockstep
 from services.common.budget import StepTimes
-from services.gateway.load import COVER_ALPHA, LoadSeen, VerifierOccupancy, priced_at_load
+from services.gateway.round_policy import LoadSeen
 from services.settings import backend_settings, gateway_settings
 from services.verifier.batcher import StepLoop, StepRecord
 from services.verifier.step_profile import StepProfileSettings, profile_steps, row_targets, split_rows
@@ -130,13 +124,7 @@ def test_profile_sessions_are_forgotten_so_no_step_waits_for_them():
     assert loop.schedule.wait_s(1e6, 0.05) == 0.0  # nobody to wait for: the step starts now
 
 
-# ---------------------------------------------------------------------------- gateway: pricing
-TABLE = StepTimes((1.0, 8.0, 16.0, 32.0), (8.0, 22.0, 46.0, 94.0))  # 2 ms/row to 8 rows, then 3
-COST = CostModel(draft_ms=10.0, verify_base_ms=0.0, verify_slope_ms=0.0, plain_ms=10.0,
-                 verify_table=(12.0, 14.0, 16.0, 18.0, 20.0))    # verify(n) = plain + 2n
-PROBS = [0.9, 0.8, 0.7, 0.6, 0.5]
-
-
+# ---------------------------------------------------------------------------- gateway: the table, the load seen
 def test_step_times_interpolate_clamp_and_extrapolate():
     t = StepTimes((1.0, 4.0, 8.0), (10.0, 16.0, 40.0))
     assert t.ms_at(0.5) == 10.0 and t.ms_at(2.0) == pytest.approx(12.0)
@@ -149,91 +137,6 @@ def test_step_times_interpolate_clamp_and_extrapolate():
     assert StepTimes.from_identity(common_pb2.ModelIdentity()) is None
 
 
-def test_alone_in_its_step_the_costs_are_unchanged():
-    seen = LoadSeen()
-    seen.observe(step_rows=3, own_rows=3, tokens_per_ms=0.05)   # alone, lambda_sys below the own rate
-    assert seen.other_rows == 0.0
-    assert priced_at_load(COST, TABLE, seen, own_rate=0.1, max_k=5) is COST
-
-
-def test_a_loaded_step_prices_drafts_dearer_and_the_gate_chooses_a_shorter_block():
-    idle = decide_length(PROBS, 5, COST, win_factor=1.0, rate=0.1)
-    seen = LoadSeen()
-    seen.observe(step_rows=24, own_rows=4, tokens_per_ms=0.2)   # 20 other rows, lambda_sys twice the own rate
-    loaded = priced_at_load(COST, TABLE, seen, own_rate=0.1, max_k=5)
-    # beside 20 rows a draft adds 3 ms to the step, priced at twice the own rate: 10 + 2 * 3n
-    assert loaded.verify_table == pytest.approx((16.0, 22.0, 28.0, 34.0, 40.0))
-    busy = decide_length(PROBS, 5, loaded, win_factor=1.0, rate=0.1)
-    # value(n) = E[tokens(n)] - 0.1 * (draft + verify(n)): idle 2 + 0.2n, loaded 2 + 0.6n
-    assert (idle, busy) == (4, 2)
-    same_rate = LoadSeen()
-    same_rate.observe(step_rows=24, own_rows=4, tokens_per_ms=0.1)
-    assert priced_at_load(COST, TABLE, same_rate, 0.1, 5).verify_table == pytest.approx((13.0, 16.0, 19.0, 22.0, 25.0))
-
-
-# verify(n) = plain + 5n: beside the table's 2 ms per row, 3n ms of the round are its own
-OWN_COST = CostModel(draft_ms=10.0, verify_base_ms=0.0, verify_slope_ms=0.0, plain_ms=10.0, commit_ms=4.0,
-                     verify_table=(15.0, 20.0, 25.0, 30.0, 35.0))
-
-
-def _seen(cover_samples: list[int]) -> LoadSeen:
-    seen = LoadSeen()
-    seen.observe(step_rows=24, own_rows=4, tokens_per_ms=0.2)   # 20 other rows, lambda_sys twice the own rate
-    for others in cover_samples:
-        seen.observe_cover(others)
-    return seen
-
-
-def test_cover_prices_the_own_wait_only_when_the_verifier_would_idle():
-    uncovered = priced_at_load(OWN_COST, TABLE, _seen([0]), own_rate=0.1, max_k=5)
-    # w = 1: plain + 3n own + 2 * 3n shared; draft and commit kept
-    assert uncovered.verify_table == pytest.approx((19.0, 28.0, 37.0, 46.0, 55.0))
-    assert (uncovered.draft_ms, uncovered.commit_ms) == (10.0, 4.0)
-    covered = priced_at_load(OWN_COST, TABLE, _seen([3]), own_rate=0.1, max_k=5)
-    # w = 0: only the shared step ms remain; the draft keeps CostModel's 1e-3 ms floor
-    assert covered.verify_table == pytest.approx((16.0, 22.0, 28.0, 34.0, 40.0))
-    assert covered.draft_ms == pytest.approx(1e-3) and covered.commit_ms == 0.0
-    half = _seen([1, 0, 0])    # 1, then two idle samples: 1 -> 0.7 -> 0.49
-    assert half.cover == pytest.approx((1 - COVER_ALPHA) ** 2)
-    priced = priced_at_load(OWN_COST, TABLE, half, own_rate=0.1, max_k=5)
-    w = 1 - half.cover
-    assert priced.verify_table == pytest.approx(tuple(10.0 + w * 3 * n + 6 * n for n in range(1, 6)))
-    assert priced.draft_ms == pytest.approx(10.0 * w) and priced.commit_ms == pytest.approx(4.0 * w)
-
-
-def test_a_covered_wait_turns_a_skipped_draft_into_a_drafted_round():
-    # value(n) = E[tokens(n)] - 0.1 * (draft + verify'(n) + commit), plain 1 - 0.1 * 10 = 0
-    uncovered = priced_at_load(OWN_COST, TABLE, _seen([0]), 0.1, 5)
-    assert draft_advantage(survival_of(PROBS), uncovered, 0.1) == pytest.approx(-1.4)     # best: 1.9 - 3.3 at n = 1
-    covered = priced_at_load(OWN_COST, TABLE, _seen([2]), 0.1, 5)
-    assert draft_advantage(survival_of(PROBS), covered, 0.1) == pytest.approx(2.62 - 2.2 - 1e-4)  # n = 2 beats plain
-    assert decide_length(PROBS, 5, covered, win_factor=1.0, rate=0.1) == 2
-    alone = LoadSeen()
-    alone.observe_cover(1)   # covered, but alone in its steps at its own rate: only the wait is cheaper
-    assert priced_at_load(OWN_COST, TABLE, alone, 0.1, 5).verify_table == pytest.approx((12.0, 14.0, 16.0, 18.0, 20.0))
-
-
-def test_cover_follows_the_samples_and_occupancy_counts_calls():
-    seen = LoadSeen()
-    assert seen.cover == 0.0 and priced_at_load(COST, TABLE, seen, 0.1, 5) is COST
-    seen.observe_cover(4)
-    assert (seen.cover, seen.cover_samples) == (1.0, 1)
-    seen.observe_cover(0)
-    assert seen.cover == pytest.approx(1 - COVER_ALPHA)
-    with pytest.raises(ValueError, match="others_inside=-1"):
-        seen.observe_cover(-1)
-    occ = VerifierOccupancy()
-    with occ.call():
-        with occ.call():
-            assert occ.inside == 2
-        with pytest.raises(RuntimeError):
-            with occ.call():
-                assert occ.inside == 2
-                raise RuntimeError("a failed verifier call")
-        assert occ.inside == 1
-    assert occ.inside == 0
-
-
 def test_load_seen_follows_replies_and_ignores_replies_without_a_step():
     seen = LoadSeen()
     seen.observe(0, 1, 5.0)
@@ -241,44 +144,8 @@ def test_load_seen_follows_replies_and_ignores_replies_without_a_step():
     seen.observe(9, 1, 0.3)
     seen.observe(3, 3, 0.4)
     assert seen.other_rows == pytest.approx(4.0) and seen.tokens_per_ms == 0.4 and seen.replies == 2
-
-
-def test_the_decision_is_a_function_of_confidences_estimates_and_load_only():
-    """Non-anticipation: with the pricing set before the round, the gate's choice is what
-    length_decision gives on the survival of the confidences and the priced costs;
-    no draft token and no later outcome enters it."""
-    rng = random.Random(5)
-    cfg = GateConfig(enabled=True, win_factor=1.0)
-    for _ in range(200):
-        gate = Gate(cfg)
-        gate.cost = COST
-        for _ in range(rng.randrange(4)):
-            conf = [rng.uniform(-2, 8) for _ in range(5)]
-            sub = rng.randrange(1, 6)
-            gate.observe(conf, sub, rng.randrange(sub + 1))
-        seen = LoadSeen()
-        seen.observe(rng.randrange(1, 40), 1, rng.uniform(0.01, 0.5))
-        gate.pricing = priced_at_load(COST, TABLE, seen, gate.rate(), 5)
-        conf = [rng.uniform(-2, 8) for _ in range(5)]
-        expect = length_decision(gate.survival(conf), 5, gate.pricing, 1.0, 0, gate.rate())[0]
-        assert gate.choose(conf, 5).k == expect
-    assert len(BUCKET_EDGES) == 5
-
-
-def test_with_cover_the_decision_is_still_a_function_of_confidences_estimates_and_load_only():
-    rng = random.Random(7)
-    cfg = GateConfig(enabled=True, win_factor=1.0)
-    for _ in range(200):
-        gate = Gate(cfg)
-        gate.cost = OWN_COST
-        seen = LoadSeen()
-        seen.observe(rng.randrange(1, 40), 1, rng.uniform(0.01, 0.5))
-        for _ in range(rng.randrange(1, 5)):
-            seen.observe_cover(rng.randrange(3))
-        gate.pricing = priced_at_load(OWN_COST, TABLE, seen, gate.rate(), 5)
-        conf = [rng.uniform(-2, 8) for _ in range(5)]
-        expect = length_decision(gate.survival(conf), 5, gate.pricing, 1.0, 0, gate.rate())[0]
-        assert gate.choose(conf, 5).k == expect
+    seen.observe(5, 1, float("nan"))    # a rate that is no number keeps the last one
+    assert seen.other_rows == pytest.approx(4.0) and seen.tokens_per_ms == 0.4 and seen.replies == 3
 
 
 # ---------------------------------------------------------------------------- service level
@@ -290,7 +157,7 @@ async def _profiled_stack() -> ServiceStack:
     return ServiceStack(service_loop(), "dspark", engine, d_engine, verifier, drafter, GateConfig(enabled=True), None)
 
 
-def test_info_and_responses_carry_the_load_and_a_priced_generation_streams_plain_tokens():
+def test_info_and_responses_carry_the_load_and_a_gated_generation_streams_plain_tokens():
     loop = service_loop()
     stack = loop.run(_profiled_stack())
     try:
@@ -331,39 +198,10 @@ def test_info_and_responses_carry_the_load_and_a_priced_generation_streams_plain
         stack.close()
 
 
-def test_concurrent_priced_generations_see_each_other_and_stream_plain_tokens():
-    """Three gated generations at once through in-process services (sequential verify, so
-    their tokens are plain decode's whatever they draft): rounds are priced with the cover
-    the others give, and every verifier call has left the count when they end."""
-    loop = service_loop()
-    stack = loop.run(_profiled_stack())
-    prompts = ("load-aware cover", "three at once", "the verifier stays busy")
-    try:
-        gw = loop.run(stack.start_gateway("sequential", cost_mode="measured"))
-        try:
-            async def together(spec):
-                return await asyncio.gather(*(collect(gw.stub, gen_request(p, max_tokens=20, spec=spec))
-                                              for p in prompts))
-            gated = loop.run(together("gated"))
-            plain = loop.run(together("off"))
-            assert [g.token_ids for g in gated] == [p.token_ids for p in plain]
-            assert all(len(g.token_ids) == 20 for g in gated)
-            priced = gw.scheduler.pricing_stats.to_dict()
-            assert priced["rounds"] >= 3 and 0.0 < priced["cover_mean"] <= 1.0
-            assert gw.scheduler.occupancy.inside == 0
-            async def stats_json():
-                return (await gw.stub.Stats(gateway_pb2.StatsRequest(), timeout=10)).json
-            stats = loop.run(stats_json())
-            assert json.loads(stats)["load_pricing"]["rounds"] == priced["rounds"]
-        finally:
-            loop.run(gw.close())
-    finally:
-        stack.close()
-
-
-def test_served_processes_price_at_load_and_profile_whatever_the_removed_switches_say():
-    assert gateway_settings({}).load_aware is True and backend_settings({}).step_profile is True
-    assert gateway_settings({"DSPARK_GATE_LOAD": "0"}).load_aware is True
+def test_served_processes_profile_and_ignore_the_removed_switches():
+    # DSPARK_GATE_LOAD switched load pricing, which was removed: setting it changes nothing
+    assert gateway_settings({"DSPARK_GATE_LOAD": "0"}) == gateway_settings({})
+    assert backend_settings({}).step_profile is True
     assert backend_settings({"DSPARK_STEP_PROFILE": "0"}).step_profile is True
     with pytest.raises(ValueError, match="budget_s=0"):
         StepProfileSettings(budget_s=0)

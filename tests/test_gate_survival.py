@@ -179,7 +179,7 @@ def test_a_budgeted_verify_carries_the_gates_survival():
     for conf, accepted in _dependent_rounds(400):
         gate.observe(conf, 3, accepted)
     conf = [HIGH, HIGH, MID, HIGH]
-    trim = RoundPolicy("gated", gate, None, None, 5, 64, 32, budget="trim")
+    trim = RoundPolicy("gated", gate, None, None, 64, 32, budget="trim")
     assert trim.survival(conf, 3) == gate.survival(conf[:3])  # the curve the length choice priced
     assert trim.survival(conf, 3)[0] == pytest.approx(0.5, abs=0.06)  # not the pooled rate's 0.70
-    assert RoundPolicy("gated", gate, None, None, 5, 64, 32).survival(conf, 3) is None  # budget off
+    assert RoundPolicy("gated", gate, None, None, 64, 32).survival(conf, 3) is None  # budget off

@@ -163,7 +163,7 @@ def test_a_regime_decided_round_explains_itself():
     r = regime()
     for _ in range(30):
         r.observe(16, (0.0,) * 5, 4.0)
-    policy = RoundPolicy("gated", Gate(GateConfig(enabled=True)), r, None, 5, 4096, 100)
+    policy = RoundPolicy("gated", Gate(GateConfig(enabled=True)), r, None, 4096, 100)
     assert not policy.regime_drafts(16, pos=10, emitted=3)
     n, plain, draft = policy.regime_inputs()
     assert n == 16 and plain == pytest.approx(16 / 21) and draft < plain

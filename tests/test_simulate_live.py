@@ -7,7 +7,7 @@ gate settings and costs, and must submit the same k and accept the same tokens i
 round. Then the gate's length rule is changed (monkeypatched to cut every block to
 max_n // 2, in the module both import it from): the live gateway's k sequence changes, and
 the simulator's, on the rounds the changed gateway recorded, changes identically. With
-configured costs, no load pricing and one stream the gate's decisions depend only on those
+configured costs (so no step table) and one stream the gate's decisions depend only on those
 round inputs, so any difference would be a policy written twice.
 """
 

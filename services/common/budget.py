@@ -23,7 +23,7 @@ Non-anticipating by construction: the rule reads the estimates, the table and th
 fixed before the step's forward; nothing of the step's own verification reaches it.
 
 This module owns the rule and the step table type (`StepTimes`, also what the gateway's
-load pricing and the simulator's models read). It never times anything and never reads the
+regime and the simulator's models read). It never times anything and never reads the
 environment; the verifier's step loop and the simulator's verifier loop call the same
 `StepBudget`.
 """

@@ -144,12 +144,10 @@ class GatewaySettings:
     start-up profile, costs fixed, so an embedding or a test gets repeatable gated decisions),
     while `services.settings` reads DSPARK_GATE_COSTS with "measured" as its default.
     pinned_costs: the PINNABLE_COSTS fields a variable set; measured costs never replace them.
-    load_aware: under cost_mode "measured", price gated drafts at the verifier's load (its
-    step-time table and committed tokens per ms, docs/gate.md §13); no effect otherwise.
     regime: let the gateway's regime (`ModelRegime`) decide for gated rounds with others in
     flight: the full block, or plain where its throughput model over the verifier's step table
-    says plain commits more per ms (docs/gate.md §14; it needs the table, so load pricing's
-    measured costs). Off here, as cost_mode is "configured" here: it learns drafter legs from
+    says plain commits more per ms (docs/gate.md §14; it needs the table, which the gateway
+    fetches under measured costs only). Off here, as cost_mode is "configured" here: it learns drafter legs from
     wall times, so an embedding or a test keeps gated decisions repeatable; a served gateway
     (`services.settings`) turns it on.
     warm_start: a gated generation's gate starts from the calibration of the finished
@@ -185,7 +183,6 @@ class GatewaySettings:
     token: str = field(default="", repr=False)
     pinned_costs: tuple[str, ...] = ()
     sampling_rule: str = "coupled"
-    load_aware: bool = True
     regime: bool = False
     warm_start: bool = False
     warm_max_weight: float = 10.0
@@ -201,7 +198,7 @@ class GatewaySettings:
                              f"by the step's budget")
         check_choice("sampling_rule", self.sampling_rule, SAMPLING_RULES)
         check_choice("cost_mode", self.cost_mode, COST_MODES)
-        for name in ("load_aware", "regime", "warm_start", "jump_forward"):
+        for name in ("regime", "warm_start", "jump_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r}: must be a bool")
         weight = self.warm_max_weight

@@ -3,9 +3,10 @@
 The live scheduler (`services.gateway.scheduler`) and the serving simulator
 (`services.simulate`) hold one `RoundPolicy` per generation and ask it the same questions in
 the same order each round; only the forwards, the network and the clock differ between them.
-It owns nothing new: it sequences the gateway's regime (`ModelRegime.may_draft`), the load
-pricing (`priced_at_load` on a `LoadSeen`), the gate's pre-draft decision, the cap of a round
-by the token budget and max_seq_len, the gate's length choice and its censored observation.
+It owns nothing new: it sequences the gateway's regime (`ModelRegime.may_draft`), the gate's
+pre-draft decision (with the step budget, its price check at the load seen so far, `LoadSeen`),
+the cap of a round by the token budget and max_seq_len, the gate's length choice and its
+censored observation.
 Where the regime decides lengths (more than one generation in flight, docs/gate.md §14) a
 drafting round submits its cap without asking the gate, and the regime learns each drafted
 block's outcome (which drafts survived) and drafter legs.
@@ -16,7 +17,7 @@ A round, as both callers run it:
 
     policy.regime_drafts(in_flight, pos, emitted)  # False: a plain round (Reason.REGIME)
     policy.max_drafts(block, pos, emitted)     # 0: no room (Reason.NO_ROOM)
-    policy.pre_draft(margin, others_inside)    # False: margin-skipped (Reason.ANCHOR_MARGIN)
+    policy.pre_draft(margin)                   # a reason: skipped (e.g. Reason.ANCHOR_MARGIN)
     ... draft ...
     reason, k = policy.choose(confidences, drafted, pos, emitted)
     survival = policy.survival(confidences, k)  # None unless the verifier's step budget runs
@@ -31,16 +32,42 @@ the cap (the gate keeps only the pre-draft decision) and the step alone chooses 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from services.gateway.gate import Gate, LengthChoice
 from services.common.budget import StepTimes, admit_drafts
-from services.gateway.load import LoadSeen, PricingStats, priced_at_load
 from services.gateway.load_regime import Goodput, ModelRegime
 from services.gateway.record import Reason, drafted_reason
 
 BUDGETS = ("off", "trim", "full")
 RECENT_BLOCKS = 8  # the budgeted blocks the pre-draft price check averages
+OTHER_ROWS_ALPHA = 0.5  # moving average of the other sessions' rows: follows load within a few rounds
+
+
+@dataclass
+class LoadSeen:
+    """What one generation has seen of the verifier's load, only from replies before its
+    current round (so it never anticipates a draft not yet verified): a moving average of the
+    rows other sessions put in its steps (tokens), the last reported lambda_sys (the
+    verifier's committed tokens per ms; 0 = none yet) and the replies that reported a step."""
+
+    other_rows: float = 0.0
+    tokens_per_ms: float = 0.0
+    replies: int = 0
+
+    def observe(self, step_rows: int, own_rows: int, tokens_per_ms: float) -> None:
+        """One decode / verify reply: its step forwarded `step_rows` tokens, `own_rows` of them
+        this generation's; a reply without a step (step_rows <= 0) changes nothing, and a rate
+        that is not a positive finite number keeps the last one."""
+        if step_rows <= 0:
+            return
+        other = float(max(0, step_rows - own_rows))
+        self.other_rows = other if self.replies == 0 else self.other_rows + OTHER_ROWS_ALPHA * (other - self.other_rows)
+        if math.isfinite(tokens_per_ms) and tokens_per_ms > 0:
+            self.tokens_per_ms = tokens_per_ms
+        self.replies += 1
 
 
 class RoundPolicy:
@@ -51,9 +78,8 @@ class RoundPolicy:
         gate: the generation's `Gate` (cost model and enabled flag already set for `spec`).
         regime: the gateway's `ModelRegime` (shared by its generations; consulted for gated
             generations only), or None.
-        step_table: the verifier's step table the gate prices drafts against (None: no load
-            pricing); `pricing_stats` counts each round priced (None: not counted).
-        block_size: drafted tokens a round may hold at most (the drafter's block).
+        step_table: the verifier's step table (ms against rows), what the step budget's
+            pre-draft price check reads (None: no table yet, so no check).
         max_seq_len, max_tokens, max_drafts: the request's limits (tokens; max_drafts 0 = the
             block size).
         budget: "off" | "trim" | "full", how a gated generation uses the verifier's step budget
@@ -62,16 +88,14 @@ class RoundPolicy:
     """
 
     def __init__(self, spec: str, gate: Gate, regime: ModelRegime | None, step_table: StepTimes | None,
-                 block_size: int, max_seq_len: int, max_tokens: int, max_drafts: int = 0,
-                 pricing_stats: PricingStats | None = None, budget: str = "off"):
+                 max_seq_len: int, max_tokens: int, max_drafts: int = 0, budget: str = "off"):
         if budget not in BUDGETS:
             raise ValueError(f"budget={budget!r}: must be one of {BUDGETS}")
         self.budget = budget if spec == "gated" else "off"
         self.spec, self.gate, self.step_table = spec, gate, step_table
         self.regime = regime if spec == "gated" else None
-        self.block_size, self.max_seq_len = block_size, max_seq_len
+        self.max_seq_len = max_seq_len
         self.max_tokens, self.request_max_drafts = max_tokens, max_drafts
-        self.pricing_stats = pricing_stats
         self.seen = LoadSeen()
         self.recent: list[tuple[float, ...]] = []  # survivals of the last RECENT_BLOCKS budgeted blocks
         self.choice: LengthChoice | None = None  # the last length decision, with its inputs
@@ -114,23 +138,15 @@ class RoundPolicy:
         room = self.max_seq_len - 2 - pos
         return max(0, min(drafted, self.request_max_drafts or drafted, remaining - 1, room))
 
-    def pre_draft(self, anchor_margin: float | None, others_inside: int) -> Reason | None:
-        """The pre-draft decision: re-price the gate's costs at the load seen so far (when a
-        step table is given; `others_inside` of this gateway's other generations are inside a
-        verifier call now), then `Gate.pre_draft`: None drafts; a reason (one of
-        `PRE_DRAFT_SKIPS`) decodes plain, nothing drafted. Raises ValueError on a NaN margin or
-        a negative count."""
+    def pre_draft(self, anchor_margin: float | None) -> Reason | None:
+        """The pre-draft decision: None drafts; a reason (one of `PRE_DRAFT_SKIPS`, or
+        STEP_PRICE with the step budget) decodes plain, nothing drafted. Where the regime
+        submits the cap (`_regime_lengths`) the gate is not asked. Raises ValueError on a NaN
+        margin (`Gate.pre_draft`)."""
         if self._regime_lengths():
             return None
-        if self.budget != "off":
-            return self.gate.pre_draft(anchor_margin) or self._step_price()
-        if self.step_table is not None:
-            self.seen.observe_cover(others_inside)
-            if self.pricing_stats is not None:
-                self.pricing_stats.add(self.seen)
-            self.gate.pricing = priced_at_load(self.gate.cost, self.step_table, self.seen, self.gate.rate(),
-                                               self.block_size)
-        return self.gate.pre_draft(anchor_margin)
+        skip = self.gate.pre_draft(anchor_margin)
+        return self._step_price() if skip is None and self.budget != "off" else skip
 
     def _step_price(self) -> Reason | None:
         """With the step budget: STEP_PRICE when, at the verifier's last reported step (its
@@ -175,8 +191,8 @@ class RoundPolicy:
         """A verify (k > 0) or decode reply: the model regime learns a drafted round's outcome
         (which of its k verified drafts survived) and its drafter legs (`leg_ms`: the draft
         call and the commit before it, ms; None when unmeasured);
-        the gate learns the censored outcome of the submitted drafts; the load seen learns the
-        step's rows (`step_rows` tokens forwarded, `own_rows` of them this generation's; 0 =
+        the gate learns the censored outcome of the submitted drafts; the load seen (what the
+        step budget's price check reads) learns the step's rows (`step_rows` tokens forwarded, `own_rows` of them this generation's; 0 =
         no step) and the verifier's committed tokens per ms."""
         if self.regime is not None and confidences:
             # a round after one that did not draft also re-primed the rows held back: a wake,

@@ -68,7 +68,7 @@ from services.gateway.drafters import DraftCheck, DrafterFaults, DrafterSupply
 from services.gateway.events import FinalEvent, GenerationParams, ModelLimits, ProcessStats, TokenEvent
 from services.gateway.gate import PRE_DRAFT_SKIPS, Gate, GateConfig
 from services.gateway.jump_forward import JumpForward
-from services.gateway.load import PricingStats, VerifierLoad, VerifierOccupancy
+from services.gateway.load import VerifierLoad
 from services.gateway.metrics import GenerationMetrics, NoGenerationMetrics
 from services.gateway.load_regime import ModelRegime
 from services.gateway.record import Reason, RoundRecord, RoundStats
@@ -99,10 +99,10 @@ class Scheduler:
             round whose confidences the gate saw, and every round that drafted nothing.
         metrics: `services.gateway.metrics.GatewayMetrics` fed each round's record and each
             finished generation (None: none).
-        load: the verifier's step table (`services.gateway.load.VerifierLoad`); with it, and
-            under cost_mode "measured", a gated generation prices its drafts at the load its
-            replies report (docs/gate.md §13), and the verify / plain costs are sampled only
-            from rounds alone in their verifier step (None: no load pricing).
+        load: the verifier's step table (`services.gateway.load.VerifierLoad`): the regime
+            and the step budget price load with it (docs/gate.md §13), so the costs are
+            sampled only from rounds alone in their verifier step (None: no table; every
+            round samples the costs).
         regime: the gateway's regime (`services.gateway.load_regime.ModelRegime`): it learns
             from every drafted round and may run gated rounds plain (None: the gates alone
             decide).
@@ -133,8 +133,6 @@ class Scheduler:
         self.jump_forward = jump_forward  # submit the tokens a grammar forces as certain drafts
         self.step_budget = step_budget
         self.in_flight = 0  # generations inside `generate` (the regime's concurrency)
-        self.occupancy = VerifierOccupancy()  # generations inside a verifier call (the cover of load pricing)
-        self.pricing_stats = PricingStats()  # the rounds priced at load (the Stats RPC)
         self.stats = ProcessStats(warm=None if warm is None else WarmBands(warm))
         self.draft_check = DraftCheck(limits.vocab_size, limits.block_size, limits.reserved_token_ids)
         self.drafter_faults = DrafterFaults()  # process-wide, by reason (the Stats RPC)
@@ -301,11 +299,8 @@ class _Generation:
         bands, band = sched.stats.warm if p.spec == "gated" else None, sampling_band(p.sampling)
         self.gate = Gate(gate_cfg, None if bands is None else bands.calibration(band), band)
         self.gate.cost = self.cost
-        priced = sched.load is not None and p.spec == "gated" and (
-            sched.cost_mode == "measured" or sched.step_budget != "off")
-        self.policy = RoundPolicy(p.spec, self.gate, sched.regime, sched.load.table if priced else None,
-                                  sched.limits.block_size, sched.limits.max_seq_len, p.max_tokens, p.max_drafts,
-                                  sched.pricing_stats, sched.step_budget)
+        self.policy = RoundPolicy(p.spec, self.gate, sched.regime, None if sched.load is None else sched.load.table,
+                                  sched.limits.max_seq_len, p.max_tokens, p.max_drafts, sched.step_budget)
         # a gate that starts in its band's losing streak (docs/gate.md §6) opens no session until it probes
         awake = self.policy.regime_drafts(sched.in_flight, len(p.prompt_ids), 0) and not self.gate.losing()
         self.link = DrafterLink(drafters if can_draft else None, verifier, sched.drafter_faults, metrics,
@@ -333,7 +328,7 @@ class _Generation:
         logprobs: no token is streamed and no drafter is primed. Raises BackendError when the
         verifier fails."""
         p = self.p
-        with self.s.tracer.start_as_current_span("gateway.prefill") as span, self.s.occupancy.call():
+        with self.s.tracer.start_as_current_span("gateway.prefill") as span:
             first = await self.verifier.prefill(p.prompt_ids, trace_context(span), p.sampling, p.constraint,
                                                 p.controls, p.prompt_logprobs)
         self.ttft_ms = (time.perf_counter() - self.t0) * 1e3
@@ -416,9 +411,8 @@ class _Generation:
             asked, t0 = k, time.perf_counter()
             if k > 0:
                 q = None if plan.probs is None else plan.probs[:k]
-                with s.occupancy.call():
-                    res = await self.verifier.verify(anchor, drafts[:k], pos, s.verify_mode, tc, q,
-                                                     self.policy.survival(plan.conf, k))
+                res = await self.verifier.verify(anchor, drafts[:k], pos, s.verify_mode, tc, q,
+                                                 self.policy.survival(plan.conf, k))
                 verify_ms = (time.perf_counter() - t0) * 1e3
                 if res.admitted is not None and res.admitted < k:  # the step's budget judged a prefix
                     span.set_attribute("spec_decode.admitted", res.admitted)
@@ -428,8 +422,7 @@ class _Generation:
                 if alone and k > 0:
                     s.costs.add_verify(k, verify_ms)
             else:
-                with s.occupancy.call():
-                    res = await self.verifier.decode(anchor, pos, tc)
+                res = await self.verifier.decode(anchor, pos, tc)
                 verify_ms = (time.perf_counter() - t0) * 1e3
                 own_rows = 1
                 alone = self._alone(res, own_rows)
@@ -468,8 +461,7 @@ class _Generation:
         `forced_rounds` / `forced_tokens`); returns as `_round`."""
         s = self.s
         q = self.jump.probs(forced) if self._needs_probs else None
-        with s.occupancy.call():
-            res = await self.verifier.verify(anchor, forced, pos, s.verify_mode, tc, q)
+        res = await self.verifier.verify(anchor, forced, pos, s.verify_mode, tc, q)
         a = res.accepted
         defer = plan.reason in (*PRE_DRAFT_SKIPS, Reason.REGIME)  # as the round it replaces
         await self.link.commit(res.rows, pos, [anchor, *forced[:a]], pos, defer)
@@ -501,10 +493,8 @@ class _Generation:
         if not (self._regime_drafts(pos, len(self.out)) if may_draft is None else may_draft):
             await self.link.sleep()  # the drafter does nothing for this generation until it drafts again
             return _Plan(Reason.REGIME)
-        # priced before the pre-draft decision, from what came before it; this generation is
-        # outside the verifier now, so every generation inside is another's. Asked before a
-        # sleeping link wakes: a skipped round re-primes nothing.
-        skip = self.policy.pre_draft(margin, self.s.occupancy.inside)
+        # asked before a sleeping link wakes: a skipped round re-primes nothing
+        skip = self.policy.pre_draft(margin)
         if skip is not None:
             return _Plan(skip)
         asleep, t0 = self.link.asleep, time.perf_counter()
@@ -539,10 +529,11 @@ class _Generation:
 
     def _alone(self, reply, own_rows: int) -> bool:
         """Whether a round's wall times (draft, verify or decode, commit) may sample the
-        costs: with load pricing those are the costs of a round alone in its verifier step
-        (the step table and lambda_sys price the load), so a round whose step was shared is
-        left out whole, or load would be charged twice and its draft priced against an
-        unloaded plain step; without load pricing, every round."""
+        costs: with a step table those are the costs of a round alone in its verifier step
+        (the regime and the step budget price the load from the table), so a round whose
+        step was shared is left out whole, or load would be charged twice and the regime's
+        overhead beyond the step (plain - step(1)) would grow with load; without a table,
+        every round."""
         return self.s.load is None or reply.step_rows in (0, own_rows)
 
     def _max_drafts(self, drafted: int, pos: int) -> int:

@@ -265,7 +265,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         stats["verify_mode"] = self.scheduler.verify_mode
         stats["cost_mode"] = self.scheduler.cost_mode
         stats["drafter_failures"] = self.scheduler.drafter_faults.to_dict()
-        stats["load_pricing"] = self.scheduler.pricing_stats.to_dict()
         regime = self.scheduler.regime
         stats["regime"] = {"enabled": False} if regime is None else {"enabled": True, **regime.to_dict()}
         return gateway_pb2.StatsResponse(json=json.dumps(stats, allow_nan=False))

@@ -1,7 +1,7 @@
 """One simulated serving run: a gateway's generations over a verifier and a drafter, in virtual time.
 
 Each generation runs the round protocol of `services.gateway.scheduler` (docs/architecture.md
-§3) with the gateway's own decision objects: its `RoundPolicy` (regime, load pricing, the
+§3) with the gateway's own decision objects: its `RoundPolicy` (regime, the
 gate's pre-draft decision and length choice, the caps) over a `Gate`, the shared
 `ModelRegime`, and the verifier's `CommitRate` for lambda_sys. The verifier and the drafter
 are `SimLoop`s over the services' `Schedule`; sessions open through `SessionTable`. What is
@@ -45,14 +45,13 @@ EVENTS_PER_STEP = 64
 @dataclass(frozen=True)
 class Arm:
     """A policy under test: spec mode ("off" | "always" | "gated"), max drafts per round
-    (0 = the block), whether the gateway's model regime runs and whether load pricing does
-    (docs/gate.md §13-§14), and gate settings laid over the defaults (e.g. {"win_factor": 1.0})."""
+    (0 = the block), whether the gateway's model regime runs (docs/gate.md §14), gate settings
+    laid over the defaults (e.g. {"win_factor": 1.0}) and the verifier's step budget."""
 
     name: str
     spec: str
     max_drafts: int = 0
     regime: bool = False  # the gateway runs the model regime (ModelRegime, docs/gate.md §14)
-    load_pricing: bool = False
     gate: tuple[tuple[str, object], ...] = ()
     budget: str = "off"  # the verifier's step budget: "off" | "trim" | "full" (RoundPolicy)
 
@@ -155,13 +154,11 @@ class Gateway:
                        if arm.regime else None)
         self.budget_table = StepTimes(tuple(float(r) for r in ROW_BUCKETS),
                                       tuple(model.verifier_ms(r, 1) for r in ROW_BUCKETS))
-        self.step_table = self.budget_table if arm.load_pricing or arm.budget != "off" else None
         self.gate_config = dataclasses.replace(
             GateConfig(enabled=arm.spec == "gated", draft_ms=self.cost.draft_ms,
                        verify_base_ms=self.cost.verify_base_ms, verify_slope_ms=self.cost.verify_slope_ms,
                        plain_ms=self.cost.plain_ms), **dict(arm.gate))
         self.in_flight = 0  # generations inside `generate` (the regime's concurrency)
-        self.inside = 0  # generations inside a verifier call (the cover of load pricing)
         self.traces: dict[int, list[GenerationTrace]] = {}  # per stream, its generations in order
         self.drafted_rounds = self.rounds = self.submitted = 0
         self.decisions: dict[int, list[tuple[str, int, int]]] = {}  # per stream: (reason, k, accepted) per round
@@ -277,8 +274,8 @@ class _Generation:
         arm = gw.arm
         self.gate = Gate(gw.gate_config)
         self.gate.cost = gw.cost
-        self.policy = RoundPolicy(arm.spec, self.gate, gw.regime, gw.step_table, gw.config.block_size,
-                                  gw.config.max_seq_len, spec.output, arm.max_drafts, budget=arm.budget)
+        self.policy = RoundPolicy(arm.spec, self.gate, gw.regime, gw.budget_table, gw.config.max_seq_len,
+                                  spec.output, arm.max_drafts, budget=arm.budget)
         self.sid = -1
         self.emitted = 0
         self.pos = spec.prompt
@@ -300,11 +297,9 @@ class _Generation:
         self._verifier(req)
 
     def _verifier(self, req: Request) -> None:
-        self.gw.inside += 1
         self.gw.call(self.gw.verifier, req)
 
     def _prefilled(self, rows: int) -> None:
-        self.gw.inside -= 1
         self.uncommitted = min(self.spec.prompt, self.gw.config.prime_rows)
         self._emit(1)
         if self.emitted >= self.spec.output:
@@ -352,7 +347,7 @@ class _Generation:
         if not p.regime_drafts(self.gw.in_flight, self.pos, self.emitted, primed=not self.asleep):
             self.deferred = self.asleep = True
             return Reason.REGIME
-        return p.pre_draft(self.margin, self.gw.inside)
+        return p.pre_draft(self.margin)
 
     def _draft(self, rec: Round) -> None:
         start = self.gw.clock.now if self.leg_start is None else self.leg_start
@@ -383,7 +378,6 @@ class _Generation:
 
     def _verified(self, rec: Round, reason: Reason, conf, k: int, accepted: int, rows: int) -> None:
         gw = self.gw
-        gw.inside -= 1
         leg, self.leg_ms = self.leg_ms, None
         self.policy.observe(conf, k, accepted, rows, k + 1 if k else 1, gw.rate.tokens_per_ms(),
                             leg if conf is not None else None)

@@ -36,7 +36,6 @@ def arm_registry(block_size: int) -> dict[str, Arm]:
     arms = {"plain": Arm("plain", "off")}
     arms.update({f"k{k}": Arm(f"k{k}", "always", max_drafts=k) for k in range(1, block_size + 1)})
     arms["gated"] = Arm("gated", "gated", regime=True)
-    arms["gated+load"] = Arm("gated+load", "gated", regime=True, load_pricing=True)  # TEMP: issue 38 measurement
     arms["gate-only"] = Arm("gate-only", "gated")
     arms["budget-trim"] = Arm("budget-trim", "gated", budget="trim")
     arms["budget"] = Arm("budget", "gated", budget="full")
