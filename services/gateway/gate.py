@@ -243,10 +243,6 @@ class Gate:
         # the first pre-draft decision already prices what the band drafts.
         self._recent: list[list[float]] = [list(c) for c in calibration.recent] if calibration else []
         self.probing = ProbeSchedule(calibration.streak if calibration else None)
-        # The costs decisions price rounds with; None: `cost`. The caller may re-price them for
-        # the verifier's load before a round (`services.gateway.load.priced_at_load`); the
-        # rate and the records keep `cost`, what a round costs its own generation.
-        self.pricing: CostModel | None = None
 
     def estimates(self) -> tuple[float, ...]:
         """Current P(match | bucket), one float in [0, 1] per bucket, non-decreasing in the bucket
@@ -315,7 +311,7 @@ class Gate:
         drafter need not be fed until the next probe (docs/gate.md §5b)."""
         if not self.config.enabled or not self._recent:
             return False
-        lam, cost = self.rate(), self.pricing or self.cost
+        lam, cost = self.rate(), self.cost
         total = sum(draft_advantage(self._survival(conf), cost, lam) for conf in self._recent)
         return total / len(self._recent) < 0.0
 
@@ -340,7 +336,7 @@ class Gate:
         its first draft's acceptance the recent rounds' mean S_0 (1.0 before any round drafted)."""
         first = (sum(self._survival(conf[:1])[0] for conf in self._recent if conf) / len(self._recent)
                  if self._recent else 1.0)
-        return probe_loss(self.pricing or self.cost, first)
+        return probe_loss(self.cost, first)
 
     def _skip(self) -> None:
         """A round the gate kept from drafting: one plain step (1 token, plain_ms)."""
@@ -367,7 +363,7 @@ class Gate:
             # A probe verifies at least one draft, the cheapest test of whether the drafter came
             # back: where verify is dear per draft, a whole block would cost most of the probe.
             floor = min(1, max_n) if probe else 0
-            cost, rate = self.pricing or self.cost, self.rate()
+            cost, rate = self.cost, self.rate()
             n, values = length_decision(survival, max_n, cost, self.config.win_factor, floor, rate)
             inputs = {"survival": tuple(survival), "rate": rate, "values": values, "probe": probe,
                       "probe_loss": loss if probe else None}
