@@ -71,6 +71,7 @@ import tempfile
 from pathlib import Path
 
 from bench.bench_serving import WORKLOADS
+from bench.service_procs import set_session_nice
 from services.gateway.rounds import RoundLog, load_rounds, save_rounds
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +84,18 @@ def _run(cmd: list[str], nice: int, out: Path | None = None) -> None:
     full = (["nice", "-n", str(nice)] if nice else []) + [sys.executable, "-m", *cmd]
     print("$", " ".join(full), flush=True)
     with open(out, "w") if out else open(os.devnull, "w") as sink:
-        rc = subprocess.run(full, cwd=REPO_ROOT, stdout=sink if out else None, timeout=STAGE_TIMEOUT_S).returncode
+        # A session of its own at the same niceness (`set_session_nice`): with autogroups a
+        # process's nice orders it only within its session, so `--nice` alone left the
+        # measured stages sharing the cores fairly with other sessions' work.
+        child = subprocess.Popen(full, cwd=REPO_ROOT, stdout=sink if out else None, start_new_session=True)
+        if nice:
+            set_session_nice(child.pid, nice)
+        try:
+            rc = child.wait(timeout=STAGE_TIMEOUT_S)
+        except BaseException:
+            child.kill()
+            child.wait()
+            raise
     if rc != 0:
         if out:  # a half-written output would be taken as done by the next run in this workdir
             out.unlink(missing_ok=True)

@@ -322,3 +322,31 @@ def test_a_shared_pool_slows_its_jobs_down_by_processor_sharing(cores, ends):
         pool.run(10.0, lambda: done.append(clock.now))
     clock.run()
     assert done == ends
+
+
+def test_a_busy_machine_slows_only_the_jobs_that_overlap():
+    """Two cores with one other program's job always runnable (`background` 1): one of our
+    jobs alone gets a whole core, the model's speed, so a 12 ms job ends at 12 ms. Two of ours
+    together get 2/3 of a core each (2 cores over 3 jobs): two 12 ms jobs end at 18 ms, where
+    an idle pool of two cores ends them at 12. A 12 ms and a 6 ms job: both at 2/3 until the
+    short one ends at 9 ms (6 / (2/3)), the long one then has 12 - 6 = 6 ms left alone: 15 ms.
+    With background 2 one job alone gets 2/3 of a core (the model's speed, measured so), two
+    get 1/2: 12 ms jobs end at 12 alone and at 16 together (12 / (3/4))."""
+    from services.simulate.loops import Clock, Pool
+
+    def ends(background: float, works: list[float]) -> list[float]:
+        clock, done = Clock(), []
+        pool = Pool(clock, 2, background)
+        for w in works:
+            pool.run(w, lambda: done.append(clock.now))
+        clock.run()
+        return done
+
+    assert ends(1.0, [12.0]) == [12.0]
+    assert ends(1.0, [12.0, 12.0]) == [pytest.approx(18.0)] * 2
+    assert ends(0.0, [12.0, 12.0]) == [12.0, 12.0]
+    assert ends(1.0, [12.0, 6.0]) == [pytest.approx(9.0), pytest.approx(15.0)]
+    assert ends(2.0, [12.0]) == [pytest.approx(12.0)]
+    assert ends(2.0, [12.0, 12.0]) == [pytest.approx(16.0)] * 2
+    with pytest.raises(ValueError, match="background=-1"):
+        Pool(Clock(), 2, -1.0)

@@ -35,6 +35,8 @@ NUMBERS = (
     ("--requests", int, 64, "open loop: generations per cell"),
     ("--drafters", int, 1, "drafter replicas (sessions placed round robin)"),
     ("--cores", int, 1, "--shared-compute: cores of the shared pool (each step or gateway turn uses at most one)"),
+    ("--background", float, 0.0, "--shared-compute: other programs' jobs always runnable on the pool's cores "
+     "(a busy machine the cost model was measured on; docs/simulate.md §5.2)"),
     ("--max-sessions", int, 256, "the verifier's session limit (DSPARK_MAX_SESSIONS)"),
     ("--gather-ms", float, 50.0, "the step loops' gather window (DSPARK_STEP_GATHER_MS)"),
     ("--prefill-chunk", int, 64, "prompt tokens per verifier step (DSPARK_PREFILL_CHUNK)"),
@@ -134,7 +136,7 @@ def _inputs(args):
         _check_writable(args.png)
     config = RunConfig(block_size=args.block_size, max_sessions=args.max_sessions, gather_s=args.gather_ms / 1e3,
                        prefill_chunk=args.prefill_chunk, shared_compute=args.shared_compute, cores=args.cores,
-                       drafters=args.drafters, alignment=args.alignment)
+                       background=args.background, drafters=args.drafters, alignment=args.alignment)
     return model, config, arms, loads, groups, lengths
 
 
@@ -180,6 +182,8 @@ def _check_numbers(args) -> None:
     for flag, value, top in (("--gather-ms", args.gather_ms, 1e7), ("--rpc-ms", args.rpc_ms, MAX_RPC_MS)):
         if value is not None and not (value >= 0 and value <= top):  # NaN fails both
             raise ValueError(f"{flag}={value}: must be a finite number of ms in [0, {top:g}]")
+    if not 0 <= args.background <= MAX_STREAMS:  # NaN fails both
+        raise ValueError(f"--background={args.background}: must be a number of jobs in [0, {MAX_STREAMS}]")
 
 
 def _check_work(arms, loads, lengths, prefill_chunk: int) -> None:
@@ -230,7 +234,7 @@ def run_simulate(args: argparse.Namespace) -> int:
                         "rounds": list(args.rounds) if args.rounds else "synthetic (generated)",
                         "arms": [a.name for a in arms], "loads": [ld.label for ld in loads], "prompt": str(prompt),
                         "output": str(output), "order": args.order, "shared_compute": config.shared_compute,
-                        "cores": config.cores,
+                        "cores": config.cores, "background": config.background,
                         "max_sessions": config.max_sessions, "drafters": config.drafters,
                         "gather_ms": config.gather_s * 1e3, "alignment": config.alignment,
                         "prefill_chunk": config.prefill_chunk, "seed": args.seed}

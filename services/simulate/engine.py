@@ -72,6 +72,7 @@ class RunConfig:
     prefill_chunk: int = 64
     shared_compute: bool = False
     cores: int = 1  # the shared pool's cores (processor sharing; docs/simulate.md §3)
+    background: float = 0.0  # other programs' always-runnable jobs on the shared pool (docs/simulate.md §5.2)
     drafters: int = 1
     gate_costs: CostModel | None = None  # the gates' cost model; None: the model's single-stream costs
     prime_rows: int = 64  # tap rows a prefill primes the drafter with (the verifier's prefill_keep_rows)
@@ -132,7 +133,7 @@ class Gateway:
         self.model, self.config, self.arm = model, config, arm
         self.clock = Clock()
         self.max_events: int | None = None  # set by `start`
-        shared = Pool(self.clock, config.cores)
+        shared = Pool(self.clock, config.cores, config.background)
         own = lambda: shared if config.shared_compute else Pool(self.clock)  # noqa: E731 - a pool per loop, or one
         self.rows_per_session = float(config.block_size + 1)  # of the verifier's last batch step
         self.verifier = SimLoop(self.clock, own(), Schedule(config.gather_s, VERIFIER_AWAY, config.prefill_chunk,

@@ -88,14 +88,24 @@ class Pool:
     job at a time, at full speed); `--shared-compute` puts the verifier, the drafter and the
     gateway's turns on one pool of `--cores` (`RunConfig.cores`).
 
-    Raises ValueError when cores < 1.
+    `background` (`--background`) counts other programs' jobs that are always runnable on the
+    same cores (a shared machine): with n jobs of ours running each gets min(1, cores / (n +
+    background)) of a core. The step-time model was measured by one job alone on that machine,
+    so speeds are relative to that: a job runs at min(1, cores / (n + background)) / min(1,
+    cores / (1 + background)) of the model's speed, 1 when it runs alone (docs/simulate.md
+    §5.2: why a drafted load on a busy box runs slower than its shape says).
+
+    Raises ValueError when cores < 1 or background is negative or not finite.
     """
 
-    def __init__(self, clock: Clock, cores: int = 1) -> None:
-        if cores < 1:
+    def __init__(self, clock: Clock, cores: float = 1, background: float = 0.0) -> None:
+        if not cores >= 1:
             raise ValueError(f"cores={cores}: a pool needs at least one core")
-        self.clock, self.cores = clock, cores
-        self._left: dict[int, float] = {}  # job -> work left (ms at full speed)
+        if not 0.0 <= background < float("inf"):
+            raise ValueError(f"background={background}: must be a finite number of jobs >= 0")
+        self.clock, self.cores, self.background = clock, cores, background
+        self._alone = min(1.0, cores / (1.0 + background))  # one job's share: the model's speed
+        self._left: dict[int, float] = {}  # job -> work left (ms at the model's speed)
         self._done: dict[int, Callable[[], None]] = {}
         self._since = 0.0  # when `_left` was last brought up to date (ms)
         self._ids = 0
@@ -109,7 +119,9 @@ class Pool:
         self._plan()
 
     def _speed(self) -> float:
-        return min(1.0, self.cores / len(self._left)) if self._left else 1.0
+        if not self._left:
+            return 1.0
+        return min(1.0, self.cores / (len(self._left) + self.background)) / self._alone
 
     def _advance(self) -> None:
         """Charge the running jobs for the time since the last change."""
