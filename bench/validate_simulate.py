@@ -215,7 +215,7 @@ def stage_simulate(args, shape: Path, rounds: Path) -> dict:
     """The simulator's cells {streams: {arm: figures}} at `shape`, shared compute."""
     prompts = ",".join(f"{name}={n}" for name, n in prompt_tokens(args.checkpoint).items())
     cmd = [sys.executable, "-m", "services.cli", "simulate", "--costs", str(shape), "--shared-compute",
-           "--cores", str(args.cores), "--order", "cycle",
+           "--cores", str(args.cores), "--background", str(args.background), "--order", "cycle",
            "--rounds", str(rounds), "--arms", *args.arms, "--streams", *map(str, args.streams),
            "--per-stream", str(args.per_stream), "--prompt", prompts, "--output", str(args.max_tokens),
            "--max-sessions", str(max(args.streams) + 8), "--seed", str(args.seed), "--json"]
@@ -292,6 +292,8 @@ def _bad_argument(args) -> str | None:
         return f"--rpc-ms={args.rpc_ms}: must be a finite number of ms in [0, {MAX_RPC_MS:g}]"
     if args.seed < 0:
         return f"--seed={args.seed}: must be >= 0"
+    if not 0 <= args.background <= MAX_STREAMS:
+        return f"--background={args.background}: must be a number of jobs in [0, {MAX_STREAMS}]"
     if not 1024 <= args.port_base <= 65000:
         return f"--port-base={args.port_base}: must be in 1024..65000 (the services take ports above it)"
     if not (Path(args.checkpoint) / "tokenizer.json").is_file():  # the last stage reads it, after the bench
@@ -323,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the simulator's seed")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1,
                     help="cores of the simulator's shared pool (default: this machine's)")
+    ap.add_argument("--background", type=float, default=0.0,
+                    help="the simulator's --background: other programs' jobs always runnable on this machine's "
+                    "cores while the real cells ran (0: the bench had the cores to itself, which --nice gives it)")
     ap.add_argument("--rpc-ms", type=float, default=0.7,
                     help="one gateway <-> service call in the simulator (ms; default: bench_services' 2.07 ms "
                          "of gRPC per round over its three calls)")
