@@ -31,7 +31,8 @@ def test_two_streams_follow_the_hand_computed_schedule():
     """Two streams of fixed k = 2, a 1-token prompt and 5 output tokens, no gather, no
     network, stream 1 sent 1 ms after stream 0: each step is worked out by hand
     (docs/simulate.md §3.1 walks through it). s0 prefill [0,10]; s1 prefill [10,20]; s0
-    commit [10,11], draft [11,15], verify of 3 rows [20,34] (2 tokens); s1 commit [20,21],
+    commit [10,11] (the prime: its first token streams at 11, as the served gateway streams it
+    after the prime), draft [11,15], verify of 3 rows [20,34] (2 tokens); s1 commit [20,21] (first token),
     draft [21,25], verify [34,48]; s0 commit [34,35], draft [35,39], budget caps k to 1,
     verify of 2 rows [48,60] (done: 5 tokens); s1 commit [48,49], draft [49,53], verify [60,72]."""
     specs = [stream_spec(0), stream_spec(1, arrival_ms=1.0)]
@@ -39,9 +40,9 @@ def test_two_streams_follow_the_hand_computed_schedule():
     f = simulate_cell(_hand_model(), config, arm_registry(2)["k2"], specs)
     assert f["tokens"] == 10 and f["wall_s"] == pytest.approx(0.072)
     assert f["aggregate_tok_s"] == pytest.approx(10 / 0.072, abs=1e-5)
-    assert f["ttft_p50_ms"] == pytest.approx(14.5) and f["ttft_p99_ms"] == pytest.approx(18.91)  # 10 and 19 ms
-    # per-token gaps: s0 24/2, 26/2 ms; s1 28/2, 24/2 ms
-    assert f["itl_p50_ms"] == pytest.approx(12.5) and f["itl_p99_ms"] == pytest.approx(14.0)
+    assert f["ttft_p50_ms"] == pytest.approx(15.5) and f["ttft_p99_ms"] == pytest.approx(19.91)  # 11 and 20 ms
+    # per-token gaps: s0 23/2, 26/2 ms; s1 27/2, 24/2 ms
+    assert f["itl_p50_ms"] == pytest.approx(12.5) and f["itl_p99_ms"] == pytest.approx(13.5)
     assert f["verifier_steps"] == 6 and f["verifier_util"] == pytest.approx(1.0)
     assert f["sessions_per_step"] == pytest.approx(1.0)
     assert f["drafter_steps"] == 8 and f["drafter_util"] == pytest.approx(20 / 72, abs=1e-6)
@@ -52,7 +53,7 @@ def test_requests_arriving_together_share_a_step():
     """The same two streams sent at the same instant (docs/simulate.md §3.2): a loop takes its
     step after every arrival of that instant, so the two prompts, then each pair of commits,
     drafts and verifies (the replies of one shared step arrive together) share every step,
-    by hand: prefill of 2 rows [0,12]; commits [12,13]; drafts [13,17]; verify of 6 rows
+    by hand: prefill of 2 rows [0,12]; commits [12,13] (first tokens); drafts [13,17]; verify of 6 rows
     [17,37] (2 tokens each); commits [37,38]; drafts [38,42] (k capped to 1); verify of 4
     rows [42,58] (done). Before this rule the first arrival of an instant took a step alone
     and the pair alternated, as in the schedule above."""
@@ -60,9 +61,9 @@ def test_requests_arriving_together_share_a_step():
     config = RunConfig(block_size=2, gather_s=0.0, max_seq_len=64)
     f = simulate_cell(_hand_model(), config, arm_registry(2)["k2"], specs)
     assert f["tokens"] == 10 and f["wall_s"] == pytest.approx(0.058)
-    assert f["ttft_p50_ms"] == pytest.approx(12.0) and f["ttft_p99_ms"] == pytest.approx(12.0)
-    # per-token gaps of both streams: 25/2 ms twice, then 21/2 ms twice
-    assert f["itl_p50_ms"] == pytest.approx(11.5) and f["itl_p99_ms"] == pytest.approx(12.5)
+    assert f["ttft_p50_ms"] == pytest.approx(13.0) and f["ttft_p99_ms"] == pytest.approx(13.0)
+    # per-token gaps of both streams: 24/2 ms twice, then 21/2 ms twice
+    assert f["itl_p50_ms"] == pytest.approx(11.25) and f["itl_p99_ms"] == pytest.approx(12.0)
     assert f["verifier_steps"] == 3 and f["verifier_util"] == pytest.approx((12 + 20 + 16) / 58, abs=1e-6)
     assert f["sessions_per_step"] == pytest.approx(2.0)
     assert f["drafter_steps"] == 4 and f["drafter_util"] == pytest.approx(10 / 58, abs=1e-6)
@@ -72,7 +73,7 @@ def test_requests_arriving_together_share_a_step():
 def test_every_reply_takes_a_gateway_turn():
     """One stream of k = 2, gateway_ms 1 (docs/simulate.md §2): the gateway's one event loop
     handles each reply, the drafter's too, before the next call goes out. By hand: prefill
-    [0,10], turn [10,11]; commit [11,12], turn [12,13]; draft [13,17], turn [17,18]; verify of 3
+    [0,10], turn [10,11]; commit [11,12], turn [12,13] (the first token); draft [13,17], turn [17,18]; verify of 3
     rows [18,32], turn [32,33] (3 tokens out); commit [33,34], turn [34,35]; draft [35,39], turn
     [39,40]; verify of 2 rows (k capped to 1) [40,52], turn [52,53]: 5 tokens in 53 ms (49 ms
     when only the verifier's replies took a turn)."""
@@ -80,7 +81,7 @@ def test_every_reply_takes_a_gateway_turn():
     f = simulate_cell(model, RunConfig(block_size=2, gather_s=0.0, max_seq_len=64), arm_registry(2)["k2"],
                       [stream_spec(0)])
     assert f["tokens"] == 5 and f["wall_s"] == pytest.approx(0.053)
-    assert f["ttft_p50_ms"] == pytest.approx(11.0)
+    assert f["ttft_p50_ms"] == pytest.approx(13.0) and f["itl_p50_ms"] == pytest.approx(10.0)  # 20/2 twice
     assert f["verifier_util"] == pytest.approx((10 + 14 + 12) / 53, abs=1e-6)
     assert f["drafter_util"] == pytest.approx(10 / 53, abs=1e-6)
 

@@ -302,15 +302,21 @@ class _Generation:
 
     def _prefilled(self, rows: int) -> None:
         self.uncommitted = min(self.spec.prompt, self.gw.config.prime_rows)
+        if self.spec.output > 2 and self.policy.spec != "off":
+            if self.policy.regime_drafts(self.gw.in_flight, self.pos, self.emitted):
+                # The served generation primes the drafter before it streams its first token
+                # (`_Generation.run` awaits the prime's commit, then yields): the client's first
+                # token waits for that drafter step too (docs/simulate.md §5.2).
+                return self._commit(self._first_token)
+            self.deferred = self.asleep = True  # primed when it drafts
+        self._first_token()
+
+    def _first_token(self) -> None:
+        """Stream the prefill's token, then the first round (or the end of a 1-token output)."""
         self._emit(1)
         if self.emitted >= self.spec.output:
             return self._finish()
-        if self.policy.spec == "off" or self.spec.output <= 2:
-            return self._round()
-        if not self.policy.regime_drafts(self.gw.in_flight, self.pos, self.emitted):
-            self.deferred = self.asleep = True  # primed when it drafts
-            return self._round()
-        self._commit(self._round)
+        self._round()
 
     def _drafter(self, req: Request) -> None:
         self.gw.call(self.drafter, req)
