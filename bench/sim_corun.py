@@ -25,22 +25,26 @@ import torch
 from bench.sim_cpu_shape import _Served
 
 
-def _busy(role: str, checkpoint: str, sessions: int, go, stop) -> None:
-    """Child: run `role`'s forward in a loop while `go` is set, until `stop`."""
+def _busy(role: str, checkpoint: str, sessions: int, ready, go, stop) -> None:
+    """Child: load `role`'s model, set `ready`, then run its forward in a loop while `go` is
+    set, until `stop`."""
     torch.set_num_threads(1)
     work = _verifier_work(checkpoint, sessions) if role == "verifier" else _drafter_work(checkpoint, sessions)
+    ready.set()
     while not stop.is_set():
         if go.wait(0.05):
             work()
 
 
 def _verifier_work(checkpoint: str, sessions: int):
+    """A callable running one verifier step of `sessions` x 6 rows (returns its ms)."""
     served = _Served(checkpoint, sessions)
     per = served.engine.cfg.dspark_block_size + 1
     return lambda: served.step_ms([per] * sessions)
 
 
 def _drafter_work(checkpoint: str, sessions: int):
+    """A callable running one drafter round at `sessions` sessions (returns (commit, draft) ms)."""
     from services import app
     module = app.load_drafter(checkpoint)
     cfg = module.cfg
@@ -72,11 +76,14 @@ def _drafter_work(checkpoint: str, sessions: int):
 
 
 def _side(measured: str, other: str, args) -> dict:
-    """Time `measured`'s forward alone and beside `other`'s busy loop, alternating phases."""
+    """Time `measured`'s forward alone and beside `other`'s busy loop, alternating phases:
+    {name: {alone_ms, beside_ms, ratio}} (medians; the verifier's "step", the drafter's
+    "commit" and "draft"). Raises RuntimeError when the child does not load its model within
+    300 s."""
     ctx = mp.get_context("spawn")
-    go, stop = ctx.Event(), ctx.Event()
+    ready, go, stop = ctx.Event(), ctx.Event(), ctx.Event()
     other_n = args.sessions if other == "verifier" else args.draft_sessions
-    child = ctx.Process(target=_busy, args=(other, args.checkpoint, other_n, go, stop), daemon=True)
+    child = ctx.Process(target=_busy, args=(other, args.checkpoint, other_n, ready, go, stop), daemon=True)
     child.start()
     if measured == "verifier":
         served = _Served(args.checkpoint, args.sessions)
@@ -84,7 +91,9 @@ def _side(measured: str, other: str, args) -> dict:
         work = lambda: (served.step_ms([per] * args.sessions),)
     else:
         work = _drafter_work(args.checkpoint, args.draft_sessions)
-    time.sleep(3.0)  # the child loads its model
+    if not ready.wait(300):
+        stop.set()
+        raise RuntimeError(f"the {other} child did not load {args.checkpoint} within 300 s")
     times = {"alone": [], "beside": []}
     try:
         for phase in range(2 * args.phases):
