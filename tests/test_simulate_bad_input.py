@@ -105,6 +105,7 @@ def test_a_run_that_cannot_finish_ends_with_an_error():
     (["--arms", "budget"], "'budget'"),
     (["--calibrate-streams", "4"], "--calibrate-streams=4"),
     (["--rpc-ms", "nan"], "--rpc-ms=nan"),
+    (["--background", "-0.5"], "--background=-0.5"),
     (["--port-base", "80"], "--port-base=80"),
     (["--checkpoint", "/nonexistent"], "'/nonexistent'"),
     (["--shape", "/nonexistent/shape.json"], "/nonexistent/shape.json"),
