@@ -39,6 +39,7 @@ def _refused(capsys, args, named: str) -> None:
     (["--streams", "1", "--cores", "5000", "--shared-compute"], "--cores=5000"),
     (["--streams", "1", "--background", "-1", "--shared-compute"], "--background=-1.0"),
     (["--streams", "1", "--background", "nan", "--shared-compute"], "--background=nan"),
+    (["--streams", "1", "--background", "1"], "--background=1.0: needs --shared-compute"),
     (["--streams", "1", "--block-size", "65"], "--block-size=65"),
     (["--streams", "1", "--rpc-ms", "2e6"], "--rpc-ms=2000000.0"),
     (["--streams", "1", "--prompt", "1048576", "--prefill-chunk", "2000000"], "--prompt 1048576"),

@@ -184,6 +184,8 @@ def _check_numbers(args) -> None:
             raise ValueError(f"{flag}={value}: must be a finite number of ms in [0, {top:g}]")
     if not 0 <= args.background <= MAX_STREAMS:  # NaN fails both
         raise ValueError(f"--background={args.background}: must be a number of jobs in [0, {MAX_STREAMS}]")
+    if args.background and not args.shared_compute:  # separate hardware has no other jobs to share with
+        raise ValueError(f"--background={args.background}: needs --shared-compute (the pool it shares)")
 
 
 def _check_work(arms, loads, lengths, prefill_chunk: int) -> None:
