@@ -142,17 +142,43 @@ def cpu_s(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
+def off_step_cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds each service process has used so far outside its step loop's thread (the
+    thread named "<role>-steps", `services.common.step_queue`): its event loop's gRPC and
+    protobuf work, the rest of its threads. From /proc/<pid>/task/*/stat (Linux); a thread
+    that ends between the listing and its read is skipped. Raises OSError when a process is
+    gone."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        total = 0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as f:
+                    comm, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+            except FileNotFoundError:
+                continue
+            if not comm.endswith("-steps"):
+                fields = rest.split()
+                total += int(fields[11]) + int(fields[12])
+        out[name] = total / tick
+    return out
+
+
 async def run_cell(stack: dict, streams: int, arm: str, max_tokens: int, per_stream: int = 1) -> dict:
     """One cell: `streams` concurrent streams of `arm`; its figures, the verifier's mean
     sessions per batch step over the cell, and the generations' drafts submitted per round
-    and share of plain rounds (from each final message's SpecStats), and the three services'
-    CPU ms per completion token (summed, and per service under `cpu_ms_per_token_by_service`)."""
+    and share of plain rounds (from each final message's SpecStats), the three services'
+    CPU ms per completion token (summed, and per service under `cpu_ms_per_token_by_service`),
+    and, for the simulator's event-loop costs (bench.validate_simulate), each service's CPU
+    seconds outside its step loop (`off_step_cpu_s_by_service`) with the cell's `rounds`,
+    `drafts_submitted` and `generations`."""
     steps0, sessions0, ms0 = await verifier_steps(stack["verifier"])
-    cpu0 = cpu_s(stack["procs"].pids)
+    cpu0, off0 = cpu_s(stack["procs"].pids), off_step_cpu_s(stack["procs"].pids)
     rounds: list[tuple[int, int, int]] = []
     traces = await asyncio.gather(*(run_stream(stack["gateway"], stream_prompts(streams, i, per_stream), arm, max_tokens,
                                                rounds) for i in range(streams)))
-    cpu1 = cpu_s(stack["procs"].pids)
+    cpu1, off1 = cpu_s(stack["procs"].pids), off_step_cpu_s(stack["procs"].pids)
     steps1, sessions1, ms1 = await verifier_steps(stack["verifier"])
     out = cell_figures(traces).as_dict()
     # The services' CPU per token: what a policy costs the shared cores, whatever else runs on the machine.
@@ -165,6 +191,9 @@ async def run_cell(stack: dict, streams: int, arm: str, max_tokens: int, per_str
     total = max(sum(r for r, _, _ in rounds), 1)
     out["drafts_per_round"] = sum(s for _, s, _ in rounds) / total
     out["plain_round_share"] = sum(p for _, _, p in rounds) / total
+    out["off_step_cpu_s_by_service"] = {name: off1[name] - off0[name] for name in off1}
+    out["rounds"], out["generations"] = sum(r for r, _, _ in rounds), len(rounds)
+    out["drafts_submitted"] = sum(s for _, s, _ in rounds)
     return out
 
 

@@ -21,18 +21,20 @@ lines):
    box's speed in between). `--shape FILE` prices every repetition at a given shape instead.
 3. **Repetition r** (`--repeats` of them): `bench_serving --numerics fast --arms ...
    --streams ... --repeats 1 --fresh-gateway --warmup 0 --rotate r --json`, the arms in
-   bench_serving's order rotated by r, then a **calibration cell**: plain at
-   `--calibrate-streams` (8, a load the comparison does not use). The gateway restarts before every gated cell, so the gated
-   arm starts cold in every cell, as the simulator runs it.
+   bench_serving's order rotated by r, then two **calibration cells**: plain and k5 at
+   `--calibrate-streams` (8, a load the comparison does not use). The gateway restarts
+   before every gated cell, so the gated arm starts cold in every cell, as the simulator
+   runs it.
 
-Two costs the in-process shape cannot see are read from the calibration cell and written into
+Costs the in-process shape cannot see are read from the calibration cells and written into
 the repetition's shape (`shape-calibrated.json`): `session_ms`, what each session adds to a
 served verifier step beyond the bare forward (the served step's ms from the verifier's Info
-minus the shape's step at the same rows, per session: serialising replies in the same
-process takes the forward's core and GIL), and `gateway_ms`, the gateway's and client's work
-per reply, done one at a time (the inter-token gap beyond the served step and the network,
-per session in the step; the simulator charges it on the drafter's replies too,
-docs/simulate.md §5).
+minus the shape's step at the same rows, per session); the services' `event_loop` costs,
+their CPU outside their step threads per call (`event_loop_costs`: the verifier's per call
+and per row from both cells, the drafter's per call from k5's); and `gateway_ms`, the
+gateway's and client's work per reply, done one at a time (the inter-token gap beyond the
+served step, the network and the verifier's event loop, per session in the step; the
+simulator charges it on the drafter's replies too, docs/simulate.md §5).
 
 Then, per repetition, `dspark simulate --costs SHAPE --shared-compute --rounds FILE --order
 cycle` runs the same cells: the same closed loop (each stream runs `--per-stream`
@@ -174,40 +176,80 @@ def stage_shape(args, work: Path, boundary: int) -> dict:
 
 
 def stage_calibrate_cell(args, rep_dir: Path) -> Path:
-    """The repetition's served plain cell at args.calibrate_streams streams (bench_serving's
-    JSON, rep_dir/calibration.json)."""
+    """The repetition's served calibration cells, plain and k5 at args.calibrate_streams
+    streams (bench_serving's JSON, rep_dir/calibration.json)."""
     out = rep_dir / "calibration.json"
     if not out.exists():
-        _run(["bench.bench_serving", "--numerics", "fast", "--arms", "plain", "--streams", str(args.calibrate_streams),
-              "--repeats", "1", "--warmup", "0", "--per-stream", str(args.per_stream), "--max-tokens",
-              str(args.max_tokens), "--port-base", str(args.port_base), "--checkpoint", args.checkpoint,
-              "--json", str(out)], args.nice)
+        _run(["bench.bench_serving", "--numerics", "fast", "--arms", "plain", "k5", "--streams",
+              str(args.calibrate_streams), "--repeats", "1", "--warmup", "0", "--per-stream", str(args.per_stream),
+              "--max-tokens", str(args.max_tokens), "--port-base", str(args.port_base), "--checkpoint",
+              args.checkpoint, "--json", str(out)], args.nice)
     return out
 
 
+def event_loop_costs(plain: dict, k5: dict, prompt_rows: float) -> dict[str, dict[str, float]]:
+    """The services' event-loop work per call outside their steps (`ServiceModel.verifier_loop`
+    and `drafter_loop`, ms) from two served cells' raw figures (bench_serving's `run_cell`:
+    `off_step_cpu_s_by_service`, `rounds`, `drafts_submitted`, `generations`, and
+    `plain_round_share`), `prompt_rows` the mean prompt's tokens.
+
+    The verifier answers a prefill per generation (its reply carries the prompt's rows for the
+    drafter's prime) and a decode or verify per round (1 + the drafts submitted rows): its
+    off-step CPU is call_ms x calls + row_ms x rows, two unknowns from the plain and the k5
+    cell (a negative root is set to 0 and the other refitted to both cells' totals). The
+    drafter answers a commit and a draft per drafted round and a prime per generation:
+    call_ms alone, from the k5 cell. Raises KeyError on a cell without those figures."""
+    def verifier(cell: dict) -> tuple[float, float, float]:
+        calls = cell["rounds"] + cell["generations"]
+        rows = cell["rounds"] + cell["drafts_submitted"] + cell["generations"] * prompt_rows
+        return calls, rows, cell["off_step_cpu_s_by_service"]["verifier"] * 1e3
+
+    (c1, r1, t1), (c2, r2, t2) = verifier(plain), verifier(k5)
+    det = c1 * r2 - c2 * r1
+    call_ms, row_ms = ((t1 * r2 - t2 * r1) / det, (c1 * t2 - c2 * t1) / det) if det else (-1.0, -1.0)
+    if row_ms < 0 or call_ms < 0:
+        call_ms, row_ms = ((t1 + t2) / (c1 + c2), 0.0) if row_ms < 0 else (0.0, (t1 + t2) / (r1 + r2))
+    drafted = k5["rounds"] * (1.0 - k5["plain_round_share"])
+    drafter_ms = k5["off_step_cpu_s_by_service"]["drafter"] * 1e3 / max(2 * drafted + k5["generations"], 1)
+    return {"verifier": {"call_ms": round(call_ms, 3), "row_ms": round(row_ms, 4)},
+            "drafter": {"call_ms": round(drafter_ms, 3), "row_ms": 0.0}}
+
+
 def stage_calibrate(args, rep_dir: Path, shape: Path) -> Path:
-    """The repetition's calibration cell (module docstring): `shape` with session_ms and
-    gateway_ms from a served plain cell at args.calibrate_streams streams, written to
+    """The repetition's calibration (module docstring): `shape` with session_ms and gateway_ms
+    from the served plain cell at args.calibrate_streams streams and the services' event-loop
+    costs from it and the k5 cell (`event_loop_costs`), written to
     rep_dir/shape-calibrated.json. Raises ValueError on a shape file `load_model` refuses."""
     out = stage_calibrate_cell(args, rep_dir)
-    cell = json.loads(out.read_text())["medians"]["fast"][str(args.calibrate_streams)]["plain"]
-    sessions, step_ms = cell["sessions_per_step"]["median"], cell["verifier_step_ms"]["median"]
+    got = json.loads(out.read_text())
+    cells = {arm: runs[0] for arm, runs in got["raw"]["fast"][str(args.calibrate_streams)].items()}
+    cell = cells["plain"]
+    sessions, step_ms = cell["sessions_per_step"], cell["verifier_step_ms"]
     from services.simulate.models import load_model
     verifier = load_model(str(shape)).verifier
+    prompts = prompt_tokens(args.checkpoint)
+    # a workdir measured before the k5 cell and the off-step CPU were recorded has no event loops
+    loops = event_loop_costs(cells["plain"], cells["k5"], sum(prompts.values()) / len(prompts)) \
+        if "off_step_cpu_s_by_service" in cells.get("k5", {}) else {"verifier": {"call_ms": 0.0, "row_ms": 0.0}}
     session_ms = max(step_ms - verifier.ms_at(sessions), 0.0) / sessions
-    gateway_ms = max(cell["itl_p50_ms"]["median"] - step_ms - args.rpc_ms, 0.0) / sessions
+    # the inter-token gap beyond the step and the network, per session: the verifier's event
+    # loop (now its own term) and the gateway's, both one reply at a time
+    per_reply = loops["verifier"]["call_ms"] + loops["verifier"]["row_ms"]
+    gateway_ms = max((cell["itl_p50_ms"] - step_ms - args.rpc_ms) / sessions - per_reply, 0.0)
     obj = json.loads(shape.read_text())
     obj["verifier"]["session_ms"] = round(session_ms, 3)
     obj["gateway_ms"] = round(gateway_ms, 3)
     obj["rpc_ms"] = args.rpc_ms
-    obj["notes"] = (f"{obj.get('notes', '')} calibrated by bench.validate_simulate from served plain at "
-                    f"{args.calibrate_streams} streams: step {step_ms:.1f} ms over {sessions:.2f} sessions, "
-                    f"ITL p50 {cell['itl_p50_ms']['median']:.1f} ms").strip()
+    if "drafter" in loops:
+        obj["event_loop"] = loops
+    obj["notes"] = (f"{obj.get('notes', '')} calibrated by bench.validate_simulate from served plain and k5 at "
+                    f"{args.calibrate_streams} streams: plain step {step_ms:.1f} ms over {sessions:.2f} sessions, "
+                    f"ITL p50 {cell['itl_p50_ms']:.1f} ms").strip()
     calibrated = rep_dir / "shape-calibrated.json"
     calibrated.write_text(json.dumps(obj, indent=1) + "\n")
     print(f"{rep_dir.name} calibration: one-row step {verifier.ms_at(1):.1f} ms, session_ms {session_ms:.3f}, "
-          f"gateway_ms {gateway_ms:.3f} (plain, {args.calibrate_streams} streams: step {step_ms:.1f} ms, "
-          f"{sessions:.2f} sessions)", flush=True)
+          f"gateway_ms {gateway_ms:.3f}, event loops {loops} (plain, {args.calibrate_streams} streams: step "
+          f"{step_ms:.1f} ms, {sessions:.2f} sessions)", flush=True)
     return calibrated
 
 
@@ -284,7 +326,7 @@ def _bad_argument(args) -> str | None:
     if out:
         return f"--streams {out[0]}: a concurrency must be in 1..{MAX_STREAMS}"
     if args.calibrate_streams in args.streams:
-        return f"--calibrate-streams={args.calibrate_streams}: is one of --streams; keep the calibration cell out"
+        return f"--calibrate-streams={args.calibrate_streams}: is one of --streams; keep the calibration cells out"
     unknown = [a for a in args.arms if a not in ARMS]
     if unknown:
         return f"--arms {unknown[0]!r}: bench_serving runs only {', '.join(ARMS)}"
@@ -321,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32, help="completion tokens per generation")
     ap.add_argument("--port-base", type=int, default=50400, help="first port of the real services")
     ap.add_argument("--calibrate-streams", type=int, default=8,
-                    help="the plain calibration cell's concurrency (keep it out of --streams)")
+                    help="the calibration cells' concurrency (plain and k5; keep it out of --streams)")
     ap.add_argument("--seed", type=int, default=0, help="the simulator's seed")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1,
                     help="cores of the simulator's shared pool (default: this machine's)")

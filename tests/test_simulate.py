@@ -351,3 +351,26 @@ def test_a_busy_machine_slows_only_the_jobs_that_overlap():
     assert ends(2.0, [12.0, 12.0]) == [pytest.approx(16.0)] * 2
     with pytest.raises(ValueError, match="background=-1"):
         Pool(Clock(), 2, -1.0)
+
+
+@pytest.mark.parametrize("shared, ends", [(False, [28.0, 38.0]), (True, [36.0, 46.0])])
+def test_a_services_event_loop_answers_one_call_at_a_time_beside_its_steps(shared, ends):
+    """verifier_loop call_ms 4 (the verifier's gRPC work on each call, outside its steps) on a
+    flat 10 ms step, two plain streams of 2 tokens, no gather, network or gateway turn. Both
+    prefills share the step [0, 10]; the event loop answers s0 [10, 14] (token 1, s0's decode
+    submitted), then s1 [14, 18]. Separate hardware: s0's decode steps [14, 24] beside s1's
+    turn, s0's reply turn [24, 28] (s0 ends), s1's decode [24, 34] and turn [34, 38]. One
+    shared core: s1's turn and s0's decode share it from 14 (s1's turn ends at 22, the step
+    at 28), then s0's turn and s1's decode from 28 (the turn ends at 36, the step at 42), s1's
+    turn [42, 46]."""
+    from services.simulate.models import CallCost
+    flat = StepTimes((1.0, 100.0), (10.0, 10.0))
+    model = ServiceModel("loops", flat, StepTimes((1.0,), (4.0,)), StepTimes((1.0,), (1.0,)),
+                         verifier_loop=CallCost(4.0))
+    config = RunConfig(block_size=2, gather_s=0.0, max_seq_len=64, shared_compute=shared, cores=1)
+    gw = Gateway(model, config, arm_registry(2)["plain"])
+    gw.start([StreamSpec(s, 0.0, 1, 2, RecordedText([ROUND]), 0) for s in range(2)])
+    gw.run()
+    assert [gw.traces[s][0].end * 1e3 for s in range(2)] == pytest.approx(ends)
+    with pytest.raises(ValueError, match="row_ms=-1"):
+        CallCost(0.0, -1.0)

@@ -61,6 +61,10 @@ def _shape_file(tmp_path, **over) -> str:
     ({"gateway_ms": 1e300}, "gateway_ms=1e+300"),  # was a ZeroDivisionError traceback
     ({"rpc_ms": 2e7}, "shape.json: rpc_ms=20000000.0"),
     ({"name": ["x"]}, "name=['x']"),
+    ({"event_loop": {"verifier": {"call_ms": -1}}}, "verifier event_loop call_ms=-1"),
+    ({"event_loop": {"verifier": {"row_ms": float("nan")}}}, "row_ms=nan"),
+    ({"event_loop": {"gateway": {"call_ms": 1}}}, "event_loop must be an object with 'verifier'"),
+    ({"event_loop": {"drafter": {"reply_ms": 1}}}, "event_loop.drafter must be an object with 'call_ms'"),
 ])
 def test_out_of_range_shape_fields_are_refused(tmp_path, capsys, over, named):
     _refused(capsys, [*SMALL, "--streams", "1", "--costs", _shape_file(tmp_path, **over)], named)
@@ -172,3 +176,23 @@ def test_the_validation_pairs_sim_and_real_within_each_repetition():
     assert tok["real"] == {"median": 80.0, "min": 40.0, "max": 80.0} and tok["sim"]["median"] == 40.0
     (row,) = validate_simulate.compare(reps[2:], [1], ["plain"])
     assert not row["aggregate_tok_s"]["within"] and row["sessions_per_step"]["within"]
+
+
+def test_the_validation_fits_the_services_event_loops_from_two_served_cells():
+    """event_loop_costs recovers call_ms and row_ms from a plain and a k5 cell whose off-step
+    CPU was made from them (verifier: 1.0 ms a call, 0.5 a row; drafter 0.8 a call), and sets
+    a negative root to 0, refitting the other to both cells' totals."""
+    def cell(rounds, drafts, gens, plain_share, verifier_ms, drafter_ms):
+        return {"rounds": rounds, "drafts_submitted": drafts, "generations": gens, "plain_round_share": plain_share,
+                "off_step_cpu_s_by_service": {"verifier": verifier_ms / 1e3, "drafter": drafter_ms / 1e3}}
+    prompt = 20.0
+    plain = cell(100, 0, 4, 1.0, 1.0 * 104 + 0.5 * (100 + 4 * prompt), 0.0)
+    k5 = cell(40, 180, 4, 0.1, 1.0 * 44 + 0.5 * (40 + 180 + 4 * prompt), 0.8 * (2 * 36 + 4))
+    loops = validate_simulate.event_loop_costs(plain, k5, prompt)
+    assert loops["verifier"] == {"call_ms": 1.0, "row_ms": 0.5}
+    assert loops["drafter"] == {"call_ms": 0.8, "row_ms": 0.0}
+    k5["off_step_cpu_s_by_service"]["verifier"] = 0.001  # far less per row than plain: row_ms < 0
+    loops = validate_simulate.event_loop_costs(plain, k5, prompt)
+    assert loops["verifier"]["row_ms"] == 0.0
+    assert loops["verifier"]["call_ms"] == pytest.approx((plain["off_step_cpu_s_by_service"]["verifier"] * 1e3 + 1)
+                                                         / 148, abs=1e-3)

@@ -143,9 +143,10 @@ class Gateway:
                                 StepBudget(self._prices) if arm.budget != "off" else None)
         self.drafters = [SimLoop(self.clock, own(), Schedule(config.gather_s, DRAFTER_AWAY), self._drafter_ms)
                          for _ in range(config.drafters)]
-        self.gateway_pool = own()
-        self.turns: list[tuple[Callable, int]] = []  # verifier replies waiting for the gateway's event loop
-        self.turning = False
+        gateway_ms, loops = model.gateway_ms, (model.verifier_loop, model.drafter_loop)
+        self.gateway_turns = _Turns(own(), (lambda _: gateway_ms) if gateway_ms > 0 else None)
+        self.verifier_turns = _Turns(own(), loops[0].ms if loops[0] else None)
+        self.drafter_turns = [_Turns(own(), loops[1].ms if loops[1] else None) for _ in self.drafters]
         self.placed = 0  # generations placed on drafters so far (round robin)
         self.sessions: SessionTable = SessionTable(config.max_sessions)
         self.admission: list = []  # generations waiting for a verifier session, first come first served
@@ -234,37 +235,62 @@ class Gateway:
             nxt.begin()
 
     def call(self, loop: SimLoop, request: Request) -> None:
-        """Send `request` to `loop`; it arrives rpc_ms / 2 later, its reply as much after its
-        step. The reply then waits its turn at the gateway (`_gateway_turn`), a verifier's and
-        a drafter's alike: the gateway's one event loop handles each."""
+        """Send `request` to `loop`; it arrives rpc_ms / 2 later. After its step the reply
+        takes the service's event-loop turn (`ServiceModel.verifier_loop` / `drafter_loop`,
+        when the model has one), travels rpc_ms / 2 back, then waits its turn at the gateway
+        (`gateway_ms`): the verifier's replies and the drafter's alike."""
         half = self.model.rpc_ms / 2
         reply = request.reply
-        if self.model.gateway_ms > 0:
-            request.reply = lambda end_ms, rows: self.clock.at(end_ms + half, self._gateway_turn, reply, rows)
+        service = self.verifier_turns if loop is self.verifier else self.drafter_turns[self.drafters.index(loop)]
+        rows = request.left if request.op == "prefill" else None  # a prefill's reply carries its prompt's rows
+
+        def back(at_ms: float, rows_done: int) -> None:  # rpc_ms / 2 to the gateway, then its turn
+            if self.gateway_turns.cost is None:
+                self.clock.at(at_ms + half, reply, rows_done)
+            else:
+                self.clock.at(at_ms + half, self.gateway_turns.take, reply, rows_done, 1)
+
+        if service.cost is None:
+            request.reply = back
         else:
-            request.reply = lambda end_ms, rows: self.clock.at(end_ms + half, reply, rows)
+            request.reply = lambda end_ms, rows_done: self.clock.at(
+                end_ms, service.take, lambda done: back(self.clock.now, done), rows_done,
+                request.rows if rows is None else rows)
         self.clock.at(self.clock.now + half, loop.submit, request)
 
-    def _gateway_turn(self, reply: Callable, rows: int) -> None:
-        """The gateway's one event loop takes replies one at a time, gateway_ms of work each
-        (on the shared pool under --shared-compute): a step that answers 16 sessions releases
-        their next calls 16 x gateway_ms apart, and a drafted round pays three turns (its
-        verify, commit and draft replies) where a plain one pays one."""
-        self.turns.append((reply, rows))
-        if not self.turning:
-            self._next_turn()
 
-    def _next_turn(self) -> None:
-        if not self.turns:
-            self.turning = False
+class _Turns:
+    """One event loop of a service or of the gateway: it takes calls one at a time, each
+    `cost(rows)` ms of work on its pool (the shared one under --shared-compute), then passes
+    the call's value on. cost None: no event loop is modelled (the value passes at once).
+
+    The gateway's: a step that answers 16 sessions releases their next calls 16 x gateway_ms
+    apart, and a drafted round pays three turns (its verify, commit and draft replies) where a
+    plain one pays one. A service's: its gRPC and protobuf work on a call, beside its steps
+    (docs/simulate.md §5.2)."""
+
+    def __init__(self, pool: Pool, cost: Callable[[int], float] | None):
+        self.pool, self.cost = pool, cost
+        self.queue: list[tuple[Callable, int, int]] = []
+        self.busy = False
+
+    def take(self, then: Callable[[int], None], value: int, rows: int) -> None:
+        """Queue a call of `rows` rows; `then(value)` when its turn's work is done."""
+        self.queue.append((then, value, rows))
+        if not self.busy:
+            self._next()
+
+    def _next(self) -> None:
+        if not self.queue:
+            self.busy = False
             return
-        self.turning = True
-        reply, rows = self.turns.pop(0)
+        self.busy = True
+        then, value, rows = self.queue.pop(0)
 
         def done() -> None:
-            self._next_turn()
-            reply(rows)
-        self.gateway_pool.run(self.model.gateway_ms, done)
+            self._next()
+            then(value)
+        self.pool.run(self.cost(rows), done)
 
 
 class _Generation:

@@ -8,7 +8,11 @@ A `ServiceModel` gives, in ms of virtual time:
 * the drafter's step: `draft.ms_at(drafting sessions)` when any session drafts plus
   `commit.ms_at(rows committed)` when any session commits (`StepTimes` over sessions and
   over tap rows written: a round commits its accepted drafts and bonus token);
-* `rpc_ms`: one gateway <-> service round trip, paid by every call on top of its step.
+* `rpc_ms`: one gateway <-> service round trip, paid by every call on top of its step;
+* `event_loop`: each service's own work on a call outside its steps (gRPC, protobuf,
+  handing the reply over), `call_ms + row_ms * rows` per call, done one call at a time
+  beside the steps (the served services' CPU outside their step threads, docs/simulate.md
+  §5.2; 0 unless a shape gives it).
 
 Sources (`load_model`): a built-in shape (`cpu`, `seed`, `gpu`), a JSON or TOML shape file,
 `dspark calibrate` output (its DSPARK_GATE_*_MS lines), or a verifier's `Info`
@@ -43,13 +47,38 @@ MAX_FILE_BYTES = 1 << 20  # a cost file is a few tables; anything larger (or not
 
 
 @dataclass(frozen=True)
+class CallCost:
+    """A service's event-loop work on one call, outside its steps: call_ms + row_ms x rows
+    (ms; rows: the call's rows, a verify k + 1, a decode 1, a prefill its prompt, a commit
+    its tap rows, a draft 1). Raises ValueError naming the field when either is negative,
+    not finite or above MAX_MS."""
+
+    call_ms: float = 0.0
+    row_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field in ("call_ms", "row_ms"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= MAX_MS:
+                raise ValueError(f"event_loop {field}={value!r}: must be a finite number of ms in [0, {MAX_MS:g}]")
+
+    def ms(self, rows: int) -> float:
+        """One call of `rows` rows (ms)."""
+        return self.call_ms + self.row_ms * rows
+
+    def __bool__(self) -> bool:
+        return self.call_ms > 0 or self.row_ms > 0
+
+
+@dataclass(frozen=True)
 class ServiceModel:
     """Step times of one deployment (module docstring). name: where it came from.
 
     session_ms: a verifier step's cost per session in it (ms); rpc_ms: one call's network time,
     half each way (ms); gateway_ms: the gateway's own work on one reply of the verifier or a
     drafter (ms: streaming its tokens to the client, the next call's decisions), done one
-    reply at a time, as the gateway's one event loop does.
+    reply at a time, as the gateway's one event loop does. verifier_loop, drafter_loop: each
+    service's event-loop work per call outside its steps (`CallCost`; none by default).
     Raises ValueError naming the field when session_ms, rpc_ms or gateway_ms is negative, not
     finite or above MAX_MS.
     """
@@ -61,6 +90,8 @@ class ServiceModel:
     session_ms: float = 0.0
     rpc_ms: float = 0.0
     gateway_ms: float = 0.0
+    verifier_loop: CallCost = CallCost()
+    drafter_loop: CallCost = CallCost()
 
     def __post_init__(self) -> None:
         for field in ("session_ms", "rpc_ms", "gateway_ms"):
@@ -94,9 +125,11 @@ class ServiceModel:
         """The model as a shape file's JSON object (docs/simulate.md §2)."""
         def table(t: StepTimes, key: str) -> dict:
             return {key: list(t.rows), "ms": list(t.ms)}
+        loops = {name: {"call_ms": c.call_ms, "row_ms": c.row_ms}
+                 for name, c in (("verifier", self.verifier_loop), ("drafter", self.drafter_loop)) if c}
         return {"name": self.name, "verifier": {**table(self.verifier, "rows"), "session_ms": self.session_ms},
                 "drafter": {"draft": table(self.draft, "sessions"), "commit": table(self.commit, "rows")},
-                "rpc_ms": self.rpc_ms, "gateway_ms": self.gateway_ms}
+                "rpc_ms": self.rpc_ms, "gateway_ms": self.gateway_ms, **({"event_loop": loops} if loops else {})}
 
 
 def _table(obj: object, key: str, where: str) -> StepTimes:
@@ -126,7 +159,7 @@ def model_from_dict(obj: object, name: str) -> ServiceModel:
     naming the field on an unknown key, a missing table or a bad value."""
     if not isinstance(obj, dict):
         raise ValueError(f"{name}: a shape file holds one object")
-    unknown = set(obj) - {"name", "source", "verifier", "drafter", "rpc_ms", "gateway_ms", "notes"}
+    unknown = set(obj) - {"name", "source", "verifier", "drafter", "rpc_ms", "gateway_ms", "event_loop", "notes"}
     if unknown:
         hint = "; a round-record file goes to --rounds" if obj.get("format") == "dspark-rounds" else ""
         raise ValueError(f"{name}: unknown key(s) {sorted(unknown)}{hint}")
@@ -141,8 +174,25 @@ def model_from_dict(obj: object, name: str) -> ServiceModel:
         raise ValueError(f"{name}: drafter: unknown key(s) {sorted(set(dra) - {'draft', 'commit'})}")
     draft = _table(dra.get("draft"), "sessions", f"{name}: drafter.draft")
     commit = _table(dra.get("commit", {"rows": [1], "ms": [0.0]}), "rows", f"{name}: drafter.commit")
+    loops = _event_loops(obj.get("event_loop", {}), name)
     return ServiceModel(str(obj.get("name", name)), verifier, draft, commit, session_ms, obj.get("rpc_ms", 0.0),
-                        obj.get("gateway_ms", 0.0))
+                        obj.get("gateway_ms", 0.0), loops.get("verifier", CallCost()), loops.get("drafter", CallCost()))
+
+
+def _event_loops(obj: object, name: str) -> dict[str, CallCost]:
+    """{"verifier" | "drafter": CallCost} from a shape's "event_loop" object. Raises ValueError
+    naming the field on an unknown service or key, or a bad value."""
+    if not isinstance(obj, dict) or set(obj) - {"verifier", "drafter"}:
+        raise ValueError(f"{name}: event_loop must be an object with 'verifier' and/or 'drafter'")
+    out = {}
+    for service, cost in obj.items():
+        if not isinstance(cost, dict) or set(cost) - {"call_ms", "row_ms"}:
+            raise ValueError(f"{name}: event_loop.{service} must be an object with 'call_ms' and/or 'row_ms'")
+        try:
+            out[service] = CallCost(cost.get("call_ms", 0.0), cost.get("row_ms", 0.0))
+        except ValueError as exc:
+            raise ValueError(f"{name}: {service} {exc}") from None
+    return out
 
 
 def from_single_stream(costs: dict[str, float], name: str, max_rows: int = 8192) -> ServiceModel:
