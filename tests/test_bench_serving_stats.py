@@ -135,3 +135,38 @@ def test_regime_lines_print_the_model_per_in_flight_its_survival_and_legs():
     cold = ModelRegime(5, lambda: None, lambda: cost).to_dict()
     assert regime_lines("fast", {"enabled": True, **cold})[0] == (
         "regime fast: no step table, every gated round left to its gate")
+
+
+def test_off_step_cpu_leaves_out_the_step_loops_named_thread():
+    """A thread named as a step loop names itself (`step_queue._name_os_thread`, what every
+    StepQueue's thread does) and spins 0.4 s: bench_serving's off-step CPU of this process
+    leaves those seconds out, its total CPU keeps them (Linux /proc)."""
+    import os
+    import threading
+    import time
+
+    from bench.bench_serving import cpu_s, off_step_cpu_s
+    from services.common.step_queue import _name_os_thread
+
+    def spin(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    me = {"me": os.getpid()}
+    off0, cpu0 = off_step_cpu_s(me)["me"], cpu_s(me)["me"]
+    ready, done = threading.Event(), threading.Event()
+
+    def step_loop() -> None:
+        _name_os_thread("test-steps")
+        spin(0.4)
+        ready.set()
+        done.wait(5)  # alive while measured: a finished thread leaves /proc/PID/task
+
+    t = threading.Thread(target=step_loop)
+    t.start()
+    ready.wait(5)
+    off1, cpu1 = off_step_cpu_s(me)["me"], cpu_s(me)["me"]
+    done.set()
+    t.join()
+    assert cpu1 - cpu0 >= 0.38 and off1 - off0 <= 0.1

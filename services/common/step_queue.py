@@ -15,7 +15,9 @@ A step has three verbs: `schedule` (here: wait, then `Schedule.take`), `run` and
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -69,6 +71,7 @@ class StepQueue:
         self._thread.start()
 
     def _loop(self) -> None:
+        _name_os_thread(self._thread.name)
         if self._torch_threads is not None:
             from services.common.threads import pin_torch_threads  # torch only where a model runs
             pin_torch_threads(self._torch_threads)
@@ -173,3 +176,17 @@ class StepQueue:
                 self.on_step(step)
             except Exception:  # a metrics fault must not stop the loop that answers every session
                 self._log.exception("%s step hook failed on %s", self._role, step)
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread `name` (up to 15 bytes) in the operating system too, where
+    Python's own thread names never reach: `top -H`, py-spy and /proc/PID/task/TID/comm then
+    tell the step loop from the event loop (bench_serving reads each service's CPU outside its
+    step thread so). Linux only (prctl PR_SET_NAME); elsewhere, or when it fails, nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, ctypes.c_char_p(name.encode("ascii", "replace")[:15]), 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
