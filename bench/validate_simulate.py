@@ -131,13 +131,32 @@ def stage_bench(args, rep_dir: Path, rep: int) -> dict:
     """Repetition `rep` (0-based) of the real cells, arms rotated by `rep`:
     {streams: {arm: {figure: {median, low, high}}}} (one cell each)."""
     out = rep_dir / "bench.json"
-    if not out.exists():
+    if out.exists():
+        _check_reused(out, {"streams": sorted(set(args.streams)), "arms": sorted(args.arms),
+                            "max_tokens": args.max_tokens, "per_stream": args.per_stream})
+    else:
         _run(["bench.bench_serving", "--numerics", "fast", "--arms", *args.arms, "--rotate", str(rep),
               "--streams", *map(str, args.streams), "--repeats", "1", "--fresh-gateway", "--warmup", "0",
               "--per-stream", str(args.per_stream), "--max-tokens",
               str(args.max_tokens), "--port-base", str(args.port_base), "--checkpoint", args.checkpoint,
               "--json", str(out)], args.nice)
     return json.loads(out.read_text())["medians"]["fast"]
+
+
+def _check_reused(out: Path, want: dict) -> None:
+    """A stage output of an earlier run (a reused --workdir) must have measured what this run
+    compares: its bench_serving `args` must hold `want`. Raises ValueError naming the file and
+    the first figure that differs."""
+    try:
+        got = json.loads(out.read_text())["args"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{out}: not a bench_serving JSON this run can reuse ({exc.__class__.__name__}); "
+                         f"remove it or give another --workdir") from None
+    for key, value in want.items():
+        have = sorted(got.get(key, [])) if key == "arms" else got.get(key)
+        if have != value:
+            raise ValueError(f"{out}: measured {key}={have!r}, this run asks for {value!r}; give a new --workdir "
+                             f"(or the earlier run's arguments)")
 
 
 def mean_shape(before: dict, after: dict) -> dict:
@@ -179,7 +198,10 @@ def stage_calibrate_cell(args, rep_dir: Path) -> Path:
     """The repetition's served calibration cells, plain and k5 at args.calibrate_streams
     streams (bench_serving's JSON, rep_dir/calibration.json)."""
     out = rep_dir / "calibration.json"
-    if not out.exists():
+    if out.exists():
+        _check_reused(out, {"streams": [args.calibrate_streams], "max_tokens": args.max_tokens,
+                            "per_stream": args.per_stream})
+    else:
         _run(["bench.bench_serving", "--numerics", "fast", "--arms", "plain", "k5", "--streams",
               str(args.calibrate_streams), "--repeats", "1", "--warmup", "0", "--per-stream", str(args.per_stream),
               "--max-tokens", str(args.max_tokens), "--port-base", str(args.port_base), "--checkpoint",
@@ -366,19 +388,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="the calibration cells' concurrency (plain and k5; keep it out of --streams)")
     ap.add_argument("--seed", type=int, default=0, help="the simulator's seed")
     ap.add_argument("--cores", type=int, default=os.cpu_count() or 1,
-                    help="cores of the simulator's shared pool (default: this machine's)")
+                    help="cores of the simulator's shared pool (this machine's)")
     ap.add_argument("--background", type=float, default=0.0,
                     help="the simulator's --background: other programs' jobs always runnable on this machine's "
                     "cores while the real cells ran (0: the bench had the cores to itself, which --nice gives it)")
     ap.add_argument("--rpc-ms", type=float, default=0.7,
-                    help="one gateway <-> service call in the simulator (ms; default: bench_services' 2.07 ms "
-                         "of gRPC per round over its three calls)")
+                    help="one gateway <-> service call in the simulator (ms: bench_services' 2.07 ms of gRPC per "
+                         "round over its three calls)")
     ap.add_argument("--nice", type=int, default=0, help="niceness of the measuring children (negative: root)")
     ap.add_argument("--shape", default=None,
-                    help="a cpu shape file to price every repetition at (default: measured before the first "
+                    help="a cpu shape file to price every repetition at (None: measured before the first "
                     "repetition and after each, WORKDIR/shape-R.json, unless WORKDIR already holds them)")
     ap.add_argument("--workdir", default=None,
-                    help="every stage's output; a stage whose output is there is not run again (default: a new "
+                    help="every stage's output; a stage whose output is there is not run again (None: a new "
                     "folder, so everything is measured in this run)")
     ap.add_argument("--json", default=None, help="write the comparison rows to this file")
     args = ap.parse_args(argv)
@@ -389,8 +411,12 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     args.workdir = str(work)
     print(f"stages in {work}", flush=True)
-    rounds = stage_rounds(args, work)
-    reps = [run_repetition(args, work, rounds, rep) for rep in range(args.repeats)]
+    try:
+        rounds = stage_rounds(args, work)
+        reps = [run_repetition(args, work, rounds, rep) for rep in range(args.repeats)]
+    except ValueError as exc:  # a reused workdir that measured something else, a shape refused
+        print(f"validate_simulate: error: {exc}", file=sys.stderr)
+        return 2
     rows = compare(reps, args.streams, args.arms)
     print(markdown(rows))
     within = sum(row[k]["within"] for row in rows for k, _, _ in FIGURES)
@@ -409,8 +435,14 @@ def run_repetition(args, work: Path, rounds: Path, rep: int) -> tuple[dict, dict
     before = stage_shape(args, work, rep)
     real = stage_bench(args, rep_dir, rep)
     stage_calibrate_cell(args, rep_dir)  # measured inside the repetition, priced at its shape
+    after = stage_shape(args, work, rep + 1)
+    one_row = [x["verifier"]["ms"][0] for x in (before, after)]
+    if max(one_row) > 1.5 * min(one_row):
+        print(f"warning: {rep_dir.name}'s boundary shapes read a one-row step of {one_row[0]:.1f} and "
+              f"{one_row[1]:.1f} ms: the box's speed moved more than 1.5x across it, so its pairing "
+              f"is weak (is another job running?)", flush=True)
     shape = rep_dir / "shape.json"
-    shape.write_text(json.dumps(mean_shape(before, stage_shape(args, work, rep + 1)), indent=1) + "\n")
+    shape.write_text(json.dumps(mean_shape(before, after), indent=1) + "\n")
     calibrated = stage_calibrate(args, rep_dir, shape)
     sim = stage_simulate(args, calibrated, rounds)
     (rep_dir / "sim.json").write_text(json.dumps({str(k): v for k, v in sim.items()}, indent=1) + "\n")

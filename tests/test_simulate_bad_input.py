@@ -196,3 +196,26 @@ def test_the_validation_fits_the_services_event_loops_from_two_served_cells():
     assert loops["verifier"]["row_ms"] == 0.0
     assert loops["verifier"]["call_ms"] == pytest.approx((plain["off_step_cpu_s_by_service"]["verifier"] * 1e3 + 1)
                                                          / 148, abs=1e-3)
+
+
+def test_a_reused_workdir_that_measured_another_load_is_refused(tmp_path, capsys):
+    """Re-simulating an earlier run's stages with other --streams or --max-tokens would compare
+    unlike cells (a KeyError traceback, or silently a 64-token simulation against 32-token real
+    cells): the stage is refused, exit 2, naming the file and the figure."""
+    work = tmp_path / "w"
+    (work / "rep-1").mkdir(parents=True)
+    (work / "rounds.json").write_text("{}")
+    bench = {"args": {"streams": [1], "arms": ["plain", "k5"], "max_tokens": 32, "per_stream": 4}}
+    (work / "rep-1" / "bench.json").write_text(json.dumps(bench))
+    shape = tmp_path / "shape.json"
+    shape.write_text(json.dumps(SHAPE))
+    base = ["--repeats", "1", "--workdir", str(work), "--shape", str(shape), "--arms", "plain", "k5"]
+    assert validate_simulate.main([*base, "--streams", "1", "4"]) == 2
+    assert "bench.json: measured streams=[1], this run asks for [1, 4]" in capsys.readouterr().err
+    assert validate_simulate.main([*base, "--streams", "1", "--max-tokens", "64"]) == 2
+    assert "measured max_tokens=32, this run asks for 64" in capsys.readouterr().err
+
+
+def test_simulate_refuses_cores_without_a_shared_pool_and_names_unknown_workloads(capsys):
+    _refused(capsys, [*SMALL, "--streams", "1", "--cores", "2"], "--cores=2: needs --shared-compute")
+    _refused(capsys, [*SMALL, "--streams", "1", "--workload", "nope"], "--workload 'nope': unknown; the rounds hold")

@@ -80,7 +80,7 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rpc-ms", type=float, default=None,
                    help="one gateway <-> service round trip (ms; default: the cost source's, 0 for shapes without one)")
     for flag, kind, default, text in NUMBERS:
-        p.add_argument(flag, type=kind, default=default, help=text)
+        p.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
     p.add_argument("--alignment", choices=ALIGNMENTS, default="gather",
                    help="how the verifier's steps gather sessions (services.common.alignment, DSPARK_STEP_ALIGNMENT; "
                    "served, `auto` is rate on a GPU, gather on a CPU; the simulator runs gather whatever --costs)")
@@ -184,6 +184,8 @@ def _check_numbers(args) -> None:
             raise ValueError(f"{flag}={value}: must be a finite number of ms in [0, {top:g}]")
     if not 0 <= args.background <= MAX_STREAMS:  # NaN fails both
         raise ValueError(f"--background={args.background}: must be a number of jobs in [0, {MAX_STREAMS}]")
+    if args.cores != 1 and not args.shared_compute:  # separate hardware: one pool per loop, one core each
+        raise ValueError(f"--cores={args.cores}: needs --shared-compute (the pool whose cores it sets)")
     if args.background and not args.shared_compute:  # separate hardware has no other jobs to share with
         raise ValueError(f"--background={args.background}: needs --shared-compute (the pool it shares)")
 

@@ -133,9 +133,12 @@ class Load:
 def workloads(logs: list[RoundLog], only: str | None = None) -> dict[str, list[Round]]:
     """The rounds of each workload of `logs` that holds a drafted round (one with
     confidences), in file order, the rounds that did not draft included (each moved the text
-    on by one token); `only`: just that workload. Raises ValueError when nothing is left to
-    replay."""
+    on by one token); `only`: just that workload. Raises ValueError when `only` names no
+    workload of the rounds, or nothing is left to replay."""
     out: dict[str, list[Round]] = {}
+    known = sorted({r.workload for log in logs for r in log.rounds})
+    if only is not None and only not in known:
+        raise ValueError(f"--workload {only!r}: unknown; the rounds hold {', '.join(known)}")
     for log in logs:
         for r in log.rounds:
             if only is None or r.workload == only:
