@@ -80,9 +80,34 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 STAGE_TIMEOUT_S = 3600.0
 
 
+class StageError(RuntimeError):
+    """A stage failed or its output (in the workdir, or --shape) cannot be used: the message
+    names the file or the command. `main` prints it as one line and exits 1."""
+
+
+def _load_json(path: Path, what: str, *keys: str) -> object:
+    """The JSON object in `path` (a stage's output or --shape) and, followed down `keys`, the
+    part a stage reads. Raises StageError naming the file and `what` it should hold when it is
+    unreadable, truncated or foreign (a key missing), so a re-run over a workdir says which
+    file to delete rather than printing a traceback."""
+    try:
+        obj = json.loads(path.read_text())
+        for key in keys:
+            obj = obj[key]
+        return obj
+    except OSError as exc:
+        raise StageError(f"{path}: cannot read it ({exc.__class__.__name__}); it should hold {what}") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both
+        raise StageError(f"{path}: not JSON ({exc}); it should hold {what} (a truncated run? delete it to "
+                         f"measure it again)") from None
+    except (KeyError, IndexError, TypeError) as exc:
+        raise StageError(f"{path}: no {'.'.join(keys)} ({exc.__class__.__name__}: {exc}); it should hold "
+                         f"{what}") from None
+
+
 def _run(cmd: list[str], nice: int, out: Path | None = None) -> None:
     """Run a stage as a child at niceness `nice`, stdout to `out` (or the terminal).
-    Raises RuntimeError naming the command when it fails."""
+    Raises StageError naming the command when it fails."""
     full = (["nice", "-n", str(nice)] if nice else []) + [sys.executable, "-m", *cmd]
     print("$", " ".join(full), flush=True)
     with open(out, "w") if out else open(os.devnull, "w") as sink:
@@ -101,7 +126,7 @@ def _run(cmd: list[str], nice: int, out: Path | None = None) -> None:
     if rc != 0:
         if out:  # a half-written output would be taken as done by the next run in this workdir
             out.unlink(missing_ok=True)
-        raise RuntimeError(f"stage failed with status {rc}: {' '.join(full)}")
+        raise StageError(f"stage failed with status {rc}: {' '.join(full)}")
 
 
 def prompt_tokens(checkpoint: str) -> dict[str, int]:
@@ -137,7 +162,12 @@ def stage_bench(args, rep_dir: Path, rep: int) -> dict:
               "--per-stream", str(args.per_stream), "--max-tokens",
               str(args.max_tokens), "--port-base", str(args.port_base), "--checkpoint", args.checkpoint,
               "--json", str(out)], args.nice)
-    return json.loads(out.read_text())["medians"]["fast"]
+    real = _load_json(out, "bench_serving --json output", "medians", "fast")
+    missing = [(s, a) for s in args.streams for a in args.arms if a not in real.get(str(s), {})]
+    if missing:
+        raise StageError(f"{out}: no {missing[0][1]} cell at {missing[0][0]} streams (a bench of other --streams "
+                         f"or --arms? delete it to measure it again)")
+    return real
 
 
 def mean_shape(before: dict, after: dict) -> dict:
@@ -167,12 +197,12 @@ def stage_shape(args, work: Path, boundary: int) -> dict:
     """The shape measured at repetition boundary `boundary` (0: before the first repetition,
     r: after repetition r), or `--shape` when given."""
     if args.shape:
-        return json.loads(Path(args.shape).read_text())
+        return _load_json(Path(args.shape), "a cpu shape (bench.sim_cpu_shape output)")
     out = work / f"shape-{boundary}.json"
     if not out.exists():
         _run(["bench.sim_cpu_shape", "--checkpoint", args.checkpoint, "--repeats", str(args.shape_repeats)],
              args.nice, out=out)
-    return json.loads(out.read_text())
+    return _load_json(out, "a cpu shape (bench.sim_cpu_shape output)")
 
 
 def stage_calibrate_cell(args, rep_dir: Path) -> Path:
@@ -221,10 +251,17 @@ def stage_calibrate(args, rep_dir: Path, shape: Path) -> Path:
     costs from it and the k5 cell (`event_loop_costs`), written to
     rep_dir/shape-calibrated.json. Raises ValueError on a shape file `load_model` refuses."""
     out = stage_calibrate_cell(args, rep_dir)
-    got = json.loads(out.read_text())
-    cells = {arm: runs[0] for arm, runs in got["raw"]["fast"][str(args.calibrate_streams)].items()}
-    cell = cells["plain"]
-    sessions, step_ms = cell["sessions_per_step"], cell["verifier_step_ms"]
+    runs = _load_json(out, "the calibration cells' bench_serving --json output", "raw", "fast",
+                      str(args.calibrate_streams))
+    try:
+        cells = {arm: runs[0] for arm, runs in runs.items()}
+        cell = cells["plain"]
+        sessions, step_ms, itl_ms = cell["sessions_per_step"], cell["verifier_step_ms"], cell["itl_p50_ms"]
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise StageError(f"{out}: no plain cell with sessions_per_step, verifier_step_ms and itl_p50_ms at "
+                         f"{args.calibrate_streams} streams ({exc.__class__.__name__}: {exc})") from None
+    if not sessions > 0:  # a cell whose verifier reported no step: nothing to divide by
+        raise StageError(f"{out}: plain cell at {args.calibrate_streams} streams: sessions_per_step={sessions!r}")
     from services.simulate.models import load_model
     verifier = load_model(str(shape)).verifier
     prompts = prompt_tokens(args.checkpoint)
@@ -235,7 +272,7 @@ def stage_calibrate(args, rep_dir: Path, shape: Path) -> Path:
     # the inter-token gap beyond the step and the network, per session: the verifier's event
     # loop (now its own term) and the gateway's, both one reply at a time
     per_reply = loops["verifier"]["call_ms"] + loops["verifier"]["row_ms"]
-    gateway_ms = max((cell["itl_p50_ms"] - step_ms - args.rpc_ms) / sessions - per_reply, 0.0)
+    gateway_ms = max((itl_ms - step_ms - args.rpc_ms) / sessions - per_reply, 0.0)
     obj = json.loads(shape.read_text())
     obj["verifier"]["session_ms"] = round(session_ms, 3)
     obj["gateway_ms"] = round(gateway_ms, 3)
@@ -244,7 +281,7 @@ def stage_calibrate(args, rep_dir: Path, shape: Path) -> Path:
         obj["event_loop"] = loops
     obj["notes"] = (f"{obj.get('notes', '')} calibrated by bench.validate_simulate from served plain and k5 at "
                     f"{args.calibrate_streams} streams: plain step {step_ms:.1f} ms over {sessions:.2f} sessions, "
-                    f"ITL p50 {cell['itl_p50_ms']:.1f} ms").strip()
+                    f"ITL p50 {itl_ms:.1f} ms").strip()
     calibrated = rep_dir / "shape-calibrated.json"
     calibrated.write_text(json.dumps(obj, indent=1) + "\n")
     print(f"{rep_dir.name} calibration: one-row step {verifier.ms_at(1):.1f} ms, session_ms {session_ms:.3f}, "
@@ -262,7 +299,10 @@ def stage_simulate(args, shape: Path, rounds: Path) -> dict:
            "--per-stream", str(args.per_stream), "--prompt", prompts, "--output", str(args.max_tokens),
            "--max-sessions", str(max(args.streams) + 8), "--seed", str(args.seed), "--json"]
     print("$", " ".join(cmd), flush=True)
-    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=STAGE_TIMEOUT_S, check=True)
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=STAGE_TIMEOUT_S)
+    if done.returncode != 0:  # its one-line error names the bad value; check=True would drop it
+        raise StageError(f"the simulator refused {shape} (status {done.returncode}): "
+                         f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'no message'}")
     return {int(load): row for load, row in json.loads(done.stdout)["cells"].items()}
 
 
@@ -389,8 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     args.workdir = str(work)
     print(f"stages in {work}", flush=True)
-    rounds = stage_rounds(args, work)
-    reps = [run_repetition(args, work, rounds, rep) for rep in range(args.repeats)]
+    try:
+        rounds = stage_rounds(args, work)
+        reps = [run_repetition(args, work, rounds, rep) for rep in range(args.repeats)]
+    except (StageError, ValueError) as exc:  # a stage's own message names the file or command
+        print(f"validate_simulate: error: {exc}", file=sys.stderr)
+        return 1
     rows = compare(reps, args.streams, args.arms)
     print(markdown(rows))
     within = sum(row[k]["within"] for row in rows for k, _, _ in FIGURES)

@@ -1,0 +1,122 @@
+"""Findings of the second attack on the simulator's event loops and the paired validation
+(issue #33): a workdir holding a truncated or foreign stage output, a simulator that refuses
+the calibrated shape, and a service thread that ends inside a bench cell. Each failed before
+its fix with a traceback, a lost message or a wrong figure.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from bench import validate_simulate
+from bench.bench_serving import off_step_cpu_s
+
+DATA = Path(__file__).resolve().parent / "data"
+CPU_SHAPE = Path(__file__).resolve().parents[1] / "services" / "simulate" / "shapes" / "cpu.json"
+CELL = {"aggregate_tok_s": 50.0, "sessions_per_step": 1.0}
+
+
+def _workdir(tmp_path: Path, bench: str, calibration: str | None = None, rounds: Path = DATA / "bundled_rounds.json"):
+    """A re-simulation workdir of one repetition, plain at one stream: every stage's output
+    present, so main measures nothing (no service starts)."""
+    work = tmp_path / "wd"
+    (work / "rep-1").mkdir(parents=True)
+    shutil.copy(rounds, work / "rounds.json")
+    (work / "rep-1" / "bench.json").write_text(bench)
+    (work / "rep-1" / "calibration.json").write_text(calibration or json.dumps(
+        {"raw": {"fast": {"8": {"plain": [{"sessions_per_step": 7.5, "verifier_step_ms": 40.0,
+                                          "itl_p50_ms": 60.0}]}}}}))
+    return work
+
+
+def _validate(capsys, work: Path, *extra: str) -> tuple[int, str]:
+    code = validate_simulate.main(["--workdir", str(work), "--repeats", "1", "--streams", "1", "--arms", "plain",
+                                   "--shape", str(CPU_SHAPE), "--port-base", "52500", *extra])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bench, named", [
+    ('{"medians": {"fa', "not JSON"),  # a run killed while writing
+    ('{"medians": {"fast": {"4": {"plain": {}}}}}', "no plain cell at 1 streams"),  # a run of other --streams
+    ('{"cells": []}', "no medians.fast"),  # some other program's JSON
+])
+def test_a_truncated_or_foreign_bench_json_in_the_workdir_names_the_file(tmp_path, capsys, bench, named):
+    work = _workdir(tmp_path, bench)
+    code, err = _validate(capsys, work)
+    assert code == 1 and f"{work / 'rep-1' / 'bench.json'}:" in err and named in err, err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("calibration, named", [
+    ('{"raw": {"fast": {"8": {"plain": [{"sessions', "not JSON"),
+    ('{"raw": {"fast": {"16": {}}}}', "no raw.fast.8"),  # calibrated at another --calibrate-streams
+    ('{"raw": {"fast": {"8": {"k5": [{}]}}}}', "no plain cell"),
+    ('{"raw": {"fast": {"8": {"plain": [{"sessions_per_step": 0, "verifier_step_ms": 0, "itl_p50_ms": 1}]}}}}',
+     "sessions_per_step=0"),  # was a ZeroDivisionError
+])
+def test_a_truncated_or_foreign_calibration_json_names_the_file(tmp_path, capsys, calibration, named):
+    bench = json.dumps({"medians": {"fast": {"1": {"plain": {k: {"median": v} for k, v in CELL.items()}}}}})
+    work = _workdir(tmp_path, bench, calibration)
+    code, err = _validate(capsys, work)
+    assert code == 1 and f"{work / 'rep-1' / 'calibration.json'}:" in err and named in err, err
+    assert "Traceback" not in err, err
+
+
+def test_a_truncated_shape_names_the_file(tmp_path, capsys):
+    shape = tmp_path / "shape.json"
+    shape.write_text('{"verifier": {"rows": [1')
+    bench = json.dumps({"medians": {"fast": {"1": {"plain": {k: {"median": v} for k, v in CELL.items()}}}}})
+    work = _workdir(tmp_path, bench)
+    code, err = _validate(capsys, work, "--shape", str(shape))
+    assert code == 1 and f"{shape}: not JSON" in err and "Traceback" not in err, err
+
+
+def test_the_simulators_own_refusal_reaches_the_user(tmp_path, capsys):
+    """The simulator exits 2 with one line naming the value; validate_simulate ran it with
+    check=True and capture_output, so the user saw a CalledProcessError and not the line."""
+    log = json.loads((DATA / "bundled_rounds.json").read_text())
+    log["rounds"] = [r for r in log["rounds"] if r["workload"] == "code"]  # no prose, math, repeat
+    rounds = tmp_path / "code-only.json"
+    rounds.write_text(json.dumps(log))
+    bench = json.dumps({"medians": {"fast": {"1": {"plain": {k: {"median": v} for k, v in CELL.items()}}}}})
+    code, err = _validate(capsys, _workdir(tmp_path, bench, rounds=rounds))
+    assert code == 1 and "the simulator refused" in err and "is in no rounds file" in err, err
+
+
+def test_off_step_cpu_never_falls_when_a_thread_ends():
+    """A service thread that burns CPU and ends between a cell's two readings took its CPU out
+    of the sum over /proc/PID/task: the off-step CPU fell, and the fitted event-loop cost with
+    it. The process's own counters keep an ended thread's time."""
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import os, sys, threading, time
+        release = threading.Event()
+        def burn():
+            while time.thread_time() < 0.3:
+                pass
+            print("ready", flush=True)
+            release.wait()  # alive, its CPU counted, until the parent has read it
+        t = threading.Thread(target=burn, name="grpc-worker"); t.start()
+        sys.stdin.readline()
+        release.set(); t.join()
+        while len(os.listdir("/proc/self/task")) > 1:  # join returns a moment before the OS thread ends
+            time.sleep(0.01)
+        print("ended", flush=True); sys.stdin.readline()
+    """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        before = off_step_cpu_s({"svc": child.pid})["svc"]
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "ended\n"
+        after = off_step_cpu_s({"svc": child.pid})["svc"]
+        assert before >= 0.2 and after >= before, (before, after)
+    finally:
+        child.kill()
+        child.wait()
