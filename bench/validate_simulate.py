@@ -353,6 +353,23 @@ def _fmt(s: dict) -> str:
     return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
 
 
+def may_lower_nice(nice: int) -> bool:
+    """Whether this process may start children at niceness `nice` (< 0 lowers it): it holds
+    CAP_SYS_NICE (/proc/self/status CapEff bit 23; root in a container may not) or RLIMIT_NICE
+    allows it. Without either, `nice -n -20` warns and runs the child at 0, and the session's
+    niceness is refused: the stages would be measured unprotected from other sessions' work
+    (docs/simulate.md §5.2) with nothing but a warning on the terminal."""
+    import resource
+    if nice >= 0:
+        return True
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            caps = next((int(line.split()[1], 16) for line in f if line.startswith("CapEff:")), 0)
+    except OSError:
+        caps = 0
+    return bool(caps >> 23 & 1) or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - nice
+
+
 def _bad_argument(args) -> str | None:
     """The first argument no stage could run with, as a message naming the value; None when
     all are good. Checked before the first stage, which takes minutes."""
@@ -376,6 +393,8 @@ def _bad_argument(args) -> str | None:
         return f"--seed={args.seed}: must be >= 0"
     if not 0 <= args.background <= MAX_STREAMS:
         return f"--background={args.background}: must be a number of jobs in [0, {MAX_STREAMS}]"
+    if not may_lower_nice(args.nice):
+        return f"--nice={args.nice}: this process may not lower niceness (needs root or CAP_SYS_NICE)"
     if not 1024 <= args.port_base <= 65000:
         return f"--port-base={args.port_base}: must be in 1024..65000 (the services take ports above it)"
     if not (Path(args.checkpoint) / "tokenizer.json").is_file():  # the last stage reads it, after the bench

@@ -7,6 +7,7 @@ its fix with a traceback, a lost message or a wrong figure.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -120,3 +121,17 @@ def test_off_step_cpu_never_falls_when_a_thread_ends():
     finally:
         child.kill()
         child.wait()
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None or os.geteuid() != 0,
+                    reason="needs setpriv and root, to drop CAP_SYS_NICE")
+def test_nice_without_the_right_to_lower_it_is_refused_before_any_stage(tmp_path):
+    """`--nice -20` without CAP_SYS_NICE: `nice` warned and ran the stage at 0 and
+    set_session_nice's refusal was ignored, so the run measured unprotected (docs/simulate.md
+    §5.2) as if protected. Refused before any stage now."""
+    # a missing checkpoint, checked after --nice: were --nice let through, the run still ends here
+    cmd = ["setpriv", "--inh-caps=-sys_nice", "--bounding-set=-sys_nice", sys.executable, "-m",
+           "bench.validate_simulate", "--nice", "-20", "--workdir", str(tmp_path), "--port-base", "52500",
+           "--checkpoint", str(tmp_path / "none")]
+    done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--nice=-20: this process may not lower niceness" in done.stderr, done.stderr
