@@ -73,7 +73,7 @@ import tempfile
 from pathlib import Path
 
 from bench.bench_serving import WORKLOADS
-from bench.service_procs import set_session_nice
+from bench.service_procs import may_lower_nice, set_session_nice
 from services.gateway.rounds import RoundLog, load_rounds, save_rounds
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -353,21 +353,20 @@ def _fmt(s: dict) -> str:
     return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
 
 
-def may_lower_nice(nice: int) -> bool:
-    """Whether this process may start children at niceness `nice` (< 0 lowers it): it holds
-    CAP_SYS_NICE (/proc/self/status CapEff bit 23; root in a container may not) or RLIMIT_NICE
-    allows it. Without either, `nice -n -20` warns and runs the child at 0, and the session's
-    niceness is refused: the stages would be measured unprotected from other sessions' work
-    (docs/simulate.md §5.2) with nothing but a warning on the terminal."""
-    import resource
-    if nice >= 0:
-        return True
+def _bad_shape(path: str) -> str | None:
+    """Why --shape `path` cannot price a repetition (missing, not a .json shape file, or one
+    `load_model` refuses), naming it; None when it can. Checked up front: the stages that read
+    it run after the first repetition's bench, minutes in."""
+    from services.simulate.models import load_model
+    if not Path(path).is_file():
+        return f"--shape {path!r}: no such file (leave it out to measure a shape)"
+    if Path(path).suffix != ".json":  # mean_shape and the calibration edit the JSON object
+        return f"--shape {path!r}: must be a .json shape file (bench.sim_cpu_shape output)"
     try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            caps = next((int(line.split()[1], 16) for line in f if line.startswith("CapEff:")), 0)
-    except OSError:
-        caps = 0
-    return bool(caps >> 23 & 1) or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - nice
+        load_model(path)
+    except ValueError as exc:
+        return f"--shape {path!r}: {exc}"
+    return None
 
 
 def _bad_argument(args) -> str | None:
@@ -399,8 +398,10 @@ def _bad_argument(args) -> str | None:
         return f"--port-base={args.port_base}: must be in 1024..65000 (the services take ports above it)"
     if not (Path(args.checkpoint) / "tokenizer.json").is_file():  # the last stage reads it, after the bench
         return f"--checkpoint {args.checkpoint!r}: holds no tokenizer.json"
-    if args.shape is not None and not Path(args.shape).is_file():
-        return f"--shape {args.shape!r}: no such file (leave it out to measure a shape)"
+    if args.shape is not None:
+        bad_shape = _bad_shape(args.shape)
+        if bad_shape:
+            return bad_shape
     if args.json is not None:
         parent = Path(args.json).resolve().parent
         if Path(args.json).is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):

@@ -70,15 +70,17 @@ def test_a_truncated_or_foreign_calibration_json_names_the_file(tmp_path, capsys
     assert "Traceback" not in err, err
 
 
-def test_a_truncated_shape_names_the_file(tmp_path, capsys):
-    shape = tmp_path / "shape.json"
-    shape.write_text('{"verifier": {"rows": [1')
+def test_a_truncated_shape_in_the_workdir_names_the_file(tmp_path, capsys):
     bench = json.dumps({"medians": {"fast": {"1": {"plain": {k: {"median": v} for k, v in CELL.items()}}}}})
     work = _workdir(tmp_path, bench)
-    code, err = _validate(capsys, work, "--shape", str(shape))
-    assert code == 1 and f"{shape}: not JSON" in err and "Traceback" not in err, err
+    (work / "shape-0.json").write_text('{"verifier": {"rows": [1')  # a measurement killed while written
+    code = validate_simulate.main(["--workdir", str(work), "--repeats", "1", "--streams", "1", "--arms", "plain",
+                                   "--port-base", "52500"])
+    err = capsys.readouterr().err
+    assert code == 1 and f"{work / 'shape-0.json'}: not JSON" in err and "Traceback" not in err, err
 
 
+@pytest.mark.slow  # a simulator process and the tokenizer: ~3 s
 def test_the_simulators_own_refusal_reaches_the_user(tmp_path, capsys):
     """The simulator exits 2 with one line naming the value; validate_simulate ran it with
     check=True and capture_output, so the user saw a CalledProcessError and not the line."""
@@ -123,15 +125,45 @@ def test_off_step_cpu_never_falls_when_a_thread_ends():
         child.wait()
 
 
-@pytest.mark.skipif(shutil.which("setpriv") is None or os.geteuid() != 0,
-                    reason="needs setpriv and root, to drop CAP_SYS_NICE")
+DROP_SYS_NICE = ["setpriv", "--inh-caps=-sys_nice", "--bounding-set=-sys_nice"]
+needs_setpriv = pytest.mark.skipif(shutil.which("setpriv") is None or os.geteuid() != 0,
+                                   reason="needs setpriv and root, to drop CAP_SYS_NICE")
+
+
+@needs_setpriv
+def test_the_right_to_lower_niceness_is_read_from_the_capabilities():
+    """Root without CAP_SYS_NICE (a container's root, here setpriv's) may not lower niceness:
+    `nice -n -20` only warns and set_session_nice is refused."""
+    cmd = [sys.executable, "-c", "from bench.service_procs import may_lower_nice as m; print(m(-20), m(0))"]
+    kw = dict(cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=30)
+    assert subprocess.run(DROP_SYS_NICE + cmd, **kw).stdout == "False True\n"
+    assert subprocess.run(cmd, **kw).stdout == "True True\n"
+
+
+@pytest.mark.slow
+@needs_setpriv
 def test_nice_without_the_right_to_lower_it_is_refused_before_any_stage(tmp_path):
     """`--nice -20` without CAP_SYS_NICE: `nice` warned and ran the stage at 0 and
     set_session_nice's refusal was ignored, so the run measured unprotected (docs/simulate.md
     §5.2) as if protected. Refused before any stage now."""
     # a missing checkpoint, checked after --nice: were --nice let through, the run still ends here
-    cmd = ["setpriv", "--inh-caps=-sys_nice", "--bounding-set=-sys_nice", sys.executable, "-m",
-           "bench.validate_simulate", "--nice", "-20", "--workdir", str(tmp_path), "--port-base", "52500",
-           "--checkpoint", str(tmp_path / "none")]
+    cmd = [*DROP_SYS_NICE, sys.executable, "-m", "bench.validate_simulate", "--nice", "-20", "--workdir",
+           str(tmp_path), "--port-base", "52500", "--checkpoint", str(tmp_path / "none")]
     done = subprocess.run(cmd, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--nice=-20: this process may not lower niceness" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("text, named", [
+    ('{"a": 1}', "unknown key(s) ['a']"),  # was a KeyError traceback after the first bench
+    ('{"verifier": {"rows": [1], "ms": [10]}, "drafter": {"draft": {"sessions": [1], "ms": [3]}}, '
+     '"event_loop": {"gateway": {}}}', "unknown key(s) ['gateway']"),  # named only after the bench
+    ('{"verifier": {"rows": [1', "not JSON"),
+])
+def test_a_shape_that_cannot_price_a_repetition_is_refused_before_any_stage(tmp_path, capsys, text, named):
+    shape = tmp_path / "foreign.json"
+    shape.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        validate_simulate.main(["--shape", str(shape), "--workdir", str(tmp_path / "wd"), "--port-base", "52500"])
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert exit_.value.code == 2 and str(shape) in err and named in err, err
+    assert not (tmp_path / "wd").exists()
