@@ -152,8 +152,7 @@ def off_step_cpu_s(pids: dict[str, int]) -> dict[str, float]:
     skipped (it is no step thread: those live as long as their service). Raises OSError when a
     process is gone."""
     tick = os.sysconf("SC_CLK_TCK")
-    total = cpu_s(pids)
-    out = {}
+    steps_s = {}
     for name, pid in pids.items():
         steps = 0
         for tid in os.listdir(f"/proc/{pid}/task"):
@@ -165,8 +164,11 @@ def off_step_cpu_s(pids: dict[str, int]) -> dict[str, float]:
             if comm.endswith("-steps"):
                 fields = rest.split()
                 steps += int(fields[11]) + int(fields[12])
-        out[name] = max(total[name] - steps / tick, 0.0)
-    return out
+        steps_s[name] = steps / tick
+    # the total read after the step threads: what they ran in between counts here as off-step
+    # (a tick at most), never the other way, which could make a quiet cell's figure negative
+    total = cpu_s(pids)
+    return {name: max(total[name] - steps_s[name], 0.0) for name in pids}
 
 
 async def run_cell(stack: dict, streams: int, arm: str, max_tokens: int, per_stream: int = 1) -> dict:
