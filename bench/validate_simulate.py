@@ -163,10 +163,15 @@ def stage_bench(args, rep_dir: Path, rep: int) -> dict:
               str(args.max_tokens), "--port-base", str(args.port_base), "--checkpoint", args.checkpoint,
               "--json", str(out)], args.nice)
     real = _load_json(out, "bench_serving --json output", "medians", "fast")
-    missing = [(s, a) for s in args.streams for a in args.arms if a not in real.get(str(s), {})]
-    if missing:
-        raise StageError(f"{out}: no {missing[0][1]} cell at {missing[0][0]} streams (a bench of other --streams "
-                         f"or --arms? delete it to measure it again)")
+    for s in args.streams:
+        for a in args.arms:
+            try:  # what `compare` reads of each cell
+                ok = all(isinstance(real[str(s)][a][key]["median"], (int, float)) for key, _, _ in FIGURES)
+            except (KeyError, TypeError):
+                ok = False
+            if not ok:
+                raise StageError(f"{out}: no {a} cell at {s} streams with {' and '.join(k for k, _, _ in FIGURES)} "
+                                 f"medians (a bench of other --streams or --arms? delete it to measure it again)")
     return real
 
 

@@ -47,6 +47,8 @@ def _validate(capsys, work: Path, *extra: str) -> tuple[int, str]:
     ('{"medians": {"fa', "not JSON"),  # a run killed while writing
     ('{"medians": {"fast": {"4": {"plain": {}}}}}', "no plain cell at 1 streams"),  # a run of other --streams
     ('{"cells": []}', "no medians.fast"),  # some other program's JSON
+    ('{"medians": {"fast": [1]}}', "no plain cell at 1 streams"),
+    ('{"medians": {"fast": {"1": {"plain": {"aggregate_tok_s": 5}}}}}', "no plain cell at 1 streams"),
 ])
 def test_a_truncated_or_foreign_bench_json_in_the_workdir_names_the_file(tmp_path, capsys, bench, named):
     work = _workdir(tmp_path, bench)
