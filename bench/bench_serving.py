@@ -145,24 +145,30 @@ def cpu_s(pids: dict[str, int]) -> dict[str, float]:
 def off_step_cpu_s(pids: dict[str, int]) -> dict[str, float]:
     """CPU seconds each service process has used so far outside its step loop's thread (the
     thread named "<role>-steps", `services.common.step_queue`): its event loop's gRPC and
-    protobuf work, the rest of its threads. From /proc/<pid>/task/*/stat (Linux); a thread
-    that ends between the listing and its read is skipped. Raises OSError when a process is
-    gone."""
+    protobuf work, the rest of its threads. The process's own total (/proc/<pid>/stat, which
+    keeps the time of threads that have ended) less the step threads' (/proc/<pid>/task/*/stat,
+    Linux): summing the live threads instead lost an ended thread's time, so the figure could
+    fall between a cell's two readings. A thread that ends between the listing and its read is
+    skipped (it is no step thread: those live as long as their service). Raises OSError when a
+    process is gone."""
     tick = os.sysconf("SC_CLK_TCK")
-    out = {}
+    steps_s = {}
     for name, pid in pids.items():
-        total = 0
+        steps = 0
         for tid in os.listdir(f"/proc/{pid}/task"):
             try:
                 with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as f:
                     comm, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
-            except FileNotFoundError:
+            except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):  # ended while read
                 continue
-            if not comm.endswith("-steps"):
+            if comm.endswith("-steps"):
                 fields = rest.split()
-                total += int(fields[11]) + int(fields[12])
-        out[name] = total / tick
-    return out
+                steps += int(fields[11]) + int(fields[12])
+        steps_s[name] = steps / tick
+    # the total read after the step threads: what they ran in between counts here as off-step
+    # (a tick at most), never the other way, which could make a quiet cell's figure negative
+    total = cpu_s(pids)
+    return {name: max(total[name] - steps_s[name], 0.0) for name in pids}
 
 
 async def run_cell(stack: dict, streams: int, arm: str, max_tokens: int, per_stream: int = 1) -> dict:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -225,6 +226,23 @@ def set_session_nice(pid: int, nice: int) -> bool:
         return True
     except OSError:
         return False
+
+
+def may_lower_nice(nice: int) -> bool:
+    """Whether this process may start children at niceness `nice` (< 0 lowers it): it holds
+    CAP_SYS_NICE (/proc/self/status CapEff bit 23; root in a container may not) or RLIMIT_NICE
+    allows it. Without either, `nice -n -20` warns and runs the child at 0, and the session's
+    niceness is refused: the stages would be measured unprotected from other sessions' work
+    (docs/simulate.md §5.2) with nothing but a warning on the terminal."""
+    if nice >= 0:
+        return True
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            caps = next((int(line.split()[1], 16) for line in f if line.startswith("CapEff:")), 0)
+    except OSError:
+        caps = 0
+    limit = resource.getrlimit(resource.RLIMIT_NICE)[0]  # allows nice down to 20 - limit
+    return bool(caps >> 23 & 1) or limit == resource.RLIM_INFINITY or limit >= 20 - nice
 
 
 def rss_bytes(pid: int) -> int:

@@ -73,16 +73,41 @@ import tempfile
 from pathlib import Path
 
 from bench.bench_serving import WORKLOADS
-from bench.service_procs import set_session_nice
+from bench.service_procs import may_lower_nice, set_session_nice
 from services.gateway.rounds import RoundLog, load_rounds, save_rounds
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STAGE_TIMEOUT_S = 3600.0
 
 
+class StageError(RuntimeError):
+    """A stage failed or its output (in the workdir, or --shape) cannot be used: the message
+    names the file or the command. `main` prints it as one line and exits 1."""
+
+
+def _load_json(path: Path, what: str, *keys: str) -> object:
+    """The JSON object in `path` (a stage's output or --shape) and, followed down `keys`, the
+    part a stage reads. Raises StageError naming the file and `what` it should hold when it is
+    unreadable, truncated or foreign (a key missing), so a re-run over a workdir says which
+    file to delete rather than printing a traceback."""
+    try:
+        obj = json.loads(path.read_text())
+        for key in keys:
+            obj = obj[key]
+        return obj
+    except OSError as exc:
+        raise StageError(f"{path}: cannot read it ({exc.__class__.__name__}); it should hold {what}") from None
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both
+        raise StageError(f"{path}: not JSON ({exc}); it should hold {what} (a truncated run? delete it to "
+                         f"measure it again)") from None
+    except (KeyError, IndexError, TypeError) as exc:
+        raise StageError(f"{path}: no {'.'.join(keys)} ({exc.__class__.__name__}: {exc}); it should hold "
+                         f"{what}") from None
+
+
 def _run(cmd: list[str], nice: int, out: Path | None = None) -> None:
     """Run a stage as a child at niceness `nice`, stdout to `out` (or the terminal).
-    Raises RuntimeError naming the command when it fails."""
+    Raises StageError naming the command when it fails."""
     full = (["nice", "-n", str(nice)] if nice else []) + [sys.executable, "-m", *cmd]
     print("$", " ".join(full), flush=True)
     with open(out, "w") if out else open(os.devnull, "w") as sink:
@@ -101,7 +126,7 @@ def _run(cmd: list[str], nice: int, out: Path | None = None) -> None:
     if rc != 0:
         if out:  # a half-written output would be taken as done by the next run in this workdir
             out.unlink(missing_ok=True)
-        raise RuntimeError(f"stage failed with status {rc}: {' '.join(full)}")
+        raise StageError(f"stage failed with status {rc}: {' '.join(full)}")
 
 
 def prompt_tokens(checkpoint: str) -> dict[str, int]:
@@ -140,18 +165,28 @@ def stage_bench(args, rep_dir: Path, rep: int) -> dict:
               "--per-stream", str(args.per_stream), "--max-tokens",
               str(args.max_tokens), "--port-base", str(args.port_base), "--checkpoint", args.checkpoint,
               "--json", str(out)], args.nice)
-    return json.loads(out.read_text())["medians"]["fast"]
+    real = _load_json(out, "bench_serving --json output", "medians", "fast")
+    for s in args.streams:
+        for a in args.arms:
+            try:  # what `compare` reads of each cell
+                ok = all(isinstance(real[str(s)][a][key]["median"], (int, float)) for key, _, _ in FIGURES)
+            except (KeyError, TypeError):
+                ok = False
+            if not ok:
+                raise StageError(f"{out}: no {a} cell at {s} streams with {' and '.join(k for k, _, _ in FIGURES)} "
+                                 f"medians (a bench of other --streams or --arms? delete it to measure it again)")
+    return real
 
 
 def _check_reused(out: Path, want: dict) -> None:
     """A stage output of an earlier run (a reused --workdir) must have measured what this run
     compares: its bench_serving `args` must hold `want`. Raises ValueError naming the file and
-    the first figure that differs."""
-    try:
-        got = json.loads(out.read_text())["args"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{out}: not a bench_serving JSON this run can reuse ({exc.__class__.__name__}); "
-                         f"remove it or give another --workdir") from None
+    the first figure that differs; StageError when it is unreadable. A file without `args`
+    is left to the stage's own checks of the cells it reads."""
+    obj = _load_json(out, "bench_serving --json output")
+    got = obj.get("args") if isinstance(obj, dict) else None
+    if not isinstance(got, dict):
+        return
     for key, value in want.items():
         have = sorted(got.get(key, [])) if key == "arms" else got.get(key)
         if have != value:
@@ -186,12 +221,12 @@ def stage_shape(args, work: Path, boundary: int) -> dict:
     """The shape measured at repetition boundary `boundary` (0: before the first repetition,
     r: after repetition r), or `--shape` when given."""
     if args.shape:
-        return json.loads(Path(args.shape).read_text())
+        return _load_json(Path(args.shape), "a cpu shape (bench.sim_cpu_shape output)")
     out = work / f"shape-{boundary}.json"
     if not out.exists():
         _run(["bench.sim_cpu_shape", "--checkpoint", args.checkpoint, "--repeats", str(args.shape_repeats)],
              args.nice, out=out)
-    return json.loads(out.read_text())
+    return _load_json(out, "a cpu shape (bench.sim_cpu_shape output)")
 
 
 def stage_calibrate_cell(args, rep_dir: Path) -> Path:
@@ -243,10 +278,17 @@ def stage_calibrate(args, rep_dir: Path, shape: Path) -> Path:
     costs from it and the k5 cell (`event_loop_costs`), written to
     rep_dir/shape-calibrated.json. Raises ValueError on a shape file `load_model` refuses."""
     out = stage_calibrate_cell(args, rep_dir)
-    got = json.loads(out.read_text())
-    cells = {arm: runs[0] for arm, runs in got["raw"]["fast"][str(args.calibrate_streams)].items()}
-    cell = cells["plain"]
-    sessions, step_ms = cell["sessions_per_step"], cell["verifier_step_ms"]
+    runs = _load_json(out, "the calibration cells' bench_serving --json output", "raw", "fast",
+                      str(args.calibrate_streams))
+    try:
+        cells = {arm: runs[0] for arm, runs in runs.items()}
+        cell = cells["plain"]
+        sessions, step_ms, itl_ms = cell["sessions_per_step"], cell["verifier_step_ms"], cell["itl_p50_ms"]
+    except (KeyError, IndexError, TypeError, AttributeError) as exc:
+        raise StageError(f"{out}: no plain cell with sessions_per_step, verifier_step_ms and itl_p50_ms at "
+                         f"{args.calibrate_streams} streams ({exc.__class__.__name__}: {exc})") from None
+    if not sessions > 0:  # a cell whose verifier reported no step: nothing to divide by
+        raise StageError(f"{out}: plain cell at {args.calibrate_streams} streams: sessions_per_step={sessions!r}")
     from services.simulate.models import load_model
     verifier = load_model(str(shape)).verifier
     prompts = prompt_tokens(args.checkpoint)
@@ -257,7 +299,7 @@ def stage_calibrate(args, rep_dir: Path, shape: Path) -> Path:
     # the inter-token gap beyond the step and the network, per session: the verifier's event
     # loop (now its own term) and the gateway's, both one reply at a time
     per_reply = loops["verifier"]["call_ms"] + loops["verifier"]["row_ms"]
-    gateway_ms = max((cell["itl_p50_ms"] - step_ms - args.rpc_ms) / sessions - per_reply, 0.0)
+    gateway_ms = max((itl_ms - step_ms - args.rpc_ms) / sessions - per_reply, 0.0)
     obj = json.loads(shape.read_text())
     obj["verifier"]["session_ms"] = round(session_ms, 3)
     obj["gateway_ms"] = round(gateway_ms, 3)
@@ -266,7 +308,7 @@ def stage_calibrate(args, rep_dir: Path, shape: Path) -> Path:
         obj["event_loop"] = loops
     obj["notes"] = (f"{obj.get('notes', '')} calibrated by bench.validate_simulate from served plain and k5 at "
                     f"{args.calibrate_streams} streams: plain step {step_ms:.1f} ms over {sessions:.2f} sessions, "
-                    f"ITL p50 {cell['itl_p50_ms']:.1f} ms").strip()
+                    f"ITL p50 {itl_ms:.1f} ms").strip()
     calibrated = rep_dir / "shape-calibrated.json"
     calibrated.write_text(json.dumps(obj, indent=1) + "\n")
     print(f"{rep_dir.name} calibration: one-row step {verifier.ms_at(1):.1f} ms, session_ms {session_ms:.3f}, "
@@ -284,7 +326,10 @@ def stage_simulate(args, shape: Path, rounds: Path) -> dict:
            "--per-stream", str(args.per_stream), "--prompt", prompts, "--output", str(args.max_tokens),
            "--max-sessions", str(max(args.streams) + 8), "--seed", str(args.seed), "--json"]
     print("$", " ".join(cmd), flush=True)
-    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=STAGE_TIMEOUT_S, check=True)
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=STAGE_TIMEOUT_S)
+    if done.returncode != 0:  # its one-line error names the bad value; check=True would drop it
+        raise StageError(f"the simulator refused {shape} (status {done.returncode}): "
+                         f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'no message'}")
     return {int(load): row for load, row in json.loads(done.stdout)["cells"].items()}
 
 
@@ -335,6 +380,22 @@ def _fmt(s: dict) -> str:
     return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
 
 
+def _bad_shape(path: str) -> str | None:
+    """Why --shape `path` cannot price a repetition (missing, not a .json shape file, or one
+    `load_model` refuses), naming it; None when it can. Checked up front: the stages that read
+    it run after the first repetition's bench, minutes in."""
+    from services.simulate.models import load_model
+    if not Path(path).is_file():
+        return f"--shape {path!r}: no such file (leave it out to measure a shape)"
+    if Path(path).suffix != ".json":  # mean_shape and the calibration edit the JSON object
+        return f"--shape {path!r}: must be a .json shape file (bench.sim_cpu_shape output)"
+    try:
+        load_model(path)
+    except ValueError as exc:
+        return f"--shape {path!r}: {exc}"
+    return None
+
+
 def _bad_argument(args) -> str | None:
     """The first argument no stage could run with, as a message naming the value; None when
     all are good. Checked before the first stage, which takes minutes."""
@@ -358,12 +419,16 @@ def _bad_argument(args) -> str | None:
         return f"--seed={args.seed}: must be >= 0"
     if not 0 <= args.background <= MAX_STREAMS:
         return f"--background={args.background}: must be a number of jobs in [0, {MAX_STREAMS}]"
+    if not may_lower_nice(args.nice):
+        return f"--nice={args.nice}: this process may not lower niceness (needs root or CAP_SYS_NICE)"
     if not 1024 <= args.port_base <= 65000:
         return f"--port-base={args.port_base}: must be in 1024..65000 (the services take ports above it)"
     if not (Path(args.checkpoint) / "tokenizer.json").is_file():  # the last stage reads it, after the bench
         return f"--checkpoint {args.checkpoint!r}: holds no tokenizer.json"
-    if args.shape is not None and not Path(args.shape).is_file():
-        return f"--shape {args.shape!r}: no such file (leave it out to measure a shape)"
+    if args.shape is not None:
+        bad_shape = _bad_shape(args.shape)
+        if bad_shape:
+            return bad_shape
     if args.json is not None:
         parent = Path(args.json).resolve().parent
         if Path(args.json).is_dir() or not parent.is_dir() or not os.access(parent, os.W_OK):
@@ -414,7 +479,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rounds = stage_rounds(args, work)
         reps = [run_repetition(args, work, rounds, rep) for rep in range(args.repeats)]
-    except ValueError as exc:  # a reused workdir that measured something else, a shape refused
+    except StageError as exc:  # a stage's own message names the file or command
+        print(f"validate_simulate: error: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # a reused workdir that measured another load, a shape refused
         print(f"validate_simulate: error: {exc}", file=sys.stderr)
         return 2
     rows = compare(reps, args.streams, args.arms)

@@ -18,15 +18,22 @@ def read_text(path: str | Path, limit: int) -> str:
 
     Raises ValueError whose message is the reason alone (the caller names the file and its
     use): "is a directory", "is not a regular file", "N bytes exceeds the L byte limit"
-    (checked by stat and again by the read, as the file may grow between them), or "not
+    (checked by fstat of the opened file and again by the read, as the file may grow between them), or "not
     UTF-8 text (reason at byte N)". Raises OSError when it is missing or unreadable."""
-    info = os.stat(path)
-    if not stat.S_ISREG(info.st_mode):
-        raise ValueError("is a directory" if stat.S_ISDIR(info.st_mode) else "is not a regular file")
-    if info.st_size > limit:
-        raise ValueError(f"{info.st_size} bytes exceeds the {limit} byte limit")
-    with open(path, "rb") as f:
-        data = f.read(limit + 1)
+    # Opened first and checked by fstat, so what is checked is what is read: a path checked by
+    # stat and then swapped for a FIFO would block the open. O_NONBLOCK opens a FIFO at once
+    # (to be refused), and changes nothing in a regular file's reads.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("is a directory" if stat.S_ISDIR(info.st_mode) else "is not a regular file")
+        if info.st_size > limit:
+            raise ValueError(f"{info.st_size} bytes exceeds the {limit} byte limit")
+        with open(fd, "rb", closefd=False) as f:  # a regular file now: FileIO takes it
+            data = f.read(limit + 1)
+    finally:
+        os.close(fd)
     if len(data) > limit:
         raise ValueError(f"more than the {limit} byte limit")
     try:

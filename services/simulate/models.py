@@ -183,11 +183,16 @@ def _event_loops(obj: object, name: str) -> dict[str, CallCost]:
     """{"verifier" | "drafter": CallCost} from a shape's "event_loop" object. Raises ValueError
     naming the field on an unknown service or key, or a bad value."""
     if not isinstance(obj, dict) or set(obj) - {"verifier", "drafter"}:
-        raise ValueError(f"{name}: event_loop must be an object with 'verifier' and/or 'drafter'")
+        got = f"unknown key(s) {sorted(set(obj) - {'verifier', 'drafter'})}" if isinstance(obj, dict) else repr(obj)
+        raise ValueError(f"{name}: event_loop: {got}: must be an object with 'verifier' and/or 'drafter' (the "
+                         f"gateway's turn is gateway_ms)")
     out = {}
     for service, cost in obj.items():
         if not isinstance(cost, dict) or set(cost) - {"call_ms", "row_ms"}:
-            raise ValueError(f"{name}: event_loop.{service} must be an object with 'call_ms' and/or 'row_ms'")
+            got = f"unknown key(s) {sorted(set(cost) - {'call_ms', 'row_ms'})}" if isinstance(cost, dict) \
+                else repr(cost)
+            raise ValueError(f"{name}: event_loop.{service}: {got}: must be an object with 'call_ms' and/or "
+                             f"'row_ms'")
         try:
             out[service] = CallCost(cost.get("call_ms", 0.0), cost.get("row_ms", 0.0))
         except ValueError as exc:
