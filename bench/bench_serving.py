@@ -130,16 +130,19 @@ async def verifier_steps(stub) -> tuple[int, float, float]:
     return info.steps, info.batch_size_mean * info.steps, info.step_ms_mean * info.steps
 
 
+def _stat_ticks(path: str) -> tuple[str, int]:
+    """(name, utime + stime clock ticks) of a /proc stat file (a process's or a thread's)."""
+    with open(path, encoding="ascii", errors="replace") as f:
+        comm, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+    fields = rest.split()
+    return comm, int(fields[11]) + int(fields[12])  # utime, stime (stat fields 14, 15)
+
+
 def cpu_s(pids: dict[str, int]) -> dict[str, float]:
     """CPU seconds (user + system) each service process has used so far, from
     /proc/<pid>/stat (Linux). Raises OSError when a process is gone."""
     tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for name, pid in pids.items():
-        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (stat fields 14, 15)
-    return out
+    return {name: _stat_ticks(f"/proc/{pid}/stat")[1] / tick for name, pid in pids.items()}
 
 
 def off_step_cpu_s(pids: dict[str, int]) -> dict[str, float]:
@@ -157,13 +160,11 @@ def off_step_cpu_s(pids: dict[str, int]) -> dict[str, float]:
         steps = 0
         for tid in os.listdir(f"/proc/{pid}/task"):
             try:
-                with open(f"/proc/{pid}/task/{tid}/stat", encoding="ascii", errors="replace") as f:
-                    comm, rest = f.read().split(" (", 1)[1].rsplit(")", 1)
+                comm, ticks = _stat_ticks(f"/proc/{pid}/task/{tid}/stat")
             except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):  # ended while read
                 continue
             if comm.endswith("-steps"):
-                fields = rest.split()
-                steps += int(fields[11]) + int(fields[12])
+                steps += ticks
         steps_s[name] = steps / tick
     # the total read after the step threads: what they ran in between counts here as off-step
     # (a tick at most), never the other way, which could make a quiet cell's figure negative

@@ -129,6 +129,14 @@ def _run(cmd: list[str], nice: int, out: Path | None = None) -> None:
         raise StageError(f"stage failed with status {rc}: {' '.join(full)}")
 
 
+def _bench_serving(args, arms: list[str], streams: list[int], per_stream: int, *extra: str) -> None:
+    """One repetition of bench_serving's fast cells (no warm-up) on this run's checkpoint,
+    lengths and ports, at this run's niceness; `extra`: its output flags."""
+    _run(["bench.bench_serving", "--numerics", "fast", "--arms", *arms, "--streams", *map(str, streams),
+          "--repeats", "1", "--warmup", "0", "--per-stream", str(per_stream), "--max-tokens", str(args.max_tokens),
+          "--port-base", str(args.port_base), "--checkpoint", args.checkpoint, *extra], args.nice)
+
+
 def prompt_tokens(checkpoint: str) -> dict[str, int]:
     """Each of bench_serving's prompts' token length under the checkpoint's tokenizer, by
     workload (the simulator's per-workload `--prompt`)."""
@@ -143,9 +151,7 @@ def stage_rounds(args, work: Path) -> Path:
     if kept.exists():
         return kept
     raw = work / "rounds-raw.json"
-    _run(["bench.bench_serving", "--numerics", "fast", "--arms", "k5", "--streams", "1", "--per-stream", "4",
-          "--repeats", "1", "--warmup", "0", "--max-tokens", str(args.max_tokens), "--port-base", str(args.port_base),
-          "--checkpoint", args.checkpoint, "--record-rounds", str(raw)], args.nice)
+    _bench_serving(args, ["k5"], [1], 4, "--record-rounds", str(raw))
     log = load_rounds(raw)
     save_rounds(RoundLog(tuple(r for r in log.rounds if r.workload != "warmup"),
                          {**log.metadata, "source": "bench.validate_simulate: bench_serving k5, 1 stream"}), kept)
@@ -160,11 +166,8 @@ def stage_bench(args, rep_dir: Path, rep: int) -> dict:
         _check_reused(out, {"streams": sorted(set(args.streams)), "arms": sorted(args.arms),
                             "max_tokens": args.max_tokens, "per_stream": args.per_stream})
     else:
-        _run(["bench.bench_serving", "--numerics", "fast", "--arms", *args.arms, "--rotate", str(rep),
-              "--streams", *map(str, args.streams), "--repeats", "1", "--fresh-gateway", "--warmup", "0",
-              "--per-stream", str(args.per_stream), "--max-tokens",
-              str(args.max_tokens), "--port-base", str(args.port_base), "--checkpoint", args.checkpoint,
-              "--json", str(out)], args.nice)
+        _bench_serving(args, args.arms, args.streams, args.per_stream, "--rotate", str(rep), "--fresh-gateway",
+                       "--json", str(out))
     real = _load_json(out, "bench_serving --json output", "medians", "fast")
     for s in args.streams:
         for a in args.arms:
@@ -237,10 +240,7 @@ def stage_calibrate_cell(args, rep_dir: Path) -> Path:
         _check_reused(out, {"streams": [args.calibrate_streams], "max_tokens": args.max_tokens,
                             "per_stream": args.per_stream})
     else:
-        _run(["bench.bench_serving", "--numerics", "fast", "--arms", "plain", "k5", "--streams",
-              str(args.calibrate_streams), "--repeats", "1", "--warmup", "0", "--per-stream", str(args.per_stream),
-              "--max-tokens", str(args.max_tokens), "--port-base", str(args.port_base), "--checkpoint",
-              args.checkpoint, "--json", str(out)], args.nice)
+        _bench_serving(args, ["plain", "k5"], [args.calibrate_streams], args.per_stream, "--json", str(out))
     return out
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -145,8 +146,9 @@ class Gateway:
                          for _ in range(config.drafters)]
         gateway_ms, loops = model.gateway_ms, (model.verifier_loop, model.drafter_loop)
         self.gateway_turns = _Turns(own(), (lambda _: gateway_ms) if gateway_ms > 0 else None)
-        self.verifier_turns = _Turns(own(), loops[0].ms if loops[0] else None)
-        self.drafter_turns = [_Turns(own(), loops[1].ms if loops[1] else None) for _ in self.drafters]
+        # each backend's event loop, by its step loop's id (`call` looks its reply's turn up)
+        self.service_turns = {id(self.verifier): _Turns(own(), loops[0].ms if loops[0] else None)}
+        self.service_turns.update({id(d): _Turns(own(), loops[1].ms if loops[1] else None) for d in self.drafters})
         self.placed = 0  # generations placed on drafters so far (round robin)
         self.sessions: SessionTable = SessionTable(config.max_sessions)
         self.admission: list = []  # generations waiting for a verifier session, first come first served
@@ -241,7 +243,7 @@ class Gateway:
         (`gateway_ms`): the verifier's replies and the drafter's alike."""
         half = self.model.rpc_ms / 2
         reply = request.reply
-        service = self.verifier_turns if loop is self.verifier else self.drafter_turns[self.drafters.index(loop)]
+        service = self.service_turns[id(loop)]
         rows = request.left if request.op == "prefill" else None  # a prefill's reply carries its prompt's rows
 
         def back(at_ms: float, rows_done: int) -> None:  # rpc_ms / 2 to the gateway, then its turn
@@ -271,7 +273,7 @@ class _Turns:
 
     def __init__(self, pool: Pool, cost: Callable[[int], float] | None):
         self.pool, self.cost = pool, cost
-        self.queue: list[tuple[Callable, int, int]] = []
+        self.queue: deque[tuple[Callable, int, int]] = deque()
         self.busy = False
 
     def take(self, then: Callable[[int], None], value: int, rows: int) -> None:
@@ -285,7 +287,7 @@ class _Turns:
             self.busy = False
             return
         self.busy = True
-        then, value, rows = self.queue.pop(0)
+        then, value, rows = self.queue.popleft()
 
         def done() -> None:
             self._next()
