@@ -218,9 +218,14 @@ def set_session_nice(pid: int, nice: int) -> bool:
     keeps the process niceness `nice -n` gave its parent, which then decides nothing against
     other sessions' work: a benchmark run at `nice -n -20` still got half a core less beside
     two other sessions' jobs at `nice -n 19` (docs/simulate.md §5.2). The session's niceness
-    is what orders sessions. Returns False (and changes nothing) where the kernel has no
-    autogroups or refuses (a negative niceness needs root); True when set."""
+    is what orders sessions. Returns False (and changes nothing) where the process is in no
+    autogroup (the kernel has none, they are disabled, or it runs in a cgroup of its own, as
+    in most containers: the file then reads empty and its niceness would decide nothing) or
+    the kernel refuses (a negative niceness needs root); True when set."""
     try:
+        with open(f"/proc/{pid}/autogroup", encoding="ascii") as f:
+            if not f.read().strip():
+                return False
         with open(f"/proc/{pid}/autogroup", "w") as f:
             f.write(str(nice))
         return True
