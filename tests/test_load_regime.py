@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 
 import pytest
 
@@ -13,7 +14,7 @@ from dspark_proto.v1 import gateway_pb2
 from services.common.budget import StepTimes
 from services.gateway.decision import CostModel
 from services.gateway.gate import GateConfig
-from services.gateway.load_regime import PRIOR_BLOCKS, SURVIVAL_DECAY, ModelRegime
+from services.gateway.load_regime import PRIOR_BLOCKS, REVISIT, SURVIVAL_DECAY, ModelRegime
 from services_fixtures import collect, gen_request, service_loop, start_stack
 
 # A step of 1 row takes 10 ms, 8 rows 12 ms, 16 rows 20 ms, 48 rows 60 ms (linear between).
@@ -72,6 +73,74 @@ def test_waking_is_priced_by_the_tokens_left():
     assert r.may_draft(2, held_rows=500, tokens_left=1000)
     assert not r.may_draft(2, held_rows=500, tokens_left=5)
     assert r.may_draft(2, held_rows=0, tokens_left=5)
+
+
+def test_a_plain_regime_revisits_drafting():
+    """Plain decode verifies no block, so nothing the regime measures would ever bring it back
+    to drafting once a poor stretch pulled the pooled survival under break-even (the whole
+    gateway then stayed plain at that load for good). Each round the model keeps plain ages the
+    survival towards the prior by REVISIT / in-flight: at 4 in flight a survival of 0 comes
+    back to drafting after a computable number of plain rounds, and no sooner."""
+    r = regime()
+    r.survival, r.weight = [0.0] * 5, 50.0
+    assert not r.goodput(4).drafts
+    r.observe_plain(4)
+    assert r.survival == pytest.approx([REVISIT / 4] * 5)
+    # draft(4) = 4 (1 + 5 s) / (step(24) + 1 + 4) against plain(4) = 4 / (step(4) + 1)
+    s_even = ((TABLE.ms_at(24) + 5) / (TABLE.ms_at(4) + 1) - 1) / 5
+    rounds = math.ceil(math.log(1 - s_even) / math.log(1 - REVISIT / 4))
+    r.survival = [0.0] * 5
+    for _ in range(rounds - 1):
+        r.observe_plain(4)
+    assert not r.goodput(4).drafts
+    r.observe_plain(4)
+    assert r.goodput(4).drafts and r.weight == 50.0  # the evidence's weight is untouched
+
+
+def test_the_simulated_gateway_comes_back_to_drafting_after_a_poor_stretch(monkeypatch):
+    """Bundled prose rounds on the `cpu` shape, 2 streams of 4 generations each: k5 is about
+    1.8x plain, but a stretch of rejected blocks pulls the pooled survival under break-even.
+    Revisiting, gated reaches 0.91x k5; without it (REVISIT = 0, the broken variant) the
+    gateway stays plain for good, about 0.58x k5."""
+    from services.gateway import load_regime
+    from services.gateway.rounds import load_rounds
+    from services.simulate.engine import RunConfig
+    from services.simulate.models import load_model
+    from services.simulate.run import Load, arm_registry, parse_lengths, simulate_grid, workloads
+
+    groups = workloads([load_rounds("tests/data/bundled_rounds.json")], "prose")
+    arms = arm_registry(5)
+
+    def cell(names):
+        out = simulate_grid(load_model("cpu"), RunConfig(alignment="gather"), [arms[a] for a in names],
+                            [Load(streams=2, per_stream=4)], groups, parse_lengths("64", "p"),
+                            parse_lengths("256", "o"), 0)
+        return out["cells"]["2"]
+    served = cell(("k5", "gated"))
+    assert served["gated"]["aggregate_tok_s"] >= 0.85 * served["k5"]["aggregate_tok_s"]
+    monkeypatch.setattr(load_regime, "REVISIT", 0.0)
+    stuck = cell(("gated",))["gated"]
+    assert stuck["aggregate_tok_s"] < 0.7 * served["k5"]["aggregate_tok_s"] and stuck["plain_round_share"] > 0.8
+
+
+def test_only_rounds_the_model_keeps_plain_age_the_survival():
+    """A round kept plain by the wake price (the model says draft) or decided by the gate
+    alone ages nothing; a round the model keeps plain does."""
+    from services.gateway.gate import Gate
+    from services.gateway.round_policy import RoundPolicy
+
+    r = regime()
+    r.survival = [0.0] * 5
+    policy = RoundPolicy("gated", Gate(GateConfig(enabled=True)), r, None, 4096, 100)
+    assert not policy.regime_drafts(16, pos=10, emitted=3)
+    policy.observe(None, 0, 0, 16, 1, 0.1)
+    assert r.survival == pytest.approx([REVISIT / 16] * 5)
+    r.survival = [1.0] * 5
+    assert not policy.regime_drafts(2, pos=10_000, emitted=99)  # draft wins; waking 10,000 rows does not
+    policy.observe(None, 0, 0, 2, 1, 0.1)
+    assert policy.regime_drafts(1)  # alone: the gate decides
+    policy.observe(None, 0, 0, 1, 1, 0.1)
+    assert r.survival == [1.0] * 5
 
 
 def test_bad_input_is_named():

@@ -28,6 +28,13 @@ assume every generation meets in one verifier step, as plain decode's do; a draf
 extra legs are added, not overlapped with other generations' steps, which errs towards plain
 decode where the two are close.
 
+Revisiting: plain decode verifies no block, so the pooled survival would never move again once
+a poor stretch of drafts pulled it under break-even, and the whole gateway would stay plain at
+that load for good (on the bundled prose rounds at 2 streams of 4 generations, 0.58x k5). Each
+round the model keeps plain moves every s_j REVISIT / N of the way back to the prior (about
+REVISIT a verifier step): the gateway drafts again after a while, and the blocks it then
+verifies keep it drafting or send it back to plain within a few steps.
+
 Waking costs: a generation that ran plain holds its rows back from the drafter (the link
 sleeps), and its first draft re-primes them. It wakes only when the time it would save over
 the tokens it has left, left * N * (1 / plain - 1 / draft), exceeds commit_ms per held row:
@@ -59,6 +66,9 @@ PRIOR_BLOCKS = 4.0
 SURVIVAL_DECAY = 0.98
 # Weight of a bucket's earlier drafter legs against a new one.
 LEG_DECAY = 0.9
+# The share of the way back to the prior the pooled survival goes per verifier step the
+# regime keeps plain (each of the N generations' plain rounds takes 1/N of it).
+REVISIT = 0.001
 # The largest count (generations, rows, tokens) the model takes: exact as a float, and far
 # beyond any real gateway's; a larger one is a caller's bug, refused rather than overflowing.
 MAX_COUNT = 2**53
@@ -179,6 +189,13 @@ class ModelRegime:
             b = _bucket(in_flight)
             old = self.legs.get(b)
             self.legs[b] = leg_ms if old is None else LEG_DECAY * old + (1.0 - LEG_DECAY) * leg_ms
+
+    def observe_plain(self, in_flight: int) -> None:
+        """A round the regime kept plain with `in_flight` generations in flight: the pooled
+        survival ages towards the prior, REVISIT / in_flight of the way (module docstring).
+        Raises ValueError on a bad in_flight (class docstring)."""
+        share = REVISIT / max(_count("in_flight", in_flight, 0), 1)
+        self.survival = [s + share * (1.0 - s) for s in self.survival]
 
     def _leg(self, n: int, cost: CostModel) -> float:
         for b in range(_bucket(n), -1, -1):

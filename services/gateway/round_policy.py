@@ -9,7 +9,8 @@ the cap of a round by the token budget and max_seq_len, the gate's length choice
 censored observation.
 Where the regime decides lengths (more than one generation in flight, docs/gate.md §14) a
 drafting round submits its cap without asking the gate, and the regime learns each drafted
-block's outcome (which drafts survived) and drafter legs.
+block's outcome (which drafts survived) and drafter legs, and ages its estimate on each round
+its model kept plain (`ModelRegime.observe_plain`).
 It never talks to a backend, never reads a clock and never records a round (the caller folds
 its `RoundRecord`).
 
@@ -102,6 +103,7 @@ class RoundPolicy:
         self.in_flight = 1  # generations in flight at the last regime decision
         self.drafted_pos = 0  # anchor position of the last drafted round (rows the drafter holds)
         self.drafted_last = False  # the last round drafted
+        self.regime_plain = False  # the regime kept the last round asked plain
         self.goodput: Goodput | None = None  # what the model regime weighed for this round
 
     def regime_drafts(self, in_flight: int, pos: int = 0, emitted: int = 0, primed: bool = False) -> bool:
@@ -116,7 +118,10 @@ class RoundPolicy:
         if self.regime is None:
             return True
         held = 0 if primed else max(pos - self.drafted_pos, 0)
-        return self.regime.may_draft(self.in_flight, held, self.max_tokens - emitted)
+        drafts = self.regime.may_draft(self.in_flight, held, self.max_tokens - emitted)
+        # plain by the model, not by the wake price: what ages the pooled survival
+        self.regime_plain = self.goodput is not None and not self.goodput.drafts
+        return drafts
 
     def regime_inputs(self) -> tuple[int, float, float] | None:
         """What the model regime weighed for the round just decided, (generations in flight,
@@ -190,7 +195,8 @@ class RoundPolicy:
                 step_rows: int, own_rows: int, tokens_per_ms: float, leg_ms: float | None = None) -> None:
         """A verify (k > 0) or decode reply: the model regime learns a drafted round's outcome
         (which of its k verified drafts survived) and its drafter legs (`leg_ms`: the draft
-        call and the commit before it, ms; None when unmeasured);
+        call and the commit before it, ms; None when unmeasured), or that its model kept the
+        round plain;
         the gate learns the censored outcome of the submitted drafts; the load seen (what the
         step budget's price check reads) learns the step's rows (`step_rows` tokens forwarded, `own_rows` of them this generation's; 0 =
         no step) and the verifier's committed tokens per ms."""
@@ -199,6 +205,8 @@ class RoundPolicy:
             # not what drafting every round costs
             steady = leg_ms if self.drafted_last else None
             self.regime.observe(self.in_flight, tuple(float(j < accepted) for j in range(k)), steady)
+        elif self.regime is not None and self.regime_plain:
+            self.regime.observe_plain(self.in_flight)
         self.drafted_last = bool(confidences)
         if k > 0 and confidences is not None:
             self.gate.observe(confidences, k, accepted)
