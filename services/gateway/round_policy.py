@@ -103,7 +103,6 @@ class RoundPolicy:
         self.in_flight = 1  # generations in flight at the last regime decision
         self.drafted_pos = 0  # anchor position of the last drafted round (rows the drafter holds)
         self.drafted_last = False  # the last round drafted
-        self.regime_plain = False  # the regime kept the last round asked plain
         self.goodput: Goodput | None = None  # what the model regime weighed for this round
 
     def regime_drafts(self, in_flight: int, pos: int = 0, emitted: int = 0, primed: bool = False) -> bool:
@@ -118,10 +117,7 @@ class RoundPolicy:
         if self.regime is None:
             return True
         held = 0 if primed else max(pos - self.drafted_pos, 0)
-        drafts = self.regime.may_draft(self.in_flight, held, self.max_tokens - emitted)
-        # plain by the model, not by the wake price: what ages the pooled survival
-        self.regime_plain = self.goodput is not None and not self.goodput.drafts
-        return drafts
+        return self.regime.may_draft(self.in_flight, held, self.max_tokens - emitted)
 
     def regime_inputs(self) -> tuple[int, float, float] | None:
         """What the model regime weighed for the round just decided, (generations in flight,
@@ -205,7 +201,7 @@ class RoundPolicy:
             # not what drafting every round costs
             steady = leg_ms if self.drafted_last else None
             self.regime.observe(self.in_flight, tuple(float(j < accepted) for j in range(k)), steady)
-        elif self.regime is not None and self.regime_plain:
+        elif self.goodput is not None and not self.goodput.drafts:  # plain by the model, not the wake price
             self.regime.observe_plain(self.in_flight)
         self.drafted_last = bool(confidences)
         if k > 0 and confidences is not None:
