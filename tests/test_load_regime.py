@@ -154,6 +154,10 @@ def test_bad_input_is_named():
     with pytest.raises(ValueError, match="leg_ms=nan"):
         r.observe(2, (1.0,) * 5, float("nan"))
     assert r.blocks == 0  # a refused observation changed nothing it checks first
+    for bad in (-1, 1.5, float("nan"), True):
+        with pytest.raises(ValueError, match="in_flight="):
+            r.observe_plain(bad)
+    assert r.survival == [1.0] * 5
 
 
 def test_stats_view():
