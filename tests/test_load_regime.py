@@ -124,22 +124,25 @@ def test_the_simulated_gateway_comes_back_to_drafting_after_a_poor_stretch(monke
 
 
 def test_only_rounds_the_model_keeps_plain_age_the_survival():
-    """A round kept plain by the wake price (the model says draft) or decided by the gate
-    alone ages nothing; a round the model keeps plain does."""
-    from services.gateway.gate import Gate
+    """A round kept plain by the wake price (the model says draft), decided by the gate alone,
+    or ended before the regime was asked (no room: a stale decision) ages nothing; a round the
+    model keeps plain does."""
+    from services.gateway.gate import Gate, Reason
     from services.gateway.round_policy import RoundPolicy
 
     r = regime()
     r.survival = [0.0] * 5
     policy = RoundPolicy("gated", Gate(GateConfig(enabled=True)), r, None, 4096, 100)
     assert not policy.regime_drafts(16, pos=10, emitted=3)
-    policy.observe(None, 0, 0, 16, 1, 0.1)
+    policy.observe(None, 0, 0, 16, 1, 0.1, reason=Reason.REGIME)
+    assert r.survival == pytest.approx([REVISIT / 16] * 5)
+    policy.observe(None, 0, 0, 16, 1, 0.1, reason=Reason.NO_ROOM)  # the next round never asked the regime
     assert r.survival == pytest.approx([REVISIT / 16] * 5)
     r.survival = [1.0] * 5
     assert not policy.regime_drafts(2, pos=10_000, emitted=99)  # draft wins; waking 10,000 rows does not
-    policy.observe(None, 0, 0, 2, 1, 0.1)
+    policy.observe(None, 0, 0, 2, 1, 0.1, reason=Reason.REGIME)
     assert policy.regime_drafts(1)  # alone: the gate decides
-    policy.observe(None, 0, 0, 1, 1, 0.1)
+    policy.observe(None, 0, 0, 1, 1, 0.1, reason=Reason.ANCHOR_MARGIN)
     assert r.survival == [1.0] * 5
 
 

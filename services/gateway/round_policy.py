@@ -23,7 +23,7 @@ A round, as both callers run it:
     reason, k = policy.choose(confidences, drafted, pos, emitted)
     survival = policy.survival(confidences, k)  # None unless the verifier's step budget runs
     ... verify k drafts (with survival) or decode; the verifier judged `admitted` <= k ...
-    policy.observe(confidences, admitted, accepted, step_rows, own_rows, tokens_per_ms, leg_ms)
+    policy.observe(confidences, admitted, accepted, step_rows, own_rows, tokens_per_ms, leg_ms, reason)
 
 With the step budget (`budget`, services.common.budget): "trim" sends the gate's chosen k with
 the survival of each draft, so the verifier's step may cut the block further; "full" submits
@@ -188,11 +188,13 @@ class RoundPolicy:
         return estimates
 
     def observe(self, confidences: Sequence[float] | None, k: int, accepted: int,
-                step_rows: int, own_rows: int, tokens_per_ms: float, leg_ms: float | None = None) -> None:
+                step_rows: int, own_rows: int, tokens_per_ms: float, leg_ms: float | None = None,
+                reason: Reason | None = None) -> None:
         """A verify (k > 0) or decode reply: the model regime learns a drafted round's outcome
         (which of its k verified drafts survived) and its drafter legs (`leg_ms`: the draft
         call and the commit before it, ms; None when unmeasured), or that its model kept the
-        round plain;
+        round plain (`reason` REGIME, the round's own decision, and its rates chose plain, not
+        the wake price);
         the gate learns the censored outcome of the submitted drafts; the load seen (what the
         step budget's price check reads) learns the step's rows (`step_rows` tokens forwarded, `own_rows` of them this generation's; 0 =
         no step) and the verifier's committed tokens per ms."""
@@ -201,7 +203,7 @@ class RoundPolicy:
             # not what drafting every round costs
             steady = leg_ms if self.drafted_last else None
             self.regime.observe(self.in_flight, tuple(float(j < accepted) for j in range(k)), steady)
-        elif self.goodput is not None and not self.goodput.drafts:  # plain by the model, not the wake price
+        elif reason is Reason.REGIME and self.goodput is not None and not self.goodput.drafts:
             self.regime.observe_plain(self.in_flight)
         self.drafted_last = bool(confidences)
         if k > 0 and confidences is not None:

@@ -431,7 +431,7 @@ class _Generation:
             if alone and plan.draft_ms is not None:
                 s.costs.add_draft(plan.draft_ms)
             self.policy.observe(plan.conf, k, res.accepted, res.step_rows, own_rows, res.committed_tokens_per_ms,
-                                plan.leg_ms)
+                                plan.leg_ms, plan.reason)
             a, drafter, t0 = res.accepted, self.link.session, time.perf_counter()
             # the gate or the regime kept this round from drafting: its rows wait for the next draft
             defer = plan.reason in (*PRE_DRAFT_SKIPS, Reason.REGIME)

@@ -415,7 +415,7 @@ class _Generation:
         gw = self.gw
         leg, self.leg_ms = self.leg_ms, None
         self.policy.observe(conf, k, accepted, rows, k + 1 if k else 1, gw.rate.tokens_per_ms(),
-                            leg if conf is not None else None)
+                            leg if conf is not None else None, reason)
         self.pos += accepted + 1
         self.text_pos += accepted + 1
         self.uncommitted += accepted + 1
