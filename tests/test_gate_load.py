@@ -109,6 +109,23 @@ def test_profile_times_every_target_over_dummy_sessions_and_closes_them():
     assert identity.committed_tokens == 0  # profile steps are not served tokens
 
 
+def test_the_default_profile_times_a_full_block_step_of_16_generations():
+    # the regime prices step(N * (block + 1)) at N generations in flight; a table that ends
+    # at a few sessions' rows prices every larger step by extrapolation
+    engine = verifier_engine(tiny_trunk(), BackendSettings(max_sessions=32))
+    load = LoadTracker()
+    loop = StepLoop(engine)
+    try:
+        profile_steps(loop, load, StepProfileSettings(repeats=1))
+    finally:
+        loop.close()
+    per = min(engine.cfg.dspark_block_size + 1, 8)
+    snap = load.table.snapshot()
+    assert snap.rows[-1] == 16 * per
+    assert set(snap.rows) == set(row_targets(16, per))
+    assert engine.num_sessions == 0
+
+
 def test_profile_sessions_are_forgotten_so_no_step_waits_for_them():
     # rate / lockstep / pingpong await every answered session not yet back: a dummy session
     # the profile closed but the schedule still held stalled every served step by the 1 s cap

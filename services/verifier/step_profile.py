@@ -34,13 +34,17 @@ log = logging.getLogger("dspark.verifier.profile")
 class StepProfileSettings:
     """How the start-up step profile runs.
 
-    sessions: dummy sessions (>= 1; fewer when the engine has fewer free). repeats: timed
+    sessions: dummy sessions (>= 1; fewer when the engine has fewer free). The default 16
+    times a full-block step of 16 generations (96 rows at block 5), the steps the regime prices
+    at that load (docs/gate.md §14): beyond its last point the table extends by the last
+    segment's slope, which from 4 sessions (24 rows) was flat on a CPU and priced 96 rows at
+    the 24-row step. repeats: timed
     steps per row count (>= 1). prompt_tokens: each dummy prompt's length (tokens, >= 1).
     budget_s: wall-time limit of the whole profile (s, > 0); a profile cut short keeps what
     it timed. Raises ValueError naming the field and value when one is out of range.
     """
 
-    sessions: int = 4
+    sessions: int = 16
     repeats: int = 3
     prompt_tokens: int = 8
     budget_s: float = 30.0
