@@ -35,10 +35,9 @@ class StepProfileSettings:
     """How the start-up step profile runs.
 
     sessions: dummy sessions (>= 1; fewer when the engine has fewer free). The default 16
-    times a full-block step of 16 generations (96 rows at block 5), the steps the regime prices
-    at that load (docs/gate.md §14): beyond its last point the table extends by the last
-    segment's slope, which from 4 sessions (24 rows) was flat on a CPU and priced 96 rows at
-    the 24-row step. repeats: timed
+    times a full-block step of 16 generations (96 rows at block 5), a step the regime prices
+    (docs/gate.md §14) but live steps rarely reach: beyond its last point the table only
+    extends by its last segment's slope, which noise can leave flat. repeats: timed
     steps per row count (>= 1). prompt_tokens: each dummy prompt's length (tokens, >= 1).
     budget_s: wall-time limit of the whole profile (s, > 0); a profile cut short keeps what
     it timed. Raises ValueError naming the field and value when one is out of range.
